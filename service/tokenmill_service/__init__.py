@@ -1,0 +1,1 @@
+"""tokenmill server: the router, worker processes and the inference engine."""

@@ -1,0 +1,1 @@
+"""Compute backends: the torch reference ops and (later) triton kernels with the same signatures."""

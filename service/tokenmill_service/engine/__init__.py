@@ -1,0 +1,1 @@
+"""The inference engine: requests, scheduler, paged KV cache, model runner, sampler."""
