@@ -80,6 +80,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     prompt_len: int = 0
     completion_len: int = 0
+    # Seconds between arrival at the engine and first scheduling (first output only).
+    queue_s: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,123 @@
+"""The server's settings in one typed place: every flag is also a TOKENMILL_* environment variable.
+
+Precedence: command-line flag, then environment variable, then the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2}
+_UNITS |= {"mi": 1024**2, "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3}
+_UNITS |= {"t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648; '0' or '' -> 0 (pick automatically)."""
+    if not text.strip():
+        return 0
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(slots=True)
+class Settings:
+    model: str = field(default="", metadata={"help": "GGUF file or Hugging Face directory (default: embedded SmolLM2)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0 in containers)"})
+    port: int = field(default=50051, metadata={"help": "gRPC port"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda", "choices": ["cpu", "cuda"]})
+    workers: int = field(default=0, metadata={"help": "worker processes, one per device (0: 1 on CPU, one per GPU)"})
+    tensor_parallel: int = field(default=1, metadata={"help": "devices per model replica"})
+    backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
+    dtype: str = field(default="float32", metadata={"help": "weights and activations", "choices": ["float32", "bfloat16"]})
+    max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
+    max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
+    max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})
+    max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask"})
+    max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs a request may ask"})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings in one request"})
+    kv_cache_memory: str = field(default="", metadata={"help": "KV cache pool per worker, e.g. 2GiB (default: auto)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    log_format: str = field(default="", metadata={"help": "json or console (default: console on a terminal)"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
+    auth_token: str = field(default="", metadata={"help": "if set, calls must send 'authorization: Bearer TOKEN'"})
+    master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
+
+    def validate(self) -> None:
+        if self.backend == "triton":
+            raise ValueError("--backend triton is not available yet: its kernels land in a later release; use torch")
+        if self.tensor_parallel != 1:
+            raise ValueError("--tensor-parallel above 1 is not supported yet: run one replica per device instead")
+        if self.log_format not in ("", "json", "console"):
+            raise ValueError("--log-format must be json or console")
+        for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.workers < 0 or self.drain_seconds < 0 or self.max_top_logprobs < 0:
+            raise ValueError("--workers, --drain-seconds and --max-top-logprobs must not be negative")
+        parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    def resolved_log_format(self) -> str:
+        return self.log_format or ("console" if sys.stderr.isatty() else "json")
+
+    def resolved_workers(self) -> int:
+        if self.workers:
+            return self.workers
+        if self.device == "cuda":
+            import torch
+
+            return max(1, torch.cuda.device_count() // self.tensor_parallel)
+        return 1
+
+
+def env_name(name: str) -> str:
+    return "TOKENMILL_" + name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill-server",
+        description="Serve a Llama-family model over gRPC (tokenmill.v1.Generation).",
+        epilog="Every flag can also be set as an environment variable, e.g. --max-queue as TOKENMILL_MAX_QUEUE.",
+    )
+    for f in fields(Settings):
+        kw: dict[str, Any] = {"help": f"{f.metadata['help']} [env {env_name(f.name)}]", "default": None}
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        value = getattr(args, f.name)
+        if value is None and env_name(f.name) in env:
+            raw = env[env_name(f.name)]
+            try:
+                value = {"int": int, "float": float}.get(str(f.type), str)(raw)
+            except ValueError:
+                raise ValueError(f"{env_name(f.name)}={raw!r} is not a valid {f.type}") from None
+        if value is not None:
+            values[f.name] = value
+    settings = Settings(**values)
+    settings.validate()
+    return settings

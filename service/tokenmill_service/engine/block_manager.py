@@ -1,0 +1,121 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, shared prefixes.
+
+A sequence owns a block table (the ids of its blocks, in order). Blocks come from one pool
+sized at start-up. A full block is identified by the hash of its tokens and of everything
+before it, so two requests with the same prompt prefix share those blocks (prefix caching).
+A freed block keeps its hash until it is handed out again: a later request with the same
+prefix can take it back without recomputing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from tokenmill_service.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, token_ids: Seq[int]) -> int:
+    return hash((prev, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Least recently freed first, so cached prefixes survive as long as possible.
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its table covers `num_tokens` tokens."""
+        want = (num_tokens + self.block_size - 1) // self.block_size
+        return max(0, want - len(seq.block_table))
+
+    def _take_free_block(self) -> int:
+        block_id = self.free_ids.popleft()
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def reuse_cached_prefix(self, seq: Sequence) -> None:
+        """On admission: take the cached blocks of the longest matching full-block prefix.
+
+        At least one token is always left to compute, since its logits give the next token.
+        Sequences that want prompt logprobs take no hits: their logits must be computed.
+        """
+        if not self.enable_prefix_caching or seq.block_table or seq.collecting_prompt_logprobs:
+            return
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        prev: int | None = None
+        for i in range(max_blocks):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            h = chain_hash(prev, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_ids.remove(block_id)
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            prev = h
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq`'s table to cover `num_tokens` tokens; all or nothing."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Give the sequence's newly completed blocks their prefix hashes, for later sharing."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        prev: int | None = None
+        for i in range(full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                block.hash, block.token_ids = chain_hash(prev, tokens), tokens
+                self.hash_to_block.setdefault(block.hash, block.id)
+            prev = block.hash
+
+    def free(self, seq: Sequence) -> None:
+        """Return the sequence's blocks to the pool at once (finished, cancelled or preempted)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids.append(block_id)
+        seq.block_table = []

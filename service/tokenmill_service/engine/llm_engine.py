@@ -1,0 +1,242 @@
+"""The engine API the service drives: add a request, advance one step, cancel a request.
+
+    engine = LLMEngine.from_path(None)              # the embedded default model
+    engine.add_request(GenerationRequest("r1", engine.tokenizer.encode_chat(messages)))
+    while engine.has_unfinished():
+        for out in engine.step():                   # token events of this step, per request
+            ...
+
+One step runs every scheduled sequence through one forward pass; nothing here assumes a
+batch of one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from tokenmill_service.engine.block_manager import BlockManager
+from tokenmill_service.engine.config import EngineConfig
+from tokenmill_service.engine.model_runner import (
+    ModelRunner,
+    StepLogits,
+    default_kv_cache_memory,
+    kv_bytes_per_block,
+)
+from tokenmill_service.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    RequestError,
+    RequestOutput,
+    TokenOutput,
+    TopLogprob,
+)
+from tokenmill_service.engine.sampler import sample
+from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
+from tokenmill_service.engine.sequence import Sequence
+from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        block_size = self.config.block_size
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks <= 0:
+            budget = self.config.kv_cache_memory or default_kv_cache_memory(param.device)
+            num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, param.dtype))
+        model_len = self.config.max_model_len or model.config.max_position_embeddings
+        # A sequence can never hold more tokens than the whole pool.
+        self.max_model_len = min(model_len, model.config.max_position_embeddings, num_blocks * block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, block_size, num_blocks)
+        self.sequences: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_path(
+        cls,
+        model: str | Path | None = None,
+        config: EngineConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> LLMEngine:
+        from tokenmill_service.models.loader import load_model, resolve_model_path
+        from tokenmill_service.tokenizer import load_tokenizer
+
+        path = resolve_model_path(str(model) if model else None)
+        return cls(load_model(path, dtype=dtype, device=device), load_tokenizer(path), config)
+
+    # -- the API ---------------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise RequestError when the engine could never run this request."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: give at least one token")
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens but the context holds {self.max_model_len}: "
+                "shorten the prompt so at least one token can be generated"
+            )
+        max_new = request.stopping.max_new_tokens
+        if max_new and n + max_new > self.max_model_len:
+            raise RequestError(
+                f"prompt tokens + max_new_tokens must be <= {self.max_model_len}; "
+                f"given {n} prompt tokens and max_new_tokens {max_new}"
+            )
+        if request.request_id in self.sequences:
+            raise RequestError(f"request id {request.request_id!r} is already running")
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        seq = Sequence(request, self.tokenizer, self.max_model_len)
+        self.sequences[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is not here (already done)."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.CANCELLED
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_block_size=self.block_manager.block_size,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        for seq in batch.preempted:
+            log.info("sequence_preempted", request_id=seq.request_id, tokens=seq.num_tokens)
+        logits = self.runner.run(batch)
+        outputs: dict[int, RequestOutput] = {}
+        self._collect_prompt_logprobs(batch, logits)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed_blocks(seq)
+        self._sample(batch, logits, outputs)
+        return [outputs[i] for i in sorted(outputs)]
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenOutput:
+        tok = self.tokenizer
+        return TokenOutput(
+            id=token_id,
+            text=tok.token_text(token_id),
+            logprob=logprob,
+            top_logprobs=[TopLogprob(i, tok.token_text(i), lp) for i, lp in top],
+            special=tok.is_special(token_id),
+        )
+
+    def _collect_prompt_logprobs(self, batch: ScheduledBatch, logits: StepLogits) -> None:
+        for i, rows in logits.prompt_logits.items():
+            seq = batch.seqs[i]
+            start = seq.num_computed_tokens
+            if start == 0:
+                seq.prompt_tokens = [self._token(seq.token_ids[0], None, [])]
+            lps = torch.log_softmax(rows, dim=-1)
+            n_top = seq.request.top_logprobs
+            # Row r predicts the token at start + r + 1; stop at the end of the prompt.
+            upto = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
+            if upto <= 0:
+                continue
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + upto], dtype=torch.long)
+            chosen = lps[:upto].gather(1, targets[:, None]).squeeze(1).tolist()
+            tops: list[list[tuple[int, float]]] = [[] for _ in range(upto)]
+            if n_top:
+                vals, idx = lps[:upto].topk(n_top, dim=-1)
+                tops = [list(zip(ix, vs)) for ix, vs in zip(idx.tolist(), vals.tolist())]
+            for r in range(upto):
+                seq.prompt_tokens.append(self._token(int(targets[r]), chosen[r], tops[r]))
+
+    def _sample(self, batch: ScheduledBatch, logits: StepLogits, outputs: dict[int, RequestOutput]) -> None:
+        if not logits.sample_seq_indices:
+            return
+        seqs = [batch.seqs[i] for i in logits.sample_seq_indices]
+        result = sample(
+            logits.sample_logits,
+            [s.request.sampling for s in seqs],
+            [s.generator for s in seqs],
+            [s.token_ids for s in seqs],
+            [s.request.top_logprobs if s.request.logprobs or s.request.top_logprobs else 0 for s in seqs],
+        )
+        for row, (i, seq) in enumerate(zip(logits.sample_seq_indices, seqs)):
+            token_id = result.token_ids[row]
+            seq.token_ids.append(token_id)
+            out = RequestOutput(request_id=seq.request_id, prompt_len=seq.num_prompt_tokens)
+            if seq.collecting_prompt_logprobs:
+                out.prompt_tokens = seq.prompt_tokens
+                seq.prompt_logprobs_sent = True
+            if seq.num_completion_tokens == 1 and seq.first_scheduled_time is not None:
+                out.queue_s = seq.first_scheduled_time - seq.arrival_time
+            wants_lp = seq.request.logprobs or seq.request.top_logprobs > 0
+            out.tokens.append(
+                self._token(
+                    token_id,
+                    result.logprobs[row] if wants_lp else None,
+                    result.top_logprobs[row],
+                )
+            )
+            out.text = seq.detokenizer.add(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                out.text += seq.detokenizer.flush()
+                out.finish_reason = reason
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self.sequences.pop(seq.request_id, None)
+            out.completion_len = seq.num_completion_tokens
+            outputs[i] = out
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if token_id in seq.stop_token_ids:
+            return FinishReason.EOS
+        if seq.detokenizer.stopped:
+            return FinishReason.STOP_SEQUENCE
+        max_new = seq.request.stopping.max_new_tokens
+        if max_new and seq.num_completion_tokens >= max_new:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.CONTEXT_LIMIT
+        return None

@@ -1,0 +1,123 @@
+"""How a step runs: the KV cache pool, the flat batch inputs, one forward pass, the logits needed.
+
+The scheduler decided what runs; this turns it into tensors (token ids, positions, cache
+slots, block tables), runs the model once for the whole batch, and returns the logits of the
+rows that matter: each sequence's last position when it samples a token, and every position
+of a prompt whose logprobs were asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from tokenmill_service.engine.scheduler import ScheduledBatch
+from tokenmill_service.models.attention_metadata import AttentionMetadata
+from tokenmill_service.models.llama import LlamaForCausalLM
+
+log = structlog.get_logger(__name__)
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """A quarter of what is free, capped at 4 GiB on CPU; 90% of free GPU memory after the weights."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available = info.get("MemAvailable", 8 << 30)
+    except OSError:
+        available = 8 << 30
+    return int(min(available // 4, 4 << 30))
+
+
+@dataclass(slots=True)
+class StepLogits:
+    # [num_sampling_rows, vocab]: one row per sequence that samples a token, in batch order.
+    sample_logits: torch.Tensor
+    # Indices (into batch.seqs) of the sequences that sample a token this step.
+    sample_seq_indices: list[int]
+    # Per batch index: logits [n, vocab] of every new position, for prompt logprobs.
+    prompt_logits: dict[int, torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = model.config
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        log.info(
+            "kv_cache_allocated",
+            blocks=num_blocks,
+            block_size=block_size,
+            mib=round(2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, 1),
+        )
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            context_lens.append(start + n)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+
+        def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
+        meta = AttentionMetadata(
+            query_lens=list(batch.num_new_tokens),
+            context_lens=context_lens,
+            slot_mapping=t(slots),
+            block_tables=t(tables),
+            context_lens_tensor=t(context_lens),
+        )
+        return t(ids), t(positions), meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        input_ids, positions, meta = self._prepare(batch)
+        # Bound on every run, so that two engines over one model (tests) never share a cache.
+        for i, attn in enumerate(self.model.attention_layers):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        hidden = self.model(input_ids, positions, meta)
+
+        sample_rows: list[int] = []
+        sample_seq_indices: list[int] = []
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.collecting_prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_rows[i] = (offset, n)
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sample_rows.append(offset + n - 1)
+                sample_seq_indices.append(i)
+            offset += n
+
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+        prompt_logits = {
+            i: self.model.compute_logits(hidden[start : start + n]) for i, (start, n) in prompt_rows.items()
+        }
+        return StepLogits(logits, sample_seq_indices, prompt_logits)

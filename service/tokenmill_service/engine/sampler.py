@@ -1,0 +1,97 @@
+"""Batched sampling with per-request parameters, in one pass over the batch's logits.
+
+Reported logprobs are those of the model's own distribution (log-softmax of the raw logits),
+not of the distribution after temperature, top-k, top-p or the repetition penalty: they
+score the text, whatever way it was drawn.
+
+Each sequence draws one uniform number per token from its own generator and inverts its
+CDF, so a seeded request gets the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill_service.engine.request import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    # Per row: (ids, logprobs) of the `top_n[i]` most likely tokens, best first.
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: Seq[Seq[int]], penalties: Seq[float]) -> torch.Tensor:
+    """Hugging Face's rule: a seen token's positive logit is divided by the penalty, a negative one multiplied."""
+    for row, (ids, penalty) in enumerate(zip(seen, penalties)):
+        if penalty in (0.0, 1.0) or not ids:
+            continue
+        idx = torch.tensor(sorted(set(ids)), dtype=torch.long, device=logits.device)
+        vals = logits[row, idx]
+        logits[row, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside the row's top-k set and outside its top-p nucleus.
+
+    top_k: [B] int, 0 = off. top_p: [B] float, values >= 1 (or <= 0) = off.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    remove = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches p: drop a token when the mass before it already does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = torch.where((top_p > 0) & (top_p < 1), top_p, torch.ones_like(top_p))
+    remove |= (mass_before >= p[:, None]) & (ranks > 0)
+    mask = torch.zeros_like(remove).scatter(-1, sorted_idx, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Seq[SamplingParams],
+    generators: Seq[torch.Generator],
+    seen_tokens: Seq[Seq[int]],
+    top_n: Seq[int],
+) -> SamplerOutput:
+    """logits: float32 [B, vocab], one row per sequence that gets a new token this step."""
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    work = apply_repetition_penalty(logits.clone(), seen_tokens, [p.repetition_penalty for p in params])
+
+    greedy = [p.greedy for p in params]
+    chosen = work.argmax(dim=-1)
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, dtype=torch.long)
+        temps = torch.tensor([params[i].temperature for i in sampled_rows], dtype=torch.float32)
+        top_k = torch.tensor([params[i].top_k for i in sampled_rows], dtype=torch.long)
+        top_p = torch.tensor([params[i].top_p for i in sampled_rows], dtype=torch.float32)
+        scaled = work[rows] / temps[:, None]
+        probs = top_k_top_p_mask(scaled, top_k, top_p).softmax(dim=-1).double()
+        cdf = probs.cumsum(dim=-1)
+        u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in sampled_rows])
+        # Inverse CDF: the first token whose cumulative mass exceeds u (scaled to the row's total).
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+        # Guard against rounding past the last nonzero entry.
+        picks = torch.minimum(picks, (probs > 0).long().cumsum(-1).argmax(-1))
+        chosen[rows] = picks
+
+    token_ids = chosen.tolist()
+    chosen_lp = logprobs_all.gather(1, chosen[:, None]).squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    n_max = max(top_n, default=0)
+    if n_max > 0:
+        vals, idx = logprobs_all.topk(min(n_max, logits.shape[-1]), dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+        for row, n in enumerate(top_n):
+            tops[row] = list(zip(idx_l[row][:n], vals_l[row][:n]))
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen_lp, top_logprobs=tops)

@@ -1,0 +1,106 @@
+"""What runs this step: which sequences, and how many of their tokens.
+
+Every step the running sequences go first (one decode token each, or the next chunk of a
+prompt still being prefilled), then waiting requests are admitted while the batch has room
+in sequences (`max_batch_size`), tokens (`max_batch_tokens`) and KV blocks. When the pool runs
+dry for a running sequence, the newest running sequence is preempted: its blocks are freed
+and it goes back to the front of the queue, to be recomputed later. Nobody fails for it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill_service.engine.block_manager import BlockManager
+from tokenmill_service.engine.config import EngineConfig
+from tokenmill_service.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    # New tokens of each sequence in this step, in the same order.
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; the last is the newest
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_batch_tokens
+
+        # 1. Running sequences, oldest first; make room by preempting the newest.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, in arrival order, while there is room; never after a preemption,
+        #    which means the pool is already too full for what is running.
+        while self.waiting and not batch.preempted and budget > 0:
+            if len(self.running) >= self.config.max_batch_size:
+                break
+            seq = self.waiting[0]
+            self.block_manager.reuse_cached_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and return its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

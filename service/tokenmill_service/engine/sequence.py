@@ -1,0 +1,75 @@
+"""One request's life inside the engine: its tokens, its KV blocks, its sampler state."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+
+import torch
+
+from tokenmill_service.detokenizer import IncrementalDetokenizer
+from tokenmill_service.engine.request import FinishReason, GenerationRequest, TokenOutput
+from tokenmill_service.tokenizer import Tokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.token_ids: list[int] = list(request.prompt_ids)
+        self.num_prompt_tokens = len(request.prompt_ids)
+        # Tokens whose keys and values are in the cache (prefix-cache hits included).
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at the last admission.
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.max_model_len = max_model_len
+        # Every sequence draws from its own generator, so its samples do not depend on the batch.
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.stopping.stop)
+        stop_ids = set(request.stopping.stop_token_ids)
+        if not request.stopping.ignore_eos:
+            stop_ids |= tokenizer.stop_token_ids
+        self.stop_token_ids = frozenset(stop_ids)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        # Prompt logprobs are gathered chunk by chunk during the first prefill only.
+        self.wants_prompt_logprobs = request.prompt_logprobs
+        self.prompt_tokens: list[TokenOutput] = []
+        self.prompt_logprobs_sent = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def collecting_prompt_logprobs(self) -> bool:
+        return self.wants_prompt_logprobs and not self.prompt_logprobs_sent
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; it will prefill prompt and generated tokens again."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING

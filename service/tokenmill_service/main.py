@@ -1,0 +1,120 @@
+"""`tokenmill-server`: the gRPC server, its workers, health, reflection, metrics and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+from tokenmill_service.config import Settings, load_settings
+from tokenmill_service.log_setup import configure_logging
+from tokenmill_service.metrics import Metrics
+from tokenmill_service.router import Router, WorkerStartError
+from tokenmill_service.server import GenerationServicer, engine_totals
+
+log = structlog.get_logger("tokenmill.main")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+async def serve(settings: Settings) -> int:
+    from tokenmill_service.models.loader import ModelNotFoundError, resolve_model_path
+    from tokenmill_service.tokenizer import load_tokenizer
+
+    try:
+        model_path = resolve_model_path(settings.model or None)
+        tokenizer = load_tokenizer(model_path)
+    except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
+        log.error("model_unavailable", error=str(exc))
+        return 1
+
+    metrics = Metrics()
+    router = Router(settings, metrics)
+    metrics.bind_state(lambda: engine_totals(router))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(settings, router, tokenizer, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{settings.host}:{settings.port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot_listen", address=address, error=str(exc))
+        return 1
+
+    async def set_health(status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port, settings.host)
+    log.info(
+        "server_listening",
+        address=address,
+        model=str(model_path),
+        workers=router.num_workers,
+        device=settings.device,
+        metrics_port=settings.metrics_port or None,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    starting = asyncio.ensure_future(router.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    if starting.done() and starting.exception() is None:
+        await set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "server_ready",
+            address=address,
+            try_it=f"tokenmill-client --server {address} generate -p 'What is the capital of France?'",
+            grpcurl=f"grpcurl -plaintext -d '{{\"prompt\": \"Hello\"}}' {address} tokenmill.v1.Generation/Generate",
+        )
+        await stopping
+    elif starting.done():
+        exc = starting.exception()
+        log.error("workers_failed_to_start", error=str(exc) if isinstance(exc, WorkerStartError) else repr(exc))
+        exit_code = 1
+    else:
+        starting.cancel()
+
+    # Drain: refuse new calls, let in-flight ones finish within drain_seconds, then exit.
+    log.info("draining", drain_seconds=settings.drain_seconds, in_flight=router.inflight_count())
+    router.draining = True
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await router.drain(settings.drain_seconds)
+    await server.stop(grace=1.0)
+    await router.stop()
+    log.info("server_stopped", exit_code=exit_code)
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = load_settings(argv)
+    except ValueError as exc:
+        sys.stderr.write(f"tokenmill-server: error: {exc}\n")
+        return 2
+    configure_logging(settings.resolved_log_format(), settings.log_level)
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

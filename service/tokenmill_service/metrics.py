@@ -1,0 +1,60 @@
+"""Prometheus metrics: one documented series for every stage a request goes through.
+
+Each server owns its own registry (so tests can run several servers in one process); the
+gauges read the router's live state when scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Latency buckets from 5 ms to 2 minutes.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenmill_requests", "Generate calls by final gRPC status code", ["code"], registry=r
+        )
+        self.queue_time = Histogram(
+            "tokenmill_queue_seconds", "Time from arrival until the request first runs", buckets=_LATENCY, registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "tokenmill_time_to_first_token_seconds",
+            "Time from arrival until the first generated token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "tokenmill_inter_token_latency_seconds",
+            "Time between consecutive streamed responses of a request, per token",
+            buckets=_ITL,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "tokenmill_request_duration_seconds", "Whole Generate call duration", buckets=_LATENCY, registry=r
+        )
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("tokenmill_generated_tokens", "Tokens generated", registry=r)
+        self.worker_restarts = Counter("tokenmill_worker_restarts", "Worker processes restarted", registry=r)
+        self.queue_size = Gauge("tokenmill_queue_size", "Requests waiting to run, all workers", registry=r)
+        self.running = Gauge("tokenmill_running_batch_size", "Sequences in the running batches", registry=r)
+        self.kv_blocks_used = Gauge("tokenmill_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("tokenmill_kv_blocks_total", "KV cache blocks in the pools", registry=r)
+        self.workers_serving = Gauge("tokenmill_workers_serving", "Workers loaded and serving", registry=r)
+
+    def bind_state(self, read: Callable[[], dict[str, int]]) -> None:
+        """Let the gauges read live engine state (summed over workers) at scrape time."""
+        self.queue_size.set_function(lambda: read()["waiting"])
+        self.running.set_function(lambda: read()["running"])
+        self.kv_blocks_used.set_function(lambda: read()["kv_blocks_used"])
+        self.kv_blocks_total.set_function(lambda: read()["kv_blocks_total"])
+        self.workers_serving.set_function(lambda: read()["serving"])
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

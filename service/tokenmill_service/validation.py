@@ -1,0 +1,138 @@
+"""Turning a GenerateRequest into an engine request, or a precise INVALID_ARGUMENT message.
+
+Every message names the field and the limit, so a caller can fix the request without
+reading the server's code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.tokenizer import Tokenizer
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    context_length: int
+    vocab_size: int
+    max_new_tokens: int
+    max_top_logprobs: int
+    max_stop_strings: int
+
+
+def chat_messages(chat: pb.Messages, tokenizer: Tokenizer) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise InvalidRequest("chat.messages is empty: give at least one message")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        tokenizer.validate_messages(messages)
+    except ValueError as exc:
+        raise InvalidRequest(f"chat.messages: {exc}") from None
+    return messages
+
+
+def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    which = request.WhichOneof("input")
+    if which is None:
+        field_names = "prompt, chat or token_ids" if isinstance(request, pb.GenerateRequest) else "text or chat"
+        raise InvalidRequest(f"input is missing: set one of {field_names}")
+    if which in ("prompt", "text"):
+        text: str = getattr(request, which)
+        if not text:
+            raise InvalidRequest(f"{which} is empty")
+        ids = tokenizer.encode(text)
+        if tokenizer.add_bos and tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id, *ids]
+        return ids
+    if which == "chat":
+        try:
+            return tokenizer.encode_chat(chat_messages(request.chat, tokenizer))  # type: ignore[union-attr]
+        except InvalidRequest:
+            raise
+        except ValueError as exc:
+            raise InvalidRequest(f"chat: {exc}") from None
+    ids = list(request.token_ids.ids)  # type: ignore[union-attr]
+    if not ids:
+        raise InvalidRequest("token_ids.ids is empty")
+    check_token_ids("token_ids.ids", ids, vocab_size)
+    return ids
+
+
+def check_token_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise InvalidRequest(f"{field_name}[{i}] = {t} is outside the vocabulary (ids are 0..{vocab_size - 1})")
+
+
+def sampling_params(s: pb.SamplingParams) -> SamplingParams:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy); given {s.temperature}")
+    if s.top_k < 0:
+        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off); given {s.top_k}")
+    if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
+        raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 or 1 = off); given {s.top_p}")
+    if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
+        raise InvalidRequest(f"sampling.repetition_penalty must be >= 0 (0 or 1 = off); given {s.repetition_penalty}")
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if 0.0 < s.top_p < 1.0 else 1.0,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (0.0, 1.0) else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
+    if s.max_new_tokens > limits.max_new_tokens:
+        raise InvalidRequest(
+            f"stopping.max_new_tokens must be <= {limits.max_new_tokens} (the server's limit); given {s.max_new_tokens}"
+        )
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"stopping.stop holds {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed")
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise InvalidRequest(f"stopping.stop[{i}] is empty")
+    check_token_ids("stopping.stop_token_ids", s.stop_token_ids, limits.vocab_size)
+    return StoppingParams(
+        max_new_tokens=s.max_new_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
+    sampling = sampling_params(request.sampling)
+    stopping = stopping_params(request.stopping, limits)
+    if request.top_logprobs > limits.max_top_logprobs:
+        raise InvalidRequest(
+            f"top_logprobs must be <= {limits.max_top_logprobs} (the server's limit); given {request.top_logprobs}"
+        )
+    ids = prompt_ids(request, tokenizer, limits.vocab_size)
+    ctx = limits.context_length
+    if len(ids) >= ctx:
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens but the context holds {ctx}: no room to generate; shorten the prompt"
+        )
+    if stopping.max_new_tokens and len(ids) + stopping.max_new_tokens > ctx:
+        raise InvalidRequest(
+            f"prompt tokens + stopping.max_new_tokens must be <= {ctx} (the context length); "
+            f"given {len(ids)} prompt tokens and max_new_tokens {stopping.max_new_tokens}"
+        )
+    return GenerationRequest(
+        request_id=request.request_id,
+        prompt_ids=ids,
+        sampling=sampling,
+        stopping=stopping,
+        logprobs=request.logprobs or request.top_logprobs > 0,
+        top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
+    )

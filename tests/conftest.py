@@ -1,0 +1,55 @@
+"""Shared fixtures: the default model's tokenizer and engine, loaded once per test session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server_process import ServerProcess
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, Any]:
+    """Token ids and logits for SmolLM2 from independent implementations (llama.cpp, transformers)."""
+    return json.loads((DATA / "smollm2_reference.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from tokenmill_service.models.loader import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path: Path) -> Any:
+    from tokenmill_service.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path: Path) -> Any:
+    """The default model in float32; tests must not modify it (its KV cache views are reassigned per engine)."""
+    from tokenmill_service.models.loader import load_model
+
+    return load_model(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    """One real server (default model, one worker) shared by the integration tests."""
+    proc = ServerProcess("--drain-seconds", "5", metrics=True).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def server_address(server: ServerProcess) -> str:
+    return server.address

@@ -1,0 +1,80 @@
+"""A real tokenmill-server in a subprocess on a free loopback port, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVER = Path(sys.executable).parent / "tokenmill-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health_status(address: str, timeout: float = 2.0) -> int | None:
+    """The overall health status, or None when nothing answers."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+        return int(reply.status)
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, metrics: bool = False) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port() if metrics else 0
+        self.args = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json", *args]
+        if metrics:
+            self.args += ["--metrics-port", str(self.metrics_port)]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="tokenmill-server-")  # noqa: SIM115
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenmill-server exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
+            if health_status(self.address, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                return self
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"tokenmill-server not SERVING after {timeout}s:\n{self.logs()[-4000:]}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,136 @@
+"""The paged KV cache's block allocator: allocate, grow, free, share prefixes, never leak."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tokenmill_service.engine.block_manager import BlockManager
+from tokenmill_service.engine.request import GenerationRequest
+from tokenmill_service.engine.sequence import Sequence
+
+
+def make_seq(tokenizer: Any, ids: list[int], rid: str = "r", prompt_logprobs: bool = False) -> Sequence:
+    return Sequence(GenerationRequest(rid, ids, prompt_logprobs=prompt_logprobs), tokenizer, 8192)
+
+
+def test_allocate_covers_the_tokens_and_grows_one_block_at_a_time(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=10, block_size=4)
+    seq = make_seq(default_tokenizer, list(range(10)))
+    assert bm.allocate(seq, 10)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 7
+    assert bm.allocate(seq, 12) and len(seq.block_table) == 3  # still fits in block 3
+    assert bm.allocate(seq, 13) and len(seq.block_table) == 4
+
+
+def test_allocation_is_all_or_nothing(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = make_seq(default_tokenizer, list(range(12)))
+    assert not bm.allocate(seq, 12)
+    assert seq.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_free_returns_every_block(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(default_tokenizer, list(range(20)))
+    assert bm.allocate(seq, 20)
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+
+
+def test_shared_prefix_blocks_are_reused_and_counted(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prefix = list(range(100, 112))  # three full blocks
+    a = make_seq(default_tokenizer, prefix + [1, 2], "a")
+    assert bm.allocate(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.register_computed_blocks(a)
+
+    b = make_seq(default_tokenizer, prefix + [7, 8, 9], "b")
+    bm.reuse_cached_prefix(b)
+    assert b.block_table == a.block_table[:3]
+    assert b.num_computed_tokens == 12
+    assert all(bm.blocks[i].ref_count == 2 for i in b.block_table)
+    bm.free(a)
+    assert all(bm.blocks[i].ref_count == 1 for i in b.block_table)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_a_freed_prefix_can_be_taken_back(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(default_tokenizer, list(range(9)), "a")
+    assert bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.register_computed_blocks(a)
+    first_two = a.block_table[:2]
+    bm.free(a)
+    b = make_seq(default_tokenizer, list(range(9)), "b")
+    bm.reuse_cached_prefix(b)
+    assert b.block_table == first_two and bm.num_free_blocks == 6
+
+
+def test_prefix_reuse_always_leaves_a_token_to_compute(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(default_tokenizer, list(range(8)), "a")
+    assert bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.register_computed_blocks(a)
+    b = make_seq(default_tokenizer, list(range(8)), "b")
+    bm.reuse_cached_prefix(b)
+    assert b.num_computed_tokens == 4  # the last block is recomputed to get its logits
+
+
+def test_prompt_logprob_requests_take_no_cached_blocks(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(default_tokenizer, list(range(9)), "a")
+    assert bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.register_computed_blocks(a)
+    b = make_seq(default_tokenizer, list(range(9)), "b", prompt_logprobs=True)
+    bm.reuse_cached_prefix(b)
+    assert b.block_table == [] and b.num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_block_leaks_under_random_operations(default_tokenizer: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=32, block_size=4)
+    live: list[Sequence] = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.4 or not live:
+            prefix = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+            seq = make_seq(default_tokenizer, prefix, f"s{step}")
+            bm.reuse_cached_prefix(seq)
+            if bm.allocate(seq, seq.num_tokens):
+                seq.num_computed_tokens = seq.num_tokens
+                bm.register_computed_blocks(seq)
+                live.append(seq)
+            else:
+                bm.free(seq)
+        elif op < 0.8:
+            seq = rng.choice(live)
+            seq.token_ids.append(rng.randrange(3))
+            if bm.allocate(seq, seq.num_tokens):
+                seq.num_computed_tokens = seq.num_tokens
+                bm.register_computed_blocks(seq)
+            else:  # preempted: everything goes back
+                bm.free(seq)
+                live.remove(seq)
+        else:
+            seq = live.pop(rng.randrange(len(live)))
+            bm.free(seq)
+        # Invariants: reference counts equal the number of tables that hold each block.
+        held: dict[int, int] = {}
+        for s in live:
+            for b in s.block_table:
+                held[b] = held.get(b, 0) + 1
+        for block in bm.blocks:
+            assert block.ref_count == held.get(block.id, 0)
+        assert bm.num_free_blocks == sum(1 for b in bm.blocks if b.ref_count == 0)
+    for s in live:
+        bm.free(s)
+    assert bm.num_free_blocks == bm.num_blocks

@@ -1,0 +1,83 @@
+"""The scheduler's admission rules: batch size, token budget, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill_service.engine.block_manager import BlockManager
+from tokenmill_service.engine.config import EngineConfig
+from tokenmill_service.engine.request import GenerationRequest
+from tokenmill_service.engine.scheduler import Scheduler
+from tokenmill_service.engine.sequence import Sequence, SequenceStatus
+
+
+def seq(tokenizer: Any, n: int, rid: str) -> Sequence:
+    return Sequence(GenerationRequest(rid, list(range(10, 10 + n))), tokenizer, 8192)
+
+
+def run_step(sched: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, then pretend the model ran: mark tokens computed and add one sampled token."""
+    batch = sched.schedule()
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(1)
+    return [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+
+
+def test_admits_waiting_requests_up_to_max_batch_size(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=2, max_batch_tokens=64, enable_prefix_caching=False)
+    sched = Scheduler(cfg, BlockManager(64, 4, False))
+    for i in range(3):
+        sched.add(seq(default_tokenizer, 5, f"r{i}"))
+    assert run_step(sched) == [("r0", 5), ("r1", 5)]
+    assert [s.request_id for s in sched.waiting] == ["r2"]
+    assert run_step(sched) == [("r0", 1), ("r1", 1)]  # both decode; r2 still waits
+
+
+def test_long_prompts_are_prefilled_in_chunks_while_decodes_flow(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=8, enable_prefix_caching=False)
+    sched = Scheduler(cfg, BlockManager(64, 4, False))
+    sched.add(seq(default_tokenizer, 3, "short"))
+    assert run_step(sched) == [("short", 3)]
+    sched.add(seq(default_tokenizer, 20, "long"))
+    # Each step: the running decode first, then as much of the long prompt as the budget allows.
+    assert run_step(sched) == [("short", 1), ("long", 7)]
+    assert run_step(sched) == [("short", 1), ("long", 7)]
+    assert run_step(sched) == [("short", 1), ("long", 6)]
+    assert run_step(sched) == [("short", 1), ("long", 1)]
+
+
+def test_token_budget_limits_admission(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=8, max_batch_tokens=10, enable_prefix_caching=False)
+    sched = Scheduler(cfg, BlockManager(64, 4, False))
+    sched.add(seq(default_tokenizer, 6, "a"))
+    sched.add(seq(default_tokenizer, 6, "b"))
+    assert run_step(sched) == [("a", 6), ("b", 4)]  # b starts its prefill with what is left
+
+
+def test_out_of_blocks_preempts_the_newest_and_requeues_it_first(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, enable_prefix_caching=False)
+    bm = BlockManager(4, 4, False)
+    sched = Scheduler(cfg, bm)
+    old, new = seq(default_tokenizer, 8, "old"), seq(default_tokenizer, 8, "new")
+    sched.add(old)
+    sched.add(new)
+    assert run_step(sched) == [("old", 8), ("new", 8)]  # 4 blocks, all used
+    # Both need a third block to decode; the pool is empty, so the newest gives its blocks up.
+    assert run_step(sched) == [("old", 1)]
+    assert new.status is SequenceStatus.WAITING and sched.waiting[0] is new
+    assert new.num_computed_tokens == 0 and new.block_table == []
+    assert bm.num_used_blocks == 3
+
+
+def test_finish_returns_blocks_at_once(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, enable_prefix_caching=False)
+    bm = BlockManager(16, 4, False)
+    sched = Scheduler(cfg, bm)
+    s = seq(default_tokenizer, 9, "a")
+    sched.add(s)
+    run_step(sched)
+    assert bm.num_used_blocks == 3
+    sched.finish(s)
+    assert bm.num_used_blocks == 0 and not sched.has_unfinished()
