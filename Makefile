@@ -40,6 +40,7 @@ proto: install
 
 # Command-line tools the tests drive (helm, grpcurl), installed under .tools/.
 tools:
+	bash scripts/install_tools.sh
 
 clean:
 	rm -rf $(VENV) $(TOOLS) build dist *.egg-info

