@@ -1,0 +1,74 @@
+"""Typed Python client of the tokenmill text-generation service.
+
+    from tokenmill_client import Client
+
+    with Client("localhost:50051") as client:
+        for event in client.generate(messages=[("user", "What is the capital of France?")], max_new_tokens=32):
+            print(event.text, end="", flush=True)
+
+The base install needs only grpcio and protobuf.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+
+from ._types import (
+    ChatMessage,
+    EngineState,
+    FinishReason,
+    GenerateEvent,
+    GenerateResult,
+    HealthStatus,
+    Limits,
+    MessageLike,
+    ModelInfo,
+    Timing,
+    Token,
+    Tokenization,
+    TopLogprob,
+    Usage,
+    WorkerState,
+)
+from .aio import AsyncClient
+from .client import Client
+from .errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    TokenmillError,
+    UnavailableError,
+)
+
+try:
+    __version__ = _metadata.version("tokenmill")
+except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "AsyncClient",
+    "AuthenticationError",
+    "ChatMessage",
+    "Client",
+    "DeadlineExceededError",
+    "EngineState",
+    "FinishReason",
+    "GenerateEvent",
+    "GenerateResult",
+    "HealthStatus",
+    "InvalidRequestError",
+    "Limits",
+    "MessageLike",
+    "ModelInfo",
+    "OverloadedError",
+    "Timing",
+    "Token",
+    "Tokenization",
+    "TokenmillError",
+    "TopLogprob",
+    "UnavailableError",
+    "Usage",
+    "WorkerState",
+    "__version__",
+]

@@ -1,0 +1,206 @@
+"""Between the client's value types and the generated protobuf messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ._proto import generate_pb2 as pb
+from ._types import (
+    EngineState,
+    FinishReason,
+    GenerateEvent,
+    GenerateResult,
+    Limits,
+    MessageLike,
+    ModelInfo,
+    Timing,
+    Token,
+    Tokenization,
+    TopLogprob,
+    Usage,
+    WorkerState,
+    to_chat_messages,
+)
+
+_FINISH_REASONS: dict[int, FinishReason] = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_EOS: FinishReason.EOS,
+    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    pb.FINISH_REASON_CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
+}
+
+
+def messages_to_proto(messages: Sequence[MessageLike]) -> pb.Messages:
+    return pb.Messages(messages=[pb.ChatMessage(role=m.role, content=m.content) for m in to_chat_messages(messages)])
+
+
+def build_generate_request(
+    prompt: str | None,
+    messages: Sequence[MessageLike] | None,
+    token_ids: Sequence[int] | None,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    repetition_penalty: float,
+    seed: int | None,
+    max_new_tokens: int,
+    stop: Sequence[str],
+    stop_token_ids: Sequence[int],
+    ignore_eos: bool,
+    logprobs: bool,
+    top_logprobs: int,
+    prompt_logprobs: bool,
+    request_id: str | None,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; exactly one of prompt, messages and token_ids must be given (ValueError otherwise).
+
+    Values are sent as they are: the server validates them and answers INVALID_ARGUMENT with a message.
+    """
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
+    if isinstance(stop, str):
+        stop = (stop,)
+    sampling = pb.SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+    )
+    if seed is not None:
+        sampling.seed = seed
+    request = pb.GenerateRequest(
+        sampling=sampling,
+        stopping=pb.StoppingParams(
+            max_new_tokens=max_new_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+        ),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        request_id=request_id or "",
+    )
+    if prompt is not None:
+        request.prompt = prompt
+    elif messages is not None:
+        request.chat.CopyFrom(messages_to_proto(messages))
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    return request
+
+
+def build_tokenize_request(text_or_messages: str | Sequence[MessageLike]) -> pb.TokenizeRequest:
+    if isinstance(text_or_messages, str):
+        return pb.TokenizeRequest(text=text_or_messages)
+    return pb.TokenizeRequest(chat=messages_to_proto(text_or_messages))
+
+
+def _token(message: pb.Token) -> Token:
+    return Token(
+        id=message.id,
+        text=message.text,
+        logprob=message.logprob if message.HasField("logprob") else None,
+        alternatives=tuple(TopLogprob(t.id, t.text, t.logprob) for t in message.top_logprobs),
+        special=message.special,
+    )
+
+
+def _tokens(messages: Iterable[pb.Token]) -> tuple[Token, ...]:
+    return tuple(_token(m) for m in messages)
+
+
+def event_from_proto(response: pb.GenerateResponse) -> GenerateEvent:
+    finish = _FINISH_REASONS.get(response.finish_reason)
+    return GenerateEvent(
+        request_id=response.request_id,
+        text=response.text,
+        tokens=_tokens(response.tokens),
+        prompt_tokens=_tokens(response.prompt_tokens),
+        finish_reason=finish,
+        usage=Usage(response.usage.prompt_tokens, response.usage.completion_tokens) if finish is not None else None,
+        timing=(
+            Timing(response.timing.queue_ms, response.timing.time_to_first_token_ms, response.timing.total_ms)
+            if finish is not None
+            else None
+        ),
+    )
+
+
+class ResultBuilder:
+    """Accumulates GenerateEvents into a GenerateResult."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self._text: list[str] = []
+        self._tokens: list[Token] = []
+        self._prompt_tokens: tuple[Token, ...] = ()
+        self._last: GenerateEvent | None = None
+
+    def add(self, event: GenerateEvent) -> None:
+        self.request_id = event.request_id or self.request_id
+        self._text.append(event.text)
+        self._tokens.extend(event.tokens)
+        if event.prompt_tokens:
+            self._prompt_tokens = event.prompt_tokens
+        if event.is_last:
+            self._last = event
+
+    def result(self) -> GenerateResult | None:
+        """The finished result, or None when no event carried a finish reason."""
+        last = self._last
+        if last is None or last.finish_reason is None or last.usage is None or last.timing is None:
+            return None
+        return GenerateResult(
+            request_id=self.request_id,
+            text="".join(self._text),
+            tokens=tuple(self._tokens),
+            prompt_tokens=self._prompt_tokens,
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            timing=last.timing,
+        )
+
+
+def tokenization_from_proto(response: pb.TokenizeResponse) -> Tokenization:
+    return Tokenization(ids=tuple(response.ids), pieces=tuple(response.pieces))
+
+
+def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
+    e, lim = info.engine, info.limits
+    return ModelInfo(
+        name=info.name,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        backend=info.backend,
+        device=info.device,
+        num_workers=info.num_workers,
+        dtype=info.dtype,
+        limits=Limits(
+            max_new_tokens=lim.max_new_tokens,
+            max_top_logprobs=lim.max_top_logprobs,
+            max_stop_strings=lim.max_stop_strings,
+            max_queue=lim.max_queue,
+            max_batch_size=lim.max_batch_size,
+        ),
+        engine=EngineState(
+            running=e.running,
+            waiting=e.waiting,
+            kv_blocks_used=e.kv_blocks_used,
+            kv_blocks_total=e.kv_blocks_total,
+            kv_block_size=e.kv_block_size,
+        ),
+        workers=tuple(
+            WorkerState(
+                worker_id=w.worker_id,
+                alive=w.alive,
+                running=w.running,
+                waiting=w.waiting,
+                kv_blocks_used=w.kv_blocks_used,
+                kv_blocks_total=w.kv_blocks_total,
+                kv_block_size=w.kv_block_size,
+                restarts=w.restarts,
+            )
+            for w in info.workers
+        ),
+    )

@@ -1,0 +1,216 @@
+"""The client's public value types: frozen dataclasses and string enums, independent of protobuf."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended."""
+
+    LENGTH = "length"
+    """max_new_tokens was reached."""
+    EOS = "eos"
+    """The model produced EOS / end-of-turn, or one of stop_token_ids."""
+    STOP_SEQUENCE = "stop_sequence"
+    """A stop string matched (it is not part of the text)."""
+    CONTEXT_LIMIT = "context_limit"
+    """The model's context is full."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class HealthStatus(str, enum.Enum):
+    """A grpc.health.v1 serving status."""
+
+    UNKNOWN = "UNKNOWN"
+    SERVING = "SERVING"
+    NOT_SERVING = "NOT_SERVING"
+    SERVICE_UNKNOWN = "SERVICE_UNKNOWN"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a conversation: role is "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+
+MessageLike: TypeAlias = ChatMessage | tuple[str, str] | Mapping[str, str]
+"""A chat turn as a ChatMessage, a (role, content) tuple or a {"role": ..., "content": ...} mapping."""
+
+
+def to_chat_message(message: MessageLike) -> ChatMessage:
+    """Normalise one MessageLike into a ChatMessage (ValueError/TypeError for anything else)."""
+    if isinstance(message, ChatMessage):
+        return message
+    if isinstance(message, tuple):
+        if len(message) != 2:
+            raise ValueError(f"a chat message tuple must be (role, content), got {len(message)} items")
+        role, content = message
+    elif isinstance(message, Mapping):
+        try:
+            role, content = message["role"], message["content"]
+        except KeyError as exc:
+            raise ValueError(f"a chat message mapping needs 'role' and 'content', missing {exc}") from None
+    else:
+        raise TypeError(f"a chat message must be a ChatMessage, a (role, content) tuple or a mapping, got {message!r}")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise TypeError("a chat message's role and content must be strings")
+    return ChatMessage(role, content)
+
+
+def to_chat_messages(messages: Sequence[MessageLike]) -> tuple[ChatMessage, ...]:
+    """Normalise a conversation; a bare string is rejected (it would be taken as characters)."""
+    if isinstance(messages, (str, bytes)):
+        raise TypeError("messages must be a sequence of chat messages, not a string")
+    return tuple(to_chat_message(m) for m in messages)
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One generated (or prompt) token."""
+
+    id: int
+    text: str
+    """The token's own text (bytes of a character split across tokens show as U+FFFD)."""
+    logprob: float | None = None
+    """Log-probability under the model; None when not asked for (and for the first prompt token)."""
+    alternatives: tuple[TopLogprob, ...] = ()
+    """The most likely tokens at this position, most likely first (when top_logprobs > 0)."""
+    special: bool = False
+    """A special token (EOS, end-of-turn, ...); its text is not part of the generated text."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Server-side timings of one request, in milliseconds from its arrival."""
+
+    queue_ms: float
+    time_to_first_token_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateEvent:
+    """One streamed piece of a generation."""
+
+    request_id: str
+    text: str
+    """Text added by this event (always whole UTF-8 characters; never part of a stop string)."""
+    tokens: tuple[Token, ...] = ()
+    """Tokens generated since the previous event."""
+    prompt_tokens: tuple[Token, ...] = ()
+    """The prompt's tokens with log-probabilities: first event only, when prompt_logprobs was asked for."""
+    finish_reason: FinishReason | None = None
+    """Last event only."""
+    usage: Usage | None = None
+    """Last event only."""
+    timing: Timing | None = None
+    """Last event only."""
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A finished generation."""
+
+    request_id: str
+    text: str
+    tokens: tuple[Token, ...]
+    prompt_tokens: tuple[Token, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenization:
+    """Token ids and each token's text (parallel tuples)."""
+
+    ids: tuple[int, ...]
+    pieces: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The server's limits on one request and on its queue."""
+
+    max_new_tokens: int
+    max_top_logprobs: int
+    max_stop_strings: int
+    max_queue: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What an engine is doing (ModelInfo.engine sums it over the workers)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker process and its engine."""
+
+    worker_id: int
+    alive: bool
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int
+    restarts: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The loaded model and the server around it."""
+
+    name: str
+    context_length: int
+    vocab_size: int
+    backend: str
+    device: str
+    num_workers: int
+    dtype: str
+    limits: Limits
+    engine: EngineState
+    workers: tuple[WorkerState, ...]

@@ -1,0 +1,296 @@
+"""The asyncio client (grpc.aio)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncGenerator, Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, TypeVar, cast
+
+import grpc
+import grpc.aio
+
+from ._convert import (
+    ResultBuilder,
+    build_generate_request,
+    build_tokenize_request,
+    event_from_proto,
+    model_info_from_proto,
+    tokenization_from_proto,
+)
+from ._proto import generate_pb2 as pb
+from ._transport import (
+    AsyncStubs,
+    ChannelOptions,
+    Deadline,
+    Settings,
+    decode_health_response,
+    encode_health_request,
+    make_settings,
+    retry_delay,
+)
+from ._types import GenerateEvent, GenerateResult, HealthStatus, MessageLike, ModelInfo, Tokenization
+from .errors import TokenmillError, error_from_rpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
+
+_T = TypeVar("_T")
+_Req = TypeVar("_Req")
+
+
+class AsyncClient:
+    """An asyncio client of a tokenmill server; the same options and methods as Client, awaitable.
+
+    Create it inside the event loop that uses it (``async with AsyncClient(...) as client:``).
+
+    ``target`` defaults to $TOKENMILL_SERVER, else ``localhost:50051``. ``tls=True`` (implied by
+    ``root_certificates``, PEM bytes or a file path) uses TLS; ``token`` is sent as
+    ``authorization: Bearer <token>``; ``timeout`` is the default deadline of each call in seconds
+    (None = none). UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff, for
+    generate only while no response has arrived yet. Thread-safe; use it as a context manager or call close().
+    """
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        options: ChannelOptions = (),
+    ) -> None:
+        self._settings: Settings = make_settings(
+            target,
+            tls=tls,
+            root_certificates=root_certificates,
+            token=token,
+            timeout=timeout,
+            max_retries=max_retries,
+            options=options,
+        )
+        self._channel = self._settings.aio_channel()
+        self._stubs = AsyncStubs(self._channel)
+
+    @property
+    def target(self) -> str:
+        """The server address."""
+        return self._settings.target
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        max_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[GenerateEvent, None]:
+        """Streams a generation as GenerateEvents; the last one carries finish_reason, usage and timing.
+
+        Give exactly one of ``prompt`` (raw text), ``messages`` (a chat, rendered with the model's
+        template) or ``token_ids``. Use it with ``async for``; the call starts on the first step. Stopping
+        early (``aclose()``, an exception, task cancellation, or ``break`` once the generator is collected)
+        cancels it, so the server stops generating; ``contextlib.aclosing`` makes a ``break`` take effect at once.
+        """
+        request = build_generate_request(
+            prompt,
+            messages,
+            token_ids,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            request_id=request_id,
+        )
+        return self._stream(request, timeout)
+
+    async def generate_text(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        max_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """Generates to the end and returns the whole result (see generate() for the parameters)."""
+        builder = ResultBuilder()
+        async for event in self.generate(
+            prompt,
+            messages=messages,
+            token_ids=token_ids,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            request_id=request_id,
+            timeout=timeout,
+        ):
+            builder.add(event)
+        result = builder.result()
+        if result is None:
+            raise TokenmillError(
+                "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
+            )
+        return result
+
+    async def chat(
+        self,
+        messages: Sequence[MessageLike],
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        max_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """The assistant's whole answer to a conversation (ChatMessages, (role, content) tuples or dicts).
+
+        For a streamed answer use ``generate(messages=...)``.
+        """
+        return await self.generate_text(
+            messages=messages,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            request_id=request_id,
+            timeout=timeout,
+        )
+
+    async def tokenize(
+        self, text_or_messages: str | Sequence[MessageLike], *, timeout: float | None = None
+    ) -> Tokenization:
+        """Token ids and pieces of raw text, or of a chat rendered with the model's template."""
+        request = build_tokenize_request(text_or_messages)
+        return tokenization_from_proto(await self._unary(self._stubs.tokenize, request, timeout))
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The loaded model, the server's limits and its engines' state."""
+        return model_info_from_proto(await self._unary(self._stubs.model_info, pb.GetModelInfoRequest(), timeout))
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
+        """The grpc.health.v1 status of ``service`` ("" = the whole server)."""
+        return decode_health_response(await self._unary(self._stubs.health, encode_health_request(service), timeout))
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self._settings.timeout if timeout is None else timeout
+
+    async def _unary(
+        self, method: grpc.aio.UnaryUnaryMultiCallable[_Req, _T], request: _Req, timeout: float | None
+    ) -> _T:
+        settings = self._settings
+        deadline = Deadline(self._timeout(timeout))
+        retry = 0
+        while True:
+            try:
+                return await method(request, timeout=deadline.remaining(), metadata=settings.metadata)
+            except grpc.RpcError as err:
+                delay = retry_delay(_code(err), settings, deadline, retry)
+                if delay is None:
+                    raise error_from_rpc(err, settings.target) from err
+                await asyncio.sleep(delay)
+                retry += 1
+
+    async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGenerator[GenerateEvent, None]:
+        settings = self._settings
+        deadline = Deadline(self._timeout(timeout))
+        retry = 0
+        while True:
+            call = self._stubs.generate(request, timeout=deadline.remaining(), metadata=settings.metadata)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield event_from_proto(response)
+                return
+            except grpc.RpcError as err:
+                delay = None if received else retry_delay(_code(err), settings, deadline, retry)
+                if delay is None:
+                    raise error_from_rpc(err, settings.target) from err
+                await asyncio.sleep(delay)
+                retry += 1
+            finally:
+                # A no-op once the call has finished; otherwise the caller walked away: stop the server.
+                _cancel(call)
+
+
+def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
+    code = getattr(err, "code", None)
+    return code() if callable(code) else None
+
+
+def _cancel(call: grpc.aio.RpcContext) -> None:
+    # grpc-stubs leaves cancel() unannotated.
+    cast("Callable[[], object]", call.cancel)()

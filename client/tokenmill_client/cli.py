@@ -1,0 +1,724 @@
+"""``tokenmill-client``: generate (one-shot, interactive or from a file), info, tokenize and health.
+
+Output goes to stdout; the settings summary, progress, statistics and errors go to stderr. An error is
+one ``error: ...`` line and a non-zero exit code (1 for a failed call, 2 for bad usage, 130 for Ctrl-C).
+Standard library only, besides the client itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ._transport import default_target
+from ._types import ChatMessage, FinishReason, GenerateEvent, GenerateResult, ModelInfo, Token
+from .client import Client
+from .errors import (
+    AuthenticationError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    TokenmillError,
+    UnavailableError,
+)
+
+ENV_TOKEN = "TOKENMILL_TOKEN"
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a process killed by it
+
+
+class UsageError(Exception):
+    """A bad command line: reported as one line, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def _error_line(message: str) -> None:
+    _err(f"error: {' '.join(message.split())}\n")
+
+
+# gRPC's wording when no connection could be made (as opposed to a server that answered UNAVAILABLE).
+_CONNECTION_FAILURES = ("failed to connect", "connection refused", "errors resolving", "dns resolution failed")
+
+
+def describe_error(err: TokenmillError) -> str:
+    """One line for a failed call, naming the server for connection problems."""
+    if isinstance(err, UnavailableError):
+        if any(sign in err.message.lower() for sign in _CONNECTION_FAILURES):
+            return f"cannot reach the server at {err.target}: {err.message}"
+        return f"the server at {err.target} is unavailable: {err.message}"
+    if isinstance(err, InvalidRequestError):
+        return f"invalid request: {err.message}"
+    if isinstance(err, OverloadedError):
+        return f"server overloaded: {err.message}"
+    if isinstance(err, DeadlineExceededError):
+        return f"timed out: {err.message}"
+    if isinstance(err, AuthenticationError):
+        return f"authentication failed: {err.message}"
+    code = err.code.name if err.code is not None else "ERROR"
+    return f"{code}: {err.message}"
+
+
+def _jsonable(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
+def _json_line(value: Any) -> str:
+    return json.dumps(_jsonable(value), ensure_ascii=False) + "\n"
+
+
+def _fmt_logprob(token: Token) -> str:
+    return "-" if token.logprob is None else f"{token.logprob:.4f}"
+
+
+def _token_line(token: Token) -> str:
+    return f"{token.text!r}\t{_fmt_logprob(token)}\n"
+
+
+def _fmt_num(value: float) -> str:
+    return f"{value:g}"
+
+
+# --------------------------------------------------------------------------------------------- settings
+
+
+@dataclass
+class GenSettings:
+    """The sampling and stopping settings of the generate command (and of the REPL, which edits them)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    system: str | None = None
+    raw: bool = False
+
+    def stream(
+        self, client: Client, prompt: str | None, messages: Sequence[ChatMessage] | None, *, logprobs: bool = False
+    ) -> Generator[GenerateEvent, None, None]:
+        return client.generate(
+            prompt,
+            messages=messages,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            stop=tuple(self.stop),
+            logprobs=logprobs,
+        )
+
+    def complete(self, client: Client, prompt: str | None, messages: Sequence[ChatMessage] | None) -> GenerateResult:
+        return client.generate_text(
+            prompt,
+            messages=messages,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            stop=tuple(self.stop),
+        )
+
+    def summary(self) -> str:
+        parts = [
+            f"temperature={_fmt_num(self.temperature)}" + (" (greedy)" if self.temperature == 0 else ""),
+            f"top_k={self.top_k or 'off'}",
+            f"top_p={'off' if self.top_p in (0.0, 1.0) else _fmt_num(self.top_p)}",
+        ]
+        if self.repetition_penalty not in (0.0, 1.0):
+            parts.append(f"repetition_penalty={_fmt_num(self.repetition_penalty)}")
+        parts.append(f"limit={self.max_new_tokens or 'until EOS'}")
+        parts.append(f"seed={'random' if self.seed is None else self.seed}")
+        if self.stop:
+            parts.append(f"stop={self.stop!r}")
+        return " ".join(parts)
+
+    def messages(self, history: Sequence[ChatMessage], user: str) -> list[ChatMessage]:
+        system = [ChatMessage("system", self.system)] if self.system else []
+        return [*system, *history, ChatMessage("user", user)]
+
+
+def _settings_from_args(args: argparse.Namespace) -> GenSettings:
+    return GenSettings(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        max_new_tokens=args.limit,
+        seed=args.seed,
+        stop=list(args.stop),
+        system=args.system,
+        raw=args.raw,
+    )
+
+
+def _client_from_args(args: argparse.Namespace) -> Client:
+    try:
+        return Client(
+            args.server,
+            tls=args.tls,
+            root_certificates=args.root_certificates,
+            token=args.token,
+            timeout=args.timeout,
+            max_retries=args.max_retries,
+        )
+    except OSError as exc:
+        raise UsageError(f"cannot read the root certificates {args.root_certificates}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _stats_line(event: GenerateEvent) -> str:
+    usage, timing = event.usage, event.timing
+    parts = [f"finish={event.finish_reason}"]
+    if usage is not None:
+        parts.append(f"prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}")
+    if timing is not None:
+        parts.append(f"ttft_ms={timing.time_to_first_token_ms:.1f} total_ms={timing.total_ms:.1f}")
+    return "[" + " ".join(parts) + "]\n"
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def _stream_answer(
+    client: Client, settings: GenSettings, *, prompt: str | None, messages: Sequence[ChatMessage] | None, mode: str
+) -> tuple[GenerateEvent | None, str]:
+    """Streams one generation to stdout (text, one line per token, or JSON lines).
+
+    Returns the last event and the whole text. Ctrl-C propagates as KeyboardInterrupt once the call is cancelled.
+    """
+    stream = settings.stream(client, prompt, messages, logprobs=mode == "tokens")
+    last: GenerateEvent | None = None
+    text: list[str] = []
+    ends_with_newline = True
+    try:
+        for event in stream:
+            text.append(event.text)
+            if mode == "json":
+                _out(_json_line(event))
+            elif mode == "tokens":
+                _out("".join(_token_line(t) for t in event.tokens))
+            elif event.text:
+                _out(event.text)
+                ends_with_newline = event.text.endswith("\n")
+            if event.is_last:
+                last = event
+    finally:
+        stream.close()  # cancels the call if we are leaving early (Ctrl-C, a broken pipe)
+        if mode == "text" and not ends_with_newline:
+            _out("\n")
+    return last, "".join(text)
+
+
+def _output_mode(args: argparse.Namespace) -> str:
+    return "json" if args.json else "tokens" if args.show_tokens else "text"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    settings = _settings_from_args(args)
+    if settings.raw and settings.system:
+        raise UsageError("--system cannot be used with --raw (a raw prompt is sent as it is)")
+    if args.concurrency < 1:
+        raise UsageError("--concurrency must be at least 1")
+    if args.interactive:
+        with _client_from_args(args) as client:
+            return Repl(client, settings, mode=_output_mode(args)).run()
+    if args.input_file is not None:
+        return _generate_from_file(args, settings)
+    if args.prompt is None:
+        raise UsageError("missing prompt: use -p PROMPT, -i for an interactive session, or --input-file FILE")
+    if not args.quiet:
+        kind = "raw prompt" if settings.raw else "chat" + (" with system message" if settings.system else "")
+        _err(f"[server={args.server} {kind} {settings.summary()}]\n")
+    with _client_from_args(args) as client:
+        last, _text = _stream_answer(
+            client,
+            settings,
+            prompt=args.prompt if settings.raw else None,
+            messages=None if settings.raw else settings.messages((), args.prompt),
+            mode=_output_mode(args),
+        )
+    if last is not None and not args.quiet and not args.json:
+        _err(_stats_line(last))
+    return 0
+
+
+@dataclass
+class _Outcome:
+    result: GenerateResult | None = None
+    error: str | None = None
+
+
+class _Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, stream: TextIO, width: int = 30) -> None:
+        self.total, self.done, self.failed = total, 0, 0
+        self._stream, self._width = stream, width
+        self._lock = threading.Lock()
+
+    def update(self, failed: bool) -> None:
+        with self._lock:
+            self.done += 1
+            self.failed += failed
+            self.draw()
+
+    def draw(self) -> None:
+        filled = self._width * self.done // max(self.total, 1)
+        bar = "#" * filled + "-" * (self._width - filled)
+        failed = f", {self.failed} failed" if self.failed else ""
+        self._stream.write(f"\r[{bar}] {self.done}/{self.total}{failed}")
+        self._stream.flush()
+
+    def finish(self) -> None:
+        self._stream.write("\n")
+        self._stream.flush()
+
+
+def _read_prompts(path: str) -> list[str]:
+    try:
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text: {exc.reason}") from exc
+    return [line.strip() for line in lines if line.strip()]
+
+
+def _generate_from_file(args: argparse.Namespace, settings: GenSettings) -> int:
+    prompts = _read_prompts(args.input_file)
+    if not prompts:
+        raise UsageError(f"no prompts in {args.input_file} (one prompt per line; blank lines are skipped)")
+    if not args.quiet:
+        _err(f"[server={args.server} {len(prompts)} prompts concurrency={args.concurrency} {settings.summary()}]\n")
+    outcomes = [_Outcome() for _ in prompts]
+    progress = _Progress(len(prompts), sys.stderr)
+    progress.draw()
+
+    with _client_from_args(args) as client:
+
+        def run_one(prompt: str) -> GenerateResult:
+            if settings.raw:
+                return settings.complete(client, prompt, None)
+            return settings.complete(client, None, settings.messages((), prompt))
+
+        pool = ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="tokenmill-client")
+        try:
+            futures: dict[Future[GenerateResult], int] = {pool.submit(run_one, p): i for i, p in enumerate(prompts)}
+            for future in as_completed(futures):
+                index = futures[future]
+                try:
+                    outcomes[index].result = future.result()
+                except TokenmillError as exc:
+                    outcomes[index].error = describe_error(exc)
+                progress.update(failed=outcomes[index].error is not None)
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            progress.finish()
+            raise
+        pool.shutdown()
+    progress.finish()
+
+    for index, (prompt, outcome) in enumerate(zip(prompts, outcomes)):
+        if outcome.error is not None:
+            _error_line(f"prompt {index + 1}: {outcome.error}")
+        if args.json:
+            record: dict[str, Any] = {"index": index, "prompt": prompt}
+            if outcome.result is not None:
+                record.update(
+                    completion=outcome.result.text,
+                    finish_reason=outcome.result.finish_reason.value,
+                    usage=dataclasses.asdict(outcome.result.usage),
+                    timing=dataclasses.asdict(outcome.result.timing),
+                )
+            else:
+                record["error"] = outcome.error
+            _out(json.dumps(record, ensure_ascii=False) + "\n")
+        elif outcome.result is not None:
+            _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n\n")
+        else:
+            _out(f"Prompt: {prompt}\nError: {outcome.error}\n\n")
+    failed = sum(o.error is not None for o in outcomes)
+    if failed:
+        _err(f"{failed} of {len(prompts)} prompts failed\n")
+    return EXIT_FAILED if failed else 0
+
+
+# ------------------------------------------------------------------------------------------------- REPL
+
+_HELP = """\
+Type a message to chat; the conversation is kept until /clear.
+  /temp X      sampling temperature (0 = greedy)
+  /topk N      keep the N most likely tokens (0 = off)
+  /topp P      nucleus sampling, 0 < P <= 1 (1 = off)
+  /tokens N    the most tokens per answer (0 = until EOS)
+  /seed N      random seed (/seed off for a fresh one each time)
+  /system TEXT the system message (/system alone removes it)
+  /config      show the settings
+  /clear       forget the conversation
+  /exit        leave (also quit, exit, Ctrl-D); Ctrl-C stops an answer
+  /help        this text
+"""
+
+
+def _parse_float(text: str, name: str, low: float, high: float | None = None) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    if math.isnan(value) or value < low or (high is not None and value > high):
+        bounds = f"between {_fmt_num(low)} and {_fmt_num(high)}" if high is not None else f">= {_fmt_num(low)}"
+        raise ValueError(f"{name} must be {bounds}, got {text}")
+    return value
+
+
+def _parse_int(text: str, name: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+class Repl:
+    """An interactive chat: keeps the user and assistant turns; slash commands change the settings."""
+
+    def __init__(self, client: Client, settings: GenSettings, *, mode: str = "text") -> None:
+        self.client = client
+        self.settings = settings
+        self.mode = mode
+        self.history: list[ChatMessage] = []
+        self._commands: dict[str, Callable[[str], bool]] = {
+            "/temp": self._set_temp,
+            "/temperature": self._set_temp,
+            "/topk": self._set_topk,
+            "/topp": self._set_topp,
+            "/tokens": self._set_tokens,
+            "/limit": self._set_tokens,
+            "/seed": self._set_seed,
+            "/system": self._set_system,
+            "/config": self._show_config,
+            "/clear": self._clear,
+            "/help": self._help,
+            "/exit": self._exit,
+            "/quit": self._exit,
+        }
+
+    def run(self) -> int:
+        _enable_line_editing()
+        if self.settings.raw:
+            _err("note: --raw is ignored in an interactive session (turns are sent as a chat)\n")
+        _err(f"tokenmill chat with {self.client.target}: /help for commands, /exit or Ctrl-D to leave\n")
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                _out("\n")
+                return 0
+            except KeyboardInterrupt:
+                _out("\n")  # Ctrl-C at the prompt drops the line, like Python's REPL
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("quit", "exit"):
+                return 0
+            if line.startswith("/"):
+                if not self._command(line):
+                    return 0
+                continue
+            self._answer(line)
+
+    def _command(self, line: str) -> bool:
+        """Runs a slash command; False means leave."""
+        name, _, arg = line.partition(" ")
+        handler = self._commands.get(name.lower())
+        if handler is None:
+            _error_line(f"unknown command {name} (/help lists the commands)")
+            return True
+        try:
+            return handler(arg.strip())
+        except ValueError as exc:
+            _error_line(str(exc))
+            return True
+
+    def _answer(self, question: str) -> None:
+        messages = self.settings.messages(self.history, question)
+        try:
+            last, answer = _stream_answer(self.client, self.settings, prompt=None, messages=messages, mode=self.mode)
+        except KeyboardInterrupt:
+            _err("[cancelled]\n")
+            return
+        except TokenmillError as exc:
+            _error_line(describe_error(exc))
+            return
+        if last is not None and last.finish_reason is FinishReason.LENGTH:
+            _err(f"[stopped at the limit of {self.settings.max_new_tokens} tokens: /tokens N to change it]\n")
+        elif last is not None and last.finish_reason is FinishReason.CONTEXT_LIMIT:
+            _err("[the conversation fills the model's context: /clear to start afresh]\n")
+        self.history += [ChatMessage("user", question), ChatMessage("assistant", answer)]
+
+    def _set_temp(self, arg: str) -> bool:
+        self.settings.temperature = _parse_float(arg, "temperature", 0.0)
+        _err(f"temperature = {_fmt_num(self.settings.temperature)}\n")
+        return True
+
+    def _set_topk(self, arg: str) -> bool:
+        self.settings.top_k = _parse_int(arg, "top_k")
+        _err(f"top_k = {self.settings.top_k or 'off'}\n")
+        return True
+
+    def _set_topp(self, arg: str) -> bool:
+        self.settings.top_p = _parse_float(arg, "top_p", 0.0, 1.0)
+        _err(f"top_p = {_fmt_num(self.settings.top_p)}\n")
+        return True
+
+    def _set_tokens(self, arg: str) -> bool:
+        self.settings.max_new_tokens = _parse_int(arg, "tokens")
+        _err(f"tokens = {self.settings.max_new_tokens or 'until EOS'}\n")
+        return True
+
+    def _set_seed(self, arg: str) -> bool:
+        self.settings.seed = None if arg.lower() in ("off", "none", "random") else _parse_int(arg, "seed")
+        _err(f"seed = {'random' if self.settings.seed is None else self.settings.seed}\n")
+        return True
+
+    def _set_system(self, arg: str) -> bool:
+        self.settings.system = arg or None
+        _err("system message set\n" if arg else "system message removed\n")
+        return True
+
+    def _show_config(self, arg: str) -> bool:
+        s = self.settings
+        _out(
+            f"server      {self.client.target}\n"
+            f"temperature {_fmt_num(s.temperature)}\n"
+            f"top_k       {s.top_k or 'off'}\n"
+            f"top_p       {_fmt_num(s.top_p)}\n"
+            f"tokens      {s.max_new_tokens or 'until EOS'}\n"
+            f"seed        {'random' if s.seed is None else s.seed}\n"
+            f"stop        {s.stop!r}\n"
+            f"system      {s.system!r}\n"
+            f"turns       {len(self.history) // 2}\n"
+        )
+        return True
+
+    def _clear(self, arg: str) -> bool:
+        self.history.clear()
+        _err("conversation cleared\n")
+        return True
+
+    def _help(self, arg: str) -> bool:
+        _out(_HELP)
+        return True
+
+    def _exit(self, arg: str) -> bool:
+        return False
+
+
+def _enable_line_editing() -> None:
+    """Line editing and history for input(), where readline exists (not on Windows)."""
+    try:
+        import readline
+    except ImportError:
+        return
+    readline.parse_and_bind("set editing-mode emacs")
+
+
+# ------------------------------------------------------------------------------------ info, tokenize, health
+
+
+def _format_model_info(info: ModelInfo) -> str:
+    lim, eng = info.limits, info.engine
+    lines = [
+        f"name            {info.name}",
+        f"context_length  {info.context_length}",
+        f"vocab_size      {info.vocab_size}",
+        f"backend         {info.backend}",
+        f"device          {info.device}",
+        f"dtype           {info.dtype}",
+        f"num_workers     {info.num_workers}",
+        (
+            f"limits          max_new_tokens={lim.max_new_tokens} max_top_logprobs={lim.max_top_logprobs} "
+            f"max_stop_strings={lim.max_stop_strings} max_queue={lim.max_queue} max_batch_size={lim.max_batch_size}"
+        ),
+        (
+            f"engine          running={eng.running} waiting={eng.waiting} "
+            f"kv_blocks={eng.kv_blocks_used}/{eng.kv_blocks_total} kv_block_size={eng.kv_block_size}"
+        ),
+    ]
+    for w in info.workers:
+        lines.append(
+            f"worker {w.worker_id:<8} {'alive' if w.alive else 'DEAD'} running={w.running} waiting={w.waiting} "
+            f"kv_blocks={w.kv_blocks_used}/{w.kv_blocks_total} restarts={w.restarts}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _client_from_args(args) as client:
+        info = client.model_info()
+    _out(_json_line(info) if args.json else _format_model_info(info))
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    with _client_from_args(args) as client:
+        tokens = client.tokenize([ChatMessage("user", args.text)] if args.chat else args.text)
+    if args.json:
+        _out(_json_line({"ids": list(tokens.ids), "pieces": list(tokens.pieces)}))
+    else:
+        _out(f"ids: {list(tokens.ids)}\npieces: {list(tokens.pieces)!r}\ncount: {len(tokens.ids)}\n")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    with _client_from_args(args) as client:
+        status = client.health(args.service)
+    _out(f"{status.value}\n")
+    return 0 if status.value == "SERVING" else EXIT_FAILED
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    """The same options on the main parser (with defaults) and each command (only overriding when given)."""
+
+    def default(value: Any) -> Any:
+        return value if top_level else argparse.SUPPRESS
+
+    group = parser.add_argument_group("connection")
+    group.add_argument(
+        "--server",
+        metavar="ADDRESS",
+        default=default(default_target()),
+        help="server address host:port (default: $TOKENMILL_SERVER, else localhost:50051)",
+    )
+    group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
+    group.add_argument(
+        "--root-certificates", metavar="PEM_FILE", default=default(None), help="trusted CA certificates (implies --tls)"
+    )
+    group.add_argument(
+        "--token",
+        default=default(os.environ.get(ENV_TOKEN) or None),
+        help=f"bearer token sent as 'authorization: Bearer TOKEN' (default: ${ENV_TOKEN})",
+    )
+    group.add_argument("--timeout", type=float, metavar="SECONDS", default=default(None), help="deadline of each call")
+    group.add_argument(
+        "--max-retries",
+        type=int,
+        metavar="N",
+        default=default(3),
+        help="retries while the server is unavailable, before any output (default: 3)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill-client", description="Talk to a tokenmill text-generation server.")
+    _connection_options(parser, top_level=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate text (streamed), chat interactively (-i), or run a file of prompts",
+        description="Generate text. By default the prompt is sent as a chat user message; --raw sends it as it is.",
+    )
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("-p", "--prompt", help="the prompt")
+    source.add_argument("-i", "--interactive", action="store_true", help="an interactive chat (REPL)")
+    source.add_argument("--input-file", metavar="FILE", help="one prompt per line ('-' = stdin), run concurrently")
+    gen.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default)")
+    gen.add_argument("-l", "--limit", type=int, default=0, metavar="N", help="max new tokens, 0 = until EOS (default)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, 1 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
+    gen.add_argument("--seed", type=int, default=None, help="random seed (same seed, same answer)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--system", metavar="TEXT", help="system message of the chat")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
+    gen.add_argument("--show-tokens", action="store_true", help="print one line per token: repr(text) and logprob")
+    gen.add_argument("--json", action="store_true", help="print JSON lines")
+    gen.add_argument("--concurrency", type=int, default=8, metavar="N", help="parallel requests for --input-file")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no settings summary or statistics on stderr")
+    _connection_options(gen, top_level=False)
+    gen.set_defaults(func=cmd_generate)
+
+    info = commands.add_parser("info", help="the model, limits and engine state")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    _connection_options(info, top_level=False)
+    info.set_defaults(func=cmd_info)
+
+    tok = commands.add_parser("tokenize", help="token ids and pieces of a text")
+    tok.add_argument("text")
+    tok.add_argument("--chat", action="store_true", help="tokenize the text as a chat user message")
+    tok.add_argument("--json", action="store_true", help="print JSON")
+    _connection_options(tok, top_level=False)
+    tok.set_defaults(func=cmd_tokenize)
+
+    health = commands.add_parser("health", help="the server's health status (exit code 0 when SERVING)")
+    health.add_argument("--service", default="", help="a service name (default: the whole server)")
+    _connection_options(health, top_level=False)
+    health.set_defaults(func=cmd_health)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except UsageError as exc:
+        _error_line(str(exc))
+        return EXIT_USAGE
+    except TokenmillError as exc:
+        _error_line(describe_error(exc))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _err("\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, without a second error at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

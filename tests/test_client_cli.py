@@ -1,0 +1,367 @@
+"""The tokenmill-client command line, run as a real process against a real tokenmill-server.
+
+The interactive session is driven through a real pseudo-terminal (stdlib pty), so readline, Ctrl-C
+and Ctrl-D behave as they do for a person at a terminal.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.server_process import free_port
+from tokenmill_client import Client, InvalidRequestError
+
+CLIENT = Path(sys.executable).parent / "tokenmill-client"
+QUESTION = "What is the capital of France?"
+
+
+def client_cmd(*args: str) -> list[str]:
+    """The installed console script when there is one, else the same main() through -m."""
+    if CLIENT.exists():
+        return [str(CLIENT), *args]
+    return [sys.executable, "-m", "tokenmill_client", *args]
+
+
+def run_cli(*args: str, timeout: float = 300, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_SERVER", "TOKENMILL_TOKEN")}
+    return subprocess.run(
+        client_cmd(*args), capture_output=True, text=True, timeout=timeout, input=stdin, env=env, check=False
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+# --------------------------------------------------------------------------------- no server needed
+
+
+def test_help_lists_the_commands() -> None:
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for command in ("generate", "info", "tokenize", "health", "--server"):
+        assert command in proc.stdout
+
+
+def test_unreachable_server_exits_nonzero_with_one_error_line_naming_the_address() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    for args in (
+        ("--server", address, "generate", "-p", QUESTION),
+        ("generate", "--server", address, "-p", QUESTION),
+        ("--server", address, "info"),
+        ("--server", address, "health"),
+        ("--server", address, "tokenize", "hello"),
+    ):
+        proc = run_cli(*args, "--max-retries", "1")
+        assert proc.returncode == 1, args
+        errors = error_lines(proc.stderr)
+        assert len(errors) == 1, proc.stderr
+        assert address in errors[0]
+        assert "Traceback" not in proc.stderr
+        assert proc.stdout == ""
+
+
+def test_missing_prompt_is_one_error_line_and_exit_code_2() -> None:
+    proc = run_cli("--server", f"127.0.0.1:{free_port()}", "generate")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [error_lines(proc.stderr)[0]]
+    assert "missing prompt" in proc.stderr
+
+
+def test_system_message_with_raw_prompt_is_a_usage_error() -> None:
+    proc = run_cli("generate", "-p", "hi", "--raw", "--system", "Be brief.")
+    assert proc.returncode == 2
+    assert len(error_lines(proc.stderr)) == 1
+
+
+def test_unreadable_input_file_is_a_usage_error(tmp_path: Path) -> None:
+    proc = run_cli("generate", "--input-file", str(tmp_path / "missing.txt"))
+    assert proc.returncode == 2
+    assert "missing.txt" in error_lines(proc.stderr)[0]
+
+
+# ------------------------------------------------------------------------------------- live server
+
+
+def test_generate_streams_an_answer_containing_paris(server_address: str) -> None:
+    proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "-l", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "temperature" in proc.stderr  # the settings summary goes to stderr, not stdout
+    assert "temperature" not in proc.stdout
+
+
+def test_raw_prompt_and_system_message_are_accepted(server_address: str) -> None:
+    raw = run_cli("generate", "--server", server_address, "-p", "The capital of France is", "--raw", "-l", "4")
+    assert raw.returncode == 0, raw.stderr
+    assert raw.stdout.strip()
+    system = run_cli("generate", "--server", server_address, "-p", QUESTION, "--system", "Answer briefly.", "-l", "16")
+    assert system.returncode == 0, system.stderr
+    assert system.stdout.strip()
+
+
+def test_show_tokens_prints_one_line_per_token_with_its_repr_and_logprob(server_address: str) -> None:
+    proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "--show-tokens", "-l", "8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert 1 <= len(lines) <= 8
+    texts = []
+    for line in lines:
+        text_repr, logprob = line.split("\t")
+        texts.append(ast.literal_eval(text_repr))
+        assert isinstance(texts[-1], str)
+        assert float(logprob) <= 0.0
+    assert "Paris" in "".join(texts)
+
+
+def test_json_prints_one_event_per_line_ending_with_the_finish_reason(server_address: str) -> None:
+    proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "--json", "-l", "8")
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert events[-1]["finish_reason"] in ("eos", "length")
+    assert events[-1]["usage"]["completion_tokens"] == sum(len(e["tokens"]) for e in events)
+    assert all(e["finish_reason"] is None for e in events[:-1])
+
+
+def test_invalid_argument_shows_the_servers_message_and_exits_nonzero(server_address: str) -> None:
+    with Client(server_address) as client, pytest.raises(InvalidRequestError) as info:
+        client.generate_text(messages=[("user", QUESTION)], top_p=2.0)
+    proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "--top-p", "2")
+    assert proc.returncode == 1
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1
+    assert info.value.message in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_info_tokenize_and_health_commands(server_address: str) -> None:
+    info = run_cli("info", "--server", server_address)
+    assert info.returncode == 0, info.stderr
+    assert re.search(r"^context_length\s+\d+$", info.stdout, re.MULTILINE)
+    info_json = json.loads(run_cli("info", "--server", server_address, "--json").stdout)
+    assert info_json["num_workers"] == len(info_json["workers"])
+
+    tok = run_cli("tokenize", "--server", server_address, "Hello world", "--json")
+    assert tok.returncode == 0, tok.stderr
+    data = json.loads(tok.stdout)
+    assert len(data["ids"]) == len(data["pieces"]) >= 2
+    assert "".join(data["pieces"]) == "Hello world"
+
+    health = run_cli("health", "--server", server_address)
+    assert health.returncode == 0
+    assert health.stdout.strip() == "SERVING"
+
+
+def test_input_file_gives_every_completion_in_input_order(server_address: str, tmp_path: Path) -> None:
+    prompts = [f"What is {i} plus {i}?" for i in range(1, 21)]
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(p + ("\n" if i % 5 == 0 else "") for i, p in enumerate(prompts)) + "\n\n")
+    proc = run_cli("--server", server_address, "generate", "--input-file", str(path), "-l", "8", "--concurrency", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert re.findall(r"^Prompt: (.*)$", proc.stdout, re.MULTILINE) == prompts
+    assert len(re.findall(r"^Completion: ", proc.stdout, re.MULTILINE)) == 20
+    assert "20/20" in proc.stderr  # the progress bar
+
+    as_json = run_cli("--server", server_address, "generate", "--input-file", str(path), "-l", "4", "--json", "--raw")
+    assert as_json.returncode == 0, as_json.stderr
+    records = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == prompts
+    assert [r["index"] for r in records] == list(range(20))
+    assert all(r["finish_reason"] in ("eos", "length") for r in records)
+
+
+def test_input_file_reports_a_failed_prompt_and_finishes_the_rest(server_address: str, tmp_path: Path) -> None:
+    with Client(server_address) as client:
+        context = client.model_info().context_length
+    too_long = "hello " * (context + 64)
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{QUESTION}\n{too_long}\nSay hi.\n")
+    proc = run_cli("--server", server_address, "generate", "--input-file", str(path), "-l", "8")
+    assert proc.returncode == 1
+    blocks = proc.stdout.strip().split("\n\n")
+    assert len(blocks) == 3
+    assert blocks[0].startswith(f"Prompt: {QUESTION}\nCompletion: ")
+    assert "\nError: " in blocks[1]
+    assert blocks[2].startswith("Prompt: Say hi.\nCompletion: ")
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and "prompt 2" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------- REPL
+
+
+class PtySession:
+    """A process whose stdin, stdout and stderr are a pseudo-terminal that it has as controlling terminal."""
+
+    def __init__(self, argv: list[str]) -> None:
+        master, slave = os.openpty()
+        env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_SERVER", "TOKENMILL_TOKEN")}
+        env.update(TERM="dumb", PYTHONUNBUFFERED="1")
+        # A new session whose controlling terminal is the pty, so Ctrl-C (0x03) sends it SIGINT.
+        # Done by a tiny exec wrapper rather than preexec_fn, which is unsafe in a threaded parent.
+        wrapper = (
+            "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", wrapper, *argv],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+            env=env,
+        )
+        os.close(slave)
+        self.master = master
+        self.output = ""
+        self.pos = 0
+
+    def _read(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.master], [], [], timeout)
+        if not ready:
+            return True
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            return False
+        if not data:
+            return False
+        self.output += data.decode("utf-8", errors="replace").replace("\r\n", "\n")
+        return True
+
+    def expect(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
+        """Waits for ``pattern`` (a regex) in the output after the previous match."""
+        regex = re.compile(pattern, re.MULTILINE)
+        deadline = time.monotonic() + timeout
+        while True:
+            match = regex.search(self.output, self.pos)
+            if match:
+                self.pos = match.end()
+                return match
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._read(min(remaining, 0.5)):
+                match = regex.search(self.output, self.pos)
+                if match:
+                    self.pos = match.end()
+                    return match
+                raise AssertionError(f"{pattern!r} not seen; output after the last match:\n{self.output[self.pos :]}")
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def wait(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self._read(0.1)
+        return self.proc.wait(timeout=1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.close(self.master)
+
+
+PROMPT = r"^>>> "
+
+
+@pytest.fixture
+def repl(server_address: str) -> Iterator[PtySession]:
+    session = PtySession(client_cmd("--server", server_address, "generate", "-i", "-l", "24"))
+    session.expect(PROMPT, timeout=60)
+    yield session
+    session.close()
+
+
+def test_repl_changes_settings_answers_keeps_the_conversation_and_exits(repl: PtySession) -> None:
+    repl.send("/temp 0.7\n")
+    repl.expect(r"temperature = 0\.7")
+    repl.expect(PROMPT)
+    repl.send("/seed 11\n")
+    repl.expect(PROMPT)
+    repl.send("/config\n")
+    repl.expect(r"^temperature\s+0\.7$")
+    repl.expect(r"^seed\s+11$")
+    repl.expect(r"^turns\s+0$")
+    repl.expect(PROMPT)
+
+    repl.send(QUESTION + "\n")
+    start = repl.pos
+    after = repl.expect(PROMPT, timeout=180)
+    answer = repl.output[start : after.start()].replace(QUESTION, "", 1)  # less the echoed question
+    assert answer.strip()
+    repl.send("/config\n")
+    repl.expect(r"^turns\s+1$")
+    repl.expect(PROMPT)
+
+    repl.send("/clear\n")
+    repl.expect("conversation cleared")
+    repl.expect(PROMPT)
+    repl.send("/config\n")
+    repl.expect(r"^turns\s+0$")
+    repl.expect(PROMPT)
+
+    repl.send("/exit\n")
+    assert repl.wait() == 0
+
+
+def test_repl_unknown_command_and_bad_values_print_an_error_and_go_on(repl: PtySession) -> None:
+    repl.send("/frobnicate\n")
+    repl.expect(r"error: unknown command /frobnicate")
+    repl.expect(PROMPT)
+    repl.send("/temp warm\n")
+    repl.expect(r"error: temperature must be a number")
+    repl.expect(PROMPT)
+    repl.send("/topp 1.5\n")
+    repl.expect(r"error: top_p must be between 0 and 1")
+    repl.expect(PROMPT)
+    repl.send("/help\n")
+    repl.expect(r"/clear")
+    repl.expect(PROMPT)
+    repl.send("/config\n")
+    repl.expect(r"^temperature\s+0$")  # the bad values changed nothing
+    repl.expect(r"^top_p\s+1$")
+    repl.expect(PROMPT)
+    assert repl.proc.poll() is None
+    repl.send("quit\n")
+    assert repl.wait() == 0
+
+
+def test_repl_ctrl_c_cancels_the_answer_not_the_session_and_ctrl_d_leaves(
+    repl: PtySession, server_address: str
+) -> None:
+    repl.send("/tokens 2000\n")
+    repl.expect(PROMPT)
+    repl.send("Write a very long story about a dragon who learns to cook.\n")
+    repl.expect(r"cook\.\n\s*\S")  # the echo, then the first piece of the answer
+    repl.send("\x03")
+    repl.expect(r"\[cancelled\]")
+    repl.expect(PROMPT)
+    with Client(server_address) as client:  # the server stopped generating
+        for _ in range(100):
+            engine = client.model_info().engine
+            if engine.running == 0 and engine.waiting == 0:
+                break
+            time.sleep(0.1)
+        assert engine.running == 0 and engine.waiting == 0
+    repl.send("/config\n")
+    repl.expect(r"^turns\s+0$")  # the cancelled turn is not kept
+    repl.expect(PROMPT)
+    repl.send("\x04")
+    assert repl.wait() == 0
