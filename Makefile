@@ -33,7 +33,7 @@ test: install tools
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict client/tokenmill_client
+	$(BIN)/mypy --strict client/tokenmill_client client/examples
 
 proto: install
 	$(BIN)/python scripts/gen_proto.py

@@ -14,6 +14,7 @@ from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typing_extensions import Self
 
 SERVER = Path(sys.executable).parent / "tokenmill-server"
 
@@ -73,7 +74,7 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

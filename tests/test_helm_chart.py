@@ -31,18 +31,14 @@ def _kubernetes_validate() -> str:
         return str(beside_python)
     found = shutil.which("kubernetes-validate")
     if found is None:
-        pytest.fail(
-            "kubernetes-validate is not installed (it is in the dev extra: make install)"
-        )
+        pytest.fail("kubernetes-validate is not installed (it is in the dev extra: make install)")
     return found
 
 
 @pytest.fixture(scope="session")
 def helm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if not (HELM.exists() and os.access(HELM, os.X_OK)):
-        pytest.fail(
-            f"{HELM} is missing: run `make tools` (bash scripts/install_tools.sh)"
-        )
+        pytest.fail(f"{HELM} is missing: run `make tools` (bash scripts/install_tools.sh)")
     home = tmp_path_factory.mktemp("helm-home")
     env = dict(os.environ)
     env.update(
@@ -73,9 +69,7 @@ def template(env: dict[str, str], *flags: str, chart: Path = CHART) -> str:
         timeout=120,
         check=False,
     )
-    assert result.returncode == 0, (
-        f"helm template {' '.join(flags)} failed:\n{result.stderr}"
-    )
+    assert result.returncode == 0, f"helm template {' '.join(flags)} failed:\n{result.stderr}"
     return result.stdout
 
 
@@ -88,9 +82,7 @@ def template_error(env: dict[str, str], *flags: str) -> str:
         timeout=120,
         check=False,
     )
-    assert result.returncode != 0, (
-        f"helm template {' '.join(flags)} rendered, expected a rejection"
-    )
+    assert result.returncode != 0, f"helm template {' '.join(flags)} rendered, expected a rejection"
     return result.stderr
 
 
@@ -126,9 +118,7 @@ def assert_valid_kubernetes(rendered: str, tmp_path: Path) -> None:
         timeout=120,
         check=False,
     )
-    assert result.returncode == 0, (
-        f"kubernetes-validate rejected the manifests:\n{result.stdout}{result.stderr}"
-    )
+    assert result.returncode == 0, f"kubernetes-validate rejected the manifests:\n{result.stdout}{result.stderr}"
     # Every rendered document was checked (and none was skipped as unknown).
     kinds = [doc["kind"] for doc in documents(rendered)]
     assert result.stdout.count("passed for resource") == len(kinds), result.stdout
@@ -207,15 +197,9 @@ def test_default_render_has_native_grpc_startup_readiness_and_liveness_probes(
     assert grpc_port == 50051
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == grpc_port, probe
-        assert (
-            "httpGet" not in c[probe]
-            and "exec" not in c[probe]
-            and "tcpSocket" not in c[probe]
-        )
+        assert "httpGet" not in c[probe] and "exec" not in c[probe] and "tcpSocket" not in c[probe]
     startup = c["startupProbe"]
-    assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, (
-        "model load needs >= 10 minutes"
-    )
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "model load needs >= 10 minutes"
 
 
 def test_startup_probe_budget_is_configurable(helm_env: dict[str, str]) -> None:
@@ -268,9 +252,7 @@ def test_device_cuda_without_gpus_is_rejected(helm_env: dict[str, str]) -> None:
 def test_dev_shm_is_a_memory_backed_emptydir(helm_env: dict[str, str]) -> None:
     rendered = template(helm_env, *GPU_FLAGS, "--set", "shm.sizeLimit=8Gi")
     pod = deployment(rendered)["spec"]["template"]["spec"]
-    mount = next(
-        m for m in container(rendered)["volumeMounts"] if m["mountPath"] == "/dev/shm"
-    )
+    mount = next(m for m in container(rendered)["volumeMounts"] if m["mountPath"] == "/dev/shm")
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
 
@@ -288,10 +270,7 @@ def test_autoscaling_render_has_an_hpa_and_the_deployment_omits_replicas(
     }
     assert hpa["spec"]["minReplicas"] == 1 and hpa["spec"]["maxReplicas"] == 6
     (metric,) = hpa["spec"]["metrics"]
-    assert (
-        metric["resource"]["name"] == "cpu"
-        and metric["resource"]["target"]["type"] == "Utilization"
-    )
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
     assert "replicas" not in deployment(rendered)["spec"]
 
 
@@ -344,9 +323,7 @@ def test_termination_grace_period_not_above_drain_seconds_is_rejected(
             "autoscaling.enabled: Invalid type",
             id="hpa-string",
         ),
-        pytest.param(
-            ("--set", "server.device=tpu"), "server.device", id="unknown-device"
-        ),
+        pytest.param(("--set", "server.device=tpu"), "server.device", id="unknown-device"),
         pytest.param(
             ("--set", "gpus=2"),
             "Additional property gpus is not allowed",
@@ -369,23 +346,16 @@ def test_pvc_model_source_mounts_the_claim_read_only_and_points_the_server_at_th
     pod = deployment(rendered)["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if "persistentVolumeClaim" in v)
     assert volume["persistentVolumeClaim"]["claimName"] == "llm-models"
-    mount = next(
-        m for m in container(rendered)["volumeMounts"] if m["name"] == volume["name"]
-    )
+    mount = next(m for m in container(rendered)["volumeMounts"] if m["name"] == volume["name"])
     assert mount["readOnly"] is True
     assert mount["subPath"] == "smollm2"
-    assert (
-        env_of(rendered)["TOKENMILL_MODEL"]
-        == f"{mount['mountPath']}/SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    assert env_of(rendered)["TOKENMILL_MODEL"] == f"{mount['mountPath']}/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_pvc_model_source_without_a_claim_name_is_rejected(
     helm_env: dict[str, str],
 ) -> None:
-    assert "model.pvc.claimName" in template_error(
-        helm_env, "--set", "model.source=pvc"
-    )
+    assert "model.pvc.claimName" in template_error(helm_env, "--set", "model.source=pvc")
 
 
 def test_hostpath_model_source_mounts_the_node_directory(
@@ -466,16 +436,10 @@ def test_every_tokenmill_variable_the_chart_sets_is_a_valid_server_setting(
 ) -> None:
     from tokenmill_service.config import Settings, env_name, load_settings
 
-    env = {
-        k: v
-        for k, v in env_of(template(helm_env, *flags)).items()
-        if k.startswith("TOKENMILL_")
-    }
+    env = {k: v for k, v in env_of(template(helm_env, *flags)).items() if k.startswith("TOKENMILL_")}
     known = {env_name(f) for f in Settings.__dataclass_fields__}
     assert set(env) <= known, f"unknown to tokenmill-server: {sorted(set(env) - known)}"
-    settings = load_settings(
-        [], environ=env
-    )  # parses and validates, as the server does at start
+    settings = load_settings([], environ=env)  # parses and validates, as the server does at start
     assert settings.host == "0.0.0.0" and settings.port == 50051
     assert settings.metrics_port == 9090 and settings.log_format == "json"
     assert settings.device == ("cuda" if "gpu=2" in flags else "cpu")
@@ -486,9 +450,7 @@ def test_auth_token_comes_from_an_existing_secret_only_when_named(
 ) -> None:
     assert "TOKENMILL_AUTH_TOKEN" not in env_of(template(helm_env))
     rendered = template(helm_env, "--set", "server.authTokenSecret.name=tokenmill-auth")
-    (item,) = [
-        e for e in container(rendered)["env"] if e["name"] == "TOKENMILL_AUTH_TOKEN"
-    ]
+    (item,) = [e for e in container(rendered)["env"] if e["name"] == "TOKENMILL_AUTH_TOKEN"]
     assert item == {
         "name": "TOKENMILL_AUTH_TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "tokenmill-auth", "key": "token"}},
@@ -499,9 +461,7 @@ def test_empty_kv_cache_memory_leaves_the_size_to_the_server(
     helm_env: dict[str, str],
 ) -> None:
     assert env_of(template(helm_env))["TOKENMILL_KV_CACHE_MEMORY"] == "1GiB"
-    assert "TOKENMILL_KV_CACHE_MEMORY" not in env_of(
-        template(helm_env, "--set", "server.kvCacheMemory=")
-    )
+    assert "TOKENMILL_KV_CACHE_MEMORY" not in env_of(template(helm_env, "--set", "server.kvCacheMemory="))
 
 
 def test_pod_runs_non_root_with_a_read_only_root_filesystem_and_a_writable_tmp(
@@ -517,15 +477,10 @@ def test_pod_runs_non_root_with_a_read_only_root_filesystem_and_a_writable_tmp(
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
-    tmp = next(
-        m for m in container(rendered)["volumeMounts"] if m["mountPath"] == "/tmp"
-    )
+    tmp = next(m for m in container(rendered)["volumeMounts"] if m["mountPath"] == "/tmp")
     assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == tmp["name"])
     assert pod["automountServiceAccountToken"] is False
-    assert (
-        pod["serviceAccountName"]
-        == by_kind(rendered, "ServiceAccount")[0]["metadata"]["name"]
-    )
+    assert pod["serviceAccountName"] == by_kind(rendered, "ServiceAccount")[0]["metadata"]["name"]
 
 
 def test_service_is_cluster_ip_with_grpc_and_metrics_ports(
@@ -536,9 +491,7 @@ def test_service_is_cluster_ip_with_grpc_and_metrics_ports(
     assert service["spec"]["type"] == "ClusterIP"
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert ports["grpc"]["port"] == 50051 and ports["grpc"]["targetPort"] == "grpc"
-    assert (
-        ports["metrics"]["port"] == 9090 and ports["metrics"]["targetPort"] == "metrics"
-    )
+    assert ports["metrics"]["port"] == 9090 and ports["metrics"]["targetPort"] == "metrics"
     pod_labels = deployment(rendered)["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
@@ -555,10 +508,7 @@ def test_pod_disruption_budget_selects_the_pods(helm_env: dict[str, str]) -> Non
     rendered = template(helm_env)
     (pdb,) = by_kind(rendered, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
-    assert (
-        pdb["spec"]["selector"]["matchLabels"]
-        == deployment(rendered)["spec"]["selector"]["matchLabels"]
-    )
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment(rendered)["spec"]["selector"]["matchLabels"]
 
 
 def test_servicemonitor_is_off_by_default_and_renders_when_enabled(
@@ -578,10 +528,7 @@ def test_servicemonitor_is_off_by_default_and_renders_when_enabled(
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     (service,) = by_kind(rendered, "Service")
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items()
-        <= service["metadata"]["labels"].items()
-    )
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
 
 def test_scheduling_values_reach_the_pod(helm_env: dict[str, str]) -> None:
@@ -599,9 +546,7 @@ def test_scheduling_values_reach_the_pod(helm_env: dict[str, str]) -> None:
     )
     pod = deployment(rendered)["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert pod["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    ]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
 def test_notes_tell_how_to_call_the_service_with_grpcurl_and_tokenmill_client(
@@ -612,12 +557,8 @@ def test_notes_tell_how_to_call_the_service_with_grpcurl_and_tokenmill_client(
     shutil.copytree(CHART, chart)
     notes = (chart / "templates" / "NOTES.txt").read_text()
     (chart / "templates" / "NOTES.txt").unlink()
-    (chart / "templates" / "_notes.tpl").write_text(
-        '{{- define "test.notes" -}}\n' + notes + "{{- end }}\n"
-    )
-    (chart / "templates" / "notes.yaml").write_text(
-        'notes: {{ include "test.notes" . | toJson }}\n'
-    )
+    (chart / "templates" / "_notes.tpl").write_text('{{- define "test.notes" -}}\n' + notes + "{{- end }}\n")
+    (chart / "templates" / "notes.yaml").write_text('notes: {{ include "test.notes" . | toJson }}\n')
     rendered = template(helm_env, "--show-only", "templates/notes.yaml", chart=chart)
     text = yaml.safe_load(rendered)["notes"]
     assert f"port-forward svc/{RELEASE}-tokenmill 50051:50051" in text
@@ -626,9 +567,7 @@ def test_notes_tell_how_to_call_the_service_with_grpcurl_and_tokenmill_client(
     assert "tokenmill-client" in text
 
 
-def _values_leaves(
-    values: dict[str, Any], documented: set[str], prefix: str = ""
-) -> dict[str, Any]:
+def _values_leaves(values: dict[str, Any], documented: set[str], prefix: str = "") -> dict[str, Any]:
     leaves: dict[str, Any] = {}
     for key, value in values.items():
         path = prefix + key
@@ -656,8 +595,4 @@ def test_values_schema_accepts_the_default_values_keys() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(values) <= set(schema["properties"])
     assert {"gpu", "tensorParallel", "autoscaling"} <= set(values)
-    assert (
-        values["gpu"] == 0
-        and values["tensorParallel"] == 1
-        and values["autoscaling"]["enabled"] is False
-    )
+    assert values["gpu"] == 0 and values["tensorParallel"] == 1 and values["autoscaling"]["enabled"] is False

@@ -38,7 +38,9 @@ class Settings:
     workers: int = field(default=0, metadata={"help": "worker processes, one per device (0: 1 on CPU, one per GPU)"})
     tensor_parallel: int = field(default=1, metadata={"help": "devices per model replica"})
     backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
-    dtype: str = field(default="float32", metadata={"help": "weights and activations", "choices": ["float32", "bfloat16"]})
+    dtype: str = field(
+        default="float32", metadata={"help": "weights and activations", "choices": ["float32", "bfloat16"]}
+    )
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
     max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})

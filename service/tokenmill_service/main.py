@@ -85,7 +85,7 @@ async def serve(settings: Settings) -> int:
             "server_ready",
             address=address,
             try_it=f"tokenmill-client --server {address} generate -p 'What is the capital of France?'",
-            grpcurl=f"grpcurl -plaintext -d '{{\"prompt\": \"Hello\"}}' {address} tokenmill.v1.Generation/Generate",
+            grpcurl=f'grpcurl -plaintext -d \'{{"prompt": "Hello"}}\' {address} tokenmill.v1.Generation/Generate',
         )
         await stopping
     elif starting.done():

@@ -18,9 +18,7 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "tokenmill_requests", "Generate calls by final gRPC status code", ["code"], registry=r
-        )
+        self.requests = Counter("tokenmill_requests", "Generate calls by final gRPC status code", ["code"], registry=r)
         self.queue_time = Histogram(
             "tokenmill_queue_seconds", "Time from arrival until the request first runs", buckets=_LATENCY, registry=r
         )

@@ -307,6 +307,9 @@ class Router:
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         worker.inflight[engine_id] = queue
         self._send(worker, ("add", request))
+        # Bound for the rest of this call's task: the servicer's request_finished line names the worker.
+        structlog.contextvars.bind_contextvars(worker_id=worker.worker_id)
+        log.debug("request_dispatched", worker_id=worker.worker_id, engine_id=engine_id, load=len(worker.inflight))
         done = False
         try:
             while True:

@@ -77,7 +77,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         metadata = dict(context.invocation_metadata() or ())
         if metadata.get("authorization") != f"Bearer {self.settings.auth_token}":
-            raise CallError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata")
+            raise CallError(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata"
+            )
 
     @staticmethod
     def _request_id(request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -90,7 +92,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- RPCs ---------------------------------------------------------------------------------
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.monotonic()
@@ -117,7 +119,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 while True:
                     remaining = context.time_remaining()
                     if remaining is not None and remaining <= 0:
-                        raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation ended")
+                        raise CallError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation ended"
+                        )
                     try:
                         out: RequestOutput = await asyncio.wait_for(anext(stream), remaining)
                     except StopAsyncIteration:
@@ -200,9 +204,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if error:
             fields["error"] = error
         log.info("request_finished", **fields)
-        structlog.contextvars.unbind_contextvars("request_id")
+        structlog.contextvars.unbind_contextvars("request_id", "worker_id")
 
-    async def Tokenize(  # noqa: N802
+    async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TokenizeResponse:
         try:
@@ -214,7 +218,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(exc.code, exc.message)
         return pb.TokenizeResponse(ids=ids, pieces=[self.tokenizer.token_text(i) for i in ids])
 
-    async def GetModelInfo(  # noqa: N802
+    async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInfo:
         try:

@@ -96,7 +96,9 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
             f"stopping.max_new_tokens must be <= {limits.max_new_tokens} (the server's limit); given {s.max_new_tokens}"
         )
     if len(s.stop) > limits.max_stop_strings:
-        raise InvalidRequest(f"stopping.stop holds {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed")
+        raise InvalidRequest(
+            f"stopping.stop holds {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed"
+        )
     for i, stop in enumerate(s.stop):
         if not stop:
             raise InvalidRequest(f"stopping.stop[{i}] is empty")
