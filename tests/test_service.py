@@ -195,7 +195,7 @@ def test_bad_input_is_invalid_argument_with_a_message(
 
 def test_prompt_beyond_the_context_names_both_numbers(stub: pb_grpc.GenerationStub) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        generate(stub, prompt="hello " * 5000, stopping=pb.StoppingParams(max_new_tokens=4000))
+        generate(stub, token_ids=pb.TokenIds(ids=[28] * 5000), stopping=pb.StoppingParams(max_new_tokens=4000))
     assert "given 5000 prompt tokens and max_new_tokens 4000" in err.value.details()
 
 

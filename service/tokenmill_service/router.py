@@ -14,7 +14,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -289,8 +288,8 @@ class Router:
         serving = sum(1 for w in self.workers if w.serving)
         return serving * self.settings.max_batch_size + self.settings.max_queue
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; leaving early (cancel, deadline) cancels it in its worker."""
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
         candidates = [w for w in self.workers if w.serving]
@@ -302,27 +301,47 @@ class Router:
                 f"queue size {self.settings.max_queue}); retry later"
             )
         worker = min(candidates, key=lambda w: len(w.inflight))
-        engine_id = uuid.uuid4().hex
-        request.request_id = engine_id
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        worker.inflight[engine_id] = queue
+        # The engine's id is ours, unique; the caller's request_id stays in the servicer.
+        request.request_id = uuid.uuid4().hex
+        stream = RequestStream(self, worker, request.request_id)
+        worker.inflight[request.request_id] = stream.queue
         self._send(worker, ("add", request))
-        # Bound for the rest of this call's task: the servicer's request_finished line names the worker.
-        structlog.contextvars.bind_contextvars(worker_id=worker.worker_id)
-        log.debug("request_dispatched", worker_id=worker.worker_id, engine_id=engine_id, load=len(worker.inflight))
-        done = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:
-                worker.inflight.pop(engine_id, None)
-                if worker.alive:
-                    self._send(worker, ("cancel", engine_id))
+        log.debug("request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight))
+        return stream
+
+
+class RequestStream:
+    """One admitted request's outputs, in order; closing it early cancels the request in its worker."""
+
+    def __init__(self, router: Router, worker: WorkerHandle, engine_id: str) -> None:
+        self.router = router
+        self.worker = worker
+        self.engine_id = engine_id
+        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.done = False
+
+    @property
+    def worker_id(self) -> int:
+        return self.worker.worker_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Stop the request if it is still going (the caller left, or its deadline passed)."""
+        if self.done:
+            return
+        self.done = True
+        self.worker.inflight.pop(self.engine_id, None)
+        if self.worker.alive:
+            self.router._send(self.worker, ("cancel", self.engine_id))

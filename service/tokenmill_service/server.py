@@ -112,7 +112,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except InvalidRequest as exc:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             prompt_len = len(engine_request.prompt_ids)
-            stream = self.router.generate(engine_request)
+            stream = self.router.submit(engine_request)
+            structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
             last_at = arrival
             queue_s = 0.0
             try:
@@ -159,7 +160,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         response.timing.total_ms = (now - arrival) * 1000
                     yield response
             finally:
-                await stream.aclose()
+                stream.close()
         except CallError as exc:
             code, error = exc.code, exc.message
         except Rejected as exc:
