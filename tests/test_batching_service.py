@@ -1,0 +1,94 @@
+"""Continuous batching through the RPC: many streams at once, cancellation, batch-independent seeds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> list[int]:
+    ids: list[int] = []
+    async for msg in stub.Generate(request, timeout=300):
+        ids.extend(t.id for t in msg.tokens)
+    return ids
+
+
+async def engine_state(stub: pb_grpc.GenerationStub) -> pb.EngineState:
+    info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    return info.engine
+
+
+def chat(text: str) -> pb.Messages:
+    return pb.Messages(messages=[pb.ChatMessage(role="user", content=text)])
+
+
+def test_64_concurrent_streams_all_finish_and_cancelling_32_frees_every_block(server_address: str) -> None:
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(server_address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            stop = pb.StoppingParams(max_new_tokens=24, ignore_eos=True)
+            calls = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", stopping=stop), timeout=300) for i in range(64)]
+            # Cancel half of them once each has produced its first message.
+            for call in calls[:32]:
+                await call.read()
+                call.cancel()
+            finished = []
+            for call in calls[32:]:
+                tokens = 0
+                async for msg in call:
+                    tokens += len(msg.tokens)
+                    if msg.finish_reason:
+                        finished.append((msg.finish_reason, tokens))
+            assert finished == [(pb.FINISH_REASON_LENGTH, 24)] * 32
+            for call in calls[:32]:
+                assert await call.code() == grpc.StatusCode.CANCELLED
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                state = await engine_state(stub)
+                if state.kv_blocks_used == 0 and state.running == 0 and state.waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (state.kv_blocks_used, state.running, state.waiting) == (0, 0, 0)
+            assert state.kv_blocks_total > 0
+
+    run(main())
+
+
+def test_seeded_and_greedy_tokens_are_the_same_alone_and_among_15_others(server_address: str) -> None:
+    seeded = pb.GenerateRequest(
+        chat=chat("Write a haiku about the sea."),
+        sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=77),
+        stopping=pb.StoppingParams(max_new_tokens=20, ignore_eos=True),
+    )
+    greedy = pb.GenerateRequest(
+        chat=chat("Name three rivers."), stopping=pb.StoppingParams(max_new_tokens=20, ignore_eos=True)
+    )
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(server_address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            alone_seeded = await collect(stub, seeded)
+            alone_greedy = await collect(stub, greedy)
+            others = [
+                pb.GenerateRequest(
+                    prompt=f"Item {i} of the list is",
+                    sampling=pb.SamplingParams(temperature=1.0),
+                    stopping=pb.StoppingParams(max_new_tokens=10 + i, ignore_eos=True),
+                )
+                for i in range(14)
+            ]
+            results = await asyncio.gather(*(collect(stub, r) for r in [*others[:7], seeded, greedy, *others[7:]]))
+            assert results[7] == alone_seeded
+            assert results[8] == alone_greedy
+
+    run(main())
