@@ -45,7 +45,7 @@ def default_model(default_model_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One real server (default model, one worker) shared by the integration tests."""
-    proc = ServerProcess("--drain-seconds", "5", metrics=True).start()
+    proc = ServerProcess("--dtype", "float32", "--drain-seconds", "5", metrics=True).start()
     yield proc
     proc.stop()
 

@@ -223,7 +223,7 @@ def test_gpu_render_requests_nvidia_gpus_sets_device_cuda_and_one_worker_per_rep
     assert env["TOKENMILL_DEVICE"] == "cuda"
     assert env["TOKENMILL_TENSOR_PARALLEL"] == "2"
     assert env["TOKENMILL_WORKERS"] == "2"
-    assert env["TOKENMILL_DTYPE"] == "bfloat16"
+    assert env["TOKENMILL_DTYPE"] == "auto"
     assert c["image"].endswith("-cuda")
 
 

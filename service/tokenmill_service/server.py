@@ -230,7 +230,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         info = next((w.info for w in self.router.workers if w.info is not None), None)
         reply = pb.ModelInfo(
             backend=s.backend,
-            dtype=s.dtype,
             num_workers=len(self.router.workers),
             vocab_size=self.tokenizer.vocab_size,
             limits=pb.Limits(
@@ -243,6 +242,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
         if info is not None:
             reply.name, reply.context_length, reply.device = info.model_name, info.context_length, info.device
+            reply.dtype = info.dtype
         for w in self.router.workers:
             state = reply.workers.add(worker_id=w.worker_id, alive=w.serving, restarts=w.restarts)
             if w.stats is not None and w.serving:

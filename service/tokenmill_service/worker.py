@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from tokenmill_service.dtypes import dtype_name, resolve_dtype
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.request import GenerationRequest, RequestError, StoppingParams
 from tokenmill_service.log_setup import configure_logging
@@ -86,7 +87,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 context_length=engine.max_model_len,
                 vocab_size=engine.tokenizer.vocab_size,
                 device=str(next(engine.model.parameters()).device),
-                dtype=spec.dtype,
+                dtype=dtype_name(next(engine.model.parameters()).dtype),
                 kv_blocks_total=stats.kv_blocks_total,
                 kv_block_size=stats.kv_block_size,
             ),
@@ -118,7 +119,7 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     dist.init_process_group(backend=backend, init_method="env://", rank=spec.rank, world_size=spec.world_size)
     log.info("distributed_initialized", backend=backend, world_size=spec.world_size, master_port=spec.master_port)
     device = f"cuda:{spec.rank}" if spec.device == "cuda" else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+    dtype = resolve_dtype(spec.dtype, device)
     engine = LLMEngine.from_path(spec.model or None, spec.engine, dtype=dtype, device=device)
     # Warm-up: one real prefill and decode, so the first caller does not pay for lazy set-up.
     warm = engine.tokenizer.encode("Hello")

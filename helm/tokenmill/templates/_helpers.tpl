@@ -74,16 +74,10 @@ The device: server.device, or cuda when gpu > 0, else cpu.
 {{- end }}
 
 {{/*
-The dtype: server.dtype, or bfloat16 on cuda, float32 on cpu.
+The dtype: server.dtype, or auto (the server picks bfloat16 where the CPU or GPU runs it natively).
 */}}
 {{- define "tokenmill.dtype" -}}
-{{- if .Values.server.dtype }}
-{{- .Values.server.dtype }}
-{{- else if eq (include "tokenmill.device" .) "cuda" }}
-{{- "bfloat16" }}
-{{- else }}
-{{- "float32" }}
-{{- end }}
+{{- default "auto" .Values.server.dtype }}
 {{- end }}
 
 {{/*

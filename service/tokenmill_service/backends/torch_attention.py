@@ -92,15 +92,27 @@ def paged_attention(
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    assert meta.block_tables is not None
+    assert meta.block_tables is not None and meta.context_lens_tensor is not None
     if meta.is_decode_only:
-        assert meta.context_lens_tensor is not None
         return _batched_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens_tensor, scale)
 
-    outs, start = [], 0
+    # A mixed step (prefill chunks beside decodes): the decodes still go through one batched
+    # call, each prefill chunk attends on its own.
+    out = torch.empty_like(q)
+    starts = [0]
+    for n in meta.query_lens:
+        starts.append(starts[-1] + n)
+    decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    if decodes:
+        seq_idx = torch.tensor(decodes, dtype=torch.long, device=q.device)
+        tok_idx = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=q.device)
+        out[tok_idx] = _batched_decode_attention(
+            q[tok_idx], k_cache, v_cache, meta.block_tables[seq_idx], meta.context_lens_tensor[seq_idx], scale
+        )
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        if n == 1:
+            continue
         kc = _gather_context(k_cache, meta.block_tables[i], ctx)
         vc = _gather_context(v_cache, meta.block_tables[i], ctx)
-        outs.append(_causal_attention(q[start : start + n], kc, vc, scale))
-        start += n
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+        out[starts[i] : starts[i + 1]] = _causal_attention(q[starts[i] : starts[i + 1]], kc, vc, scale)
+    return out
