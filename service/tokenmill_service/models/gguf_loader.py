@@ -1,0 +1,288 @@
+"""Read a GGUF checkpoint (llama.cpp's format) into a ``ModelConfig`` and a Hugging Face-named state dict.
+
+The file is memory-mapped by ``gguf.GGUFReader``; tensors are dequantized to float whole-tensor at a
+time in torch (no per-block Python), renamed to the parameter names of ``llama.py``, and llama-arch
+q/k rows are put back in Hugging Face order (llama.cpp's converter permutes them for its RoPE).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+import structlog
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from tokenmill_service.models.config import ModelConfig, RopeScaling
+from tokenmill_service.models.llama import rope_inv_freq
+
+log = structlog.get_logger(__name__)
+
+# general.architecture values we can run; "mistral" is an alias some tools write for Mistral's
+# llama-shaped models (llama.cpp itself converts them as "llama"). Only llama-arch q/k are permuted.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+SUPPORTED_TENSOR_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+class GGUFError(ValueError):
+    """The GGUF file is not one this service can run (architecture, tensor type, metadata)."""
+
+
+class _PlainArrayReader(gguf.GGUFReader):
+    """``GGUFReader`` slicing a plain ndarray view of its memmap instead of the memmap itself.
+
+    The reader parses the tokenizer's ~100k strings with one slice each, and every ``np.memmap``
+    slice pays a Python-level ``__array_finalize__``: that is 1.5 s of a 2 s open. A plain view
+    of the same mapping reads the same bytes (tensors stay memory-mapped) without that cost.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> npt.NDArray[Any]:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: npt.NDArray[Any]) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    return _PlainArrayReader(path)
+
+
+# --- metadata -----------------------------------------------------------------------------------
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _required(reader: gguf.GGUFReader, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise GGUFError(f"GGUF metadata lacks {key!r}")
+    return value
+
+
+def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    """The model hyper-parameters from the GGUF metadata (and the tensor list, for ties and biases)."""
+    arch = _required(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise GGUFError("GGUF file has no token_embd.weight tensor")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    # GGUF lists dims innermost first: token_embd is [hidden, vocab]. The tensor is the truth
+    # the weights must fit; metadata vocab counts can disagree when the table is padded.
+    vocab_size = int(embd.shape[1])
+    meta_vocab = _field(reader, f"{arch}.vocab_size")
+    if meta_vocab is None:
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        meta_vocab = None if tokens is None else len(tokens.data)
+    if meta_vocab is not None and int(meta_vocab) != vocab_size:
+        log.warning("gguf_vocab_mismatch", metadata_vocab=int(meta_vocab), embedding_rows=vocab_size)
+
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
+    num_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    head_dim = int(key_length) if key_length is not None else hidden // num_heads
+    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise GGUFError(f"partial rotary embeddings (rope.dimension_count {rope_dims} != head_dim {head_dim})")
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise GGUFError(f"RoPE scaling type {scaling_type!r} is not supported")
+
+    name = _field(reader, "general.name")
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_required(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads),
+        max_position_embeddings=int(_required(reader, f"{arch}.context_length")),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        architecture="llama" if arch in _PERMUTED_ARCHITECTURES else arch,
+        name=str(name) if name else path.stem,
+        extra={"format": "gguf", "gguf_architecture": arch, "general.name": name},
+    )
+    if _ROPE_FREQS in names:
+        factors = dequantize_tensor(next(t for t in reader.tensors if t.name == _ROPE_FREQS))
+        config.rope_scaling = _llama3_scaling_from_factors(factors, config)
+    return config
+
+
+def _llama3_scaling_from_factors(factors: torch.Tensor, config: ModelConfig) -> RopeScaling:
+    """Llama 3.x GGUFs store per-frequency divisors (``rope_freqs``) instead of the scaling recipe.
+
+    Recover the recipe by trying Llama 3's published parameters with the file's largest divisor
+    as the factor, and insist it reproduces every divisor; anything else is refused, not guessed.
+    """
+    candidate = RopeScaling(factor=float(factors.max()))
+    plain = rope_inv_freq(config.head_dim, config.rope_theta, None).double()
+    scaled = rope_inv_freq(config.head_dim, config.rope_theta, candidate).double()
+    if factors.numel() == plain.numel() and torch.allclose(plain / scaled, factors.double(), rtol=1e-3):
+        return candidate
+    raise GGUFError("rope_freqs tensor does not match Llama 3 RoPE scaling; this RoPE variant is not supported")
+
+
+# --- dequantization -----------------------------------------------------------------------------
+
+# Bytes per block of 32 weights.
+_BLOCK_BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}
+
+
+def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The little-endian float16 at byte ``start`` of each block, as a float32 column [N, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Low nibbles are weights 0..15 of a block, high nibbles 16..31 (ggml's layout)."""
+    return torch.cat((packed & 0x0F, packed >> 4), dim=1)
+
+
+def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 weights from a GGUF tensor's raw data (as ``GGUFReader`` exposes it), in torch ``shape``.
+
+    Matches ``gguf.quants.dequantize`` bit for bit: the same float32 products and sums, over
+    whole tensors at once.
+    """
+    if qtype not in SUPPORTED_TENSOR_TYPES:
+        raise GGUFError(
+            f"GGUF tensor type {qtype.name} is not supported "
+            f"(supported: {', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}); re-quantize the model to one of those"
+        )
+    # One copy out of the read-only mapping; every later step works on torch tensors.
+    data = torch.from_numpy(np.array(raw, copy=True))
+    if qtype == QType.F32:
+        out = data.view(torch.float32)
+    elif qtype == QType.F16:
+        out = data.view(torch.float16).float()
+    elif qtype == QType.BF16:
+        out = data.view(torch.uint8).view(torch.bfloat16).float()
+    else:
+        blocks = data.view(torch.uint8).reshape(-1, _BLOCK_BYTES[qtype])
+        d = _f16_column(blocks, 0)
+        # In-place arithmetic on the fresh float tensor: one full-size allocation per tensor.
+        if qtype == QType.Q8_0:
+            out = blocks[:, 2:].view(torch.int8).float().mul_(d)
+        elif qtype == QType.Q4_0:
+            out = (_nibbles(blocks[:, 2:]).view(torch.int8) - 8).float().mul_(d)
+        else:  # Q4_1: weight = d * q + m
+            out = _nibbles(blocks[:, 4:]).float().mul_(d).add_(_f16_column(blocks, 2))
+    return out.reshape(shape)
+
+
+def tensor_shape(tensor: Any) -> tuple[int, ...]:
+    """Torch layout ([out, in]) of a GGUF tensor, whose shape GGUF lists innermost dimension first."""
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def dequantize_tensor(tensor: Any) -> torch.Tensor:
+    return dequantize(tensor.data, QType(tensor.tensor_type), tensor_shape(tensor))
+
+
+# --- q/k row order ------------------------------------------------------------------------------
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py).
+
+    Per head, the converter interleaves the two rotary halves (rows 0, d/2, 1, d/2+1, ...) for
+    ggml's pairwise RoPE; ``llama.py`` rotates halves, so put rows back as ``[first half, second half]``.
+    Works for weights [rows, in] and biases [rows].
+    """
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+# --- the whole checkpoint -----------------------------------------------------------------------
+
+
+def hf_name(gguf_name: str) -> str:
+    """The ``llama.py`` parameter name of a GGUF tensor; unknown tensors are an error, not skipped."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama model")
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (``llama.py`` names, ``dtype``, on CPU) of a GGUF checkpoint.
+
+    Each tensor is converted to ``dtype`` as soon as it is dequantized, so a bfloat16 load never
+    holds the whole model in float32. Tied checkpoints get no ``lm_head.weight`` entry.
+    """
+    reader = open_gguf(path)
+    config = read_config(reader, path)
+    permuted = config.extra["gguf_architecture"] in _PERMUTED_ARCHITECTURES
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue  # folded into config.rope_scaling by read_config
+        name = hf_name(tensor.name)
+        weight = dequantize_tensor(tensor)
+        if permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_qk(weight, config.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_qk(weight, config.num_kv_heads)
+        state[name] = weight.to(dtype)
+    return config, state
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_TENSOR_TYPES",
+    "GGUFError",
+    "dequantize",
+    "dequantize_tensor",
+    "hf_name",
+    "load_gguf",
+    "open_gguf",
+    "read_config",
+    "tensor_shape",
+    "unpermute_qk",
+]

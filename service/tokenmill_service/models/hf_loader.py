@@ -1,0 +1,145 @@
+"""Read a Hugging Face checkpoint directory (``config.json`` + safetensors) into a config and state dict.
+
+Only safetensors are read: they hold raw tensors, so loading never runs code from the file
+(``pytorch_model.bin`` is a pickle and is refused).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from tokenmill_service.models.config import ModelConfig, RopeScaling
+
+log = structlog.get_logger(__name__)
+
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# Buffers some older checkpoints saved; llama.py recomputes them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFCheckpointError(ValueError):
+    """The directory is not a Hugging Face checkpoint this service can run."""
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
+    # transformers 5 writes "rope_parameters" (with rope_theta inside); older versions "rope_scaling".
+    params = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not params:
+        return None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise HFCheckpointError(f"RoPE scaling type {rope_type!r} is not supported (supported: llama3)")
+    defaults = RopeScaling()
+    return RopeScaling(
+        factor=float(params.get("factor", defaults.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
+        ),
+    )
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    if "rope_theta" in raw:
+        return float(raw["rope_theta"])
+    params = raw.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _max_positions(raw: dict[str, Any], arch: str) -> int:
+    max_positions = int(raw.get("max_position_embeddings", 4096))
+    # Sliding-window attention is not implemented; within one window it is plain causal attention,
+    # so cap the context there rather than silently diverge past it.
+    window = raw.get("sliding_window")
+    windowed = arch == "MistralForCausalLM" or raw.get("use_sliding_window", False)
+    if windowed and window and int(window) < max_positions:
+        log.info("context_capped_to_sliding_window", sliding_window=int(window), max_positions=max_positions)
+        return int(window)
+    return max_positions
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    raw: dict[str, Any] = json.loads((directory / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
+    if arch is None:
+        raise HFCheckpointError(
+            f"{directory / 'config.json'}: architectures {archs} not supported "
+            f"(supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)})"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise HFCheckpointError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    if raw.get("mlp_bias", False):
+        raise HFCheckpointError("mlp_bias is not supported")
+    num_heads = int(raw["num_attention_heads"])
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        max_position_embeddings=_max_positions(raw, arch),
+        head_dim=int(raw.get("head_dim") or 0),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        rope_scaling=_rope_scaling(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        architecture=_ARCH_NAMES[arch],
+        name=directory.name,
+        extra={"format": "safetensors", "hf_architecture": arch, "model_type": raw.get("model_type")},
+    )
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / SAFETENSORS_FILE
+    if single.is_file():
+        return [single]
+    raise HFCheckpointError(
+        f"{directory}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (only safetensors weights are loaded, never pickles)"
+    )
+
+
+def load_hf(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (``dtype``, on CPU) of a Hugging Face checkpoint directory.
+
+    Tied checkpoints get no ``lm_head.weight`` entry even where the file carries a copy.
+    """
+    config = read_hf_config(directory)
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if config.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                state[name] = f.get_tensor(name).to(dtype)
+    return config, state
+
+
+__all__ = ["SUPPORTED_HF_ARCHITECTURES", "HFCheckpointError", "is_hf_checkpoint", "load_hf", "read_hf_config"]

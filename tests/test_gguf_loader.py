@@ -1,0 +1,270 @@
+"""GGUF loading: dequantization against the gguf package's reference, and q/k row order end to end."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from tokenmill_service.models.attention_metadata import AttentionMetadata
+from tokenmill_service.models.gguf_loader import (
+    GGUFError,
+    dequantize_tensor,
+    load_gguf,
+    open_gguf,
+    unpermute_qk,
+)
+from tokenmill_service.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+QUANTIZED_TYPES = [QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1]
+
+
+def _encode(values: np.ndarray, qtype: QType) -> np.ndarray:
+    if qtype == QType.F32:
+        return values.astype(np.float32)
+    if qtype == QType.F16:
+        return values.astype(np.float16)
+    return gguf.quants.quantize(values, qtype)
+
+
+def _write_tensors(path: Path, tensors: dict[str, tuple[np.ndarray, QType]]) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (values, qtype) in tensors.items():
+        encoded = _encode(values, qtype)
+        writer.add_tensor(name, encoded, raw_dtype=None if qtype in (QType.F32, QType.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16, *QUANTIZED_TYPES], ids=lambda t: t.name)
+def test_dequantize_matches_gguf_reference_bit_for_bit(tmp_path: Path, qtype: QType) -> None:
+    rng = np.random.default_rng(0)
+    # Includes an all-zero block (scale 0) and rows wider than one block.
+    matrix = rng.normal(0.0, 1.0, size=(12, 96)).astype(np.float32)
+    matrix[3, :32] = 0.0
+    vector = rng.normal(0.0, 1.0, size=(64,)).astype(np.float32)
+    path = tmp_path / "types.gguf"
+    _write_tensors(path, {"matrix": (matrix, qtype), "vector": (vector, qtype)})
+
+    reader = open_gguf(path)
+    for tensor, original in zip(reader.tensors, (matrix, vector), strict=True):
+        assert tensor.tensor_type == qtype
+        ours = dequantize_tensor(tensor)
+        reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert ours.dtype == torch.float32
+        assert tuple(ours.shape) == original.shape
+        np.testing.assert_array_equal(ours.numpy(), reference.reshape(original.shape))
+        # And it is the tensor that was written, up to the format's rounding.
+        assert np.abs(ours.numpy() - original).max() < 0.5
+
+
+def test_unsupported_tensor_type_is_named_in_the_error(tmp_path: Path) -> None:
+    path = tmp_path / "q5.gguf"
+    _write_tensors(path, {"matrix": (np.ones((4, 32), dtype=np.float32), QType.Q5_0)})
+    tensor = open_gguf(path).tensors[0]
+    with pytest.raises(GGUFError, match="Q5_0"):
+        dequantize_tensor(tensor)
+
+
+def llama_cpp_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """``LlamaModel.permute`` from llama.cpp's convert_hf_to_gguf.py, verbatim in torch."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+# (rows, n_head, n_head_kv): the converter calls permute(q, n_head, n_head) and permute(k, n_head, n_head_kv).
+@pytest.mark.parametrize(
+    ("rows", "n_head", "n_head_kv"),
+    [(64, 4, 4), (32, 4, 2), (576, 9, 9), (192, 9, 3)],
+    ids=["q", "k-gqa", "smollm2-q", "smollm2-k"],
+)
+def test_unpermute_inverts_llama_cpp_permutation(rows: int, n_head: int, n_head_kv: int) -> None:
+    weight = torch.randn(rows, 24)
+    bias = torch.randn(rows)
+    permuted = llama_cpp_permute(weight, n_head, n_head_kv)
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_qk(permuted, n_head_kv), weight)
+    assert torch.equal(unpermute_qk(llama_cpp_permute(bias, n_head, n_head_kv), n_head_kv), bias)
+
+
+# --- end to end: a tiny Hugging Face model converted to GGUF the way llama.cpp does -------------
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")
+    return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:])]}"
+
+
+def llama_cpp_rope_factors(rope: dict[str, float], head_dim: int) -> torch.Tensor:
+    """The ``rope_freqs`` divisors llama.cpp's converter writes for Llama 3 RoPE scaling."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old_context = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def convert_hf_to_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
+    """A float32 GGUF of a transformers model, with llama.cpp's metadata keys and q/k permutation."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg.rope_parameters, cfg.head_dim).numpy())
+    tied = cfg.tie_word_embeddings
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        data = tensor.detach().float()
+        if arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """transformers initialises biases to 0 and norms to 1; random values make every tensor count."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator) * 0.1
+            param.copy_(noise + 1.0 if "norm" in name else noise * 2)
+
+
+def _tiny_hf_model(kind: str, tied: bool) -> torch.nn.Module:
+    common = dict(  # noqa: C408 - keyword names as in the transformers configs
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=10000.0))
+    elif kind == "llama3":
+        # Llama 3.1's published scaling; a 16-dim head at theta 10000 has wavelengths in all three bands.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        common["max_position_embeddings"] = 16384  # transformers wants it above the original context
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=10000.0))
+    _randomize(model, seed=1)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("kind", "tied"), [("llama", True), ("llama", False), ("llama3", False), ("qwen2", False)])
+def test_gguf_converted_model_gives_the_hugging_face_logits(tmp_path: Path, kind: str, tied: bool) -> None:
+    hf_model = _tiny_hf_model(kind, tied)
+    arch = "qwen2" if kind == "qwen2" else "llama"
+    path = tmp_path / f"tiny-{arch}.gguf"
+    convert_hf_to_gguf(hf_model, arch, path)
+
+    model = load_model(path)
+    assert model.config.tie_word_embeddings is tied
+    assert model.config.attention_bias is (arch == "qwen2")
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    if kind == "llama3":
+        assert model.config.rope_scaling is not None and model.config.rope_scaling.factor == 8.0
+
+    ids = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = hf_model(ids[None]).logits[0]
+        hidden = model(ids, torch.arange(len(ids)), AttentionMetadata.no_cache([len(ids)]))
+        actual = model.compute_logits(hidden)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_llama_gguf_stores_q_permuted_and_the_loader_restores_hugging_face_order(tmp_path: Path) -> None:
+    # Guards the end-to-end test: the permutation is not a no-op here, so undoing it is what matters.
+    hf_model = _tiny_hf_model("llama", tied=False)
+    path = tmp_path / "tiny.gguf"
+    convert_hf_to_gguf(hf_model, "llama", path)
+    q_hf = hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    q_file = dequantize_tensor(next(t for t in open_gguf(path).tensors if t.name == "blk.0.attn_q.weight"))
+    _, state = load_gguf(path)
+    assert not torch.equal(q_file, q_hf)
+    assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"], q_hf)
+
+
+def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="gpt2"):
+        load_gguf(path)
