@@ -39,7 +39,11 @@ class Settings:
     tensor_parallel: int = field(default=1, metadata={"help": "devices per model replica"})
     backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
     dtype: str = field(
-        default="float32", metadata={"help": "weights and activations", "choices": ["float32", "bfloat16"]}
+        default="auto",
+        metadata={
+            "help": "weights and activations; auto = bfloat16 where the CPU/GPU does it natively, else float32",
+            "choices": ["auto", "float32", "bfloat16"],
+        },
     )
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
