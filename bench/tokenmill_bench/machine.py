@@ -1,0 +1,154 @@
+"""What the benchmark ran on, and how fast this machine can copy memory (the ceiling for decode on CPU)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+COPY_BUFFER_BYTES = 256 * 1024 * 1024
+
+
+def _first_line_value(path: str, key: str) -> str | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == key:
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _simd_flags() -> list[str]:
+    flags = (_first_line_value("/proc/cpuinfo", "flags") or "").split()
+    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+
+
+def memory_total_bytes() -> int | None:
+    value = _first_line_value("/proc/meminfo", "MemTotal")  # "24684948 kB"
+    return int(value.split()[0]) * 1024 if value else None
+
+
+def loadavg() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def machine_info(device: str | None) -> dict[str, Any]:
+    """Cores, memory, CPU model and library versions; ``device`` is the server's (from GetModelInfo)."""
+    total = memory_total_bytes()
+    return {
+        "cores": os.cpu_count(),
+        "memory_bytes": total,
+        "memory_gib": round(total / 2**30, 1) if total else None,
+        "cpu_model": _first_line_value("/proc/cpuinfo", "model name") or platform.processor() or None,
+        "cpu_mhz": _first_line_value("/proc/cpuinfo", "cpu MHz"),
+        # Virtual machines often report a bare model name; the vector extensions say what the kernels can use.
+        "cpu_simd_flags": _simd_flags(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch_version": _version("torch"),
+        "numpy_version": _version("numpy"),
+        "grpcio_version": _version("grpcio"),
+        "tokenmill_version": _version("tokenmill"),
+        "device": device,
+    }
+
+
+def copy_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str, Any]:
+    """Best-of-``repeats`` copy of a ``size``-byte buffer, with numpy (one thread) and torch (all its threads).
+
+    Convention: bytes moved = 2 x size (the source read plus the destination write, as STREAM's Copy
+    counts them; write-allocate traffic is not counted). GB/s are 10^9 bytes per second. The
+    headline ``gbs`` is the faster of the two methods.
+    """
+    results = {"numpy": _numpy_copy_gbs(size, repeats)}
+    torch_gbs = _torch_copy_gbs(size, repeats)
+    if torch_gbs is not None:
+        results[torch_gbs[0]] = torch_gbs[1]
+    best = max(results, key=lambda k: results[k])
+    return {
+        "gbs": results[best],
+        "method": best,
+        "by_method_gbs": results,
+        "buffer_bytes": size,
+        "repeats": repeats,
+        "convention": "2 x buffer bytes (read + write) / best time; GB = 1e9 bytes",
+    }
+
+
+def _numpy_copy_gbs(size: int, repeats: int) -> float:
+    import numpy as np
+
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in before timing
+    return 2 * size / _best_of(lambda: np.copyto(dst, src), repeats) / 1e9
+
+
+def _torch_copy_gbs(size: int, repeats: int) -> tuple[str, float] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return f"torch_{torch.get_num_threads()}_threads", 2 * size / _best_of(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def _best_of(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds all cores have spent busy since boot (/proc/stat: everything but idle and iowait)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
+
+
+def process_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (processes that are gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name (which may itself hold spaces): utime is the 12th.
+        rest = stat[stat.rindex(")") + 2 :].split()
+        total += (int(rest[11]) + int(rest[12])) / _CLOCK_TICKS
+    return total
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Summed resident set size of ``pids`` (processes that are gone count 0)."""
+    total = 0
+    for pid in pids:
+        value = _first_line_value(f"/proc/{pid}/status", "VmRSS")
+        if value:
+            total += int(value.split()[0]) * 1024
+    return total

@@ -1,0 +1,92 @@
+"""tokenmill-bench: a tiny run against the shared live server, the plot command, and its pure helpers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill_bench.load import RequestRecord, prompt_ids
+from tokenmill_bench.report import format_tables
+from tokenmill_bench.stats import percentile
+
+BENCH = Path(sys.executable).parent / "tokenmill-bench"
+
+REQUIRED_KEYS = (
+    "single_stream_tok_s",
+    "ttft_ms_p50",
+    "itl_ms_p50",
+    "itl_ms_p99",
+    "throughput_tok_s",
+    "bandwidth_achieved_gbs",
+    "copy_bandwidth_gbs",
+    "failed_requests",
+    "machine",
+    "levels",
+    "settings",
+)
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([float(i) for i in range(101)], 99) == pytest.approx(99.0)
+
+
+def test_prompts_are_fixed_and_defeat_the_prefix_cache() -> None:
+    a0, a1 = prompt_ids(32, 0, 49152), prompt_ids(32, 1, 49152)
+    assert a0 == prompt_ids(32, 0, 49152)  # deterministic
+    assert len(a0) == 32 and all(1000 <= t < 49152 for t in a0 + a1)
+    assert a0[0] != a1[0] and a0[1:] == a1[1:]  # only the first token differs between requests
+    assert prompt_ids(32, 0, 49152, shared=True) == prompt_ids(32, 7, 49152, shared=True)
+    assert len({prompt_ids(4, i, 49152)[0] for i in range(500)}) == 500
+
+
+def test_inter_token_latency_splits_multi_token_messages() -> None:
+    record = RequestRecord(index=0, sent=0.0, arrivals=[0.1, 0.2, 0.5], counts=[1, 1, 3])
+    assert record.ttft_s == pytest.approx(0.1)
+    assert record.inter_token_s() == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert record.decode_span() == (4, pytest.approx(0.4))
+
+
+def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
+    results, png = tmp_path / "results.json", tmp_path / "plot.png"
+    args = ["--server", server_address, "--concurrency", "1,2", "--output-tokens", "8", "--prompt-tokens", "8"]
+    # One round per level and a small copy buffer keep it quick on a shared 2-core machine.
+    args += ["--rounds", "1", "--min-requests", "1", "--warmup", "0", "--copy-buffer-mib", "32"]
+    proc = subprocess.run(
+        [str(BENCH), *args, "--json", str(results), "--quiet"], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "decode tok/s" in proc.stdout and "concurrency" in proc.stdout
+
+    data = json.loads(results.read_text())
+    for key in REQUIRED_KEYS:
+        assert key in data, key
+    assert data["failed_requests"] == 0
+    assert set(data["throughput_tok_s"]) == {"1", "2"}
+    assert all(v > 0 for v in data["throughput_tok_s"].values())
+    assert data["single_stream_tok_s"] > 0 and data["ttft_ms_p50"] > 0 and data["itl_ms_p99"] >= data["itl_ms_p50"]
+    assert data["copy_bandwidth_gbs"] > 0
+    # The shared server runs the default SmolLM2-135M in float32: 134.5M parameters x 4 bytes.
+    assert data["model"]["weight_bytes"] == data["model"]["parameters"] * 4
+    assert data["bandwidth_achieved_gbs"] == pytest.approx(
+        data["model"]["weight_bytes"] * data["single_stream_tok_s"] / 1e9
+    )
+    for key in ("cores", "memory_bytes", "cpu_model", "torch_version", "device"):
+        assert data["machine"][key], key
+    for level in data["levels"]:
+        assert level["failed_requests"] == 0
+        assert level["generated_tokens"] == level["requests"] * 8
+        assert all(row["tokens"] == 8 for row in level["per_request"])
+    assert format_tables(data)  # the table re-renders from the stored JSON
+
+    proc = subprocess.run(
+        [str(BENCH), "plot", str(results), str(png)], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
