@@ -98,6 +98,11 @@ def test_a_dying_worker_fails_its_calls_with_unavailable_and_is_restarted(
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker 0 stopped" in err.value.details()
+    # With its only worker gone the server reports NOT_SERVING, so probes route around it.
+    deadline = time.monotonic() + 5
+    while health_status(server.address) != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health_status(server.address) == 2
     # The server stayed up; the worker comes back and serves again.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -107,6 +112,10 @@ def test_a_dying_worker_fails_its_calls_with_unavailable_and_is_restarted(
         time.sleep(0.5)
     else:
         pytest.fail("the worker was not restarted")
+    deadline = time.monotonic() + 5
+    while health_status(server.address) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health_status(server.address) == 1
     msgs = list(
         stub.Generate(pb.GenerateRequest(prompt="Hi", stopping=pb.StoppingParams(max_new_tokens=2)), metadata=AUTH)
     )
@@ -122,7 +131,7 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(
         msgs = list(
             stub.Generate(
                 pb.GenerateRequest(
-                    prompt="Write a poem", stopping=pb.StoppingParams(max_new_tokens=40, ignore_eos=True)
+                    prompt="Write a poem", stopping=pb.StoppingParams(max_new_tokens=300, ignore_eos=True)
                 ),
                 metadata=AUTH,
                 timeout=120,
@@ -142,5 +151,5 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(
         list(stub.Generate(pb.GenerateRequest(prompt="Too late"), metadata=AUTH, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     thread.join(120)
-    assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": 40}
+    assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": 300}
     assert server.proc.wait(60) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -81,6 +81,7 @@ async def serve(settings: Settings) -> int:
     exit_code = 0
     if starting.done() and starting.exception() is None:
         await set_health(health_pb2.HealthCheckResponse.SERVING)
+        watcher = asyncio.ensure_future(follow_workers(router, set_health))
         log.info(
             "server_ready",
             address=address,
@@ -88,6 +89,7 @@ async def serve(settings: Settings) -> int:
             grpcurl=f'grpcurl -plaintext -d \'{{"prompt": "Hello"}}\' {address} tokenmill.v1.Generation/Generate',
         )
         await stopping
+        watcher.cancel()
     elif starting.done():
         exc = starting.exception()
         log.error("workers_failed_to_start", error=str(exc) if isinstance(exc, WorkerStartError) else repr(exc))
@@ -104,6 +106,18 @@ async def serve(settings: Settings) -> int:
     await router.stop()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
+
+
+async def follow_workers(router: Router, set_health: Callable[[int], Awaitable[None]]) -> None:
+    """NOT_SERVING while no worker can take a call (all dead, restarting); SERVING again after."""
+    serving = True
+    while True:
+        await asyncio.sleep(0.5)
+        if router.ready != serving:
+            serving = router.ready
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            await set_health(status)
+            log.warning("health_changed", serving=serving)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
