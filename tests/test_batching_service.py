@@ -37,7 +37,9 @@ def test_64_concurrent_streams_all_finish_and_cancelling_32_frees_every_block(se
         async with grpc.aio.insecure_channel(server_address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             stop = pb.StoppingParams(max_new_tokens=24, ignore_eos=True)
-            calls = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", stopping=stop), timeout=300) for i in range(64)]
+            calls = [
+                stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", stopping=stop), timeout=300) for i in range(64)
+            ]
             # Cancel half of them once each has produced its first message.
             for call in calls[:32]:
                 await call.read()
