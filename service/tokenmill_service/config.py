@@ -45,6 +45,7 @@ class Settings:
             "choices": ["auto", "float32", "bfloat16"],
         },
     )
+    threads: int = field(default=0, metadata={"help": "torch threads per worker (0: the cores shared among workers)"})
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
     max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})
@@ -70,8 +71,8 @@ class Settings:
         for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.workers < 0 or self.drain_seconds < 0 or self.max_top_logprobs < 0:
-            raise ValueError("--workers, --drain-seconds and --max-top-logprobs must not be negative")
+        if min(self.workers, self.threads, self.max_top_logprobs) < 0 or self.drain_seconds < 0:
+            raise ValueError("--workers, --threads, --drain-seconds and --max-top-logprobs must not be negative")
         parse_size(self.kv_cache_memory)
 
     @property

@@ -43,6 +43,10 @@ class Overloaded(RouterError):
     pass
 
 
+class DeadlineExceeded(RouterError):
+    pass
+
+
 class Rejected(RouterError):
     """The worker's engine refused the request (a limit the servicer could not check)."""
 
@@ -94,7 +98,7 @@ class Router:
     def _spec(self, worker_id: int) -> WorkerSpec:
         s = self.settings
         cores = os.cpu_count() or 1
-        threads = max(1, cores // self.num_workers) if s.device == "cpu" else 1
+        threads = s.threads or (max(1, cores // self.num_workers) if s.device == "cpu" else 1)
         engine = EngineConfig(
             max_batch_size=s.max_batch_size,
             max_batch_tokens=max(s.max_batch_tokens, s.max_batch_size),
@@ -104,6 +108,7 @@ class Router:
         return WorkerSpec(
             worker_id=worker_id,
             rank=0,
+            device_index=worker_id * s.tensor_parallel,
             world_size=s.tensor_parallel,
             master_addr="127.0.0.1",
             master_port=(s.master_port + worker_id) if s.master_port else free_port(),
@@ -120,8 +125,6 @@ class Router:
         assert self._loop is not None
         parent, child = self._ctx.Pipe(duplex=True)
         spec = self._spec(worker_id)
-        if spec.device == "cuda":
-            spec.rank = 0
         proc = self._ctx.Process(target=worker_main, args=(spec, child), name=f"tokenmill-worker-{worker_id}")
         proc.daemon = True
         proc.start()
@@ -319,6 +322,12 @@ class RequestStream:
         self.engine_id = engine_id
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.done = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def expire_after(self, seconds: float) -> None:
+        """End the stream with DeadlineExceeded unless it finishes within `seconds`."""
+        error = DeadlineExceeded("the deadline passed before generation ended")
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self.queue.put_nowait, error)
 
     @property
     def worker_id(self) -> int:
@@ -339,6 +348,8 @@ class RequestStream:
 
     def close(self) -> None:
         """Stop the request if it is still going (the caller left, or its deadline passed)."""
+        if self._timer is not None:
+            self._timer.cancel()
         if self.done:
             return
         self.done = True

@@ -18,9 +18,9 @@ import structlog
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import Settings
-from tokenmill_service.engine.request import FinishReason, RequestOutput, TokenOutput
+from tokenmill_service.engine.request import FinishReason, TokenOutput
 from tokenmill_service.metrics import Metrics
-from tokenmill_service.router import Overloaded, Rejected, Router, Unavailable
+from tokenmill_service.router import DeadlineExceeded, Overloaded, Rejected, Router, Unavailable
 from tokenmill_service.tokenizer import Tokenizer
 from tokenmill_service.validation import InvalidRequest, Limits, build_request, prompt_ids
 
@@ -116,21 +116,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
             last_at = arrival
             queue_s = 0.0
+            remaining = context.time_remaining()
+            if remaining is not None:
+                # One timer for the whole call (not a task per message): it ends the stream with an error.
+                stream.expire_after(remaining)
             try:
-                while True:
-                    remaining = context.time_remaining()
-                    if remaining is not None and remaining <= 0:
-                        raise CallError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation ended"
-                        )
-                    try:
-                        out: RequestOutput = await asyncio.wait_for(anext(stream), remaining)
-                    except StopAsyncIteration:
-                        break
-                    except asyncio.TimeoutError:
-                        raise CallError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before generation ended"
-                        ) from None
+                async for out in stream:
                     now = time.monotonic()
                     if out.queue_s is not None:
                         queue_s = out.queue_s
@@ -163,6 +154,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 stream.close()
         except CallError as exc:
             code, error = exc.code, exc.message
+        except DeadlineExceeded as exc:
+            code, error = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
         except Rejected as exc:
             code, error = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except Overloaded as exc:

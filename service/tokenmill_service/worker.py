@@ -31,6 +31,8 @@ from tokenmill_service.log_setup import configure_logging
 class WorkerSpec:
     worker_id: int
     rank: int
+    # The GPU this process drives (replica * tensor_parallel + rank); unused on CPU.
+    device_index: int
     world_size: int
     master_addr: str
     master_port: int
@@ -114,11 +116,16 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
 
     torch.set_num_threads(spec.threads)
     if spec.device == "cuda":
-        torch.cuda.set_device(spec.rank)
+        if spec.device_index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"worker {spec.worker_id} needs GPU {spec.device_index} but {torch.cuda.device_count()} are visible: "
+                "lower --workers or --tensor-parallel"
+            )
+        torch.cuda.set_device(spec.device_index)
     backend = "nccl" if spec.device == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method="env://", rank=spec.rank, world_size=spec.world_size)
     log.info("distributed_initialized", backend=backend, world_size=spec.world_size, master_port=spec.master_port)
-    device = f"cuda:{spec.rank}" if spec.device == "cuda" else "cpu"
+    device = f"cuda:{spec.device_index}" if spec.device == "cuda" else "cpu"
     dtype = resolve_dtype(spec.dtype, device)
     engine = LLMEngine.from_path(spec.model or None, spec.engine, dtype=dtype, device=device)
     # Warm-up: one real prefill and decode, so the first caller does not pay for lazy set-up.
