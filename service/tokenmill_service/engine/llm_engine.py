@@ -38,7 +38,7 @@ from tokenmill_service.engine.request import (
 from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
-from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.models.llama import LlamaForCausalLM, fuse_projections
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -56,7 +56,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        self.model = model
+        self.model = fuse_projections(model)
         self.tokenizer = tokenizer
         param = next(model.parameters())
         block_size = self.config.block_size
