@@ -347,12 +347,10 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        """Stop the request if it is still going (the caller left, or its deadline passed)."""
+        """Stop the request if its worker still runs it (the caller left, its deadline passed, or
+        the server drained); the router forgets a request once it finished or its worker failed."""
         if self._timer is not None:
             self._timer.cancel()
-        if self.done:
-            return
         self.done = True
-        self.worker.inflight.pop(self.engine_id, None)
-        if self.worker.alive:
+        if self.worker.inflight.pop(self.engine_id, None) is not None and self.worker.alive:
             self.router._send(self.worker, ("cancel", self.engine_id))
