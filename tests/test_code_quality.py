@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,4 +27,21 @@ def test_the_code_is_ruff_formatted() -> None:
 
 def test_the_client_and_its_example_pass_mypy_strict() -> None:
     result = run(str(BIN / "mypy"), "--strict", "client/tokenmill_client", "client/examples")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readme_python_example_passes_mypy_strict(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "readme_example.py"
+    script.write_text(example)
+    result = subprocess.run(
+        [str(BIN / "mypy"), "--strict", "--no-incremental", str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "MYPYPATH": str(ROOT / "client")},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
