@@ -28,6 +28,8 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message and newline together), so the lines of the server and its
+        # workers, sharing one stderr, never run into each other.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

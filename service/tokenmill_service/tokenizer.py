@@ -18,11 +18,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import gguf
 import structlog
 import tiktoken
 
 from tokenmill_service.chat_template import ChatTemplate
+from tokenmill_service.models.gguf_reader import open_gguf
 
 log = structlog.get_logger(__name__)
 
@@ -176,7 +176,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
         start = time.perf_counter()
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(Path(path))
 
         def field(key: str) -> Any:
             found = reader.get_field(key)

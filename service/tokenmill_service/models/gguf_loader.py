@@ -13,12 +13,12 @@ from typing import Any
 
 import gguf
 import numpy as np
-import numpy.typing as npt
 import structlog
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.models.config import ModelConfig, RopeScaling
+from tokenmill_service.models.gguf_reader import open_gguf
 from tokenmill_service.models.llama import rope_inv_freq
 
 log = structlog.get_logger(__name__)
@@ -52,27 +52,6 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 class GGUFError(ValueError):
     """The GGUF file is not one this service can run (architecture, tensor type, metadata)."""
-
-
-class _PlainArrayReader(gguf.GGUFReader):
-    """``GGUFReader`` slicing a plain ndarray view of its memmap instead of the memmap itself.
-
-    The reader parses the tokenizer's ~100k strings with one slice each, and every ``np.memmap``
-    slice pays a Python-level ``__array_finalize__``: that is 1.5 s of a 2 s open. A plain view
-    of the same mapping reads the same bytes (tensors stay memory-mapped) without that cost.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> npt.NDArray[Any]:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: npt.NDArray[Any]) -> None:
-        self._plain_data = value.view(np.ndarray)
-
-
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    return _PlainArrayReader(path)
 
 
 # --- metadata -----------------------------------------------------------------------------------
