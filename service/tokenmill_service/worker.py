@@ -100,6 +100,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         _serve(engine, conn, log)
     except (EOFError, BrokenPipeError):
         log.warning("router_gone")  # the router died: nothing left to serve
+    except Exception:
+        # An engine failure ends this process; the router fails its calls and starts a new worker.
+        log.exception("engine_failed")
+        raise SystemExit(1) from None
     finally:
         import torch.distributed as dist
 
