@@ -13,7 +13,7 @@ from tokenmill_service.engine.sequence import Sequence
 
 
 def make_seq(tokenizer: Any, ids: list[int], rid: str = "r", prompt_logprobs: bool = False) -> Sequence:
-    return Sequence(GenerationRequest(rid, ids, prompt_logprobs=prompt_logprobs), tokenizer, 8192)
+    return Sequence(GenerationRequest(rid, ids, prompt_logprobs=prompt_logprobs), tokenizer)
 
 
 def test_allocate_covers_the_tokens_and_grows_one_block_at_a_time(default_tokenizer: Any) -> None:

@@ -12,7 +12,7 @@ from tokenmill_service.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(tokenizer: Any, n: int, rid: str) -> Sequence:
-    return Sequence(GenerationRequest(rid, list(range(10, 10 + n))), tokenizer, 8192)
+    return Sequence(GenerationRequest(rid, list(range(10, 10 + n))), tokenizer)
 
 
 def run_step(sched: Scheduler) -> list[tuple[str, int]]:

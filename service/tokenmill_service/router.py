@@ -70,7 +70,6 @@ class WorkerHandle:
     alive: bool = True
     stats: EngineStats | None = None
     restarts: int = 0
-    started_at: float = field(default_factory=time.monotonic)
     # engine request id -> the queue its outputs go to
     inflight: dict[str, asyncio.Queue[RequestOutput | Exception]] = field(default_factory=dict)
     pending: list[tuple[Any, ...]] = field(default_factory=list)

@@ -113,7 +113,7 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         self.validate(request)
-        seq = Sequence(request, self.tokenizer, self.max_model_len)
+        seq = Sequence(request, self.tokenizer)
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
 

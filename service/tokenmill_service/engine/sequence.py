@@ -20,7 +20,7 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer) -> None:
         self.request = request
         self.request_id = request.request_id
         self.token_ids: list[int] = list(request.prompt_ids)
@@ -32,7 +32,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.max_model_len = max_model_len
         # Every sequence draws from its own generator, so its samples do not depend on the batch.
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed)
@@ -59,10 +58,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     @property
     def collecting_prompt_logprobs(self) -> bool:

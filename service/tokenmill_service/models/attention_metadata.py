@@ -29,10 +29,6 @@ class AttentionMetadata:
     context_lens_tensor: torch.Tensor | None = None
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 
