@@ -38,7 +38,7 @@ from tokenmill_service.engine.request import (
 from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
-from tokenmill_service.models.llama import LlamaForCausalLM, fuse_projections
+from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -56,14 +56,13 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        self.model = fuse_projections(model)
+        self.model = model
         self.tokenizer = tokenizer
-        param = next(model.parameters())
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks
         if num_blocks <= 0:
-            budget = self.config.kv_cache_memory or default_kv_cache_memory(param.device)
-            num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, param.dtype))
+            budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
+            num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, model.act_dtype))
         model_len = self.config.max_model_len or model.config.max_position_embeddings
         # A sequence can never hold more tokens than the whole pool.
         self.max_model_len = min(model_len, model.config.max_position_embeddings, num_blocks * block_size)
@@ -79,12 +78,16 @@ class LLMEngine:
         config: EngineConfig | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        quantization: str = "none",
+        backend: str = "torch",
     ) -> LLMEngine:
+        """An engine over a checkpoint; the defaults are the reference configuration (float32, unquantized)."""
         from tokenmill_service.models.loader import load_model, resolve_model_path
         from tokenmill_service.tokenizer import load_tokenizer
 
         path = resolve_model_path(str(model) if model else None)
-        return cls(load_model(path, dtype=dtype, device=device), load_tokenizer(path), config)
+        loaded = load_model(path, dtype=dtype, device=device, quantization=quantization, backend=backend)
+        return cls(loaded, load_tokenizer(path), config)
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -181,7 +184,7 @@ class LLMEngine:
             upto = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
             if upto <= 0:
                 continue
-            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + upto], dtype=torch.long)
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + upto], dtype=torch.long, device=rows.device)
             chosen = lps[:upto].gather(1, targets[:, None]).squeeze(1).tolist()
             tops: list[list[tuple[int, float]]] = [[] for _ in range(upto)]
             if n_top:
@@ -197,7 +200,7 @@ class LLMEngine:
         result = sample(
             logits.sample_logits,
             [s.request.sampling for s in seqs],
-            [s.generator for s in seqs],
+            [s.seed for s in seqs],
             [s.token_ids for s in seqs],
             [s.request.top_logprobs if s.request.logprobs or s.request.top_logprobs else 0 for s in seqs],
         )

@@ -14,16 +14,22 @@ import structlog
 import torch
 
 from tokenmill_service.engine.scheduler import ScheduledBatch
-from tokenmill_service.models.attention_metadata import AttentionMetadata
 from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.ops.attention_metadata import AttentionMetadata, build_attention_metadata
 
 log = structlog.get_logger(__name__)
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[layers, blocks, block_size, kv heads of this rank, head_dim]."""
     cfg = model.config
+    kv_heads = model.model.layers[0].self_attn.num_kv_heads
+    return (cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim)
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * elem * int(torch.tensor(kv_cache_shape(model, 1, block_size)).prod())
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
@@ -56,10 +62,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        cfg = model.config
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.device, self.dtype = model.device, model.act_dtype
+        shape = kv_cache_shape(model, num_blocks, block_size)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         log.info(
@@ -72,37 +76,25 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        bs = self.block_size
+        starts: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            context_lens.append(start + n)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
-
-        def t(x: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=self.device)
-
-        meta = AttentionMetadata(
-            query_lens=list(batch.num_new_tokens),
-            context_lens=context_lens,
-            slot_mapping=t(slots),
-            block_tables=t(tables),
-            context_lens_tensor=t(context_lens),
+            starts.append(start)
+        meta = build_attention_metadata(
+            list(batch.num_new_tokens), starts, [s.block_table for s in batch.seqs], self.k_cache, self.v_cache
         )
-        return t(ids), t(positions), meta
+        device = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
         input_ids, positions, meta = self._prepare(batch)
-        # Bound on every run, so that two engines over one model (tests) never share a cache.
-        for i, attn in enumerate(self.model.attention_layers):
-            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         hidden = self.model(input_ids, positions, meta)
 
         sample_rows: list[int] = []
@@ -117,8 +109,22 @@ class ModelRunner:
                 sample_seq_indices.append(i)
             offset += n
 
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
         prompt_logits = {
             i: self.model.compute_logits(hidden[start : start + n]) for i, (start, n) in prompt_rows.items()
         }
         return StepLogits(logits, sample_seq_indices, prompt_logits)
+
+
+@torch.inference_mode()
+def forward_prompt(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Hidden states [len(ids), hidden] of one prompt run as a single prefill, in a KV cache of its own."""
+    num_blocks = -(-len(ids) // block_size)
+    device = model.device
+    shape = kv_cache_shape(model, num_blocks, block_size)
+    k_cache = torch.zeros(shape, dtype=model.act_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=model.act_dtype, device=device)
+    meta = build_attention_metadata([len(ids)], [0], [list(range(num_blocks))], k_cache, v_cache)
+    tokens = torch.tensor(ids, dtype=torch.long, device=device)
+    return model(tokens, torch.arange(len(ids), device=device), meta)

@@ -4,8 +4,12 @@ Reported logprobs are those of the model's own distribution (log-softmax of the 
 not of the distribution after temperature, top-k, top-p or the repetition penalty: they
 score the text, whatever way it was drawn.
 
-Each sequence draws one uniform number per token from its own generator and inverts its
-CDF, so a seeded request gets the same tokens alone or in any batch.
+Each sampled token inverts the CDF at one uniform number that is a pure function of the
+request's seed and the token's position (a counter-based draw, splitmix64): no generator state
+to carry, nothing device-specific, so a seeded request gets the same tokens alone or in any batch,
+on any device, and after being resumed elsewhere from its generated prefix.
+
+Every tensor made here lives on the logits' device.
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ class SamplerOutput:
     logprobs: list[float]
     # Per row: (ids, logprobs) of the `top_n[i]` most likely tokens, best first.
     top_logprobs: list[list[tuple[int, float]]]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) determined by (seed, position): splitmix64 of the pair."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: Seq[Seq[int]], penalties: Seq[float]) -> torch.Tensor:
@@ -59,11 +75,13 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
 def sample(
     logits: torch.Tensor,
     params: Seq[SamplingParams],
-    generators: Seq[torch.Generator],
+    seeds: Seq[int],
     seen_tokens: Seq[Seq[int]],
     top_n: Seq[int],
 ) -> SamplerOutput:
-    """logits: float32 [B, vocab], one row per sequence that gets a new token this step."""
+    """logits: float32 [B, vocab], one row per sequence that gets a new token this step;
+    ``seen_tokens[i]`` is row i's sequence so far (its length is the position being sampled)."""
+    device = logits.device
     logprobs_all = torch.log_softmax(logits, dim=-1)
     work = apply_repetition_penalty(logits.clone(), seen_tokens, [p.repetition_penalty for p in params])
 
@@ -71,14 +89,15 @@ def sample(
     chosen = work.argmax(dim=-1)
     sampled_rows = [i for i, g in enumerate(greedy) if not g]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, dtype=torch.long)
-        temps = torch.tensor([params[i].temperature for i in sampled_rows], dtype=torch.float32)
-        top_k = torch.tensor([params[i].top_k for i in sampled_rows], dtype=torch.long)
-        top_p = torch.tensor([params[i].top_p for i in sampled_rows], dtype=torch.float32)
+        rows = torch.tensor(sampled_rows, dtype=torch.long, device=device)
+        temps = torch.tensor([params[i].temperature for i in sampled_rows], dtype=torch.float32, device=device)
+        top_k = torch.tensor([params[i].top_k for i in sampled_rows], dtype=torch.long, device=device)
+        top_p = torch.tensor([params[i].top_p for i in sampled_rows], dtype=torch.float32, device=device)
         scaled = work[rows] / temps[:, None]
         probs = top_k_top_p_mask(scaled, top_k, top_p).softmax(dim=-1).double()
         cdf = probs.cumsum(dim=-1)
-        u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in sampled_rows])
+        draws = [keyed_uniform(seeds[i], len(seen_tokens[i])) for i in sampled_rows]
+        u = torch.tensor(draws, dtype=torch.float64, device=device)
         # Inverse CDF: the first token whose cumulative mass exceeds u (scaled to the row's total).
         picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
         # Guard against rounding past the last nonzero entry.

@@ -6,8 +6,6 @@ import enum
 import secrets
 import time
 
-import torch
-
 from tokenmill_service.detokenizer import IncrementalDetokenizer
 from tokenmill_service.engine.request import FinishReason, GenerationRequest, TokenOutput
 from tokenmill_service.tokenizer import Tokenizer
@@ -32,9 +30,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        # Every sequence draws from its own generator, so its samples do not depend on the batch.
-        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        # Random draws are keyed by (seed, position): the same seed gives the same tokens in any batch.
+        self.seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.stopping.stop)
         stop_ids = set(request.stopping.stop_token_ids)
         if not request.stopping.ignore_eos:

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
-class RopeScaling:
-    """Llama 3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+from tokenmill_service.layers.rotary import RopeScaling
 
 
 @dataclass(slots=True)
@@ -39,3 +31,6 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+__all__ = ["ModelConfig", "RopeScaling"]

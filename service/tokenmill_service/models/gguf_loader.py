@@ -1,13 +1,15 @@
-"""Read a GGUF checkpoint (llama.cpp's format) into a ``ModelConfig`` and a Hugging Face-named state dict.
+"""Read a GGUF checkpoint (llama.cpp's format): a ``ModelConfig`` and its tensors under Hugging Face names.
 
-The file is memory-mapped by ``gguf.GGUFReader``; tensors are dequantized to float whole-tensor at a
-time in torch (no per-block Python), renamed to the parameter names of ``llama.py``, and llama-arch
-q/k rows are put back in Hugging Face order (llama.cpp's converter permutes them for its RoPE).
+The file is memory-mapped by ``gguf.GGUFReader``. Float tensors become float32 torch tensors;
+block-quantized ones (Q8_0, Q4_0, Q4_1) stay ``GGUFBlocks`` over the mapping, so that each layer
+takes its slice and its quantization method decides (int4 serves Q4_x as it is). Llama-arch q/k
+rows are put back in Hugging Face order (llama.cpp's converter permutes them for its RoPE).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,10 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from tokenmill_service.layers.quant.gguf_blocks import FLOAT_TYPES, CheckpointTensor, GGUFBlocks
+from tokenmill_service.layers.rotary import rope_inv_freq
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.gguf_reader import open_gguf
-from tokenmill_service.models.llama import rope_inv_freq
 
 log = structlog.get_logger(__name__)
 
@@ -139,52 +142,39 @@ def _llama3_scaling_from_factors(factors: torch.Tensor, config: ModelConfig) -> 
     raise GGUFError("rope_freqs tensor does not match Llama 3 RoPE scaling; this RoPE variant is not supported")
 
 
-# --- dequantization -----------------------------------------------------------------------------
-
-# Bytes per block of 32 weights.
-_BLOCK_BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}
+# --- tensors ------------------------------------------------------------------------------------
 
 
-def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The little-endian float16 at byte ``start`` of each block, as a float32 column [N, 1]."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Low nibbles are weights 0..15 of a block, high nibbles 16..31 (ggml's layout)."""
-    return torch.cat((packed & 0x0F, packed >> 4), dim=1)
-
-
-def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.Tensor:
-    """Float32 weights from a GGUF tensor's raw data (as ``GGUFReader`` exposes it), in torch ``shape``.
-
-    Matches ``gguf.quants.dequantize`` bit for bit: the same float32 products and sums, over
-    whole tensors at once.
-    """
+def _check_type(qtype: QType) -> None:
     if qtype not in SUPPORTED_TENSOR_TYPES:
         raise GGUFError(
             f"GGUF tensor type {qtype.name} is not supported "
             f"(supported: {', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}); re-quantize the model to one of those"
         )
-    # One copy out of the read-only mapping; every later step works on torch tensors.
+
+
+def checkpoint_tensor(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> CheckpointTensor:
+    """A float tensor (F32/F16/BF16, converted to float32) or the still-quantized blocks (Q8_0/Q4_0/Q4_1)."""
+    _check_type(qtype)
+    if qtype not in FLOAT_TYPES:
+        if len(shape) != 2:
+            raise GGUFError(f"a {qtype.name} tensor of shape {shape} is not a matrix")
+        return GGUFBlocks.from_raw(raw, qtype, (shape[0], shape[1]))
     data = torch.from_numpy(np.array(raw, copy=True))
     if qtype == QType.F32:
         out = data.view(torch.float32)
     elif qtype == QType.F16:
         out = data.view(torch.float16).float()
-    elif qtype == QType.BF16:
-        out = data.view(torch.uint8).view(torch.bfloat16).float()
     else:
-        blocks = data.view(torch.uint8).reshape(-1, _BLOCK_BYTES[qtype])
-        d = _f16_column(blocks, 0)
-        # In-place arithmetic on the fresh float tensor: one full-size allocation per tensor.
-        if qtype == QType.Q8_0:
-            out = blocks[:, 2:].view(torch.int8).float().mul_(d)
-        elif qtype == QType.Q4_0:
-            out = (_nibbles(blocks[:, 2:]).view(torch.int8) - 8).float().mul_(d)
-        else:  # Q4_1: weight = d * q + m
-            out = _nibbles(blocks[:, 4:]).float().mul_(d).add_(_f16_column(blocks, 2))
+        out = data.view(torch.uint8).view(torch.bfloat16).float()
     return out.reshape(shape)
+
+
+def dequantize(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 weights from a GGUF tensor's raw data, in torch ``shape``; bit for bit what
+    ``gguf.quants.dequantize`` gives."""
+    t = checkpoint_tensor(raw, qtype, shape)
+    return t.dequantize() if isinstance(t, GGUFBlocks) else t
 
 
 def tensor_shape(tensor: Any) -> tuple[int, ...]:
@@ -199,20 +189,19 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
 # --- q/k row order ------------------------------------------------------------------------------
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py).
+def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py).
 
     Per head, the converter interleaves the two rotary halves (rows 0, d/2, 1, d/2+1, ...) for
-    ggml's pairwise RoPE; ``llama.py`` rotates halves, so put rows back as ``[first half, second half]``.
-    Works for weights [rows, in] and biases [rows].
+    ggml's pairwise RoPE; ``llama.py`` rotates halves, so rows go back as ``[first half, second half]``.
     """
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-        .contiguous()
-    )
+    return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def unpermute_qk(weight: CheckpointTensor, num_heads: int) -> CheckpointTensor:
+    """``weight`` (rows [, in]; dense, a bias, or quantized blocks) with its rows put back in Hugging Face order."""
+    index = unpermute_index(weight.shape[0], num_heads)
+    return weight.rows(index) if isinstance(weight, GGUFBlocks) else weight[index].contiguous()
 
 
 # --- the whole checkpoint -----------------------------------------------------------------------
@@ -229,26 +218,37 @@ def hf_name(gguf_name: str) -> str:
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama model")
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (``llama.py`` names, ``dtype``, on CPU) of a GGUF checkpoint.
-
-    Each tensor is converted to ``dtype`` as soon as it is dequantized, so a bfloat16 load never
-    holds the whole model in float32. Tied checkpoints get no ``lm_head.weight`` entry.
-    """
+def iter_gguf(path: Path) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, CheckpointTensor]]]:
+    """Config, each tensor's GGUF type (by ``llama.py`` name), and the tensors themselves, lazily:
+    block-quantized ones stay memory-mapped blocks until a layer takes its slice."""
     reader = open_gguf(path)
     config = read_config(reader, path)
     permuted = config.extra["gguf_architecture"] in _PERMUTED_ARCHITECTURES
-    state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            continue  # folded into config.rope_scaling by read_config
-        name = hf_name(tensor.name)
-        weight = dequantize_tensor(tensor)
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_qk(weight, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_qk(weight, config.num_kv_heads)
-        state[name] = weight.to(dtype)
+    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]  # rope_freqs is folded into the config
+    for t in tensors:
+        _check_type(QType(t.tensor_type))
+    types = {hf_name(t.name): QType(t.tensor_type) for t in tensors}
+
+    def items() -> Iterator[tuple[str, CheckpointTensor]]:
+        for t in tensors:
+            name = hf_name(t.name)
+            weight = checkpoint_tensor(t.data, QType(t.tensor_type), tensor_shape(t))
+            if permuted and ".self_attn.q_proj." in name:
+                weight = unpermute_qk(weight, config.num_heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                weight = unpermute_qk(weight, config.num_kv_heads)
+            yield name, weight
+
+    return config, types, items()
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and dequantized state dict (``llama.py`` names, ``dtype``, on CPU) of a GGUF checkpoint;
+    tied checkpoints get no ``lm_head.weight`` entry. The server loads through ``iter_gguf`` instead."""
+    config, _, items = iter_gguf(path)
+    state = {}
+    for name, weight in items:
+        state[name] = (weight.dequantize() if isinstance(weight, GGUFBlocks) else weight).to(dtype)
     return config, state
 
 
@@ -259,9 +259,11 @@ __all__ = [
     "dequantize",
     "dequantize_tensor",
     "hf_name",
+    "iter_gguf",
     "load_gguf",
     "open_gguf",
     "read_config",
     "tensor_shape",
+    "unpermute_index",
     "unpermute_qk",
 ]

@@ -7,6 +7,7 @@ Only safetensors are read: they hold raw tensors, so loading never runs code fro
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,22 +125,39 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
+def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Config and the checkpoint's tensors (as stored), read one at a time. A tied checkpoint's
+    ``lm_head.weight`` copy is skipped: the head is loaded from the embedding."""
+    config = read_hf_config(directory)
+    files = _weight_files(directory)
+
+    def items() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue
+                    yield name, f.get_tensor(name)
+
+    return config, items()
+
+
 def load_hf(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and state dict (``dtype``, on CPU) of a Hugging Face checkpoint directory.
 
     Tied checkpoints get no ``lm_head.weight`` entry even where the file carries a copy.
     """
-    config = read_hf_config(directory)
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if config.tie_word_embeddings and name == "lm_head.weight":
-                    continue
-                state[name] = f.get_tensor(name).to(dtype)
-    return config, state
+    config, items = iter_hf(directory)
+    return config, {name: t.to(dtype) for name, t in items}
 
 
-__all__ = ["SUPPORTED_HF_ARCHITECTURES", "HFCheckpointError", "is_hf_checkpoint", "load_hf", "read_hf_config"]
+__all__ = [
+    "SUPPORTED_HF_ARCHITECTURES",
+    "HFCheckpointError",
+    "is_hf_checkpoint",
+    "iter_hf",
+    "load_hf",
+    "read_hf_config",
+]

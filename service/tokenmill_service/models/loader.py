@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
-from torch.overrides import TorchFunctionMode
+from gguf import GGMLQuantizationType as QType
 
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.layers.quant import QuantMethod, quant_method_class
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.gguf_loader import load_gguf
-from tokenmill_service.models.hf_loader import is_hf_checkpoint, load_hf
+from tokenmill_service.models.gguf_loader import iter_gguf
+from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.ops import get_ops
 
 log = structlog.get_logger(__name__)
 
@@ -71,22 +74,6 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-class _SkipParameterInit(TorchFunctionMode):
-    """Skips ``torch.nn.init`` calls (random initialisation of weights a checkpoint will overwrite)."""
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Collection[type],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **kwargs)
-
-
 def _is_gguf(path: Path) -> bool:
     if not path.is_file():
         return False
@@ -94,44 +81,87 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == _GGUF_MAGIC
 
 
-def _read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+def _open_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, CheckpointTensor]], str]:
+    """Config, GGUF tensor types (empty for safetensors), the tensors (lazily) and the model's name."""
     if _is_gguf(path):
-        config, state = load_gguf(path, dtype)
-        return config, state, path.name.removesuffix(".gguf")
+        config, types, items = iter_gguf(path)
+        return config, types, items, path.name.removesuffix(".gguf")
     if is_hf_checkpoint(path):
-        config, state = load_hf(path, dtype)
-        return config, state, path.resolve().name
+        config, hf_items = iter_hf(path)
+        return config, {}, hf_items, path.resolve().name
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory without config.json; expected a Hugging Face checkpoint")
     raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """A ready-to-run model (eval mode, no gradients) from a GGUF file or a Hugging Face directory."""
+# Checkpoint projections each packed layer is made of.
+_PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_INT4_TYPES = {QType.Q4_0, QType.Q4_1}
+
+
+def quantization_for(setting: str, prefix: str, config: ModelConfig, types: dict[str, QType]) -> str:
+    """The quantization method of one linear layer (``prefix``) under ``--quantization setting``.
+
+    ``auto`` serves a GGUF's tensors as they are stored: Q4_0/Q4_1 as int4; Q8_0 and float
+    tensors dense (exactly dequantized: the per-channel int8 kernel cannot hold Q8_0's scale per
+    32 weights, and re-quantizing SmolLM2's Q8_0 output head alone costs 0.046 of mean logprob
+    error). Under ``int4`` the output head is int8: it is the layer whose rounding shows most.
+    """
+    if prefix == "lm_head":
+        sources = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    else:
+        parent, _, leaf = prefix.rpartition(".")
+        sources = [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
+    if setting == "auto":
+        kinds = {types.get(name) for name in sources}
+        return "int4" if kinds <= _INT4_TYPES else "none"
+    if prefix == "lm_head" and setting == "int4":
+        return "int8"
+    return setting
+
+
+def load_model(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization: str = "none",
+    backend: str = "torch",
+    tp: TensorParallel | None = None,
+) -> LlamaForCausalLM:
+    """A ready-to-run model (eval mode, no gradients) from a GGUF file or a Hugging Face directory.
+
+    ``dtype`` is what the linear layers compute in (the residual stream, norms, attention and
+    logits are float32 whatever it is); ``quantization`` is ``none``, ``auto`` or a registered
+    method (``int8``, ``int4``); ``backend`` names the ops implementation (``torch``, ``triton``).
+    """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
+    if quantization != "auto":
+        quant_method_class(quantization)  # an unknown name fails here, before any reading
     start = time.perf_counter()
     path = Path(path)
-    config, state, name = _read_checkpoint(path, dtype)
+    config, types, items, name = _open_checkpoint(path)
     config.name = name
+    ops = get_ops(backend)
+    methods: dict[str, str] = {}
 
-    # Built on the CPU with init skipped: the weights stay untouched torch.empty pages (no memory
-    # used) until the checkpoint's tensors replace them. Not the meta device: its first arithmetic
-    # (the RoPE tables) imports torch's compiler stack, over a second of start-up for nothing.
-    with _SkipParameterInit():
-        model = LlamaForCausalLM(config)
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    def quant(prefix: str) -> QuantMethod:
+        methods[prefix] = quantization_for(quantization, prefix, config, types)
+        return quant_method_class(methods[prefix])(dtype)
+
+    # Quantized weights: keep the embedding table exact (float32); only looked-up rows are read.
+    embed_dtype = torch.float32 if quantization != "none" else dtype
+    # Built on the target device, so that each layer packs its weights for the kernel it will run.
+    with torch.device(device):
+        model = LlamaForCausalLM(config, ops, quant, act_dtype=dtype, embed_dtype=embed_dtype, tp=tp)
     try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
+        model.load_weights(items)
+    except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{path}: weights do not fit the configuration: {e}") from e
-    if config.tie_word_embeddings:
-        # assign=True gave lm_head its own Parameter object; share the embedding's again.
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(device)
     model.eval()
     model.requires_grad_(False)
+    counts = {m: list(methods.values()).count(m) for m in sorted(set(methods.values()))}
+    model.quantization = "+".join(sorted(counts)) if len(counts) > 1 else next(iter(counts))
     log.info(
         "model_loaded",
         name=config.name,
@@ -139,7 +169,11 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
         format=config.extra.get("format"),
         dtype=str(dtype),
         device=str(device),
-        parameters=sum(p.numel() for p in model.parameters()),
+        backend=backend,
+        quantization=quantization,
+        linear_layers=counts,
+        weight_bytes=model.weight_bytes(),
+        weight_mib=round(model.weight_bytes() / 2**20, 1),
         seconds=round(time.perf_counter() - start, 3),
     )
     return model
@@ -151,5 +185,6 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "load_model",
+    "quantization_for",
     "resolve_model_path",
 ]

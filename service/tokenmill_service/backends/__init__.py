@@ -1,1 +1,0 @@
-"""Compute backends: the torch reference ops and (later) triton kernels with the same signatures."""

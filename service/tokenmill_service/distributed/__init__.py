@@ -1,0 +1,1 @@
+"""Tensor-parallel state and collectives (gloo on CPU, NCCL on GPU)."""

@@ -1,0 +1,1 @@
+"""Model building blocks that own their parameters and know how checkpoint tensors land in them."""

@@ -1,0 +1,144 @@
+"""Linear layers that own their parameters and know where each checkpoint tensor lands.
+
+Shapes follow nano-vllm's ``layers/linear.py``: a layer is built for one tensor-parallel rank;
+``load_weight(tensor, shard_id)`` takes a whole checkpoint tensor (dense or GGUF blocks, still
+memory-mapped), cuts this rank's part, and hands it to the layer's quantization method:
+
+- ``ReplicatedLinear``: every rank holds it all;
+- ``ColumnParallelLinear``: output rows split over ranks (no communication);
+- ``MergedColumnParallelLinear``: several column-parallel outputs in one product (gate/up);
+- ``QKVParallelLinear``: q, k and v heads in one product; k/v heads are repeated over ranks
+  when there are fewer of them than ranks;
+- ``RowParallelLinear``: input columns split over ranks, partial sums all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
+from tokenmill_service.layers.quant.base import QuantMethod, empty_param
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
+
+# Builds the quantization method of the layer named by its prefix ("model.layers.0.mlp.down_proj").
+QuantFactory = Callable[[str], QuantMethod]
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantMethod, tp: TensorParallel) -> None:
+        """``in_features`` and ``out_features`` are this rank's."""
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quant = quant
+        self.tp = tp
+        quant.create_weights(self, out_features, in_features)
+        self.bias = empty_param(out_features, dtype=quant.act_dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quant.apply(self, x)
+        return y if self.bias is None else y + self.bias
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _pieces(self, shard_id: str | int | None) -> list[tuple[int, int, int]]:
+        """(checkpoint row start, row count, local row start) of each part of this rank's rows."""
+        return [(0, self.out_features, 0)]
+
+    def _columns(self, tensor: CheckpointTensor) -> CheckpointTensor:
+        return tensor
+
+    def load_weight(self, tensor: CheckpointTensor, shard_id: str | int | None = None) -> None:
+        tensor = self._columns(tensor)
+        for start, count, local in self._pieces(shard_id):
+            self.quant.load_rows(self, slice(local, local + count), tensor.narrow(0, start, count))
+
+    def load_bias(self, tensor: torch.Tensor, shard_id: str | int | None = None) -> None:
+        assert self.bias is not None, "this layer has no bias"
+        for start, count, local in self._pieces(shard_id):
+            self.bias.data[local : local + count] = tensor[start : start + count].to(self.bias.dtype)
+
+    def finalize(self) -> None:
+        self.quant.finalize(self)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantMethod) -> None:
+        super().__init__(in_features, out_features, bias, quant, TensorParallel())
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantMethod, tp: TensorParallel) -> None:
+        super().__init__(in_features, tp.split(out_features, "output features"), bias, quant, tp)
+
+    def _pieces(self, shard_id: str | int | None) -> list[tuple[int, int, int]]:
+        return [(self.tp.rank * self.out_features, self.out_features, 0)]
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several outputs of the same input (gate and up), each split over ranks, packed side by side."""
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, quant: QuantMethod, tp: TensorParallel
+    ) -> None:
+        self.local_sizes = [tp.split(n, "output features") for n in output_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias, quant, tp)
+
+    def _pieces(self, shard_id: str | int | None) -> list[tuple[int, int, int]]:
+        assert isinstance(shard_id, int)
+        local = sum(self.local_sizes[:shard_id])
+        size = self.local_sizes[shard_id]
+        return [(self.tp.rank * size, size, local)]
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v in one product; heads split over ranks, k/v heads repeated when fewer than ranks."""
+
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        quant: QuantMethod,
+        tp: TensorParallel,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = tp.split(num_heads, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.split(num_kv_heads, "key/value heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(
+                    f"the tensor-parallel degree {tp.size} must be a multiple of the key/value heads ({num_kv_heads})"
+                )
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias, quant, tp)
+
+    def _pieces(self, shard_id: str | int | None) -> list[tuple[int, int, int]]:
+        if shard_id == "q":
+            return [(self.tp.rank * self.q_size, self.q_size, 0)]
+        local = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        return [(self.kv_head_start * self.head_dim, self.kv_size, local)]
+
+
+class RowParallelLinear(LinearBase):
+    """Input columns split over ranks; each rank's partial product is summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantMethod, tp: TensorParallel) -> None:
+        super().__init__(tp.split(in_features, "input features"), out_features, bias, quant, tp)
+
+    def _columns(self, tensor: CheckpointTensor) -> CheckpointTensor:
+        if self.tp.size == 1:
+            return tensor
+        return tensor.narrow(1, self.tp.rank * self.in_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(self.quant.apply(self, x), self.tp)
+        return y if self.bias is None else y + self.bias

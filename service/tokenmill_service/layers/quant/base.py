@@ -1,0 +1,105 @@
+"""How a linear layer stores and multiplies its weight: one ``QuantMethod`` per scheme.
+
+A linear layer owns a method chosen at load (vLLM's ``QuantizeMethodBase`` is the model):
+
+- ``create_weights`` registers the layer's tensors for its (per-rank) shape;
+- ``load_rows`` writes a checkpoint tensor, already cut to this rank's columns, into a range of
+  the layer's output rows (packed q/k/v and gate/up arrive as several such pieces);
+- ``finalize`` turns what was loaded into the kernel's layout, once every piece is in;
+- ``apply`` is the matrix product ``x @ W.T`` (no bias; the layer adds it).
+
+Methods register under a name (``@register_quantization("int4")``) and are picked by
+``--quantization``; a test can register its own without touching the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
+
+
+class QuantMethod(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, act_dtype: torch.dtype) -> None:
+        # The dtype of the activations this layer multiplies (and returns).
+        self.act_dtype = act_dtype
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None: ...
+
+    @abstractmethod
+    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None: ...
+
+    def finalize(self, layer: nn.Module) -> None:
+        """Called once after every piece of the layer's weight is loaded."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The weight [out, in] as float32, as the kernel sees it (for tests and reports)."""
+
+    @abstractmethod
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes a matrix product reads for the weight (what bandwidth figures count)."""
+
+
+_M = TypeVar("_M", bound=type[QuantMethod])
+_REGISTRY: dict[str, type[QuantMethod]] = {}
+
+
+def register_quantization(name: str) -> Callable[[_M], _M]:
+    def wrap(cls: _M) -> _M:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def quant_method_class(name: str) -> type[QuantMethod]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown quantization {name!r} (available: {', '.join(sorted(_REGISTRY))}, or auto)"
+        ) from None
+
+
+def available_quantizations() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def kernel_dtype(act_dtype: torch.dtype) -> torch.dtype:
+    """The weight-only kernels run in bfloat16 (their float32 paths are many times slower);
+    float32 activations reach them as two bfloat16 halves."""
+    return torch.bfloat16 if act_dtype == torch.float32 else act_dtype
+
+
+def split_bf16_matmul(kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``kernel(x)`` for float32 ``x`` through a bfloat16 kernel, near float32 precision.
+
+    x = hi + lo with hi = bf16(x) and lo = bf16(x - hi) (16 bits of mantissa between them); both
+    go through the kernel in one call, as extra rows, so the weights are read once; the two
+    products are added in float32. Rows stay independent: a row's result does not depend on
+    the others. Activations already in bfloat16 go through as they are.
+    """
+    if x.dtype != torch.float32:
+        return kernel(x)
+    hi = x.to(torch.bfloat16)
+    lo = (x - hi.float()).to(torch.bfloat16)
+    y = kernel(torch.cat((hi, lo))).float()
+    m = x.shape[0]
+    return y[:m] + y[m:]
+
+
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)

@@ -1,0 +1,49 @@
+"""Unquantized weights in the activation dtype (float32 or bfloat16).
+
+The weight is stored transposed ([in, out]) and the product is taken in slices of the input
+dimension, added in float32: measured on MKL, ``x @ w`` with row-major ``w`` and a reduction of at
+most a few hundred gives each output row the same bits whatever the number of rows (from two;
+one row takes the gemv path, so a lone row is padded), which ``F.linear`` over the whole width
+does not. That keeps a sequence's logits independent of its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+
+K_SLICE = 256
+
+
+def batch_invariant_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ wt [K, N], each row's result independent of M; float32 out for float32 in."""
+    m = x.shape[0]
+    if m == 1:
+        x = torch.cat((x, torch.zeros_like(x)))
+    out: torch.Tensor | None = None
+    for start in range(0, wt.shape[0], K_SLICE):
+        y = (x[:, start : start + K_SLICE] @ wt[start : start + K_SLICE]).float()
+        out = y if out is None else out + y
+    assert out is not None
+    return out[:m].to(x.dtype)
+
+
+@register_quantization("none")
+class DenseMethod(QuantMethod):
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        layer.weight_t = empty_param(in_features, out_features, dtype=self.act_dtype)
+
+    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+        layer.weight_t.data[:, rows] = dense(tensor).t().to(self.act_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return batch_invariant_matmul(x, layer.weight_t)
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight_t.t().float()
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return layer.weight_t.numel() * layer.weight_t.element_size()

@@ -1,0 +1,129 @@
+"""Per-step attention metadata: tensors built once per step by the runner, read by every layer.
+
+The model never sees requests. A step runs a flat batch of ``T`` new tokens from ``S`` sequences
+(prefill chunks and single decode tokens side by side). Attention runs in *groups*: the decode
+tokens in one, the prefill chunks in another, each laid out as a padded ``[S_g, max_q]`` grid of
+query rows, so that no layer loops over sequences and no layer reads a Python list or syncs
+with the host. Keys are visited in fixed chunks of ``KEY_CHUNK`` absolute positions, the same
+chunks whichever group a query sits in: that is what makes a query's result independent of
+the batch and of whether its prefix was prefilled or decoded (see ops/torch_ops.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Keys per chunk of the attention loop; a multiple of every KV block size we allow (16 by default).
+KEY_CHUNK = 256
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences whose queries run through attention together ([S_g, max_q] padded grid)."""
+
+    # Row of the flat batch for each grid cell, [S_g, max_q] int64; padding cells repeat a valid row.
+    token_index: torch.Tensor
+    # Absolute position of each grid cell's query, [S_g, max_q] int64 (padding: 0).
+    query_positions: torch.Tensor
+    # KV cache block ids of each sequence, [S_g, num_chunks * blocks_per_chunk] int64, padded with 0.
+    block_ids: torch.Tensor
+    # Grid cells that hold a real query (flat index into S_g * max_q) and their rows in the batch.
+    valid_cells: torch.Tensor
+    valid_rows: torch.Tensor
+    # Per key chunk: which keys each query may see, [S_g, 1, max_q, KEY_CHUNK] bool (causal + length).
+    chunk_masks: list[torch.Tensor]
+    max_query_len: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # Cache slot (block * block_size + offset) of each new token, [T] int64.
+    slot_mapping: torch.Tensor
+    # The decode group and/or the prefill group (one or two entries).
+    groups: list[AttentionGroup]
+    num_tokens: int
+    # The KV cache of every layer: [num_layers, num_blocks, block_size, kv_heads, head_dim] each.
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_size: int
+    extra: dict[str, object] = field(default_factory=dict)  # backend-specific additions
+
+
+def _group(
+    seqs: list[int],
+    query_lens: list[int],
+    starts: list[int],
+    offsets: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    max_q = max(query_lens[i] for i in seqs)
+    max_ctx = max(starts[i] + query_lens[i] for i in seqs)
+    num_blocks = -(-max_ctx // block_size)
+    token_index, query_pos, valid_cells, valid_rows, blocks = [], [], [], [], []
+    for row, i in enumerate(seqs):
+        n, start, offset = query_lens[i], starts[i], offsets[i]
+        token_index.append([offset + min(j, n - 1) for j in range(max_q)])
+        query_pos.append([start + j if j < n else 0 for j in range(max_q)])
+        valid_cells.extend(row * max_q + j for j in range(n))
+        valid_rows.extend(range(offset, offset + n))
+        table = block_tables[i][:num_blocks]
+        blocks.append(table + [0] * (num_blocks - len(table)))
+
+    def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    positions = t(query_pos)
+    masks = []
+    for chunk_start in range(0, num_blocks * block_size, KEY_CHUNK):
+        length = min(KEY_CHUNK, num_blocks * block_size - chunk_start)
+        keys = torch.arange(chunk_start, chunk_start + length, device=device)
+        masks.append((keys[None, None, :] > positions[:, :, None]).unsqueeze(1))
+    return AttentionGroup(
+        token_index=t(token_index),
+        query_positions=positions,
+        block_ids=t(blocks),
+        valid_cells=t(valid_cells),
+        valid_rows=t(valid_rows),
+        chunk_masks=masks,
+        max_query_len=max_q,
+    )
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    starts: list[int],
+    block_tables: list[list[int]],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> AttentionMetadata:
+    """Metadata for a step: sequence i adds ``query_lens[i]`` tokens at positions ``starts[i]`` onwards
+    (its earlier tokens are cached), its blocks are ``block_tables[i]``; caches as in AttentionMetadata."""
+    device = k_cache.device
+    block_size = k_cache.shape[2]
+    if KEY_CHUNK % block_size:
+        raise ValueError(f"the KV block size ({block_size}) must divide {KEY_CHUNK}")
+    offsets, slots = [], []
+    total = 0
+    for n, start, table in zip(query_lens, starts, block_tables):
+        offsets.append(total)
+        total += n
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    prefills = [i for i, n in enumerate(query_lens) if n > 1]
+    groups = [
+        _group(seqs, query_lens, starts, offsets, block_tables, block_size, device)
+        for seqs in (decodes, prefills)
+        if seqs
+    ]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        groups=groups,
+        num_tokens=total,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_size=block_size,
+    )

@@ -1,0 +1,118 @@
+"""The reference implementation of the hot operations, in plain torch (CPU and GPU).
+
+Attention is written so that a query's result is bit-for-bit the same whatever else is in the
+batch and whether it arrives in a prefill chunk or as a decode token:
+
+- keys are visited in chunks at fixed absolute positions (``KEY_CHUNK``), with an online
+  softmax across chunks; a chunk with no visible key leaves the running state unchanged;
+- within a chunk, the only reductions are matrix products (whose rows do not depend on how
+  many other rows there are, from two rows up, nor on trailing zero-weight keys) and ``amax``
+  (exact in any order); the softmax denominator is one more column of the ``p @ v`` product
+  rather than a ``sum`` (whose vectorized order changes with the row length).
+
+tests/test_batch_invariance.py holds these properties to account.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill_service.ops.attention_metadata import KEY_CHUNK, AttentionGroup, AttentionMetadata
+from tokenmill_service.ops.interface import Ops, register_ops
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _group_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """Attention for one group's queries: [n_valid, H, D] float32, rows in ``group.valid_rows`` order."""
+    num_seqs, max_q = group.token_index.shape
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    g = num_heads // kv_heads
+    # [S, Q, KV, G, D] -> [S, KV, G * Q, D]: one matrix product per (sequence, kv head).
+    qg = q.float()[group.token_index].view(num_seqs, max_q, kv_heads, g, head_dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, g * max_q, head_dim)
+    rows = g * max_q
+    if rows == 1:  # a one-row product takes another kernel (gemv) with another summation order
+        qg = torch.cat((qg, torch.zeros_like(qg)), dim=2)
+    m = torch.full((num_seqs, kv_heads, qg.shape[2], 1), float("-inf"), device=q.device)
+    acc = torch.zeros((num_seqs, kv_heads, qg.shape[2], head_dim + 1), device=q.device)
+    blocks_per_chunk = KEY_CHUNK // block_size
+    for c, invisible in enumerate(group.chunk_masks):
+        blocks = group.block_ids[:, c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
+        length = blocks.shape[1] * block_size
+        k = k_cache[blocks].view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
+        v = v_cache[blocks].view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
+        ones = torch.ones((num_seqs, kv_heads, length, 1), device=q.device)
+        v1 = torch.cat((v, ones), dim=-1)  # the last column of p @ v1 is the softmax denominator
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, KV, rows, length]
+        s = scores[:, :, :rows].view(num_seqs, kv_heads, g, max_q, length)
+        s.masked_fill_(invisible[:, :, None], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        p = torch.exp(scores - m_new)
+        acc = acc * torch.exp(m - m_new) + torch.matmul(p, v1)
+        m = m_new
+    out = acc[:, :, :rows, :head_dim] / acc[:, :, :rows, head_dim:]
+    # [S, KV, G, Q, D] -> [S * Q, H, D], then the real queries only.
+    out = out.view(num_seqs, kv_heads, g, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
+    return out.index_select(0, group.valid_cells)
+
+
+@register_ops("torch")
+class TorchOps(Ops):
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.float() if residual is None else residual + x.float()
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * weight).to(out_dtype), h
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return rotate_halves(q, c, s), rotate_halves(k, c, s)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return _scatter(q, [(g, _group_attention(q, k_cache, v_cache, g, scale)) for g in meta.groups])
+
+
+def _scatter(q: torch.Tensor, parts: list[tuple[AttentionGroup, torch.Tensor]]) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for group, rows in parts:
+        out.index_copy_(0, group.valid_rows, rows.to(q.dtype))
+    return out
