@@ -68,6 +68,9 @@ class Settings:
     tls_client_ca: str = field(
         default="", metadata={"help": "PEM CA certificates: require client certificates they signed (mutual TLS)"}
     )
+    health_port: int = field(
+        default=0, metadata={"help": "also serve grpc.health.v1 alone in plaintext on this port (0: off), for probes"}
+    )
     heartbeat_timeout: float = field(
         default=10.0, metadata={"help": "seconds without a heartbeat before a worker is declared hung and replaced"}
     )

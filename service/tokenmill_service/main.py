@@ -63,6 +63,13 @@ async def serve(settings: Settings) -> int:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, status)
 
+    # Probes that cannot speak TLS (kubelet's) get the health service alone, in plaintext, on its own port.
+    health_server: grpc.aio.Server | None = None
+    if settings.health_port:
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+        await health_server.start()
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     if settings.metrics_port:
@@ -110,6 +117,8 @@ async def serve(settings: Settings) -> int:
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await router.drain(settings.drain_seconds)
     await server.stop(grace=1.0)
+    if health_server is not None:
+        await health_server.stop(grace=None)
     await router.stop()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
