@@ -72,7 +72,9 @@ def test_the_text_joins_across_the_seam_with_utf8_split_and_a_held_stop_string_s
     stopping = StoppingParams(max_new_tokens=24, ignore_eos=True, stop=[stop])
     uninterrupted = run(engine, request(engine, "stop-whole", stopping=stopping))
     assert text(uninterrupted) == expected
-    sent = [o for o in uninterrupted if sum(len(p.tokens) for p in uninterrupted[: uninterrupted.index(o) + 1]) <= k + 1]
+    sent = [
+        o for o in uninterrupted if sum(len(p.tokens) for p in uninterrupted[: uninterrupted.index(o) + 1]) <= k + 1
+    ]
     sent_ids = token_ids(sent)
     rest = run(engine, request(engine, "stop-rest", stopping=stopping, resume_ids=sent_ids))
     assert text(sent) + text(rest) == expected
