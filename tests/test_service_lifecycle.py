@@ -130,7 +130,7 @@ def test_a_killed_worker_is_restarted_and_its_stream_continues_unbroken(
 
 
 def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero() -> None:
-    server = ServerProcess("--auth-token", TOKEN, "--drain-seconds", "30").start()
+    server = ServerProcess("--auth-token", TOKEN, "--drain-seconds", "120").start()
     channel = grpc.insecure_channel(server.address)
     stub = pb_grpc.GenerationStub(channel)
     try:
@@ -147,7 +147,7 @@ def drain(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
         msgs = list(
             stub.Generate(
                 pb.GenerateRequest(
-                    prompt="Write a poem", stopping=pb.StoppingParams(max_new_tokens=100, ignore_eos=True)
+                    prompt="Write a poem", stopping=pb.StoppingParams(max_new_tokens=60, ignore_eos=True)
                 ),
                 metadata=AUTH,
                 timeout=120,
@@ -166,6 +166,6 @@ def drain(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(prompt="Too late"), metadata=AUTH, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    thread.join(120)
-    assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": 100}
+    thread.join(150)
+    assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": 60}
     assert server.proc.wait(60) == 0
