@@ -126,6 +126,7 @@ def assert_valid_kubernetes(rendered: str, tmp_path: Path) -> None:
 
 GPU_FLAGS = ("--set", "gpu=2", "--set", "tensorParallel=2")
 HPA_FLAGS = ("--set", "autoscaling.enabled=true")
+TLS_FLAGS = ("--set", "server.tls.secretName=tokenmill-tls", "--set", "server.tls.requireClientCert=true")
 PVC_FLAGS = (
     "--set",
     "model.source=pvc",
@@ -152,6 +153,7 @@ def test_helm_lint_passes(helm_env: dict[str, str]) -> None:
         pytest.param(("--set", "gpu=1", "--set", "tensorParallel=2"), id="gpu-1-tensor-parallel-2"),
         pytest.param(("--set", "gpu=1"), id="gpu-1"),
         pytest.param(HPA_FLAGS, id="autoscaling"),
+        pytest.param(TLS_FLAGS, id="mutual-tls"),
         pytest.param(PVC_FLAGS, id="model-from-pvc"),
         pytest.param(
             (
@@ -596,3 +598,23 @@ def test_values_schema_accepts_the_default_values_keys() -> None:
     assert set(values) <= set(schema["properties"])
     assert {"gpu", "tensorParallel", "autoscaling"} <= set(values)
     assert values["gpu"] == 0 and values["tensorParallel"] == 1 and values["autoscaling"]["enabled"] is False
+
+
+def test_tls_mounts_the_certificate_secret_and_probes_use_the_plaintext_health_port(
+    helm_env: dict[str, str],
+) -> None:
+    plain = template(helm_env)
+    assert "TOKENMILL_TLS_CERT" not in env_of(plain)
+    assert container(plain)["readinessProbe"]["grpc"]["port"] == 50051
+    rendered = template(helm_env, *TLS_FLAGS)
+    env = env_of(rendered)
+    assert env["TOKENMILL_TLS_CERT"] == "/etc/tokenmill/tls/tls.crt"
+    assert env["TOKENMILL_TLS_KEY"] == "/etc/tokenmill/tls/tls.key"
+    assert env["TOKENMILL_TLS_CLIENT_CA"] == "/etc/tokenmill/tls/ca.crt"
+    assert env["TOKENMILL_HEALTH_PORT"] == "50052"
+    c = container(rendered)
+    assert {"name": "tls", "mountPath": "/etc/tokenmill/tls", "readOnly": True} in c["volumeMounts"]
+    volumes = deployment(rendered)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "tokenmill-tls"}} in volumes
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == 50052

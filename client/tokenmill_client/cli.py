@@ -632,7 +632,11 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
     )
     group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
     group.add_argument(
-        "--root-certificates", metavar="PEM_FILE", default=default(None), help="trusted CA certificates (implies --tls)"
+        "--root-certificates",
+        "--tls-ca",
+        metavar="PEM_FILE",
+        default=default(None),
+        help="trusted CA certificates (implies --tls)",
     )
     group.add_argument(
         "--token",

@@ -60,6 +60,31 @@ class Settings:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
     auth_token: str = field(default="", metadata={"help": "if set, calls must send 'authorization: Bearer TOKEN'"})
     master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
+    auth_token_file: str = field(
+        default="", metadata={"help": "file of accepted bearer tokens, one per line (with --auth-token: both)"}
+    )
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain: serve gRPC over TLS (with --tls-key)"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str = field(
+        default="", metadata={"help": "PEM CA certificates: require client certificates they signed (mutual TLS)"}
+    )
+    health_port: int = field(
+        default=0, metadata={"help": "also serve grpc.health.v1 alone in plaintext on this port (0: off), for probes"}
+    )
+    heartbeat_timeout: float = field(
+        default=10.0, metadata={"help": "seconds without a heartbeat before a worker is declared hung and replaced"}
+    )
+    step_timeout: float = field(
+        default=120.0,
+        metadata={
+            "help": "seconds one engine step of up to 512 tokens may run (more for larger steps) before "
+            "its worker is declared hung and replaced"
+        },
+    )
+    max_resumptions: int = field(
+        default=2,
+        metadata={"help": "times one stream may move to another worker after its worker failed (0: fail it instead)"},
+    )
 
     def validate(self) -> None:
         if self.backend == "triton":
@@ -74,6 +99,29 @@ class Settings:
         if min(self.workers, self.threads, self.max_top_logprobs) < 0 or self.drain_seconds < 0:
             raise ValueError("--workers, --threads, --drain-seconds and --max-top-logprobs must not be negative")
         parse_size(self.kv_cache_memory)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both to serve over TLS")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        if self.heartbeat_timeout <= 0 or self.step_timeout <= 0:
+            raise ValueError("--heartbeat-timeout and --step-timeout must be above 0 seconds")
+        if self.max_resumptions < 0:
+            raise ValueError("--max-resumptions must not be negative")
+        self.auth_tokens()  # an unreadable or empty token file stops the server at start
+
+    def auth_tokens(self) -> list[str]:
+        """Every accepted bearer token: --auth-token and the lines of --auth-token-file (read now, so a
+        rotated file is picked up on restart). Empty: no authentication."""
+        tokens = [self.auth_token] if self.auth_token else []
+        if self.auth_token_file:
+            try:
+                with open(self.auth_token_file, encoding="utf-8") as f:
+                    tokens += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+            except OSError as exc:
+                raise ValueError(f"--auth-token-file {self.auth_token_file}: {exc.strerror}") from None
+            if not tokens:
+                raise ValueError(f"--auth-token-file {self.auth_token_file} holds no token")
+        return tokens
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -43,6 +43,12 @@ class IncrementalDetokenizer:
             return ""
         return self._push(self._utf8.decode(self._tokenizer.token_bytes(token_id)), final=False)
 
+    def prime(self, token_ids: Sequence[int]) -> None:
+        """Take tokens whose text was already emitted elsewhere (a resumed stream): afterwards this
+        detokenizer holds exactly what one that had taken them one by one would hold."""
+        for token_id in token_ids:
+            self.add(token_id)
+
     def flush(self) -> str:
         """At the end of generation: emit what was held back (a stop string that never completed is text)."""
         if self.stopped:

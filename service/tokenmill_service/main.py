@@ -12,13 +12,12 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenmill_client._proto import generate_pb2 as pb
-from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import Settings, load_settings
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.proto import pb
 from tokenmill_service.router import Router, WorkerStartError
-from tokenmill_service.server import GenerationServicer, engine_totals
+from tokenmill_service.server import GenerationServicer, add_generation_servicer, engine_totals
 
 log = structlog.get_logger("tokenmill.main")
 
@@ -40,7 +39,7 @@ async def serve(settings: Settings) -> int:
     router = Router(settings, metrics)
     metrics.bind_state(lambda: engine_totals(router))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(settings, router, tokenizer, metrics), server)
+    add_generation_servicer(GenerationServicer(settings, router, tokenizer, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -48,7 +47,14 @@ async def serve(settings: Settings) -> int:
     )
     address = f"{settings.host}:{settings.port}"
     try:
-        server.add_insecure_port(address)
+        credentials = server_credentials(settings)
+        if credentials is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, credentials)
+    except OSError as exc:
+        log.error("cannot_read_tls_files", error=str(exc))
+        return 1
     except RuntimeError as exc:
         log.error("cannot_listen", address=address, error=str(exc))
         return 1
@@ -57,6 +63,13 @@ async def serve(settings: Settings) -> int:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, status)
 
+    # Probes that cannot speak TLS (kubelet's) get the health service alone, in plaintext, on its own port.
+    health_server: grpc.aio.Server | None = None
+    if settings.health_port:
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+        await health_server.start()
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     if settings.metrics_port:
@@ -64,6 +77,7 @@ async def serve(settings: Settings) -> int:
     log.info(
         "server_listening",
         address=address,
+        tls="mutual" if settings.tls_client_ca else bool(settings.tls_cert),
         model=str(model_path),
         workers=router.num_workers,
         device=settings.device,
@@ -103,16 +117,40 @@ async def serve(settings: Settings) -> int:
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await router.drain(settings.drain_seconds)
     await server.stop(grace=1.0)
+    if health_server is not None:
+        await health_server.stop(grace=None)
     await router.stop()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
 
 
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from --tls-cert/--tls-key (and --tls-client-ca: mutual TLS); None for plaintext."""
+    if not settings.tls_cert:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    key_pair = [(read(settings.tls_key), read(settings.tls_cert))]
+    if settings.tls_client_ca:
+        return grpc.ssl_server_credentials(
+            key_pair, root_certificates=read(settings.tls_client_ca), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials(key_pair)
+
+
 async def follow_workers(router: Router, set_health: Callable[[int], Awaitable[None]]) -> None:
-    """NOT_SERVING while no worker can take a call (all dead, restarting); SERVING again after."""
+    """NOT_SERVING while no worker can take a call (all dead, hung, restarting); SERVING again after."""
     serving = True
     while True:
-        await asyncio.sleep(0.5)
+        # The router signals each change at once; the timeout is a safety net.
+        try:
+            await asyncio.wait_for(router.state_changed.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+        router.state_changed.clear()
         if router.ready != serving:
             serving = router.ready
             status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,32 +1,55 @@
-"""The router: spawns and supervises the worker processes, sends each request to the least
-loaded replica, streams its outputs back, and cancels what callers abandon.
+"""The router: spawns and supervises the replicas, sends each request to the least loaded one,
+streams its outputs back, resumes the streams of a replica that dies or hangs on another one, and
+cancels what callers abandon.
+
+A replica is a group of processes (one per tensor-parallel rank; rank 0 holds the pipe and runs
+the engine loop). It is declared dead as a whole when any of its processes exits, when its
+heartbeats stop (`--heartbeat-timeout`: a stopped or wedged process) or when one step runs past
+`--step-timeout` scaled to the step's size; then every process of the group is killed, its
+requests are re-admitted elsewhere (prompt + the tokens already sent, same seed), and the group
+is restarted with backoff.
 
 It lives on the server's asyncio loop. Worker pipes and process sentinels are watched with
 `loop.add_reader`, so there are no threads; commands for a worker are gathered and sent once
-per loop turn.
+per loop turn. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
 
 import structlog
 
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import EngineStats
-from tokenmill_service.engine.request import GenerationRequest, RequestOutput
+from tokenmill_service.engine.request import EngineStats, GenerationRequest, RequestOutput
+from tokenmill_service.messages import (
+    AddRequest,
+    Cancel,
+    Command,
+    Event,
+    Failed,
+    Heartbeat,
+    Ready,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    WorkerInfo,
+    WorkerSpec,
+)
+from tokenmill_service.messages import Rejected as RejectedMsg
 from tokenmill_service.metrics import Metrics
-from tokenmill_service.worker import WorkerInfo, WorkerSpec, worker_main
+from tokenmill_service.worker import worker_main
 
 log = structlog.get_logger("tokenmill.router")
 
@@ -61,23 +84,53 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A step of up to this many tokens gets --step-timeout seconds; a larger one proportionally more.
+STEP_TIMEOUT_TOKENS = 512
+# A replica that served this long before dying restarts after the shortest backoff again.
+HEALTHY_RUN_S = 60.0
+
+
 @dataclass(eq=False)
-class WorkerHandle:
+class Replica:
+    """One model replica: its processes (rank 0 first), the pipe to rank 0, and what it runs."""
+
     worker_id: int
-    process: BaseProcess
+    processes: list[BaseProcess]
     conn: Connection
+    restarts: int = 0
+    # Consecutive deaths soon after starting; sets the backoff before the next start.
+    failures: int = 0
     info: WorkerInfo | None = None
     alive: bool = True
     stats: EngineStats | None = None
-    restarts: int = 0
-    # engine request id -> the queue its outputs go to
-    inflight: dict[str, asyncio.Queue[RequestOutput | Exception]] = field(default_factory=dict)
-    pending: list[tuple[Any, ...]] = field(default_factory=list)
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+    pending: list[Command] = field(default_factory=list)
     ready: asyncio.Future[WorkerInfo] | None = None
+    ready_at: float | None = None
+    # When rank 0 was last heard from, and what its last heartbeat said about the step in progress.
+    last_heard: float = field(default_factory=time.monotonic)
+    step_elapsed: float | None = None
+    step_tokens: int = 0
 
     @property
     def serving(self) -> bool:
         return self.alive and self.info is not None
+
+    @property
+    def process(self) -> BaseProcess:
+        return self.processes[0]
+
+
+@dataclass(eq=False)
+class InFlight:
+    """What the router keeps of an admitted request so it can resume it on another replica."""
+
+    request: GenerationRequest  # as admitted: its seed is fixed, so a resumed draw is the same draw
+    stream: RequestStream
+    replica: Replica | None = None  # None while parked, waiting for a replica
+    sent_ids: list[int] = field(default_factory=list)  # every token id handed to the caller
+    delivered: bool = False  # the first output (with any prompt logprobs) has been handed over
+    resumptions: int = 0
 
 
 class Router:
@@ -85,16 +138,21 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self.num_workers = settings.resolved_workers()
-        self.workers: list[WorkerHandle] = []
+        self.workers: list[Replica] = []
+        self.requests: dict[str, InFlight] = {}
+        # Requests whose replica died while no other could take them; admitted on the next Ready.
+        self.parked: list[InFlight] = []
         self.draining = False
         self.stopping = False
+        # Set whenever a replica starts or stops serving, so health follows at once.
+        self.state_changed = asyncio.Event()
         self._ctx = mp.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._restart_tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _spec(self, worker_id: int) -> WorkerSpec:
+    def _spec(self, worker_id: int, rank: int) -> WorkerSpec:
         s = self.settings
         cores = os.cpu_count() or 1
         threads = s.threads or (max(1, cores // self.num_workers) if s.device == "cpu" else 1)
@@ -106,8 +164,8 @@ class Router:
         )
         return WorkerSpec(
             worker_id=worker_id,
-            rank=0,
-            device_index=worker_id * s.tensor_parallel,
+            rank=rank,
+            device_index=worker_id * s.tensor_parallel + rank,
             world_size=s.tensor_parallel,
             master_addr="127.0.0.1",
             master_port=(s.master_port + worker_id) if s.master_port else free_port(),
@@ -118,29 +176,38 @@ class Router:
             threads=threads,
             log_format=s.resolved_log_format(),
             log_level=s.log_level,
+            heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),
         )
 
-    def _spawn(self, worker_id: int, restarts: int = 0) -> WorkerHandle:
+    def _spawn(self, worker_id: int, restarts: int = 0, failures: int = 0) -> Replica:
         assert self._loop is not None
         parent, child = self._ctx.Pipe(duplex=True)
-        spec = self._spec(worker_id)
+        # One process per rank; ranks above 0 (tensor parallelism) join rank 0's group here when they exist.
+        spec = self._spec(worker_id, rank=0)
         proc = self._ctx.Process(target=worker_main, args=(spec, child), name=f"tokenmill-worker-{worker_id}")
         proc.daemon = True
         proc.start()
         child.close()
-        handle = WorkerHandle(worker_id, proc, parent, restarts=restarts)
-        handle.ready = self._loop.create_future()
-        self._loop.add_reader(parent.fileno(), self._on_readable, handle)
-        self._loop.add_reader(proc.sentinel, self._on_exit, handle)
+        replica = Replica(worker_id, [proc], parent, restarts=restarts, failures=failures)
+        replica.ready = self._loop.create_future()
+        self._loop.add_reader(parent.fileno(), self._on_readable, replica)
+        for p in replica.processes:
+            self._loop.add_reader(p.sentinel, self._on_exit, replica)
         log.info("worker_spawned", worker_id=worker_id, pid=proc.pid, master_port=spec.master_port)
-        return handle
+        return replica
+
+    def _task(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def start(self, timeout: float = 600.0) -> None:
-        """Spawn every worker and wait until each has loaded the model and run a warm-up step."""
+        """Spawn every replica and wait until each has loaded the model and run a warm-up step."""
         self._loop = asyncio.get_running_loop()
         self.workers = [self._spawn(i) for i in range(self.num_workers)]
         futures = [w.ready for w in self.workers if w.ready is not None]
         await asyncio.wait_for(asyncio.gather(*futures), timeout)
+        self._task(self._supervise())
 
     @property
     def ready(self) -> bool:
@@ -155,73 +222,110 @@ class Router:
         left = self.inflight_count()
         if left:
             log.warning("drain_timeout", abandoned=left)
-            for w in self.workers:
-                for q in w.inflight.values():
-                    q.put_nowait(Unavailable("the server is shutting down"))
+            for inflight in list(self.requests.values()):
+                inflight.stream.queue.put_nowait(Unavailable("the server is shutting down"))
 
     async def stop(self) -> None:
         self.stopping = True
-        for task in self._restart_tasks:
+        for task in self._tasks:
             task.cancel()
         for w in self.workers:
             if w.alive:
-                w.pending.append(("shutdown",))
+                w.pending.append(Shutdown())
                 self._flush(w)
         deadline = time.monotonic() + 10
         for w in self.workers:
-            while w.process.is_alive() and time.monotonic() < deadline:
+            while any(p.is_alive() for p in w.processes) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if w.process.is_alive():
-                log.warning("worker_killed", worker_id=w.worker_id)
-                w.process.kill()
+            for p in w.processes:
+                if p.is_alive():
+                    log.warning("worker_killed", worker_id=w.worker_id, pid=p.pid, reason="did not stop in 10 s")
+                    p.kill()
             self._forget(w)
 
-    # -- messages from workers ----------------------------------------------------------------
+    # -- supervision -----------------------------------------------------------------------------
 
-    def _forget(self, w: WorkerHandle) -> None:
+    def step_bound(self, tokens: int) -> float:
+        """How long a step of `tokens` tokens may run before its replica is declared hung."""
+        return self.settings.step_timeout * max(1.0, tokens / STEP_TIMEOUT_TOKENS)
+
+    async def _supervise(self) -> None:
+        """Declare dead the replicas that stopped talking or whose step runs past its bound."""
+        period = min(0.25, self.settings.heartbeat_timeout / 4)
+        while not self.stopping:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for w in list(self.workers):
+                if not w.serving:
+                    continue  # a starting replica is bounded by its restart's own timeout
+                silent = now - w.last_heard
+                if silent > self.settings.heartbeat_timeout:
+                    self._fail(
+                        w, f"no heartbeat for {silent:.1f} s (--heartbeat-timeout {self.settings.heartbeat_timeout} s)"
+                    )
+                elif w.step_elapsed is not None:
+                    elapsed, bound = w.step_elapsed + silent, self.step_bound(w.step_tokens)
+                    if elapsed > bound:
+                        self._fail(
+                            w,
+                            f"a step of {w.step_tokens} tokens has run {elapsed:.1f} s "
+                            f"(--step-timeout allows {bound:.1f} s)",
+                        )
+
+    def _forget(self, w: Replica) -> None:
         assert self._loop is not None
         if w.alive:
             w.alive = False
+            self.state_changed.set()
             self._loop.remove_reader(w.conn.fileno())
-            self._loop.remove_reader(w.process.sentinel)
+            for p in w.processes:
+                self._loop.remove_reader(p.sentinel)
             w.conn.close()
 
-    def _on_readable(self, w: WorkerHandle) -> None:
+    def _on_readable(self, w: Replica) -> None:
         try:
             while w.alive and w.conn.poll():
                 self._handle(w, w.conn.recv())
         except (EOFError, OSError):
             self._on_exit(w)
 
-    def _handle(self, w: WorkerHandle, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "step":
-            outputs: list[RequestOutput] = msg[1]
-            w.stats = msg[2]
-            for out in outputs:
-                queue = w.inflight.get(out.request_id)
-                if queue is None:
-                    continue  # cancelled meanwhile
-                queue.put_nowait(out)
-                if out.finished:
-                    del w.inflight[out.request_id]
-        elif kind == "stats":
-            w.stats = msg[1]
-        elif kind == "rejected":
-            queue = w.inflight.pop(msg[1], None)
-            if queue is not None:
-                queue.put_nowait(Rejected(msg[2]))
-        elif kind == "ready":
-            w.info = msg[1]
-            log.info("worker_ready", worker_id=w.worker_id, pid=w.info.pid if w.info else None)
-            if w.ready is not None and not w.ready.done():
-                w.ready.set_result(msg[1])
-        elif kind == "failed":
-            log.error("worker_failed_to_start", worker_id=w.worker_id, error=msg[1])
-            if w.ready is not None and not w.ready.done():
-                w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} failed to start: {msg[1]}"))
+    def _handle(self, w: Replica, event: Event) -> None:
+        w.last_heard = time.monotonic()
+        match event:
+            case StepOutputs(outputs=outputs, stats=stats):
+                w.stats, w.step_elapsed = stats, None
+                for out in outputs:
+                    inflight = w.inflight.get(out.request_id)
+                    if inflight is None:
+                        continue  # cancelled meanwhile
+                    inflight.sent_ids.extend(t.id for t in out.tokens)
+                    inflight.delivered = True
+                    inflight.stream.queue.put_nowait(out)
+                    if out.finished:
+                        del w.inflight[out.request_id]
+                        self.requests.pop(out.request_id, None)
+            case Heartbeat(step_elapsed=elapsed, step_tokens=tokens):
+                w.step_elapsed, w.step_tokens = elapsed, tokens
+            case Stats(stats=stats):
+                w.stats = stats
+            case RejectedMsg(request_id=request_id, message=message):
+                inflight = w.inflight.pop(request_id, None)
+                self.requests.pop(request_id, None)
+                if inflight is not None:
+                    inflight.stream.queue.put_nowait(Rejected(message))
+            case Ready(info=info):
+                w.info, w.ready_at = info, time.monotonic()
+                self.state_changed.set()
+                log.info("worker_ready", worker_id=w.worker_id, pid=info.pid)
+                if w.ready is not None and not w.ready.done():
+                    w.ready.set_result(info)
+                self._admit_parked()
+            case Failed(message=message):
+                log.error("worker_failed_to_start", worker_id=w.worker_id, error=message)
+                if w.ready is not None and not w.ready.done():
+                    w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} failed to start: {message}"))
 
-    def _on_exit(self, w: WorkerHandle) -> None:
+    def _on_exit(self, w: Replica) -> None:
         if not w.alive:
             return
         # Read whatever the worker sent before it went (its last outputs or its start error).
@@ -230,52 +334,134 @@ class Router:
                 self._handle(w, w.conn.recv())
         except (EOFError, OSError):
             pass
-        w.process.join(timeout=1)
-        code = w.process.exitcode
+        if not w.alive:
+            return
+        codes = []
+        for p in w.processes:
+            p.join(timeout=0 if p.is_alive() else 1)
+            codes.append(p.exitcode)
+        exited = next((c for c in codes if c is not None), None)
+        self._fail(w, f"worker {w.worker_id} stopped (exit code {exited})")
+
+    def _fail(self, w: Replica, reason: str) -> None:
+        """Declare a replica dead: kill its whole group, resume its requests, schedule its restart."""
+        if not w.alive:
+            return
+        was_serving = w.serving
         self._forget(w)
-        lost = len(w.inflight)
-        for queue in w.inflight.values():
-            queue.put_nowait(Unavailable(f"worker {w.worker_id} stopped (exit code {code}); retry the request"))
+        for p in w.processes:
+            if p.is_alive():
+                p.kill()  # also ends a SIGSTOPped process
+        for p in w.processes:
+            p.join(timeout=5)
+        lost = list(w.inflight.values())
         w.inflight.clear()
         if w.ready is not None and not w.ready.done():
-            w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} exited with code {code} while starting"))
-            return
+            w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} failed while starting: {reason}"))
         if self.stopping:
+            for inflight in lost:
+                inflight.stream.queue.put_nowait(Unavailable("the server is shutting down"))
             return
-        log.error("worker_died", worker_id=w.worker_id, exit_code=code, failed_requests=lost)
+        if not was_serving:
+            return  # a start that failed: the restart loop owns it
+        log.error("worker_died", worker_id=w.worker_id, reason=reason, requests_to_resume=len(lost))
         self.metrics.worker_restarts.inc()
-        task = asyncio.ensure_future(self._restart(w))
-        self._restart_tasks.add(task)
-        task.add_done_callback(self._restart_tasks.discard)
+        for inflight in lost:
+            self._resume(inflight, reason)
+        self._task(self._restart(w, reason))
 
-    async def _restart(self, dead: WorkerHandle) -> None:
-        delay = 1.0
+    async def _restart(self, dead: Replica, reason: str) -> None:
+        # Back off harder while replicas keep dying soon after they start (a crash loop).
+        quick = dead.ready_at is None or time.monotonic() - dead.ready_at < HEALTHY_RUN_S
+        failures = dead.failures + 1 if quick else 1
         while not self.stopping:
+            delay = min(30.0, 0.5 * 2 ** (failures - 1))
+            log.info("worker_restart_scheduled", worker_id=dead.worker_id, delay_s=delay, reason=reason)
             await asyncio.sleep(delay)
-            handle = self._spawn(dead.worker_id, restarts=dead.restarts + 1)
-            self.workers[dead.worker_id] = handle
+            replica = self._spawn(dead.worker_id, restarts=dead.restarts + 1, failures=failures)
+            self.workers[dead.worker_id] = replica
             try:
-                assert handle.ready is not None
-                await asyncio.wait_for(asyncio.shield(handle.ready), 600)
-                log.info("worker_restarted", worker_id=dead.worker_id, restarts=handle.restarts)
+                assert replica.ready is not None
+                await asyncio.wait_for(asyncio.shield(replica.ready), 600)
+                log.info("worker_restarted", worker_id=dead.worker_id, restarts=replica.restarts)
                 return
             except (WorkerStartError, asyncio.TimeoutError) as exc:
-                log.error("worker_restart_failed", worker_id=dead.worker_id, error=str(exc))
-                self._forget(handle)
-                if handle.process.is_alive():
-                    handle.process.kill()
-                dead = handle
-                delay = min(delay * 2, 30.0)
+                reason = str(exc) or "not ready within 600 s"
+                log.error("worker_restart_failed", worker_id=dead.worker_id, error=reason)
+                self._forget(replica)
+                for p in replica.processes:
+                    if p.is_alive():
+                        p.kill()
+                dead, failures = replica, failures + 1
+
+    # -- resumption ------------------------------------------------------------------------------
+
+    def _resume(self, inflight: InFlight, reason: str) -> None:
+        """Re-admit a request whose replica died: prompt + the tokens already sent, same seed."""
+        limit = self.settings.max_resumptions
+        if inflight.resumptions >= limit:
+            self._drop(inflight)
+            moved = f"it was already resumed {inflight.resumptions} times" if limit else "resumption is off"
+            inflight.stream.queue.put_nowait(
+                Unavailable(f"{reason}; {moved} (--max-resumptions {limit}); retry the request")
+            )
+            return
+        inflight.resumptions += 1
+        inflight.replica = None
+        target = self._pick()
+        log.info(
+            "request_resumed",
+            request_id=inflight.request.request_id,
+            tokens_sent=len(inflight.sent_ids),
+            resumptions=inflight.resumptions,
+            worker_id=target.worker_id if target is not None else None,
+        )
+        if target is None:
+            self.parked.append(inflight)
+        else:
+            self._dispatch(inflight, target)
+
+    def _admit_parked(self) -> None:
+        parked, self.parked = self.parked, []
+        for inflight in parked:
+            target = self._pick()
+            if target is None:
+                self.parked.append(inflight)
+            else:
+                self._dispatch(inflight, target)
+
+    def _dispatch(self, inflight: InFlight, replica: Replica) -> None:
+        request = inflight.request
+        if inflight.delivered:
+            # The engine prefills prompt + sent tokens and primes its detokenizer with them, emitting nothing twice.
+            request = dataclasses.replace(request, resume_ids=list(inflight.sent_ids), prompt_logprobs=False)
+        inflight.replica = replica
+        replica.inflight[request.request_id] = inflight
+        self._send(replica, AddRequest(request))
+
+    def _drop(self, inflight: InFlight) -> None:
+        """Forget a request (finished, failed or abandoned); cancel it in its replica if it still runs it."""
+        request_id = inflight.request.request_id
+        self.requests.pop(request_id, None)
+        if inflight in self.parked:
+            self.parked.remove(inflight)
+        replica, inflight.replica = inflight.replica, None
+        if replica is not None and replica.inflight.pop(request_id, None) is not None and replica.alive:
+            self._send(replica, Cancel(request_id))
+
+    def _pick(self) -> Replica | None:
+        candidates = [w for w in self.workers if w.serving]
+        return min(candidates, key=lambda w: len(w.inflight)) if candidates else None
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _send(self, w: WorkerHandle, cmd: tuple[Any, ...]) -> None:
+    def _send(self, w: Replica, cmd: Command) -> None:
         assert self._loop is not None
         if not w.pending:
             self._loop.call_soon(self._flush, w)
         w.pending.append(cmd)
 
-    def _flush(self, w: WorkerHandle) -> None:
+    def _flush(self, w: Replica) -> None:
         cmds, w.pending = w.pending, []
         if cmds and w.alive:
             try:
@@ -284,7 +470,7 @@ class Router:
                 self._on_exit(w)
 
     def inflight_count(self) -> int:
-        return sum(len(w.inflight) for w in self.workers)
+        return len(self.requests)
 
     def capacity(self) -> int:
         serving = sum(1 for w in self.workers if w.serving)
@@ -294,31 +480,35 @@ class Router:
         """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
-        candidates = [w for w in self.workers if w.serving]
-        if not candidates:
+        worker = self._pick()
+        if worker is None:
             raise Unavailable("no worker is ready to serve; retry shortly")
         if self.inflight_count() >= self.capacity():
             raise Overloaded(
                 f"the server is at capacity ({self.capacity()} requests in flight, "
                 f"queue size {self.settings.max_queue}); retry later"
             )
-        worker = min(candidates, key=lambda w: len(w.inflight))
         # The engine's id is ours, unique; the caller's request_id stays in the servicer.
         request.request_id = uuid.uuid4().hex
-        stream = RequestStream(self, worker, request.request_id)
-        worker.inflight[request.request_id] = stream.queue
-        self._send(worker, ("add", request))
+        if request.sampling.seed is None:
+            # Fixed now, so that a resumed request continues the same random stream.
+            request.sampling.seed = secrets.randbits(63)
+        stream = RequestStream(self)
+        inflight = InFlight(request, stream)
+        stream.inflight = inflight
+        self.requests[request.request_id] = inflight
+        self._dispatch(inflight, worker)
         log.debug("request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight))
         return stream
 
 
 class RequestStream:
-    """One admitted request's outputs, in order; closing it early cancels the request in its worker."""
+    """One admitted request's outputs, in order, across resumptions; closing it early cancels it."""
 
-    def __init__(self, router: Router, worker: WorkerHandle, engine_id: str) -> None:
+    inflight: InFlight
+
+    def __init__(self, router: Router) -> None:
         self.router = router
-        self.worker = worker
-        self.engine_id = engine_id
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.done = False
         self._timer: asyncio.TimerHandle | None = None
@@ -329,8 +519,13 @@ class RequestStream:
         self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self.queue.put_nowait, error)
 
     @property
-    def worker_id(self) -> int:
-        return self.worker.worker_id
+    def worker_id(self) -> int | None:
+        replica = self.inflight.replica
+        return replica.worker_id if replica is not None else None
+
+    @property
+    def resumptions(self) -> int:
+        return self.inflight.resumptions
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -346,10 +541,9 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        """Stop the request if its worker still runs it (the caller left, its deadline passed, or
-        the server drained); the router forgets a request once it finished or its worker failed."""
+        """Stop the request if a replica still runs it (the caller left, its deadline passed, or the
+        server drained); the router forgets a request once it finished or failed for good."""
         if self._timer is not None:
             self._timer.cancel()
         self.done = True
-        if self.worker.inflight.pop(self.engine_id, None) is not None and self.worker.alive:
-            self.router._send(self.worker, ("cancel", self.engine_id))
+        self.router._drop(self.inflight)

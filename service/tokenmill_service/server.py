@@ -7,6 +7,8 @@ successful message. Every log line of a request carries its request_id.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,14 +17,22 @@ from typing import Any
 import grpc
 import structlog
 
-from tokenmill_client._proto import generate_pb2 as pb
-from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import Settings
-from tokenmill_service.engine.request import FinishReason, TokenOutput
+from tokenmill_service.engine.request import MIN_TEMPERATURE, FinishReason, TokenOutput
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.proto import pb, pb_grpc
 from tokenmill_service.router import DeadlineExceeded, Overloaded, Rejected, Router, Unavailable
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.validation import InvalidRequest, Limits, build_request, prompt_ids
+from tokenmill_service.validation import (
+    MAX_REQUEST_ID_LENGTH,
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_TOKEN_IDS,
+    InvalidRequest,
+    Limits,
+    build_request,
+    check_request_id,
+    prompt_ids,
+)
 
 log = structlog.get_logger("tokenmill.server")
 
@@ -56,6 +66,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.router = router
         self.tokenizer = tokenizer
         self.metrics = metrics
+        # Compared in constant time, each of them, so the time taken tells nothing about any token.
+        self._tokens = [f"Bearer {t}".encode() for t in settings.auth_tokens()]
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -73,10 +85,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        if not self.settings.auth_token:
+        if not self._tokens:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.settings.auth_token}":
+        given = str(metadata.get("authorization", "")).encode()
+        matched = False
+        for token in self._tokens:
+            matched |= hmac.compare_digest(given, token)
+        if not matched:
             raise CallError(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata"
             )
@@ -97,7 +113,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.monotonic()
         request_id = self._request_id(request, context)
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        structlog.contextvars.bind_contextvars(request_id=request_id[:MAX_REQUEST_ID_LENGTH])
         code = grpc.StatusCode.OK
         prompt_len = completion_len = 0
         first_token_at: float | None = None
@@ -106,6 +122,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             try:
                 self._authorize(context)
+                if not request.request_id:
+                    check_request_id(request_id, "the x-request-id metadata")
                 if self.router.draining:
                     raise Unavailable("the server is shutting down; retry on another replica")
                 engine_request = build_request(request, self.tokenizer, self.limits())
@@ -231,6 +249,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 max_stop_strings=s.max_stop_strings,
                 max_queue=s.max_queue,
                 max_batch_size=s.max_batch_size,
+                max_request_id_length=MAX_REQUEST_ID_LENGTH,
+                min_temperature=MIN_TEMPERATURE,
+                max_stop_string_length=MAX_STOP_STRING_LENGTH,
+                max_stop_token_ids=MAX_STOP_TOKEN_IDS,
+                max_resumptions=s.max_resumptions,
             ),
         )
         if info is not None:
@@ -263,3 +286,56 @@ def engine_totals(router: Router) -> dict[str, int]:
             elif w.info is not None:
                 totals["kv_blocks_total"] += w.info.kv_blocks_total
     return totals
+
+
+def parsing(message: type[Any], handler: Any) -> Any:
+    """Wrap an RPC method so it takes the raw request bytes: bytes that do not parse end the call with
+    INVALID_ARGUMENT (grpc's own deserializer would answer UNKNOWN with a Python exception name)."""
+    name = message.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return message.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and whatever else the parser raises
+            raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {name}: {exc}") from None
+
+    if inspect.isasyncgenfunction(handler):
+
+        async def stream(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            try:
+                request = parse(raw)
+            except CallError as exc:
+                await context.abort(exc.code, exc.message)
+            async for response in handler(request, context):
+                yield response
+
+        return stream
+
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            request = parse(raw)
+        except CallError as exc:
+            await context.abort(exc.code, exc.message)
+        return await handler(request, context)
+
+    return unary
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Register the Generation service with request parsing done by `parsing` (see there)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            parsing(pb.GenerateRequest, servicer.Generate),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            parsing(pb.TokenizeRequest, servicer.Tokenize),
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            parsing(pb.GetModelInfoRequest, servicer.GetModelInfo),
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -10,13 +10,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill_client._proto import generate_pb2 as pb
-from tokenmill_service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.engine.request import MIN_TEMPERATURE, GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
+
+# Fixed limits (the configurable ones are in Limits); all are reported by GetModelInfo.
+# A request id is echoed in every response and log line: bounded, and printable.
+MAX_REQUEST_ID_LENGTH = 128
+# Matching a stop string costs its length per generated token: bounded.
+MAX_STOP_STRING_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 class InvalidRequest(ValueError):
     pass
+
+
+def check_request_id(request_id: str, source: str = "request_id") -> str:
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidRequest(f"{source} has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH} are allowed")
+    if not request_id.isprintable():
+        raise InvalidRequest(f"{source} holds a control character; use printable characters only")
+    return request_id
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,7 +97,8 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
     if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
         raise InvalidRequest(f"sampling.repetition_penalty must be >= 0 (0 or 1 = off); given {s.repetition_penalty}")
     return SamplingParams(
-        temperature=s.temperature,
+        # Too small to divide by: greedy, which is what such a temperature means anyway.
+        temperature=s.temperature if s.temperature >= MIN_TEMPERATURE else 0.0,
         top_k=s.top_k,
         top_p=s.top_p if 0.0 < s.top_p < 1.0 else 1.0,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (0.0, 1.0) else 1.0,
@@ -102,6 +118,14 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
     for i, stop in enumerate(s.stop):
         if not stop:
             raise InvalidRequest(f"stopping.stop[{i}] is empty")
+        if len(stop) > MAX_STOP_STRING_LENGTH:
+            raise InvalidRequest(
+                f"stopping.stop[{i}] has {len(stop)} characters; at most {MAX_STOP_STRING_LENGTH} are allowed"
+            )
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"stopping.stop_token_ids holds {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+        )
     check_token_ids("stopping.stop_token_ids", s.stop_token_ids, limits.vocab_size)
     return StoppingParams(
         max_new_tokens=s.max_new_tokens,
@@ -112,6 +136,7 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
 
 
 def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
+    check_request_id(request.request_id)
     sampling = sampling_params(request.sampling)
     stopping = stopping_params(request.stopping, limits)
     if request.top_logprobs > limits.max_top_logprobs:

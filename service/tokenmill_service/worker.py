@@ -1,61 +1,65 @@
 """A worker process: one device, torch.distributed initialized, the engine loop.
 
-The router talks to a worker over one pipe. Messages are batched both ways: the router sends
-every command gathered since its last send as one list; the worker answers each engine step
-with one message holding the outputs of every request in that step (never one message per
-token per request).
-
-    router -> worker: list of ("add", GenerationRequest) | ("cancel", request_id) | ("shutdown",)
-    worker -> router: ("ready", WorkerInfo) | ("step", [RequestOutput], EngineStats)
-                      | ("rejected", request_id, message) | ("stats", EngineStats) | ("failed", message)
+The router talks to a worker over one pipe with the typed messages of `messages.py`. Besides the
+engine loop, a heartbeat thread reports every `spec.heartbeat_interval` seconds, and with it how
+long the current step has run, so the router can tell a stopped or hung process from a busy one.
+Importing this module does not import torch (the router imports it for `worker_main`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import structlog
 
-from tokenmill_service.dtypes import dtype_name, resolve_dtype
-from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.request import GenerationRequest, RequestError, StoppingParams
 from tokenmill_service.log_setup import configure_logging
+from tokenmill_service.messages import (
+    AddRequest,
+    Cancel,
+    Event,
+    Failed,
+    Heartbeat,
+    Ready,
+    Rejected,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    WorkerInfo,
+    WorkerSpec,
+)
+
+__all__ = ["WorkerInfo", "WorkerSpec", "worker_main"]
 
 
-@dataclass(slots=True)
-class WorkerSpec:
-    worker_id: int
-    rank: int
-    # The GPU this process drives (replica * tensor_parallel + rank); unused on CPU.
-    device_index: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    model: str
-    device: str
-    dtype: str
-    engine: EngineConfig
-    threads: int
-    log_format: str
-    log_level: str
+class Channel:
+    """The worker's end of the pipe, shared by the engine loop and the heartbeat thread."""
 
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+        # When the step in progress started (None between steps) and its size in tokens.
+        self.step_started: float | None = None
+        self.step_tokens = 0
 
-@dataclass(slots=True)
-class WorkerInfo:
-    worker_id: int
-    pid: int
-    model_name: str
-    context_length: int
-    vocab_size: int
-    device: str
-    dtype: str
-    kv_blocks_total: int
-    kv_block_size: int
+    def send(self, event: Event) -> None:
+        with self._lock:
+            self.conn.send(event)
+
+    def heartbeat(self, interval: float, stop: threading.Event) -> None:
+        while not stop.wait(interval):
+            started = self.step_started
+            beat = Heartbeat(None if started is None else time.monotonic() - started, self.step_tokens)
+            try:
+                self.send(beat)
+            except (OSError, EOFError):
+                return  # the router is gone; the engine loop notices too
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -72,16 +76,18 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
     )
+    channel = Channel(conn)
     try:
         engine = _start_engine(spec, log)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
         log.error("worker_start_failed", error=str(exc), traceback=traceback.format_exc())
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        channel.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
+    from tokenmill_service.dtypes import dtype_name
+
     stats = engine.stats()
-    conn.send(
-        (
-            "ready",
+    channel.send(
+        Ready(
             WorkerInfo(
                 worker_id=spec.worker_id,
                 pid=os.getpid(),
@@ -96,8 +102,11 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         )
     )
     log.info("worker_ready", pid=os.getpid(), kv_blocks=stats.kv_blocks_total)
+    stop = threading.Event()
+    beat = threading.Thread(target=channel.heartbeat, args=(spec.heartbeat_interval, stop), daemon=True)
+    beat.start()
     try:
-        _serve(engine, conn, log)
+        _serve(engine, channel, log)
     except (EOFError, BrokenPipeError):
         log.warning("router_gone")  # the router died: nothing left to serve
     except Exception:
@@ -105,6 +114,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         log.exception("engine_failed")
         raise SystemExit(1) from None
     finally:
+        stop.set()
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -116,6 +126,7 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    from tokenmill_service.dtypes import resolve_dtype
     from tokenmill_service.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(spec.threads)
@@ -140,7 +151,9 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     return engine
 
 
-def _serve(engine: Any, conn: Connection, log: Any) -> None:
+def _serve(engine: Any, channel: Channel, log: Any) -> None:
+    conn = channel.conn
+    max_step_tokens = engine.config.max_batch_tokens
     while True:
         # Block while idle; while busy, only pick up what has already arrived.
         timeout = 0.0 if engine.has_unfinished() else None
@@ -148,21 +161,25 @@ def _serve(engine: Any, conn: Connection, log: Any) -> None:
         while conn.poll(timeout):
             timeout = 0.0
             for cmd in conn.recv():
-                kind = cmd[0]
-                if kind == "add":
-                    request: GenerationRequest = cmd[1]
-                    try:
-                        engine.add_request(request)
-                    except RequestError as exc:
-                        conn.send(("rejected", request.request_id, str(exc)))
-                elif kind == "cancel":
-                    dirty |= engine.cancel(cmd[1])
-                elif kind == "shutdown":
-                    for rid in list(engine.sequences):
-                        engine.cancel(rid)
-                    return
+                match cmd:
+                    case AddRequest(request=request):
+                        try:
+                            engine.add_request(request)
+                        except RequestError as exc:
+                            channel.send(Rejected(request.request_id, str(exc)))
+                    case Cancel(request_id=request_id):
+                        dirty |= engine.cancel(request_id)
+                    case Shutdown():
+                        for rid in list(engine.sequences):
+                            engine.cancel(rid)
+                        return
         if engine.has_unfinished():
+            # The step's size bounds how long it may take (the router's --step-timeout scales with it).
+            pending = sum(seq.num_uncomputed_tokens for seq in engine.sequences.values())
+            channel.step_tokens = max(1, min(max_step_tokens, pending))
+            channel.step_started = time.monotonic()
             outputs = engine.step()
-            conn.send(("step", outputs, engine.stats()))
+            channel.step_started = None
+            channel.send(StepOutputs(outputs, engine.stats()))
         elif dirty:
-            conn.send(("stats", engine.stats()))
+            channel.send(Stats(engine.stats()))

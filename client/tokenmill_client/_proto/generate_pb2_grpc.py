@@ -59,8 +59,12 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Generates a continuation and streams it back, one message per engine step (one or more tokens).
         The last message carries finish_reason, usage and timing. Cancelling the call stops generation.
-        Errors: INVALID_ARGUMENT (a bad parameter, the message names it), RESOURCE_EXHAUSTED (queue full),
-        DEADLINE_EXCEEDED, UNAVAILABLE (shutting down or no worker).
+        If the worker running it dies or hangs, the stream is resumed on another worker (or the restarted
+        one) and continues unbroken: no token repeated or lost; greedy and seeded streams continue exactly as
+        they would have (see the README for the limits), at most Limits.max_resumptions times.
+        Errors: INVALID_ARGUMENT (a bad parameter or bytes that are not a GenerateRequest; the message names
+        it), UNAUTHENTICATED, RESOURCE_EXHAUSTED (queue full), DEADLINE_EXCEEDED, UNAVAILABLE (shutting down,
+        no worker, or a stream past max_resumptions).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,6 @@ batch of one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -28,6 +27,7 @@ from tokenmill_service.engine.model_runner import (
     kv_bytes_per_block,
 )
 from tokenmill_service.engine.request import (
+    EngineStats,
     FinishReason,
     GenerationRequest,
     RequestError,
@@ -42,15 +42,6 @@ from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_block_size: int
 
 
 class LLMEngine:
@@ -111,6 +102,15 @@ class LLMEngine:
                 f"prompt tokens + max_new_tokens must be <= {self.max_model_len}; "
                 f"given {n} prompt tokens and max_new_tokens {max_new}"
             )
+        done = len(request.resume_ids)
+        if done and (max_new and done >= max_new or n + done >= self.max_model_len):
+            raise RequestError(
+                f"a resumed request has nothing left to generate ({done} tokens already sent, "
+                f"max_new_tokens {max_new}, context {self.max_model_len})"
+            )
+        bad = next((t for t in request.resume_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"resumed token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if request.request_id in self.sequences:
             raise RequestError(f"request id {request.request_id!r} is already running")
 

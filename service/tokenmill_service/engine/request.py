@@ -17,13 +17,18 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"  # the caller went away or the deadline passed
 
 
+# Below this temperature a request is greedy: dividing logits by less overflows (1e-45 gives inf and NaN),
+# and the distribution is already the argmax's for any logit gap above about 0.01.
+MIN_TEMPERATURE = 1e-3
+
+
 class RequestError(ValueError):
     """A request the engine cannot run; the message names the field and the limit."""
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 0 or 1 = off
     repetition_penalty: float = 1.0  # 0 or 1 = off
@@ -31,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(slots=True)
@@ -51,6 +56,10 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # A resumed request: the tokens already generated and sent to the caller before its replica failed.
+    # The engine prefills prompt + these, counts them as generated (toward max_new_tokens and usage)
+    # and emits only what follows them.
+    resume_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -86,3 +95,14 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """The engine's load, sent to the router after each step (torch-free, like everything here)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int

@@ -21,7 +21,7 @@ class Sequence:
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer) -> None:
         self.request = request
         self.request_id = request.request_id
-        self.token_ids: list[int] = list(request.prompt_ids)
+        self.token_ids: list[int] = [*request.prompt_ids, *request.resume_ids]
         self.num_prompt_tokens = len(request.prompt_ids)
         # Tokens whose keys and values are in the cache (prefix-cache hits included).
         self.num_computed_tokens = 0
@@ -33,6 +33,9 @@ class Sequence:
         # Random draws are keyed by (seed, position): the same seed gives the same tokens in any batch.
         self.seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.stopping.stop)
+        # A resumed request's text up to here was sent by another engine: rebuild the same state
+        # (held UTF-8 bytes, a held possible start of a stop string) without emitting it again.
+        self.detokenizer.prime(request.resume_ids)
         stop_ids = set(request.stopping.stop_token_ids)
         if not request.stopping.ignore_eos:
             stop_ids |= tokenizer.stop_token_ids

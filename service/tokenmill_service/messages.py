@@ -1,0 +1,129 @@
+"""The messages between the router and a replica's worker process: typed, picklable, torch-free.
+
+The router imports this module and never torch; each side dispatches on the message's type
+(`match`), never on a string tag. Both directions are batched: the router sends every command
+gathered in one loop turn as one list; the worker answers each engine step with one
+`StepOutputs` holding every request's outputs of that step (never one message per token).
+
+    router -> worker: list[AddRequest | Cancel | Shutdown]
+    worker -> router: Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill_service.engine.config import EngineConfig
+from tokenmill_service.engine.request import EngineStats, GenerationRequest, RequestOutput
+
+# -- what the router hands a worker process when it spawns it ---------------------------------
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    worker_id: int
+    rank: int
+    # The GPU this process drives (replica * tensor_parallel + rank); unused on CPU.
+    device_index: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    model: str
+    device: str
+    dtype: str
+    engine: EngineConfig
+    threads: int
+    log_format: str
+    log_level: str
+    # Seconds between two heartbeats (sent whether the engine is busy or idle).
+    heartbeat_interval: float = 0.5
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: int
+    pid: int
+    model_name: str
+    context_length: int
+    vocab_size: int
+    device: str
+    dtype: str
+    kv_blocks_total: int
+    kv_block_size: int
+
+
+# -- router -> worker ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Admit a request (a new one, or a resumed one carrying `request.resume_ids`)."""
+
+    request: GenerationRequest
+
+
+@dataclass(slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Cancel everything and exit."""
+
+
+Command = AddRequest | Cancel | Shutdown
+
+
+# -- worker -> router ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ready:
+    """The model is loaded and a warm-up step ran; the worker takes requests from now on."""
+
+    info: WorkerInfo
+
+
+@dataclass(slots=True)
+class Failed:
+    """The worker could not start (the process exits after sending it)."""
+
+    message: str
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """Everything one engine step produced, with the engine's load after it."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class Rejected:
+    """The engine refused a request (a limit only the engine could check)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(slots=True)
+class Stats:
+    """The engine's load changed without a step (a cancel freed its blocks)."""
+
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Sent every `WorkerSpec.heartbeat_interval` by a thread of the worker, so silence means the
+    process is stopped or gone, and `step_elapsed` tells a step that runs too long from a slow one."""
+
+    # Seconds the step in progress has run; None while the engine is between steps.
+    step_elapsed: float | None = None
+    # Tokens in that step (the step's size, which bounds how long it may take).
+    step_tokens: int = 0
+
+
+Event = Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat

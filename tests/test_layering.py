@@ -1,0 +1,30 @@
+"""The process that serves gRPC never imports torch: only worker processes do (issue 9, layering)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_the_server_and_router_modules_import_without_torch() -> None:
+    # A fresh interpreter: this test process has imported torch long ago.
+    code = (
+        "import sys\n"
+        "import tokenmill_service.main, tokenmill_service.server, tokenmill_service.router\n"
+        "import tokenmill_service.messages, tokenmill_service.worker, tokenmill_service.validation\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_service_imports_the_generated_grpc_code_from_one_module() -> None:
+    from pathlib import Path
+
+    import tokenmill_service
+
+    root = Path(tokenmill_service.__file__).parent
+    importers = sorted(
+        str(p.relative_to(root)) for p in root.rglob("*.py") if "tokenmill_client._proto" in p.read_text()
+    )
+    assert importers == ["proto.py"]
