@@ -50,6 +50,9 @@ class Settings:
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
     max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask"})
+    default_max_new_tokens: int = field(
+        default=1024, metadata={"help": "max_new_tokens of a request that sets none (at most --max-new-tokens-limit)"}
+    )
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs a request may ask"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings in one request"})
     kv_cache_memory: str = field(default="", metadata={"help": "KV cache pool per worker, e.g. 2GiB (default: auto)"})
@@ -58,6 +61,9 @@ class Settings:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
+    http_port: int = field(
+        default=8000, metadata={"help": "OpenAI-compatible HTTP API port, with /health and /metrics (0: off)"}
+    )
     auth_token: str = field(default="", metadata={"help": "if set, calls must send 'authorization: Bearer TOKEN'"})
     master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
 
@@ -71,8 +77,12 @@ class Settings:
         for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if min(self.workers, self.threads, self.max_top_logprobs) < 0 or self.drain_seconds < 0:
-            raise ValueError("--workers, --threads, --drain-seconds and --max-top-logprobs must not be negative")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError("--default-max-new-tokens must be between 1 and --max-new-tokens-limit")
+        if min(self.workers, self.threads, self.max_top_logprobs, self.http_port) < 0 or self.drain_seconds < 0:
+            raise ValueError(
+                "--workers, --threads, --drain-seconds, --max-top-logprobs and --http-port must not be negative"
+            )
         parse_size(self.kv_cache_memory)
 
     @property

@@ -40,7 +40,8 @@ async def serve(settings: Settings) -> int:
     router = Router(settings, metrics)
     metrics.bind_state(lambda: engine_totals(router))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(settings, router, tokenizer, metrics), server)
+    servicer = GenerationServicer(settings, router, tokenizer, metrics)
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -52,6 +53,15 @@ async def serve(settings: Settings) -> int:
     except RuntimeError as exc:
         log.error("cannot_listen", address=address, error=str(exc))
         return 1
+    http_server = None
+    if settings.http_port:
+        from tokenmill_service.http_api import HttpApi, HttpServer
+
+        try:
+            http_server = HttpServer(HttpApi(servicer.service), settings.host, settings.http_port)
+        except OSError as exc:
+            log.error("cannot_listen", address=f"{settings.host}:{settings.http_port}", error=str(exc))
+            return 1
 
     async def set_health(status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -59,6 +69,8 @@ async def serve(settings: Settings) -> int:
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    if http_server is not None:
+        http_server.start()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, settings.host)
     log.info(
@@ -68,6 +80,7 @@ async def serve(settings: Settings) -> int:
         workers=router.num_workers,
         device=settings.device,
         metrics_port=settings.metrics_port or None,
+        http_port=settings.http_port or None,
     )
 
     stop = asyncio.Event()
@@ -103,6 +116,8 @@ async def serve(settings: Settings) -> int:
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await router.drain(settings.drain_seconds)
     await server.stop(grace=1.0)
+    if http_server is not None:
+        await http_server.stop()
     await router.stop()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
