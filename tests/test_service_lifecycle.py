@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import openai
 import pytest
 
 from tests.server_process import ServerProcess, health_status
@@ -83,6 +84,40 @@ def test_a_full_queue_is_resource_exhausted(stub: pb_grpc.GenerationStub) -> Non
     assert "capacity" in err.value.details()
     for call in calls:
         call.cancel()
+
+
+def test_http_calls_without_the_bearer_token_are_401(server: ServerProcess) -> None:
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="wrong", max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.AuthenticationError) as err:
+            client.completions.create(model="tokenmill", prompt="Hello", max_tokens=1)
+        assert err.value.status_code == 401 and "Authorization header" in err.value.message
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    # Probes need no token.
+    assert urllib.request.urlopen(server.http_url + "/health", timeout=10).status == 200
+
+
+def test_http_calls_beyond_the_queue_are_429(server: ServerProcess) -> None:
+    # Batch size 1 and queue 1: of six concurrent calls two are admitted, the others refused at once.
+    outcomes: list[str] = []
+
+    def call() -> None:
+        with openai.OpenAI(base_url=server.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120) as client:
+            try:
+                stream = client.completions.create(
+                    model="tokenmill", prompt="Go on", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+                )
+                outcomes.append(f"ok {sum(1 for _ in stream)}")
+            except openai.RateLimitError as exc:
+                assert exc.status_code == 429 and "capacity" in exc.message
+                outcomes.append("429")
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert outcomes.count("429") >= 3 and any(o.startswith("ok") for o in outcomes), outcomes
 
 
 def test_a_dying_worker_fails_its_calls_with_unavailable_and_is_restarted(

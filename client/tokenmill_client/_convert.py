@@ -101,7 +101,7 @@ def _token(message: pb.Token) -> Token:
         id=message.id,
         text=message.text,
         logprob=message.logprob if message.HasField("logprob") else None,
-        alternatives=tuple(TopLogprob(t.id, t.text, t.logprob) for t in message.top_logprobs),
+        top_logprobs=tuple(TopLogprob(t.id, t.text, t.logprob) for t in message.top_logprobs),
         special=message.special,
     )
 

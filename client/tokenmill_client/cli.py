@@ -239,6 +239,21 @@ def _stream_answer(
     return last, "".join(text)
 
 
+def _prompt_from_args(args: argparse.Namespace) -> str:
+    """The prompt: -p, the positional argument, or standard input when it is not a terminal."""
+    prompt: str | None = args.prompt if args.prompt is not None else args.prompt_arg
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise UsageError(
+                "missing prompt: give it as an argument, with -p, on standard input, "
+                "or use -i for an interactive session or --input-file FILE"
+            )
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    return prompt
+
+
 def _output_mode(args: argparse.Namespace) -> str:
     return "json" if args.json else "tokens" if args.show_tokens else "text"
 
@@ -254,8 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return Repl(client, settings, mode=_output_mode(args)).run()
     if args.input_file is not None:
         return _generate_from_file(args, settings)
-    if args.prompt is None:
-        raise UsageError("missing prompt: use -p PROMPT, -i for an interactive session, or --input-file FILE")
+    prompt = _prompt_from_args(args)
     if not args.quiet:
         kind = "raw prompt" if settings.raw else "chat" + (" with system message" if settings.system else "")
         _err(f"[server={args.server} {kind} {settings.summary()}]\n")
@@ -263,8 +277,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         last, _text = _stream_answer(
             client,
             settings,
-            prompt=args.prompt if settings.raw else None,
-            messages=None if settings.raw else settings.messages((), args.prompt),
+            prompt=prompt if settings.raw else None,
+            messages=None if settings.raw else settings.messages((), prompt),
             mode=_output_mode(args),
         )
     if last is not None and not args.quiet and not args.json:
@@ -276,6 +290,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 class _Outcome:
     result: GenerateResult | None = None
     error: str | None = None
+    done: bool = False
+
+
+def _print_outcome(args: argparse.Namespace, index: int, prompt: str, outcome: _Outcome) -> None:
+    if outcome.error is not None:
+        _error_line(f"prompt {index + 1}: {outcome.error}")
+    if args.json:
+        record: dict[str, Any] = {"index": index, "prompt": prompt}
+        if outcome.result is not None:
+            record.update(
+                completion=outcome.result.text,
+                finish_reason=outcome.result.finish_reason.value,
+                usage=dataclasses.asdict(outcome.result.usage),
+                timing=dataclasses.asdict(outcome.result.timing),
+            )
+        else:
+            record["error"] = outcome.error
+        _out(json.dumps(record, ensure_ascii=False) + "\n")
+    elif outcome.result is not None:
+        _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n\n")
+    else:
+        _out(f"Prompt: {prompt}\nError: {outcome.error}\n\n")
 
 
 class _Progress:
@@ -325,8 +361,20 @@ def _generate_from_file(args: argparse.Namespace, settings: GenSettings) -> int:
     if not args.quiet:
         _err(f"[server={args.server} {len(prompts)} prompts concurrency={args.concurrency} {settings.summary()}]\n")
     outcomes = [_Outcome() for _ in prompts]
-    progress = _Progress(len(prompts), sys.stderr)
-    progress.draw()
+    # A progress bar is for a person watching: not in a log file, not with -q.
+    progress = _Progress(len(prompts), sys.stderr) if sys.stderr.isatty() and not args.quiet else None
+    if progress is not None:
+        progress.draw()
+    printed = 0
+
+    def print_ready() -> None:
+        """Print, in input order, every outcome whose predecessors are all printed."""
+        nonlocal printed
+        while printed < len(prompts) and outcomes[printed].done:
+            if progress is not None:
+                _err("\r\033[K")  # the bar is redrawn below the output
+            _print_outcome(args, printed, prompts[printed], outcomes[printed])
+            printed += 1
 
     with _client_from_args(args) as client:
 
@@ -344,33 +392,18 @@ def _generate_from_file(args: argparse.Namespace, settings: GenSettings) -> int:
                     outcomes[index].result = future.result()
                 except TokenmillError as exc:
                     outcomes[index].error = describe_error(exc)
-                progress.update(failed=outcomes[index].error is not None)
+                outcomes[index].done = True
+                print_ready()
+                if progress is not None:
+                    progress.update(failed=outcomes[index].error is not None)
         except KeyboardInterrupt:
             pool.shutdown(wait=False, cancel_futures=True)
-            progress.finish()
+            if progress is not None:
+                progress.finish()
             raise
         pool.shutdown()
-    progress.finish()
-
-    for index, (prompt, outcome) in enumerate(zip(prompts, outcomes)):
-        if outcome.error is not None:
-            _error_line(f"prompt {index + 1}: {outcome.error}")
-        if args.json:
-            record: dict[str, Any] = {"index": index, "prompt": prompt}
-            if outcome.result is not None:
-                record.update(
-                    completion=outcome.result.text,
-                    finish_reason=outcome.result.finish_reason.value,
-                    usage=dataclasses.asdict(outcome.result.usage),
-                    timing=dataclasses.asdict(outcome.result.timing),
-                )
-            else:
-                record["error"] = outcome.error
-            _out(json.dumps(record, ensure_ascii=False) + "\n")
-        elif outcome.result is not None:
-            _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n\n")
-        else:
-            _out(f"Prompt: {prompt}\nError: {outcome.error}\n\n")
+    if progress is not None:
+        progress.finish()
     failed = sum(o.error is not None for o in outcomes)
     if failed:
         _err(f"{failed} of {len(prompts)} prompts failed\n")
@@ -650,7 +683,11 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill-client", description="Talk to a tokenmill text-generation server.")
+    parser = argparse.ArgumentParser(
+        prog="tokenmill-client",
+        description="Talk to a tokenmill text-generation server.",
+    )
+    parser.add_argument("--version", action="version", version=f"tokenmill-client {_version()}")
     _connection_options(parser, top_level=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -660,11 +697,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text. By default the prompt is sent as a chat user message; --raw sends it as it is.",
     )
     source = gen.add_mutually_exclusive_group()
+    source.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt ('-' or none: standard input)")
     source.add_argument("-p", "--prompt", help="the prompt")
     source.add_argument("-i", "--interactive", action="store_true", help="an interactive chat (REPL)")
     source.add_argument("--input-file", metavar="FILE", help="one prompt per line ('-' = stdin), run concurrently")
     gen.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default)")
-    gen.add_argument("-l", "--limit", type=int, default=0, metavar="N", help="max new tokens, 0 = until EOS (default)")
+    gen.add_argument(
+        "-l", "--limit", type=int, default=0, metavar="N", help="max new tokens (default: 0, the server's default)"
+    )
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, 1 = off")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
@@ -698,9 +738,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Like parse_args, but an unknown option is reported with its command's usage, not the top level's."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -106,14 +106,24 @@ def env_name(name: str) -> str:
     return "TOKENMILL_" + name.upper()
 
 
+def _version() -> str:
+    from tokenmill_service import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill-server",
-        description="Serve a Llama-family model over gRPC (tokenmill.v1.Generation).",
+        description="Serve a Llama-family model over gRPC (tokenmill.v1.Generation) and an OpenAI-compatible HTTP API.",
         epilog="Every flag can also be set as an environment variable, e.g. --max-queue as TOKENMILL_MAX_QUEUE.",
     )
+    parser.add_argument("--version", action="version", version=f"tokenmill-server {_version()}")
     for f in fields(Settings):
-        kw: dict[str, Any] = {"help": f"{f.metadata['help']} [env {env_name(f.name)}]", "default": None}
+        text = f.metadata["help"]
+        # The default is shown unless the help already says it.
+        shown = "" if "default" in text else f"default: {f.default if f.default != '' else 'none'}, "
+        kw: dict[str, Any] = {"help": f"{text} [{shown}env {env_name(f.name)}]", "default": None}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         kw["type"] = {"int": int, "float": float}.get(str(f.type), str)

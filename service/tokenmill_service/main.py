@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+from tokenmill_service import __version__
 from tokenmill_service.config import Settings, load_settings
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.metrics import Metrics
@@ -94,6 +95,10 @@ async def serve(settings: Settings) -> int:
     exit_code = 0
     if starting.done() and starting.exception() is None:
         await set_health(health_pb2.HealthCheckResponse.SERVING)
+        info = next(w.info for w in router.workers if w.info is not None)
+        metrics.set_build_info(
+            __version__, info.model_name, settings.backend, info.dtype, getattr(settings, "quantization", "none")
+        )
         watcher = asyncio.ensure_future(follow_workers(router, set_health))
         log.info(
             "server_ready",

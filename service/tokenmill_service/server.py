@@ -128,6 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def engine_totals(router: Router) -> dict[str, int]:
     totals = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0, "serving": 0}
+    totals |= {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
     for w in router.workers:
         if w.serving:
             totals["serving"] += 1
@@ -136,6 +137,8 @@ def engine_totals(router: Router) -> dict[str, int]:
                 totals["waiting"] += w.stats.waiting
                 totals["kv_blocks_used"] += w.stats.kv_blocks_used
                 totals["kv_blocks_total"] += w.stats.kv_blocks_total
+                totals["prefix_cache_queries"] += w.stats.prefix_cache_queries
+                totals["prefix_cache_hits"] += w.stats.prefix_cache_hits
             elif w.info is not None:
                 totals["kv_blocks_total"] += w.info.kv_blocks_total
     return totals

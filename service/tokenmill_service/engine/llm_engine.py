@@ -51,6 +51,8 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_block_size: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class LLMEngine:
@@ -136,6 +138,8 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_blocks,
             kv_block_size=self.block_manager.block_size,
+            prefix_cache_queries=self.block_manager.prefix_queries,
+            prefix_cache_hits=self.block_manager.prefix_hits,
         )
 
     def step(self) -> list[RequestOutput]:
