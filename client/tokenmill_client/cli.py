@@ -155,7 +155,7 @@ class GenSettings:
         ]
         if self.repetition_penalty not in (0.0, 1.0):
             parts.append(f"repetition_penalty={_fmt_num(self.repetition_penalty)}")
-        parts.append(f"limit={self.max_new_tokens or 'until EOS'}")
+        parts.append(f"limit={self.max_new_tokens or 'server default'}")
         parts.append(f"seed={'random' if self.seed is None else self.seed}")
         if self.stop:
             parts.append(f"stop={self.stop!r}")
@@ -243,12 +243,13 @@ def _prompt_from_args(args: argparse.Namespace) -> str:
     """The prompt: -p, the positional argument, or standard input when it is not a terminal."""
     prompt: str | None = args.prompt if args.prompt is not None else args.prompt_arg
     if prompt is None or prompt == "-":
-        if prompt is None and sys.stdin.isatty():
+        given = prompt == "-"
+        prompt = "" if prompt is None and sys.stdin.isatty() else sys.stdin.read()
+        if not prompt and not given:  # nothing at all: no prompt was meant to be given this way
             raise UsageError(
                 "missing prompt: give it as an argument, with -p, on standard input, "
                 "or use -i for an interactive session or --input-file FILE"
             )
-        prompt = sys.stdin.read()
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     return prompt
@@ -417,7 +418,7 @@ Type a message to chat; the conversation is kept until /clear.
   /temp X      sampling temperature (0 = greedy)
   /topk N      keep the N most likely tokens (0 = off)
   /topp P      nucleus sampling, 0 < P <= 1 (1 = off)
-  /tokens N    the most tokens per answer (0 = until EOS)
+  /tokens N    the most tokens per answer (0 = the server's default)
   /seed N      random seed (/seed off for a fresh one each time)
   /system TEXT the system message (/system alone removes it)
   /config      show the settings
@@ -456,6 +457,7 @@ class Repl:
         self.settings = settings
         self.mode = mode
         self.history: list[ChatMessage] = []
+        self._remember: Callable[[], None] = lambda: None
         self._commands: dict[str, Callable[[str], bool]] = {
             "/temp": self._set_temp,
             "/temperature": self._set_temp,
@@ -473,19 +475,25 @@ class Repl:
         }
 
     def run(self) -> int:
-        _enable_line_editing()
+        self._remember = _enable_line_editing()
         if self.settings.raw:
             _err("note: --raw is ignored in an interactive session (turns are sent as a chat)\n")
-        _err(f"tokenmill chat with {self.client.target}: /help for commands, /exit or Ctrl-D to leave\n")
+        _err(
+            f"tokenmill chat with {self.client.target}: /help for commands, /exit or Ctrl-D to leave, "
+            '""" to start and end a message of several lines\n'
+        )
         while True:
             try:
                 line = input(">>> ")
+                if line.lstrip().startswith('"""'):
+                    line = self._read_block(line.lstrip()[3:])
             except EOFError:
                 _out("\n")
                 return 0
             except KeyboardInterrupt:
                 _out("\n")  # Ctrl-C at the prompt drops the line, like Python's REPL
                 continue
+            self._remember()
             line = line.strip()
             if not line:
                 continue
@@ -496,6 +504,15 @@ class Repl:
                     return 0
                 continue
             self._answer(line)
+
+    @staticmethod
+    def _read_block(first: str) -> str:
+        """A message of several lines, between triple quotes (Ollama's convention)."""
+        lines = [first]
+        while not lines[-1].rstrip().endswith('"""'):
+            lines.append(input("... "))
+        lines[-1] = lines[-1].rstrip()[:-3]
+        return "\n".join(lines)
 
     def _command(self, line: str) -> bool:
         """Runs a slash command; False means leave."""
@@ -543,7 +560,7 @@ class Repl:
 
     def _set_tokens(self, arg: str) -> bool:
         self.settings.max_new_tokens = _parse_int(arg, "tokens")
-        _err(f"tokens = {self.settings.max_new_tokens or 'until EOS'}\n")
+        _err(f"tokens = {self.settings.max_new_tokens or 'server default'}\n")
         return True
 
     def _set_seed(self, arg: str) -> bool:
@@ -563,7 +580,7 @@ class Repl:
             f"temperature {_fmt_num(s.temperature)}\n"
             f"top_k       {s.top_k or 'off'}\n"
             f"top_p       {_fmt_num(s.top_p)}\n"
-            f"tokens      {s.max_new_tokens or 'until EOS'}\n"
+            f"tokens      {s.max_new_tokens or 'server default'}\n"
             f"seed        {'random' if s.seed is None else s.seed}\n"
             f"stop        {s.stop!r}\n"
             f"system      {s.system!r}\n"
@@ -584,13 +601,41 @@ class Repl:
         return False
 
 
-def _enable_line_editing() -> None:
-    """Line editing and history for input(), where readline exists (not on Windows)."""
+ENV_HISTORY = "TOKENMILL_HISTORY"
+
+
+def _enable_line_editing() -> Callable[[], None]:
+    """Line editing and a history kept across sessions (in $TOKENMILL_HISTORY, else ~/.tokenmill_history),
+    where readline exists (not on Windows). Returns what saves the lines entered since the last call."""
     try:
         import readline
     except ImportError:
-        return
+        return lambda: None
     readline.parse_and_bind("set editing-mode emacs")
+    path = os.path.expanduser(os.environ.get(ENV_HISTORY) or "~/.tokenmill_history")
+    readline.set_history_length(1000)
+    try:
+        readline.read_history_file(path)
+        readline.write_history_file(path)  # trimmed to the last 1000 lines
+    except OSError:
+        pass  # a first session: no file yet
+    saved = readline.get_current_history_length()
+
+    def remember() -> None:
+        # Appended as they are entered, so a session that is killed keeps its lines too.
+        nonlocal saved
+        new = readline.get_current_history_length() - saved
+        if new > 0:
+            try:
+                if not os.path.exists(path):
+                    open(path, "a").close()
+                readline.append_history_file(new, path)
+                readline.set_history_length(1000)
+            except OSError:
+                return
+            saved += new
+
+    return remember
 
 
 # ------------------------------------------------------------------------------------ info, tokenize, health
