@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service import __version__
+from tokenmill_service.banner import show_ready_banner
 from tokenmill_service.config import Settings, load_settings
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.metrics import Metrics
@@ -100,12 +101,9 @@ async def serve(settings: Settings) -> int:
             __version__, info.model_name, settings.backend, info.dtype, getattr(settings, "quantization", "none")
         )
         watcher = asyncio.ensure_future(follow_workers(router, set_health))
-        log.info(
-            "server_ready",
-            address=address,
-            try_it=f"tokenmill-client --server {address} generate -p 'What is the capital of France?'",
-            grpcurl=f'grpcurl -plaintext -d \'{{"prompt": "Hello"}}\' {address} tokenmill.v1.Generation/Generate',
-        )
+        log.info("server_ready", address=address, http_port=settings.http_port or None)
+        # On a terminal, the commands to try, plain and copy-pasteable (not inside a log line).
+        show_ready_banner(settings, info.model_name)
         await stopping
         watcher.cancel()
     elif starting.done():
