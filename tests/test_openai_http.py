@@ -277,3 +277,40 @@ def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(
     )
     assert raw.headers["x-request-id"] == "http-req-1" and raw.parse().id == "cmpl-http-req-1"
     assert any(e.get("request_id") == "http-req-1" and e["status"] == "OK" for e in finished_events(server))
+
+
+# -- beside the HTTP API: reflection v1 and the metrics a dashboard needs -------------------------
+
+
+def test_server_reflection_answers_as_v1_and_v1alpha(server: ServerProcess) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    with grpc.insecure_channel(server.address) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                response_deserializer=rpb.ServerReflectionResponse.FromString,
+            )
+            (reply,) = call(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=30)
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"tokenmill.v1.Generation", "grpc.health.v1.Health"} <= names, version
+            assert "grpc.reflection.v1.ServerReflection" in names
+
+
+def test_metrics_have_build_info_cache_gauges_and_no_created_series(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    # The same long prompt twice: the second finds its full blocks in the prefix cache.
+    prompt = "Tell me everything about the history of the city of Paris, from its founding to today. " * 4
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    _, text = get(server.http_url + "/metrics")
+    assert "_created" not in text
+    info = next(line for line in text.splitlines() if line.startswith("tokenmill_build_info{"))
+    for label in ("version=", 'backend="torch"', "dtype=", 'quantization="none"', 'model="SmolLM2'):
+        assert label in info
+    assert info.endswith(" 1.0")
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert 0.0 <= values["tokenmill_kv_cache_usage_ratio"] <= 1.0
+    assert 0.0 < values["tokenmill_prefix_cache_hit_rate"] < 1.0

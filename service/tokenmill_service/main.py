@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
@@ -19,6 +18,7 @@ from tokenmill_service.banner import show_ready_banner
 from tokenmill_service.config import Settings, load_settings
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.reflection import enable_reflection
 from tokenmill_service.router import Router, WorkerStartError
 from tokenmill_service.server import GenerationServicer, engine_totals
 
@@ -46,9 +46,7 @@ async def serve(settings: Settings) -> int:
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     address = f"{settings.host}:{settings.port}"
     try:
         server.add_insecure_port(address)
