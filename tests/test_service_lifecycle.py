@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -182,6 +183,9 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero(
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert health_status(server.address) == 2  # NOT_SERVING while draining
+    with pytest.raises(urllib.error.HTTPError) as http_err:  # and the HTTP port says so too
+        urllib.request.urlopen(server.http_url + "/health", timeout=10)
+    assert http_err.value.code == 503
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(prompt="Too late"), metadata=AUTH, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
