@@ -393,8 +393,8 @@ def test_repl_history_is_kept_across_sessions_and_triple_quotes_span_lines(serve
     second = PtySession(client_cmd("--server", server_address, "generate", "-i"), history)
     try:
         second.expect(PROMPT, timeout=60)
-        for _ in range(4):  # Ctrl-P: back through the history to "/seed 42"
-            second.send("\x10")
+        # Ctrl-P: back through the history (/exit, /config, the two quoted lines) to "/seed 42".
+        second.send("\x10" * 5)
         second.send("\n")
         second.expect("seed = 42")
         second.send("\x04")

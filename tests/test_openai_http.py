@@ -276,7 +276,8 @@ def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(
         model=MODEL, prompt="Hi", max_tokens=1, extra_headers={"x-request-id": "http-req-1"}
     )
     assert raw.headers["x-request-id"] == "http-req-1" and raw.parse().id == "cmpl-http-req-1"
-    assert any(e.get("request_id") == "http-req-1" and e["status"] == "OK" for e in finished_events(server))
+    (event,) = [e for e in finished_events(server) if e.get("request_id") == "http-req-1"]
+    assert event["status"] == "OK" and event["api"] == "http" and event["completion_tokens"] == 1
 
 
 # -- beside the HTTP API: reflection v1 and the metrics a dashboard needs -------------------------

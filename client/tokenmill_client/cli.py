@@ -244,7 +244,8 @@ def _prompt_from_args(args: argparse.Namespace) -> str:
     prompt: str | None = args.prompt if args.prompt is not None else args.prompt_arg
     if prompt is None or prompt == "-":
         given = prompt == "-"
-        prompt = "" if prompt is None and sys.stdin.isatty() else sys.stdin.read()
+        # The line break `echo` or a file ends with is not part of the prompt.
+        prompt = "" if prompt is None and sys.stdin.isatty() else sys.stdin.read().rstrip("\r\n")
         if not prompt and not given:  # nothing at all: no prompt was meant to be given this way
             raise UsageError(
                 "missing prompt: give it as an argument, with -p, on standard input, "

@@ -91,10 +91,13 @@ class GenerationService:
         authorization: str | None,
         auth_where: str,
         timeout_s: float | None = None,
+        api: str = "grpc",
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one request's responses; raises ServiceError (after logging it) when it fails."""
+        """Stream one request's responses; raises ServiceError (after logging it) when it fails.
+
+        `api` names the front-end in the log line ("grpc" or "http")."""
         arrival = time.monotonic()
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        structlog.contextvars.bind_contextvars(request_id=request_id, api=api)
         code = grpc.StatusCode.OK
         prompt_len = completion_len = 0
         first_token_at: float | None = None
@@ -195,4 +198,4 @@ class GenerationService:
         if error:
             fields["error"] = error
         log.info("request_finished", **fields)
-        structlog.contextvars.unbind_contextvars("request_id", "worker_id")
+        structlog.contextvars.unbind_contextvars("request_id", "worker_id", "api")

@@ -217,7 +217,9 @@ class HttpApi:
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
             return error_response(400, "invalid_request_error", str(exc))
         parsed.request.request_id = request_id
-        responses = self.service.generate(parsed.request, request_id, request.headers.get("authorization"), AUTH_WHERE)
+        responses = self.service.generate(
+            parsed.request, request_id, request.headers.get("authorization"), AUTH_WHERE, api="http"
+        )
         builder = ResponseBuilder(parsed, request_id, self.service.model_name())
         return GenerationResponse(responses, builder, request_id)
 
