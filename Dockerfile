@@ -8,7 +8,7 @@
 # The image runs `tokenmill-server` as user 10001 on the embedded SmolLM2 model unless --model or
 # TOKENMILL_MODEL says otherwise; every flag can also be set as a TOKENMILL_* environment variable.
 #
-#   docker run --rm -p 50051:50051 -p 9090:9090 ghcr.io/tokenmill/tokenmill:0.1.0
+#   docker run --rm -p 50051:50051 -p 8000:8000 -p 9090:9090 ghcr.io/tokenmill/tokenmill:0.1.0
 #   docker run --rm --gpus all --shm-size 2g -p 50051:50051 ghcr.io/tokenmill/tokenmill:0.1.0-cuda --workers 1
 
 ARG VARIANT=cpu
@@ -74,12 +74,14 @@ RUN groupadd --system --gid 10001 tokenmill \
 ENV TOKENMILL_HOST=0.0.0.0 \
     TOKENMILL_PORT=50051 \
     TOKENMILL_METRICS_PORT=9090 \
+    TOKENMILL_HTTP_PORT=8000 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/tokenmill
 USER 10001:10001
 WORKDIR /home/tokenmill
-EXPOSE 50051 9090
+# 50051: gRPC; 8000: the OpenAI-compatible HTTP API (with /health and /metrics); 9090: Prometheus metrics.
+EXPOSE 50051 8000 9090
 # SIGTERM drains: in-flight calls finish within --drain-seconds, then the server exits 0.
 STOPSIGNAL SIGTERM
 # Healthy once grpc.health.v1 reports SERVING (model loaded and warmed up).

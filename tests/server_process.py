@@ -40,7 +40,11 @@ class ServerProcess:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port() if metrics else 0
-        self.args = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json", *args]
+        # The OpenAI-compatible HTTP API is on by default; each server gets its own port (not 8000).
+        self.http_port = free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        self.args = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json"]
+        self.args += ["--http-port", str(self.http_port), *args]
         if metrics:
             self.args += ["--metrics-port", str(self.metrics_port)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

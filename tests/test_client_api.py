@@ -176,15 +176,18 @@ def test_stop_string_ends_generation_without_the_stop_string(client: Client) -> 
     assert "Paris" not in result.text
 
 
-def test_logprobs_and_alternatives_are_returned_when_asked(client: Client) -> None:
+def test_logprobs_and_top_logprobs_are_returned_when_asked(client: Client) -> None:
     result = client.generate_text("The capital of France is", max_new_tokens=3, logprobs=True, top_logprobs=3)
     assert result.tokens
     for token in result.tokens:
         assert token.logprob is not None and token.logprob <= 0.0
-        assert len(token.alternatives) == 3
-        assert token.alternatives[0].logprob >= token.alternatives[-1].logprob
+        assert len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[-1].logprob
     plain = client.generate_text("The capital of France is", max_new_tokens=3)
-    assert all(t.logprob is None and not t.alternatives for t in plain.tokens)
+    assert all(t.logprob is None and not t.top_logprobs for t in plain.tokens)
+    # The old name still answers, with a warning.
+    with pytest.warns(DeprecationWarning, match="top_logprobs"):
+        assert result.tokens[0].alternatives == result.tokens[0].top_logprobs
 
 
 def test_prompt_logprobs_come_with_the_tokenized_prompt(client: Client) -> None:

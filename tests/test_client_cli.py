@@ -172,7 +172,7 @@ def test_input_file_gives_every_completion_in_input_order(server_address: str, t
     assert proc.returncode == 0, proc.stderr
     assert re.findall(r"^Prompt: (.*)$", proc.stdout, re.MULTILINE) == prompts
     assert len(re.findall(r"^Completion: ", proc.stdout, re.MULTILINE)) == 20
-    assert "20/20" in proc.stderr  # the progress bar
+    assert "20/20" not in proc.stderr  # no progress bar when stderr is not a terminal
 
     as_json = run_cli("--server", server_address, "generate", "--input-file", str(path), "-l", "4", "--json", "--raw")
     assert as_json.returncode == 0, as_json.stderr
@@ -206,10 +206,12 @@ def test_input_file_reports_a_failed_prompt_and_finishes_the_rest(server_address
 class PtySession:
     """A process whose stdin, stdout and stderr are a pseudo-terminal that it has as controlling terminal."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], history: Path | None = None) -> None:
         master, slave = os.openpty()
         env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_SERVER", "TOKENMILL_TOKEN")}
         env.update(TERM="dumb", PYTHONUNBUFFERED="1")
+        if history is not None:  # the REPL's history file, never the user's own
+            env["TOKENMILL_HISTORY"] = str(history)
         # A new session whose controlling terminal is the pty, so Ctrl-C (0x03) sends it SIGINT.
         # Done by a tiny exec wrapper rather than preexec_fn, which is unsafe in a threaded parent.
         wrapper = (
@@ -282,8 +284,8 @@ PROMPT = r"^>>> "
 
 
 @pytest.fixture
-def repl(server_address: str) -> Iterator[PtySession]:
-    session = PtySession(client_cmd("--server", server_address, "generate", "-i", "-l", "24"))
+def repl(server_address: str, tmp_path: Path) -> Iterator[PtySession]:
+    session = PtySession(client_cmd("--server", server_address, "generate", "-i", "-l", "24"), tmp_path / "history")
     session.expect(PROMPT, timeout=60)
     yield session
     session.close()
@@ -365,3 +367,124 @@ def test_repl_ctrl_c_cancels_the_answer_not_the_session_and_ctrl_d_leaves(
     repl.expect(PROMPT)
     repl.send("\x04")
     assert repl.wait() == 0
+
+
+def test_repl_history_is_kept_across_sessions_and_triple_quotes_span_lines(server_address: str, tmp_path: Path) -> None:
+    history = tmp_path / "history"
+    first = PtySession(client_cmd("--server", server_address, "generate", "-i", "-l", "8"), history)
+    try:
+        first.expect(PROMPT, timeout=60)
+        first.send("/seed 42\n")
+        first.expect("seed = 42")
+        first.expect(PROMPT)
+        first.send('"""Answer in one word.\n')
+        first.expect(r"^\.\.\. ")  # a continuation prompt
+        first.send('What is the capital of France?"""\n')
+        first.expect(PROMPT, timeout=180)
+        first.send("/config\n")
+        first.expect(r"^turns\s+1$")  # the two lines were one message
+        first.expect(PROMPT)
+        first.send("/exit\n")
+        assert first.wait() == 0
+    finally:
+        first.close()
+    assert "/seed 42" in history.read_text()
+
+    second = PtySession(client_cmd("--server", server_address, "generate", "-i"), history)
+    try:
+        second.expect(PROMPT, timeout=60)
+        # Ctrl-P: back through the history (/exit, /config, the two quoted lines) to "/seed 42".
+        second.send("\x10" * 5)
+        second.send("\n")
+        second.expect("seed = 42")
+        second.send("\x04")
+        assert second.wait() == 0
+    finally:
+        second.close()
+
+
+# ------------------------------------------------------------------------------------- rough edges
+
+
+def run_server_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    server = Path(sys.executable).parent / "tokenmill-server"
+    return subprocess.run([str(server), *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_version_flags() -> None:
+    client = run_cli("--version")
+    assert client.returncode == 0 and re.fullmatch(r"tokenmill-client \S+\n", client.stdout)
+    server = run_server_cli("--version")
+    assert server.returncode == 0 and re.fullmatch(r"tokenmill-server \S+\n", server.stdout)
+
+
+def test_server_help_shows_the_defaults() -> None:
+    proc = run_server_cli("--help")
+    text = " ".join(proc.stdout.split())
+    for default in ("default: 50051", "default: 8000", "default: 1024", "default: 4096", "default: 256"):
+        assert default in text
+
+
+def test_an_unknown_flag_prints_the_commands_usage() -> None:
+    proc = run_cli("generate", "--no-such-flag", "hi")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: tokenmill-client generate ")
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_an_empty_prompt_is_a_usage_error() -> None:
+    for args, stdin in ((("generate", "  "), None), (("generate", "-p", ""), None), (("generate",), " \n")):
+        proc = run_cli("--server", f"127.0.0.1:{free_port()}", *args, stdin=stdin)
+        assert proc.returncode == 2, args
+        assert error_lines(proc.stderr) == ["error: the prompt is empty"], proc.stderr
+
+
+def test_the_prompt_can_be_an_argument_or_standard_input(server_address: str) -> None:
+    positional = run_cli("--server", server_address, "generate", QUESTION, "-l", "8", "-q")
+    assert positional.returncode == 0, positional.stderr
+    assert "Paris" in positional.stdout and positional.stderr == ""
+    piped = run_cli("--server", server_address, "generate", "-l", "8", "-q", stdin=QUESTION + "\n")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == positional.stdout
+
+
+def test_the_example_prompts_file_runs_as_the_readme_shows(server_address: str) -> None:
+    path = Path(__file__).resolve().parents[1] / "client" / "examples" / "prompts.txt"
+    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    assert len(prompts) >= 4
+    proc = run_cli("--server", server_address, "generate", "--input-file", str(path), "-l", "2", "--json", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["prompt"] for line in proc.stdout.splitlines()] == prompts
+
+
+def test_json_batch_output_streams_in_input_order_before_the_batch_ends(server_address: str, tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("".join(f"Say the number {i}.\n" for i in range(4)))
+    proc = subprocess.Popen(
+        client_cmd("--server", server_address, "generate", "--input-file", str(path), "-l", "6", "--json")
+        + ["--concurrency", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    assert first["index"] == 0 and proc.poll() is None  # printed while the others still run
+    rest = [json.loads(line) for line in proc.stdout]
+    assert proc.wait(300) == 0
+    assert [r["index"] for r in rest] == [1, 2, 3]
+
+
+def test_the_progress_bar_shows_on_a_terminal_but_not_with_quiet(server_address: str, tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hi.\nHello.\n")
+    for quiet in (False, True):
+        session = PtySession(
+            client_cmd("--server", server_address, "generate", "--input-file", str(path), "-l", "2")
+            + (["-q"] if quiet else [])
+        )
+        try:
+            assert session.wait(300) == 0
+            assert ("2/2" in session.output) is not quiet, session.output
+        finally:
+            session.close()

@@ -72,3 +72,13 @@ def test_base_install_runs_the_cli(light_venv: Path) -> None:
     assert unreachable.returncode == 1
     assert unreachable.stderr.startswith("error: ") and address in unreachable.stderr
     assert "Traceback" not in unreachable.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_base_install_server_and_bench_say_how_to_install_the_server_extra(light_venv: Path) -> None:
+    for command in ("tokenmill-server", "tokenmill-bench"):
+        proc = _run(light_venv / "bin" / command, "--help")
+        assert proc.returncode == 1
+        assert proc.stderr.startswith(f"{command}: ") and "pip install 'tokenmill[server]'" in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -155,6 +155,8 @@ def test_helm_lint_passes(helm_env: dict[str, str]) -> None:
         pytest.param(HPA_FLAGS, id="autoscaling"),
         pytest.param(TLS_FLAGS, id="mutual-tls"),
         pytest.param(PVC_FLAGS, id="model-from-pvc"),
+        pytest.param(("--set", "server.httpPort=8080", "--set", "service.httpPort=80"), id="http-port"),
+        pytest.param(("--set", "server.httpPort=0"), id="http-off"),
         pytest.param(
             (
                 "--set",
@@ -501,9 +503,21 @@ def test_service_is_cluster_ip_with_grpc_and_metrics_ports(
 def test_metrics_port_zero_drops_the_metrics_ports(helm_env: dict[str, str]) -> None:
     rendered = template(helm_env, "--set", "server.metricsPort=0")
     (service,) = by_kind(rendered, "Service")
-    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
-    assert [p["name"] for p in container(rendered)["ports"]] == ["grpc"]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc", "http"]
+    assert [p["name"] for p in container(rendered)["ports"]] == ["grpc", "http"]
     assert env_of(rendered)["TOKENMILL_METRICS_PORT"] == "0"
+
+
+def test_the_openai_http_port_is_a_container_and_service_port(helm_env: dict[str, str]) -> None:
+    rendered = template(helm_env, "--set", "server.httpPort=8080", "--set", "service.httpPort=80")
+    (service,) = by_kind(rendered, "Service")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["http"]["port"] == 80 and ports["http"]["targetPort"] == "http"
+    assert {p["name"]: p["containerPort"] for p in container(rendered)["ports"]}["http"] == 8080
+    assert env_of(rendered)["TOKENMILL_HTTP_PORT"] == "8080"
+    off = template(helm_env, "--set", "server.httpPort=0")
+    assert "http" not in [p["name"] for p in by_kind(off, "Service")[0]["spec"]["ports"]]
+    assert env_of(off)["TOKENMILL_HTTP_PORT"] == "0"
 
 
 def test_pod_disruption_budget_selects_the_pods(helm_env: dict[str, str]) -> None:

@@ -12,11 +12,13 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import openai
 import pytest
 
 from tests.server_process import ServerProcess, health_status
@@ -100,6 +102,40 @@ def test_a_full_queue_is_resource_exhausted(stub: pb_grpc.GenerationStub) -> Non
         call.cancel()
 
 
+def test_http_calls_without_the_bearer_token_are_401(server: ServerProcess) -> None:
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="wrong", max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.AuthenticationError) as err:
+            client.completions.create(model="tokenmill", prompt="Hello", max_tokens=1)
+        assert err.value.status_code == 401 and "Authorization header" in err.value.message
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    # Probes need no token.
+    assert urllib.request.urlopen(server.http_url + "/health", timeout=10).status == 200
+
+
+def test_http_calls_beyond_the_queue_are_429(server: ServerProcess) -> None:
+    # Batch size 1 and queue 1: of six concurrent calls two are admitted, the others refused at once.
+    outcomes: list[str] = []
+
+    def call() -> None:
+        with openai.OpenAI(base_url=server.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120) as client:
+            try:
+                stream = client.completions.create(
+                    model="tokenmill", prompt="Go on", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+                )
+                outcomes.append(f"ok {sum(1 for _ in stream)}")
+            except openai.RateLimitError as exc:
+                assert exc.status_code == 429 and "capacity" in exc.message
+                outcomes.append("429")
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert outcomes.count("429") >= 3 and any(o.startswith("ok") for o in outcomes), outcomes
+
+
 def test_a_killed_worker_is_restarted_and_its_stream_continues_unbroken(
     server: ServerProcess, stub: pb_grpc.GenerationStub
 ) -> None:
@@ -163,6 +199,9 @@ def drain(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert health_status(server.address) == 2  # NOT_SERVING while draining
+    with pytest.raises(urllib.error.HTTPError) as http_err:  # and the HTTP port says so too
+        urllib.request.urlopen(server.http_url + "/health", timeout=10)
+    assert http_err.value.code == 503
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(prompt="Too late"), metadata=AUTH, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -101,7 +101,7 @@ def _token(message: pb.Token) -> Token:
         id=message.id,
         text=message.text,
         logprob=message.logprob if message.HasField("logprob") else None,
-        alternatives=tuple(TopLogprob(t.id, t.text, t.logprob) for t in message.top_logprobs),
+        top_logprobs=tuple(TopLogprob(t.id, t.text, t.logprob) for t in message.top_logprobs),
         special=message.special,
     )
 
@@ -176,6 +176,7 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
         device=info.device,
         num_workers=info.num_workers,
         dtype=info.dtype,
+        quantization=info.quantization,
         limits=Limits(
             max_new_tokens=lim.max_new_tokens,
             max_top_logprobs=lim.max_top_logprobs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -93,10 +94,16 @@ class Token:
     """The token's own text (bytes of a character split across tokens show as U+FFFD)."""
     logprob: float | None = None
     """Log-probability under the model; None when not asked for (and for the first prompt token)."""
-    alternatives: tuple[TopLogprob, ...] = ()
-    """The most likely tokens at this position, most likely first (when top_logprobs > 0)."""
+    top_logprobs: tuple[TopLogprob, ...] = ()
+    """The most likely tokens at this position, most likely first (as many as the request's top_logprobs)."""
     special: bool = False
     """A special token (EOS, end-of-turn, ...); its text is not part of the generated text."""
+
+    @property
+    def alternatives(self) -> tuple[TopLogprob, ...]:
+        """Deprecated: the old name of `top_logprobs`."""
+        warnings.warn("Token.alternatives is deprecated; use Token.top_logprobs", DeprecationWarning, stacklevel=2)
+        return self.top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,3 +221,4 @@ class ModelInfo:
     limits: Limits
     engine: EngineState
     workers: tuple[WorkerState, ...]
+    quantization: str = ""  # "none", "int8", "int4", or a mix such as "int4+none"

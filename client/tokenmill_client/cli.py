@@ -155,7 +155,7 @@ class GenSettings:
         ]
         if self.repetition_penalty not in (0.0, 1.0):
             parts.append(f"repetition_penalty={_fmt_num(self.repetition_penalty)}")
-        parts.append(f"limit={self.max_new_tokens or 'until EOS'}")
+        parts.append(f"limit={self.max_new_tokens or 'server default'}")
         parts.append(f"seed={'random' if self.seed is None else self.seed}")
         if self.stop:
             parts.append(f"stop={self.stop!r}")
@@ -239,6 +239,23 @@ def _stream_answer(
     return last, "".join(text)
 
 
+def _prompt_from_args(args: argparse.Namespace) -> str:
+    """The prompt: -p, the positional argument, or standard input when it is not a terminal."""
+    prompt: str | None = args.prompt if args.prompt is not None else args.prompt_arg
+    if prompt is None or prompt == "-":
+        given = prompt == "-"
+        # The line break `echo` or a file ends with is not part of the prompt.
+        prompt = "" if prompt is None and sys.stdin.isatty() else sys.stdin.read().rstrip("\r\n")
+        if not prompt and not given:  # nothing at all: no prompt was meant to be given this way
+            raise UsageError(
+                "missing prompt: give it as an argument, with -p, on standard input, "
+                "or use -i for an interactive session or --input-file FILE"
+            )
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    return prompt
+
+
 def _output_mode(args: argparse.Namespace) -> str:
     return "json" if args.json else "tokens" if args.show_tokens else "text"
 
@@ -254,8 +271,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return Repl(client, settings, mode=_output_mode(args)).run()
     if args.input_file is not None:
         return _generate_from_file(args, settings)
-    if args.prompt is None:
-        raise UsageError("missing prompt: use -p PROMPT, -i for an interactive session, or --input-file FILE")
+    prompt = _prompt_from_args(args)
     if not args.quiet:
         kind = "raw prompt" if settings.raw else "chat" + (" with system message" if settings.system else "")
         _err(f"[server={args.server} {kind} {settings.summary()}]\n")
@@ -263,8 +279,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         last, _text = _stream_answer(
             client,
             settings,
-            prompt=args.prompt if settings.raw else None,
-            messages=None if settings.raw else settings.messages((), args.prompt),
+            prompt=prompt if settings.raw else None,
+            messages=None if settings.raw else settings.messages((), prompt),
             mode=_output_mode(args),
         )
     if last is not None and not args.quiet and not args.json:
@@ -276,6 +292,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 class _Outcome:
     result: GenerateResult | None = None
     error: str | None = None
+    done: bool = False
+
+
+def _print_outcome(args: argparse.Namespace, index: int, prompt: str, outcome: _Outcome) -> None:
+    if outcome.error is not None:
+        _error_line(f"prompt {index + 1}: {outcome.error}")
+    if args.json:
+        record: dict[str, Any] = {"index": index, "prompt": prompt}
+        if outcome.result is not None:
+            record.update(
+                completion=outcome.result.text,
+                finish_reason=outcome.result.finish_reason.value,
+                usage=dataclasses.asdict(outcome.result.usage),
+                timing=dataclasses.asdict(outcome.result.timing),
+            )
+        else:
+            record["error"] = outcome.error
+        _out(json.dumps(record, ensure_ascii=False) + "\n")
+    elif outcome.result is not None:
+        _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n\n")
+    else:
+        _out(f"Prompt: {prompt}\nError: {outcome.error}\n\n")
 
 
 class _Progress:
@@ -325,8 +363,20 @@ def _generate_from_file(args: argparse.Namespace, settings: GenSettings) -> int:
     if not args.quiet:
         _err(f"[server={args.server} {len(prompts)} prompts concurrency={args.concurrency} {settings.summary()}]\n")
     outcomes = [_Outcome() for _ in prompts]
-    progress = _Progress(len(prompts), sys.stderr)
-    progress.draw()
+    # A progress bar is for a person watching: not in a log file, not with -q.
+    progress = _Progress(len(prompts), sys.stderr) if sys.stderr.isatty() and not args.quiet else None
+    if progress is not None:
+        progress.draw()
+    printed = 0
+
+    def print_ready() -> None:
+        """Print, in input order, every outcome whose predecessors are all printed."""
+        nonlocal printed
+        while printed < len(prompts) and outcomes[printed].done:
+            if progress is not None:
+                _err("\r\033[K")  # the bar is redrawn below the output
+            _print_outcome(args, printed, prompts[printed], outcomes[printed])
+            printed += 1
 
     with _client_from_args(args) as client:
 
@@ -344,33 +394,18 @@ def _generate_from_file(args: argparse.Namespace, settings: GenSettings) -> int:
                     outcomes[index].result = future.result()
                 except TokenmillError as exc:
                     outcomes[index].error = describe_error(exc)
-                progress.update(failed=outcomes[index].error is not None)
+                outcomes[index].done = True
+                print_ready()
+                if progress is not None:
+                    progress.update(failed=outcomes[index].error is not None)
         except KeyboardInterrupt:
             pool.shutdown(wait=False, cancel_futures=True)
-            progress.finish()
+            if progress is not None:
+                progress.finish()
             raise
         pool.shutdown()
-    progress.finish()
-
-    for index, (prompt, outcome) in enumerate(zip(prompts, outcomes)):
-        if outcome.error is not None:
-            _error_line(f"prompt {index + 1}: {outcome.error}")
-        if args.json:
-            record: dict[str, Any] = {"index": index, "prompt": prompt}
-            if outcome.result is not None:
-                record.update(
-                    completion=outcome.result.text,
-                    finish_reason=outcome.result.finish_reason.value,
-                    usage=dataclasses.asdict(outcome.result.usage),
-                    timing=dataclasses.asdict(outcome.result.timing),
-                )
-            else:
-                record["error"] = outcome.error
-            _out(json.dumps(record, ensure_ascii=False) + "\n")
-        elif outcome.result is not None:
-            _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n\n")
-        else:
-            _out(f"Prompt: {prompt}\nError: {outcome.error}\n\n")
+    if progress is not None:
+        progress.finish()
     failed = sum(o.error is not None for o in outcomes)
     if failed:
         _err(f"{failed} of {len(prompts)} prompts failed\n")
@@ -384,7 +419,7 @@ Type a message to chat; the conversation is kept until /clear.
   /temp X      sampling temperature (0 = greedy)
   /topk N      keep the N most likely tokens (0 = off)
   /topp P      nucleus sampling, 0 < P <= 1 (1 = off)
-  /tokens N    the most tokens per answer (0 = until EOS)
+  /tokens N    the most tokens per answer (0 = the server's default)
   /seed N      random seed (/seed off for a fresh one each time)
   /system TEXT the system message (/system alone removes it)
   /config      show the settings
@@ -423,6 +458,7 @@ class Repl:
         self.settings = settings
         self.mode = mode
         self.history: list[ChatMessage] = []
+        self._remember: Callable[[], None] = lambda: None
         self._commands: dict[str, Callable[[str], bool]] = {
             "/temp": self._set_temp,
             "/temperature": self._set_temp,
@@ -440,19 +476,25 @@ class Repl:
         }
 
     def run(self) -> int:
-        _enable_line_editing()
+        self._remember = _enable_line_editing()
         if self.settings.raw:
             _err("note: --raw is ignored in an interactive session (turns are sent as a chat)\n")
-        _err(f"tokenmill chat with {self.client.target}: /help for commands, /exit or Ctrl-D to leave\n")
+        _err(
+            f"tokenmill chat with {self.client.target}: /help for commands, /exit or Ctrl-D to leave, "
+            '""" to start and end a message of several lines\n'
+        )
         while True:
             try:
                 line = input(">>> ")
+                if line.lstrip().startswith('"""'):
+                    line = self._read_block(line.lstrip()[3:])
             except EOFError:
                 _out("\n")
                 return 0
             except KeyboardInterrupt:
                 _out("\n")  # Ctrl-C at the prompt drops the line, like Python's REPL
                 continue
+            self._remember()
             line = line.strip()
             if not line:
                 continue
@@ -463,6 +505,15 @@ class Repl:
                     return 0
                 continue
             self._answer(line)
+
+    @staticmethod
+    def _read_block(first: str) -> str:
+        """A message of several lines, between triple quotes (Ollama's convention)."""
+        lines = [first]
+        while not lines[-1].rstrip().endswith('"""'):
+            lines.append(input("... "))
+        lines[-1] = lines[-1].rstrip()[:-3]
+        return "\n".join(lines)
 
     def _command(self, line: str) -> bool:
         """Runs a slash command; False means leave."""
@@ -510,7 +561,7 @@ class Repl:
 
     def _set_tokens(self, arg: str) -> bool:
         self.settings.max_new_tokens = _parse_int(arg, "tokens")
-        _err(f"tokens = {self.settings.max_new_tokens or 'until EOS'}\n")
+        _err(f"tokens = {self.settings.max_new_tokens or 'server default'}\n")
         return True
 
     def _set_seed(self, arg: str) -> bool:
@@ -530,7 +581,7 @@ class Repl:
             f"temperature {_fmt_num(s.temperature)}\n"
             f"top_k       {s.top_k or 'off'}\n"
             f"top_p       {_fmt_num(s.top_p)}\n"
-            f"tokens      {s.max_new_tokens or 'until EOS'}\n"
+            f"tokens      {s.max_new_tokens or 'server default'}\n"
             f"seed        {'random' if s.seed is None else s.seed}\n"
             f"stop        {s.stop!r}\n"
             f"system      {s.system!r}\n"
@@ -551,13 +602,41 @@ class Repl:
         return False
 
 
-def _enable_line_editing() -> None:
-    """Line editing and history for input(), where readline exists (not on Windows)."""
+ENV_HISTORY = "TOKENMILL_HISTORY"
+
+
+def _enable_line_editing() -> Callable[[], None]:
+    """Line editing and a history kept across sessions (in $TOKENMILL_HISTORY, else ~/.tokenmill_history),
+    where readline exists (not on Windows). Returns what saves the lines entered since the last call."""
     try:
         import readline
     except ImportError:
-        return
+        return lambda: None
     readline.parse_and_bind("set editing-mode emacs")
+    path = os.path.expanduser(os.environ.get(ENV_HISTORY) or "~/.tokenmill_history")
+    readline.set_history_length(1000)
+    try:
+        readline.read_history_file(path)
+        readline.write_history_file(path)  # trimmed to the last 1000 lines
+    except OSError:
+        pass  # a first session: no file yet
+    saved = readline.get_current_history_length()
+
+    def remember() -> None:
+        # Appended as they are entered, so a session that is killed keeps its lines too.
+        nonlocal saved
+        new = readline.get_current_history_length() - saved
+        if new > 0:
+            try:
+                if not os.path.exists(path):
+                    open(path, "a").close()
+                readline.append_history_file(new, path)
+                readline.set_history_length(1000)
+            except OSError:
+                return
+            saved += new
+
+    return remember
 
 
 # ------------------------------------------------------------------------------------ info, tokenize, health
@@ -572,6 +651,7 @@ def _format_model_info(info: ModelInfo) -> str:
         f"backend         {info.backend}",
         f"device          {info.device}",
         f"dtype           {info.dtype}",
+        f"quantization    {info.quantization}",
         f"num_workers     {info.num_workers}",
         (
             f"limits          max_new_tokens={lim.max_new_tokens} max_top_logprobs={lim.max_top_logprobs} "
@@ -654,7 +734,11 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill-client", description="Talk to a tokenmill text-generation server.")
+    parser = argparse.ArgumentParser(
+        prog="tokenmill-client",
+        description="Talk to a tokenmill text-generation server.",
+    )
+    parser.add_argument("--version", action="version", version=f"tokenmill-client {_version()}")
     _connection_options(parser, top_level=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -664,11 +748,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text. By default the prompt is sent as a chat user message; --raw sends it as it is.",
     )
     source = gen.add_mutually_exclusive_group()
+    source.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt ('-' or none: standard input)")
     source.add_argument("-p", "--prompt", help="the prompt")
     source.add_argument("-i", "--interactive", action="store_true", help="an interactive chat (REPL)")
     source.add_argument("--input-file", metavar="FILE", help="one prompt per line ('-' = stdin), run concurrently")
     gen.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default)")
-    gen.add_argument("-l", "--limit", type=int, default=0, metavar="N", help="max new tokens, 0 = until EOS (default)")
+    gen.add_argument(
+        "-l", "--limit", type=int, default=0, metavar="N", help="max new tokens (default: 0, the server's default)"
+    )
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, 1 = off")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
@@ -702,9 +789,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Like parse_args, but an unknown option is reported with its command's usage, not the top level's."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -41,8 +41,17 @@ class Settings:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "weights and activations; auto = bfloat16 where the CPU/GPU does it natively, else float32",
+            "help": "activations (and unquantized weights); auto = float32 with quantized weights, "
+            "else bfloat16 where the CPU/GPU does it natively, else float32",
             "choices": ["auto", "float32", "bfloat16"],
+        },
+    )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
+            "(a GGUF's Q4_0/Q4_1 served as int4), none = dense",
+            "choices": ["auto", "none", "int8", "int4"],
         },
     )
     threads: int = field(default=0, metadata={"help": "torch threads per worker (0: the cores shared among workers)"})
@@ -50,6 +59,9 @@ class Settings:
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
     max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask"})
+    default_max_new_tokens: int = field(
+        default=1024, metadata={"help": "max_new_tokens of a request that sets none (at most --max-new-tokens-limit)"}
+    )
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs a request may ask"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings in one request"})
     kv_cache_memory: str = field(default="", metadata={"help": "KV cache pool per worker, e.g. 2GiB (default: auto)"})
@@ -58,6 +70,9 @@ class Settings:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
+    http_port: int = field(
+        default=8000, metadata={"help": "OpenAI-compatible HTTP API port, with /health and /metrics (0: off)"}
+    )
     auth_token: str = field(default="", metadata={"help": "if set, calls must send 'authorization: Bearer TOKEN'"})
     master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
     auth_token_file: str = field(
@@ -96,8 +111,12 @@ class Settings:
         for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if min(self.workers, self.threads, self.max_top_logprobs) < 0 or self.drain_seconds < 0:
-            raise ValueError("--workers, --threads, --drain-seconds and --max-top-logprobs must not be negative")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError("--default-max-new-tokens must be between 1 and --max-new-tokens-limit")
+        if min(self.workers, self.threads, self.max_top_logprobs, self.http_port) < 0 or self.drain_seconds < 0:
+            raise ValueError(
+                "--workers, --threads, --drain-seconds, --max-top-logprobs and --http-port must not be negative"
+            )
         parse_size(self.kv_cache_memory)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both to serve over TLS")
@@ -144,14 +163,24 @@ def env_name(name: str) -> str:
     return "TOKENMILL_" + name.upper()
 
 
+def _version() -> str:
+    from tokenmill_service import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill-server",
-        description="Serve a Llama-family model over gRPC (tokenmill.v1.Generation).",
+        description="Serve a Llama-family model over gRPC (tokenmill.v1.Generation) and an OpenAI-compatible HTTP API.",
         epilog="Every flag can also be set as an environment variable, e.g. --max-queue as TOKENMILL_MAX_QUEUE.",
     )
+    parser.add_argument("--version", action="version", version=f"tokenmill-server {_version()}")
     for f in fields(Settings):
-        kw: dict[str, Any] = {"help": f"{f.metadata['help']} [env {env_name(f.name)}]", "default": None}
+        text = f.metadata["help"]
+        # The default is shown unless the help already says it.
+        shown = "" if "default" in text else f"default: {f.default if f.default != '' else 'none'}, "
+        kw: dict[str, Any] = {"help": f"{text} [{shown}env {env_name(f.name)}]", "default": None}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         kw["type"] = {"int": int, "float": float}.get(str(f.type), str)

@@ -10,12 +10,14 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from tokenmill_service import __version__
+from tokenmill_service.banner import show_ready_banner
 from tokenmill_service.config import Settings, load_settings
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
+from tokenmill_service.reflection import enable_reflection
 from tokenmill_service.router import Router, WorkerStartError
 from tokenmill_service.server import GenerationServicer, add_generation_servicer, engine_totals
 
@@ -39,12 +41,11 @@ async def serve(settings: Settings) -> int:
     router = Router(settings, metrics)
     metrics.bind_state(lambda: engine_totals(router))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    add_generation_servicer(GenerationServicer(settings, router, tokenizer, metrics), server)
+    servicer = GenerationServicer(settings, router, tokenizer, metrics)
+    add_generation_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     address = f"{settings.host}:{settings.port}"
     try:
         credentials = server_credentials(settings)
@@ -58,6 +59,15 @@ async def serve(settings: Settings) -> int:
     except RuntimeError as exc:
         log.error("cannot_listen", address=address, error=str(exc))
         return 1
+    http_server = None
+    if settings.http_port:
+        from tokenmill_service.http_api import HttpApi, HttpServer
+
+        try:
+            http_server = HttpServer(HttpApi(servicer.service), settings.host, settings.http_port)
+        except OSError as exc:
+            log.error("cannot_listen", address=f"{settings.host}:{settings.http_port}", error=str(exc))
+            return 1
 
     async def set_health(status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -72,6 +82,8 @@ async def serve(settings: Settings) -> int:
         await health_server.start()
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    if http_server is not None:
+        http_server.start()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, settings.host)
     log.info(
@@ -82,6 +94,7 @@ async def serve(settings: Settings) -> int:
         workers=router.num_workers,
         device=settings.device,
         metrics_port=settings.metrics_port or None,
+        http_port=settings.http_port or None,
     )
 
     stop = asyncio.Event()
@@ -95,13 +108,12 @@ async def serve(settings: Settings) -> int:
     exit_code = 0
     if starting.done() and starting.exception() is None:
         await set_health(health_pb2.HealthCheckResponse.SERVING)
+        info = next(w.info for w in router.workers if w.info is not None)
+        metrics.set_build_info(__version__, info.model_name, settings.backend, info.dtype, info.quantization)
         watcher = asyncio.ensure_future(follow_workers(router, set_health))
-        log.info(
-            "server_ready",
-            address=address,
-            try_it=f"tokenmill-client --server {address} generate -p 'What is the capital of France?'",
-            grpcurl=f'grpcurl -plaintext -d \'{{"prompt": "Hello"}}\' {address} tokenmill.v1.Generation/Generate',
-        )
+        log.info("server_ready", address=address, http_port=settings.http_port or None)
+        # On a terminal, the commands to try, plain and copy-pasteable (not inside a log line).
+        show_ready_banner(settings, info.model_name)
         await stopping
         watcher.cancel()
     elif starting.done():
@@ -119,6 +131,8 @@ async def serve(settings: Settings) -> int:
     await server.stop(grace=1.0)
     if health_server is not None:
         await health_server.stop(grace=None)
+    if http_server is not None:
+        await http_server.stop()
     await router.stop()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code

@@ -32,6 +32,8 @@ class WorkerSpec:
     device: str
     dtype: str
     engine: EngineConfig
+    quantization: str
+    backend: str
     threads: int
     log_format: str
     log_level: str
@@ -50,6 +52,8 @@ class WorkerInfo:
     dtype: str
     kv_blocks_total: int
     kv_block_size: int
+    quantization: str = "none"  # what the linear layers run as ("int4+none": mixed)
+    backend: str = "torch"
 
 
 # -- router -> worker ---------------------------------------------------------------------------

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+
+# The *_created series (a timestamp per counter and histogram) only add noise to every scrape.
+disable_created_metrics()
 
 # Latency buckets from 5 ms to 2 minutes.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -45,6 +48,20 @@ class Metrics:
         self.kv_blocks_used = Gauge("tokenmill_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_blocks_total = Gauge("tokenmill_kv_blocks_total", "KV cache blocks in the pools", registry=r)
         self.workers_serving = Gauge("tokenmill_workers_serving", "Workers loaded and serving", registry=r)
+        self.kv_cache_usage = Gauge(
+            "tokenmill_kv_cache_usage_ratio", "Share of the KV cache blocks in use, all workers (0 to 1)", registry=r
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "tokenmill_prefix_cache_hit_rate",
+            "Share of prompt tokens found in the prefix cache since the workers started (0 to 1)",
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "tokenmill_build_info",
+            "Always 1; the labels say what is serving",
+            ["version", "model", "backend", "dtype", "quantization"],
+            registry=r,
+        )
 
     def bind_state(self, read: Callable[[], dict[str, int]]) -> None:
         """Let the gauges read live engine state (summed over workers) at scrape time."""
@@ -53,6 +70,16 @@ class Metrics:
         self.kv_blocks_used.set_function(lambda: read()["kv_blocks_used"])
         self.kv_blocks_total.set_function(lambda: read()["kv_blocks_total"])
         self.workers_serving.set_function(lambda: read()["serving"])
+        self.kv_cache_usage.set_function(lambda: _ratio(read(), "kv_blocks_used", "kv_blocks_total"))
+        self.prefix_cache_hit_rate.set_function(lambda: _ratio(read(), "prefix_cache_hits", "prefix_cache_queries"))
+
+    def set_build_info(self, version: str, model: str, backend: str, dtype: str, quantization: str) -> None:
+        self.build_info.clear()
+        self.build_info.labels(version, model, backend, dtype, quantization).set(1)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+def _ratio(state: dict[str, int], part: str, whole: str) -> float:
+    return state[part] / state[whole] if state[whole] else 0.0

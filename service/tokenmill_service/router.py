@@ -173,6 +173,8 @@ class Router:
             device=s.device,
             dtype=s.dtype,
             engine=engine,
+            quantization=s.quantization,
+            backend=s.backend,
             threads=threads,
             log_format=s.resolved_log_format(),
             log_level=s.log_level,

@@ -41,6 +41,8 @@ class Limits:
     max_new_tokens: int
     max_top_logprobs: int
     max_stop_strings: int
+    # Used when a request sets no max_new_tokens, so a greedy loop cannot run to the end of the context.
+    default_max_new_tokens: int = 0
 
 
 def chat_messages(chat: pb.Messages, tokenizer: Tokenizer) -> list[dict[str, str]]:
@@ -128,7 +130,7 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
         )
     check_token_ids("stopping.stop_token_ids", s.stop_token_ids, limits.vocab_size)
     return StoppingParams(
-        max_new_tokens=s.max_new_tokens,
+        max_new_tokens=s.max_new_tokens or limits.default_max_new_tokens,
         stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
@@ -149,7 +151,8 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         raise InvalidRequest(
             f"the prompt has {len(ids)} tokens but the context holds {ctx}: no room to generate; shorten the prompt"
         )
-    if stopping.max_new_tokens and len(ids) + stopping.max_new_tokens > ctx:
+    # The server's default may run into the context's end (finish reason CONTEXT_LIMIT); an explicit ask may not.
+    if request.stopping.max_new_tokens and len(ids) + stopping.max_new_tokens > ctx:
         raise InvalidRequest(
             f"prompt tokens + stopping.max_new_tokens must be <= {ctx} (the context length); "
             f"given {len(ids)} prompt tokens and max_new_tokens {stopping.max_new_tokens}"

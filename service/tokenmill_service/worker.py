@@ -94,10 +94,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 model_name=engine.model.config.name,
                 context_length=engine.max_model_len,
                 vocab_size=engine.tokenizer.vocab_size,
-                device=str(next(engine.model.parameters()).device),
-                dtype=dtype_name(next(engine.model.parameters()).dtype),
+                device=str(engine.model.device),
+                dtype=dtype_name(engine.model.act_dtype),
                 kv_blocks_total=stats.kv_blocks_total,
                 kv_block_size=stats.kv_block_size,
+                quantization=engine.model.quantization,
+                backend=spec.backend,
             ),
         )
     )
@@ -141,8 +143,18 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     dist.init_process_group(backend=backend, init_method="env://", rank=spec.rank, world_size=spec.world_size)
     log.info("distributed_initialized", backend=backend, world_size=spec.world_size, master_port=spec.master_port)
     device = f"cuda:{spec.device_index}" if spec.device == "cuda" else "cpu"
-    dtype = resolve_dtype(spec.dtype, device)
-    engine = LLMEngine.from_path(spec.model or None, spec.engine, dtype=dtype, device=device)
+    from tokenmill_service.models.loader import resolve_model_path, serves_quantized
+
+    quantized = serves_quantized(resolve_model_path(spec.model or None), spec.quantization)
+    dtype = resolve_dtype(spec.dtype, device, quantized)
+    engine = LLMEngine.from_path(
+        spec.model or None,
+        spec.engine,
+        dtype=dtype,
+        device=device,
+        quantization=spec.quantization,
+        backend=spec.backend,
+    )
     # Warm-up: one real prefill and decode, so the first caller does not pay for lazy set-up.
     warm = engine.tokenizer.encode("Hello")
     engine.add_request(GenerationRequest("warmup", warm, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))

@@ -34,6 +34,7 @@ class BlockManager:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = self.prefix_hits = 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Least recently freed first, so cached prefixes survive as long as possible.
         self.free_ids: deque[int] = deque(range(num_blocks))
@@ -87,6 +88,9 @@ class BlockManager:
             seq.block_table.append(block_id)
             prev = h
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        # For the prefix-cache hit rate: tokens looked up, tokens found.
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_cached_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s table to cover `num_tokens` tokens; all or nothing."""

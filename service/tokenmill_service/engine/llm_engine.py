@@ -139,6 +139,8 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_blocks,
             kv_block_size=self.block_manager.block_size,
+            prefix_cache_queries=self.block_manager.prefix_queries,
+            prefix_cache_hits=self.block_manager.prefix_hits,
         )
 
     def step(self) -> list[RequestOutput]:

@@ -106,3 +106,5 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_block_size: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached

@@ -120,6 +120,13 @@ def quantization_for(setting: str, prefix: str, config: ModelConfig, types: dict
     return setting
 
 
+def serves_quantized(path: Path, quantization: str) -> bool:
+    """Whether ``--quantization`` gives this checkpoint quantized linear layers (``auto``: a GGUF's)."""
+    if quantization == "auto":
+        return _is_gguf(path)
+    return quantization != "none"
+
+
 def load_model(
     path: Path,
     dtype: torch.dtype = torch.float32,
@@ -187,4 +194,5 @@ __all__ = [
     "load_model",
     "quantization_for",
     "resolve_model_path",
+    "serves_quantized",
 ]

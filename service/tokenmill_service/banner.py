@@ -1,0 +1,58 @@
+"""What a person who just ran `make run` sees once the server is ready: commands to copy and paste.
+
+Only on a terminal (a log collector gets the structured `server_ready` line alone). The commands
+name the real paths of the tools (`.venv/bin/tokenmill-client`, `.tools/bin/grpcurl`) when they
+are there, so they work as pasted from the repository's root.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tokenmill_service.config import Settings
+
+
+def _tool(path: Path, fallback: str) -> str:
+    """`path` relative to the working directory when it is there and below it, else the bare name."""
+    if not path.exists():
+        return fallback
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _client_path() -> str:
+    # The client script sits beside this interpreter (the virtual environment's bin/).
+    return _tool(Path(sys.executable).parent / "tokenmill-client", "tokenmill-client")
+
+
+def ready_banner(settings: Settings, model: str) -> str:
+    host = "localhost" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    address = f"{host}:{settings.port}"
+    client = f"{_client_path()} --server {address}"
+    grpcurl = _tool(Path.cwd() / ".tools" / "bin" / "grpcurl", "grpcurl")
+    lines = [
+        "",
+        f"tokenmill is ready: {model}, gRPC on {address}"
+        + (f", OpenAI-compatible HTTP on http://{host}:{settings.http_port}/v1" if settings.http_port else ""),
+        "",
+        f'  {client} generate "What is the capital of France?"',
+        f"  {client} generate -i",
+        f'  {grpcurl} -plaintext -d \'{{"prompt": "Hello"}}\' {address} tokenmill.v1.Generation/Generate',
+    ]
+    if settings.http_port:
+        body = '{"messages": [{"role": "user", "content": "Hello"}], "stream": true}'
+        lines.append(
+            f"  curl -N http://{host}:{settings.http_port}/v1/chat/completions"
+            f" -H 'Content-Type: application/json' -d '{body}'"
+        )
+    lines += ["", "Ctrl-C stops the server.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def show_ready_banner(settings: Settings, model: str) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write(ready_banner(settings, model))
+        sys.stderr.flush()

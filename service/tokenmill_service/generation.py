@@ -1,0 +1,214 @@
+"""One Generate call, whatever front-end it came through (gRPC or the OpenAI-compatible HTTP API).
+
+Auth, draining, validation, admission, streaming the outputs as `GenerateResponse` messages,
+metrics and the `request_finished` log line live here once, so both front-ends apply the same
+rules. A failure ends the stream with `ServiceError` (a gRPC status code and a message) after the
+request was counted and logged; each front-end only translates that code into its own protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+
+from tokenmill_service.config import Settings
+from tokenmill_service.engine.request import FinishReason, TokenOutput
+from tokenmill_service.metrics import Metrics
+from tokenmill_service.proto import pb
+from tokenmill_service.router import DeadlineExceeded, Overloaded, Rejected, Router, Unavailable
+from tokenmill_service.tokenizer import Tokenizer
+from tokenmill_service.validation import MAX_REQUEST_ID_LENGTH, InvalidRequest, Limits, build_request, check_request_id
+
+log = structlog.get_logger("tokenmill.server")
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CONTEXT_LIMIT: pb.FINISH_REASON_CONTEXT_LIMIT,
+}
+
+
+class ServiceError(Exception):
+    """A call that ends with a non-OK status; `message` names the field or the cause."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def token_proto(t: TokenOutput) -> pb.Token:
+    tok = pb.Token(id=t.id, text=t.text, special=t.special)
+    if t.logprob is not None:
+        tok.logprob = t.logprob
+    for alt in t.top_logprobs:
+        tok.top_logprobs.add(id=alt.id, text=alt.text, logprob=alt.logprob)
+    return tok
+
+
+class GenerationService:
+    """The front-end-independent half of the server: what every Generate call goes through."""
+
+    def __init__(self, settings: Settings, router: Router, tokenizer: Tokenizer, metrics: Metrics) -> None:
+        self.settings = settings
+        self.router = router
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        # Compared in constant time, each of them, so the time taken tells nothing about any token.
+        self._tokens = [f"Bearer {t}".encode() for t in settings.auth_tokens()]
+
+    def model_name(self) -> str:
+        info = next((w.info for w in self.router.workers if w.info is not None), None)
+        return info.model_name if info is not None else ""
+
+    def limits(self) -> Limits:
+        info = next((w.info for w in self.router.workers if w.info is not None), None)
+        if info is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        s = self.settings
+        return Limits(
+            context_length=info.context_length,
+            vocab_size=info.vocab_size,
+            max_new_tokens=s.max_new_tokens_limit,
+            max_top_logprobs=s.max_top_logprobs,
+            max_stop_strings=s.max_stop_strings,
+            default_max_new_tokens=s.default_max_new_tokens,
+        )
+
+    def authorize(self, authorization: str | None, where: str) -> None:
+        """`authorization` is the caller's 'Bearer TOKEN' value; `where` says where it belongs."""
+        if not self._tokens:
+            return
+        given = (authorization or "").encode()
+        matched = False
+        for token in self._tokens:
+            matched |= hmac.compare_digest(given, token)
+        if not matched:
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong bearer token in {where}")
+
+    async def generate(
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        authorization: str | None,
+        auth_where: str,
+        timeout_s: float | None = None,
+        api: str = "grpc",
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream one request's responses; raises ServiceError (after logging it) when it fails.
+
+        `api` names the front-end in the log line ("grpc" or "http")."""
+        arrival = time.monotonic()
+        structlog.contextvars.bind_contextvars(request_id=request_id[:MAX_REQUEST_ID_LENGTH], api=api)
+        code = grpc.StatusCode.OK
+        prompt_len = completion_len = 0
+        first_token_at: float | None = None
+        finish: FinishReason | None = None
+        error = ""
+        try:
+            try:
+                self.authorize(authorization, auth_where)
+                if not request.request_id:
+                    check_request_id(
+                        request_id, "the x-request-id header" if api == "http" else "the x-request-id metadata"
+                    )
+                if self.router.draining:
+                    raise Unavailable("the server is shutting down; retry on another replica")
+                engine_request = build_request(request, self.tokenizer, self.limits())
+            except InvalidRequest as exc:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            prompt_len = len(engine_request.prompt_ids)
+            stream = self.router.submit(engine_request)
+            structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
+            last_at = arrival
+            queue_s = 0.0
+            if timeout_s is not None:
+                # One timer for the whole call (not a task per message): it ends the stream with an error.
+                stream.expire_after(timeout_s)
+            try:
+                async for out in stream:
+                    now = time.monotonic()
+                    if out.queue_s is not None:
+                        queue_s = out.queue_s
+                    if out.tokens:
+                        if first_token_at is None:
+                            first_token_at = now
+                            self.metrics.time_to_first_token.observe(now - arrival)
+                            self.metrics.queue_time.observe(queue_s)
+                        else:
+                            per_token = (now - last_at) / len(out.tokens)
+                            for _ in out.tokens:
+                                self.metrics.inter_token_latency.observe(per_token)
+                        last_at = now
+                    completion_len = out.completion_len or completion_len
+                    response = pb.GenerateResponse(
+                        request_id=request_id, text=out.text, tokens=[token_proto(t) for t in out.tokens]
+                    )
+                    if out.prompt_tokens:
+                        response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
+                    if out.finish_reason is not None:
+                        finish = out.finish_reason
+                        response.finish_reason = FINISH_REASONS[out.finish_reason]
+                        response.usage.prompt_tokens = prompt_len
+                        response.usage.completion_tokens = completion_len
+                        response.timing.queue_ms = queue_s * 1000
+                        response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
+                        response.timing.total_ms = (now - arrival) * 1000
+                    yield response
+            finally:
+                stream.close()
+        except ServiceError as exc:
+            code, error = exc.code, exc.message
+        except DeadlineExceeded as exc:
+            code, error = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+        except Rejected as exc:
+            code, error = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except Overloaded as exc:
+            code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        except Unavailable as exc:
+            code, error = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away (a cancelled RPC, a closed HTTP connection).
+            code, error = grpc.StatusCode.CANCELLED, "the caller cancelled"
+            raise
+        finally:
+            self._finished(code, error, prompt_len, completion_len, first_token_at, arrival, finish)
+        if code is not grpc.StatusCode.OK:
+            raise ServiceError(code, error)
+
+    def _finished(
+        self,
+        code: grpc.StatusCode,
+        error: str,
+        prompt_len: int,
+        completion_len: int,
+        first_token_at: float | None,
+        arrival: float,
+        finish: FinishReason | None,
+    ) -> None:
+        duration = time.monotonic() - arrival
+        self.metrics.requests.labels(code=code.name).inc()
+        self.metrics.request_duration.observe(duration)
+        self.metrics.prompt_tokens.inc(prompt_len)
+        self.metrics.generated_tokens.inc(completion_len)
+        fields: dict[str, Any] = {
+            "status": code.name,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion_len,
+            "duration_ms": round(duration * 1000, 1),
+        }
+        if first_token_at is not None:
+            fields["ttft_ms"] = round((first_token_at - arrival) * 1000, 1)
+        if finish is not None:
+            fields["finish_reason"] = finish.value
+        if error:
+            fields["error"] = error
+        log.info("request_finished", **fields)
+        structlog.contextvars.unbind_contextvars("request_id", "worker_id", "api")

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP front-end: Starlette routes served by uvicorn on the server's own loop.
+
+    POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
+    GET  /v1/models, GET /health (200 ready, 503 not), GET /metrics (Prometheus)
+
+Every generation goes through the same GenerationService as gRPC (auth, validation, limits,
+admission, metrics, the request_finished log line). A response's status is only sent once the
+first engine output arrived, so a refusal (400, 401, 429, 503, 504) is always a plain error
+response in OpenAI's JSON, never a broken stream. A client that disconnects cancels its request
+in the worker at once (its connection is watched, not only noticed at the next write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from tokenmill_service.generation import GenerationService, ServiceError
+from tokenmill_service.openai_protocol import BadRequest, ParsedRequest, ResponseBuilder, error_json, parse_request
+from tokenmill_service.proto import pb
+
+log = structlog.get_logger("tokenmill.http")
+
+AUTH_WHERE = "the Authorization header"
+
+# gRPC status -> (HTTP status, OpenAI error type)
+_HTTP_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+T = TypeVar("T")
+
+
+class Disconnected(Exception):
+    pass
+
+
+def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_json(message, kind, param), status_code=status)
+
+
+# validation.py names the fields of the gRPC request; an HTTP caller knows them by OpenAI's names.
+_FIELD_NAMES = {
+    "sampling.": "",
+    "stopping.max_new_tokens": "max_tokens",
+    "stopping.": "",
+    "chat.messages": "messages",
+    "token_ids.ids": "prompt",
+}
+
+
+def _openai_names(message: str) -> str:
+    for ours, theirs in _FIELD_NAMES.items():
+        message = message.replace(ours, theirs)
+    return message
+
+
+def service_error_response(exc: ServiceError) -> JSONResponse:
+    status, kind = _HTTP_ERRORS.get(exc.code, (500, "server_error"))
+    return error_response(status, kind, _openai_names(exc.message))
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and raising Disconnected) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise Disconnected
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():  # this handler itself was cancelled
+            task.cancel()
+
+
+class GenerationResponse(Response):
+    """Runs one generation while it answers: the status waits for the first output (see module doc)."""
+
+    def __init__(self, responses: AsyncIterator[pb.GenerateResponse], builder: ResponseBuilder, request_id: str):
+        self.responses = responses
+        self.builder = builder
+        self.headers_ = {"x-request-id": request_id}
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(Disconnected):
+            # One task for the whole generation: its log lines share the request's context variables.
+            await until_disconnect(receive, self._respond(scope, receive, send))
+
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with contextlib.aclosing(self.responses) as responses:  # type: ignore[type-var]
+            try:
+                first = await anext(responses)
+            except ServiceError as exc:
+                await self._error(exc)(scope, receive, send)
+                return
+            if self.builder.parsed.stream:
+                await self._stream(first, responses, send)
+                return
+            try:
+                rest = [r async for r in responses]
+            except ServiceError as exc:
+                await self._error(exc)(scope, receive, send)
+                return
+            await JSONResponse(self.builder.whole([first, *rest]), headers=self.headers_)(scope, receive, send)
+
+    def _error(self, exc: ServiceError) -> Response:
+        response = service_error_response(exc)
+        response.headers.update(self.headers_)
+        return response
+
+    async def _stream(
+        self, first: pb.GenerateResponse, responses: AsyncIterator[pb.GenerateResponse], send: Send
+    ) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        headers += [(k.encode(), v.encode()) for k, v in self.headers_.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        opening = self.builder.first_chunk()
+        if opening is not None:
+            await _send_event(send, opening)
+        last = first
+        try:
+            # Read to the generator's end (not only to the finish reason) so the request ends as completed.
+            async for response in _prepend(first, responses):
+                chunk = self.builder.chunk(response)
+                if chunk is not None:
+                    await _send_event(send, chunk)
+                last = response
+        except ServiceError as exc:
+            # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
+            status, kind = _HTTP_ERRORS.get(exc.code, (500, "server_error"))
+            await _send_event(send, error_json(_openai_names(exc.message), kind, code=str(status)))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if self.builder.parsed.include_usage:
+            await _send_event(send, self.builder.usage_chunk(last))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _send_event(send: Send, data: dict[str, Any]) -> None:
+    body = b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+class HttpApi:
+    """The routes, bound to one GenerationService."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return error_response(404, "not_found_error", f"no route {request.method} {request.url.path}")
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(405, "invalid_request_error", f"{request.method} is not allowed on {request.url.path}")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            parsed: ParsedRequest = parse_request(json.loads(await request.body() or b"null"), chat)
+        except json.JSONDecodeError as exc:
+            return error_response(400, "invalid_request_error", f"the body is not valid JSON: {exc}")
+        except BadRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), exc.param)
+        except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
+            return error_response(400, "invalid_request_error", str(exc))
+        parsed.request.request_id = request_id
+        responses = self.service.generate(
+            parsed.request, request_id, request.headers.get("authorization"), AUTH_WHERE, api="http"
+        )
+        builder = ResponseBuilder(parsed, request_id, self.service.model_name())
+        return GenerationResponse(responses, builder, request_id)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        name = self.service.model_name()
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenmill"}] if name else []
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        if self.service.router.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _ToStructlog(logging.Handler):
+    """uvicorn logs through the standard library; its lines go out through structlog like ours."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.log(record.levelno, "uvicorn", message=record.getMessage())
+
+
+class _Server(uvicorn.Server):
+    # The server process owns SIGTERM/SIGINT (draining); uvicorn must not take them over.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class HttpServer:
+    """uvicorn on a socket bound up front (so a taken port fails start-up like the gRPC port does)."""
+
+    def __init__(self, api: HttpApi, host: str, port: int) -> None:
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.port = int(self.sock.getsockname()[1])
+        uvicorn_log = logging.getLogger("uvicorn")
+        uvicorn_log.handlers = [_ToStructlog()]
+        uvicorn_log.setLevel(logging.WARNING)
+        uvicorn_log.propagate = False
+        config = uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1)
+        self.server = _Server(config)
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+        self.sock.close()

@@ -1,0 +1,323 @@
+"""OpenAI's `/v1/chat/completions` and `/v1/completions` JSON, translated to and from tokenmill's API.
+
+A request body becomes a `GenerateRequest`, which then goes through the same validation as a gRPC
+call (validation.py); this module only checks what is OpenAI's own (JSON types, `n`, parameters
+tokenmill has no equivalent for). Responses are built from `GenerateResponse` messages.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill_service.proto import pb
+
+
+class BadRequest(ValueError):
+    """A body that is not a valid OpenAI request; the message names the parameter."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# OpenAI's parameters tokenmill cannot honour: refused when set to anything but their neutral value.
+_UNSUPPORTED = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "tools": None,
+    "functions": None,
+    "response_format": None,
+    "echo": False,
+    "suffix": None,
+    "best_of": 1,
+}
+
+_FINISH = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CONTEXT_LIMIT: "length",
+    pb.FINISH_REASON_EOS: "stop",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated body: the tokenmill request and how to shape the answer."""
+
+    request: pb.GenerateRequest
+    chat: bool
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"'{name}' must be a number; given {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, minimum: int = 0) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer; given {value!r}", name)
+    if value < minimum:
+        raise BadRequest(f"'{name}' must be >= {minimum}; given {value}", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false; given {value!r}", name)
+    return value
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (the only part type a text model takes)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}[{i}] must be a text part ({{'type': 'text', 'text': ...}})", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRequest(f"{where} must be a string or a list of text parts", where)
+
+
+def _messages(value: Any) -> pb.Messages:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
+    chat = pb.Messages()
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a 'role' string", "messages")
+        chat.messages.add(role=m["role"], content=_content(m.get("content") or "", f"messages[{i}].content"))
+    return chat
+
+
+def _prompt(request: pb.GenerateRequest, value: Any) -> None:
+    # A list of one string, or of token ids, is how the completions API batches; only one prompt is taken.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        request.prompt = value
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if min(value) < 0:
+            raise BadRequest("'prompt' token ids must be >= 0", "prompt")
+        request.token_ids.ids.extend(value)
+    else:
+        raise BadRequest("'prompt' must be a string, a list of token ids, or a list holding one of them", "prompt")
+
+
+def parse_request(body: Any, chat: bool) -> ParsedRequest:
+    """Turn an OpenAI request body into a GenerateRequest (its limits are checked later, by validation.py)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for name, neutral in _UNSUPPORTED.items():
+        if body.get(name) not in (None, neutral):
+            raise BadRequest(f"'{name}' is not supported by tokenmill", name)
+    n = _integer(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise BadRequest(f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n")
+
+    request = pb.GenerateRequest()
+    if chat:
+        if "messages" not in body:
+            raise BadRequest("'messages' is required", "messages")
+        request.chat.CopyFrom(_messages(body["messages"]))
+    else:
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", "prompt")
+        _prompt(request, body["prompt"])
+
+    sampling = request.sampling
+    # OpenAI's default temperature is 1 (sampling); 0 asks for greedy decoding.
+    temperature = _number(body, "temperature")
+    sampling.temperature = 1.0 if temperature is None else temperature
+    sampling.top_p = _number(body, "top_p") or 0.0
+    sampling.top_k = _integer(body, "top_k", minimum=-(2**31)) or 0
+    sampling.repetition_penalty = _number(body, "repetition_penalty") or 0.0
+    seed = _integer(body, "seed", minimum=0)
+    if seed is not None:
+        sampling.seed = seed
+
+    stopping = request.stopping
+    max_tokens = _integer(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", minimum=1)
+    stopping.max_new_tokens = max_tokens or 0
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stopping.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stopping.stop.extend(stop)
+    elif stop is not None:
+        raise BadRequest("'stop' must be a string or a list of strings", "stop")
+    stopping.ignore_eos = _boolean(body, "ignore_eos")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and t >= 0 for t in stop_ids):
+            raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        stopping.stop_token_ids.extend(stop_ids)
+
+    if chat:
+        request.logprobs = _boolean(body, "logprobs")
+        request.top_logprobs = _integer(body, "top_logprobs") or 0
+        if request.top_logprobs and not request.logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        # The completions API's logprobs is a count of alternatives (0 = the chosen token's own only).
+        logprobs = _integer(body, "logprobs")
+        request.logprobs = logprobs is not None
+        request.top_logprobs = logprobs or 0
+
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    include_usage = _boolean(options, "include_usage")
+    model = body.get("model")
+    return ParsedRequest(request, chat, stream, include_usage, model if isinstance(model, str) else "")
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def usage_json(usage: pb.Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def finish_reason(response: pb.GenerateResponse) -> str | None:
+    return _FINISH.get(response.finish_reason)
+
+
+def _visible(tokens: Sequence[pb.Token]) -> list[pb.Token]:
+    # Special tokens (EOS, end of turn) are not part of the text, so OpenAI's logprobs leave them out.
+    return [t for t in tokens if not t.special]
+
+
+def chat_logprobs(tokens: Sequence[pb.Token]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": t.text,
+                "logprob": t.logprob,
+                "bytes": list(t.text.encode()),
+                "top_logprobs": [
+                    {"token": a.text, "logprob": a.logprob, "bytes": list(a.text.encode())} for a in t.top_logprobs
+                ],
+            }
+            for t in _visible(tokens)
+        ]
+    }
+
+
+def completion_logprobs(tokens: Sequence[pb.Token], text_offset: int) -> dict[str, Any]:
+    shown = _visible(tokens)
+    offsets = []
+    for t in shown:
+        offsets.append(text_offset)
+        text_offset += len(t.text)
+    return {
+        "tokens": [t.text for t in shown],
+        "token_logprobs": [t.logprob for t in shown],
+        "top_logprobs": [{a.text: a.logprob for a in t.top_logprobs} for t in shown],
+        "text_offset": offsets,
+    }
+
+
+class ResponseBuilder:
+    """Shapes one request's GenerateResponse messages into OpenAI chunks or a whole response."""
+
+    def __init__(self, parsed: ParsedRequest, request_id: str, model: str) -> None:
+        self.parsed = parsed
+        self.chat = parsed.chat
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.model = parsed.model or model
+        self.text_offset = 0
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, tokens: Sequence[pb.Token]) -> dict[str, Any] | None:
+        if not self.parsed.request.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens)
+        shaped = completion_logprobs(tokens, self.text_offset)
+        self.text_offset += sum(len(t.text) for t in _visible(tokens))
+        return shaped
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role, as OpenAI's do."""
+        if not self.chat:
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = [choice]
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunk(self, response: pb.GenerateResponse) -> dict[str, Any] | None:
+        """One streamed chunk, or None when the response adds nothing a client would see."""
+        reason = finish_reason(response)
+        if not response.text and not response.tokens and reason is None:
+            return None
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": response.text} if response.text or reason is None else {}
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = self._logprobs(response.tokens)
+        choice["finish_reason"] = reason
+        return self._chunk(choice)
+
+    def usage_chunk(self, last: pb.GenerateResponse) -> dict[str, Any]:
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = []
+        chunk["usage"] = usage_json(last.usage)
+        return chunk
+
+    def whole(self, responses: Sequence[pb.GenerateResponse]) -> dict[str, Any]:
+        """The non-streaming answer: every response's text and tokens joined."""
+        text = "".join(r.text for r in responses)
+        tokens = [t for r in responses for t in r.tokens]
+        last = responses[-1]
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(tokens)
+        choice["finish_reason"] = finish_reason(last)
+        answer = self._envelope("chat.completion" if self.chat else "text_completion")
+        answer["choices"] = [choice]
+        answer["usage"] = usage_json(last.usage)
+        return answer
+
+
+def error_json(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

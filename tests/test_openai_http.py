@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP API end to end: the real `openai` client (and curl) against a live server.
+
+One server in its default configuration serves the whole module; auth (401) and a full queue (429)
+are checked in test_service_lifecycle.py, whose server is configured for them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+MODEL = "tokenmill"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess().start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=600) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerProcess) -> Iterator[pb_grpc.GenerationStub]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def finished_events(server: ServerProcess) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in server.logs().splitlines() if '"request_finished"' in line]
+
+
+# -- chat completions --------------------------------------------------------------------------
+
+
+def test_chat_completion_answers_with_the_assistant_message_and_usage(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and "Paris" in (choice.message.content or "")
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens <= 8
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+
+
+def test_a_streamed_chat_gives_the_same_text_as_the_whole_answer_and_ends_with_usage(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=FRANCE,  # type: ignore[arg-type]
+            max_completion_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert not chunks[-1].choices and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_chat_logprobs_come_with_top_alternatives_most_likely_first(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and "".join(t.token for t in content) == reply.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+
+
+def test_a_seeded_sampled_request_gives_the_same_output_twice(client: openai.OpenAI) -> None:
+    def ask() -> str | None:
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Tell me a story."}],
+                max_tokens=8,
+                temperature=1.0,
+                seed=1234,
+                extra_body={"top_k": 50, "repetition_penalty": 1.1},
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert ask() == ask()
+
+
+def test_a_stop_string_ends_the_answer_before_it(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    text = free.choices[0].text
+    word = text.split()[1]  # a word from the middle of the greedy answer
+    stopped = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=[word]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(word)]
+
+
+# -- completions --------------------------------------------------------------------------------
+
+
+def test_completion_streamed_and_not_with_logprobs_in_the_completions_shape(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage is not None and whole.usage.completion_tokens == 5
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs is not None and len(lp.token_logprobs) == 5
+    assert lp.top_logprobs is not None and all(len(alts) == 2 for alts in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    streamed = list(
+        client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "names"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"n": 2}, "'n' must be 1"),
+        ({"max_tokens": 100000}, "max_tokens must be <= 4096"),
+        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'"),
+        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+    ],
+)
+def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, params: dict[str, Any], names: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, **params)  # type: ignore[arg-type]
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert isinstance(body, dict) and body["type"] == "invalid_request_error"
+    assert names in body["message"]
+
+
+def test_an_unknown_route_is_a_404_in_openai_error_json(server: ServerProcess) -> None:
+    status, body = get(server.http_url + "/v1/embeddings")
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub, server: ServerProcess
+) -> None:
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Count to one thousand:",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-request-id": "walks-away"},
+    )
+    received = 0
+    for _ in stream:
+        received += 1
+        if received == 3:
+            break
+    stream.close()
+    closed_at = time.monotonic()
+    while stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).engine.running:
+        assert time.monotonic() - closed_at < 10, "the engine still runs the abandoned request"
+        time.sleep(0.02)
+    events = [e for e in finished_events(server) if e.get("request_id") == "walks-away"]
+    assert len(events) == 1 and events[0]["status"] == "CANCELLED"
+    # Stopped within a step or two of the disconnect, far from its 400 tokens.
+    assert events[0]["completion_tokens"] <= received + 3
+
+
+# -- the same request through both front-ends -------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_http_and_grpc_give_the_same_tokens(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub, seed: int | None
+) -> None:
+    temperature = 0.0 if seed is None else 0.8
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=temperature,
+        seed=seed,
+        logprobs=True,
+    )
+    http_tokens = [(t.token, round(t.logprob, 3)) for t in reply.choices[0].logprobs.content]  # type: ignore[union-attr]
+    request = pb.GenerateRequest(
+        chat=pb.Messages(messages=[pb.ChatMessage(role="user", content=FRANCE[0]["content"])]),
+        sampling=pb.SamplingParams(temperature=temperature, seed=seed),
+        stopping=pb.StoppingParams(max_new_tokens=6),
+        logprobs=True,
+    )
+    grpc_tokens = [
+        (t.text, round(t.logprob, 3)) for r in stub.Generate(request, timeout=600) for t in r.tokens if not t.special
+    ]
+    assert http_tokens == grpc_tokens
+
+
+# -- curl, health, models, metrics ---------------------------------------------------------------
+
+
+def test_curl_streams_server_sent_events_ending_with_done(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+    out = subprocess.run(
+        ["curl", "-sN", "--fail-with-body", server.http_url + "/v1/completions", "-H", "Content-Type: application/json"]
+        + ["-d", json.dumps(body)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    events = [line for line in out.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_health_models_and_metrics_share_the_http_port(server: ServerProcess, client: openai.OpenAI) -> None:
+    assert get(server.http_url + "/health") == (200, '{"status":"ready"}')
+    models = client.models.list().data
+    assert len(models) == 1 and "SmolLM2" in models[0].id
+    status, metrics = get(server.http_url + "/metrics")
+    assert status == 200 and 'tokenmill_requests_total{code="OK"}' in metrics
+
+
+def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hi", max_tokens=1, extra_headers={"x-request-id": "http-req-1"}
+    )
+    assert raw.headers["x-request-id"] == "http-req-1" and raw.parse().id == "cmpl-http-req-1"
+    (event,) = [e for e in finished_events(server) if e.get("request_id") == "http-req-1"]
+    assert event["status"] == "OK" and event["api"] == "http" and event["completion_tokens"] == 1
+
+
+# -- beside the HTTP API: reflection v1 and the metrics a dashboard needs -------------------------
+
+
+def test_server_reflection_answers_as_v1_and_v1alpha(server: ServerProcess) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    with grpc.insecure_channel(server.address) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                response_deserializer=rpb.ServerReflectionResponse.FromString,
+            )
+            (reply,) = call(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=30)
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"tokenmill.v1.Generation", "grpc.health.v1.Health"} <= names, version
+            assert "grpc.reflection.v1.ServerReflection" in names
+
+
+def test_metrics_have_build_info_cache_gauges_and_no_created_series(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    # The same long prompt twice: the second finds its full blocks in the prefix cache.
+    prompt = "Tell me everything about the history of the city of Paris, from its founding to today. " * 4
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    _, text = get(server.http_url + "/metrics")
+    assert "_created" not in text
+    info = next(line for line in text.splitlines() if line.startswith("tokenmill_build_info{"))
+    for label in ("version=", 'backend="torch"', "dtype=", 'quantization="none"', 'model="SmolLM2'):
+        assert label in info
+    assert info.endswith(" 1.0")
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert 0.0 <= values["tokenmill_kv_cache_usage_ratio"] <= 1.0
+    assert 0.0 < values["tokenmill_prefix_cache_hit_rate"] < 1.0
