@@ -177,6 +177,7 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
         num_workers=info.num_workers,
         dtype=info.dtype,
         quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
         limits=Limits(
             max_new_tokens=lim.max_new_tokens,
             max_top_logprobs=lim.max_top_logprobs,

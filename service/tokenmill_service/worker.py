@@ -99,6 +99,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 kv_blocks_total=stats.kv_blocks_total,
                 kv_block_size=stats.kv_block_size,
                 quantization=engine.model.quantization,
+                weight_bytes=engine.model.weight_bytes(),
                 backend=spec.backend,
             ),
         )
@@ -143,18 +144,13 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     dist.init_process_group(backend=backend, init_method="env://", rank=spec.rank, world_size=spec.world_size)
     log.info("distributed_initialized", backend=backend, world_size=spec.world_size, master_port=spec.master_port)
     device = f"cuda:{spec.device_index}" if spec.device == "cuda" else "cpu"
-    from tokenmill_service.models.loader import resolve_model_path, serves_quantized
+    from tokenmill_service.models.loader import load_model, resolve_model_path, serves_quantized
+    from tokenmill_service.tokenizer import load_tokenizer
 
-    quantized = serves_quantized(resolve_model_path(spec.model or None), spec.quantization)
-    dtype = resolve_dtype(spec.dtype, device, quantized)
-    engine = LLMEngine.from_path(
-        spec.model or None,
-        spec.engine,
-        dtype=dtype,
-        device=device,
-        quantization=spec.quantization,
-        backend=spec.backend,
-    )
+    path = resolve_model_path(spec.model or None)
+    dtype = resolve_dtype(spec.dtype, device, serves_quantized(path, spec.quantization))
+    model = load_model(path, dtype=dtype, device=device, quantization=spec.quantization, backend=spec.backend)
+    engine = LLMEngine(model, load_tokenizer(path), spec.engine)
     # Warm-up: one real prefill and decode, so the first caller does not pay for lazy set-up.
     warm = engine.tokenizer.encode("Hello")
     engine.add_request(GenerationRequest("warmup", warm, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))
