@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("tokenmill.bench")
 
 PEERS = ("llama-server",)
+DEFAULT_CONCURRENCY = (1, 4, 16, 64)
+# Each level runs twice with a peer: fewer levels keep the run about as long.
+PEER_CONCURRENCY = (1, 16, 64)
 DEFAULT_LONG_PROMPTS = (1000, 4000)
 
 
@@ -95,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--concurrency",
         type=_concurrency_list,
-        default=[1, 4, 16, 64],
-        help="comma-separated concurrency levels (default 1,4,16,64)",
+        default=None,
+        help="comma-separated concurrency levels (default 1,4,16,64; with --peer 1,16,64)",
     )
     load.add_argument(
         "--rounds", type=_positive, default=2, help="requests per level = rounds x concurrency (default 2)"
@@ -289,10 +292,7 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
                     side.levels.append(level)
             first_index += n
 
-        long_prompts = args.long_prompts
-        if long_prompts is None:
-            long_prompts = list(DEFAULT_LONG_PROMPTS) if peer is not None else []
-        for length in long_prompts:
+        for length in args.long_prompts:
             ids = random_prompt_ids(length, seed=length, vocab_size=info.vocab_size)
             for target in targets:
                 log.info("long_prompt", side=target.name, prompt_tokens=length)
@@ -444,6 +444,7 @@ def run(args: argparse.Namespace) -> int:
             "warmup": args.warmup,
             "shared_prompt": args.shared_prompt,
             "ramp_s": args.ramp_s,
+            "long_prompts": args.long_prompts,
             "request_timeout_s": args.request_timeout,
             "sampling": "greedy (temperature 0), ignore_eos",
             "single_stream_from": "the concurrency-1 level",
@@ -612,6 +613,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     args = build_parser().parse_args(arguments)
+    if args.concurrency is None:
+        args.concurrency = list(PEER_CONCURRENCY if args.peer else DEFAULT_CONCURRENCY)
+    if args.long_prompts is None:
+        args.long_prompts = list(DEFAULT_LONG_PROMPTS) if args.peer else []
     configure_logging(args.quiet)
     return run(args)
 
