@@ -37,6 +37,7 @@ DEFAULT_CONCURRENCY = (1, 4, 16, 64)
 # Each level runs twice with a peer: fewer levels keep the run about as long.
 PEER_CONCURRENCY = (1, 16, 64)
 DEFAULT_LONG_PROMPTS = (1000, 4000)
+WARMUP_FIRST_INDEX = 19_000
 
 
 def _concurrency_list(text: str) -> list[int]:
@@ -249,7 +250,9 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
                     num_requests=args.warmup,
                     output_tokens=args.output_tokens,
                     label="warmup",
-                    first_index=900_000,
+                    # Below the 20,000 first ids prompt_ids cycles through and above any run's request count, so
+                    # no level repeats a warm-up prompt (900,000 did: 0 modulo 20,000 gave request 0's prompt).
+                    first_index=WARMUP_FIRST_INDEX,
                     **common,
                 )
                 sides[target.name].first_request = warm.records[0]
