@@ -37,6 +37,15 @@ def gguf_parameters(path: Path) -> int:
     return sum(int(t.n_elements) for t in reader.tensors)
 
 
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of all of a GGUF file's tensors as stored: what llama.cpp, which computes on the quantized
+    blocks, reads per decode step (the token embedding table only in part, unless it is tied to the output)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return sum(int(t.n_bytes) for t in reader.tensors)
+
+
 def safetensors_parameters(directory: Path) -> int:
     """Elements in all tensors of a Hugging Face directory's *.safetensors files, from their JSON headers."""
     total = 0
