@@ -311,6 +311,8 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
         "backend": info.backend,
         "device": info.device,
         "dtype": info.dtype,
+        "quantization": info.quantization,
+        "weight_bytes": info.weight_bytes,
         "num_workers": info.num_workers,
         "max_batch_size": info.limits.max_batch_size,
         "max_queue": info.limits.max_queue,
@@ -395,7 +397,10 @@ def run(args: argparse.Namespace) -> int:
     machine["loadavg_at_start"], machine["loadavg_at_end"] = load_at_start, loadavg()
 
     total_weight_bytes: int | None = args.weight_bytes
-    if parameters and model_path is not None:
+    if total_weight_bytes is None and model_info["weight_bytes"]:
+        # The server's own count: quantized layers at their stored size, what one step reads.
+        total_weight_bytes = int(model_info["weight_bytes"])
+    elif parameters and model_path is not None:
         # The server names a model after its file (GGUF) or directory: a different name means we counted
         # the wrong checkpoint (e.g. --server without --model), and a wrong bandwidth is worse than none.
         counted_name = model_path.resolve().name if model_path.is_dir() else model_path.name.removesuffix(".gguf")
