@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.model_runner import (
@@ -71,13 +72,14 @@ class LLMEngine:
         device: str | torch.device = "cpu",
         quantization: str = "none",
         backend: str = "torch",
+        tp: TensorParallel | None = None,
     ) -> LLMEngine:
         """An engine over a checkpoint; the defaults are the reference configuration (float32, unquantized)."""
         from tokenmill_service.models.loader import load_model, resolve_model_path
         from tokenmill_service.tokenizer import load_tokenizer
 
         path = resolve_model_path(str(model) if model else None)
-        loaded = load_model(path, dtype=dtype, device=device, quantization=quantization, backend=backend)
+        loaded = load_model(path, dtype=dtype, device=device, quantization=quantization, backend=backend, tp=tp)
         return cls(loaded, load_tokenizer(path), config)
 
     # -- the API ---------------------------------------------------------------------------
