@@ -1,6 +1,9 @@
-"""Tensor-parallel replicas end to end: real servers whose replicas are groups of gloo ranks.
+"""Tensor-parallel replicas end to end: a real server with two replicas of three gloo ranks each.
 
-Three ranks of the embedded model on 2 CPU cores are slow, so the token counts stay small.
+The server runs the reference configuration (float32, unquantized) so that its tokens and
+logprobs can be held to one rank's; the quantized default under tensor parallelism is checked in
+test_tensor_parallel.py. Six processes of the embedded model on 2 CPU cores are slow, so the
+token counts stay small.
 """
 
 from __future__ import annotations
@@ -37,15 +40,32 @@ def engine_outputs(engine: LLMEngine, request: GenerationRequest) -> list[Reques
 
 
 @pytest.fixture(scope="module")
-def tp3_float32() -> Iterator[pb_grpc.GenerationStub]:
-    with (
-        ServerProcess("--tensor-parallel", "3", "--dtype", "float32", "--quantization", "none") as server,
-        grpc.insecure_channel(server.address) as channel,
-    ):
+def two_replicas() -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        "--workers",
+        "2",
+        "--tensor-parallel",
+        "3",
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+        "--heartbeat-timeout",
+        "3",
+        "--drain-seconds",
+        "5",
+    ).start(timeout=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(two_replicas: ServerProcess) -> Iterator[pb_grpc.GenerationStub]:
+    with grpc.insecure_channel(two_replicas.address) as channel:
         yield pb_grpc.GenerationStub(channel)
 
 
-def test_three_ranks_in_float32_equal_one_rank(tp3_float32: pb_grpc.GenerationStub, reference: dict[str, Any]) -> None:
+def test_three_ranks_in_float32_equal_one_rank(stub: pb_grpc.GenerationStub, reference: dict[str, Any]) -> None:
     # One rank, in this process, in the same reference configuration.
     engine = LLMEngine.from_path(None, quantization="none")
     chat = reference["chat"][0]
@@ -53,7 +73,7 @@ def test_three_ranks_in_float32_equal_one_rank(tp3_float32: pb_grpc.GenerationSt
         engine, GenerationRequest("chat", chat["ids"], stopping=StoppingParams(max_new_tokens=CHAT_TOKENS))
     )
     msgs = generate(
-        tp3_float32,
+        stub,
         chat=pb.Messages(messages=[pb.ChatMessage(**m) for m in chat["messages"]]),
         stopping=pb.StoppingParams(max_new_tokens=CHAT_TOKENS),
     )
@@ -64,7 +84,7 @@ def test_three_ranks_in_float32_equal_one_rank(tp3_float32: pb_grpc.GenerationSt
         engine, GenerationRequest("plp", ids, stopping=StoppingParams(max_new_tokens=1), prompt_logprobs=True)
     )[0].prompt_tokens
     three = generate(
-        tp3_float32,
+        stub,
         token_ids=pb.TokenIds(ids=ids),
         stopping=pb.StoppingParams(max_new_tokens=1),
         prompt_logprobs=True,
@@ -72,10 +92,10 @@ def test_three_ranks_in_float32_equal_one_rank(tp3_float32: pb_grpc.GenerationSt
     assert one is not None and len(three) == len(one) == len(ids)
     assert max(abs(a.logprob - b.logprob) for a, b in zip(one[1:], three[1:])) <= 1e-4  # type: ignore[operator]
 
-    info = tp3_float32.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-    assert info.tensor_parallel == 3 and info.num_workers == 1
-    assert [r.rank for r in info.workers[0].ranks] == [0, 1, 2]
-    assert all(r.pid and r.device == "cpu" for r in info.workers[0].ranks)
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.tensor_parallel == 3 and info.num_workers == 2
+    assert [[r.rank for r in w.ranks] for w in info.workers] == [[0, 1, 2], [0, 1, 2]]
+    assert all(r.pid and r.device == "cpu" for w in info.workers for r in w.ranks)
 
 
 def test_a_degree_that_does_not_split_the_heads_is_refused_at_start() -> None:
@@ -86,87 +106,64 @@ def test_a_degree_that_does_not_split_the_heads_is_refused_at_start() -> None:
     assert "degrees that work: 1, 3" in str(excinfo.value)
 
 
-# -- two replicas of three ranks, in the default (quantized) configuration -----------------------
+def test_two_replicas_share_requests_and_survive_a_killed_rank(
+    two_replicas: ServerProcess, stub: pb_grpc.GenerationStub
+) -> None:
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.num_workers == 2 and [len(w.ranks) for w in info.workers] == [3, 3]
+    victim = info.workers[0].ranks[1].pid
 
+    started = threading.Barrier(5)
+    results: list[tuple[int, str, list[float]]] = []  # (tokens, how it ended, when each message came)
 
-@pytest.fixture(scope="module")
-def two_replicas() -> Iterator[ServerProcess]:
-    server = ServerProcess(
-        "--workers", "2", "--tensor-parallel", "3", "--heartbeat-timeout", "3", "--drain-seconds", "5"
-    ).start(timeout=300)
-    yield server
-    server.stop()
+    def one(i: int) -> None:
+        tokens, ended, times = 0, "finished", []
+        try:
+            call = stub.Generate(
+                pb.GenerateRequest(
+                    prompt=f"Story {i}: once upon a time",
+                    stopping=pb.StoppingParams(max_new_tokens=24, ignore_eos=True),
+                ),
+                timeout=120,
+            )
+            for msg in call:
+                times.append(time.monotonic())
+                if tokens == 0 and msg.tokens:
+                    started.wait(60)
+                tokens += len(msg.tokens)
+        except grpc.RpcError as exc:
+            ended = exc.code().name
+        times.append(time.monotonic())
+        results.append((tokens, ended, times))
 
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(120)  # every stream has its first token: both replicas are mid-stream
+    running = [w.running for w in stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).workers]
+    assert running == [2, 2]  # the router spread the concurrent streams over both replicas
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert len(results) == 4
+    # Each stream either moved to the other replica and finished, or ended UNAVAILABLE; none hung.
+    assert all(ended in ("finished", "UNAVAILABLE") for _, ended, _ in results), results
+    assert all(tokens == 24 for tokens, ended, _ in results if ended == "finished"), results
+    assert sum(ended == "finished" for _, ended, _ in results) >= 2  # the other replica's streams
+    # No stream waited long on the dead replica: each heard something (a token, its end) soon after.
+    waits = [min(t for t in times if t > killed_at) - killed_at for _, _, times in results if times[-1] > killed_at]
+    assert max(waits) < 20, waits
 
-def test_quantized_ranks_stay_within_the_fidelity_bound(two_replicas: ServerProcess, reference: dict[str, Any]) -> None:
-    with grpc.insecure_channel(two_replicas.address) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        errors = []
-        for case in reference["prompt_logprobs"]:
-            prompt = generate(
-                stub,
-                token_ids=pb.TokenIds(ids=case["ids"]),
-                stopping=pb.StoppingParams(max_new_tokens=1),
-                prompt_logprobs=True,
-            )[0].prompt_tokens
-            errors += [abs(t.logprob - ref["logprob"]) for t, ref in zip(prompt[1:], case["positions"])]
-    assert sum(errors) / len(errors) <= 0.03
+    assert '"worker_died"' in two_replicas.logs()
 
-
-def test_two_replicas_share_requests_and_survive_a_killed_rank(two_replicas: ServerProcess) -> None:
-    with grpc.insecure_channel(two_replicas.address) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    # The whole replica is replaced: three new processes, serving again.
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-        assert info.num_workers == 2 and [len(w.ranks) for w in info.workers] == [3, 3]
-        victim = info.workers[0].ranks[1].pid
-
-        started = threading.Barrier(5)
-        results: list[tuple[int, str, float]] = []  # (tokens, how it ended, when)
-
-        def one(i: int) -> None:
-            tokens, ended = 0, "finished"
-            try:
-                call = stub.Generate(
-                    pb.GenerateRequest(
-                        prompt=f"Story {i}: once upon a time",
-                        stopping=pb.StoppingParams(max_new_tokens=24, ignore_eos=True),
-                    ),
-                    timeout=120,
-                )
-                for msg in call:
-                    if tokens == 0 and msg.tokens:
-                        started.wait(60)
-                    tokens += len(msg.tokens)
-            except grpc.RpcError as exc:
-                ended = exc.code().name
-            results.append((tokens, ended, time.monotonic()))
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        started.wait(120)  # every stream has its first token: both replicas are mid-stream
-        running = [w.running for w in stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).workers]
-        assert running == [2, 2]  # the router spread the concurrent streams over both replicas
-        killed_at = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        for t in threads:
-            t.join(180)
-        assert len(results) == 4
-        # Each stream either moved to the other replica and finished, or ended UNAVAILABLE; none hung.
-        assert all(ended in ("finished", "UNAVAILABLE") for _, ended, _ in results), results
-        assert all(tokens == 24 for tokens, ended, _ in results if ended == "finished"), results
-        assert sum(ended == "finished" for _, ended, _ in results) >= 2  # the other replica's streams
-        assert all(at - killed_at < 120 for _, _, at in results)
-
-        assert '"worker_died"' in two_replicas.logs()
-
-        # The whole replica is replaced: three new processes, serving again.
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-            if all(w.alive for w in info.workers) and info.workers[0].restarts == 1:
-                break
-            time.sleep(0.5)
-        assert info.workers[0].restarts == 1 and all(w.alive for w in info.workers)
-        assert victim not in {r.pid for r in info.workers[0].ranks}
-        assert generate(stub, prompt="Hello", stopping=pb.StoppingParams(max_new_tokens=2))[-1].finish_reason
+        if all(w.alive for w in info.workers) and info.workers[0].restarts == 1:
+            break
+        time.sleep(0.5)
+    assert info.workers[0].restarts == 1 and all(w.alive for w in info.workers)
+    assert victim not in {r.pid for r in info.workers[0].ranks}
+    assert generate(stub, prompt="Hello", stopping=pb.StoppingParams(max_new_tokens=2))[-1].finish_reason
