@@ -75,6 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: the cores shared)")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     table = {}
@@ -83,7 +84,7 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = Path(f"/tmp/tp-bench-{os.getpid()}-{size}.json")
-        threads = max(1, cores // size)  # as the server shares the cores among its processes
+        threads = args.threads or max(1, cores // size)  # as the server shares the cores among its processes
         mp.spawn(rank_main, args=(size, port, threads, args.repeats, str(out)), nprocs=size)
         table[size] = json.loads(out.read_text())
         out.unlink()

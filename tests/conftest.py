@@ -36,16 +36,25 @@ def default_tokenizer(default_model_path: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def default_model(default_model_path: Path) -> Any:
-    """The default model in float32; tests must not modify it (its KV cache views are reassigned per engine)."""
+    """The reference configuration: float32, unquantized (what reproduces ../shared/reference)."""
     from tokenmill_service.models.loader import load_model
 
     return load_model(default_model_path)
 
 
 @pytest.fixture(scope="session")
+def served_model(default_model_path: Path) -> Any:
+    """The model as the server runs it by default: --quantization auto (int4 as the GGUF stores it), --dtype auto."""
+    from tokenmill_service.dtypes import resolve_dtype
+    from tokenmill_service.models.loader import load_model
+
+    return load_model(default_model_path, dtype=resolve_dtype("auto", "cpu", quantized=True), quantization="auto")
+
+
+@pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
-    """One real server (default model, one worker) shared by the integration tests."""
-    proc = ServerProcess("--dtype", "float32", "--drain-seconds", "5", metrics=True).start()
+    """One real server in the default configuration (embedded model, one worker) shared by the integration tests."""
+    proc = ServerProcess("--drain-seconds", "5", metrics=True).start()
     yield proc
     proc.stop()
 

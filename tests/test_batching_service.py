@@ -66,31 +66,83 @@ def test_64_concurrent_streams_all_finish_and_cancelling_32_frees_every_block(se
     run(main())
 
 
-def test_seeded_and_greedy_tokens_are_the_same_alone_and_among_15_others(server_address: str) -> None:
-    seeded = pb.GenerateRequest(
-        chat=chat("Write a haiku about the sea."),
-        sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=77),
-        stopping=pb.StoppingParams(max_new_tokens=20, ignore_eos=True),
-    )
-    greedy = pb.GenerateRequest(
-        chat=chat("Name three rivers."), stopping=pb.StoppingParams(max_new_tokens=20, ignore_eos=True)
-    )
+Trace = list[tuple[int, float, tuple[tuple[int, float], ...]]]
+
+
+async def trace(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> Trace:
+    """Every generated token with its logprob and top alternatives: compared bit for bit."""
+    out: Trace = []
+    async for msg in stub.Generate(request, timeout=600):
+        out.extend((t.id, t.logprob, tuple((a.id, a.logprob) for a in t.top_logprobs)) for t in msg.tokens)
+    return out
+
+
+SEEDED = pb.GenerateRequest(
+    chat=chat("Write a haiku about the sea."),
+    sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=77),
+    stopping=pb.StoppingParams(max_new_tokens=24, ignore_eos=True),
+    top_logprobs=3,
+)
+GREEDY = pb.GenerateRequest(
+    chat=chat("Name three rivers."), stopping=pb.StoppingParams(max_new_tokens=24, ignore_eos=True), top_logprobs=3
+)
+
+
+def test_tokens_and_logprobs_are_bitwise_the_same_alone_and_among_15_others(server_address: str) -> None:
+    """The README's promise, in the default configuration: a request's results do not depend on its batch,
+    even when the batch holds other decodes and long prompts being prefilled in chunks at the same time."""
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(server_address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            alone_seeded = await collect(stub, seeded)
-            alone_greedy = await collect(stub, greedy)
+            alone_seeded = await trace(stub, SEEDED)
+            alone_greedy = await trace(stub, GREEDY)
             others = [
                 pb.GenerateRequest(
                     prompt=f"Item {i} of the list is",
                     sampling=pb.SamplingParams(temperature=1.0),
                     stopping=pb.StoppingParams(max_new_tokens=10 + i, ignore_eos=True),
                 )
-                for i in range(14)
+                for i in range(11)
             ]
-            results = await asyncio.gather(*(collect(stub, r) for r in [*others[:7], seeded, greedy, *others[7:]]))
+            # Long prompts (over one 512-token step) arrive alongside and are prefilled in chunks.
+            others += [
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[(97 * i + j) % 40000 + 100 for j in range(700 + 50 * i)]),
+                    stopping=pb.StoppingParams(max_new_tokens=4, ignore_eos=True),
+                )
+                for i in range(4)
+            ]
+            batch = [*others[:7], SEEDED, GREEDY, *others[7:]]
+            results = await asyncio.gather(*(trace(stub, r) for r in batch))
             assert results[7] == alone_seeded
             assert results[8] == alone_greedy
+            # With its prefix now cached, the same greedy request gives the same again.
+            assert await trace(stub, GREEDY) == alone_greedy
+
+    run(main())
+
+
+def test_a_prefilled_prefix_gives_the_logprobs_its_decoding_gave(server_address: str) -> None:
+    """One prefill of prompt + the first 20 generated tokens scores them exactly as generating them did."""
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(server_address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            decoded = await trace(stub, GREEDY)
+            prompt = (await stub.Tokenize(pb.TokenizeRequest(chat=GREEDY.chat), timeout=30)).ids
+            ids = [*prompt, *(t for t, _, _ in decoded[:20])]
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids),
+                stopping=pb.StoppingParams(max_new_tokens=1),
+                prompt_logprobs=True,
+                top_logprobs=3,
+            )
+            first = await stub.Generate(request, timeout=600).read()
+            scored = [
+                (t.id, t.logprob, tuple((a.id, a.logprob) for a in t.top_logprobs))
+                for t in first.prompt_tokens[len(prompt) :]
+            ]
+            assert scored == decoded[:20]
 
     run(main())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.models.attention_metadata import AttentionMetadata
+from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.gguf_loader import (
     GGUFError,
     dequantize_tensor,
@@ -234,14 +234,14 @@ def test_gguf_converted_model_gives_the_hugging_face_logits(tmp_path: Path, kind
     assert model.config.tie_word_embeddings is tied
     assert model.config.attention_bias is (arch == "qwen2")
     if tied:
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert torch.equal(model.lm_head.quant.dequantized(model.lm_head), model.model.embed_tokens.weight)
     if kind == "llama3":
         assert model.config.rope_scaling is not None and model.config.rope_scaling.factor == 8.0
 
     ids = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         expected = hf_model(ids[None]).logits[0]
-        hidden = model(ids, torch.arange(len(ids)), AttentionMetadata.no_cache([len(ids)]))
+        hidden = forward_prompt(model, ids.tolist())
         actual = model.compute_logits(hidden)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 

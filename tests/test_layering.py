@@ -28,3 +28,24 @@ def test_the_service_imports_the_generated_grpc_code_from_one_module() -> None:
         str(p.relative_to(root)) for p in root.rglob("*.py") if "tokenmill_client._proto" in p.read_text()
     )
     assert importers == ["proto.py"]
+
+
+def test_the_engine_layers_and_ops_never_import_a_model_module() -> None:
+    """Data flows engine -> model: the engine is written against a protocol (engine/causal_lm.py), and
+    layers and ops know nothing of models."""
+    import ast
+    from pathlib import Path
+
+    import tokenmill_service
+
+    root = Path(tokenmill_service.__file__).parent
+    offenders = []
+    for package in ("engine", "layers", "ops"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                offenders += [
+                    f"{path.relative_to(root)}: {n}" for n in names if n.startswith("tokenmill_service.models")
+                ]
+    assert offenders == []

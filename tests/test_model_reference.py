@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tokenmill_service.models.attention_metadata import AttentionMetadata
+from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.models.loader import load_model, resolve_model_path
 
@@ -33,16 +33,14 @@ def prompts() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def model_f32(default_model: LlamaForCausalLM) -> LlamaForCausalLM:
     # The session's shared float32 load (conftest.py), so the suite loads the model once.
-    assert default_model.lm_head.weight.dtype == torch.float32
+    assert default_model.act_dtype == torch.float32 and default_model.quantization == "none"
     return default_model
 
 
 def prompt_logprobs(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """Log-softmax over the vocabulary at each prompt position, one no-cache pass: [T, vocab]."""
-    tokens = torch.tensor(ids)
     with torch.inference_mode():
-        hidden = model(tokens, torch.arange(len(ids)), AttentionMetadata.no_cache([len(ids)]))
-        return torch.log_softmax(model.compute_logits(hidden), dim=-1)
+        return torch.log_softmax(model.compute_logits(forward_prompt(model, ids)), dim=-1)
 
 
 def _tolerated_top5_difference(ours: list[int], ref_top: list[list[float]], logprobs: torch.Tensor) -> bool:
@@ -95,7 +93,7 @@ def test_float32_prompt_logprobs_match_the_reference(
 
 def test_bfloat16_model_roughly_agrees_with_the_reference(prompts: list[dict[str, Any]]) -> None:
     model = load_model(resolve_model_path(None), dtype=torch.bfloat16)
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.act_dtype == torch.bfloat16
     agree = total = 0
     for prompt in prompts:
         logprobs = prompt_logprobs(model, prompt["ids"])
@@ -117,7 +115,8 @@ def test_default_model_is_configured_as_smollm2(model_f32: LlamaForCausalLM) -> 
     assert config.name == "SmolLM2-135M-Instruct.Q4_1"
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
     assert (config.vocab_size, config.max_position_embeddings, config.rope_theta) == (49152, 8192, 100000.0)
-    assert config.tie_word_embeddings and model_f32.lm_head.weight is model_f32.model.embed_tokens.weight
+    head = model_f32.lm_head.quant.dequantized(model_f32.lm_head)
+    assert config.tie_word_embeddings and torch.equal(head, model_f32.model.embed_tokens.weight)
     assert not model_f32.training
     assert not any(p.requires_grad for p in model_f32.parameters())
 

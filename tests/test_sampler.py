@@ -1,4 +1,4 @@
-"""The batched sampler: greedy, temperature, top-k, top-p, repetition penalty, seeds."""
+"""The batched sampler: greedy, temperature, top-k, top-p, repetition penalty, keyed random draws."""
 
 from __future__ import annotations
 
@@ -7,16 +7,12 @@ import math
 import torch
 
 from tokenmill_service.engine.request import SamplingParams
-from tokenmill_service.engine.sampler import apply_repetition_penalty, sample, top_k_top_p_mask
-
-
-def _gens(n: int, seed: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+from tokenmill_service.engine.sampler import apply_repetition_penalty, keyed_uniform, sample, top_k_top_p_mask
 
 
 def test_greedy_picks_the_argmax_and_reports_raw_logprobs() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    out = sample(logits, [SamplingParams(), SamplingParams()], _gens(2), [[], []], [2, 0])
+    out = sample(logits, [SamplingParams(), SamplingParams()], [0, 1], [[], []], [2, 0])
     assert out.token_ids == [1, 0]
     expected = torch.log_softmax(logits, -1)
     assert math.isclose(out.logprobs[0], expected[0, 1].item(), rel_tol=1e-6)
@@ -28,19 +24,16 @@ def test_top_k_never_picks_outside_the_k_most_likely() -> None:
     torch.manual_seed(0)
     logits = torch.randn(1, 50)
     allowed = set(logits[0].topk(5).indices.tolist())
-    gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=5.0, top_k=5)  # a flat distribution tempts every token
-    for _ in range(500):
-        tok = sample(logits, [params], [gen], [[]], [0]).token_ids[0]
-        assert tok in allowed
+    picked = {sample(logits, [params], [seed], [[]], [0]).token_ids[0] for seed in range(500)}
+    assert picked == allowed
 
 
 def test_top_p_never_picks_outside_the_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
     logits = probs.log()[None, :]
-    gen = torch.Generator().manual_seed(2)
     params = SamplingParams(temperature=1.0, top_p=0.75)  # nucleus: tokens 0 and 1 (0.5 + 0.3 >= 0.75)
-    seen = {sample(logits, [params], [gen], [[]], [0]).token_ids[0] for _ in range(500)}
+    seen = {sample(logits, [params], [seed], [[]], [0]).token_ids[0] for seed in range(500)}
     assert seen == {0, 1}
 
 
@@ -54,12 +47,15 @@ def test_temperature_sampling_frequencies_match_the_softmax() -> None:
     logits = torch.tensor([[1.0, 0.5, 0.0, -1.0]])
     temperature = 0.8
     expected = torch.softmax(logits[0] / temperature, -1)
-    gen = torch.Generator().manual_seed(1234)
     params = SamplingParams(temperature=temperature)
     draws = 20000
     counts = torch.zeros(4)
+    history: list[int] = []
     for _ in range(draws):
-        counts[sample(logits, [params], [gen], [[]], [0]).token_ids[0]] += 1
+        # One request's stream: each draw is keyed by the seed and the position it samples.
+        token = sample(logits, [params], [1234], [history], [0]).token_ids[0]
+        counts[token] += 1
+        history.append(token)
     # Pearson chi-square with 3 degrees of freedom; 16.27 is the 0.1% critical value.
     chi2 = (((counts - draws * expected) ** 2) / (draws * expected)).sum().item()
     assert chi2 < 16.27, (counts / draws, expected)
@@ -68,16 +64,33 @@ def test_temperature_sampling_frequencies_match_the_softmax() -> None:
 def test_same_seed_same_tokens_whatever_the_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(8, 100)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=7)] * 8
+    logits[1] = logits[2] = logits[0]  # rows 0-2 alike; rows 0 and 1 share a seed, row 2 does not
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 8
+    seeds = [42, 42, 7, 7, 1, 2, 3, 4]
 
     def draw_alone(row: int) -> list[int]:
-        gen = torch.Generator().manual_seed(42)
-        return [sample(logits[row : row + 1], params[:1], [gen], [[]], [0]).token_ids[0] for _ in range(20)]
+        history: list[int] = []
+        for _ in range(20):
+            history.append(sample(logits[row : row + 1], params[:1], [seeds[row]], [history], [0]).token_ids[0])
+        return history
 
-    gens = [torch.Generator().manual_seed(42) for _ in range(8)]
-    batched = [sample(logits, params, gens, [[]] * 8, [0] * 8).token_ids for _ in range(20)]
+    histories: list[list[int]] = [[] for _ in range(8)]
+    for _ in range(20):
+        step = sample(logits, params, seeds, histories, [0] * 8).token_ids
+        for row, token in enumerate(step):
+            histories[row].append(token)
     for row in range(8):
-        assert [step[row] for step in batched] == draw_alone(row)
+        assert histories[row] == draw_alone(row)
+    assert histories[0] == histories[1] and histories[0] != histories[2]  # the seed decides, not the row
+
+
+def test_keyed_draws_depend_on_seed_and_position_only() -> None:
+    draws = [keyed_uniform(seed, pos) for seed in range(50) for pos in range(50)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)  # no collisions among 2,500 keys
+    assert keyed_uniform(7, 3) == keyed_uniform(7, 3)
+    mean = sum(draws) / len(draws)
+    assert abs(mean - 0.5) < 0.02
 
 
 def test_repetition_penalty_lowers_seen_tokens_both_signs() -> None:
@@ -91,4 +104,4 @@ def test_repetition_penalty_lowers_seen_tokens_both_signs() -> None:
 def test_greedy_with_repetition_penalty_avoids_the_repeat() -> None:
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     params = SamplingParams(repetition_penalty=1.5)
-    assert sample(logits, [params], _gens(1), [[0]], [0]).token_ids == [1]
+    assert sample(logits, [params], [0], [[0]], [0]).token_ids == [1]

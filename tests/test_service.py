@@ -90,32 +90,12 @@ def test_grpcurl_health_check_says_serving(server_address: str) -> None:
 # -- correctness through the RPC ----------------------------------------------------------------
 
 
-def test_greedy_chat_equals_the_reference_through_the_rpc(
+def test_the_default_configuration_is_faithful_to_the_reference_through_the_rpc(
     stub: pb_grpc.GenerationStub, reference: dict[str, Any]
 ) -> None:
-    for case in reference["chat"]:
-        want = case["greedy_ids"]
-        chat = pb.Messages(messages=[pb.ChatMessage(**m) for m in case["messages"]])
-        msgs = generate(
-            stub, chat=chat, stopping=pb.StoppingParams(max_new_tokens=len(want)), top_logprobs=2, prompt_logprobs=True
-        )
-        assert [t.id for t in msgs[0].prompt_tokens] == case["ids"]
-        tokens = [t for m in msgs for t in m.tokens]
-        got = [t.id for t in tokens]
-        for pos, (g, w) in enumerate(zip(got, want)):
-            if g != w:  # only acceptable at a near tie
-                top = tokens[pos].top_logprobs
-                assert top[0].logprob - top[1].logprob < 1e-3, f"parts at {pos} without a near tie"
-                break
-        else:
-            assert got == want
-        assert msgs[-1].usage.prompt_tokens == len(case["ids"])
-        assert msgs[-1].usage.completion_tokens == len(got)
-
-
-def test_prompt_logprobs_agree_with_the_reference_through_the_rpc(
-    stub: pb_grpc.GenerationStub, reference: dict[str, Any]
-) -> None:
+    """The seams issue's bounds for the default server (int4 weights as the GGUF stores them):
+    prompt token ids equal; mean |logprob - reference| <= 0.03, worst <= 0.25."""
+    errors = []
     for case in reference["prompt_logprobs"]:
         msgs = generate(
             stub,
@@ -127,8 +107,39 @@ def test_prompt_logprobs_agree_with_the_reference_through_the_rpc(
         prompt = msgs[0].prompt_tokens
         assert len(prompt) == len(case["ids"]) and not prompt[0].HasField("logprob")
         for tok, ref in zip(prompt[1:], case["positions"]):
-            assert tok.id == ref["token"] and abs(tok.logprob - ref["logprob"]) < 1e-3
-            assert abs(tok.top_logprobs[0].logprob - ref["top"][0][1]) < 1e-3
+            assert tok.id == ref["token"]
+            errors.append(abs(tok.logprob - ref["logprob"]))
+    assert sum(errors) / len(errors) <= 0.03 and max(errors) <= 0.25, (sum(errors) / len(errors), max(errors))
+
+
+def test_default_greedy_chats_part_from_the_reference_only_at_near_ties(
+    stub: pb_grpc.GenerationStub, reference: dict[str, Any]
+) -> None:
+    exact = 0
+    for case in reference["chat"]:
+        want = case["greedy_ids"]
+        chat = pb.Messages(messages=[pb.ChatMessage(**m) for m in case["messages"]])
+        msgs = generate(
+            stub, chat=chat, stopping=pb.StoppingParams(max_new_tokens=len(want)), top_logprobs=2, prompt_logprobs=True
+        )
+        assert [t.id for t in msgs[0].prompt_tokens] == case["ids"]
+        tokens = [t for m in msgs for t in m.tokens]
+        got = [t.id for t in tokens]
+        for pos, (g, w) in enumerate(zip(got, want)):
+            if g != w:  # only acceptable where the served top two are within 0.15
+                top = tokens[pos].top_logprobs
+                assert top[0].logprob - top[1].logprob < 0.15, f"parts at {pos} without a near tie"
+                break
+        else:
+            exact += got == want
+        assert msgs[-1].usage.prompt_tokens == len(case["ids"])
+        assert msgs[-1].usage.completion_tokens == len(got)
+    assert exact >= len(reference["chat"]) / 2, f"{exact} of {len(reference['chat'])} chats match token for token"
+
+
+def test_model_info_reports_the_default_quantization(stub: pb_grpc.GenerationStub) -> None:
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert (info.quantization, info.dtype, info.backend) == ("int4+none", "float32", "torch")
 
 
 def test_responses_carry_usage_timing_and_the_callers_request_id(stub: pb_grpc.GenerationStub) -> None:

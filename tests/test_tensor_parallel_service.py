@@ -23,6 +23,8 @@ from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput, StoppingParams
+from tokenmill_service.models.loader import load_model, resolve_model_path
+from tokenmill_service.tokenizer import load_tokenizer
 
 CHAT_TOKENS = 12  # greedy tokens compared on the reference chat
 
@@ -67,7 +69,8 @@ def stub(two_replicas: ServerProcess) -> Iterator[pb_grpc.GenerationStub]:
 
 def test_three_ranks_in_float32_equal_one_rank(stub: pb_grpc.GenerationStub, reference: dict[str, Any]) -> None:
     # One rank, in this process, in the same reference configuration.
-    engine = LLMEngine.from_path(None, quantization="none")
+    path = resolve_model_path(None)
+    engine = LLMEngine(load_model(path, quantization="none"), load_tokenizer(path))
     chat = reference["chat"][0]
     want = engine_outputs(
         engine, GenerationRequest("chat", chat["ids"], stopping=StoppingParams(max_new_tokens=CHAT_TOKENS))

@@ -12,21 +12,32 @@ import concurrent.futures
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from tokenmill_bench.load import LevelResult, run_level
-from tokenmill_bench.machine import copy_bandwidth, loadavg, machine_info
-from tokenmill_bench.model import count_parameters, default_model_path, weight_bytes
+from tokenmill_bench.load import LevelResult, RequestRecord, Target, TokenmillTarget, random_prompt_ids, run_level
+from tokenmill_bench.machine import copy_bandwidth, loadavg, machine_info, read_bandwidth
+from tokenmill_bench.model import count_parameters, default_model_path, gguf_tensor_bytes, weight_bytes
 from tokenmill_bench.report import format_tables, headline
+
+if TYPE_CHECKING:
+    from tokenmill_bench.llama_server import LlamaServer
 
 log = structlog.get_logger("tokenmill.bench")
 
-PEERS = ("llama-cpp",)
+PEERS = ("llama-server",)
+DEFAULT_CONCURRENCY = (1, 4, 16, 64)
+# Each level runs twice with a peer: fewer levels keep the run about as long.
+PEER_CONCURRENCY = (1, 16, 64)
+DEFAULT_LONG_PROMPTS = (1000, 4000)
+WARMUP_FIRST_INDEX = 19_000
 
 
 def _concurrency_list(text: str) -> list[int]:
@@ -37,6 +48,23 @@ def _concurrency_list(text: str) -> list[int]:
     if not values or values[0] < 1:
         raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
     return values
+
+
+def _length_list(text: str) -> list[int]:
+    """Prompt lengths for the long-prompt scenario; '' or '0' runs none."""
+    if text.strip() in ("", "0"):
+        return []
+    return _concurrency_list(text)
+
+
+def _peer_spec(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or name not in PEERS or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=URL with NAME one of {', '.join(PEERS)}, e.g. llama-server=http://127.0.0.1:8080; "
+            f"got {text!r}"
+        )
+    return name, url
 
 
 def _positive(text: str) -> int:
@@ -71,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--concurrency",
         type=_concurrency_list,
-        default=[1, 4, 16, 64],
-        help="comma-separated concurrency levels (default 1,4,16,64)",
+        default=None,
+        help="comma-separated concurrency levels (default 1,4,16,64; with --peer 1,16,64)",
     )
     load.add_argument(
         "--rounds", type=_positive, default=2, help="requests per level = rounds x concurrency (default 2)"
@@ -100,7 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--copy-buffer-mib", type=_positive, default=256, help="buffer for the memory copy measurement (default 256)"
     )
-    out.add_argument("--peer", choices=PEERS, help="also run llama.cpp (llama-cpp-python) on the same GGUF")
+    out.add_argument(
+        "--peer",
+        type=_peer_spec,
+        metavar="NAME=URL",
+        help="also drive a running peer server with the same requests, alternately with tokenmill at each "
+        "concurrency, and print both side by side: llama-server=http://127.0.0.1:PORT (llama.cpp's server, "
+        "see bench/README.md)",
+    )
+    out.add_argument(
+        "--long-prompts",
+        type=_length_list,
+        default=None,
+        metavar="LENGTHS",
+        help="time to first token of one request per length of random token ids with max_new_tokens 1, on both "
+        f"sides (default with --peer: {','.join(map(str, DEFAULT_LONG_PROMPTS))}; otherwise none; 0 for none)",
+    )
     out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON here")
     out.add_argument("--plot", type=Path, metavar="PNG", help="also draw throughput/latency vs concurrency here")
     out.add_argument("--server-log", type=Path, metavar="PATH", help="keep the started server's log here")
@@ -137,14 +180,60 @@ def _count_weights(model_path: Path | None) -> tuple[int | None, str | None]:
         return None, f"cannot count parameters of {model_path}: {exc}"
 
 
-async def _measure(
-    address: str, args: argparse.Namespace, server_pids: Callable[[], list[int]] | None
-) -> tuple[dict[str, Any], LevelResult, list[LevelResult]]:
+@dataclass(slots=True)
+class SideRun:
+    """What one side (tokenmill or the peer) measured: its first request, its levels, its long prompts."""
+
+    first_request: RequestRecord | None = None
+    single: LevelResult | None = None
+    levels: list[LevelResult] = field(default_factory=list)
+    long_prompts: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Measured:
+    model_info: dict[str, Any]
+    sides: dict[str, SideRun]
+    peer_props: dict[str, Any] | None = None
+
+
+@asynccontextmanager
+async def _open_peer(spec: tuple[str, str] | None) -> AsyncIterator[LlamaServer | None]:
+    if spec is None:
+        yield None
+        return
+    from tokenmill_bench.llama_server import LlamaServer
+
+    async with LlamaServer(spec[1]) as peer:
+        yield peer
+
+
+def _long_prompt_row(length: int, record: RequestRecord) -> dict[str, Any]:
+    ttft = record.ttft_s
+    return {
+        "prompt_tokens": length,
+        "ttft_ms": ttft * 1000.0 if ttft is not None and record.error is None else None,
+        "server_ttft_ms": record.server_ttft_ms,
+        "error": record.error,
+    }
+
+
+async def _measure(address: str, args: argparse.Namespace, server_pids: Callable[[], list[int]] | None) -> Measured:
+    """Warm-up, then each concurrency level and each long prompt, tokenmill first and then the peer (when
+    given) with the same requests, so both see the same machine load as nearly as one run allows."""
+    from tokenmill_bench.load import sample_engine
     from tokenmill_client import AsyncClient
 
     # No retries: a refused request is a failure to count, not one to hide.
-    async with AsyncClient(address, max_retries=0) as client:
+    async with AsyncClient(address, max_retries=0) as client, _open_peer(args.peer) as peer:
         info = await client.model_info(timeout=30.0)
+        tokenmill = TokenmillTarget(client)
+        targets: list[Target] = [tokenmill]
+        peer_props = None
+        if peer is not None:
+            peer_props = await peer.props()
+            targets.append(peer)
+        sides = {target.name: SideRun() for target in targets}
         common: dict[str, Any] = {
             "prompt_tokens": args.prompt_tokens,
             "vocab_size": info.vocab_size,
@@ -152,52 +241,68 @@ async def _measure(
             "timeout": args.request_timeout,
         }
         if args.warmup > 0:
-            log.info("warmup", requests=args.warmup)
-            warm = await run_level(
-                client,
-                concurrency=1,
-                num_requests=args.warmup,
-                output_tokens=min(8, args.output_tokens),
-                label="warmup",
-                first_index=900_000,
-                sample_period=0,
-                **common,
-            )
-            if warm.failed:
-                log.warning("warmup_failed", errors=warm.errors())
+            for target in targets:
+                log.info("warmup", side=target.name, requests=args.warmup)
+                # Full-size requests: the first one is reported as the cold request beside the steady state.
+                warm = await run_level(
+                    target,
+                    concurrency=1,
+                    num_requests=args.warmup,
+                    output_tokens=args.output_tokens,
+                    label="warmup",
+                    # Below the 20,000 first ids prompt_ids cycles through and above any run's request count, so
+                    # no level repeats a warm-up prompt (900,000 did: 0 modulo 20,000 gave request 0's prompt).
+                    first_index=WARMUP_FIRST_INDEX,
+                    **common,
+                )
+                sides[target.name].first_request = warm.records[0]
+                if warm.failed:
+                    log.warning("warmup_failed", side=target.name, errors=warm.errors())
 
-        levels: list[LevelResult] = []
-        single: LevelResult | None = None
         first_index = 0
-        wanted = sorted(set(args.concurrency) | {1})
-        for concurrency in wanted:
+        for concurrency in sorted(set(args.concurrency) | {1}):
             n = max(concurrency * args.rounds, args.min_requests)
-            log.info("level_start", concurrency=concurrency, requests=n, output_tokens=args.output_tokens)
-            level = await run_level(
-                client,
-                concurrency=concurrency,
-                num_requests=n,
-                output_tokens=args.output_tokens,
-                label=f"c{concurrency}",
-                first_index=first_index,
-                ramp_s=args.ramp_s if concurrency > 1 else 0.0,
-                server_pids=server_pids,
-                **common,
-            )
+            for target in targets:
+                is_tokenmill = target is tokenmill
+                log.info("level_start", side=target.name, concurrency=concurrency, requests=n)
+                level = await run_level(
+                    target,
+                    concurrency=concurrency,
+                    num_requests=n,
+                    output_tokens=args.output_tokens,
+                    label=f"c{concurrency}",
+                    first_index=first_index,
+                    ramp_s=args.ramp_s if concurrency > 1 else 0.0,
+                    monitor=partial(sample_engine, client, period=1.0, server_pids=server_pids)
+                    if is_tokenmill
+                    else None,
+                    server_pids=server_pids if is_tokenmill else None,
+                    **common,
+                )
+                log.info(
+                    "level_done",
+                    side=target.name,
+                    concurrency=concurrency,
+                    tok_s=round(level.throughput_tok_s, 1),
+                    wall_s=round(level.wall_s, 1),
+                    failed=level.failed,
+                    other_load_cores=None if (o := level.other_load_cores) is None else round(o, 2),
+                )
+                side = sides[target.name]
+                if concurrency == 1:
+                    side.single = level
+                if concurrency in args.concurrency:
+                    side.levels.append(level)
             first_index += n
-            log.info(
-                "level_done",
-                concurrency=concurrency,
-                tok_s=round(level.throughput_tok_s, 1),
-                wall_s=round(level.wall_s, 1),
-                failed=level.failed,
-                other_load_cores=None if (o := level.other_load_cores) is None else round(o, 2),
-            )
-            if concurrency == 1:
-                single = level
-            if concurrency in args.concurrency:
-                levels.append(level)
-        assert single is not None
+
+        for length in args.long_prompts:
+            ids = random_prompt_ids(length, seed=length, vocab_size=info.vocab_size)
+            for target in targets:
+                log.info("long_prompt", side=target.name, prompt_tokens=length)
+                record = await target.request(800_000 + length, ids, 1, args.request_timeout, f"long{length}")
+                if record.error is not None:
+                    log.warning("long_prompt_failed", side=target.name, prompt_tokens=length, error=record.error)
+                sides[target.name].long_prompts.append(_long_prompt_row(length, record))
         info_after = await client.model_info(timeout=30.0)
     model_info = {
         "name": info.name,
@@ -206,6 +311,8 @@ async def _measure(
         "backend": info.backend,
         "device": info.device,
         "dtype": info.dtype,
+        "quantization": info.quantization,
+        "weight_bytes": info.weight_bytes,
         "num_workers": info.num_workers,
         "max_batch_size": info.limits.max_batch_size,
         "max_queue": info.limits.max_queue,
@@ -213,7 +320,7 @@ async def _measure(
         "kv_block_size": info.engine.kv_block_size,
         "worker_restarts_after": sum(w.restarts for w in info_after.workers),
     }
-    return model_info, single, levels
+    return Measured(model_info, sides, peer_props)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("copy_bandwidth", buffer_mib=args.copy_buffer_mib)
     copy = copy_bandwidth(args.copy_buffer_mib * 2**20)
     log.info("copy_bandwidth_done", gbs=round(copy["gbs"], 2), method=copy["method"])
+    read = read_bandwidth(args.copy_buffer_mib * 2**20)
+    log.info("read_bandwidth_done", gbs=round(read["gbs"], 2), method=read["method"])
 
     model_path = _resolve_model_path(args)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -263,10 +372,16 @@ def run(args: argparse.Namespace) -> int:
 
     pids = server.pids if server is not None else None
     server_exit: int | None = None
+    peer_errors: tuple[type[BaseException], ...] = ()  # catches nothing
+    if args.peer is not None:
+        from tokenmill_bench.llama_server import PEER_ERRORS as peer_errors
     try:
-        model_info, single, levels = asyncio.run(_measure(address, args, pids))
+        measured = asyncio.run(_measure(address, args, pids))
     except TokenmillError as exc:
         sys.stderr.write(f"tokenmill-bench: error: {address}: {exc}\n")
+        return 2
+    except peer_errors as exc:  # the peer unreachable, or not answering /props
+        sys.stderr.write(f"tokenmill-bench: error: peer {args.peer[1]}: {exc!r}\n")
         return 2
     finally:
         if server is not None:
@@ -274,11 +389,18 @@ def run(args: argparse.Namespace) -> int:
             if args.server_log is not None:
                 args.server_log.write_text(server.tail(chars=-1))
             server.close()
+    model_info = measured.model_info
+    ours = measured.sides["tokenmill"]
+    single, levels = ours.single, ours.levels
+    assert single is not None
     machine = machine_info(model_info["device"])
     machine["loadavg_at_start"], machine["loadavg_at_end"] = load_at_start, loadavg()
 
     total_weight_bytes: int | None = args.weight_bytes
-    if parameters and model_path is not None:
+    if total_weight_bytes is None and model_info["weight_bytes"]:
+        # The server's own count: quantized layers at their stored size, what one step reads.
+        total_weight_bytes = int(model_info["weight_bytes"])
+    elif parameters and model_path is not None:
         # The server names a model after its file (GGUF) or directory: a different name means we counted
         # the wrong checkpoint (e.g. --server without --model), and a wrong bandwidth is worse than none.
         counted_name = model_path.resolve().name if model_path.is_dir() else model_path.name.removesuffix(".gguf")
@@ -291,10 +413,6 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 weight_note = str(exc)
 
-    peer: dict[str, Any] | None = None
-    if args.peer == "llama-cpp":
-        peer = _run_peer(args, model_path, model_info["vocab_size"])
-
     single_summary = single.summary()
     level_summaries = [level.summary() for level in levels]
     result: dict[str, Any] = {
@@ -302,9 +420,11 @@ def run(args: argparse.Namespace) -> int:
         "timestamp": timestamp,
         **headline(single_summary, level_summaries, total_weight_bytes),
         "copy_bandwidth_gbs": copy["gbs"],
+        "read_bandwidth_gbs": read["gbs"],
         "failed_requests": single.failed + sum(level.failed for level in levels if level is not single),
         "bandwidth_convention": "model weight bytes x single-stream decode tok/s (every weight read once per token)",
         "copy_bandwidth": copy,
+        "read_bandwidth": read,
         "machine": machine,
         "model": {
             **model_info,
@@ -332,15 +452,22 @@ def run(args: argparse.Namespace) -> int:
             "warmup": args.warmup,
             "shared_prompt": args.shared_prompt,
             "ramp_s": args.ramp_s,
+            "long_prompts": args.long_prompts,
             "request_timeout_s": args.request_timeout,
             "sampling": "greedy (temperature 0), ignore_eos",
             "single_stream_from": "the concurrency-1 level",
         },
         "single_stream": single_summary,
         "levels": level_summaries,
-        "peer": peer,
+        "first_request": _request_row(ours.first_request),
+        "long_prompts": ours.long_prompts,
+        "peer": None,
         "duration_s": time.monotonic() - started,
     }
+    if args.peer is not None:
+        result["peer"] = _peer_section(args.peer, measured, model_path)
+        result["comparison"] = _comparison(result)
+        result["duration_s"] = time.monotonic() - started
     result["warnings"] = run_warnings(result)
     sys.stdout.write(format_tables(result) + "\n")
     if args.json is not None:
@@ -373,32 +500,88 @@ def run_warnings(result: dict[str, Any]) -> list[str]:
     restarts = result["model"].get("worker_restarts_after")
     if restarts:
         warnings.append(f"the server's workers restarted {restarts} times during the run")
+    peer = result.get("peer") or {}
+    if peer.get("failed_requests"):
+        warnings.append(f"{peer['failed_requests']} requests to the peer ({peer['name']}) failed; see peer.levels")
+    if peer.get("weight_bytes_note"):
+        warnings.append(f"peer bandwidth: {peer['weight_bytes_note']}")
     exit_code = result["server"].get("exit_code")
     if exit_code not in (None, 0):
         warnings.append(f"the started server exited with code {exit_code}")
     return list(dict.fromkeys(warnings))
 
 
-def _run_peer(args: argparse.Namespace, model_path: Path | None, vocab_size: int) -> dict[str, Any]:
-    from tokenmill_bench.peer import llama_cpp_available, run_llama_cpp
+def _request_row(record: RequestRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    from tokenmill_bench.load import request_row
 
-    if not llama_cpp_available():
-        log.warning("peer_skipped", reason="llama_cpp is not importable (pip install llama-cpp-python)")
-        return {"name": "llama-cpp-python", "skipped": "llama_cpp is not importable; pip install llama-cpp-python"}
-    if model_path is None or model_path.is_dir():
-        return {"name": "llama-cpp-python", "skipped": "llama.cpp needs a GGUF model file"}
-    log.info("peer_start", peer="llama-cpp", model=str(model_path))
-    try:
-        return run_llama_cpp(
-            model_path,
-            prompt_tokens=args.prompt_tokens,
-            output_tokens=args.output_tokens,
-            requests=args.min_requests,
-            vocab_size=vocab_size,
-        )
-    except (OSError, ValueError, RuntimeError) as exc:  # a broken optional peer must not lose the main results
-        log.warning("peer_failed", error=repr(exc))
-        return {"name": "llama-cpp-python", "skipped": f"failed: {exc!r}"}
+    return request_row(record)
+
+
+def _peer_section(spec: tuple[str, str], measured: Measured, model_path: Path | None) -> dict[str, Any]:
+    """The peer's own figures, in the same shape as tokenmill's, and the bytes it reads per decode step."""
+    name, url = spec
+    side = measured.sides[name]
+    assert side.single is not None
+    props = measured.peer_props or {}
+    served = props.get("model_path")
+    weight_file = Path(served) if isinstance(served, str) and Path(served).is_file() else model_path
+    note = None
+    if weight_file is None or weight_file.is_dir():
+        weight_file, note = None, "the peer's GGUF is not readable here; bandwidth not counted"
+    elif served and Path(served).name != weight_file.name:
+        note = f"the peer serves {Path(served).name}, not {weight_file.name}; bandwidth not counted"
+        weight_file = None
+    peer_weight_bytes = None
+    if weight_file is not None:
+        try:
+            peer_weight_bytes = gguf_tensor_bytes(weight_file)
+        except (ImportError, OSError, ValueError) as exc:
+            note = f"cannot count the tensor bytes of {weight_file}: {exc}"
+    levels = [level.summary() for level in side.levels]
+    return {
+        "name": name,
+        "url": url,
+        "model_path": served,
+        "build": props.get("build_info"),
+        "total_slots": props.get("total_slots"),
+        "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
+        "weight_bytes": peer_weight_bytes,
+        "weight_bytes_note": note,
+        "weight_bytes_convention": "GGUF tensor bytes as stored (llama.cpp computes on the quantized blocks)",
+        "request": "POST /completion: token-id prompt, n_predict, stream, ignore_eos, temperature 0, top_k 1, "
+        "cache_prompt true",
+        "failed_requests": side.single.failed + sum(level.failed for level in side.levels if level is not side.single),
+        "single_stream": side.single.summary(),
+        "levels": levels,
+        "first_request": _request_row(side.first_request),
+        "long_prompts": side.long_prompts,
+    }
+
+
+def _comparison(result: dict[str, Any]) -> dict[str, Any]:
+    from tokenmill_bench.comparison import compare_first_requests, compare_levels, compare_long_prompts
+
+    peer = result["peer"]
+    return {
+        "peer": peer["name"],
+        "ratio": "tokenmill / peer",
+        "read_bandwidth_gbs": result["read_bandwidth_gbs"],
+        "weight_bytes": {"tokenmill": result["model"]["weight_bytes"], "peer": peer["weight_bytes"]},
+        "levels": compare_levels(
+            result["levels"],
+            peer["levels"],
+            weight_bytes=result["model"]["weight_bytes"],
+            peer_weight_bytes=peer["weight_bytes"],
+            read_gbs=result["read_bandwidth_gbs"],
+        ),
+        "first_request": compare_first_requests(
+            {"tokenmill": result["first_request"], "peer": peer["first_request"]},
+            {"tokenmill": result["single_stream"], "peer": peer["single_stream"]},
+        ),
+        "long_prompts": compare_long_prompts(result["long_prompts"], peer["long_prompts"]),
+    }
 
 
 def plot_main(argv: Sequence[str]) -> int:
@@ -438,6 +621,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     args = build_parser().parse_args(arguments)
+    if args.concurrency is None:
+        args.concurrency = list(PEER_CONCURRENCY if args.peer else DEFAULT_CONCURRENCY)
+    if args.long_prompts is None:
+        args.long_prompts = list(DEFAULT_LONG_PROMPTS) if args.peer else []
     configure_logging(args.quiet)
     return run(args)
 

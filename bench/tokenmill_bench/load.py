@@ -1,6 +1,7 @@
-"""The load generator: closed-loop streams of fixed-length requests over gRPC, timed on arrival.
+"""The load generator: closed-loop streams of fixed-length requests to a target, timed on arrival.
 
-Every request sends the same number of prompt token ids and asks for exactly ``output_tokens`` new
+A target is tokenmill over gRPC (``TokenmillTarget``) or a peer server (``llama_server.LlamaServer``);
+both record a request the same way, so their levels compare directly. Every request sends the same number of prompt token ids and asks for exactly ``output_tokens`` new
 tokens with ``ignore_eos``, so throughput is comparable between levels and runs. Times are taken
 with ``time.perf_counter`` when each streamed message arrives; a message may carry several tokens,
 whose inter-token latency is the gap since the previous token-bearing message divided between them.
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -42,6 +44,14 @@ def prompt_ids(length: int, index: int, vocab_size: int, *, shared: bool = False
     if not shared and ids:
         ids[0] = lo + (index * _REQUEST_STEP + 7) % span
     return ids
+
+
+def random_prompt_ids(length: int, seed: int, vocab_size: int) -> list[int]:
+    """``length`` token ids drawn uniformly from the ordinary vocabulary, reproducibly from ``seed``: a long
+    prompt no cache has seen, whose attention pattern is as dense as any real one."""
+    lo = min(_FIRST_ORDINARY_ID, vocab_size // 4)
+    rng = random.Random(seed)
+    return [rng.randrange(lo, vocab_size) for _ in range(length)]
 
 
 @dataclass(slots=True)
@@ -118,6 +128,31 @@ async def run_request(
             f"SHORT: {record.completion_tokens} of {output_tokens} tokens (finish_reason={record.finish_reason})"
         )
     return record
+
+
+class Target(Protocol):
+    """A server the load generator can stream requests to: tokenmill or a peer."""
+
+    name: str
+
+    async def request(
+        self, index: int, token_ids: list[int], output_tokens: int, timeout: float | None, label: str
+    ) -> RequestRecord:
+        """Sends one request for exactly ``output_tokens`` tokens; failures are recorded, never raised."""
+        ...
+
+
+@dataclass(slots=True)
+class TokenmillTarget:
+    """tokenmill through its gRPC client."""
+
+    client: AsyncClient
+    name: str = "tokenmill"
+
+    async def request(
+        self, index: int, token_ids: list[int], output_tokens: int, timeout: float | None, label: str
+    ) -> RequestRecord:
+        return await run_request(self.client, index, token_ids, output_tokens, timeout, label)
 
 
 @dataclass(slots=True)
@@ -214,11 +249,11 @@ class LevelResult:
             "server_rss_max_bytes": max((s.rss_bytes for s in samples if s.rss_bytes is not None), default=None),
             "cpu_s": self.cpu,
             "other_load_cores": self.other_load_cores,
-            "per_request": [_request_row(r) for r in self.records],
+            "per_request": [request_row(r) for r in self.records],
         }
 
 
-def _request_row(r: RequestRecord) -> dict[str, Any]:
+def request_row(r: RequestRecord) -> dict[str, Any]:
     """One request, compactly: enough to find a slow or failed one in the server's log by its id."""
     ttft = r.ttft_s
     return {
@@ -234,8 +269,8 @@ def _request_row(r: RequestRecord) -> dict[str, Any]:
     }
 
 
-async def _sample_engine(
-    client: AsyncClient, into: list[EngineSample], period: float, server_pids: Callable[[], list[int]] | None
+async def sample_engine(
+    client: AsyncClient, into: list[EngineSample], *, period: float, server_pids: Callable[[], list[int]] | None
 ) -> None:
     """Polls GetModelInfo (cached worker stats: cheap for the server) to see batch and queue depth,
     and the server's resident memory when its processes are known."""
@@ -273,8 +308,12 @@ def _cpu_spent(before: dict[str, float | None], after: dict[str, float | None]) 
     return spent
 
 
+Monitor = Callable[[list[EngineSample]], Awaitable[None]]
+"""Runs beside a level until cancelled, appending samples of the server's state (``sample_engine``)."""
+
+
 async def run_level(
-    client: AsyncClient,
+    target: Target,
     *,
     concurrency: int,
     num_requests: int,
@@ -285,7 +324,7 @@ async def run_level(
     timeout: float | None,
     label: str,
     first_index: int = 0,
-    sample_period: float = 1.0,
+    monitor: Monitor | None = None,
     server_pids: Callable[[], list[int]] | None = None,
     ramp_s: float = 0.0,
 ) -> LevelResult:
@@ -305,12 +344,10 @@ async def run_level(
         # The shared iterator hands each index out once: next() runs between awaits, so no lock is needed.
         for index in indices:
             ids = prompt_ids(prompt_tokens, index, vocab_size, shared=shared_prompt)
-            records.append(await run_request(client, index, ids, output_tokens, timeout, label))
+            records.append(await target.request(index, ids, output_tokens, timeout, label))
 
     samples: list[EngineSample] = []
-    sampler = (
-        asyncio.create_task(_sample_engine(client, samples, sample_period, server_pids)) if sample_period > 0 else None
-    )
+    sampler = asyncio.create_task(monitor(samples)) if monitor is not None else None
     cpu_before = _cpu_snapshot(server_pids)
     start = time.perf_counter()
     try:

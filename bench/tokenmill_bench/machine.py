@@ -88,6 +88,41 @@ def copy_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str,
     }
 
 
+def read_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str, Any]:
+    """Best-of-``repeats`` sum over a ``size``-byte float32 buffer, with numpy (one thread) and torch (all its
+    threads): the rate at which this machine can stream memory in, which is what a decode step does with its
+    weights. Bytes moved = ``size`` (read only); GB/s are 10^9 bytes per second; ``gbs`` is the faster method."""
+    results = {"numpy": _numpy_read_gbs(size, repeats)}
+    torch_gbs = _torch_read_gbs(size, repeats)
+    if torch_gbs is not None:
+        results[torch_gbs[0]] = torch_gbs[1]
+    best = max(results, key=lambda k: results[k])
+    return {
+        "gbs": results[best],
+        "method": best,
+        "by_method_gbs": results,
+        "buffer_bytes": size,
+        "repeats": repeats,
+        "convention": "buffer bytes (read only) / best time of a sum; GB = 1e9 bytes",
+    }
+
+
+def _numpy_read_gbs(size: int, repeats: int) -> float:
+    import numpy as np
+
+    src = np.ones(size // 4, dtype=np.float32)
+    return size / _best_of(src.sum, repeats) / 1e9
+
+
+def _torch_read_gbs(size: int, repeats: int) -> tuple[str, float] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    src = torch.ones(size // 4, dtype=torch.float32)
+    return f"torch_{torch.get_num_threads()}_threads", size / _best_of(src.sum, repeats) / 1e9
+
+
 def _numpy_copy_gbs(size: int, repeats: int) -> float:
     import numpy as np
 

@@ -1,7 +1,8 @@
-"""The served model's weight bytes: parameters (from the checkpoint's tensor shapes) x bytes per served element.
+"""Weight bytes for bandwidth figures, where the server does not report them.
 
-GetModelInfo does not carry a parameter count, so it is read from the file the server loads. The
-server dequantizes GGUF weights to its dtype, so a Q4_1 file of 88 MB serves 538 MB of float32.
+tokenmill's GetModelInfo reports ``weight_bytes`` (what one forward pass reads, quantized layers at
+their stored size), which the bench prefers. For an older server it falls back to parameters (from
+the checkpoint's tensor shapes) x bytes per served element; for llama-server, the GGUF's tensor bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def gguf_parameters(path: Path) -> int:
 
     reader = gguf.GGUFReader(path)
     return sum(int(t.n_elements) for t in reader.tensors)
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of all of a GGUF file's tensors as stored: what llama.cpp, which computes on the quantized
+    blocks, reads per decode step (the token embedding table only in part, unless it is tied to the output)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return sum(int(t.n_bytes) for t in reader.tensors)
 
 
 def safetensors_parameters(directory: Path) -> int:

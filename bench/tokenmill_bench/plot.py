@@ -40,8 +40,16 @@ def plot_result(result: dict[str, Any], png_path: Path) -> Path:
             fontsize=8,
         )
     peer = result.get("peer") or {}
-    if peer.get("single_stream_tok_s"):
-        ax_tp.axhline(peer["single_stream_tok_s"], color="tab:gray", linestyle="--", label="llama.cpp single stream")
+    if peer.get("levels"):
+        peer_levels = sorted(peer["levels"], key=lambda level: level["concurrency"])
+        ax_tp.plot(
+            [level["concurrency"] for level in peer_levels],
+            [level["throughput_tok_s"] for level in peer_levels],
+            marker="o",
+            color="tab:gray",
+            linestyle="--",
+            label=f"{peer['name']} aggregate",
+        )
     ax_tp.set_xscale("log", base=2)
     ax_tp.set_xticks(conc, [str(c) for c in conc])
     ax_tp.set_xlabel("concurrent streams")

@@ -56,10 +56,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_tables(result: dict[str, Any]) -> str:
-    """The single-stream table (with the llama.cpp column when it ran) and the per-concurrency table."""
-    peer = result.get("peer") or {}
-    peer_ok = "single_stream_tok_s" in peer
-    header = ["single stream", "tokenmill"] + (["llama.cpp"] if peer_ok else [])
+    """The single-stream table, the per-concurrency table and, when a peer ran, the side-by-side tables."""
     single = result["single_stream"]
     rows = [
         ["decode tok/s", _fmt(result["single_stream_tok_s"])],
@@ -68,27 +65,11 @@ def format_tables(result: dict[str, Any]) -> str:
         ["ITL p50 ms", _fmt(result["itl_ms_p50"], 2)],
         ["ITL p99 ms", _fmt(result["itl_ms_p99"], 2)],
         ["bandwidth achieved GB/s", _fmt(result["bandwidth_achieved_gbs"], 2)],
+        ["memory read bandwidth GB/s", _fmt(result.get("read_bandwidth_gbs"), 2)],
         ["memory copy bandwidth GB/s", _fmt(result["copy_bandwidth_gbs"], 2)],
         ["requests (failed)", f"{single['requests']} ({single['failed_requests']})"],
     ]
-    if peer_ok:
-        peer_bw = (
-            result["model"]["weight_bytes"] * peer["single_stream_tok_s"] / 1e9
-            if result["model"].get("weight_bytes") and peer["single_stream_tok_s"]
-            else None
-        )
-        extra = [
-            _fmt(peer["single_stream_tok_s"]),
-            "-",
-            _fmt(peer["ttft_ms"]["p50"]),
-            _fmt(peer["itl_ms"]["p50"], 2),
-            _fmt(peer["itl_ms"]["p99"], 2),
-            _fmt(peer_bw, 2) + " (f32-equiv.)" if peer_bw else "-",
-            "",
-            f"{peer['requests']} (0)",
-        ]
-        rows = [r + [e] for r, e in zip(rows, extra, strict=True)]
-    parts = [_table(header, rows)]
+    parts = [_table(["single stream", "tokenmill"], rows)]
 
     level_header = [
         "concurrency",
@@ -121,6 +102,8 @@ def format_tables(result: dict[str, Any]) -> str:
     ]
     if level_rows:
         parts.append(_table(level_header, level_rows))
+    if result.get("comparison"):
+        parts.append(format_comparison(result))
 
     ratios = result["ratios"]
     notes = []
@@ -129,10 +112,93 @@ def format_tables(result: dict[str, Any]) -> str:
     if ratios["throughput_64_over_16"] is not None:
         notes.append(f"throughput at 64 streams / 16 streams: {ratios['throughput_64_over_16']:.2f}x")
     notes.append(f"failed requests: {result['failed_requests']}")
-    if not peer_ok and peer.get("skipped"):
-        notes.append(f"llama.cpp peer: skipped ({peer['skipped']})")
+    peer = result.get("peer") or {}
+    if peer.get("skipped"):  # results written before the llama-server peer
+        notes.append(f"peer: skipped ({peer['skipped']})")
     notes.extend(f"warning: {w}" for w in result.get("warnings", []))
     errors = {msg: n for level in [single, *result["levels"]] for msg, n in level["errors"].items()}
     notes.extend(f"  error x{n}: {msg}" for msg, n in errors.items())
     parts.append("\n".join(notes))
     return "\n\n".join(parts)
+
+
+def _ratio_cell(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """tokenmill beside the peer: each level's figures and ratio, the long prompts, the first request."""
+    from tokenmill_bench.comparison import METRICS
+
+    comparison = result["comparison"]
+    peer = comparison["peer"]
+    weights = comparison["weight_bytes"]
+    read_gbs = comparison["read_bandwidth_gbs"]
+    rows = []
+    for level in comparison["levels"]:
+        for i, (key, label, digits) in enumerate(METRICS):
+            ours, theirs = level["tokenmill"][key], level["peer"][key]
+            if key == "bandwidth_share":
+                cells = [f"{ours:.0%}" if ours is not None else "-", f"{theirs:.0%}" if theirs is not None else "-"]
+            else:
+                cells = [_fmt(ours, digits), _fmt(theirs, digits)]
+            streams = f"{level['concurrency']}" if i == 0 else ""
+            rows.append([streams, label, *cells, _ratio_cell(level["ratio"][key])])
+    header = ["streams", "metric", "tokenmill", peer, "tokenmill/" + peer]
+    title = (
+        f"tokenmill vs {peer}, same requests, alternately at each level (ratio = tokenmill / {peer}; "
+        "above 1 is better for tok/s and bandwidth, below 1 for latencies)"
+    )
+    convention = (
+        f"bandwidth = weight bytes read per step x steps/s (steps/s = per-stream decode tok/s); weight bytes: "
+        f"tokenmill {_fmt_bytes(weights['tokenmill'])}, {peer} {_fmt_bytes(weights['peer'])}; "
+        f"measured read bandwidth {_fmt(read_gbs, 2)} GB/s"
+    )
+    lines = [title, convention, _table(header, rows)]
+    failed = [
+        f"{level['concurrency']} streams: {n} failed on {side}"
+        for level in comparison["levels"]
+        for side, n in level["failed"].items()
+        if n
+    ]
+    lines.extend(f"warning: {text}" for text in failed)
+
+    long = comparison["long_prompts"]
+    if long["rows"]:
+        long_rows = [
+            [
+                f"{row['prompt_tokens']} tokens",
+                _fmt(row["tokenmill_ttft_ms"]),
+                _fmt(row["peer_ttft_ms"]),
+                _ratio_cell(row["ratio"]),
+            ]
+            for row in long["rows"]
+        ]
+        if growth := long["growth"]:
+            long_rows.append(
+                [
+                    f"{growth['to_tokens']} / {growth['from_tokens']} (linear: {growth['length_ratio']:.1f}x)",
+                    _ratio_cell(growth["tokenmill"]),
+                    _ratio_cell(growth["peer"]),
+                    "",
+                ]
+            )
+        long_header = ["long prompt, max_new_tokens 1", "tokenmill TTFT ms", f"{peer} TTFT ms", "tokenmill/" + peer]
+        lines += ["", _table(long_header, long_rows)]
+        lines.extend(f"warning: long prompt: {e}" for row in long["rows"] for e in row["errors"])
+
+    first = comparison["first_request"]
+    first_rows = []
+    for label, key, digits in (
+        ("first request TTFT ms", "first_ttft_ms", 1),
+        ("steady TTFT p50 ms (1 stream)", "steady_ttft_ms_p50", 1),
+        ("first request total ms", "first_total_ms", 0),
+        ("steady total p50 ms (1 stream)", "steady_total_ms_p50", 0),
+    ):
+        first_rows.append([label, _fmt(first["tokenmill"][key], digits), _fmt(first["peer"][key], digits)])
+    lines += ["", _table(["cold vs warm", "tokenmill", peer], first_rows)]
+    return "\n".join(lines)
+
+
+def _fmt_bytes(value: int | None) -> str:
+    return f"{value / 1e6:,.1f} MB" if value else "unknown"

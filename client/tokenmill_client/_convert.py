@@ -178,6 +178,7 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
         num_workers=info.num_workers,
         dtype=info.dtype,
         quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
         tensor_parallel=info.tensor_parallel or 1,
         limits=Limits(
             max_new_tokens=lim.max_new_tokens,

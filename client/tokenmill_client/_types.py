@@ -232,4 +232,5 @@ class ModelInfo:
     engine: EngineState
     workers: tuple[WorkerState, ...]
     quantization: str = ""  # "none", "int8", "int4", or a mix such as "int4+none"
+    weight_bytes: int = 0  # bytes of weights one forward pass reads, as served
     tensor_parallel: int = 1  # ranks (processes, devices) per replica

@@ -112,7 +112,11 @@ class Settings:
 
     def validate(self) -> None:
         if self.backend == "triton":
-            raise ValueError("--backend triton is not available yet: its kernels land in a later release; use torch")
+            from tokenmill_service.ops.triton_support import triton_unavailable_reason
+
+            reason = triton_unavailable_reason(self.device)
+            if reason:
+                raise ValueError(reason)
         if self.tensor_parallel < 1:
             raise ValueError("--tensor-parallel must be at least 1")
         if self.log_format not in ("", "json", "console"):

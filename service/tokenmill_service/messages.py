@@ -56,6 +56,7 @@ class WorkerInfo:
     kv_blocks_total: int
     kv_block_size: int
     quantization: str = "none"  # what the linear layers run as ("int4+none": mixed)
+    weight_bytes: int = 0  # bytes of weights one forward pass reads
     backend: str = "torch"
 
 

@@ -105,6 +105,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                 kv_blocks_total=stats.kv_blocks_total,
                 kv_block_size=stats.kv_block_size,
                 quantization=engine.model.quantization,
+                weight_bytes=engine.model.weight_bytes(),
                 backend=spec.backend,
             ),
         )
@@ -172,17 +173,20 @@ def _dtype(spec: WorkerSpec, device: str) -> Any:
 def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.distributed.step_broadcast import StepBroadcast, broadcast_from_rank0
     from tokenmill_service.engine.llm_engine import LLMEngine
+    from tokenmill_service.models.loader import load_model, resolve_model_path
+    from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
-    engine = LLMEngine.from_path(
-        spec.model or None,
-        spec.engine,
+    path = resolve_model_path(spec.model or None)
+    model = load_model(
+        path,
         dtype=_dtype(spec, device),
         device=device,
         quantization=spec.quantization,
         backend=spec.backend,
         tp=tp,
     )
+    engine = LLMEngine(model, load_tokenizer(path), spec.engine)
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.
         broadcast_from_rank0(engine.block_manager.num_blocks, tp)

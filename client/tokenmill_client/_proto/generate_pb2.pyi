@@ -239,7 +239,7 @@ class RankState(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "tensor_parallel")
+    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes", "tensor_parallel")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class ModelInfo(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
@@ -263,5 +264,6 @@ class ModelInfo(_message.Message):
     engine: EngineState
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     quantization: str
+    weight_bytes: int
     tensor_parallel: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...

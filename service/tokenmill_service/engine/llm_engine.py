@@ -1,6 +1,6 @@
 """The engine API the service drives: add a request, advance one step, cancel a request.
 
-    engine = LLMEngine.from_path(None)              # the embedded default model
+    engine = LLMEngine(load_model(path), load_tokenizer(path))   # see models/loader.py, tokenizer.py
     engine.add_request(GenerationRequest("r1", engine.tokenizer.encode_chat(messages)))
     while engine.has_unfinished():
         for out in engine.step():                   # token events of this step, per request
@@ -13,13 +13,12 @@ batch of one.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import structlog
 import torch
 
-from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.block_manager import BlockManager
+from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.model_runner import (
     ModelRunner,
@@ -39,14 +38,13 @@ from tokenmill_service.engine.request import (
 from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
-from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -55,32 +53,13 @@ class LLMEngine:
         if num_blocks <= 0:
             budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
             num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, model.act_dtype))
-        model_len = self.config.max_model_len or model.config.max_position_embeddings
+        model_len = self.config.max_model_len or model.max_positions
         # A sequence can never hold more tokens than the whole pool.
-        self.max_model_len = min(model_len, model.config.max_position_embeddings, num_blocks * block_size)
+        self.max_model_len = min(model_len, model.max_positions, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, block_size, num_blocks)
         self.sequences: dict[str, Sequence] = {}
-
-    @classmethod
-    def from_path(
-        cls,
-        model: str | Path | None = None,
-        config: EngineConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        quantization: str = "none",
-        backend: str = "torch",
-        tp: TensorParallel | None = None,
-    ) -> LLMEngine:
-        """An engine over a checkpoint; the defaults are the reference configuration (float32, unquantized)."""
-        from tokenmill_service.models.loader import load_model, resolve_model_path
-        from tokenmill_service.tokenizer import load_tokenizer
-
-        path = resolve_model_path(str(model) if model else None)
-        loaded = load_model(path, dtype=dtype, device=device, quantization=quantization, backend=backend, tp=tp)
-        return cls(loaded, load_tokenizer(path), config)
 
     # -- the API ---------------------------------------------------------------------------
 

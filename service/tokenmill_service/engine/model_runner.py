@@ -14,21 +14,19 @@ from typing import Protocol
 import structlog
 import torch
 
+from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.scheduler import ScheduledBatch
-from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
 log = structlog.get_logger(__name__)
 
 
-def kv_cache_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
+def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """[layers, blocks, block_size, kv heads of this rank, head_dim]."""
-    cfg = model.config
-    kv_heads = model.model.layers[0].self_attn.num_kv_heads
-    return (cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim)
+    return model.kv_cache_shape(num_blocks, block_size)
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * elem * int(torch.tensor(kv_cache_shape(model, 1, block_size)).prod())
 
@@ -77,7 +75,7 @@ class PlanSink(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int) -> None:
         self.model = model
         # Tensor parallelism: where rank 0 sends each step's plan before running it (None: one rank).
         self.broadcast: PlanSink | None = None
@@ -141,7 +139,7 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def forward_prompt(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def forward_prompt(model: CausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """Hidden states [len(ids), hidden] of one prompt run as a single prefill, in a KV cache of its own."""
     num_blocks = -(-len(ids) // block_size)
     device = model.device

@@ -157,9 +157,10 @@ def checkpoint_tensor(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> 
     """A float tensor (F32/F16/BF16, converted to float32) or the still-quantized blocks (Q8_0/Q4_0/Q4_1)."""
     _check_type(qtype)
     if qtype not in FLOAT_TYPES:
-        if len(shape) != 2:
-            raise GGUFError(f"a {qtype.name} tensor of shape {shape} is not a matrix")
-        return GGUFBlocks.from_raw(raw, qtype, (shape[0], shape[1]))
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        blocks = GGUFBlocks.from_raw(raw, qtype, (rows, shape[-1]))
+        # Matrices stay quantized for the layers; anything else is dequantized to its shape now.
+        return blocks if len(shape) == 2 else blocks.dequantize().reshape(shape)
     data = torch.from_numpy(np.array(raw, copy=True))
     if qtype == QType.F32:
         out = data.view(torch.float32)

@@ -185,6 +185,15 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[layers, blocks, block_size, this rank's kv heads, head_dim]."""
+        attn = self.model.layers[0].self_attn
+        return (len(self.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] flat over the batch. Returns the final hidden states [T, hidden]."""
         return self.model(input_ids, positions, meta)

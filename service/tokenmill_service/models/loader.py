@@ -25,6 +25,7 @@ from tokenmill_service.models.gguf_loader import iter_gguf
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.ops import get_ops
+from tokenmill_service.ops.triton_support import interpreter_enabled
 
 log = structlog.get_logger(__name__)
 
@@ -143,6 +144,9 @@ def load_model(
     logits are float32 whatever it is); ``quantization`` is ``none``, ``auto`` or a registered
     method (``int8``, ``int4``); ``backend`` names the ops implementation (``torch``, ``triton``).
     """
+    if backend == "triton" and dtype != torch.float32 and interpreter_enabled():
+        log.warning("triton_interpreter_float32", asked=str(dtype), reason="Triton's interpreter has no bfloat16")
+        dtype = torch.float32
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
     if quantization != "auto":

@@ -85,12 +85,13 @@ def kernel_dtype(act_dtype: torch.dtype) -> torch.dtype:
 
 
 def split_bf16_matmul(kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``kernel(x)`` for float32 ``x`` through a bfloat16 kernel, near float32 precision.
+    """``kernel(x)`` for float32 ``x`` through a bfloat16 kernel, without rounding ``x`` to bfloat16.
 
     x = hi + lo with hi = bf16(x) and lo = bf16(x - hi) (16 bits of mantissa between them); both
     go through the kernel in one call, as extra rows, so the weights are read once; the two
-    products are added in float32. Rows stay independent: a row's result does not depend on
-    the others. Activations already in bfloat16 go through as they are.
+    products are added in float32. What remains is the kernel's own rounding (its bfloat16 output
+    and scales). Rows stay independent: a row's result does not depend on the others.
+    Activations already in bfloat16 go through as they are.
     """
     if x.dtype != torch.float32:
         return kernel(x)

@@ -1,0 +1,70 @@
+"""The triton backend: the hot operations as Triton kernels, one file each, tested against ops/torch_ops.py.
+
+Selected with ``--backend triton``. On a GPU the kernels are compiled; with ``TRITON_INTERPRET=1``
+they run in Triton's interpreter on the CPU (slow; for tests), where the model runs float32.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.ops.interface import Ops, register_ops
+from tokenmill_service.ops.triton.attention import paged_attention
+from tokenmill_service.ops.triton.rms_norm import rms_norm
+from tokenmill_service.ops.triton.rotary import rotary
+from tokenmill_service.ops.triton.silu_and_mul import silu_and_mul
+from tokenmill_service.ops.triton.store_kv import store_kv
+from tokenmill_service.ops.triton_support import interpreter_enabled
+
+log = structlog.get_logger(__name__)
+
+
+@register_ops("triton")
+class TritonOps(Ops):
+    def __init__(self) -> None:
+        if interpreter_enabled():
+            log.warning(
+                "triton_interpreter",
+                message="TRITON_INTERPRET=1: the triton kernels run in Triton's CPU interpreter, slowly, in float32; "
+                "for testing only",
+            )
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, weight, eps, residual, out_dtype)
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(q, k, positions, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta, scale)
