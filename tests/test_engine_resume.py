@@ -3,10 +3,9 @@ the same tokens and logprobs as an uninterrupted run, text that joins across the
 stop strings), and counts for the whole request. This is what the router relies on when it moves
 a stream off a dead worker.
 
-Token ids must be equal. Logprobs are compared within 1e-4 here: after a resume the tokens already
-sent are prefilled, not decoded one by one, and today's float32 CPU kernels round a prefill and a
-decode differently (by about 1e-6). The bitwise check is marked xfail until the engine's numerics
-are batch- and prefill-invariant (the speed issue); it turns into a pass by itself when they are.
+After a resume the tokens already sent are prefilled, not decoded one by one; the engine's numerics
+do not depend on that (nor on the batch), and random draws are keyed by (seed, position), so a
+greedy or seeded continuation is bit for bit the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -99,7 +98,6 @@ def test_a_primed_detokenizer_emits_exactly_the_rest_at_every_seam(default_token
             assert sent + rest == expected, (stops, cut)
 
 
-@pytest.mark.xfail(reason="needs random draws keyed by (seed, position), the sampler change in progress", strict=False)
 def test_a_seeded_resumed_request_continues_the_same_random_stream(engine: LLMEngine) -> None:
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     whole = run(engine, request(engine, "seeded-whole", sampling=sampling))
@@ -109,7 +107,6 @@ def test_a_seeded_resumed_request_continues_the_same_random_stream(engine: LLMEn
     assert logprobs(rest) == pytest.approx(logprobs(whole)[9:], abs=1e-4)
 
 
-@pytest.mark.xfail(reason="bitwise needs prefill/decode-invariant numerics (the speed issue)", strict=False)
 def test_a_resumed_request_gives_bitwise_the_logprobs_of_an_uninterrupted_one(engine: LLMEngine) -> None:
     whole = run(engine, request(engine, "bitwise-whole"))
     rest = run(engine, request(engine, "bitwise-rest", resume_ids=token_ids(whole)[:5]))
