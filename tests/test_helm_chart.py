@@ -241,12 +241,20 @@ def test_gpu_render_keeps_the_configured_memory_limits(
 def test_gpu_1_tensor_parallel_2_renders_and_requests_the_gpu(
     helm_env: dict[str, str],
 ) -> None:
-    # The acceptance render: it must pass; the pod asks for its one GPU, and the server (not the
-    # chart) refuses at start-up when a replica needs more devices than it can see.
+    # The acceptance render: it must pass; the pod asks for what its replica's two ranks use.
     c = container(template(helm_env, "--set", "gpu=1", "--set", "tensorParallel=2"))
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
     env = {e["name"]: e.get("value") for e in c.get("env", [])}
     assert env.get("TOKENMILL_TENSOR_PARALLEL") == "2" and env.get("TOKENMILL_DEVICE") == "cuda"
+
+
+def test_a_pod_requests_one_gpu_per_rank_of_every_replica_and_shm_for_nccl(helm_env: dict[str, str]) -> None:
+    rendered = template(helm_env, "--set", "gpu=2", "--set", "tensorParallel=2", "--set", "server.workers=3")
+    assert container(rendered)["resources"]["limits"]["nvidia.com/gpu"] == 6
+    pod = deployment(rendered)["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "6Gi"
+    cpu = deployment(template(helm_env))["spec"]["template"]["spec"]
+    assert next(v for v in cpu["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "2Gi"
 
 
 def test_device_cuda_without_gpus_is_rejected(helm_env: dict[str, str]) -> None:

@@ -13,6 +13,7 @@ from ._types import (
     Limits,
     MessageLike,
     ModelInfo,
+    RankState,
     Timing,
     Token,
     Tokenization,
@@ -178,6 +179,7 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
         dtype=info.dtype,
         quantization=info.quantization,
         weight_bytes=info.weight_bytes,
+        tensor_parallel=info.tensor_parallel or 1,
         limits=Limits(
             max_new_tokens=lim.max_new_tokens,
             max_top_logprobs=lim.max_top_logprobs,
@@ -202,6 +204,7 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
                 kv_blocks_total=w.kv_blocks_total,
                 kv_block_size=w.kv_block_size,
                 restarts=w.restarts,
+                ranks=tuple(RankState(rank=r.rank, pid=r.pid, device=r.device) for r in w.ranks),
             )
             for w in info.workers
         ),

@@ -194,8 +194,17 @@ class EngineState:
 
 
 @dataclass(frozen=True, slots=True)
+class RankState:
+    """One process of a replica: a tensor-parallel rank and the device holding its shard."""
+
+    rank: int
+    pid: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerState:
-    """One worker process and its engine."""
+    """One replica (rank 0's engine, and every rank's process)."""
 
     worker_id: int
     alive: bool
@@ -205,6 +214,7 @@ class WorkerState:
     kv_blocks_total: int
     kv_block_size: int
     restarts: int
+    ranks: tuple[RankState, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,3 +233,4 @@ class ModelInfo:
     workers: tuple[WorkerState, ...]
     quantization: str = ""  # "none", "int8", "int4", or a mix such as "int4+none"
     weight_bytes: int = 0  # bytes of weights one forward pass reads, as served
+    tensor_parallel: int = 1  # ranks (processes, devices) per replica

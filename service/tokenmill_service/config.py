@@ -35,8 +35,17 @@ class Settings:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0 in containers)"})
     port: int = field(default=50051, metadata={"help": "gRPC port"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda", "choices": ["cpu", "cuda"]})
-    workers: int = field(default=0, metadata={"help": "worker processes, one per device (0: 1 on CPU, one per GPU)"})
-    tensor_parallel: int = field(default=1, metadata={"help": "devices per model replica"})
+    workers: int = field(
+        default=0,
+        metadata={"help": "model replicas, each of --tensor-parallel processes (0: 1 on CPU, all GPUs on CUDA)"},
+    )
+    tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "ranks (processes, devices) per replica; must divide the model's query heads, MLP width "
+            "and vocabulary, and divide or be a multiple of its key/value heads"
+        },
+    )
     backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
     dtype: str = field(
         default="auto",
@@ -108,8 +117,8 @@ class Settings:
             reason = triton_unavailable_reason(self.device)
             if reason:
                 raise ValueError(reason)
-        if self.tensor_parallel != 1:
-            raise ValueError("--tensor-parallel above 1 is not supported yet: run one replica per device instead")
+        if self.tensor_parallel < 1:
+            raise ValueError("--tensor-parallel must be at least 1")
         if self.log_format not in ("", "json", "console"):
             raise ValueError("--log-format must be json or console")
         for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):

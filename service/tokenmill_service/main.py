@@ -6,6 +6,7 @@ import asyncio
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import grpc
 import structlog
@@ -36,6 +37,14 @@ async def serve(settings: Settings) -> int:
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
         log.error("model_unavailable", error=str(exc))
         return 1
+    if settings.tensor_parallel > 1:
+        try:
+            check_tensor_parallel(settings, model_path)
+        except ValueError as exc:
+            # A usage error, known before any worker starts: the same exit code as a bad flag.
+            log.error("tensor_parallel_refused", error=str(exc))
+            sys.stderr.write(f"tokenmill-server: error: {exc}\n")
+            return 2
 
     metrics = Metrics()
     router = Router(settings, metrics)
@@ -136,6 +145,16 @@ async def serve(settings: Settings) -> int:
     await router.stop()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
+
+
+def check_tensor_parallel(settings: Settings, model_path: Path) -> None:
+    """Refuse a --tensor-parallel degree that does not split the model (ValueError naming the ones that do)."""
+    from tokenmill_service.distributed.degree import check_degree
+    from tokenmill_service.models.dims import is_gguf, read_dims
+
+    # GGUF tensors are split in their 32-weight blocks; int4 quantizes in groups of 32.
+    blocked = is_gguf(model_path) or settings.quantization == "int4"
+    check_degree(read_dims(model_path), settings.tensor_parallel, blocked)
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

@@ -39,6 +39,9 @@ class WorkerSpec:
     log_level: str
     # Seconds between two heartbeats (sent whether the engine is busy or idle).
     heartbeat_interval: float = 0.5
+    # Seconds a rank waits in one collective (a step broadcast, an all-reduce) before it takes a
+    # peer for dead; rank 0 sends an idle tick every quarter of it.
+    collective_timeout: float = 120.0
 
 
 @dataclass(slots=True)

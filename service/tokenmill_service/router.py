@@ -97,6 +97,8 @@ class Replica:
     worker_id: int
     processes: list[BaseProcess]
     conn: Connection
+    # The device of each rank ("cpu", "cuda:3"), in rank order.
+    devices: list[str] = field(default_factory=list)
     restarts: int = 0
     # Consecutive deaths soon after starting; sets the backoff before the next start.
     failures: int = 0
@@ -152,10 +154,11 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _spec(self, worker_id: int, rank: int) -> WorkerSpec:
+    def _spec(self, worker_id: int, rank: int, master_port: int) -> WorkerSpec:
         s = self.settings
         cores = os.cpu_count() or 1
-        threads = s.threads or (max(1, cores // self.num_workers) if s.device == "cpu" else 1)
+        processes = self.num_workers * s.tensor_parallel
+        threads = s.threads or (max(1, cores // processes) if s.device == "cpu" else 1)
         engine = EngineConfig(
             max_batch_size=s.max_batch_size,
             max_batch_tokens=max(s.max_batch_tokens, s.max_batch_size),
@@ -168,7 +171,7 @@ class Router:
             device_index=worker_id * s.tensor_parallel + rank,
             world_size=s.tensor_parallel,
             master_addr="127.0.0.1",
-            master_port=(s.master_port + worker_id) if s.master_port else free_port(),
+            master_port=master_port,
             model=s.model,
             device=s.device,
             dtype=s.dtype,
@@ -179,23 +182,37 @@ class Router:
             log_format=s.resolved_log_format(),
             log_level=s.log_level,
             heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),
+            collective_timeout=s.step_timeout,
         )
 
     def _spawn(self, worker_id: int, restarts: int = 0, failures: int = 0) -> Replica:
+        """Start a replica: one process per tensor-parallel rank, all in one torch.distributed group;
+        only rank 0 gets a pipe (it runs the engine and broadcasts each step to the others)."""
         assert self._loop is not None
         parent, child = self._ctx.Pipe(duplex=True)
-        # One process per rank; ranks above 0 (tensor parallelism) join rank 0's group here when they exist.
-        spec = self._spec(worker_id, rank=0)
-        proc = self._ctx.Process(target=worker_main, args=(spec, child), name=f"tokenmill-worker-{worker_id}")
-        proc.daemon = True
-        proc.start()
+        s = self.settings
+        master_port = (s.master_port + worker_id) if s.master_port else free_port()
+        processes: list[BaseProcess] = []
+        for rank in range(s.tensor_parallel):
+            spec = self._spec(worker_id, rank, master_port)
+            proc = self._ctx.Process(
+                target=worker_main,
+                args=(spec, child if rank == 0 else None),
+                name=f"tokenmill-worker-{worker_id}" + (f"-rank-{rank}" if rank else ""),
+            )
+            proc.daemon = True
+            proc.start()
+            processes.append(proc)
         child.close()
-        replica = Replica(worker_id, [proc], parent, restarts=restarts, failures=failures)
+        devices = [
+            f"cuda:{worker_id * s.tensor_parallel + r}" if s.device == "cuda" else "cpu" for r in range(len(processes))
+        ]
+        replica = Replica(worker_id, processes, parent, restarts=restarts, failures=failures, devices=devices)
         replica.ready = self._loop.create_future()
         self._loop.add_reader(parent.fileno(), self._on_readable, replica)
         for p in replica.processes:
             self._loop.add_reader(p.sentinel, self._on_exit, replica)
-        log.info("worker_spawned", worker_id=worker_id, pid=proc.pid, master_port=spec.master_port)
+        log.info("worker_spawned", worker_id=worker_id, pids=[p.pid for p in processes], master_port=master_port)
         return replica
 
     def _task(self, coro: object) -> None:

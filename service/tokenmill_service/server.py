@@ -107,6 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         reply = pb.ModelInfo(
             backend=s.backend,
             num_workers=len(self.router.workers),
+            tensor_parallel=s.tensor_parallel,
             vocab_size=self.tokenizer.vocab_size,
             limits=pb.Limits(
                 max_new_tokens=s.max_new_tokens_limit,
@@ -126,6 +127,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reply.dtype, reply.quantization, reply.weight_bytes = info.dtype, info.quantization, info.weight_bytes
         for w in self.router.workers:
             state = reply.workers.add(worker_id=w.worker_id, alive=w.serving, restarts=w.restarts)
+            for rank, (proc, device) in enumerate(zip(w.processes, w.devices)):
+                state.ranks.add(rank=rank, pid=proc.pid or 0, device=device)
             if w.stats is not None and w.serving:
                 state.running, state.waiting = w.stats.running, w.stats.waiting
                 state.kv_blocks_used, state.kv_blocks_total = w.stats.kv_blocks_used, w.stats.kv_blocks_total

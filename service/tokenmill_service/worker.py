@@ -1,6 +1,8 @@
-"""A worker process: one device, torch.distributed initialized, the engine loop.
+"""A worker process: one device, one rank of a replica's torch.distributed group.
 
-The router talks to a worker over one pipe with the typed messages of `messages.py`. Besides the
+Rank 0 runs the engine loop; the other ranks of a tensor-parallel replica (`follower_main`) load
+their shard and run each step rank 0 broadcasts (`distributed/step_broadcast.py`). The router
+talks to rank 0 only, over one pipe with the typed messages of `messages.py`. Besides the
 engine loop, a heartbeat thread reports every `spec.heartbeat_interval` seconds, and with it how
 long the current step has run, so the router can tell a stopped or hung process from a busy one.
 Importing this module does not import torch (the router imports it for `worker_main`).
@@ -62,8 +64,9 @@ class Channel:
                 return  # the router is gone; the engine loop notices too
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of the worker process (spawned; nothing is inherited from the router)."""
+def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
+    """Entry point of a worker process (spawned; nothing is inherited from the router). Rank 0 gets
+    the pipe to the router; the other ranks get None and follow rank 0."""
     # Ctrl-C in a terminal reaches the whole process group; shutting down is the router's call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_format, spec.log_level)
@@ -76,6 +79,9 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
     )
+    if conn is None:
+        _follower_main(spec, log)
+        return
     channel = Channel(conn)
     try:
         engine = _start_engine(spec, log)
@@ -109,7 +115,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     beat = threading.Thread(target=channel.heartbeat, args=(spec.heartbeat_interval, stop), daemon=True)
     beat.start()
     try:
-        _serve(engine, channel, log)
+        _serve(engine, channel, log, spec.collective_timeout / 4)
     except (EOFError, BrokenPipeError):
         log.warning("router_gone")  # the router died: nothing left to serve
     except Exception:
@@ -125,12 +131,14 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         log.info("worker_stopped")
 
 
-def _start_engine(spec: WorkerSpec, log: Any) -> Any:
+def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
+    """Join the replica's group; returns this rank's ``TensorParallel`` and the device to run on."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    from tokenmill_service.dtypes import resolve_dtype
-    from tokenmill_service.engine.llm_engine import LLMEngine
+    from tokenmill_service.distributed.parallel import TensorParallel
 
     torch.set_num_threads(spec.threads)
     if spec.device == "cuda":
@@ -141,16 +149,48 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
             )
         torch.cuda.set_device(spec.device_index)
     backend = "nccl" if spec.device == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method="env://", rank=spec.rank, world_size=spec.world_size)
+    # A bounded wait in every collective: a rank whose peer died or hung fails instead of waiting forever.
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.collective_timeout),
+    )
     log.info("distributed_initialized", backend=backend, world_size=spec.world_size, master_port=spec.master_port)
     device = f"cuda:{spec.device_index}" if spec.device == "cuda" else "cpu"
-    from tokenmill_service.models.loader import load_model, resolve_model_path, serves_quantized
+    return TensorParallel(spec.rank, spec.world_size), device
+
+
+def _dtype(spec: WorkerSpec, device: str) -> Any:
+    from tokenmill_service.dtypes import resolve_dtype
+    from tokenmill_service.models.loader import resolve_model_path, serves_quantized
+
+    quantized = serves_quantized(resolve_model_path(spec.model or None), spec.quantization)
+    return resolve_dtype(spec.dtype, device, quantized)
+
+
+def _start_engine(spec: WorkerSpec, log: Any) -> Any:
+    from tokenmill_service.distributed.step_broadcast import StepBroadcast, broadcast_from_rank0
+    from tokenmill_service.engine.llm_engine import LLMEngine
+    from tokenmill_service.models.loader import load_model, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
+    tp, device = _init_distributed(spec, log)
     path = resolve_model_path(spec.model or None)
-    dtype = resolve_dtype(spec.dtype, device, serves_quantized(path, spec.quantization))
-    model = load_model(path, dtype=dtype, device=device, quantization=spec.quantization, backend=spec.backend)
+    model = load_model(
+        path,
+        dtype=_dtype(spec, device),
+        device=device,
+        quantization=spec.quantization,
+        backend=spec.backend,
+        tp=tp,
+    )
     engine = LLMEngine(model, load_tokenizer(path), spec.engine)
+    if tp.size > 1:
+        # The pool size depends on this rank's free memory: every rank takes rank 0's.
+        broadcast_from_rank0(engine.block_manager.num_blocks, tp)
+        engine.runner.broadcast = StepBroadcast(tp)
     # Warm-up: one real prefill and decode, so the first caller does not pay for lazy set-up.
     warm = engine.tokenizer.encode("Hello")
     engine.add_request(GenerationRequest("warmup", warm, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))
@@ -159,12 +199,51 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     return engine
 
 
-def _serve(engine: Any, channel: Channel, log: Any) -> None:
+def _follower_main(spec: WorkerSpec, log: Any) -> None:
+    """A rank above 0: load this rank's shard, then run what rank 0 broadcasts until it stops."""
+    from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, follow
+    from tokenmill_service.engine.model_runner import ModelRunner
+    from tokenmill_service.models.loader import load_model, resolve_model_path
+
+    try:
+        tp, device = _init_distributed(spec, log)
+        model = load_model(
+            resolve_model_path(spec.model or None),
+            dtype=_dtype(spec, device),
+            device=device,
+            quantization=spec.quantization,
+            backend=spec.backend,
+            tp=tp,
+        )
+        num_blocks = broadcast_from_rank0(None, tp)
+        assert isinstance(num_blocks, int)
+        runner = ModelRunner(model, spec.engine.block_size, num_blocks)
+        log.info("follower_ready", pid=os.getpid())
+        follow(runner, tp)
+    except Exception as exc:  # noqa: BLE001 - the router sees the exit; the log says why
+        # Rank 0 failing (or being killed) surfaces here as a collective error or timeout.
+        log.error("follower_failed", error=str(exc), traceback=traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float) -> None:
+    from tokenmill_service.distributed.step_broadcast import Idle, Stop
+
     conn = channel.conn
     max_step_tokens = engine.config.max_batch_tokens
+    broadcast = engine.runner.broadcast
     while True:
-        # Block while idle; while busy, only pick up what has already arrived.
-        timeout = 0.0 if engine.has_unfinished() else None
+        # Block while idle (the other ranks hear an idle tick now and then); while busy, only pick
+        # up what has already arrived.
+        timeout = 0.0 if engine.has_unfinished() else (idle_tick if broadcast is not None else None)
+        if broadcast is not None and timeout and not conn.poll(timeout):
+            broadcast.send(Idle())
+            continue
         dirty = False
         while conn.poll(timeout):
             timeout = 0.0
@@ -180,6 +259,8 @@ def _serve(engine: Any, channel: Channel, log: Any) -> None:
                     case Shutdown():
                         for rid in list(engine.sequences):
                             engine.cancel(rid)
+                        if broadcast is not None:
+                            broadcast.send(Stop())
                         return
         if engine.has_unfinished():
             # The step's size bounds how long it may take (the router's --step-timeout scales with it).

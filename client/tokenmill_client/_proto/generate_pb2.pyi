@@ -207,7 +207,7 @@ class EngineState(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("worker_id", "alive", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "restarts")
+    __slots__ = ("worker_id", "alive", "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "restarts", "ranks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class WorkerState(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     alive: bool
     running: int
@@ -224,10 +225,21 @@ class WorkerState(_message.Message):
     kv_blocks_total: int
     kv_block_size: int
     restarts: int
-    def __init__(self, worker_id: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankState]
+    def __init__(self, worker_id: _Optional[int] = ..., alive: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., restarts: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ...) -> None: ...
+
+class RankState(_message.Message):
+    __slots__ = ("rank", "pid", "device")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    device: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes")
+    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes", "tensor_parallel")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +252,7 @@ class ModelInfo(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     vocab_size: int
@@ -252,4 +265,5 @@ class ModelInfo(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     quantization: str
     weight_bytes: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    tensor_parallel: int
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...

@@ -158,13 +158,34 @@ Checks of combinations the schema cannot express; fails the render with a messag
 {{- end }}
 
 {{/*
-A warning when the pod's GPUs cannot hold every replica's tensor-parallel ranks.
+GPUs the pod requests: one per rank of every replica (workers x tensorParallel); 0 on CPU.
+*/}}
+{{- define "tokenmill.gpuRequest" -}}
+{{- if gt (int .Values.gpu) 0 }}
+{{- mul (int (include "tokenmill.workers" .)) (int .Values.tensorParallel) }}
+{{- else }}
+{{- 0 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Size of /dev/shm: shm.sizeLimit, or 1Gi per GPU rank (NCCL's intra-node buffers live there), at least 2Gi.
+*/}}
+{{- define "tokenmill.shmSize" -}}
+{{- if .Values.shm.sizeLimit }}
+{{- .Values.shm.sizeLimit }}
+{{- else }}
+{{- max 2 (int (include "tokenmill.gpuRequest" .)) }}Gi
+{{- end }}
+{{- end }}
+
+{{/*
+A note when the pod requests another number of GPUs than gpu says (it requests what its replicas use).
 */}}
 {{- define "tokenmill.gpuWarning" -}}
 {{- $gpu := int .Values.gpu }}
-{{- $tp := int .Values.tensorParallel }}
-{{- $need := mul (int (include "tokenmill.workers" .)) $tp }}
-{{- if and (gt $gpu 0) (gt $need $gpu) }}
-WARNING: {{ include "tokenmill.workers" . }} worker(s) x tensorParallel {{ $tp }} need {{ $need }} GPUs but the pod requests gpu={{ $gpu }}; the server will refuse to start. Set gpu to a multiple of tensorParallel.
+{{- $request := int (include "tokenmill.gpuRequest" .) }}
+{{- if and (gt $gpu 0) (ne $request $gpu) }}
+NOTE: {{ include "tokenmill.workers" . }} replica(s) x tensorParallel {{ .Values.tensorParallel }} use {{ $request }} GPUs: the pod requests {{ $request }}, not gpu={{ $gpu }}. Set gpu to a multiple of tensorParallel (or server.workers) to make them agree.
 {{- end }}
 {{- end }}

@@ -9,13 +9,14 @@ of a prompt whose logprobs were asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 import torch
 
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.scheduler import ScheduledBatch
-from tokenmill_service.ops.attention_metadata import AttentionMetadata, build_attention_metadata
+from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
 log = structlog.get_logger(__name__)
 
@@ -55,9 +56,29 @@ class StepLogits:
     prompt_logits: dict[int, torch.Tensor]
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs, as plain lists (what rank 0 broadcasts to the other ranks): sequence i adds
+    ``query_lens[i]`` tokens at positions ``starts[i]`` onwards into the blocks ``block_tables[i]``;
+    logits are computed for ``sample_rows`` and each (start, count) of ``prompt_rows``."""
+
+    token_ids: list[int]
+    query_lens: list[int]
+    starts: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    prompt_rows: list[tuple[int, int]]
+
+
+class PlanSink(Protocol):
+    def send(self, plan: StepPlan) -> None: ...
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int) -> None:
         self.model = model
+        # Tensor parallelism: where rank 0 sends each step's plan before running it (None: one rank).
+        self.broadcast: PlanSink | None = None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device, self.dtype = model.device, model.act_dtype
@@ -71,48 +92,50 @@ class ModelRunner:
             mib=round(2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, 1),
         )
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        positions: list[int] = []
-        starts: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            starts.append(start)
-        meta = build_attention_metadata(
-            list(batch.num_new_tokens), starts, [s.block_table for s in batch.seqs], self.k_cache, self.v_cache
-        )
-        device = self.device
-        return (
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            meta,
-        )
-
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepLogits:
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-
-        sample_rows: list[int] = []
+    def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
+        """The step as plain lists, with the batch indices of the sequences that sample a token and
+        of those whose prompt logprobs are collected (in the order of ``plan.prompt_rows``)."""
+        plan = StepPlan([], [], [], [], [], [])
         sample_seq_indices: list[int] = []
-        prompt_rows: dict[int, tuple[int, int]] = {}
+        prompt_seq_indices: list[int] = []
         offset = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.collecting_prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
-                prompt_rows[i] = (offset, n)
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sample_rows.append(offset + n - 1)
+            start = seq.num_computed_tokens
+            plan.token_ids.extend(seq.token_ids[start : start + n])
+            plan.query_lens.append(n)
+            plan.starts.append(start)
+            plan.block_tables.append(seq.block_table)
+            if seq.collecting_prompt_logprobs and start < seq.num_prompt_tokens:
+                plan.prompt_rows.append((offset, n))
+                prompt_seq_indices.append(i)
+            if start + n == seq.num_tokens:
+                plan.sample_rows.append(offset + n - 1)
                 sample_seq_indices.append(i)
             offset += n
+        return plan, sample_seq_indices, prompt_seq_indices
 
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One forward pass: the logits of the sampling rows and of each prompt range.
+
+        Every rank of a tensor-parallel group runs this with the same plan (rank 0 broadcasts it);
+        the collectives inside the model pair up because the plan is the same everywhere."""
+        device = self.device
+        positions = [s + j for s, n in zip(plan.starts, plan.query_lens) for j in range(n)]
+        meta = build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
+        input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        prompt_logits = {
-            i: self.model.compute_logits(hidden[start : start + n]) for i, (start, n) in prompt_rows.items()
-        }
-        return StepLogits(logits, sample_seq_indices, prompt_logits)
+        prompt_logits = [self.model.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]
+        return logits, prompt_logits
+
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        plan, sample_seq_indices, prompt_seq_indices = self.plan(batch)
+        if self.broadcast is not None:
+            self.broadcast.send(plan)
+        logits, prompt_logits = self.execute(plan)
+        return StepLogits(logits, sample_seq_indices, dict(zip(prompt_seq_indices, prompt_logits)))
 
 
 @torch.inference_mode()

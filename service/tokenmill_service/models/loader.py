@@ -15,10 +15,12 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.dims import ModelDims
 from tokenmill_service.models.gguf_loader import iter_gguf
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.llama import LlamaForCausalLM
@@ -153,6 +155,14 @@ def load_model(
     path = Path(path)
     config, types, items, name = _open_checkpoint(path)
     config.name = name
+    if tp is not None and tp.size > 1:
+        dims = ModelDims(
+            config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, config.vocab_size
+        )
+        try:
+            check_degree(dims, tp.size, blocked=bool(types) or quantization == "int4")
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
     ops = get_ops(backend)
     methods: dict[str, str] = {}
 

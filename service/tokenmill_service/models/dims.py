@@ -1,0 +1,70 @@
+"""The sizes that decide how a model splits over ranks, read from a checkpoint without torch.
+
+The server process checks ``--tensor-parallel`` against them before any worker starts (it never
+imports torch); the loader checks the same sizes again from the full ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def read_dims(path: Path) -> ModelDims:
+    """The sizes of a GGUF file or a Hugging Face directory (config.json); ValueError if unreadable."""
+    if is_gguf(path):
+        return _gguf_dims(path)
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{path}: neither a GGUF file nor a directory with config.json")
+    raw: dict[str, Any] = json.loads(config.read_text())
+    heads = int(raw["num_attention_heads"])
+    return ModelDims(
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        intermediate_size=int(raw["intermediate_size"]),
+        vocab_size=int(raw["vocab_size"]),
+    )
+
+
+def _gguf_dims(path: Path) -> ModelDims:
+    from tokenmill_service.models.gguf_reader import open_gguf
+
+    reader = open_gguf(path)
+
+    def field(key: str) -> Any:
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads = int(field(f"{arch}.attention.head_count"))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    key_length = field(f"{arch}.attention.key_length")
+    return ModelDims(
+        num_heads=heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(key_length) if key_length is not None else int(field(f"{arch}.embedding_length")) // heads,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        vocab_size=int(embd.shape[1]),  # GGUF lists dims innermost first: [hidden, vocab]
+    )
