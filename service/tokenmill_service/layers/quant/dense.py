@@ -1,15 +1,20 @@
 """Unquantized weights in the activation dtype (float32 or bfloat16).
 
-The weight is stored transposed ([in, out]) and the product is taken in slices of the input
-dimension, added in float32: measured on MKL, ``x @ w`` with row-major ``w`` and a reduction of at
-most a few hundred gives each output row the same bits whatever the number of rows (from two;
-one row takes the gemv path, so a lone row is padded), which ``F.linear`` over the whole width
+float32: the weight is stored transposed ([in, out]) and the product is taken in slices of the
+input dimension, added in float32: measured on MKL, ``x @ w`` with row-major ``w`` and a reduction
+of at most a few hundred gives each output row the same bits whatever the number of rows (from
+two; one row takes the gemv path, so a lone row is padded), which ``F.linear`` over the whole width
 does not. That keeps a sequence's logits independent of its batch.
+
+bfloat16: ``F.linear`` on the usual [out, in] weight, oneDNN's fast path (the sliced product above
+runs about four times slower in bfloat16). Its rows are not independent of the row count, so this
+one mode (``--quantization none --dtype bfloat16``) does not promise batch invariance.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
@@ -33,17 +38,33 @@ def batch_invariant_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 @register_quantization("none")
 class DenseMethod(QuantMethod):
+    @property
+    def invariant(self) -> bool:
+        return self.act_dtype == torch.float32
+
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        layer.weight_t = empty_param(in_features, out_features, dtype=self.act_dtype)
+        if self.invariant:
+            layer.weight_t = empty_param(in_features, out_features, dtype=self.act_dtype)
+        else:
+            layer.weight = empty_param(out_features, in_features, dtype=self.act_dtype)
 
     def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
-        layer.weight_t.data[:, rows] = dense(tensor).t().to(self.act_dtype)
+        if self.invariant:
+            layer.weight_t.data[:, rows] = dense(tensor).t().to(self.act_dtype)
+        else:
+            layer.weight.data[rows] = dense(tensor).to(self.act_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return batch_invariant_matmul(x, layer.weight_t)
+        if self.invariant:
+            return batch_invariant_matmul(x, layer.weight_t)
+        return F.linear(x, layer.weight)
+
+    def _stored(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight_t.t() if self.invariant else layer.weight
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight_t.t().float()
+        return self._stored(layer).float()
 
     def weight_bytes(self, layer: nn.Module) -> int:
-        return layer.weight_t.numel() * layer.weight_t.element_size()
+        w = self._stored(layer)
+        return w.numel() * w.element_size()
