@@ -100,7 +100,13 @@ def test_mypy_strict_sees_the_editable_install(tmp_path: Path) -> None:
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     imported = subprocess.run(
-        [venv / "bin" / "python", "-c", "import tokenmill_client, tokenmill_service, tokenmill_bench"],
+        # Found, not imported: this venv has the package's own files only (no grpc, no torch).
+        [
+            venv / "bin" / "python",
+            "-c",
+            "import importlib.util as u; "
+            "assert all(u.find_spec(p) for p in ('tokenmill_client', 'tokenmill_service', 'tokenmill_bench'))",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
