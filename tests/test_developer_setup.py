@@ -64,6 +64,10 @@ def test_make_run_prints_one_copy_pasteable_banner_with_the_real_paths() -> None
         session.close()
 
 
+# Found, not imported: that venv has the package's own files only (no grpc, no torch).
+FOUND = "import importlib.util as u; assert all(map(u.find_spec, ['tokenmill_client', 'tokenmill_service', 'tokenmill_bench']))"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mypy_strict_sees_the_editable_install(tmp_path: Path) -> None:
@@ -100,13 +104,7 @@ def test_mypy_strict_sees_the_editable_install(tmp_path: Path) -> None:
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     imported = subprocess.run(
-        # Found, not imported: this venv has the package's own files only (no grpc, no torch).
-        [
-            venv / "bin" / "python",
-            "-c",
-            "import importlib.util as u; "
-            "assert all(u.find_spec(p) for p in ('tokenmill_client', 'tokenmill_service', 'tokenmill_bench'))",
-        ],
+        [venv / "bin" / "python", "-c", FOUND],
         capture_output=True,
         text=True,
         timeout=120,
