@@ -73,27 +73,33 @@ def copy_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str,
     counts them; write-allocate traffic is not counted). GB/s are 10^9 bytes per second. The
     headline ``gbs`` is the faster of the two methods.
     """
-    results = {"numpy": _numpy_copy_gbs(size, repeats)}
-    torch_gbs = _torch_copy_gbs(size, repeats)
-    if torch_gbs is not None:
-        results[torch_gbs[0]] = torch_gbs[1]
-    best = max(results, key=lambda k: results[k])
-    return {
-        "gbs": results[best],
-        "method": best,
-        "by_method_gbs": results,
-        "buffer_bytes": size,
-        "repeats": repeats,
-        "convention": "2 x buffer bytes (read + write) / best time; GB = 1e9 bytes",
-    }
+    return _bandwidth_record(
+        _numpy_copy_gbs(size, repeats),
+        _torch_copy_gbs(size, repeats),
+        size,
+        repeats,
+        convention="2 x buffer bytes (read + write) / best time; GB = 1e9 bytes",
+    )
 
 
 def read_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str, Any]:
     """Best-of-``repeats`` sum over a ``size``-byte float32 buffer, with numpy (one thread) and torch (all its
     threads): the rate at which this machine can stream memory in, which is what a decode step does with its
     weights. Bytes moved = ``size`` (read only); GB/s are 10^9 bytes per second; ``gbs`` is the faster method."""
-    results = {"numpy": _numpy_read_gbs(size, repeats)}
-    torch_gbs = _torch_read_gbs(size, repeats)
+    return _bandwidth_record(
+        _numpy_read_gbs(size, repeats),
+        _torch_read_gbs(size, repeats),
+        size,
+        repeats,
+        convention="buffer bytes (read only) / best time of a sum; GB = 1e9 bytes",
+    )
+
+
+def _bandwidth_record(
+    numpy_gbs: float, torch_gbs: tuple[str, float] | None, size: int, repeats: int, convention: str
+) -> dict[str, Any]:
+    """One bandwidth record: the faster of the methods measured, and each method's figure."""
+    results = {"numpy": numpy_gbs}
     if torch_gbs is not None:
         results[torch_gbs[0]] = torch_gbs[1]
     best = max(results, key=lambda k: results[k])
@@ -103,7 +109,7 @@ def read_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str,
         "by_method_gbs": results,
         "buffer_bytes": size,
         "repeats": repeats,
-        "convention": "buffer bytes (read only) / best time of a sum; GB = 1e9 bytes",
+        "convention": convention,
     }
 
 

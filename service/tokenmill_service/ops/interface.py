@@ -8,12 +8,12 @@ class under its name and is tested against the reference on random inputs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.registry import Registry
 
 
 class Ops(ABC):
@@ -74,29 +74,17 @@ class Ops(ABC):
         A query at position p sees positions 0..p of its own sequence."""
 
 
-_O = TypeVar("_O", bound=type[Ops])
-_REGISTRY: dict[str, type[Ops]] = {}
+_BACKENDS: Registry[type[Ops]] = Registry("backend")
 
-
-def register_ops(name: str) -> Callable[[_O], _O]:
-    """Class decorator: make an Ops implementation selectable as ``--backend name``."""
-
-    def wrap(cls: _O) -> _O:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+# Class decorator: make an Ops implementation selectable as ``--backend name``.
+register_ops = _BACKENDS.register
 
 
 def get_ops(name: str) -> Ops:
-    if name not in _REGISTRY and name == "triton":
+    if name == "triton" and name not in _BACKENDS:
         import tokenmill_service.ops.triton  # noqa: F401 - registers itself; imported only when asked for
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r} (available: {', '.join(sorted(_REGISTRY))})") from None
+    return _BACKENDS.get(name)()
 
 
 def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return _BACKENDS.names()

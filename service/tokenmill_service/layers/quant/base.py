@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
+from tokenmill_service.registry import Registry
 
 
 class QuantMethod(ABC):
@@ -52,30 +53,12 @@ class QuantMethod(ABC):
         """Bytes a matrix product reads for the weight (what bandwidth figures count)."""
 
 
-_M = TypeVar("_M", bound=type[QuantMethod])
-_REGISTRY: dict[str, type[QuantMethod]] = {}
+_METHODS: Registry[type[QuantMethod]] = Registry("quantization", also=", or auto")
 
-
-def register_quantization(name: str) -> Callable[[_M], _M]:
-    def wrap(cls: _M) -> _M:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def quant_method_class(name: str) -> type[QuantMethod]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown quantization {name!r} (available: {', '.join(sorted(_REGISTRY))}, or auto)"
-        ) from None
-
-
-def available_quantizations() -> list[str]:
-    return sorted(_REGISTRY)
+# Class decorator: make a method selectable as ``--quantization name``.
+register_quantization = _METHODS.register
+quant_method_class = _METHODS.get
+available_quantizations = _METHODS.names
 
 
 def kernel_dtype(act_dtype: torch.dtype) -> torch.dtype:

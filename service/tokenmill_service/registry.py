@@ -1,0 +1,39 @@
+"""Implementations chosen by name (``--backend torch``, ``--quantization int4``): one small registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bound=type)
+
+
+class Registry(Generic[T]):
+    def __init__(self, what: str, also: str = "") -> None:
+        self.what = what  # what a name picks ("backend"), for messages
+        self.also = also  # other accepted names, for messages (", or auto")
+        self._classes: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Class decorator: selectable as ``name`` (and told its name, as ``cls.name``)."""
+
+        def wrap(cls: T) -> T:
+            cls.name = name
+            self._classes[name] = cls
+            return cls
+
+        return wrap
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._classes
+
+    def get(self, name: str) -> T:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.what} {name!r} (available: {', '.join(self.names())}{self.also})"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
