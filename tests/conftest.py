@@ -52,6 +52,18 @@ def served_model(default_model_path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
+def compiled_model(default_model_path: Path) -> Any:
+    """The served model with --compile auto: its regions through torch.compile (compiled on first use)."""
+    from tokenmill_service.dtypes import resolve_dtype
+    from tokenmill_service.engine.compile import compile_model
+    from tokenmill_service.models.loader import load_model
+
+    model = load_model(default_model_path, dtype=resolve_dtype("auto", "cpu", quantized=True), quantization="auto")
+    assert compile_model(model, "auto"), "torch.compile is unavailable here (see the compile_skipped log line)"
+    return model
+
+
+@pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One real server in the default configuration (embedded model, one worker) shared by the integration tests."""
     proc = ServerProcess("--drain-seconds", "5", metrics=True).start()

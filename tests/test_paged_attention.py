@@ -1,6 +1,7 @@
 """Running through the paged KV cache gives, bit for bit, the logits of one full prefill.
 
-Uses the default model in float32. Prompts are prefilled in chunks and then decoded a token at a
+Uses the embedded model in float32 unquantized, as served by default (int4 weights), and
+compiled (``--compile auto``). Prompts are prefilled in chunks and then decoded a token at a
 time, alone and side by side with another sequence, with block tables that are deliberately not
 in order (and pad with block 0, which belongs to another sequence) so that slot arithmetic,
 gathering and masking are all exercised.
@@ -25,16 +26,19 @@ NUM_BLOCKS = 16
 
 
 class Cache:
-    """A KV cache of our own for the session's float32 model (conftest.py)."""
+    """A KV cache of our own for one of the session's models (conftest.py)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         shape = kv_cache_shape(model, NUM_BLOCKS, BLOCK_SIZE)
         self.k, self.v = torch.zeros(shape), torch.zeros(shape)
 
 
-@pytest.fixture
-def model(default_model: LlamaForCausalLM) -> Iterator[LlamaForCausalLM]:
-    yield default_model
+@pytest.fixture(params=["reference", "served", "compiled"])
+def model(request: pytest.FixtureRequest) -> Iterator[LlamaForCausalLM]:
+    """float32 unquantized; the server's default (int4 weights); the same with --compile auto."""
+    yield request.getfixturevalue(
+        {"reference": "default_model", "served": "served_model"}.get(request.param, "compiled_model")
+    )
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,15 @@ class Settings:
             "choices": ["auto", "none", "int8", "int4"],
         },
     )
+    compile: str = field(
+        default="off",
+        metadata={
+            "help": "compile the forward pass with torch.compile, every graph built during start-up; auto = "
+            "where it can (CPU, torch backend, one rank, a C++ compiler), else eager with a log line saying why. "
+            "Off by default: on CPU it measured no faster (bench/RESULTS.md) and adds 10-40 s to a worker's start",
+            "choices": ["auto", "off"],
+        },
+    )
     threads: int = field(default=0, metadata={"help": "torch threads per worker (0: the cores shared among workers)"})
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})

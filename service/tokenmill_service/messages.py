@@ -37,6 +37,8 @@ class WorkerSpec:
     threads: int
     log_format: str
     log_level: str
+    # --compile: auto (torch.compile where it can) or off.
+    compile: str = "off"
     # Seconds between two heartbeats (sent whether the engine is busy or idle).
     heartbeat_interval: float = 0.5
     # Seconds a rank waits in one collective (a step broadcast, an all-reduce) before it takes a
@@ -57,6 +59,7 @@ class WorkerInfo:
     kv_block_size: int
     quantization: str = "none"  # what the linear layers run as ("int4+none": mixed)
     weight_bytes: int = 0  # bytes of weights one forward pass reads
+    compiled_graphs: int = 0  # graphs torch.compile built during the warm-up (0: eager)
     backend: str = "torch"
 
 

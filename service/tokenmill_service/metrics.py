@@ -56,6 +56,12 @@ class Metrics:
             "Share of prompt tokens found in the prefix cache since the workers started (0 to 1)",
             registry=r,
         )
+        self.compiled_graphs = Gauge(
+            "tokenmill_compiled_graphs",
+            "Graphs torch.compile built in the serving workers (--compile); all are built before a worker is "
+            "ready, so this does not move while serving",
+            registry=r,
+        )
         self.build_info = Gauge(
             "tokenmill_build_info",
             "Always 1; the labels say what is serving",
@@ -72,6 +78,7 @@ class Metrics:
         self.workers_serving.set_function(lambda: read()["serving"])
         self.kv_cache_usage.set_function(lambda: _ratio(read(), "kv_blocks_used", "kv_blocks_total"))
         self.prefix_cache_hit_rate.set_function(lambda: _ratio(read(), "prefix_cache_hits", "prefix_cache_queries"))
+        self.compiled_graphs.set_function(lambda: read()["compiled_graphs"])
 
     def set_build_info(self, version: str, model: str, backend: str, dtype: str, quantization: str) -> None:
         self.build_info.clear()

@@ -179,6 +179,7 @@ class Router:
             quantization=s.quantization,
             backend=s.backend,
             threads=threads,
+            compile=s.compile,
             log_format=s.resolved_log_format(),
             log_level=s.log_level,
             heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),

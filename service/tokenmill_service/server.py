@@ -143,7 +143,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def engine_totals(router: Router) -> dict[str, int]:
     totals = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0, "serving": 0}
-    totals |= {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    totals |= {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "compiled_graphs": 0}
     for w in router.workers:
         if w.serving:
             totals["serving"] += 1
@@ -154,8 +154,10 @@ def engine_totals(router: Router) -> dict[str, int]:
                 totals["kv_blocks_total"] += w.stats.kv_blocks_total
                 totals["prefix_cache_queries"] += w.stats.prefix_cache_queries
                 totals["prefix_cache_hits"] += w.stats.prefix_cache_hits
+                totals["compiled_graphs"] += w.stats.compiled_graphs
             elif w.info is not None:
                 totals["kv_blocks_total"] += w.info.kv_blocks_total
+                totals["compiled_graphs"] += w.info.compiled_graphs
     return totals
 
 

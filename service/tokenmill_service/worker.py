@@ -106,6 +106,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                 kv_block_size=stats.kv_block_size,
                 quantization=engine.model.quantization,
                 weight_bytes=engine.model.weight_bytes(),
+                compiled_graphs=stats.compiled_graphs,
                 backend=spec.backend,
             ),
         )
@@ -172,6 +173,7 @@ def _dtype(spec: WorkerSpec, device: str) -> Any:
 
 def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.distributed.step_broadcast import StepBroadcast, broadcast_from_rank0
+    from tokenmill_service.engine.compile import compile_model, compiled_graphs
     from tokenmill_service.engine.llm_engine import LLMEngine
     from tokenmill_service.models.loader import load_model, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
@@ -186,17 +188,40 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
         backend=spec.backend,
         tp=tp,
     )
-    engine = LLMEngine(model, load_tokenizer(path), spec.engine)
+    tokenizer = load_tokenizer(path)
+    engine = LLMEngine(model, tokenizer, spec.engine)
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.
         broadcast_from_rank0(engine.block_manager.num_blocks, tp)
         engine.runner.broadcast = StepBroadcast(tp)
-    # Warm-up: one real prefill and decode, so the first caller does not pay for lazy set-up.
-    warm = engine.tokenizer.encode("Hello")
-    engine.add_request(GenerationRequest("warmup", warm, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))
+    if not compile_model(model, spec.compile, spec.backend, tp.size):
+        _warm_up(engine)
+        return engine
+    started = time.monotonic()
+    try:
+        _warm_up(engine)
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler raised: serve eager instead
+        log.warning("compile_failed", error=str(exc).splitlines()[0] if str(exc) else repr(exc), running="eager")
+        model.compile_regions(None)
+        del engine
+        engine = LLMEngine(model, tokenizer, spec.engine)
+        _warm_up(engine)
+        return engine
+    log.info("compiled", graphs=compiled_graphs(), seconds=round(time.monotonic() - started, 1))
+    return engine
+
+
+def _warm_up(engine: Any) -> None:
+    """Run the steps serving will run (a prefill with prompt logprobs beside a decode, then decodes of
+    one and of two sequences), so that the first caller pays for no lazy set-up and, compiled, every
+    graph exists before the worker says it is ready."""
+    tokens = engine.tokenizer.encode("Hello, world. This warms the engine up.")
+    stop = StoppingParams(max_new_tokens=3, ignore_eos=True)
+    engine.add_request(GenerationRequest("warmup-0", tokens[:1], stopping=stop))
+    engine.step()
+    engine.add_request(GenerationRequest("warmup-1", tokens, stopping=stop, prompt_logprobs=True))
     while engine.has_unfinished():
         engine.step()
-    return engine
 
 
 def _follower_main(spec: WorkerSpec, log: Any) -> None:

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -35,3 +36,7 @@ class CausalLM(Protocol):
         ...
 
     def weight_bytes(self) -> int: ...
+
+    def compile_regions(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None) -> None:
+        """Run the model's compilable regions through ``compile`` (None: eager); see engine/compile.py."""
+        ...

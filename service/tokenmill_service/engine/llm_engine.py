@@ -19,6 +19,7 @@ import torch
 
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.causal_lm import CausalLM
+from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.model_runner import (
     ModelRunner,
@@ -122,6 +123,7 @@ class LLMEngine:
             kv_block_size=self.block_manager.block_size,
             prefix_cache_queries=self.block_manager.prefix_queries,
             prefix_cache_hits=self.block_manager.prefix_hits,
+            compiled_graphs=compiled_graphs(),
         )
 
     def step(self) -> list[RequestOutput]:

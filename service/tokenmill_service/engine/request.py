@@ -108,3 +108,4 @@ class EngineStats:
     kv_block_size: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    compiled_graphs: int = 0  # graphs torch.compile built in the worker (constant once it is ready)

@@ -12,7 +12,8 @@ model's dtype (``act_dtype``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -33,6 +34,9 @@ from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
 from tokenmill_service.ops.interface import Ops
+
+# Turns a region function into its compiled form (see engine/compile.py).
+RegionCompiler = Callable[[Callable[..., object]], Callable[..., object]]
 
 
 class LlamaAttention(nn.Module):
@@ -66,17 +70,21 @@ class LlamaAttention(nn.Module):
         )
         self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of the new tokens: [T, heads, head_dim] each."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Store the new keys and values in the cache, attend over it: [T, heads * head_dim]."""
         k_cache, v_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
-        self.ops.store_kv(k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.ops.attention(q, k_cache, v_cache, meta, self.scale).flatten(1)
 
 
 class LlamaMLP(nn.Module):
@@ -112,13 +120,45 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+
+# A decoder layer runs as two regions around attention: each is a plain function of the layer and
+# flat [T, ...] tensors (no metadata, no Python lists), which is what `compile_regions` hands to a
+# compiler; attention, whose work depends on the batch's shape, stays eager between them.
+
+
+def pre_attention(
+    layer: LlamaDecoderLayer, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual add, input norm, q/k/v projection, rotary: (q, k, v, residual)."""
+    h, residual = layer.input_layernorm(x, residual)
+    q, k, v = layer.self_attn.project(positions, h)
+    return q, k, v, residual
+
+
+def post_attention(
+    layer: LlamaDecoderLayer, attn: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection, residual add, post-attention norm, MLP: (x, residual)."""
+    h, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(attn), residual)
+    return layer.mlp(h), residual
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return norm(x, residual)[0]
+
+
+def head_logits(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    return head(hidden)
+
+
+@dataclass(slots=True)
+class Regions:
+    """The functions a forward pass runs between its eager parts, compiled or as they are."""
+
+    pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = pre_attention
+    post_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = post_attention
+    final_norm: Callable[..., torch.Tensor] = final_norm
+    head_logits: Callable[..., torch.Tensor] = head_logits
 
 
 class LlamaModel(nn.Module):
@@ -142,13 +182,17 @@ class LlamaModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, head_dtype)
+        self.regions = Regions()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        run = self.regions
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
+            q, k, v, residual = run.pre_attention(layer, positions, x, residual)
+            x, residual = run.post_attention(layer, layer.self_attn.attend(q, k, v, meta), residual)
+        assert residual is not None
+        return run.final_norm(self.norm, x, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -200,7 +244,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden rows."""
-        return self.lm_head(hidden)
+        return self.model.regions.head_logits(self.lm_head, hidden)
+
+    def compile_regions(self, compile: RegionCompiler | None) -> None:
+        """Run the regions between attention calls through ``compile`` (None: eager again)."""
+        plain = Regions()
+        if compile is None:
+            self.model.regions = plain
+        else:
+            self.model.regions = Regions(
+                *(compile(getattr(plain, f.name)) for f in fields(Regions))  # type: ignore[arg-type]
+            )
 
     # -- loading ---------------------------------------------------------------------------
 

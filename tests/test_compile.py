@@ -1,0 +1,158 @@
+"""``--compile auto``: the forward pass's regions through torch.compile.
+
+In process: compiling keeps the numbers (as faithful as eager, and within the compiled path bitwise the
+same whatever the batch: tests/test_paged_attention.py runs its bitwise checks on the compiled
+model too); every graph is built by the first steps and no later step shape builds another; where
+no C++ compiler is found the model stays eager with one log line. Through the RPC: a server started
+with ``--compile auto`` builds its graphs before it is ready and none while serving, and a seeded
+request gives the same tokens and logprobs alone and in a crowd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from tests.server_process import ServerProcess
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+from tokenmill_service.engine.compile import compile_model, compiled_graphs, why_not_compiled
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+
+
+@torch.inference_mode()
+def test_the_compiled_model_is_as_faithful_to_the_reference_as_the_eager_one(
+    compiled_model: Any, reference: dict[str, Any]
+) -> None:
+    """The seams issue's bounds (mean |logprob - reference| <= 0.03, worst <= 0.25) hold compiled too.
+    (Compiled and eager differ by more than a rounding: the int4 kernels take bfloat16 halves of the
+    activations, and a last-bit change in an activation moves a product by a bfloat16 rounding.)"""
+    errors = []
+    for case in reference["prompt_logprobs"]:
+        logits = compiled_model.compute_logits(forward_prompt(compiled_model, case["ids"]))
+        logprobs = torch.log_softmax(logits.double(), -1)
+        for row, ref in zip(logprobs, case["positions"]):
+            errors.append(abs(row[ref["token"]].item() - ref["logprob"]))
+    assert sum(errors) / len(errors) <= 0.03 and max(errors) <= 0.25, (sum(errors) / len(errors), max(errors))
+
+
+@torch.inference_mode()
+def test_no_step_shape_compiles_another_graph_after_the_first_steps(compiled_model: Any) -> None:
+    runner = ModelRunner(compiled_model, block_size=16, num_blocks=64)
+
+    def plan(query_lens: list[int], starts: list[int], prompt_rows: list[tuple[int, int]]) -> StepPlan:
+        tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(query_lens))]
+        offsets = [sum(query_lens[:i]) for i in range(len(query_lens))]
+        sample = [o + n - 1 for o, n in zip(offsets, query_lens)]
+        return StepPlan([11] * sum(query_lens), query_lens, starts, tables, sample, prompt_rows)
+
+    runner.execute(plan([1], [0], []))  # what the worker's warm-up runs: one token, then a prefill
+    runner.execute(plan([5, 1], [0, 1], [(0, 5)]))  # with prompt logprobs, beside a decode
+    built = compiled_graphs()
+    assert built > 0
+    for step in (
+        plan([1], [7], []),
+        plan([1, 1], [3, 9], []),
+        plan([1] * 16, list(range(16)), []),
+        plan([37], [0], [(0, 37)]),
+        plan([20, 1, 1, 9], [30, 12, 40, 0], [(22, 9)]),
+        plan([60], [3], []),
+    ):
+        runner.execute(step)
+    assert compiled_graphs() == built
+
+
+def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
+    default_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._inductor.config as inductor_config
+
+    # What CXX=/nonexistent/g++ in the worker's environment comes to (inductor reads it at import).
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    with capture_logs() as logs:
+        assert compile_model(default_model, "auto") is False
+    skipped = [e for e in logs if e["event"] == "compile_skipped"]
+    assert len(skipped) == 1 and "C++ compiler" in skipped[0]["reason"]
+    assert default_model.model.regions.pre_attention.__module__ == "tokenmill_service.models.llama"
+
+
+def test_compile_settings(default_model: Any) -> None:
+    assert compile_model(default_model, "off") is False
+    with pytest.raises(ValueError, match="auto, off"):
+        compile_model(default_model, "on")
+    assert "triton" in str(why_not_compiled(default_model, "triton", 1))
+    assert "tensor-parallel" in str(why_not_compiled(default_model, "torch", 2))
+
+
+# -- through the RPC -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--compile", "auto", "--drain-seconds", "5", metrics=True).start(timeout=300)
+    yield proc
+    proc.stop()
+
+
+def metric(server: ServerProcess, name: str) -> float | None:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+Trace = list[tuple[int, float, tuple[tuple[int, float], ...]]]
+
+
+async def trace(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> Trace:
+    out: Trace = []
+    async for msg in stub.Generate(request, timeout=600):
+        out.extend((t.id, t.logprob, tuple((a.id, a.logprob) for a in t.top_logprobs)) for t in msg.tokens)
+    return out
+
+
+def test_a_compiled_server_builds_every_graph_before_it_is_ready(compiled_server: ServerProcess) -> None:
+    """After server_ready no step shape (one decode, a few, sixteen, prefill chunks beside decodes,
+    prompt logprobs) builds a graph, and a seeded request is bitwise the same alone and in the crowd."""
+    before = metric(compiled_server, "tokenmill_compiled_graphs")
+    assert before is not None and before > 0
+    seeded = pb.GenerateRequest(
+        chat=pb.Messages(messages=[pb.ChatMessage(role="user", content="Write a haiku about the sea.")]),
+        sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=77),
+        stopping=pb.StoppingParams(max_new_tokens=16, ignore_eos=True),
+        top_logprobs=2,
+    )
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(compiled_server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            alone = await trace(stub, seeded)
+            for width in (1, 2, 3, 16):
+                crowd = [
+                    pb.GenerateRequest(
+                        prompt=f"Count to {i + 5}:",
+                        sampling=pb.SamplingParams(temperature=0.7, seed=i),
+                        stopping=pb.StoppingParams(max_new_tokens=4 + i % 5, ignore_eos=True),
+                        prompt_logprobs=i % 4 == 0,
+                        top_logprobs=i % 3,
+                    )
+                    for i in range(width - 1)
+                ]
+                long = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[(31 * j) % 40000 + 100 for j in range(600)]),
+                    stopping=pb.StoppingParams(max_new_tokens=2, ignore_eos=True),
+                )
+                results = await asyncio.gather(*(trace(stub, r) for r in [*crowd, seeded, long]))
+                assert results[len(crowd)] == alone
+
+    asyncio.run(main())
+    assert metric(compiled_server, "tokenmill_compiled_graphs") == before
+    assert '"event": "compiled"' in compiled_server.logs()
