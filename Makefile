@@ -43,7 +43,7 @@ run: install
 	@$(BIN)/tokenmill-server --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 test: install tools
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=12 tests
 
 lint: install
 	$(BIN)/ruff check .

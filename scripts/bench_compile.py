@@ -1,0 +1,82 @@
+"""What one engine step costs eager and with ``--compile auto``, measured alternately in one process.
+
+    python scripts/bench_compile.py --repeats 10
+
+The default configuration (the embedded model, int4 as stored, float32 activations). One model is
+loaded; its regions are compiled (the time is reported, as the worker's warm-up would pay it) and
+then switched between eager and compiled for every repeat, so the two columns see the same machine
+load. Reported: the median wall time of a step, for decode steps of 1, 16 and 64 sequences (100
+tokens of context each) and a 128-token prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tokenmill_service.dtypes import resolve_dtype
+from tokenmill_service.engine.compile import compile_model, compiled_graphs
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.models.loader import load_model, resolve_model_path
+
+BLOCK = 16
+PREFILL = 128
+
+
+def plans() -> dict[str, StepPlan]:
+    """Steps of fixed shapes over a pool where sequence i owns blocks [i * 16, i * 16 + 16)."""
+
+    def decode(n: int) -> StepPlan:
+        tables = [list(range(i * 16, i * 16 + 16)) for i in range(n)]
+        return StepPlan([5] * n, [1] * n, [100] * n, tables, list(range(n)), [])
+
+    prefill = StepPlan(list(range(1, PREFILL + 1)), [PREFILL], [0], [list(range(16))], [PREFILL - 1], [])
+    return {"decode, 1 sequence": decode(1), "decode, 16": decode(16), "decode, 64": decode(64), "prefill 128": prefill}
+
+
+def time_step(runner: ModelRunner, plan: StepPlan, steps: int) -> float:
+    runner.execute(plan)
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner.execute(plan)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=6, help="alternations of eager and compiled")
+    parser.add_argument("--steps", type=int, default=3, help="steps timed per shape and repeat")
+    args = parser.parse_args()
+
+    path = resolve_model_path(None)
+    model = load_model(path, dtype=resolve_dtype("auto", "cpu", quantized=True), quantization="auto")
+    runner = ModelRunner(model, BLOCK, 64 * 16)
+    shapes = plans()
+    assert compile_model(model, "auto"), "torch.compile is unavailable here (see compile_skipped)"
+    start = time.perf_counter()
+    for plan in shapes.values():
+        runner.execute(plan)
+    built = time.perf_counter() - start
+    times: dict[str, dict[str, list[float]]] = {name: {"eager": [], "compiled": []} for name in shapes}
+    for _ in range(args.repeats):
+        for mode in ("eager", "compiled"):
+            if mode == "eager":
+                model.compile_regions(None)
+            else:
+                compile_model(model, "auto")
+            for name, plan in shapes.items():
+                times[name][mode].append(time_step(runner, plan, args.steps))
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {compiled_graphs()} graphs built in {built:.1f} s")
+    print("| step | eager ms | compiled ms | compiled / eager |")
+    print("|---|---|---|---|")
+    for name, by_mode in times.items():
+        eager, compiled = statistics.median(by_mode["eager"]), statistics.median(by_mode["compiled"])
+        print(f"| {name} | {eager:.1f} | {compiled:.1f} | {compiled / eager:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
