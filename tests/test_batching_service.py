@@ -146,4 +146,3 @@ def test_a_prefilled_prefix_gives_the_logprobs_its_decoding_gave(server_address:
             assert scored == decoded[:20]
 
     run(main())
-

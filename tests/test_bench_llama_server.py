@@ -51,6 +51,8 @@ class Script:
     """Send an error event after this many tokens."""
     status: int = 200
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    peers: list[object] = field(default_factory=list)
+    """The client address of each /completion request (one per connection)."""
 
 
 SCRIPT = web.AppKey("script", Script)
@@ -64,6 +66,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     script: Script = request.app[SCRIPT]
     body = await request.json()
     script.bodies.append(body)
+    script.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
     if script.status != 200:
         return web.json_response({"error": {"code": script.status, "message": "bad request"}}, status=script.status)
     n = body["n_predict"]
@@ -178,6 +181,19 @@ def test_request_asks_for_the_same_tokens_tokenmill_gets(fake: FakeLlamaServer) 
     assert body["prompt"] == ids and body["n_predict"] == 5
     assert body["stream"] is True and body["ignore_eos"] is True
     assert body["temperature"] == 0.0 and body["top_k"] == 1  # greedy, as tokenmill's bench requests
+
+
+def test_every_request_gets_a_connection_of_its_own(fake: FakeLlamaServer) -> None:
+    """Regression: llama-server closes keep-alive connections left idle for 5 s (tokenmill's turn at a
+    level is longer), and a reused one failed mid-write; so the bench never reuses one."""
+
+    async def two_rounds(peer: LlamaServer) -> list[Any]:
+        first = await asyncio.gather(*(peer.request(i, [1, 2], 2, 10.0, "c2") for i in range(2)))
+        return [*first, *await asyncio.gather(*(peer.request(i, [1, 2], 2, 10.0, "c2") for i in range(2)))]
+
+    records = _run(two_rounds, fake.url)
+    assert all(r.error is None for r in records)
+    assert len(fake.script.peers) == 4 and len(set(fake.script.peers)) == 4
 
 
 def test_stream_is_counted_by_tokens_not_events(fake: FakeLlamaServer) -> None:

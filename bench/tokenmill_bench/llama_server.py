@@ -87,7 +87,11 @@ class LlamaServer:
 
     async def __aenter__(self) -> Self:
         # No connection limit: 64 streams need 64 connections at once (aiohttp's default pool holds 100).
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), read_bufsize=_READ_BUFFER_BYTES)
+        # A connection per request: llama-server drops idle keep-alive connections after 5 s (and any
+        # after 5 requests), so a pooled one reused after tokenmill's turn at a level fails mid-write
+        # ("Can not write request body"), which once failed 60 of 163 peer requests in a run.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        self._session = aiohttp.ClientSession(connector=connector, read_bufsize=_READ_BUFFER_BYTES)
         return self
 
     async def __aexit__(
