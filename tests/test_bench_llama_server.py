@@ -26,7 +26,7 @@ from aiohttp import web
 
 from tokenmill_bench.comparison import compare_levels, compare_long_prompts
 from tokenmill_bench.llama_server import LlamaServer, completion_body
-from tokenmill_bench.load import prompt_ids, run_level
+from tokenmill_bench.load import prompt_ids, random_prompt_ids, run_level
 from tokenmill_bench.report import format_tables
 
 pytestmark = pytest.mark.protocol_format
@@ -330,4 +330,11 @@ def test_bench_prints_tokenmill_beside_the_peer(server_address: str, fake: FakeL
     # Requests reached the fake as tokenmill's: warm-up, levels (1 + 2 requests), then the long prompts.
     lengths = [len(body["prompt"]) for body in fake.script.bodies]
     assert lengths == [8, 8, 8, 8, 20, 40]
+    # Long prompts come from a seed drawn for this run (a llama-server slot kept from an earlier run
+    # must not hold them), recorded in the results.
+    seed = data["settings"]["long_prompt_seed"]
+    vocab = data["model"]["vocab_size"]
+    assert [body["prompt"] for body in fake.script.bodies[4:]] == [
+        random_prompt_ids(n, seed=seed + n, vocab_size=vocab) for n in (20, 40)
+    ]
     assert format_tables(data) == proc.stdout.rstrip("\n")

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import random
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -143,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LENGTHS",
         help="time to first token of one request per length of random token ids with max_new_tokens 1, on both "
         f"sides (default with --peer: {','.join(map(str, DEFAULT_LONG_PROMPTS))}; otherwise none; 0 for none)",
+    )
+    parser.add_argument(
+        "--long-prompt-seed",
+        type=int,
+        default=None,
+        help="seed of the long prompts' token ids (default: a fresh one each run, so that no cache, such as a "
+        "llama-server slot kept from an earlier run, has seen them; the JSON records it)",
     )
     out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON here")
     out.add_argument("--plot", type=Path, metavar="PNG", help="also draw throughput/latency vs concurrency here")
@@ -296,7 +304,7 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
             first_index += n
 
         for length in args.long_prompts:
-            ids = random_prompt_ids(length, seed=length, vocab_size=info.vocab_size)
+            ids = random_prompt_ids(length, seed=args.long_prompt_seed + length, vocab_size=info.vocab_size)
             for target in targets:
                 log.info("long_prompt", side=target.name, prompt_tokens=length)
                 record = await target.request(800_000 + length, ids, 1, args.request_timeout, f"long{length}")
@@ -453,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
             "shared_prompt": args.shared_prompt,
             "ramp_s": args.ramp_s,
             "long_prompts": args.long_prompts,
+            "long_prompt_seed": args.long_prompt_seed,
             "request_timeout_s": args.request_timeout,
             "sampling": "greedy (temperature 0), ignore_eos",
             "single_stream_from": "the concurrency-1 level",
@@ -625,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.concurrency = list(PEER_CONCURRENCY if args.peer else DEFAULT_CONCURRENCY)
     if args.long_prompts is None:
         args.long_prompts = list(DEFAULT_LONG_PROMPTS) if args.peer else []
+    if args.long_prompt_seed is None:
+        args.long_prompt_seed = random.SystemRandom().randrange(1 << 31)
     configure_logging(args.quiet)
     return run(args)
 
