@@ -70,7 +70,9 @@ def main() -> None:
             for name, plan in shapes.items():
                 times[name][mode].append(time_step(runner, plan, args.steps))
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {compiled_graphs()} graphs built in {built:.1f} s")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {compiled_graphs()} graphs built in {built:.1f} s"
+    )
     print("| step | eager ms | compiled ms | compiled / eager |")
     print("|---|---|---|---|")
     for name, by_mode in times.items():

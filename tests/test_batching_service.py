@@ -103,17 +103,18 @@ def test_tokens_and_logprobs_are_bitwise_the_same_alone_and_among_15_others(serv
                     sampling=pb.SamplingParams(temperature=1.0),
                     stopping=pb.StoppingParams(max_new_tokens=10 + i, ignore_eos=True),
                 )
-                for i in range(11)
+                for i in range(13)
             ]
             # Long prompts (over one 512-token step) arrive alongside and are prefilled in chunks.
             others += [
                 pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=[(97 * i + j) % 40000 + 100 for j in range(700 + 50 * i)]),
+                    token_ids=pb.TokenIds(ids=[(97 * i + j) % 40000 + 100 for j in range(600 + 50 * i)]),
                     stopping=pb.StoppingParams(max_new_tokens=4, ignore_eos=True),
                 )
-                for i in range(4)
+                for i in range(2)
             ]
             batch = [*others[:7], SEEDED, GREEDY, *others[7:]]
+            assert len(batch) == 17  # the two under test among 15 others
             results = await asyncio.gather(*(trace(stub, r) for r in batch))
             assert results[7] == alone_seeded
             assert results[8] == alone_greedy

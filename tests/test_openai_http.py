@@ -27,13 +27,6 @@ MODEL = "tokenmill"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess().start()
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=600) as c:
         yield c

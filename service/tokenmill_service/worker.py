@@ -212,14 +212,11 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
 
 
 def _warm_up(engine: Any) -> None:
-    """Run the steps serving will run (a prefill with prompt logprobs beside a decode, then decodes of
-    one and of two sequences), so that the first caller pays for no lazy set-up and, compiled, every
-    graph exists before the worker says it is ready."""
-    tokens = engine.tokenizer.encode("Hello, world. This warms the engine up.")
-    stop = StoppingParams(max_new_tokens=3, ignore_eos=True)
-    engine.add_request(GenerationRequest("warmup-0", tokens[:1], stopping=stop))
-    engine.step()
-    engine.add_request(GenerationRequest("warmup-1", tokens, stopping=stop, prompt_logprobs=True))
+    """One real prefill and decode, so that the first caller pays for no lazy set-up. Compiled, that
+    builds every graph: each region has one graph for any number of tokens (engine/compile.py), and
+    tests/test_compile.py checks that no step shape builds another afterwards."""
+    tokens = engine.tokenizer.encode("Hello")
+    engine.add_request(GenerationRequest("warmup", tokens, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))
     while engine.has_unfinished():
         engine.step()
 
