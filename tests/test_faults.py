@@ -94,7 +94,7 @@ def collect(strategy: st.SearchStrategy[bytes], n: int) -> list[bytes]:
     return out
 
 
-async def send_all(address: str, payloads: list[bytes], concurrency: int = 32) -> dict[str, int]:
+async def send_all(address: str, payloads: list[bytes], concurrency: int = 64) -> dict[str, int]:
     """Send raw payloads as Generate calls; an answer is an error status or a first message."""
     codes: dict[str, int] = {}
     gate = asyncio.Semaphore(concurrency)
