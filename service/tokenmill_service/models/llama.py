@@ -102,6 +102,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A layer's modules; ``LlamaModel.forward`` runs it as ``pre_attention``, attention, ``post_attention``."""
+
     def __init__(
         self,
         config: ModelConfig,
