@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import IO
 
@@ -62,6 +63,15 @@ class ServerProcess:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"tokenmill-server not SERVING after {timeout}s:\n{self.logs()[-4000:]}")
+
+    def metric(self, name: str) -> float | None:
+        """One sample of ``name`` from the Prometheus endpoint (started with ``metrics=True``); None if absent."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        for line in body.splitlines():
+            if line.startswith((name + " ", name + "{")):
+                return float(line.rsplit(" ", 1)[1])
+        return None
 
     def logs(self) -> str:
         self.log.flush()

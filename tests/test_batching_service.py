@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from tests.streams import trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 
@@ -64,17 +65,6 @@ def test_64_concurrent_streams_all_finish_and_cancelling_32_frees_every_block(se
             assert state.kv_blocks_total > 0
 
     run(main())
-
-
-Trace = list[tuple[int, float, tuple[tuple[int, float], ...]]]
-
-
-async def trace(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> Trace:
-    """Every generated token with its logprob and top alternatives: compared bit for bit."""
-    out: Trace = []
-    async for msg in stub.Generate(request, timeout=600):
-        out.extend((t.id, t.logprob, tuple((a.id, a.logprob) for a in t.top_logprobs)) for t in msg.tokens)
-    return out
 
 
 SEEDED = pb.GenerateRequest(

@@ -11,7 +11,6 @@ request gives the same tokens and logprobs alone and in a crowd.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.server_process import ServerProcess
+from tests.streams import trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.compile import compile_model, compiled_graphs, why_not_compiled
@@ -101,28 +101,10 @@ def compiled_server() -> Iterator[ServerProcess]:
     proc.stop()
 
 
-def metric(server: ServerProcess, name: str) -> float | None:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith((name + " ", name + "{")):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-Trace = list[tuple[int, float, tuple[tuple[int, float], ...]]]
-
-
-async def trace(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> Trace:
-    out: Trace = []
-    async for msg in stub.Generate(request, timeout=600):
-        out.extend((t.id, t.logprob, tuple((a.id, a.logprob) for a in t.top_logprobs)) for t in msg.tokens)
-    return out
-
-
 def test_a_compiled_server_builds_every_graph_before_it_is_ready(compiled_server: ServerProcess) -> None:
     """After server_ready no step shape (one decode, three, sixteen, prefill chunks beside decodes,
     prompt logprobs) builds a graph, and a seeded request is bitwise the same alone and in the crowd."""
-    before = metric(compiled_server, "tokenmill_compiled_graphs")
+    before = compiled_server.metric("tokenmill_compiled_graphs")
     assert before is not None and before > 0
     seeded = pb.GenerateRequest(
         chat=pb.Messages(messages=[pb.ChatMessage(role="user", content="Write a haiku about the sea.")]),
@@ -157,5 +139,5 @@ def test_a_compiled_server_builds_every_graph_before_it_is_ready(compiled_server
                 assert results[len(crowd)] == alone
 
     asyncio.run(main())
-    assert metric(compiled_server, "tokenmill_compiled_graphs") == before
+    assert compiled_server.metric("tokenmill_compiled_graphs") == before
     assert '"event": "compiled"' in compiled_server.logs()

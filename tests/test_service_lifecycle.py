@@ -57,23 +57,15 @@ def idle(stub: pb_grpc.GenerationStub) -> None:
     pytest.fail("the server did not become idle and serving")
 
 
-def metric(server: ServerProcess, name: str) -> float | None:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith((name + " ", name + "{")):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def test_one_generate_adds_one_to_the_ttft_histogram(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
     names = ("tokenmill_time_to_first_token_seconds_count", "tokenmill_generated_tokens_total")
     ok = 'tokenmill_requests_total{code="OK"}'
-    before = {name: metric(server, name) or 0.0 for name in (*names, ok)}
+    before = {name: server.metric(name) or 0.0 for name in (*names, ok)}
     list(stub.Generate(pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingParams(max_new_tokens=3)), metadata=AUTH))
-    assert metric(server, names[0]) == before[names[0]] + 1
-    assert metric(server, names[1]) == before[names[1]] + 3
-    assert metric(server, ok) == before[ok] + 1
-    assert metric(server, "tokenmill_kv_blocks_total") is not None
+    assert server.metric(names[0]) == before[names[0]] + 1
+    assert server.metric(names[1]) == before[names[1]] + 3
+    assert server.metric(ok) == before[ok] + 1
+    assert server.metric("tokenmill_kv_blocks_total") is not None
 
 
 def test_calls_without_the_bearer_token_are_unauthenticated(stub: pb_grpc.GenerationStub) -> None:
