@@ -24,12 +24,19 @@ COPY . .
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------------
-# runtime-cpu: Python and the CPU build of torch, from the PyTorch CPU index (no CUDA libraries).
+# runtime-cpu: Python and the CPU build of torch, from the PyTorch CPU index (no CUDA libraries),
+# and g++: the native kernel for GGUF weights (and --compile auto) is built for the CPU it runs on,
+# at the first start, into $XDG_CACHE_HOME (the chart puts it on /tmp).
 FROM ${PYTHON_IMAGE} AS runtime-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    VIRTUAL_ENV=/opt/tokenmill PATH=/opt/tokenmill/bin:$PATH
-RUN python -m venv "$VIRTUAL_ENV" \
+    VIRTUAL_ENV=/opt/tokenmill PATH=/opt/tokenmill/bin:$PATH \
+    DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/* \
+ && python -m venv "$VIRTUAL_ENV" \
  && pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch>=2.4"
 
 # ---------------------------------------------------------------------------------------------------

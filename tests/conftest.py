@@ -44,7 +44,7 @@ def default_model(default_model_path: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def served_model(default_model_path: Path) -> Any:
-    """The model as the server runs it by default: --quantization auto (int4 as the GGUF stores it), --dtype auto."""
+    """The model as the server runs it by default: --quantization auto (the GGUF's blocks as stored), --dtype auto."""
     from tokenmill_service.dtypes import resolve_dtype
     from tokenmill_service.models.loader import load_model
 

@@ -162,7 +162,7 @@ def test_a_denormal_temperature_is_greedy_and_long_request_ids_are_refused(serve
 
 @pytest.fixture(scope="module")
 def two_workers() -> Iterator[ServerProcess]:
-    # The default configuration (int4 weights, float32 activations), two replicas.
+    # The default configuration (the GGUF's blocks, float32 activations), two replicas.
     proc = ServerProcess("--workers", "2", "--heartbeat-timeout", "2", "--drain-seconds", "5").start(timeout=300)
     yield proc
     proc.stop()

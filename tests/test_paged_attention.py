@@ -1,6 +1,6 @@
 """Running through the paged KV cache gives, bit for bit, the logits of one full prefill.
 
-Uses the embedded model in float32 unquantized, as served by default (int4 weights), and
+Uses the embedded model in float32 unquantized, as served by default (the GGUF's blocks), and
 compiled (``--compile auto``). Prompts are prefilled in chunks and then decoded a token at a
 time, alone and side by side with another sequence, with block tables that are deliberately not
 in order (and pad with block 0, which belongs to another sequence) so that slot arithmetic,
@@ -35,7 +35,7 @@ class Cache:
 
 @pytest.fixture(params=["reference", "served", "compiled"])
 def model(request: pytest.FixtureRequest) -> Iterator[LlamaForCausalLM]:
-    """float32 unquantized; the server's default (int4 weights); the same with --compile auto."""
+    """float32 unquantized; the server's default (the GGUF's blocks); the same with --compile auto."""
     yield request.getfixturevalue(
         {"reference": "default_model", "served": "served_model"}.get(request.param, "compiled_model")
     )

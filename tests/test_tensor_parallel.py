@@ -111,7 +111,7 @@ def test_int4_shards_quantize_the_same_groups(checkpoint: Path, sharded: dict[in
 
 
 def _rank_prompt_logprobs(rank: int, size: int, port: int, prompts: list[list[int]], out: str) -> None:
-    """One rank of the embedded model in its default configuration (int4 as stored, float32)."""
+    """One rank of the embedded model in its default configuration (the GGUF's blocks as stored, float32)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:

@@ -59,8 +59,9 @@ class Settings:
         default="auto",
         metadata={
             "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
-            "(a GGUF's Q4_0/Q4_1 served as int4), none = dense",
-            "choices": ["auto", "none", "int8", "int4"],
+            "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernel where it can be built, else "
+            "Q4_0/Q4_1 as int4), gguf = that kernel or fail, none = dense",
+            "choices": ["auto", "gguf", "none", "int8", "int4"],
         },
     )
     compile: str = field(

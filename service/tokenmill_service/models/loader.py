@@ -18,13 +18,16 @@ from gguf import GGMLQuantizationType as QType
 from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
+from tokenmill_service.layers.quant.blocks import SERVED_TYPES
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.dims import ModelDims
 from tokenmill_service.models.gguf_loader import iter_gguf
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.native import block_gemm
 from tokenmill_service.ops import get_ops
+from tokenmill_service.ops.native_cpu_ops import NativeCpuOps, native_attention_serves
 from tokenmill_service.ops.triton_support import interpreter_enabled
 
 log = structlog.get_logger(__name__)
@@ -102,30 +105,46 @@ _PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": (
 _INT4_TYPES = {QType.Q4_0, QType.Q4_1}
 
 
-def quantization_for(setting: str, prefix: str, config: ModelConfig, types: dict[str, QType]) -> str:
+def quantization_for(
+    setting: str, prefix: str, config: ModelConfig, types: dict[str, QType], native: bool = False
+) -> str:
     """The quantization method of one linear layer (``prefix``) under ``--quantization setting``.
 
-    ``auto`` serves a GGUF's tensors as they are stored: Q4_0/Q4_1 as int4; Q8_0 and float
-    tensors dense (exactly dequantized: the per-channel int8 kernel cannot hold Q8_0's scale per
-    32 weights, and re-quantizing SmolLM2's Q8_0 output head alone costs 0.046 of mean logprob
-    error). Under ``int4`` the output head is int8: it is the layer whose rounding shows most.
+    ``auto`` serves a GGUF's tensors as they are stored. With ``native`` (tokenmill's CPU kernel
+    can run: a CPU, float32 activations, the kernel built) every Q4_0, Q4_1 and Q8_0 matrix is
+    ``gguf``: the file's blocks multiplied as they are. Otherwise Q4_0/Q4_1 are int4 and Q8_0 and
+    float tensors dense (exactly dequantized: the per-channel int8 kernel cannot hold Q8_0's
+    scale per 32 weights, and re-quantizing SmolLM2's Q8_0 output head alone costs 0.046 of mean
+    logprob error). ``gguf`` is ``auto`` that insists on the kernel. Under ``int4`` the output
+    head is int8: it is the layer whose rounding shows most.
     """
     if prefix == "lm_head":
         sources = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     else:
         parent, _, leaf = prefix.rpartition(".")
         sources = [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
-    if setting == "auto":
+    if setting in ("auto", "gguf"):
         kinds = {types.get(name) for name in sources}
+        if (native or setting == "gguf") and len(kinds) == 1 and kinds <= SERVED_TYPES:
+            return "gguf"
         return "int4" if kinds <= _INT4_TYPES else "none"
     if prefix == "lm_head" and setting == "int4":
         return "int8"
     return setting
 
 
+def native_kernel_serves(device: str | torch.device, dtype: torch.dtype) -> str | None:
+    """None when ``auto`` can serve GGUF blocks with the native kernel here; otherwise why not."""
+    if torch.device(device).type != "cpu":
+        return f"it runs on the CPU, and this model is on {device}"
+    if dtype != torch.float32:
+        return f"it computes in float32, and --dtype is {str(dtype).removeprefix('torch.')}"
+    return block_gemm.unavailable_reason()
+
+
 def serves_quantized(path: Path, quantization: str) -> bool:
     """Whether ``--quantization`` gives this checkpoint quantized linear layers (``auto``: a GGUF's)."""
-    if quantization == "auto":
+    if quantization in ("auto", "gguf"):
         return _is_gguf(path)
     return quantization != "none"
 
@@ -142,19 +161,24 @@ def load_model(
 
     ``dtype`` is what the linear layers compute in (the residual stream, norms, attention and
     logits are float32 whatever it is); ``quantization`` is ``none``, ``auto`` or a registered
-    method (``int8``, ``int4``); ``backend`` names the ops implementation (``torch``, ``triton``).
+    method (``gguf``, ``int8``, ``int4``); ``backend`` names the ops implementation (``torch``, ``triton``).
     """
     if backend == "triton" and dtype != torch.float32 and interpreter_enabled():
         log.warning("triton_interpreter_float32", asked=str(dtype), reason="Triton's interpreter has no bfloat16")
         dtype = torch.float32
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
-    if quantization != "auto":
+    if quantization not in ("auto", "gguf"):
         quant_method_class(quantization)  # an unknown name fails here, before any reading
+    why_not_native = native_kernel_serves(device, dtype) if quantization in ("auto", "gguf") else None
+    if quantization == "gguf" and why_not_native is not None:
+        raise ModelLoadError(f"--quantization gguf needs tokenmill's native CPU kernel: {why_not_native}")
     start = time.perf_counter()
     path = Path(path)
     config, types, items, name = _open_checkpoint(path)
     config.name = name
+    if quantization == "gguf" and not types:
+        raise ModelLoadError(f"--quantization gguf serves a GGUF file's blocks; {path} is not a GGUF file")
     if tp is not None and tp.size > 1:
         dims = ModelDims(
             config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, config.vocab_size
@@ -164,10 +188,12 @@ def load_model(
         except ValueError as e:
             raise ModelLoadError(f"{path}: {e}") from None
     ops = get_ops(backend)
+    if backend == "torch" and native_attention_serves(device, dtype, config.head_dim) is None:
+        ops = NativeCpuOps()  # the same ops with attention in the native kernel
     methods: dict[str, str] = {}
 
     def quant(prefix: str) -> QuantMethod:
-        methods[prefix] = quantization_for(quantization, prefix, config, types)
+        methods[prefix] = quantization_for(quantization, prefix, config, types, native=why_not_native is None)
         return quant_method_class(methods[prefix])(dtype)
 
     # Quantized weights: keep the embedding table exact (float32); only looked-up rows are read.
@@ -182,6 +208,8 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     counts = {m: list(methods.values()).count(m) for m in sorted(set(methods.values()))}
+    if quantization == "auto" and types and why_not_native is not None:
+        log.info("native_kernel_skipped", reason=why_not_native, instead=counts)
     model.quantization = "+".join(sorted(counts)) if len(counts) > 1 else next(iter(counts))
     log.info(
         "model_loaded",
@@ -191,6 +219,7 @@ def load_model(
         dtype=str(dtype),
         device=str(device),
         backend=backend,
+        attention="native" if isinstance(ops, NativeCpuOps) else backend,
         quantization=quantization,
         linear_layers=counts,
         weight_bytes=model.weight_bytes(),
@@ -206,6 +235,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "load_model",
+    "native_kernel_serves",
     "quantization_for",
     "resolve_model_path",
     "serves_quantized",

@@ -48,6 +48,12 @@ class AttentionMetadata:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_size: int
+    # Flat per-token view, for kernels that take each query on its own (native/paged_attention.py):
+    # the absolute position [T] and sequence [T] of each new token, and every sequence's block
+    # table, [S, max blocks] int64 padded with 0.
+    positions: torch.Tensor
+    seq_of_token: torch.Tensor
+    block_tables: torch.Tensor
     extra: dict[str, object] = field(default_factory=dict)  # backend-specific additions
 
 
@@ -106,12 +112,21 @@ def build_attention_metadata(
     block_size = k_cache.shape[2]
     if KEY_CHUNK % block_size:
         raise ValueError(f"the KV block size ({block_size}) must divide {KEY_CHUNK}")
-    offsets, slots = [], []
+    offsets, slots, positions, seq_of_token = [], [], [], []
     total = 0
-    for n, start, table in zip(query_lens, starts, block_tables):
+    for i, (n, start, table) in enumerate(zip(query_lens, starts, block_tables)):
         offsets.append(total)
         total += n
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        positions.extend(range(start, start + n))
+        seq_of_token.extend([i] * n)
+    # Only the blocks the step's queries can see (a table may hold blocks reserved for later tokens).
+    width = max((-(-(s + n) // block_size) for s, n in zip(starts, query_lens)), default=0)
+    tables = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
+
+    def t(x: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     prefills = [i for i, n in enumerate(query_lens) if n > 1]
     groups = [
@@ -120,10 +135,13 @@ def build_attention_metadata(
         if seqs
     ]
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=t(slots),
         groups=groups,
         num_tokens=total,
         k_cache=k_cache,
         v_cache=v_cache,
         block_size=block_size,
+        positions=t(positions),
+        seq_of_token=t(seq_of_token),
+        block_tables=t(tables).view(len(block_tables), width),
     )

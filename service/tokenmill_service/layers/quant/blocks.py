@@ -1,0 +1,58 @@
+"""GGUF's block formats served as stored: ``--quantization gguf`` (the default for a GGUF on a CPU).
+
+The layer keeps the file's own bytes (Q4_0, Q4_1 or Q8_0: a float16 scale, for Q4_1 a float16
+minimum, and 32 quantized weights per block) and multiplies them with tokenmill's native kernel
+(``native/block_gemm.cpp``): float32 activations, each weight dequantized exactly as gguf
+does, float32 sums in an order fixed per output, so a row's result is the same whatever else is in
+its batch. Unlike the int4/int8 methods nothing is rounded to bfloat16 on the way, so the served
+default is as close to the float32 reference as the file allows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks
+from tokenmill_service.native import block_gemm as native
+
+SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
+
+
+@register_quantization("gguf")
+class GGUFBlocksMethod(QuantMethod):
+    def __init__(self, act_dtype: torch.dtype) -> None:
+        super().__init__(act_dtype)
+        if (reason := native.unavailable_reason()) is not None:
+            raise ValueError(f"--quantization gguf needs tokenmill's native CPU kernel, which is unavailable: {reason}")
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        if in_features % QUANT_BLOCK:
+            raise ValueError(f"gguf needs input features divisible by {QUANT_BLOCK}; this layer has {in_features}")
+        layer.qtype = None
+        # Sized at the first load, once the checkpoint says which format the layer is stored in.
+        layer.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
+
+    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+        if not isinstance(tensor, GGUFBlocks) or tensor.qtype not in SERVED_TYPES:
+            kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
+            names = ", ".join(sorted(t.name for t in SERVED_TYPES))
+            raise ValueError(f"--quantization gguf serves {names} tensors as stored, not {kind}")
+        if layer.qtype is None:
+            layer.qtype = tensor.qtype
+            shape = (layer.out_features, tensor.data.shape[1], tensor.data.shape[2])
+            layer.blocks = torch.empty(shape, dtype=torch.uint8, device=layer.blocks.device)
+        elif tensor.qtype != layer.qtype:
+            raise ValueError(f"one layer stored as both {layer.qtype.name} and {tensor.qtype.name}")
+        layer.blocks[rows] = tensor.data
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = native.block_gemm(x, layer.blocks, int(layer.qtype), layer.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        return native.block_dequantize(layer.blocks, int(layer.qtype))
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return layer.blocks.numel()

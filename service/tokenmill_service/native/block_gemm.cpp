@@ -1,0 +1,180 @@
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q8_0) kept as stored,
+// float32 activations and output. Built and loaded by native.py (g++ -O3 -march=native -fopenmp).
+//
+// Two promises shape the code:
+// - Faithful: each weight is dequantized exactly as gguf does (q * d, + m for Q4_1; q * d is exact
+//   in float32, so the fused multiply-add rounds once, like the multiply-then-add it replaces) and
+//   the products are summed in float32.
+// - Batch-invariant: every output y[i, n] is reduced in one fixed order (16 float32 lanes over K
+//   in steps of 16, then one fixed horizontal sum), whatever M is, how the rows are tiled and how
+//   the outputs are split between threads. A sequence's result never depends on its batch.
+//
+// Speed: a tile of weight rows is dequantized once into a small float32 buffer (L1) and reused by
+// every activation row; a 6 x 4 register tile of accumulators keeps the FMA units busy.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#if !defined(__AVX512F__) || !defined(__F16C__)
+#error "block_gemm needs AVX-512F and F16C"
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // weights per block in every format
+constexpr int MT = 6;       // activation rows per register tile
+constexpr int NT = 4;       // weight rows per register tile
+
+// ggml's type ids.
+enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+int64_t block_bytes(int fmt) {
+  switch (fmt) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 0;
+  }
+}
+
+inline __m512 half_at(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _mm512_set1_ps(_cvtsh_ss(h));
+}
+
+// One block of 32 weights, dequantized into out[0..31] in column order. GGUF's 4-bit layout: byte j
+// holds weight j in its low nibble and weight j + 16 in its high nibble.
+template <int F>
+inline void dequantize_block(const uint8_t* b, float* out) {
+  if constexpr (F == Q8_0) {
+    const __m512 d = half_at(b);
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
+    _mm512_storeu_ps(out, _mm512_mul_ps(q0, d));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(q1, d));
+  } else {
+    const uint8_t* qs = b + (F == Q4_1 ? 4 : 2);
+    const __m128i v = _mm_loadu_si128((const __m128i*)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    const __m512 d = half_at(b);
+    if constexpr (F == Q4_1) {
+      const __m512 m = half_at(b + 2);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m));
+      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m));
+    } else {  // Q4_0: (q - 8) * d
+      const __m512i eight = _mm512_set1_epi32(8);
+      lo = _mm512_sub_epi32(lo, eight);
+      hi = _mm512_sub_epi32(hi, eight);
+      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
+      _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+    }
+  }
+}
+
+template <int F>
+void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
+  const int64_t blocks = k / QK, bytes = block_bytes(F);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) dequantize_block<F>(w + (r * blocks + b) * bytes, out + r * k + b * QK);
+}
+
+// y[i, j] for the m x n tile at x (rows of k, stride k) and w (n dequantized rows of k).
+template <int M, int N>
+inline void tile(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  __m512 acc[M][N];
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 xv[M];
+    for (int i = 0; i < M; ++i) xv[i] = _mm512_loadu_ps(x + i * k + c);
+    for (int j = 0; j < N; ++j) {
+      const __m512 wv = _mm512_loadu_ps(w + j * k + c);
+      for (int i = 0; i < M; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int M>
+inline void tile_rows(int n, const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  switch (n) {
+    case 4: tile<M, 4>(x, w, k, y, ldy); break;
+    case 3: tile<M, 3>(x, w, k, y, ldy); break;
+    case 2: tile<M, 2>(x, w, k, y, ldy); break;
+    default: tile<M, 1>(x, w, k, y, ldy); break;
+  }
+}
+
+inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  switch (m) {
+    case 6: tile_rows<6>(n, x, w, k, y, ldy); break;
+    case 5: tile_rows<5>(n, x, w, k, y, ldy); break;
+    case 4: tile_rows<4>(n, x, w, k, y, ldy); break;
+    case 3: tile_rows<3>(n, x, w, k, y, ldy); break;
+    case 2: tile_rows<2>(n, x, w, k, y, ldy); break;
+    default: tile_rows<1>(n, x, w, k, y, ldy); break;
+  }
+}
+
+template <int F>
+void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
+  const int64_t row_bytes = k / QK * block_bytes(F);
+  const int64_t tiles = (n + NT - 1) / NT;
+  // Activation rows per pass: as many as stay in a core's L2 beside the weights.
+  const int64_t chunk = std::max<int64_t>(MT, (256 * 1024 / (k * 4)) / MT * MT);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    std::vector<float> buf(NT * k);
+    const int64_t first = tiles * t / nt, last = tiles * (t + 1) / nt;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+      const int64_t m1 = std::min(m, m0 + chunk);
+      for (int64_t tn = first; tn < last; ++tn) {
+        const int64_t n0 = tn * NT;
+        const int cols = (int)std::min<int64_t>(NT, n - n0);
+        dequantize_rows<F>(w + n0 * row_bytes, cols, k, buf.data());
+        for (int64_t i = m0; i < m1; i += MT) {
+          const int rows = (int)std::min<int64_t>(MT, m1 - i);
+          tile_any(rows, cols, x + i * k, buf.data(), k, y + i * n + n0, n);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for an unknown format, -2 for k not a multiple of 32.
+int tm_block_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
+                  int threads) {
+  if (k % QK) return -2;
+  switch (fmt) {
+    case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); return 0;
+    case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); return 0;
+    case Q8_0: gemm<Q8_0>(x, m, k, w, n, y, threads); return 0;
+    default: return -1;
+  }
+}
+
+// Dequantizes n rows of k weights into out (float32 [n, k]): what the product multiplies by.
+int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
+  if (k % QK) return -2;
+  switch (fmt) {
+    case Q4_0: dequantize_rows<Q4_0>(w, n, k, out); return 0;
+    case Q4_1: dequantize_rows<Q4_1>(w, n, k, out); return 0;
+    case Q8_0: dequantize_rows<Q8_0>(w, n, k, out); return 0;
+    default: return -1;
+  }
+}
+}

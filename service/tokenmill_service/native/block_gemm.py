@@ -1,0 +1,75 @@
+"""``x @ W.T`` for W in GGUF's block formats, kept as stored (block_gemm.cpp; see there for the
+numerics). Under ``torch.compile`` the product is the custom op ``tokenmill::block_gemm``, which
+dynamo keeps as one opaque call; eager code calls the library directly, without the dispatcher."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenmill_service.native import build
+
+# ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads).
+FORMATS = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = build.load("block_gemm")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tm_block_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.tm_block_gemm.restype = ctypes.c_int
+    lib.tm_block_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.tm_block_dequantize.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    return build.unavailable_reason("block_gemm")
+
+
+def _check(rc: int, fmt: int) -> None:
+    if rc == -1:
+        raise ValueError(f"ggml type {fmt} is not a block format the native kernel reads")
+    if rc == -2:
+        raise ValueError("the input dimension must be a multiple of 32")
+
+
+def _gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        rc = _lib().tm_block_gemm(
+            fmt, x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
+        )
+        _check(rc, fmt)
+    return y
+
+
+@torch.library.custom_op("tokenmill::block_gemm", mutates_args=())
+def _block_gemm_op(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    return _gemm(x, blocks, fmt, n)
+
+
+@_block_gemm_op.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+
+def block_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    """``x [M, K] @ W.T`` as float32 [M, n], for ``blocks`` uint8 [n, K // 32, bytes per block]
+    (contiguous, on the CPU) in ggml format ``fmt``. Each row's result is independent of M."""
+    if torch.compiler.is_compiling():
+        return _block_gemm_op(x, blocks, fmt, n)
+    return _gemm(x, blocks, fmt, n)
+
+
+def block_dequantize(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The weight [n, K] as float32, exactly the values ``block_gemm`` multiplies by."""
+    blocks = blocks.contiguous()
+    n, k = blocks.shape[0], blocks.shape[1] * 32
+    out = torch.empty(n, k, dtype=torch.float32)
+    _check(_lib().tm_block_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
+    return out
