@@ -125,8 +125,56 @@ inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, fl
   }
 }
 
+// Few rows (decode of a few sequences): each block is dequantized into registers and used at once,
+// with no buffer. The accumulators see the same multiply-adds in the same order as in tile(), so
+// a row's result is the same whichever path its batch takes.
+template <int F, int M>
+void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t blocks = k / QK, bytes = block_bytes(F), row_bytes = blocks * bytes;
+  alignas(64) float wbuf[NT][QK];
+  for (int64_t r0 = n0; r0 < n1; r0 += NT) {
+    const int cols = (int)std::min<int64_t>(NT, n1 - r0);
+    __m512 acc[M][NT];
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 xl[M], xh[M];
+      for (int i = 0; i < M; ++i) {
+        xl[i] = _mm512_loadu_ps(x + i * k + b * QK);
+        xh[i] = _mm512_loadu_ps(x + i * k + b * QK + 16);
+      }
+      for (int j = 0; j < NT; ++j) {
+        if (j >= cols) break;
+        dequantize_block<F>(w + (r0 + j) * row_bytes + b * bytes, wbuf[j]);
+        const __m512 wl = _mm512_load_ps(wbuf[j]), wh = _mm512_load_ps(wbuf[j] + 16);
+        for (int i = 0; i < M; ++i) {
+          acc[i][j] = _mm512_fmadd_ps(wl, xl[i], acc[i][j]);
+          acc[i][j] = _mm512_fmadd_ps(wh, xh[i], acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < cols; ++j) y[i * ldy + r0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+}
+
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
+  if (m <= 4) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t tiles = (n + NT - 1) / NT;
+      const int64_t n0 = tiles * t / nt * NT, n1 = std::min(n, tiles * (t + 1) / nt * NT);
+      switch (m) {
+        case 1: few_rows<F, 1>(x, k, w, n0, n1, y, n); break;
+        case 2: few_rows<F, 2>(x, k, w, n0, n1, y, n); break;
+        case 3: few_rows<F, 3>(x, k, w, n0, n1, y, n); break;
+        default: few_rows<F, 4>(x, k, w, n0, n1, y, n); break;
+      }
+    }
+    return;
+  }
   const int64_t row_bytes = k / QK * block_bytes(F);
   const int64_t tiles = (n + NT - 1) / NT;
   // Activation rows per pass: as many as stay in a core's L2 beside the weights.

@@ -39,7 +39,7 @@ def _check(rc: int, fmt: int) -> None:
 
 def _gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0]:
         rc = _lib().tm_block_gemm(
             fmt, x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
@@ -70,6 +70,6 @@ def block_dequantize(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     """The weight [n, K] as float32, exactly the values ``block_gemm`` multiplies by."""
     blocks = blocks.contiguous()
     n, k = blocks.shape[0], blocks.shape[1] * 32
-    out = torch.empty(n, k, dtype=torch.float32)
+    out = torch.empty(n, k, dtype=torch.float32, device=blocks.device)
     _check(_lib().tm_block_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
     return out

@@ -1,16 +1,19 @@
-"""The torch backend on a CPU, with attention in tokenmill's native kernel (native/paged_attention.cpp).
+"""The torch backend on a CPU, with its operations in tokenmill's native kernels (native/).
 
-Everything else is the reference (``TorchOps``). The loader picks this class for ``--backend torch``
-where the kernel can run (a CPU, a float32 KV cache, head_dim 64 or 128, the kernel built); the
-kernel computes each query on its own in a fixed order, so the batch-invariance promises hold by
-construction, and tests/test_native_attention.py holds it to the reference's results.
+Attention is native/paged_attention.cpp; RMSNorm with the residual add, rotary and SiLU-and-mul are
+native/elementwise.cpp, one pass each instead of several torch operations. The loader picks this
+class for ``--backend torch`` where the kernels can run (a CPU, float32 activations and KV cache,
+head_dim 64 or 128, the kernels built); anything else (another layout or dtype) goes to the
+reference (``TorchOps``), as does code being compiled (inductor fuses it). Every kernel computes each row or query on its own in a fixed order, so
+the batch-invariance promises hold by construction; tests/test_native_ops.py holds them to the
+reference's results.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill_service.native import paged_attention
+from tokenmill_service.native import elementwise, paged_attention
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
 from tokenmill_service.ops.torch_ops import TorchOps
 
@@ -23,10 +26,44 @@ def native_attention_serves(device: str | torch.device, dtype: torch.dtype, head
         return f"it reads a float32 KV cache, and the activations are {str(dtype).removeprefix('torch.')}"
     if head_dim not in paged_attention.HEAD_DIMS:
         return f"it takes head_dim 64 or 128, and this model's is {head_dim}"
-    return paged_attention.unavailable_reason()
+    return paged_attention.unavailable_reason() or elementwise.unavailable_reason()
+
+
+def _eager() -> bool:
+    """Under torch.compile (--compile auto) the elementwise work is inductor's to fuse: the reference."""
+    return not torch.compiler.is_compiling()
 
 
 class NativeCpuOps(TorchOps):
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            _eager()
+            and out_dtype == torch.float32
+            and x.dim() == 2
+            and elementwise.fits(x, weight, *([residual] if residual is not None else []))
+        ):
+            return elementwise.rms_norm(x, weight, eps, residual)
+        return super().rms_norm(x, weight, eps, residual, out_dtype)
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _eager() and elementwise.fits(q, k, cos, sin) and all(x.stride(1) == x.shape[2] for x in (q, k)):
+            return elementwise.rotary_(q, positions, cos, sin), elementwise.rotary_(k, positions, cos, sin)
+        return super().rotary(q, k, positions, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if _eager() and elementwise.fits(x):
+            return elementwise.silu_and_mul(x)
+        return super().silu_and_mul(x)
+
     def attention(
         self,
         q: torch.Tensor,

@@ -1,19 +1,21 @@
-"""The native CPU attention (native/paged_attention.cpp, behind ops/native_cpu_ops.py) against the
-plain-torch reference (ops/torch_ops.py), and its batch invariance, on random paged caches."""
+"""The native CPU ops (native/*.cpp, behind ops/native_cpu_ops.py) against the plain-torch reference
+(ops/torch_ops.py), and their batch invariance: attention on random paged caches, RMSNorm, rotary
+and SiLU-and-mul on random rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill_service.native import paged_attention
+from tokenmill_service.layers.rotary import RotaryEmbedding
+from tokenmill_service.native import elementwise
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
 from tokenmill_service.ops.native_cpu_ops import NativeCpuOps, native_attention_serves
 from tokenmill_service.ops.torch_ops import TorchOps
 
 pytestmark = pytest.mark.skipif(
-    paged_attention.unavailable_reason() is not None,
-    reason=f"native kernel unavailable: {paged_attention.unavailable_reason()}",
+    native_attention_serves("cpu", torch.float32, 64) is not None,
+    reason=f"native kernels unavailable: {native_attention_serves('cpu', torch.float32, 64)}",
 )
 BLOCK = 16
 
@@ -75,3 +77,49 @@ def test_the_loader_says_where_native_attention_cannot_serve() -> None:
     assert "float32 KV cache" in str(native_attention_serves("cpu", torch.bfloat16, 64))
     assert "head_dim 64 or 128" in str(native_attention_serves("cpu", torch.float32, 80))
     assert "on the CPU" in str(native_attention_serves("cuda:0", torch.float32, 64))
+
+
+def _rows(t: int, d: int, seed: int) -> torch.Tensor:
+    return torch.randn(t, d, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_native_rms_norm_matches_the_reference_row_by_row(with_residual: bool) -> None:
+    x, residual, weight = _rows(37, 576, 1), _rows(37, 576, 2), _rows(1, 576, 3)[0]
+    res = residual if with_residual else None
+    normed, h = NativeCpuOps().rms_norm(x, weight, 1e-5, res, torch.float32)
+    want_normed, want_h = TorchOps().rms_norm(x, weight, 1e-5, res, torch.float32)
+    assert torch.equal(h, want_h)  # the residual add is one rounding either way
+    torch.testing.assert_close(normed, want_normed, atol=1e-5, rtol=1e-5)
+    alone, _ = NativeCpuOps().rms_norm(x[20:21], weight, 1e-5, None if res is None else res[20:21], torch.float32)
+    assert torch.equal(alone[0], normed[20])
+
+
+def test_native_rotary_matches_the_reference_on_strided_views_in_place() -> None:
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None, TorchOps())
+    qkv = _rows(9, 9 * 64 + 2 * 3 * 64, 4)  # q, k and v side by side, as the q/k/v projection returns them
+    positions = torch.tensor([0, 1, 2, 700, 701, 5, 4095, 17, 18])
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+        return q.view(9, 9, 64), k.view(9, 3, 64)
+
+    want_q, want_k = TorchOps().rotary(*split(qkv), positions, rotary.cos, rotary.sin)
+    packed = qkv.clone()
+    got_q, got_k = NativeCpuOps().rotary(*split(packed), positions, rotary.cos, rotary.sin)
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(packed[:, -3 * 64 :], qkv[:, -3 * 64 :])  # v untouched
+
+
+def test_native_silu_and_mul_matches_the_reference_row_by_row() -> None:
+    x = _rows(21, 2 * 1536, 5) * 4
+    got = NativeCpuOps().silu_and_mul(x)
+    torch.testing.assert_close(got, TorchOps().silu_and_mul(x), atol=1e-6, rtol=1e-5)
+    assert torch.equal(NativeCpuOps().silu_and_mul(x[7:8])[0], got[7])
+
+
+def test_bfloat16_rows_go_to_the_reference() -> None:
+    x = _rows(3, 64, 6).to(torch.bfloat16)
+    assert not elementwise.fits(x)
+    assert torch.equal(NativeCpuOps().silu_and_mul(x), TorchOps().silu_and_mul(x))

@@ -1,0 +1,102 @@
+// The small per-token operations of a decoder layer, each one pass over its rows instead of the
+// five to twelve torch operations (and their dispatch) it takes in ops/torch_ops.py. float32 in
+// and out; every row is computed on its own, in an order fixed by the row's length alone.
+// Built and loaded by native/build.py (g++ -O3 -march=native -fopenmp).
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#if !defined(__AVX512F__)
+#error "elementwise needs AVX-512F"
+#endif
+
+namespace {
+
+// e^x for |x| <= 88: 2^n * e^r, n = round(x / ln 2), degree-6 polynomial (Cephes' expf).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+}
+
+}  // namespace
+
+extern "C" {
+
+// h = x + residual (or x alone when residual is null), written to h_out; normed = h / rms(h) * weight.
+// x, residual, h_out, normed: [t, d] with row strides; weight: [d].
+void tm_rms_norm(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps,
+                 float* h_out, float* normed, int64_t t, int64_t d) {
+  for (int64_t i = 0; i < t; ++i) {
+    const float* xi = x + i * x_stride;
+    float* hi = h_out + i * d;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      const __mmask16 m = tail_mask(d - c);
+      __m512 h = _mm512_maskz_loadu_ps(m, xi + c);
+      if (residual) h = _mm512_add_ps(_mm512_maskz_loadu_ps(m, residual + i * d + c), h);
+      _mm512_mask_storeu_ps(hi + c, m, h);
+      squares = _mm512_fmadd_ps(h, h, squares);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)d + eps);
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int64_t c = 0; c < d; c += 16) {
+      const __mmask16 m = tail_mask(d - c);
+      const __m512 h = _mm512_maskz_loadu_ps(m, hi + c);
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(h, scale), _mm512_maskz_loadu_ps(m, weight + c));
+      _mm512_mask_storeu_ps(normed + i * d + c, m, y);
+    }
+  }
+}
+
+// Rotates, in place, the two halves of each of the `heads` heads (head_dim apart) of every row of x
+// (row stride x_stride) by the angle of the row's position: cos/sin are [positions, head_dim / 2].
+void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, const int64_t* positions,
+               const float* cos_table, const float* sin_table) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < t; ++i) {
+    const float* c = cos_table + positions[i] * half;
+    const float* s = sin_table + positions[i] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x1 = x + i * x_stride + h * head_dim;
+      float* x2 = x1 + half;
+      for (int64_t j = 0; j < half; j += 16) {
+        const __mmask16 m = tail_mask(half - j);
+        const __m512 a = _mm512_maskz_loadu_ps(m, x1 + j), b = _mm512_maskz_loadu_ps(m, x2 + j);
+        const __m512 cv = _mm512_maskz_loadu_ps(m, c + j), sv = _mm512_maskz_loadu_ps(m, s + j);
+        _mm512_mask_storeu_ps(x1 + j, m, _mm512_sub_ps(_mm512_mul_ps(a, cv), _mm512_mul_ps(b, sv)));
+        _mm512_mask_storeu_ps(x2 + j, m, _mm512_add_ps(_mm512_mul_ps(b, cv), _mm512_mul_ps(a, sv)));
+      }
+    }
+  }
+}
+
+// out[i] = silu(gate[i]) * up[i] for x = [gate | up] rows of 2 * n; out: [t, n].
+void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n) {
+  for (int64_t i = 0; i < t; ++i) {
+    const float* gate = x + i * 2 * n;
+    const float* up = gate + n;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 g = _mm512_maskz_loadu_ps(m, gate + j);
+      const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_mask_storeu_ps(out + i * n + j, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_maskz_loadu_ps(m, up + j)));
+    }
+  }
+}
+}

@@ -1,0 +1,69 @@
+"""RMSNorm with the residual add, rotary and SiLU-and-mul in one native pass each (elementwise.cpp).
+
+Each takes float32 rows (unit stride within a row) and computes every row on its own; callers
+check the layout (``fits``) and use the torch reference otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenmill_service.native import build
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = build.load("elementwise")
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.tm_rms_norm.argtypes = [ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64]
+    lib.tm_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.tm_silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+    for f in (lib.tm_rms_norm, lib.tm_rotary, lib.tm_silu_and_mul):
+        f.restype = None
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    return build.unavailable_reason("elementwise")
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """float32 CPU tensors whose last dimension is contiguous (rows may be strided)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(h) * weight, h) for h = x + residual (or x), x [T, D]; float32."""
+    t, d = x.shape
+    h, normed = torch.empty(t, d, device=x.device), torch.empty(t, d, device=x.device)
+    if residual is not None:
+        residual = residual.contiguous()
+    _lib().tm_rms_norm(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), weight.contiguous().data_ptr(),
+        eps, h.data_ptr(), normed.data_ptr(), t, d,
+    )  # fmt: skip
+    return normed, h
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, H, D] in place (heads contiguous within a row) by each row's position; returns x."""
+    t, heads, head_dim = x.shape
+    assert x.stride(1) == head_dim and x.stride(2) == 1
+    _lib().tm_rotary(
+        x.data_ptr(), x.stride(0), t, heads, head_dim, positions.contiguous().data_ptr(),
+        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+    )  # fmt: skip
+    return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    t, n2 = x.shape
+    x = x.contiguous()
+    out = torch.empty(t, n2 // 2, device=x.device)
+    _lib().tm_silu_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2)
+    return out
