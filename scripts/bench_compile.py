@@ -2,7 +2,7 @@
 
     python scripts/bench_compile.py --repeats 10
 
-The default configuration (the embedded model, int4 as stored, float32 activations). One model is
+The default configuration (the embedded model, its blocks as stored, float32 activations). One model is
 loaded; its regions are compiled (the time is reported, as the worker's warm-up would pay it) and
 then switched between eager and compiled for every repeat, so the two columns see the same machine
 load. Reported: the median wall time of a step, for decode steps of 1, 16 and 64 sequences (100

@@ -20,39 +20,55 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 16
 
 
-def _setup(heads: int, kv_heads: int, head_dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _setup(
+    ops: TorchOps, kv_heads: int, head_dim: int, seed: int = 0, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's caches (as the runner allocates them), every slot written through ``ops.store_kv``
+    (each implementation keeps its own layout) with the same random keys and values."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (1, 96, BLOCK, kv_heads, head_dim)  # one layer's worth, as the runner allocates them
-    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    shape = (1, 96 * BLOCK // block, block, kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    slots = 96 * BLOCK
+    k = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    ops.store_kv(k, v, k_cache[0], v_cache[0], torch.arange(slots))
+    return k_cache, v_cache
 
 
-def _tables(lengths: list[int]) -> list[list[int]]:
+def _tables(lengths: list[int], block: int = BLOCK) -> list[list[int]]:
     """Scattered, non-overlapping block tables (reversed order), one per sequence."""
-    tables, next_block = [], 95
+    tables, next_block = [], 96 * BLOCK // block - 1
     for n in lengths:
-        count = -(-n // BLOCK)
+        count = -(-n // block)
         tables.append(list(range(next_block, next_block - count, -1)))
         next_block -= count
     return tables
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 64)])
-def test_native_attention_matches_the_torch_reference_on_a_mixed_step(heads: int, kv_heads: int, head_dim: int) -> None:
-    k_cache, v_cache = _setup(heads, kv_heads, head_dim)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block"),
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 16), (9, 3, 64, 8), (9, 3, 64, 32)],
+)
+def test_native_attention_matches_the_torch_reference_on_a_mixed_step(
+    heads: int, kv_heads: int, head_dim: int, block: int
+) -> None:
     # Two decodes (long and short context), a prefill chunk with cached context, a fresh prefill.
     query_lens, starts = [1, 1, 37, 300], [700, 3, 40, 0]
-    tables = _tables([s + n for s, n in zip(starts, query_lens)])
-    meta = build_attention_metadata(query_lens, starts, tables, k_cache, v_cache)
+    lengths = [s + n for s, n in zip(starts, query_lens)]
+    tables = _tables(lengths, block)
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
     scale = head_dim**-0.5
-    got = NativeCpuOps().attention(q, k_cache[0], v_cache[0], meta, scale)
-    want = TorchOps().attention(q, k_cache[0], v_cache[0], meta, scale)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    outs = []
+    for ops in (NativeCpuOps(), TorchOps()):
+        k_cache, v_cache = _setup(ops, kv_heads, head_dim, block=block)
+        meta = build_attention_metadata(query_lens, starts, tables, k_cache, v_cache)
+        outs.append(ops.attention(q, k_cache[0], v_cache[0], meta, scale))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
 
 
 def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk() -> None:
-    k_cache, v_cache = _setup(9, 3, 64)
     ops, scale = NativeCpuOps(), 0.125
+    k_cache, v_cache = _setup(ops, 3, 64)
     tables = _tables([200, 50, 130])
     q = torch.randn(200, 9, 64, generator=torch.Generator().manual_seed(2))
 

@@ -27,9 +27,9 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def resolve_dtype(name: str, device: str, quantized: bool = False) -> torch.dtype:
     """'auto', 'float32' or 'bfloat16' -> the activation dtype to run the model in.
 
-    ``auto`` with quantized weights is float32: the int4/int8 kernels take it as two bfloat16
-    halves at about bfloat16's speed, and the results stay within the fidelity bounds, which
-    plain bfloat16 activations do not. Unquantized weights: bfloat16 where native, else float32.
+    ``auto`` with quantized weights is float32: the native kernel for GGUF blocks multiplies in
+    float32 (and the int4/int8 kernels take it as two bfloat16 halves at about bfloat16's speed),
+    and the results stay within the fidelity bounds, which plain bfloat16 activations do not. Unquantized weights: bfloat16 where native, else float32.
     """
     if name != "auto":
         return DTYPES[name]

@@ -64,6 +64,19 @@ class NativeCpuOps(TorchOps):
             return elementwise.silu_and_mul(x)
         return super().silu_and_mul(x)
 
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Keys into the native kernel's transposed layout; values as the reference stores them."""
+        kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        paged_attention.store_keys(k.float(), k_cache, slot_mapping)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
     def attention(
         self,
         q: torch.Tensor,
