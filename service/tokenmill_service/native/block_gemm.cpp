@@ -48,35 +48,38 @@ inline __m512 half_at(const uint8_t* p) {
   return _mm512_set1_ps(_cvtsh_ss(h));
 }
 
-// One block of 32 weights, dequantized into out[0..31] in column order. GGUF's 4-bit layout: byte j
-// holds weight j in its low nibble and weight j + 16 in its high nibble.
+// One block of 32 weights, dequantized into registers (lo: weights 0..15, hi: 16..31). GGUF's 4-bit
+// layout: byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 template <int F>
-inline void dequantize_block(const uint8_t* b, float* out) {
+inline void dequantize_regs(const uint8_t* b, __m512& lo, __m512& hi) {
+  const __m512 d = half_at(b);
   if constexpr (F == Q8_0) {
-    const __m512 d = half_at(b);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2))));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18))));
-    _mm512_storeu_ps(out, _mm512_mul_ps(q0, d));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(q1, d));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), d);
   } else {
     const uint8_t* qs = b + (F == Q4_1 ? 4 : 2);
     const __m128i v = _mm_loadu_si128((const __m128i*)qs);
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-    const __m512 d = half_at(b);
+    __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
+    __m512i qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
     if constexpr (F == Q4_1) {
       const __m512 m = half_at(b + 2);
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m));
+      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d, m);
+      hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), d, m);
     } else {  // Q4_0: (q - 8) * d
       const __m512i eight = _mm512_set1_epi32(8);
-      lo = _mm512_sub_epi32(lo, eight);
-      hi = _mm512_sub_epi32(hi, eight);
-      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
-      _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ql, eight)), d);
+      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qh, eight)), d);
     }
   }
+}
+
+template <int F>
+inline void dequantize_block(const uint8_t* b, float* out) {
+  __m512 lo, hi;
+  dequantize_regs<F>(b, lo, hi);
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
 }
 
 // The sums of four accumulators' 16 lanes, all in one fixed tree (whichever slot an accumulator is
@@ -152,7 +155,6 @@ inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, fl
 template <int F, int M>
 void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t blocks = k / QK, bytes = block_bytes(F), row_bytes = blocks * bytes;
-  alignas(64) float wbuf[NT][QK];
   for (int64_t r0 = n0; r0 < n1; r0 += NT) {
     const int cols = (int)std::min<int64_t>(NT, n1 - r0);
     __m512 acc[M][NT];
@@ -166,8 +168,8 @@ void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n
       }
       for (int j = 0; j < NT; ++j) {
         if (j >= cols) break;
-        dequantize_block<F>(w + (r0 + j) * row_bytes + b * bytes, wbuf[j]);
-        const __m512 wl = _mm512_load_ps(wbuf[j]), wh = _mm512_load_ps(wbuf[j] + 16);
+        __m512 wl, wh;
+        dequantize_regs<F>(w + (r0 + j) * row_bytes + b * bytes, wl, wh);
         for (int i = 0; i < M; ++i) {
           acc[i][j] = _mm512_fmadd_ps(wl, xl[i], acc[i][j]);
           acc[i][j] = _mm512_fmadd_ps(wh, xh[i], acc[i][j]);
