@@ -168,25 +168,32 @@ def test_sigterm_drains_in_flight_calls_refuses_new_ones_and_exits_zero() -> Non
         server.stop()
 
 
+# Long enough to be still generating while the checks below run, at any decode speed: the drain
+# test once raced a 60-token request that finished before the health check (at 25 ms a token).
+DRAINED_TOKENS = 400
+
+
 def drain(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
     results: dict[str, Any] = {}
+    streaming = threading.Event()
 
     def in_flight() -> None:
-        msgs = list(
-            stub.Generate(
-                pb.GenerateRequest(
-                    prompt="Write a poem", stopping=pb.StoppingParams(max_new_tokens=60, ignore_eos=True)
-                ),
-                metadata=AUTH,
-                timeout=120,
-            )
-        )
+        msgs = []
+        for msg in stub.Generate(
+            pb.GenerateRequest(
+                prompt="Write a poem", stopping=pb.StoppingParams(max_new_tokens=DRAINED_TOKENS, ignore_eos=True)
+            ),
+            metadata=AUTH,
+            timeout=120,
+        ):
+            msgs.append(msg)
+            streaming.set()
         results["finish"] = msgs[-1].finish_reason
         results["tokens"] = sum(len(m.tokens) for m in msgs)
 
     thread = threading.Thread(target=in_flight)
     thread.start()
-    time.sleep(1.0)
+    assert streaming.wait(60), "the in-flight request never started streaming"
     assert server.proc is not None
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
@@ -198,5 +205,5 @@ def drain(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
         list(stub.Generate(pb.GenerateRequest(prompt="Too late"), metadata=AUTH, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     thread.join(150)
-    assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": 60}
+    assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": DRAINED_TOKENS}
     assert server.proc.wait(60) == 0
