@@ -56,7 +56,8 @@ def _cpu_signature() -> str:
 def _build(name: str, cxx: str) -> Path:
     source = HERE / f"{name}.cpp"
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = "\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_signature()])
+    headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # what the sources include
+    key = "\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_signature()])
     target_name = f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     errors = []
     for directory in _cache_dirs():

@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -21,23 +23,6 @@
 
 namespace {
 
-// exp(x) for x <= 0 (scores minus their maximum): 2^n * e^r with n = round(x / ln 2) and a
-// degree-6 polynomial for e^r, |r| <= ln(2) / 2 (Cephes' expf coefficients, ~1 ulp).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // The key cache keeps each block transposed, [kv_heads][head_dim][block_size]: the scores of 16
 // keys are then 16 lanes of one multiply-add per dimension, with no horizontal sums.
@@ -190,7 +175,7 @@ void attend(const Rows& rows, const float* k_cache, const float* v_cache, int64_
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv));
       _mm512_mask_storeu_ps(s + j, m, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
