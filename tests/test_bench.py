@@ -74,7 +74,7 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
     assert data["copy_bandwidth_gbs"] > 0
     # The server's own count (GetModelInfo.weight_bytes): every matrix as the GGUF stores it (Q4_1, the
     # Q8_0 head), about 92 MiB.
-    assert data["model"]["quantization"] == "gguf"
+    assert data["model"]["quantization"] == "gguf-vnni"
     assert 90e6 < data["model"]["weight_bytes"] < 100e6
     assert data["bandwidth_achieved_gbs"] == pytest.approx(
         data["model"]["weight_bytes"] * data["single_stream_tok_s"] / 1e9

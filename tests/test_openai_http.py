@@ -302,7 +302,7 @@ def test_metrics_have_build_info_cache_gauges_and_no_created_series(
     _, text = get(server.http_url + "/metrics")
     assert "_created" not in text
     info = next(line for line in text.splitlines() if line.startswith("tokenmill_build_info{"))
-    for label in ("version=", 'backend="torch"', "dtype=", 'quantization="gguf"', 'model="SmolLM2'):
+    for label in ("version=", 'backend="torch"', "dtype=", 'quantization="gguf-vnni"', 'model="SmolLM2'):
         assert label in info
     assert info.endswith(" 1.0")
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}

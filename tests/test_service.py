@@ -93,9 +93,10 @@ def test_grpcurl_health_check_says_serving(server_address: str) -> None:
 def test_the_default_configuration_is_faithful_to_the_reference_through_the_rpc(
     stub: pb_grpc.GenerationStub, reference: dict[str, Any]
 ) -> None:
-    """The default server (the GGUF's blocks as stored, multiplied in float32 by the native kernel)
-    is as faithful as the float32 reference mode: prompt token ids equal, every logprob within 1e-3
-    (the seams issue asks for mean 0.03 and worst 0.25 of a quantized default)."""
+    """The default server (the GGUF's blocks as stored, multiplied by the native VNNI kernel on
+    16-bit fixed-point activations) stays close to the float32 reference: prompt token ids equal,
+    logprobs within 1e-3 on average and 1e-2 at worst (measured: 4e-4 and 3.4e-3; the seams issue
+    asks for 0.03 and 0.25 of a quantized default)."""
     errors = []
     for case in reference["prompt_logprobs"]:
         msgs = generate(
@@ -110,7 +111,7 @@ def test_the_default_configuration_is_faithful_to_the_reference_through_the_rpc(
         for tok, ref in zip(prompt[1:], case["positions"]):
             assert tok.id == ref["token"]
             errors.append(abs(tok.logprob - ref["logprob"]))
-    assert max(errors) <= 1e-3, (sum(errors) / len(errors), max(errors))
+    assert sum(errors) / len(errors) <= 1e-3 and max(errors) <= 1e-2, (sum(errors) / len(errors), max(errors))
 
 
 def test_default_greedy_chats_part_from_the_reference_only_at_near_ties(
@@ -140,7 +141,7 @@ def test_default_greedy_chats_part_from_the_reference_only_at_near_ties(
 
 def test_model_info_reports_the_default_quantization(stub: pb_grpc.GenerationStub) -> None:
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-    assert (info.quantization, info.dtype, info.backend) == ("gguf", "float32", "torch")
+    assert (info.quantization, info.dtype, info.backend) == ("gguf-vnni", "float32", "torch")
 
 
 def test_responses_carry_usage_timing_and_the_callers_request_id(stub: pb_grpc.GenerationStub) -> None:

@@ -59,9 +59,11 @@ class Settings:
         default="auto",
         metadata={
             "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
-            "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernel where it can be built, else "
-            "Q4_0/Q4_1 as int4), gguf = that kernel or fail, none = dense",
-            "choices": ["auto", "gguf", "none", "int8", "int4"],
+            "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built: "
+            "gguf-vnni, integer products on 16-bit fixed-point activations, on CPUs with AVX-512 VNNI, "
+            "else gguf, float32 products; else Q4_0/Q4_1 as int4), gguf-vnni / gguf = that kernel or "
+            "fail, none = dense",
+            "choices": ["auto", "gguf-vnni", "gguf", "none", "int8", "int4"],
         },
     )
     compile: str = field(

@@ -25,7 +25,7 @@ from tokenmill_service.models.dims import ModelDims
 from tokenmill_service.models.gguf_loader import iter_gguf
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.llama import LlamaForCausalLM
-from tokenmill_service.native import block_gemm
+from tokenmill_service.native import block_gemm, vnni_gemm
 from tokenmill_service.ops import get_ops
 from tokenmill_service.ops.native_cpu_ops import NativeCpuOps, native_attention_serves
 from tokenmill_service.ops.triton_support import interpreter_enabled
@@ -103,48 +103,62 @@ def _open_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, QType], Iterato
 # Checkpoint projections each packed layer is made of.
 _PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _INT4_TYPES = {QType.Q4_0, QType.Q4_1}
+# The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first.
+NATIVE_METHODS = ("gguf-vnni", "gguf")
 
 
 def quantization_for(
-    setting: str, prefix: str, config: ModelConfig, types: dict[str, QType], native: bool = False
+    setting: str, prefix: str, config: ModelConfig, types: dict[str, QType], native: str | None = None
 ) -> str:
     """The quantization method of one linear layer (``prefix``) under ``--quantization setting``.
 
-    ``auto`` serves a GGUF's tensors as they are stored. With ``native`` (tokenmill's CPU kernel
-    can run: a CPU, float32 activations, the kernel built) every Q4_0, Q4_1 and Q8_0 matrix is
-    ``gguf``: the file's blocks multiplied as they are. Otherwise Q4_0/Q4_1 are int4 and Q8_0 and
-    float tensors dense (exactly dequantized: the per-channel int8 kernel cannot hold Q8_0's
-    scale per 32 weights, and re-quantizing SmolLM2's Q8_0 output head alone costs 0.046 of mean
-    logprob error). ``gguf`` is ``auto`` that insists on the kernel. Under ``int4`` the output
-    head is int8: it is the layer whose rounding shows most.
+    ``auto`` serves a GGUF's tensors as they are stored. Where a native kernel can run (``native``
+    names the method ``auto`` picks: ``gguf-vnni``, integer products on 16-bit fixed-point
+    activations, where the CPU has AVX-512 VNNI, else ``gguf``, float32 products) every Q4_0,
+    Q4_1 and Q8_0 matrix is multiplied as its blocks are stored. Otherwise Q4_0/Q4_1 are int4 and
+    Q8_0 and float tensors dense (exactly dequantized: the per-channel int8 kernel cannot hold
+    Q8_0's scale per 32 weights, and re-quantizing SmolLM2's Q8_0 output head alone costs 0.046 of
+    mean logprob error). ``gguf`` and ``gguf-vnni`` insist on their kernel. Under ``int4`` the
+    output head is int8: it is the layer whose rounding shows most.
     """
     if prefix == "lm_head":
         sources = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     else:
         parent, _, leaf = prefix.rpartition(".")
         sources = [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
-    if setting in ("auto", "gguf"):
+    if setting == "auto" or setting in NATIVE_METHODS:
         kinds = {types.get(name) for name in sources}
-        if (native or setting == "gguf") and len(kinds) == 1 and kinds <= SERVED_TYPES:
-            return "gguf"
+        method = setting if setting in NATIVE_METHODS else native
+        if method is not None and len(kinds) == 1 and kinds <= SERVED_TYPES:
+            return method
         return "int4" if kinds <= _INT4_TYPES else "none"
     if prefix == "lm_head" and setting == "int4":
         return "int8"
     return setting
 
 
-def native_kernel_serves(device: str | torch.device, dtype: torch.dtype) -> str | None:
-    """None when ``auto`` can serve GGUF blocks with the native kernel here; otherwise why not."""
+def native_kernel_serves(device: str | torch.device, dtype: torch.dtype, method: str = "gguf") -> str | None:
+    """None when ``method`` (``gguf`` or ``gguf-vnni``) can serve GGUF blocks here; otherwise why not."""
     if torch.device(device).type != "cpu":
         return f"it runs on the CPU, and this model is on {device}"
     if dtype != torch.float32:
-        return f"it computes in float32, and --dtype is {str(dtype).removeprefix('torch.')}"
-    return block_gemm.unavailable_reason()
+        return f"it takes float32 activations, and --dtype is {str(dtype).removeprefix('torch.')}"
+    return (vnni_gemm if method == "gguf-vnni" else block_gemm).unavailable_reason()
+
+
+def native_method(device: str | torch.device, dtype: torch.dtype) -> tuple[str | None, dict[str, str]]:
+    """The native method ``auto`` picks here (the fastest that can run), and why each faster one cannot."""
+    skipped = {}
+    for method in NATIVE_METHODS:
+        if (reason := native_kernel_serves(device, dtype, method)) is None:
+            return method, skipped
+        skipped[method] = reason
+    return None, skipped
 
 
 def serves_quantized(path: Path, quantization: str) -> bool:
     """Whether ``--quantization`` gives this checkpoint quantized linear layers (``auto``: a GGUF's)."""
-    if quantization in ("auto", "gguf"):
+    if quantization == "auto" or quantization in NATIVE_METHODS:
         return _is_gguf(path)
     return quantization != "none"
 
@@ -161,24 +175,25 @@ def load_model(
 
     ``dtype`` is what the linear layers compute in (the residual stream, norms, attention and
     logits are float32 whatever it is); ``quantization`` is ``none``, ``auto`` or a registered
-    method (``gguf``, ``int8``, ``int4``); ``backend`` names the ops implementation (``torch``, ``triton``).
+    method (``gguf-vnni``, ``gguf``, ``int8``, ``int4``); ``backend`` names the ops
+    implementation (``torch``, ``triton``).
     """
     if backend == "triton" and dtype != torch.float32 and interpreter_enabled():
         log.warning("triton_interpreter_float32", asked=str(dtype), reason="Triton's interpreter has no bfloat16")
         dtype = torch.float32
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
-    if quantization not in ("auto", "gguf"):
+    if quantization != "auto":
         quant_method_class(quantization)  # an unknown name fails here, before any reading
-    why_not_native = native_kernel_serves(device, dtype) if quantization in ("auto", "gguf") else None
-    if quantization == "gguf" and why_not_native is not None:
-        raise ModelLoadError(f"--quantization gguf needs tokenmill's native CPU kernel: {why_not_native}")
+    native, skipped = native_method(device, dtype) if quantization == "auto" else (None, {})
+    if quantization in NATIVE_METHODS and (why := native_kernel_serves(device, dtype, quantization)) is not None:
+        raise ModelLoadError(f"--quantization {quantization} needs tokenmill's native CPU kernel: {why}")
     start = time.perf_counter()
     path = Path(path)
     config, types, items, name = _open_checkpoint(path)
     config.name = name
-    if quantization == "gguf" and not types:
-        raise ModelLoadError(f"--quantization gguf serves a GGUF file's blocks; {path} is not a GGUF file")
+    if quantization in NATIVE_METHODS and not types:
+        raise ModelLoadError(f"--quantization {quantization} serves a GGUF file's blocks; {path} is not a GGUF file")
     if tp is not None and tp.size > 1:
         dims = ModelDims(
             config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, config.vocab_size
@@ -193,7 +208,7 @@ def load_model(
     methods: dict[str, str] = {}
 
     def quant(prefix: str) -> QuantMethod:
-        methods[prefix] = quantization_for(quantization, prefix, config, types, native=why_not_native is None)
+        methods[prefix] = quantization_for(quantization, prefix, config, types, native=native)
         return quant_method_class(methods[prefix])(dtype)
 
     # Quantized weights: keep the embedding table exact (float32); only looked-up rows are read.
@@ -208,8 +223,8 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     counts = {m: list(methods.values()).count(m) for m in sorted(set(methods.values()))}
-    if quantization == "auto" and types and why_not_native is not None:
-        log.info("native_kernel_skipped", reason=why_not_native, instead=counts)
+    if quantization == "auto" and types and skipped:
+        log.info("native_kernel_skipped", reasons=skipped, instead=counts)
     model.quantization = "+".join(sorted(counts)) if len(counts) > 1 else next(iter(counts))
     log.info(
         "model_loaded",
@@ -236,6 +251,7 @@ __all__ = [
     "ModelNotFoundError",
     "load_model",
     "native_kernel_serves",
+    "native_method",
     "quantization_for",
     "resolve_model_path",
     "serves_quantized",

@@ -16,6 +16,7 @@ from torch import nn
 from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks
 from tokenmill_service.native import block_gemm as native
+from tokenmill_service.native import vnni_gemm as vnni
 
 SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
 
@@ -56,3 +57,28 @@ class GGUFBlocksMethod(QuantMethod):
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return layer.blocks.numel()
+
+
+@register_quantization("gguf-vnni")
+class GGUFBlocksVnniMethod(GGUFBlocksMethod):
+    """The same blocks multiplied with integer products (``native/vnni_gemm.cpp``, AVX-512 VNNI):
+    activations as 16-bit fixed point per block of 32 (two int8 digits), exact integer sums,
+    float32 scales. Two to four times the float32 kernel's rate at 16 rows and more; logprobs
+    within about 1e-3 of the float32 reference. Rows stay independent, each output reduced in a
+    fixed order, so a sequence's results do not depend on its batch."""
+
+    def __init__(self, act_dtype: torch.dtype) -> None:
+        QuantMethod.__init__(self, act_dtype)
+        if (reason := vnni.unavailable_reason()) is not None:
+            raise ValueError(f"--quantization gguf-vnni needs tokenmill's VNNI kernel, which is unavailable: {reason}")
+
+    def finalize(self, layer: nn.Module) -> None:
+        # The kernel's layout (groups of 16 rows, as many bytes as the file's blocks) replaces them.
+        layer.blocks = vnni.pack(layer.blocks, int(layer.qtype))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = vnni.vnni_gemm(x, layer.blocks, int(layer.qtype), layer.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        return vnni.unpack(layer.blocks, int(layer.qtype), layer.out_features, layer.in_features)

@@ -1,0 +1,99 @@
+"""``x @ W.T`` for W in GGUF's block formats with 16-bit fixed-point activations and integer
+products (vnni_gemm.cpp; see there for the numerics and the packed layout). Under
+``torch.compile`` the product is the custom op ``tokenmill::vnni_gemm``; eager code calls the
+library directly."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenmill_service.native import build
+
+FORMATS = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0 (ggml type ids)
+GROUP = 16  # weight rows per packed group
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = build.load("vnni_gemm")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tm_vnni_packed_bytes.argtypes = [ctypes.c_int, i64, i64]
+    lib.tm_vnni_packed_bytes.restype = i64
+    lib.tm_vnni_pack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.tm_vnni_pack.restype = ctypes.c_int
+    lib.tm_vnni_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.tm_vnni_gemm.restype = ctypes.c_int
+    lib.tm_vnni_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.tm_vnni_dequantize.restype = ctypes.c_int
+    lib.tm_vnni_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.tm_vnni_quantize.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    return build.unavailable_reason("vnni_gemm")
+
+
+def _check(rc: int, fmt: int) -> None:
+    if rc == -1:
+        raise ValueError(f"ggml type {fmt} is not a block format the native kernel reads")
+    if rc == -2:
+        raise ValueError("the input dimension must be a multiple of 32")
+
+
+def pack(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
+    """GGUF blocks uint8 [n, K // 32, bytes per block] in the kernel's layout (uint8, 1-D)."""
+    blocks = blocks.contiguous()
+    n, k = blocks.shape[0], blocks.shape[1] * 32
+    out = torch.empty(int(_lib().tm_vnni_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=blocks.device)
+    _check(_lib().tm_vnni_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
+    return out
+
+
+def unpack(packed: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
+    """The packed weight [n, k] as float32: exactly what gguf dequantizes the blocks to."""
+    out = torch.empty(n, k, dtype=torch.float32, device=packed.device)
+    _check(_lib().tm_vnni_dequantize(fmt, packed.data_ptr(), n, k, out.data_ptr()), fmt)
+    return out
+
+
+def _gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        rc = _lib().tm_vnni_gemm(
+            fmt, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
+        )
+        _check(rc, fmt)
+    return y
+
+
+@torch.library.custom_op("tokenmill::vnni_gemm", mutates_args=())
+def _vnni_gemm_op(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    return _gemm(x, packed, fmt, n)
+
+
+@_vnni_gemm_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+
+def vnni_gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    """``x [M, K] @ W.T`` as float32 [M, n] for ``packed`` (from ``pack``) in ggml format ``fmt``,
+    with ``x`` rounded to 16-bit fixed point per block of 32 first (``quantize``). Each row's
+    result is independent of M."""
+    if torch.compiler.is_compiling():
+        return _vnni_gemm_op(x, packed, fmt, n)
+    return _gemm(x, packed, fmt, n)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as the product sees it: int16 [M, K] and each block's unit [M, K // 32]."""
+    x = x.float().contiguous()
+    q = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    dq = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32, device=x.device)
+    _check(_lib().tm_vnni_quantize(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), dq.data_ptr()), 0)
+    return q, dq
