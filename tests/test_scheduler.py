@@ -16,7 +16,8 @@ def seq(tokenizer: Any, n: int, rid: str) -> Sequence:
 
 
 def run_step(sched: Scheduler) -> list[tuple[str, int]]:
-    """Schedule, then pretend the model ran: mark tokens computed and add one sampled token."""
+    """Schedule, then pretend the model ran: mark tokens computed and add one sampled token
+    (speculation off: these tests are about admission, and a pretend token repeats)."""
     batch = sched.schedule()
     for s, n in zip(batch.seqs, batch.num_new_tokens):
         s.num_computed_tokens += n
@@ -26,7 +27,7 @@ def run_step(sched: Scheduler) -> list[tuple[str, int]]:
 
 
 def test_admits_waiting_requests_up_to_max_batch_size(default_tokenizer: Any) -> None:
-    cfg = EngineConfig(max_batch_size=2, max_batch_tokens=64, enable_prefix_caching=False)
+    cfg = EngineConfig(max_batch_size=2, max_batch_tokens=64, enable_prefix_caching=False, speculative_tokens=0)
     sched = Scheduler(cfg, BlockManager(64, 4, False))
     for i in range(3):
         sched.add(seq(default_tokenizer, 5, f"r{i}"))
@@ -36,7 +37,7 @@ def test_admits_waiting_requests_up_to_max_batch_size(default_tokenizer: Any) ->
 
 
 def test_long_prompts_are_prefilled_in_chunks_while_decodes_flow(default_tokenizer: Any) -> None:
-    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=8, enable_prefix_caching=False)
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=8, enable_prefix_caching=False, speculative_tokens=0)
     sched = Scheduler(cfg, BlockManager(64, 4, False))
     sched.add(seq(default_tokenizer, 3, "short"))
     assert run_step(sched) == [("short", 3)]
@@ -49,7 +50,7 @@ def test_long_prompts_are_prefilled_in_chunks_while_decodes_flow(default_tokeniz
 
 
 def test_token_budget_limits_admission(default_tokenizer: Any) -> None:
-    cfg = EngineConfig(max_batch_size=8, max_batch_tokens=10, enable_prefix_caching=False)
+    cfg = EngineConfig(max_batch_size=8, max_batch_tokens=10, enable_prefix_caching=False, speculative_tokens=0)
     sched = Scheduler(cfg, BlockManager(64, 4, False))
     sched.add(seq(default_tokenizer, 6, "a"))
     sched.add(seq(default_tokenizer, 6, "b"))
@@ -57,7 +58,7 @@ def test_token_budget_limits_admission(default_tokenizer: Any) -> None:
 
 
 def test_out_of_blocks_preempts_the_newest_and_requeues_it_first(default_tokenizer: Any) -> None:
-    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, enable_prefix_caching=False)
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, enable_prefix_caching=False, speculative_tokens=0)
     bm = BlockManager(4, 4, False)
     sched = Scheduler(cfg, bm)
     old, new = seq(default_tokenizer, 8, "old"), seq(default_tokenizer, 8, "new")
@@ -72,7 +73,7 @@ def test_out_of_blocks_preempts_the_newest_and_requeues_it_first(default_tokeniz
 
 
 def test_finish_returns_blocks_at_once(default_tokenizer: Any) -> None:
-    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, enable_prefix_caching=False)
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, enable_prefix_caching=False, speculative_tokens=0)
     bm = BlockManager(16, 4, False)
     sched = Scheduler(cfg, bm)
     s = seq(default_tokenizer, 9, "a")
@@ -81,3 +82,35 @@ def test_finish_returns_blocks_at_once(default_tokenizer: Any) -> None:
     assert bm.num_used_blocks == 3
     sched.finish(s)
     assert bm.num_used_blocks == 0 and not sched.has_unfinished()
+
+
+def test_drafts_fit_the_token_budget_the_blocks_and_the_batch_limit(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=6, speculative_tokens=8, speculative_max_batch=1)
+    bm = BlockManager(8, 4, False)
+    sched = Scheduler(cfg, bm)
+    s = Sequence(GenerationRequest("loop", [5, 6, 7, 5, 6, 7, 5, 6]), default_tokenizer)
+    sched.add(s)
+    assert [n for n in sched.schedule().num_new_tokens] == [6]  # a prefill chunk: no drafts
+    s.num_computed_tokens = 6
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [2] and s.drafts == []  # the prompt's last two tokens are not decoding
+    s.num_computed_tokens = 8
+    s.token_ids.append(7)
+    batch = sched.schedule()
+    # Decoding: the last four tokens [7, 5, 6, 7] occurred before, followed by [5, 6, 7].
+    assert s.drafts == [5, 6, 7] and batch.num_new_tokens == [4]
+    assert len(s.block_table) * 4 >= s.num_computed_tokens + 4
+    cfg.speculative_tokens = 2
+    s.drafts = []
+    assert sched.schedule().num_new_tokens == [3] and s.drafts == [5, 6]
+    cfg.speculative_tokens, cfg.max_batch_tokens = 8, 3
+    s.drafts = []
+    assert sched.schedule().num_new_tokens == [3] and s.drafts == [5, 6]  # the token budget
+    cfg.max_batch_tokens = 6
+    # A second running sequence: over speculative_max_batch, no drafts for either.
+    other = Sequence(GenerationRequest("other", [9, 9, 9]), default_tokenizer)
+    sched.add(other)
+    s.drafts = []
+    sched.schedule()
+    s.drafts = []
+    assert sched.schedule().num_new_tokens[0] == 1 and s.drafts == []

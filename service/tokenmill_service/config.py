@@ -79,6 +79,16 @@ class Settings:
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
     max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})
+    speculative_tokens: int = field(
+        default=6,
+        metadata={
+            "help": "draft tokens a decoding sequence guesses from its own history (prompt lookup) and checks in "
+            "the same step: the same tokens and logprobs as without, more per read of the weights; 0 = off"
+        },
+    )
+    speculative_max_batch: int = field(
+        default=4, metadata={"help": "guess drafts only while at most this many sequences run, per worker"}
+    )
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask"})
     default_max_new_tokens: int = field(
         default=1024, metadata={"help": "max_new_tokens of a request that sets none (at most --max-new-tokens-limit)"}
@@ -136,6 +146,9 @@ class Settings:
         for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("speculative_tokens", "speculative_max_batch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError("--default-max-new-tokens must be between 1 and --max-new-tokens-limit")
         if min(self.workers, self.threads, self.max_top_logprobs, self.http_port) < 0 or self.drain_seconds < 0:

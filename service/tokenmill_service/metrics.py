@@ -56,6 +56,11 @@ class Metrics:
             "Share of prompt tokens found in the prefix cache since the workers started (0 to 1)",
             registry=r,
         )
+        self.draft_acceptance_rate = Gauge(
+            "tokenmill_draft_acceptance_rate",
+            "Share of speculative draft tokens (--speculative-tokens) kept since the workers started (0 to 1)",
+            registry=r,
+        )
         self.compiled_graphs = Gauge(
             "tokenmill_compiled_graphs",
             "Graphs torch.compile built in the serving workers (--compile); all are built before a worker is "
@@ -79,6 +84,9 @@ class Metrics:
         self.kv_cache_usage.set_function(lambda: _ratio(read(), "kv_blocks_used", "kv_blocks_total"))
         self.prefix_cache_hit_rate.set_function(lambda: _ratio(read(), "prefix_cache_hits", "prefix_cache_queries"))
         self.compiled_graphs.set_function(lambda: read()["compiled_graphs"])
+        self.draft_acceptance_rate.set_function(
+            lambda: _ratio(read(), "draft_tokens_accepted", "draft_tokens_proposed")
+        )
 
     def set_build_info(self, version: str, model: str, backend: str, dtype: str, quantization: str) -> None:
         self.build_info.clear()

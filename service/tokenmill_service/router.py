@@ -164,6 +164,8 @@ class Router:
             max_batch_tokens=max(s.max_batch_tokens, s.max_batch_size),
             block_size=s.block_size,
             kv_cache_memory=s.kv_cache_bytes,
+            speculative_tokens=s.speculative_tokens,
+            speculative_max_batch=s.speculative_max_batch,
         )
         return WorkerSpec(
             worker_id=worker_id,

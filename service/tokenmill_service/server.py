@@ -144,6 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 def engine_totals(router: Router) -> dict[str, int]:
     totals = {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 0, "serving": 0}
     totals |= {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "compiled_graphs": 0}
+    totals |= {"draft_tokens_proposed": 0, "draft_tokens_accepted": 0}
     for w in router.workers:
         if w.serving:
             totals["serving"] += 1
@@ -155,6 +156,8 @@ def engine_totals(router: Router) -> dict[str, int]:
                 totals["prefix_cache_queries"] += w.stats.prefix_cache_queries
                 totals["prefix_cache_hits"] += w.stats.prefix_cache_hits
                 totals["compiled_graphs"] += w.stats.compiled_graphs
+                totals["draft_tokens_proposed"] += w.stats.draft_tokens_proposed
+                totals["draft_tokens_accepted"] += w.stats.draft_tokens_accepted
             elif w.info is not None:
                 totals["kv_blocks_total"] += w.info.kv_blocks_total
                 totals["compiled_graphs"] += w.info.compiled_graphs

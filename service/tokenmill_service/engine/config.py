@@ -22,6 +22,12 @@ class EngineConfig:
     max_model_len: int = 0
     # Share the KV blocks of identical prompt prefixes (every chat starts with the same system prompt).
     enable_prefix_caching: bool = True
+    # Draft tokens guessed from the sequence's own history and checked in the same step
+    # (engine/speculation.py): the same tokens and logprobs, more of them per read of the weights.
+    speculative_tokens: int = 6
+    # ...only while at most this many sequences run: beyond it a step is bound by arithmetic, not
+    # by reading the weights, and rejected drafts would cost more than accepted ones save.
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -33,3 +39,5 @@ class EngineConfig:
             )
         if self.block_size < 1:
             raise ValueError("block_size must be at least 1")
+        if self.speculative_tokens < 0 or self.speculative_max_batch < 0:
+            raise ValueError("speculative_tokens and speculative_max_batch must not be negative")

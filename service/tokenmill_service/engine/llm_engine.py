@@ -61,6 +61,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, block_size, num_blocks)
         self.sequences: dict[str, Sequence] = {}
+        # Draft tokens checked and kept (speculation.py), since start.
+        self.drafts_proposed = self.drafts_accepted = 0
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -124,10 +126,12 @@ class LLMEngine:
             prefix_cache_queries=self.block_manager.prefix_queries,
             prefix_cache_hits=self.block_manager.prefix_hits,
             compiled_graphs=compiled_graphs(),
+            draft_tokens_proposed=self.drafts_proposed,
+            draft_tokens_accepted=self.drafts_accepted,
         )
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.max_model_len)
         if not batch.seqs:
             return []
         now = time.monotonic()
@@ -140,8 +144,10 @@ class LLMEngine:
         outputs: dict[int, RequestOutput] = {}
         self._collect_prompt_logprobs(batch, logits)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.register_computed_blocks(seq)
+            # A sequence with drafts has computed only what its checks keep (in _sample).
+            seq.num_computed_tokens += n - len(seq.drafts)
+            if not seq.drafts:
+                self.block_manager.register_computed_blocks(seq)
         self._sample(batch, logits, outputs)
         return [outputs[i] for i in sorted(outputs)]
 
@@ -181,33 +187,49 @@ class LLMEngine:
     def _sample(self, batch: ScheduledBatch, logits: StepLogits, outputs: dict[int, RequestOutput]) -> None:
         if not logits.sample_seq_indices:
             return
+        # Row r samples the position after seen[r]: a draft's row sees the drafts before it.
         seqs = [batch.seqs[i] for i in logits.sample_seq_indices]
+        seen: list[list[int]] = []
+        for row, (i, seq) in enumerate(zip(logits.sample_seq_indices, seqs)):
+            first = row == 0 or logits.sample_seq_indices[row - 1] != i
+            seen.append(seq.token_ids if first else [*seen[-1], seq.drafts[len(seen[-1]) - seq.num_tokens]])
         result = sample(
             logits.sample_logits,
             [s.request.sampling for s in seqs],
             [s.seed for s in seqs],
-            [s.token_ids for s in seqs],
+            seen,
             [s.request.top_logprobs if s.request.logprobs or s.request.top_logprobs else 0 for s in seqs],
         )
-        for row, (i, seq) in enumerate(zip(logits.sample_seq_indices, seqs)):
-            token_id = result.token_ids[row]
-            seq.token_ids.append(token_id)
+        row = 0
+        while row < len(seqs):
+            i, seq = logits.sample_seq_indices[row], seqs[row]
+            rows = logits.sample_seq_indices.count(i)
             out = RequestOutput(request_id=seq.request_id, prompt_len=seq.num_prompt_tokens)
             if seq.collecting_prompt_logprobs:
                 out.prompt_tokens = seq.prompt_tokens
                 seq.prompt_logprobs_sent = True
-            if seq.num_completion_tokens == 1 and seq.first_scheduled_time is not None:
+            if seq.num_completion_tokens == 0 and seq.first_scheduled_time is not None:
                 out.queue_s = seq.first_scheduled_time - seq.arrival_time
             wants_lp = seq.request.logprobs or seq.request.top_logprobs > 0
-            out.tokens.append(
-                self._token(
-                    token_id,
-                    result.logprobs[row] if wants_lp else None,
-                    result.top_logprobs[row],
+            reason = None
+            for j in range(rows):
+                # Keep sampling while each draft equals what was sampled at its position.
+                token_id = result.token_ids[row + j]
+                seq.token_ids.append(token_id)
+                out.tokens.append(
+                    self._token(token_id, result.logprobs[row + j] if wants_lp else None, result.top_logprobs[row + j])
                 )
-            )
-            out.text = seq.detokenizer.add(token_id)
-            reason = self._finish_reason(seq, token_id)
+                out.text += seq.detokenizer.add(token_id)
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None or j == rows - 1 or token_id != seq.drafts[j]:
+                    break
+            if seq.drafts:
+                # Each kept draft is in the cache now (the token sampled after them is not).
+                seq.num_computed_tokens += len(out.tokens) - 1
+                seq.drafts = []
+                self.block_manager.register_computed_blocks(seq)
+                self.drafts_proposed += rows - 1
+                self.drafts_accepted += len(out.tokens) - 1
             if reason is not None:
                 out.text += seq.detokenizer.flush()
                 out.finish_reason = reason
@@ -216,6 +238,7 @@ class LLMEngine:
                 self.sequences.pop(seq.request_id, None)
             out.completion_len = seq.num_completion_tokens
             outputs[i] = out
+            row += rows
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if token_id in seq.stop_token_ids:

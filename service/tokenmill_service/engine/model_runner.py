@@ -50,7 +50,8 @@ def default_kv_cache_memory(device: torch.device) -> int:
 class StepLogits:
     # [num_sampling_rows, vocab]: one row per sequence that samples a token, in batch order.
     sample_logits: torch.Tensor
-    # Indices (into batch.seqs) of the sequences that sample a token this step.
+    # Per sampled row: the index (into batch.seqs) of its sequence; a sequence with drafts has
+    # one row per draft after its own, consecutive.
     sample_seq_indices: list[int]
     # Per batch index: logits [n, vocab] of every new position, for prompt logprobs.
     prompt_logits: dict[int, torch.Tensor]
@@ -93,24 +94,29 @@ class ModelRunner:
         )
 
     def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
-        """The step as plain lists, with the batch indices of the sequences that sample a token and
-        of those whose prompt logprobs are collected (in the order of ``plan.prompt_rows``)."""
+        """The step as plain lists, with the batch index of the sequence of each sampled row (a
+        sequence with drafts samples several consecutive rows) and of the sequences whose prompt
+        logprobs are collected (in the order of ``plan.prompt_rows``)."""
         plan = StepPlan([], [], [], [], [], [])
         sample_seq_indices: list[int] = []
         prompt_seq_indices: list[int] = []
         offset = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
-            plan.token_ids.extend(seq.token_ids[start : start + n])
+            drafts = len(seq.drafts)
+            plan.token_ids.extend(seq.token_ids[start : start + n - drafts])
+            plan.token_ids.extend(seq.drafts)
             plan.query_lens.append(n)
             plan.starts.append(start)
             plan.block_tables.append(seq.block_table)
             if seq.collecting_prompt_logprobs and start < seq.num_prompt_tokens:
                 plan.prompt_rows.append((offset, n))
                 prompt_seq_indices.append(i)
-            if start + n == seq.num_tokens:
-                plan.sample_rows.append(offset + n - 1)
-                sample_seq_indices.append(i)
+            if start + n == seq.num_tokens + drafts:
+                # The last token's row and each draft's: one sampled position each.
+                for row in range(offset + n - 1 - drafts, offset + n):
+                    plan.sample_rows.append(row)
+                    sample_seq_indices.append(i)
             offset += n
         return plan, sample_seq_indices, prompt_seq_indices
 

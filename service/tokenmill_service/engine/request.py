@@ -109,3 +109,5 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     compiled_graphs: int = 0  # graphs torch.compile built in the worker (constant once it is ready)
+    draft_tokens_proposed: int = 0  # speculation's guesses checked, since start
+    draft_tokens_accepted: int = 0  # of those, the ones kept

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.sequence import Sequence, SequenceStatus
+from tokenmill_service.engine.speculation import propose_drafts
 
 
 @dataclass(slots=True)
@@ -52,7 +53,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def _drafts(self, seq: Sequence, budget: int, max_model_len: int) -> list[int]:
+        """Draft tokens for a decoding sequence (none when speculation is off or cannot fit)."""
+        if seq.num_uncomputed_tokens != 1 or len(self.running) > self.config.speculative_max_batch:
+            return []
+        room = min(self.config.speculative_tokens, budget - 1, max_model_len - seq.num_tokens)
+        max_new = seq.request.stopping.max_new_tokens
+        if max_new:
+            room = min(room, max_new - seq.num_completion_tokens - 1)
+        return propose_drafts(seq.token_ids, room)
+
+    def schedule(self, max_model_len: int = 1 << 62) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_batch_tokens
 
@@ -64,6 +75,14 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            seq.drafts = self._drafts(seq, budget, max_model_len)
+            if seq.drafts:
+                # Guesses only take blocks that leave one for every running sequence's next token.
+                upto = seq.num_computed_tokens + n + len(seq.drafts)
+                spare = self.block_manager.num_free_blocks - len(self.running)
+                if self.block_manager.blocks_needed(seq, upto) > spare or not self.block_manager.allocate(seq, upto):
+                    seq.drafts = []
+            n += len(seq.drafts)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -89,6 +108,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            seq.drafts = []
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

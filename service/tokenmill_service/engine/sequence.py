@@ -46,6 +46,8 @@ class Sequence:
         self.wants_prompt_logprobs = request.prompt_logprobs
         self.prompt_tokens: list[TokenOutput] = []
         self.prompt_logprobs_sent = False
+        # Tokens guessed for the positions after the last one, checked this step (speculation.py).
+        self.drafts: list[int] = []
 
     @property
     def num_tokens(self) -> int:
