@@ -97,16 +97,16 @@ def test_drafts_fit_the_token_budget_the_blocks_and_the_batch_limit(default_toke
     s.num_computed_tokens = 8
     s.token_ids.append(7)
     batch = sched.schedule()
-    # Decoding: the last four tokens [7, 5, 6, 7] occurred before, followed by [5, 6, 7].
-    assert s.drafts == [5, 6, 7] and batch.num_new_tokens == [4]
-    assert len(s.block_table) * 4 >= s.num_computed_tokens + 4
+    # Decoding: the last four tokens [7, 5, 6, 7] occurred three tokens back; read on with that period.
+    assert s.drafts == [5, 6, 7, 5, 6] and batch.num_new_tokens == [6]  # five fit the budget beside the token
+    assert len(s.block_table) * 4 >= s.num_computed_tokens + 6
     cfg.speculative_tokens = 2
     s.drafts = []
     assert sched.schedule().num_new_tokens == [3] and s.drafts == [5, 6]
     cfg.speculative_tokens, cfg.max_batch_tokens = 8, 3
     s.drafts = []
     assert sched.schedule().num_new_tokens == [3] and s.drafts == [5, 6]  # the token budget
-    cfg.max_batch_tokens = 6
+    cfg.max_batch_tokens = 16
     # A second running sequence: over speculative_max_batch, no drafts for either.
     other = Sequence(GenerationRequest("other", [9, 9, 9]), default_tokenizer)
     sched.add(other)

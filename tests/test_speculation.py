@@ -19,10 +19,12 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix() -> 
     assert propose_drafts([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # latest: ...3, 7
     assert propose_drafts([5, 6, 1, 2, 8, 4, 1, 2], 4) == [8, 4, 1, 2]
     assert propose_drafts([1, 2, 3, 4, 5], 4) == []  # no suffix of two or more occurred before
-    assert propose_drafts([7, 7, 7], 5) == [7]  # what followed, up to the end of the history
     assert propose_drafts([1, 2, 1, 2], 0) == []
     # A four-token match wins over a later two-token one.
     assert propose_drafts([1, 2, 3, 4, 50, 9, 3, 4, 60, 1, 2, 3, 4], 1) == [50]
+    # Past the end of the history the text is read on with the match's period.
+    assert propose_drafts([7, 7, 7], 5) == [7, 7, 7, 7, 7]
+    assert propose_drafts([4, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
 
 
 def _engine(model: Any, tokenizer: Any, **kw: Any) -> LLMEngine:

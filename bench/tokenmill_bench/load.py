@@ -163,6 +163,9 @@ class EngineSample:
     kv_blocks_used: int
     kv_blocks_total: int
     rss_bytes: int | None
+    # Speculative drafts checked and kept since the workers started (cumulative).
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
 
 
 @dataclass(slots=True)
@@ -227,6 +230,8 @@ class LevelResult:
         server_queue = [r.server_queue_ms / 1000.0 for r in self.ok if r.server_queue_ms is not None]
         messages = sum(len(r.counts) for r in self.ok)
         samples = self.engine_samples
+        proposed = samples[-1].drafts_proposed - samples[0].drafts_proposed if samples else 0
+        accepted = samples[-1].drafts_accepted - samples[0].drafts_accepted if samples else 0
         return {
             "concurrency": self.concurrency,
             "requests": len(self.records),
@@ -246,6 +251,10 @@ class LevelResult:
             "engine_max_waiting": max((s.waiting for s in samples), default=None),
             "engine_max_kv_blocks_used": max((s.kv_blocks_used for s in samples), default=None),
             "engine_kv_blocks_total": samples[-1].kv_blocks_total if samples else None,
+            # Speculation during the level (between the first and last engine sample).
+            "draft_tokens_proposed": proposed,
+            "draft_tokens_accepted": accepted,
+            "draft_acceptance": accepted / proposed if proposed else None,
             "server_rss_max_bytes": max((s.rss_bytes for s in samples if s.rss_bytes is not None), default=None),
             "cpu_s": self.cpu,
             "other_load_cores": self.other_load_cores,
@@ -283,7 +292,16 @@ async def sample_engine(
             e = info.engine
             rss = rss_bytes(server_pids()) if server_pids is not None else None
             into.append(
-                EngineSample(time.perf_counter(), e.running, e.waiting, e.kv_blocks_used, e.kv_blocks_total, rss)
+                EngineSample(
+                    time.perf_counter(),
+                    e.running,
+                    e.waiting,
+                    e.kv_blocks_used,
+                    e.kv_blocks_total,
+                    rss,
+                    e.draft_tokens_proposed,
+                    e.draft_tokens_accepted,
+                )
             )
         await asyncio.sleep(period)
 

@@ -65,6 +65,7 @@ def format_tables(result: dict[str, Any]) -> str:
         ["ITL p50 ms", _fmt(result["itl_ms_p50"], 2)],
         ["ITL p99 ms", _fmt(result["itl_ms_p99"], 2)],
         ["bandwidth achieved GB/s", _fmt(result["bandwidth_achieved_gbs"], 2)],
+        ["speculative drafts kept", _percent(single.get("draft_acceptance"), single.get("draft_tokens_proposed"))],
         ["memory read bandwidth GB/s", _fmt(result.get("read_bandwidth_gbs"), 2)],
         ["memory copy bandwidth GB/s", _fmt(result["copy_bandwidth_gbs"], 2)],
         ["requests (failed)", f"{single['requests']} ({single['failed_requests']})"],
@@ -83,6 +84,7 @@ def format_tables(result: dict[str, Any]) -> str:
         "ITL p99 ms",
         "ITL max ms",
         "max running/waiting",
+        "drafts kept",
     ]
     level_rows = [
         [
@@ -97,6 +99,7 @@ def format_tables(result: dict[str, Any]) -> str:
             _fmt(level["itl_ms"]["p99"], 2),
             _fmt(level["itl_ms"]["max"], 2),
             f"{_fmt(level['engine_max_running'])}/{_fmt(level['engine_max_waiting'])}",
+            _percent(level.get("draft_acceptance"), level.get("draft_tokens_proposed")),
         ]
         for level in result["levels"]
     ]
@@ -120,6 +123,13 @@ def format_tables(result: dict[str, Any]) -> str:
     notes.extend(f"  error x{n}: {msg}" for msg, n in errors.items())
     parts.append("\n".join(notes))
     return "\n\n".join(parts)
+
+
+def _percent(share: float | None, of: int | None) -> str:
+    """``kept/checked (share)``, or "-" where no draft was checked (speculation off or idle)."""
+    if share is None or not of:
+        return "-"
+    return f"{round(share * of)}/{of} ({share:.0%})"
 
 
 def _ratio_cell(value: float | None) -> str:
@@ -152,7 +162,8 @@ def format_comparison(result: dict[str, Any]) -> str:
     convention = (
         f"bandwidth = weight bytes read per step x steps/s (steps/s = per-stream decode tok/s); weight bytes: "
         f"tokenmill {_fmt_bytes(weights['tokenmill'])}, {peer} {_fmt_bytes(weights['peer'])}; "
-        f"measured read bandwidth {_fmt(read_gbs, 2)} GB/s"
+        f"measured read bandwidth {_fmt(read_gbs, 2)} GB/s; where tokenmill keeps speculative drafts (the "
+        "'drafts kept' column) several tokens share a step, so its figure is effective, not bytes actually read"
     )
     lines = [title, convention, _table(header, rows)]
     failed = [

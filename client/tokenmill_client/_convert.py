@@ -193,6 +193,8 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
             kv_blocks_used=e.kv_blocks_used,
             kv_blocks_total=e.kv_blocks_total,
             kv_block_size=e.kv_block_size,
+            draft_tokens_proposed=e.draft_tokens_proposed,
+            draft_tokens_accepted=e.draft_tokens_accepted,
         ),
         workers=tuple(
             WorkerState(

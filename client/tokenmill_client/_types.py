@@ -191,6 +191,8 @@ class EngineState:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_block_size: int
+    draft_tokens_proposed: int = 0  # speculative drafts checked since the workers started
+    draft_tokens_accepted: int = 0  # of those, the ones kept
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 state.kv_blocks_total, state.kv_block_size = w.info.kv_blocks_total, w.info.kv_block_size
             for name in ("running", "waiting", "kv_blocks_used", "kv_blocks_total"):
                 setattr(reply.engine, name, getattr(reply.engine, name) + getattr(state, name))
+            if w.stats is not None and w.serving:
+                reply.engine.draft_tokens_proposed += w.stats.draft_tokens_proposed
+                reply.engine.draft_tokens_accepted += w.stats.draft_tokens_accepted
             reply.engine.kv_block_size = state.kv_block_size or reply.engine.kv_block_size
         return reply
 

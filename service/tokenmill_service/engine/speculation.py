@@ -22,8 +22,9 @@ WINDOW = 2048
 
 
 def propose_drafts(token_ids: Seq[int], max_drafts: int) -> list[int]:
-    """Up to ``max_drafts`` tokens that followed the latest earlier occurrence of the longest
-    suffix (``MAX_MATCH`` down to ``MIN_MATCH`` tokens) of ``token_ids``; [] when none occurred."""
+    """Up to ``max_drafts`` tokens guessed to follow ``token_ids``: what followed the latest earlier
+    occurrence of its longest suffix (``MAX_MATCH`` down to ``MIN_MATCH`` tokens), read on as if
+    the text repeats with that period past its end; [] when no suffix occurred before."""
     if max_drafts <= 0:
         return []
     history = list(token_ids[-WINDOW:])
@@ -34,5 +35,8 @@ def propose_drafts(token_ids: Seq[int], max_drafts: int) -> list[int]:
         # The latest start before the suffix itself, scanning backwards.
         for start in range(end - n - 1, -1, -1):
             if history[start] == first and history[start : start + n] == suffix:
-                return history[start + n : start + n + max_drafts]
+                period = end - n - start
+                for i in range(max_drafts):
+                    history.append(history[end + i - period])
+                return history[end:]
     return []
