@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -30,22 +31,28 @@ def unavailable_reason() -> str | None:
     return build.unavailable_reason("block_gemm")
 
 
-def _check(rc: int, fmt: int) -> None:
+def check_status(rc: int, fmt: int) -> None:
+    """Raise for the native block kernels' error codes (-1: unknown format, -2: K not a multiple of 32)."""
     if rc == -1:
         raise ValueError(f"ggml type {fmt} is not a block format the native kernel reads")
     if rc == -2:
         raise ValueError("the input dimension must be a multiple of 32")
 
 
-def _gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+def run_product(kernel: Callable[..., int], x: torch.Tensor, weights: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    """``kernel(fmt, x, M, K, weights, n, y, threads)`` into a new float32 y [M, n]."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        rc = _lib().tm_block_gemm(
-            fmt, x.data_ptr(), x.shape[0], x.shape[1], blocks.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
+        rc = kernel(
+            fmt, x.data_ptr(), x.shape[0], x.shape[1], weights.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
         )
-        _check(rc, fmt)
+        check_status(rc, fmt)
     return y
+
+
+def _gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    return run_product(_lib().tm_block_gemm, x, blocks, fmt, n)
 
 
 @torch.library.custom_op("tokenmill::block_gemm", mutates_args=())
@@ -71,5 +78,5 @@ def block_dequantize(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     blocks = blocks.contiguous()
     n, k = blocks.shape[0], blocks.shape[1] * 32
     out = torch.empty(n, k, dtype=torch.float32, device=blocks.device)
-    _check(_lib().tm_block_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
+    check_status(_lib().tm_block_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
     return out

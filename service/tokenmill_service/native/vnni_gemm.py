@@ -11,8 +11,8 @@ import functools
 import torch
 
 from tokenmill_service.native import build
+from tokenmill_service.native.block_gemm import check_status, run_product
 
-FORMATS = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0 (ggml type ids)
 GROUP = 16  # weight rows per packed group
 
 
@@ -37,38 +37,24 @@ def unavailable_reason() -> str | None:
     return build.unavailable_reason("vnni_gemm")
 
 
-def _check(rc: int, fmt: int) -> None:
-    if rc == -1:
-        raise ValueError(f"ggml type {fmt} is not a block format the native kernel reads")
-    if rc == -2:
-        raise ValueError("the input dimension must be a multiple of 32")
-
-
 def pack(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     """GGUF blocks uint8 [n, K // 32, bytes per block] in the kernel's layout (uint8, 1-D)."""
     blocks = blocks.contiguous()
     n, k = blocks.shape[0], blocks.shape[1] * 32
     out = torch.empty(int(_lib().tm_vnni_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=blocks.device)
-    _check(_lib().tm_vnni_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
+    check_status(_lib().tm_vnni_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
     return out
 
 
 def unpack(packed: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
     """The packed weight [n, k] as float32: exactly what gguf dequantizes the blocks to."""
     out = torch.empty(n, k, dtype=torch.float32, device=packed.device)
-    _check(_lib().tm_vnni_dequantize(fmt, packed.data_ptr(), n, k, out.data_ptr()), fmt)
+    check_status(_lib().tm_vnni_dequantize(fmt, packed.data_ptr(), n, k, out.data_ptr()), fmt)
     return out
 
 
 def _gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
-    x = x.float().contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        rc = _lib().tm_vnni_gemm(
-            fmt, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
-        )
-        _check(rc, fmt)
-    return y
+    return run_product(_lib().tm_vnni_gemm, x, packed, fmt, n)
 
 
 @torch.library.custom_op("tokenmill::vnni_gemm", mutates_args=())
@@ -95,5 +81,5 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float().contiguous()
     q = torch.empty(x.shape, dtype=torch.int16, device=x.device)
     dq = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32, device=x.device)
-    _check(_lib().tm_vnni_quantize(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), dq.data_ptr()), 0)
+    check_status(_lib().tm_vnni_quantize(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), dq.data_ptr()), 0)
     return q, dq
