@@ -137,3 +137,32 @@ def test_a_prefilled_prefix_gives_the_logprobs_its_decoding_gave(server_address:
             assert scored == decoded[:20]
 
     run(main())
+
+
+REPEATING = pb.GenerateRequest(
+    chat=chat("Repeat this line ten times: the cat sat on the mat, the dog sat on the log."),
+    stopping=pb.StoppingParams(max_new_tokens=48, ignore_eos=True),
+    top_logprobs=3,
+)
+
+
+def test_speculation_alone_gives_what_plain_decoding_in_a_crowd_gives(server_address: str) -> None:
+    """The default server guesses drafts while few sequences run (--speculative-max-batch 4) and not
+    in a crowd: the repeating request alone (drafts kept, several tokens a step) and among 15 others
+    (no drafts, one token a step) gives the same tokens and logprobs, bit for bit."""
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(server_address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            before = await engine_state(stub)
+            alone = await trace(stub, REPEATING)
+            after = await engine_state(stub)
+            assert after.draft_tokens_accepted - before.draft_tokens_accepted > 10
+            others = [
+                pb.GenerateRequest(prompt=f"Fact {i}:", stopping=pb.StoppingParams(max_new_tokens=60, ignore_eos=True))
+                for i in range(15)
+            ]
+            crowd = await asyncio.gather(*(trace(stub, r) for r in [*others[:8], REPEATING, *others[8:]]))
+            assert crowd[8] == alone
+
+    run(main())

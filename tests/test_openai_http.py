@@ -308,3 +308,4 @@ def test_metrics_have_build_info_cache_gauges_and_no_created_series(
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
     assert 0.0 <= values["tokenmill_kv_cache_usage_ratio"] <= 1.0
     assert 0.0 < values["tokenmill_prefix_cache_hit_rate"] < 1.0
+    assert 0.0 <= values["tokenmill_draft_acceptance_rate"] <= 1.0
