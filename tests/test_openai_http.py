@@ -258,6 +258,7 @@ def test_health_models_and_metrics_share_the_http_port(server: ServerProcess, cl
     assert get(server.http_url + "/health") == (200, '{"status":"ready"}')
     models = client.models.list().data
     assert len(models) == 1 and "SmolLM2" in models[0].id
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)  # a call to count, whatever ran before
     status, metrics = get(server.http_url + "/metrics")
     assert status == 200 and 'tokenmill_requests_total{code="OK"}' in metrics
 
