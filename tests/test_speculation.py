@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tokenmill_service.config import Settings, load_settings
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
@@ -118,3 +119,13 @@ def test_no_drafts_beyond_the_batch_limit(served_model: Any, default_tokenizer: 
     engine = _engine(served_model, default_tokenizer, speculative_max_batch=2)
     _run(engine, _requests(default_tokenizer, 24))  # three sequences: over the limit throughout
     assert engine.stats().draft_tokens_proposed == 0
+
+
+def test_the_speculation_settings_default_to_six_drafts_at_four_sequences_and_refuse_negatives() -> None:
+    assert (Settings().speculative_tokens, Settings().speculative_max_batch) == (6, 4)
+    assert load_settings(["--speculative-tokens", "0"], {}).speculative_tokens == 0
+    assert load_settings([], {"TOKENMILL_SPECULATIVE_MAX_BATCH": "8"}).speculative_max_batch == 8
+    with pytest.raises(ValueError, match="--speculative-tokens must not be negative"):
+        load_settings(["--speculative-tokens", "-1"], {})
+    with pytest.raises(ValueError, match="must not be negative"):
+        EngineConfig(speculative_max_batch=-1)
