@@ -185,10 +185,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, head_dtype)
         self.regions = Regions()
+        # The layers and the final norm as one native call (LlamaForCausalLM.use_native_stack), the
+        # same bits as the loop below; None: the loop.
+        self.native_stack: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         run = self.regions
         x = self.embed_tokens(input_ids)
+        if self.native_stack is not None:
+            return self.native_stack(x, positions, meta)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             q, k, v, residual = run.pre_attention(layer, positions, x, residual)
@@ -226,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
         head_quant = quant("lm_head")
         self.model = LlamaModel(config, ops, quant, act_dtype, embed_dtype or act_dtype, head_quant.act_dtype, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, head_quant, tp)
+        self._native_stack: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -248,9 +254,58 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the selected hidden rows."""
         return self.model.regions.head_logits(self.lm_head, hidden)
 
+    def use_native_stack(self) -> str | None:
+        """Run the decoder layers and the final norm as one native call (native/decoder_stack.py)
+        where every part of them has a native kernel. None when it does, else why not (the layers
+        then run one by one from Python, with the same results)."""
+        from tokenmill_service.native import decoder_stack
+        from tokenmill_service.ops.native_cpu_ops import NativeCpuOps
+
+        if not isinstance(self.ops, NativeCpuOps):
+            return "attention is not tokenmill's native kernel"
+        if self.tp.size > 1:
+            return "tensor-parallel ranks all-reduce between the layers"
+        norms = [self.model.norm] + [
+            n for ly in self.model.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)
+        ]
+        if self.act_dtype != torch.float32 or any(n.out_dtype != torch.float32 for n in norms):
+            return "it runs float32 activations"
+        layers = []
+        for ly in self.model.layers:
+            linears = {
+                "qkv": ly.self_attn.qkv_proj, "o": ly.self_attn.o_proj,
+                "gate_up": ly.mlp.gate_up_proj, "down": ly.mlp.down_proj,
+            }  # fmt: skip
+            for name, lin in linears.items():
+                if lin.quant.native_kernel is None or lin.quant.act_dtype != torch.float32:
+                    return f"the {name} projection is {lin.quant.name}, which has no native kernel to call"
+                if lin.bias is not None:
+                    return f"the {name} projection has a bias"
+            spec = {
+                name: decoder_stack.LinearSpec(lin.quant.native_kernel, lin.blocks, int(lin.qtype), lin.out_features)
+                for name, lin in linears.items()
+            }
+            layers.append(
+                decoder_stack.LayerSpec(ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **spec)
+            )
+        if (reason := decoder_stack.unavailable_reason()) is not None:
+            return reason
+        attn, rotary = self.model.layers[0].self_attn, self.model.layers[0].self_attn.rotary
+        self._native_stack = decoder_stack.DecoderStack(
+            decoder_stack.StackSpec(
+                hidden=self.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim, intermediate=self.config.intermediate_size, eps=self.model.norm.eps,
+                scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=self.model.norm.weight, layers=layers,
+            )
+        )  # fmt: skip
+        self.model.native_stack = self._native_stack
+        return None
+
     def compile_regions(self, compile: RegionCompiler | None) -> None:
         """Run the regions between attention calls through ``compile`` (None: eager again)."""
         plain = Regions()
+        # Compiled regions replace the native stack (inductor fuses what the native kernels did).
+        self.model.native_stack = None if compile is not None else self._native_stack
         if compile is None:
             self.model.regions = plain
         else:

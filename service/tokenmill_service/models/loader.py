@@ -226,6 +226,8 @@ def load_model(
     if quantization == "auto" and types and skipped:
         log.info("native_kernel_skipped", reasons=skipped, instead=counts)
     model.quantization = "+".join(sorted(counts)) if len(counts) > 1 else next(iter(counts))
+    # One native call for the whole stack where every part has a native kernel (same results).
+    stack_skipped = model.use_native_stack() if isinstance(ops, NativeCpuOps) else "attention is not native"
     log.info(
         "model_loaded",
         name=config.name,
@@ -235,12 +237,15 @@ def load_model(
         device=str(device),
         backend=backend,
         attention="native" if isinstance(ops, NativeCpuOps) else backend,
+        layers="native stack" if stack_skipped is None else "python",
         quantization=quantization,
         linear_layers=counts,
         weight_bytes=model.weight_bytes(),
         weight_mib=round(model.weight_bytes() / 2**20, 1),
         seconds=round(time.perf_counter() - start, 3),
     )
+    if stack_skipped is not None and isinstance(ops, NativeCpuOps):
+        log.info("native_stack_skipped", reason=stack_skipped)
     return model
 
 

@@ -110,3 +110,10 @@ def load(name: str) -> ctypes.CDLL:
     if isinstance(lib, NativeKernelUnavailable):
         raise lib
     return lib
+
+
+def address(name: str, symbol: str) -> int:
+    """The address of function ``symbol`` in kernel ``name``'s library, for native code that calls it."""
+    value = ctypes.cast(getattr(load(name), symbol), ctypes.c_void_p).value
+    assert value is not None
+    return value

@@ -27,6 +27,10 @@ from tokenmill_service.registry import Registry
 
 class QuantMethod(ABC):
     name: ClassVar[str]
+    # Where the product is a native kernel that native code may call directly, its entry point
+    # (library, symbol; signature as block_gemm.cpp's), reading the layer's ``blocks`` in format
+    # ``qtype`` (native/decoder_stack.py).
+    native_kernel: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, act_dtype: torch.dtype) -> None:
         # The dtype of the activations this layer multiplies (and returns).

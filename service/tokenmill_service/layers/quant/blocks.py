@@ -23,6 +23,8 @@ SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.
 
 @register_quantization("gguf")
 class GGUFBlocksMethod(QuantMethod):
+    native_kernel = ("block_gemm", "tm_block_gemm")
+
     def __init__(self, act_dtype: torch.dtype) -> None:
         super().__init__(act_dtype)
         if (reason := native.unavailable_reason()) is not None:
@@ -66,6 +68,8 @@ class GGUFBlocksVnniMethod(GGUFBlocksMethod):
     float32 scales. 2.1 to 2.7 times the float32 kernel's rate; logprobs
     within about 1e-3 of the float32 reference. Rows stay independent, each output reduced in a
     fixed order, so a sequence's results do not depend on its batch."""
+
+    native_kernel = ("vnni_gemm", "tm_vnni_gemm")
 
     def __init__(self, act_dtype: torch.dtype) -> None:
         QuantMethod.__init__(self, act_dtype)

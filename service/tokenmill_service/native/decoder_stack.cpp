@@ -1,0 +1,112 @@
+// A Llama-architecture decoder stack in one native call: every layer's norms, products, rotary,
+// cache writes, attention and MLP, then the final norm. The same work the model's Python forward
+// does, through the same kernels (their entry points come from their own libraries, passed in by
+// decoder_stack.py), in the same order on the same inputs: so the same bits, without some 15
+// Python-level calls and tensor allocations per layer, which at one decoding sequence cost more
+// than the layer's arithmetic.
+// Built and loaded by native/build.py (g++ -O3 -march=native -fopenmp).
+
+#include <stdint.h>
+#include <string.h>
+
+extern "C" {
+
+// The per-operation kernels' signatures (block_gemm.cpp or vnni_gemm.cpp, elementwise.cpp,
+// paged_attention.cpp).
+typedef int (*TmGemm)(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
+                      int threads);
+typedef void (*TmRmsNorm)(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps,
+                          float* h_out, float* normed, int64_t t, int64_t d);
+typedef void (*TmRotary)(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim,
+                         const int64_t* positions, const float* cos_table, const float* sin_table);
+typedef void (*TmSiluAndMul)(const float* x, float* out, int64_t t, int64_t n);
+typedef void (*TmStoreKeys)(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, int64_t head_dim,
+                            const int64_t* slots, float* k_cache, int64_t block_size);
+typedef int (*TmAttention)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* positions,
+                           const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale,
+                           float* out, int threads);
+
+// One linear layer: its product kernel and the weights it reads ([out_features, in_features]).
+struct TmLinear {
+  TmGemm gemm;
+  const uint8_t* weights;
+  int64_t fmt;
+  int64_t out_features;
+};
+
+struct TmLayer {
+  const float* input_norm;  // [hidden]
+  const float* post_norm;   // [hidden]
+  TmLinear qkv, o, gate_up, down;
+};
+
+struct TmStack {
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+  float eps, scale;
+  const float* cos_table;  // [positions, head_dim / 2]
+  const float* sin_table;
+  const float* final_norm;  // [hidden]
+  const TmLayer* layers;
+  TmRmsNorm rms_norm;
+  TmRotary rotary;
+  TmSiluAndMul silu_and_mul;
+  TmStoreKeys store_keys;
+  TmAttention attention;
+};
+
+// Floats of workspace a step of t tokens needs.
+int64_t tm_stack_workspace(const TmStack* s, int64_t t) {
+  const int64_t q = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
+  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate);
+}
+
+// x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, slots,
+// seq_of_token: [t]; tables: [sequences, table_width]; the caches: [layers][layer_floats] in the
+// layouts paged_attention.cpp reads (keys transposed per block, values as [slot][kv_heads][D]).
+// Returns 0, or the first failing kernel's code: -100 - layer for a product, -200 - layer for
+// attention.
+int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, const int64_t* slots,
+                     const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float* k_cache,
+                     float* v_cache, int64_t layer_floats, int64_t block_size, float* workspace, float* out,
+                     int threads) {
+  const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate;
+  const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  float* h = workspace;          // the residual stream [t, H]
+  float* normed = h + t * H;     // [t, H]
+  float* y = normed + t * H;     // a layer's output, o_proj's or down's [t, H]
+  float* qkv = y + t * H;        // [t, q + 2 kv]
+  float* q = qkv + t * qkv_size; // the queries, contiguous [t, heads, D]
+  float* attn = q + t * q_size;  // [t, heads * D]
+  float* gate_up = attn + t * q_size;  // [t, 2 I]
+  float* act = gate_up + t * 2 * I;    // [t, I]
+
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    const TmLayer& L = s->layers[l];
+    float* kc = k_cache + l * layer_floats;
+    float* vc = v_cache + l * layer_floats;
+    // Residual add (none before the first layer) and the input norm.
+    if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
+    else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
+    if (L.qkv.gemm((int)L.qkv.fmt, normed, t, H, L.qkv.weights, qkv_size, qkv, threads)) return -100 - (int)l;
+    s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
+    s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
+    s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
+    for (int64_t i = 0; i < t; ++i) {
+      memcpy(vc + slots[i] * kv_size, qkv + i * qkv_size + q_size + kv_size, kv_size * sizeof(float));
+      memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
+    }
+    if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, tables,
+                     table_width, s->scale, attn, threads))
+      return -200 - (int)l;
+    if (L.o.gemm((int)L.o.fmt, attn, t, q_size, L.o.weights, H, y, threads)) return -100 - (int)l;
+    s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
+    if (L.gate_up.gemm((int)L.gate_up.fmt, normed, t, H, L.gate_up.weights, 2 * I, gate_up, threads))
+      return -100 - (int)l;
+    s->silu_and_mul(gate_up, act, t, I);
+    if (L.down.gemm((int)L.down.fmt, act, t, I, L.down.weights, H, y, threads)) return -100 - (int)l;
+  }
+  s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
+  return 0;
+}
+}

@@ -1,0 +1,158 @@
+"""A whole decoder stack in one native call (decoder_stack.cpp): the per-layer kernels, called from C++.
+
+At one decoding sequence a Llama layer's Python forward (module calls, views, tensor allocations,
+a dozen ctypes calls) costs more than its arithmetic. ``DecoderStack`` runs the same kernels on
+the same inputs in the same order from native code, so its results are those of the Python
+forward bit for bit (tests/test_decoder_stack.py holds it to that), and the Python per step is
+one call. The model describes itself with ``StackSpec``; models/llama.py builds one where every
+part has a native kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill_service.native import build
+from tokenmill_service.ops.attention_metadata import AttentionMetadata
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("gemm", _ptr), ("weights", _ptr), ("fmt", _i64), ("out_features", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr), ("post_norm", _ptr),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+    ]  # fmt: skip
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+        ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
+        ("cos_table", _ptr), ("sin_table", _ptr), ("final_norm", _ptr), ("layers", _ptr),
+        ("rms_norm", _ptr), ("rotary", _ptr), ("silu_and_mul", _ptr), ("store_keys", _ptr), ("attention", _ptr),
+    ]  # fmt: skip
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = build.load("decoder_stack")
+    lib.tm_stack_workspace.argtypes = [_ptr, _i64]
+    lib.tm_stack_workspace.restype = _i64
+    lib.tm_decoder_stack.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
+    lib.tm_decoder_stack.argtypes += [_ptr, _ptr, ctypes.c_int]
+    lib.tm_decoder_stack.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    for name in ("decoder_stack", "elementwise", "paged_attention"):
+        if (reason := build.unavailable_reason(name)) is not None:
+            return reason
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSpec:
+    """A bias-free linear layer: ``kernel`` (library, symbol) multiplies by ``weights`` in ``fmt``."""
+
+    kernel: tuple[str, str]
+    weights: torch.Tensor
+    fmt: int
+    out_features: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearSpec  # q, k and v rows, in that order
+    o: LinearSpec
+    gate_up: LinearSpec  # gate rows, then up rows
+    down: LinearSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StackSpec:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+    cos: torch.Tensor  # [positions, head_dim / 2]
+    sin: torch.Tensor
+    final_norm: torch.Tensor
+    layers: list[LayerSpec]
+
+
+class DecoderStack:
+    """``stack(x, positions, meta)``: the final norm's output [T, hidden] for embeddings x [T, hidden]."""
+
+    def __init__(self, spec: StackSpec) -> None:
+        if not spec.layers:
+            raise ValueError("a decoder stack needs at least one layer")
+        tensors = [spec.cos, spec.sin, spec.final_norm]
+        for layer in spec.layers:
+            tensors += [layer.input_norm, layer.post_norm]
+            tensors += [lin.weights for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("the native decoder stack reads contiguous CPU tensors")
+        for t in [spec.cos, spec.sin, spec.final_norm] + [
+            n for ly in spec.layers for n in (ly.input_norm, ly.post_norm)
+        ]:
+            if t.dtype != torch.float32:
+                raise ValueError("the native decoder stack's norms and rotary tables are float32")
+        self.spec = spec  # keeps every tensor the native side points into alive
+
+        def linear(lin: LinearSpec) -> _Linear:
+            return _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
+
+        self._layers = (_Layer * len(spec.layers))(
+            *(
+                _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(),
+                       linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down))
+                for ly in spec.layers
+            )
+        )  # fmt: skip
+        self._stack = _Stack(
+            len(spec.layers), spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
+            spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(),
+            ctypes.addressof(self._layers),
+            build.address("elementwise", "tm_rms_norm"), build.address("elementwise", "tm_rotary"),
+            build.address("elementwise", "tm_silu_and_mul"), build.address("paged_attention", "tm_store_keys"),
+            build.address("paged_attention", "tm_paged_attention"),
+        )  # fmt: skip
+        self._workspace = torch.empty(0)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t, hidden = x.shape
+        assert x.dtype == torch.float32 and hidden == self.spec.hidden
+        x = x.contiguous()
+        k_cache, v_cache = meta.k_cache, meta.v_cache
+        assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need)
+        out = torch.empty(t, hidden)
+        tensors = [positions, meta.slot_mapping, meta.seq_of_token, meta.block_tables]
+        positions, slots, seq_of_token, tables = (v.contiguous() for v in tensors)
+        rc = _lib().tm_decoder_stack(
+            ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
+            seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache[0].numel(), meta.block_size, self._workspace.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            kind, layer = ("a product", -100 - rc) if rc > -200 else ("attention", -200 - rc)
+            raise RuntimeError(f"the native decoder stack failed in {kind} of layer {layer} (code {rc})")
+        return out

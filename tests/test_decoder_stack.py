@@ -1,0 +1,96 @@
+"""The native decoder stack (native/decoder_stack.cpp): the served model's layers in one native call.
+
+It must give the Python forward's results bit for bit (it calls the same kernels in the same
+order), over prefill chunks, decode tokens and mixed steps, with both native products; serve by
+default where it can; and step aside, saying why, where it cannot (dense layers, compiled regions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.native import decoder_stack, vnni_gemm
+
+pytestmark = pytest.mark.skipif(
+    decoder_stack.unavailable_reason() is not None,
+    reason=f"native kernels unavailable: {decoder_stack.unavailable_reason()}",
+)
+
+
+def _steps() -> Iterator[StepPlan]:
+    """Three sequences: two prefills (one chunked), then decodes beside a third one's prefill."""
+    gen = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 49152, (n,), generator=gen).tolist()
+
+    tables = [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11]]
+    yield StepPlan(ids(40 + 17), [40, 17], [0, 0], tables[:2], [16, 56], [(0, 40)])
+    yield StepPlan(ids(1 + 23), [1, 23], [17, 40], [tables[1], tables[0]], [0, 23], [])
+    for k in range(4):
+        yield StepPlan(ids(1 + 1 + 9), [1, 1, 9], [63 + k, 18 + k, 9 * k], tables[:2] + [tables[2]], [0, 1, 10], [])
+
+
+def _run(model: Any, native: bool) -> list[torch.Tensor]:
+    stack = model._native_stack
+    model.model.native_stack = stack if native else None
+    try:
+        runner = ModelRunner(model, block_size=16, num_blocks=16)
+        results = []
+        for plan in _steps():
+            logits, prompt_logits = runner.execute(plan)
+            results += [logits, *prompt_logits]
+        return results
+    finally:
+        model.model.native_stack = stack
+
+
+def _same_bits(model: Any) -> None:
+    assert model.model.native_stack is not None
+    python, native = _run(model, native=False), _run(model, native=True)
+    assert len(python) == len(native) == 7
+    for a, b in zip(python, native):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+@torch.inference_mode()
+def test_the_served_model_runs_the_native_stack_with_the_python_forwards_bits(served_model: Any) -> None:
+    _same_bits(served_model)
+
+
+@torch.inference_mode()
+def test_the_float32_block_product_runs_it_too(default_model_path: Path) -> None:
+    from tokenmill_service.models.loader import load_model
+
+    with capture_logs() as logs:
+        model = load_model(default_model_path, quantization="gguf")
+    loaded = next(e for e in logs if e["event"] == "model_loaded")
+    assert loaded["layers"] == "native stack"
+    _same_bits(model)
+
+
+def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
+    if vnni_gemm.unavailable_reason() is None:
+        assert served_model.quantization == "gguf-vnni"
+    assert served_model.model.native_stack is not None
+
+
+def test_dense_layers_and_compiled_regions_keep_the_python_forward(default_model: Any, served_model: Any) -> None:
+    # --quantization none: dense float32 layers, whose products are torch's.
+    reason = default_model.use_native_stack()
+    assert reason is not None and "no native kernel" in reason
+    assert default_model.model.native_stack is None
+    # Compiled regions replace the stack, and give it back when compiling is undone.
+    served_model.compile_regions(lambda fn: fn)
+    try:
+        assert served_model.model.native_stack is None
+    finally:
+        served_model.compile_regions(None)
+    assert served_model.model.native_stack is not None
