@@ -137,14 +137,14 @@ class DecoderStack:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, hidden = x.shape
-        assert x.dtype == torch.float32 and hidden == self.spec.hidden
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and hidden == self.spec.hidden
         x = x.contiguous()
         k_cache, v_cache = meta.k_cache, meta.v_cache
         assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
         need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
         if self._workspace.numel() < need:
-            self._workspace = torch.empty(need)
-        out = torch.empty(t, hidden)
+            self._workspace = torch.empty(need, device=x.device)
+        out = torch.empty(t, hidden, device=x.device)
         tensors = [positions, meta.slot_mapping, meta.seq_of_token, meta.block_tables]
         positions, slots, seq_of_token, tables = (v.contiguous() for v in tensors)
         rc = _lib().tm_decoder_stack(
