@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -134,24 +135,27 @@ class DecoderStack:
             build.address("paged_attention", "tm_paged_attention"),
         )  # fmt: skip
         self._workspace = torch.empty(0)
+        self._lock = threading.Lock()  # one call at a time: they share the workspace
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, hidden = x.shape
         assert x.dtype == torch.float32 and x.device.type == "cpu" and hidden == self.spec.hidden
-        x = x.contiguous()
         k_cache, v_cache = meta.k_cache, meta.v_cache
         assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-        need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
-        if self._workspace.numel() < need:
-            self._workspace = torch.empty(need, device=x.device)
-        out = torch.empty(t, hidden, device=x.device)
+        x = x.contiguous()
         tensors = [positions, meta.slot_mapping, meta.seq_of_token, meta.block_tables]
         positions, slots, seq_of_token, tables = (v.contiguous() for v in tensors)
-        rc = _lib().tm_decoder_stack(
-            ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
-            seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache[0].numel(), meta.block_size, self._workspace.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        out = torch.empty(t, hidden, device=x.device)
+        with self._lock:
+            need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
+            if self._workspace.numel() < need:
+                self._workspace = torch.empty(need, device=x.device)
+            rc = _lib().tm_decoder_stack(
+                ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
+                seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+                k_cache[0].numel(), meta.block_size, self._workspace.data_ptr(), out.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
         if rc:
             kind, layer = ("a product", -100 - rc) if rc > -200 else ("attention", -200 - rc)
             raise RuntimeError(f"the native decoder stack failed in {kind} of layer {layer} (code {rc})")
