@@ -210,7 +210,7 @@ void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const float
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < tiles * kv_heads; ++item) {
-      const int64_t tile = item / kv_heads, kvh = item % kv_heads;
+      const int64_t kvh = item / tiles, tile = item % tiles;  // a head's tiles in a row: its keys stay in cache
       const int64_t* table = tables + seq_of_token[starts[tile]] * table_width;
       // Rows in passes of at most MAX_ROWS (a token's heads never split when g <= MAX_ROWS).
       Rows rows;
