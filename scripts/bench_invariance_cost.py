@@ -76,35 +76,41 @@ def products(model: torch.nn.Module, repeats: int) -> None:
             print(f"{name:>8} {rows:>5} {t['invariant']:>10.3f} {t['f32']:>8.3f} {t['bf16']:>7.3f} {cost:>13.2f}x")
 
 
+def attention_case(
+    heads: int, kv_heads: int, d: int, seqs: int, q_len: int, ctx: int, repeats: int
+) -> dict[str, float]:
+    """``seqs`` sequences of ``q_len`` new queries after ``ctx`` cached tokens, both ways."""
+    gen = torch.Generator().manual_seed(0)
+    total = ctx + q_len
+    nb = -(-total // BLOCK)
+    shape = (seqs * nb, BLOCK, kv_heads, d)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = torch.arange(seqs * nb).view(seqs, nb)
+    positions = torch.arange(ctx, total).repeat(seqs)
+    seq_of_token = torch.arange(seqs).repeat_interleave(q_len)
+    q = torch.randn(seqs * q_len, heads, d, generator=gen)
+    # The same keys and values, contiguous per sequence: [seqs, kv_heads, total, d].
+    k = k_cache.view(seqs, nb * BLOCK, kv_heads, d)[:, :total].transpose(1, 2).contiguous()
+    v = v_cache.view(seqs, nb * BLOCK, kv_heads, d)[:, :total].transpose(1, 2).contiguous()
+    qs = q.view(seqs, q_len, heads, d).transpose(1, 2)
+    mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]  # causal, bottom-right
+    return median_ms(
+        {
+            "invariant": lambda: paged_attention.paged_attention(
+                q, k_cache, v_cache, positions, seq_of_token, tables, d**-0.5
+            ),
+            "sdpa": lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True),
+        },
+        repeats,
+    )
+
+
 def attention(model: torch.nn.Module, repeats: int) -> None:
     attn = model.model.layers[0].self_attn
-    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    gen = torch.Generator().manual_seed(0)
     print("\nattention (one layer): ms, median of", repeats)
     print(f"{'queries':>14} {'context':>8} {'invariant':>10} {'SDPA':>8} {'cost':>7}")
     for seqs, q_len, ctx in ((1, 1, 200), (16, 1, 200), (64, 1, 200), (1, 512, 0), (1, 512, 1500), (1, 512, 3488)):
-        total = ctx + q_len
-        nb = -(-total // BLOCK)
-        shape = (seqs * nb, BLOCK, kv_heads, d)
-        k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-        tables = torch.arange(seqs * nb).view(seqs, nb)
-        positions = torch.arange(ctx, total).repeat(seqs)
-        seq_of_token = torch.arange(seqs).repeat_interleave(q_len)
-        q = torch.randn(seqs * q_len, heads, d, generator=gen)
-        # The same keys and values, contiguous per sequence: [seqs, kv_heads, total, d].
-        k = k_cache.view(seqs, nb * BLOCK, kv_heads, d)[:, :total].transpose(1, 2).contiguous()
-        v = v_cache.view(seqs, nb * BLOCK, kv_heads, d)[:, :total].transpose(1, 2).contiguous()
-        qs = q.view(seqs, q_len, heads, d).transpose(1, 2)
-        mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]  # causal, bottom-right
-        t = median_ms(
-            {
-                "invariant": lambda: paged_attention.paged_attention(
-                    q, k_cache, v_cache, positions, seq_of_token, tables, d**-0.5
-                ),
-                "sdpa": lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True),
-            },
-            repeats,
-        )
+        t = attention_case(attn.num_heads, attn.num_kv_heads, attn.head_dim, seqs, q_len, ctx, repeats)
         label = f"{seqs} x {q_len}"
         print(f"{label:>14} {ctx:>8} {t['invariant']:>10.3f} {t['sdpa']:>8.3f} {t['invariant'] / t['sdpa']:>6.2f}x")
 
