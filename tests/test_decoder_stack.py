@@ -94,3 +94,18 @@ def test_dense_layers_and_compiled_regions_keep_the_python_forward(default_model
     finally:
         served_model.compile_regions(None)
     assert served_model.model.native_stack is not None
+
+
+@torch.inference_mode()
+def test_the_default_path_builds_no_attention_groups_nor_their_masks(served_model: Any) -> None:
+    """The native kernels read the flat per-token view: the padded grids and their causal masks
+    (quadratic in a long prompt) are never built."""
+    from tokenmill_service.engine.model_runner import kv_cache_shape
+    from tokenmill_service.ops.attention_metadata import build_attention_metadata
+
+    k_cache = torch.zeros(kv_cache_shape(served_model, 40, 16))
+    v_cache = torch.zeros_like(k_cache)
+    meta = build_attention_metadata([300, 1], [280, 7], [list(range(37)), [37]], k_cache, v_cache)
+    served_model(torch.zeros(301, dtype=torch.long), meta.positions, meta)
+    assert meta._groups is None
+    assert len(meta.groups) == 2  # built on demand for the kernels that use them

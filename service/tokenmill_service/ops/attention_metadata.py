@@ -4,13 +4,15 @@ The model never sees requests. A step runs a flat batch of ``T`` new tokens from
 (prefill chunks and single decode tokens side by side). Attention runs in *groups*: the decode
 tokens in one, the prefill chunks in another, each laid out as a padded ``[S_g, max_q]`` grid of
 query rows, so that no layer loops over sequences and no layer reads a Python list or syncs
-with the host. Keys are visited in fixed chunks of ``KEY_CHUNK`` absolute positions, the same
+with the host. The groups are built when first read (by the first layer's attention, for all
+layers): the native kernel reads the flat per-token view instead and never pays for them. Keys are visited in fixed chunks of ``KEY_CHUNK`` absolute positions, the same
 chunks whichever group a query sits in: that is what makes a query's result independent of
 the batch and of whether its prefix was prefilled or decoded (see ops/torch_ops.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +43,6 @@ class AttentionGroup:
 class AttentionMetadata:
     # Cache slot (block * block_size + offset) of each new token, [T] int64.
     slot_mapping: torch.Tensor
-    # The decode group and/or the prefill group (one or two entries).
-    groups: list[AttentionGroup]
     num_tokens: int
     # The KV cache of every layer: [num_layers, num_blocks, block_size, kv_heads, head_dim] each.
     k_cache: torch.Tensor
@@ -54,7 +54,18 @@ class AttentionMetadata:
     positions: torch.Tensor
     seq_of_token: torch.Tensor
     block_tables: torch.Tensor
+    # Builds the groups (below) the first time they are read: kernels that take each query on its
+    # own from the flat view (native/paged_attention.py) never read them, nor build their masks.
+    build_groups: Callable[[], list[AttentionGroup]]
     extra: dict[str, object] = field(default_factory=dict)  # backend-specific additions
+    _groups: list[AttentionGroup] | None = None
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        """The decode group and/or the prefill group (one or two entries), built once per step."""
+        if self._groups is None:
+            self._groups = self.build_groups()
+        return self._groups
 
 
 def _group(
@@ -129,14 +140,16 @@ def build_attention_metadata(
 
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     prefills = [i for i, n in enumerate(query_lens) if n > 1]
-    groups = [
-        _group(seqs, query_lens, starts, offsets, block_tables, block_size, device)
-        for seqs in (decodes, prefills)
-        if seqs
-    ]
+
+    def build_groups() -> list[AttentionGroup]:
+        return [
+            _group(seqs, query_lens, starts, offsets, block_tables, block_size, device)
+            for seqs in (decodes, prefills)
+            if seqs
+        ]
+
     return AttentionMetadata(
         slot_mapping=t(slots),
-        groups=groups,
         num_tokens=total,
         k_cache=k_cache,
         v_cache=v_cache,
@@ -144,4 +157,5 @@ def build_attention_metadata(
         positions=t(positions),
         seq_of_token=t(seq_of_token),
         block_tables=t(tables).view(len(block_tables), width),
+        build_groups=build_groups,
     )
