@@ -105,3 +105,16 @@ def test_greedy_with_repetition_penalty_avoids_the_repeat() -> None:
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     params = SamplingParams(repetition_penalty=1.5)
     assert sample(logits, [params], [0], [[0]], [0]).token_ids == [1]
+
+
+def test_sampling_leaves_the_callers_logits_as_they_were() -> None:
+    """The penalty works on a copy (and only a penalized batch makes one): a speculative step
+    reads the same logits again after sampling."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0], [2.0, 0.0, 1.0, 0.5]])
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=4.0), SamplingParams(temperature=0.7, repetition_penalty=1.3)]
+    penalized = sample(logits, params, [0, 1], [[1, 3], [0]], [1, 1])
+    assert torch.equal(logits, before)
+    plain = sample(logits, [SamplingParams(), SamplingParams(temperature=0.7)], [0, 1], [[1, 3], [0]], [1, 1])
+    assert torch.equal(logits, before)
+    assert penalized.token_ids[0] == 2 and plain.token_ids[0] == 1  # 3.0 / 4 < 1.0: the penalty took effect

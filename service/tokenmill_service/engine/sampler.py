@@ -83,7 +83,13 @@ def sample(
     ``seen_tokens[i]`` is row i's sequence so far (its length is the position being sampled)."""
     device = logits.device
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    work = apply_repetition_penalty(logits.clone(), seen_tokens, [p.repetition_penalty for p in params])
+    penalties = [p.repetition_penalty for p in params]
+    # The penalty edits a copy; without one (the usual case) the logits are read as they are.
+    work = (
+        logits
+        if all(p in (0.0, 1.0) for p in penalties)
+        else apply_repetition_penalty(logits.clone(), seen_tokens, penalties)
+    )
 
     greedy = [p.greedy for p in params]
     chosen = work.argmax(dim=-1)
