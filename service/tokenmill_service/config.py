@@ -66,6 +66,15 @@ class Settings:
             "choices": ["auto", "gguf-vnni", "gguf", "none", "int8", "int4"],
         },
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "what the KV cache stores; auto = the activations' dtype; float16 = half the bytes a decode "
+            "step reads from the cache and twice the tokens a pool holds, for native attention (CPU, float32 "
+            "activations; logprobs move by about 1e-3)",
+            "choices": ["auto", "float32", "float16"],
+        },
+    )
     compile: str = field(
         default="off",
         metadata={
@@ -139,6 +148,8 @@ class Settings:
             reason = triton_unavailable_reason(self.device)
             if reason:
                 raise ValueError(reason)
+        if self.kv_cache_dtype == "float16" and (self.backend != "torch" or self.device != "cpu"):
+            raise ValueError("--kv-cache-dtype float16 is read by the native CPU attention: --backend torch on the CPU")
         if self.tensor_parallel < 1:
             raise ValueError("--tensor-parallel must be at least 1")
         if self.log_format not in ("", "json", "console"):

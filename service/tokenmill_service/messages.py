@@ -39,6 +39,8 @@ class WorkerSpec:
     log_level: str
     # --compile: auto (torch.compile where it can) or off.
     compile: str = "off"
+    # --kv-cache-dtype: auto (the activations' dtype), float32 or float16.
+    kv_cache_dtype: str = "auto"
     # Seconds between two heartbeats (sent whether the engine is busy or idle).
     heartbeat_interval: float = 0.5
     # Seconds a rank waits in one collective (a step broadcast, an all-reduce) before it takes a

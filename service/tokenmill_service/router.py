@@ -182,6 +182,7 @@ class Router:
             backend=s.backend,
             threads=threads,
             compile=s.compile,
+            kv_cache_dtype=s.kv_cache_dtype,
             log_format=s.resolved_log_format(),
             log_level=s.log_level,
             heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),

@@ -187,6 +187,7 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
         quantization=spec.quantization,
         backend=spec.backend,
         tp=tp,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )
     tokenizer = load_tokenizer(path)
     engine = LLMEngine(model, tokenizer, spec.engine)
@@ -236,6 +237,7 @@ def _follower_main(spec: WorkerSpec, log: Any) -> None:
             quantization=spec.quantization,
             backend=spec.backend,
             tp=tp,
+            kv_cache_dtype=spec.kv_cache_dtype,
         )
         num_blocks = broadcast_from_rank0(None, tp)
         assert isinstance(num_blocks, int)

@@ -15,6 +15,7 @@ from tokenmill_service.ops.attention_metadata import AttentionMetadata
 
 class CausalLM(Protocol):
     act_dtype: torch.dtype
+    kv_dtype: torch.dtype  # what the KV cache stores
     quantization: str
 
     @property

@@ -53,7 +53,7 @@ class LLMEngine:
         num_blocks = self.config.num_kv_blocks
         if num_blocks <= 0:
             budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
-            num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, model.act_dtype))
+            num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, model.kv_dtype))
         model_len = self.config.max_model_len or model.max_positions
         # A sequence can never hold more tokens than the whole pool.
         self.max_model_len = min(model_len, model.max_positions, num_blocks * block_size)

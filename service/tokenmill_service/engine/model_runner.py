@@ -82,7 +82,7 @@ class ModelRunner:
         self.broadcast: PlanSink | None = None
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.device, self.dtype = model.device, model.act_dtype
+        self.device, self.dtype = model.device, model.kv_dtype
         shape = kv_cache_shape(model, num_blocks, block_size)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -150,8 +150,8 @@ def forward_prompt(model: CausalLM, ids: list[int], block_size: int = 16) -> tor
     num_blocks = -(-len(ids) // block_size)
     device = model.device
     shape = kv_cache_shape(model, num_blocks, block_size)
-    k_cache = torch.zeros(shape, dtype=model.act_dtype, device=device)
-    v_cache = torch.zeros(shape, dtype=model.act_dtype, device=device)
+    k_cache = torch.zeros(shape, dtype=model.kv_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=model.kv_dtype, device=device)
     meta = build_attention_metadata([len(ids)], [0], [list(range(num_blocks))], k_cache, v_cache)
     tokens = torch.tensor(ids, dtype=torch.long, device=device)
     return model(tokens, torch.arange(len(ids), device=device), meta)

@@ -226,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.act_dtype = act_dtype
+        self.kv_dtype = act_dtype  # what the KV cache stores (the loader may choose float16)
         self.tp = tp
         self.quantization = "none"  # what the loader chose, for reports ("int4+int8" when mixed)
         head_quant = quant("lm_head")
@@ -296,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden=self.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                 head_dim=attn.head_dim, intermediate=self.config.intermediate_size, eps=self.model.norm.eps,
                 scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=self.model.norm.weight, layers=layers,
+                kv_dtype=self.kv_dtype,
             )
         )  # fmt: skip
         self.model.native_stack = self._native_stack

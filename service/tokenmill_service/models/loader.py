@@ -163,6 +163,25 @@ def serves_quantized(path: Path, quantization: str) -> bool:
     return quantization != "none"
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
+
+def _kv_cache_dtype(
+    name: str, act_dtype: torch.dtype, ops: object, device: str | torch.device, head_dim: int
+) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype``, or a ModelLoadError saying why it cannot be had."""
+    if name not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
+    if name == "auto" or (name == "float32" and act_dtype == torch.float32):
+        return act_dtype
+    if name == "float16":
+        if isinstance(ops, NativeCpuOps):
+            return torch.float16
+        why = native_attention_serves(device, act_dtype, head_dim) or "the triton backend runs its own attention"
+        raise ModelLoadError(f"--kv-cache-dtype float16 needs tokenmill's native attention kernel: {why}")
+    raise ModelLoadError(f"--kv-cache-dtype {name} needs {name} activations; they are {act_dtype}")
+
+
 def load_model(
     path: Path,
     dtype: torch.dtype = torch.float32,
@@ -170,13 +189,15 @@ def load_model(
     quantization: str = "none",
     backend: str = "torch",
     tp: TensorParallel | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LlamaForCausalLM:
     """A ready-to-run model (eval mode, no gradients) from a GGUF file or a Hugging Face directory.
 
     ``dtype`` is what the linear layers compute in (the residual stream, norms, attention and
     logits are float32 whatever it is); ``quantization`` is ``none``, ``auto`` or a registered
     method (``gguf-vnni``, ``gguf``, ``int8``, ``int4``); ``backend`` names the ops
-    implementation (``torch``, ``triton``).
+    implementation (``torch``, ``triton``); ``kv_cache_dtype`` what the KV cache stores (``auto``: the
+    activations' dtype; ``float16`` where native attention serves).
     """
     if backend == "triton" and dtype != torch.float32 and interpreter_enabled():
         log.warning("triton_interpreter_float32", asked=str(dtype), reason="Triton's interpreter has no bfloat16")
@@ -205,6 +226,7 @@ def load_model(
     ops = get_ops(backend)
     if backend == "torch" and native_attention_serves(device, dtype, config.head_dim) is None:
         ops = NativeCpuOps()  # the same ops with attention in the native kernel
+    kv_dtype = _kv_cache_dtype(kv_cache_dtype, dtype, ops, device, config.head_dim)
     methods: dict[str, str] = {}
 
     def quant(prefix: str) -> QuantMethod:
@@ -220,6 +242,7 @@ def load_model(
         model.load_weights(items)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{path}: weights do not fit the configuration: {e}") from e
+    model.kv_dtype = kv_dtype
     model.eval()
     model.requires_grad_(False)
     counts = {m: list(methods.values()).count(m) for m in sorted(set(methods.values()))}
@@ -238,6 +261,7 @@ def load_model(
         backend=backend,
         attention="native" if isinstance(ops, NativeCpuOps) else backend,
         layers="native stack" if stack_skipped is None else "python",
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         quantization=quantization,
         linear_layers=counts,
         weight_bytes=model.weight_bytes(),

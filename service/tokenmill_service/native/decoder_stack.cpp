@@ -20,10 +20,13 @@ typedef void (*TmRmsNorm)(const float* x, int64_t x_stride, const float* residua
 typedef void (*TmRotary)(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim,
                          const int64_t* positions, const float* cos_table, const float* sin_table);
 typedef void (*TmSiluAndMul)(const float* x, float* out, int64_t t, int64_t n);
+// The caches are float32 or float16 (the kernels' _f16 variants): passed through untyped.
 typedef void (*TmStoreKeys)(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, int64_t head_dim,
-                            const int64_t* slots, float* k_cache, int64_t block_size);
+                            const int64_t* slots, void* k_cache, int64_t block_size);
+typedef void (*TmStoreValues)(const float* v, int64_t v_stride, int64_t t, int64_t row, const int64_t* slots,
+                              void* v_cache);
 typedef int (*TmAttention)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* positions,
+                           const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions,
                            const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale,
                            float* out, int threads);
 
@@ -52,6 +55,7 @@ struct TmStack {
   TmRotary rotary;
   TmSiluAndMul silu_and_mul;
   TmStoreKeys store_keys;
+  TmStoreValues store_values;
   TmAttention attention;
 };
 
@@ -62,13 +66,13 @@ int64_t tm_stack_workspace(const TmStack* s, int64_t t) {
 }
 
 // x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, slots,
-// seq_of_token: [t]; tables: [sequences, table_width]; the caches: [layers][layer_floats] in the
+// seq_of_token: [t]; tables: [sequences, table_width]; the caches: [layers][layer_bytes] in the
 // layouts paged_attention.cpp reads (keys transposed per block, values as [slot][kv_heads][D]).
 // Returns 0, or the first failing kernel's code: -100 - layer for a product, -200 - layer for
 // attention.
 int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, const int64_t* slots,
-                     const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float* k_cache,
-                     float* v_cache, int64_t layer_floats, int64_t block_size, float* workspace, float* out,
+                     const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, uint8_t* k_cache,
+                     uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, float* workspace, float* out,
                      int threads) {
   const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
@@ -83,8 +87,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
 
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const TmLayer& L = s->layers[l];
-    float* kc = k_cache + l * layer_floats;
-    float* vc = v_cache + l * layer_floats;
+    uint8_t* kc = k_cache + l * layer_bytes;
+    uint8_t* vc = v_cache + l * layer_bytes;
     // Residual add (none before the first layer) and the input norm.
     if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
@@ -92,10 +96,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
     s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
     s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
-    for (int64_t i = 0; i < t; ++i) {
-      memcpy(vc + slots[i] * kv_size, qkv + i * qkv_size + q_size + kv_size, kv_size * sizeof(float));
-      memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
-    }
+    s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
+    for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
     if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, tables,
                      table_width, s->scale, attn, threads))
       return -200 - (int)l;

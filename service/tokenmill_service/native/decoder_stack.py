@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill_service.native import build
+from tokenmill_service.native import build, paged_attention
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -39,7 +39,8 @@ class _Stack(ctypes.Structure):
         ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
         ("cos_table", _ptr), ("sin_table", _ptr), ("final_norm", _ptr), ("layers", _ptr),
-        ("rms_norm", _ptr), ("rotary", _ptr), ("silu_and_mul", _ptr), ("store_keys", _ptr), ("attention", _ptr),
+        ("rms_norm", _ptr), ("rotary", _ptr), ("silu_and_mul", _ptr),
+        ("store_keys", _ptr), ("store_values", _ptr), ("attention", _ptr),
     ]  # fmt: skip
 
 
@@ -94,6 +95,7 @@ class StackSpec:
     sin: torch.Tensor
     final_norm: torch.Tensor
     layers: list[LayerSpec]
+    kv_dtype: torch.dtype = torch.float32  # the KV cache's: float32 or float16
 
 
 class DecoderStack:
@@ -131,8 +133,9 @@ class DecoderStack:
             spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(),
             ctypes.addressof(self._layers),
             build.address("elementwise", "tm_rms_norm"), build.address("elementwise", "tm_rotary"),
-            build.address("elementwise", "tm_silu_and_mul"), build.address("paged_attention", "tm_store_keys"),
-            build.address("paged_attention", "tm_paged_attention"),
+            build.address("elementwise", "tm_silu_and_mul"),
+            *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
+              for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
@@ -141,7 +144,8 @@ class DecoderStack:
         t, hidden = x.shape
         assert x.dtype == torch.float32 and x.device.type == "cpu" and hidden == self.spec.hidden
         k_cache, v_cache = meta.k_cache, meta.v_cache
-        assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.dtype == v_cache.dtype == self.spec.kv_dtype, (k_cache.dtype, self.spec.kv_dtype)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
         x = x.contiguous()
         tensors = [positions, meta.slot_mapping, meta.seq_of_token, meta.block_tables]
         positions, slots, seq_of_token, tables = (v.contiguous() for v in tensors)
@@ -153,7 +157,7 @@ class DecoderStack:
             rc = _lib().tm_decoder_stack(
                 ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
                 seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
-                k_cache[0].numel(), meta.block_size, self._workspace.data_ptr(), out.data_ptr(),
+                k_cache[0].numel() * k_cache.element_size(), meta.block_size, self._workspace.data_ptr(), out.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
         if rc:

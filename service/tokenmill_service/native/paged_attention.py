@@ -2,7 +2,9 @@
 
 The key cache is laid out for it: each block transposed, [kv_heads, head_dim, block_size] in the
 memory of a [block_size, kv_heads, head_dim] block, written by ``store_keys``. Only this module
-reads and writes it (the same total size, so the engine's block accounting is unchanged)."""
+reads and writes it (the same total size, so the engine's block accounting is unchanged). The
+caches are float32 or float16 (``--kv-cache-dtype float16``: stored rounded to nearest, read back
+exactly as float32; the arithmetic is the same)."""
 
 from __future__ import annotations
 
@@ -14,18 +16,45 @@ import torch
 from tokenmill_service.native import build
 
 HEAD_DIMS = (64, 128)
+CACHE_DTYPES = {torch.float32: "", torch.float16: "_f16"}  # the kernels' symbol suffixes
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
     lib = build.load("paged_attention")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tm_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64]
-    lib.tm_paged_attention.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
-    lib.tm_paged_attention.restype = ctypes.c_int
-    lib.tm_store_keys.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
-    lib.tm_store_keys.restype = None
+    for suffix in CACHE_DTYPES.values():
+        attention = getattr(lib, f"tm_paged_attention{suffix}")
+        attention.argtypes = [
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ctypes.c_float,
+            ptr,
+            ctypes.c_int,
+        ]
+        attention.restype = ctypes.c_int
+        getattr(lib, f"tm_store_keys{suffix}").argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
+        getattr(lib, f"tm_store_keys{suffix}").restype = None
+        getattr(lib, f"tm_store_values{suffix}").argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        getattr(lib, f"tm_store_values{suffix}").restype = None
     return lib
+
+
+def symbol(name: str, cache_dtype: torch.dtype) -> str:
+    """The kernel ``name`` (tm_paged_attention, tm_store_keys, tm_store_values) for caches of ``cache_dtype``."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"native attention reads float32 or float16 caches, not {cache_dtype}")
+    return name + CACHE_DTYPES[cache_dtype]
 
 
 def unavailable_reason() -> str | None:
@@ -35,11 +64,20 @@ def unavailable_reason() -> str | None:
 def store_keys(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Writes k [T, KV, D] (float32, rows may be strided) into its slots of the transposed key cache."""
     t, kv_heads, head_dim = k.shape
-    assert k.stride(2) == 1 and k.stride(1) == head_dim and k_cache.is_contiguous()
-    _lib().tm_store_keys(
+    assert k.dtype == torch.float32 and k.stride(2) == 1 and k.stride(1) == head_dim and k_cache.is_contiguous()
+    getattr(_lib(), symbol("tm_store_keys", k_cache.dtype))(
         k.data_ptr(), k.stride(0), t, kv_heads, head_dim, slot_mapping.contiguous().data_ptr(),
         k_cache.data_ptr(), k_cache.shape[1],
     )  # fmt: skip
+
+
+def store_values(v: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes v [T, KV, D] (float32, rows may be strided) into its slots of the value cache."""
+    t, kv_heads, head_dim = v.shape
+    assert v.dtype == torch.float32 and v.stride(2) == 1 and v.stride(1) == head_dim and v_cache.is_contiguous()
+    getattr(_lib(), symbol("tm_store_values", v_cache.dtype))(
+        v.data_ptr(), v.stride(0), t, kv_heads * head_dim, slot_mapping.contiguous().data_ptr(), v_cache.data_ptr()
+    )
 
 
 def paged_attention(
@@ -53,14 +91,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D] float32 -> [T, H, D]: token i (at ``positions[i]`` of sequence ``seq_of_token[i]``)
     attends over keys 0..positions[i] of that sequence, found through ``block_tables`` [S, W] in
-    the caches [blocks, block_size, KV, D] (float32, contiguous; this step's keys already stored,
-    the keys by ``store_keys``)."""
+    the caches [blocks, block_size, KV, D] (float32 or float16, contiguous; this step's keys and
+    values already stored by ``store_keys`` and ``store_values``)."""
     t, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     if t:
-        rc = _lib().tm_paged_attention(
+        rc = getattr(_lib(), symbol("tm_paged_attention", k_cache.dtype))(
             q.data_ptr(), t, heads, kv_heads, head_dim,
             k_cache.data_ptr(), v_cache.data_ptr(), block_size,
             positions.data_ptr(), seq_of_token.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],

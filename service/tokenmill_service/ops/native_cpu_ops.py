@@ -72,10 +72,9 @@ class NativeCpuOps(TorchOps):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Keys into the native kernel's transposed layout; values as the reference stores them."""
-        kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        """Keys into the native kernel's transposed layout; values as the reference lays them out."""
         paged_attention.store_keys(k.float(), k_cache, slot_mapping)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        paged_attention.store_values(v.float(), v_cache, slot_mapping)
 
     def attention(
         self,
