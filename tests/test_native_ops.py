@@ -90,7 +90,7 @@ def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk() -
 
 def test_the_loader_says_where_native_attention_cannot_serve() -> None:
     assert native_attention_serves("cpu", torch.float32, 64) is None
-    assert "float32 KV cache" in str(native_attention_serves("cpu", torch.bfloat16, 64))
+    assert "float32 activations" in str(native_attention_serves("cpu", torch.bfloat16, 64))
     assert "head_dim 64 or 128" in str(native_attention_serves("cpu", torch.float32, 80))
     assert "on the CPU" in str(native_attention_serves("cuda:0", torch.float32, 64))
 

@@ -23,7 +23,7 @@ def native_attention_serves(device: str | torch.device, dtype: torch.dtype, head
     if torch.device(device).type != "cpu":
         return f"it runs on the CPU, and this model is on {device}"
     if dtype != torch.float32:
-        return f"it reads a float32 KV cache, and the activations are {str(dtype).removeprefix('torch.')}"
+        return f"it takes float32 activations, and these are {str(dtype).removeprefix('torch.')}"
     if head_dim not in paged_attention.HEAD_DIMS:
         return f"it takes head_dim 64 or 128, and this model's is {head_dim}"
     return paged_attention.unavailable_reason() or elementwise.unavailable_reason()
