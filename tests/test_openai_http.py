@@ -201,10 +201,11 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(
         time.sleep(0.02)
     events = [e for e in finished_events(server) if e.get("request_id") == "walks-away"]
     assert len(events) == 1 and events[0]["status"] == "CANCELLED"
-    # Stopped within a step or two of the disconnect, far from its 400 tokens. A step yields up to
-    # 1 + speculative_tokens of them (drafts guess "Count to one thousand" well).
+    # Stopped within a few steps of the disconnect (the server notices it at its next write), far
+    # from its 400 tokens. A step yields up to 1 + speculative_tokens of them: drafts guess
+    # "Count to one thousand" well.
     per_step = 1 + Settings().speculative_tokens
-    assert events[0]["completion_tokens"] <= received + 2 * per_step
+    assert events[0]["completion_tokens"] <= received + 4 * per_step
 
 
 # -- the same request through both front-ends -------------------------------------------------------
