@@ -19,12 +19,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from tests.fidelity import prompt_logprob_errors
 from tests.server_process import ServerProcess
 from tests.streams import trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.compile import compile_model, compiled_graphs, why_not_compiled
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 
 
 @torch.inference_mode()
@@ -35,12 +36,7 @@ def test_the_compiled_model_is_as_faithful_to_the_reference_as_the_eager_one(
     average and 1e-2 at worst (the seams issue's bounds, mean 0.03 and worst 0.25, with room to
     spare). Compiled and eager differ by roundings only: inductor fuses the elementwise work
     between the native products."""
-    errors = []
-    for case in reference["prompt_logprobs"]:
-        logits = compiled_model.compute_logits(forward_prompt(compiled_model, case["ids"]))
-        logprobs = torch.log_softmax(logits.double(), -1)
-        for row, ref in zip(logprobs, case["positions"]):
-            errors.append(abs(row[ref["token"]].item() - ref["logprob"]))
+    errors = prompt_logprob_errors(compiled_model, reference)
     assert sum(errors) / len(errors) <= 1e-3 and max(errors) <= 1e-2, (sum(errors) / len(errors), max(errors))
 
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from tests.fidelity import prompt_logprob_errors
 from tests.server_process import ServerProcess
 from tokenmill_client import Client
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.models.loader import ModelLoadError, load_model
 from tokenmill_service.native import paged_attention
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
@@ -74,12 +75,7 @@ def test_the_default_with_a_float16_cache_stays_within_the_fidelity_bounds(
 ) -> None:
     """Measured: about 1e-3 on average against the float32 reference (the default alone, 4e-4);
     the seams issue's bounds are 0.03 and 0.25."""
-    errors = []
-    for case in reference["prompt_logprobs"]:
-        logits = half_kv_model.compute_logits(forward_prompt(half_kv_model, case["ids"]))
-        logprobs = torch.log_softmax(logits.double(), -1)
-        for row, ref in zip(logprobs, case["positions"]):
-            errors.append(abs(row[ref["token"]].item() - ref["logprob"]))
+    errors = prompt_logprob_errors(half_kv_model, reference)
     mean, worst = sum(errors) / len(errors), max(errors)
     assert mean <= 3e-3 and worst <= 3e-2, (mean, worst)
 
