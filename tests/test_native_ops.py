@@ -66,19 +66,25 @@ def test_native_attention_matches_the_torch_reference_on_a_mixed_step(
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
 
 
-def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk() -> None:
-    ops, scale = NativeCpuOps(), 0.125
-    k_cache, v_cache = _setup(ops, 3, 64)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """A prefill chunk's rows are scored in tiles (up to 48 rows) against 64 keys at a time; the
+    positions below sit on and beside both boundaries, and the cached-context chunk starts inside
+    a tile of the whole prefill."""
+    ops, scale = NativeCpuOps(), head_dim**-0.5
+    k_cache, v_cache = _setup(ops, kv_heads, head_dim)
     tables = _tables([200, 50, 130])
-    q = torch.randn(200, 9, 64, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(200, heads, head_dim, generator=torch.Generator().manual_seed(2))
 
     def run(query_lens: list[int], starts: list[int], rows: list[torch.Tensor], seqs: list[int]) -> torch.Tensor:
         meta = build_attention_metadata(query_lens, starts, [tables[s] for s in seqs], k_cache, v_cache)
         return ops.attention(torch.cat(rows), k_cache[0], v_cache[0], meta, scale)
 
     prefill = run([200], [0], [q], [0])  # sequence 0's 200 tokens in one chunk
-    other = torch.randn(60, 9, 64)
-    for position in (0, 15, 16, 130, 199):
+    other = torch.randn(60, heads, head_dim)
+    for position in (0, 11, 12, 15, 16, 47, 63, 64, 65, 130, 199):
         alone = run([1], [position], [q[position : position + 1]], [0])
         crowd = run([1, 1, 58], [position, 49, 72], [q[position : position + 1], other[:1], other[2:]], [0, 1, 2])
         assert torch.equal(alone[0], prefill[position]), position

@@ -3,9 +3,11 @@
 //
 // Every query is computed on its own, in one fixed order that depends only on its position: the
 // scores of keys 0..p (each summed over the head dimension in order), their maximum, the
-// exponentials, then the weighted sum of values in key order. So a query's result is bit-for-bit the same whatever else is in the batch,
-// and whether it arrives in a prefill chunk or as a decode token. The query heads that share a
-// key/value head are done together, so that each cached key and value is read once for them.
+// exponentials, then the weighted sum of values in key order. So a query's result is bit-for-bit
+// the same whatever else is in the batch, and whether it arrives in a prefill chunk or as a decode
+// token. What a tile shares is only loads: the query heads that share a key/value head, and up to
+// 48 (token, head) rows of a prefill chunk, are scored together against each 64 keys while those
+// are in L1, and then take their values the same way; no row's arithmetic depends on the others.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -38,7 +40,9 @@ inline const T* key_block(const T* k_cache, int64_t block, int64_t kv_heads, int
   return k_cache + (block * kv_heads + kvh) * d * block_size;
 }
 
-constexpr int MAX_ROWS = 12;  // query rows (token x head) scored together: 24 accumulators
+constexpr int MAX_ROWS = 48;  // query rows (token x head) of a tile
+constexpr int SR = 6;         // rows scored together against SC columns of 16 keys: SR x SC accumulators
+constexpr int SC = 4;
 
 // The rows of one tile: up to MAX_ROWS (token, head) pairs of one sequence and one key/value head.
 struct Rows {
@@ -68,84 +72,111 @@ inline const T* key_columns(const T* k_cache, const int64_t* table, int64_t j, i
   return buf;
 }
 
-// Scores of R rows against 32 keys (two columns of 16, k0 and k1): each score is the sum over d
-// of q[d] * k[d] in d order, one multiply-add chain per score, whatever R is.
-template <int R, typename T>
-inline void score_rows(const Rows& rows, int r0, int64_t D, const T* k0, int64_t s0, const T* k1, int64_t s1,
-                       float scale, float* scores, int64_t n_max, int64_t j) {
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+// Scores of R rows (packed q, [R][D]) against SC columns of 16 keys: each score is the sum over d
+// of q[d] * k[d] in d order, one multiply-add chain per score, whatever R is. Each row's running
+// maximum over its own keys (j < keys[r]) is kept in mx.
+template <int R, int C, int64_t D, typename T>
+inline void score_rows(const float* qp, const int64_t* keys, const T* const* col, const int64_t* stride,
+                       float scale, float* scores, int64_t ld, int64_t j, __m512* mx) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 c0 = load16(k0 + d * s0), c1 = load16(k1 + d * s1);
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(col[c] + d * stride[c]);
     for (int r = 0; r < R; ++r) {
-      const __m512 qd = _mm512_set1_ps(rows.q[r0 + r][d]);
-      a0[r] = _mm512_fmadd_ps(qd, c0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(qd, c1, a1[r]);
+      const __m512 qd = _mm512_set1_ps(qp[r * D + d]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(qd, k[c], acc[r][c]);
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r) {
-    float* s = scores + (r0 + r) * (n_max + 32) + j;
-    _mm512_storeu_ps(s, _mm512_mul_ps(a0[r], sc));
-    _mm512_storeu_ps(s + 16, _mm512_mul_ps(a1[r], sc));
+    float* s = scores + r * ld + j;
+    for (int c = 0; c < C; ++c) {
+      const __m512 x = _mm512_mul_ps(acc[r][c], sc);
+      _mm512_storeu_ps(s + 16 * c, x);
+      const int64_t live = keys[r] - (j + 16 * c);
+      if (live >= 16) mx[r] = _mm512_max_ps(mx[r], x);
+      else if (live > 0) mx[r] = _mm512_mask_max_ps(mx[r], (__mmask16)((1u << live) - 1), mx[r], x);
+    }
   }
 }
 
-template <int R, typename T>
+template <int R, int C, int64_t D, typename T>
 struct ScoreDispatch {
-  static void run(int count, const Rows& rows, int r0, int64_t D, const T* k0, int64_t s0, const T* k1,
-                  int64_t s1, float scale, float* scores, int64_t n_max, int64_t j) {
-    if (count == R) score_rows<R>(rows, r0, D, k0, s0, k1, s1, scale, scores, n_max, j);
-    else ScoreDispatch<R - 1, T>::run(count, rows, r0, D, k0, s0, k1, s1, scale, scores, n_max, j);
+  static void run(int count, const float* qp, const int64_t* keys, const T* const* col, const int64_t* stride,
+                  float scale, float* scores, int64_t ld, int64_t j, __m512* mx) {
+    if (count == R) score_rows<R, C, D>(qp, keys, col, stride, scale, scores, ld, j, mx);
+    else ScoreDispatch<R - 1, C, D, T>::run(count, qp, keys, col, stride, scale, scores, ld, j, mx);
   }
 };
-template <typename T>
-struct ScoreDispatch<0, T> {
-  static void run(int, const Rows&, int, int64_t, const T*, int64_t, const T*, int64_t, float, float*, int64_t,
-                  int64_t) {}
+template <int C, int64_t D, typename T>
+struct ScoreDispatch<0, C, D, T> {
+  static void run(int, const float*, const int64_t*, const T* const*, const int64_t*, float, float*, int64_t,
+                  int64_t, __m512*) {}
 };
 
-// Row r's softmax(scores) times the values, for R rows at once (their loads of v shared): each row
-// sums its own keys 0..keys[r]-1 in key order; a row past its last key leaves its sums untouched.
+// Scores of all rows against the next `cols` (1..SC) columns, SR rows at a time.
+template <int C, int64_t D, typename T>
+inline void score_all(const Rows& rows, const float* qp, const T* const* col, const int64_t* stride, float scale,
+                      float* scores, int64_t ld, int64_t j, __m512* mx) {
+  for (int r0 = 0; r0 < rows.count; r0 += SR)
+    ScoreDispatch<SR, C, D, T>::run(std::min(SR, rows.count - r0), qp + r0 * D, rows.keys + r0, col, stride, scale,
+                                    scores + r0 * ld, ld, j, mx + r0);
+}
+
+// Adds keys [j0, j1) of R rows' softmax(scores) times the values to their sums acc ([R][DV]), the
+// loads of v shared: each row adds its own keys (j < keys[r]) in key order. Keys below every
+// row's count need no mask.
 template <int DV, int R, typename T>
-inline void value_rows(const Rows& rows, int r0, const float* p, int64_t ld, int64_t n_max, const T* v_cache,
-                       const int64_t* table, int64_t block_size, int64_t head_stride, const float* inv) {
+inline void value_rows(__m512* acc_mem, const int64_t* keys, const float* pr, int64_t ld, const T* v_cache,
+                       const int64_t* table, int64_t block_size, int64_t head_stride, int64_t j0, int64_t j1) {
   __m512 acc[R][DV];
   for (int r = 0; r < R; ++r)
-    for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_setzero_ps();
-  for (int64_t j0 = 0, b = 0; j0 < n_max; j0 += block_size, ++b) {
-    const T* vb = v_cache + table[b] * block_size * head_stride;
-    const int64_t end = std::min(block_size, n_max - j0);
-    for (int64_t o = 0; o < end; ++o) {
-      const int64_t j = j0 + o;
-      const T* vj = vb + o * head_stride;
+    for (int d = 0; d < DV; ++d) acc[r][d] = acc_mem[r * DV + d];
+  int64_t lo = keys[0];
+  for (int r = 1; r < R; ++r) lo = std::min(lo, keys[r]);
+  const int64_t jm = std::min(j1, std::max(j0, lo));
+  for (int64_t j = j0; j < j1;) {
+    const int64_t block = j / block_size;
+    const T* vb = v_cache + (table[block] * block_size - block * block_size) * head_stride;
+    const int64_t end = std::min(j1, (block + 1) * block_size);
+    for (const int64_t e = std::min(end, jm); j < e; ++j) {
+      const T* vj = vb + j * head_stride;
       __m512 v[DV];
       for (int d = 0; d < DV; ++d) v[d] = load16(vj + d * 16);
       for (int r = 0; r < R; ++r) {
-        const __mmask16 live = j < rows.keys[r0 + r] ? (__mmask16)0xFFFF : (__mmask16)0;
-        const __m512 w = _mm512_set1_ps(p[(r0 + r) * ld + j]);
+        const __m512 w = _mm512_set1_ps(pr[r * ld + j]);
+        for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_fmadd_ps(w, v[d], acc[r][d]);
+      }
+    }
+    for (; j < end; ++j) {
+      const T* vj = vb + j * head_stride;
+      __m512 v[DV];
+      for (int d = 0; d < DV; ++d) v[d] = load16(vj + d * 16);
+      for (int r = 0; r < R; ++r) {
+        const __mmask16 live = j < keys[r] ? (__mmask16)0xFFFF : (__mmask16)0;
+        const __m512 w = _mm512_set1_ps(pr[r * ld + j]);
         for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_mask3_fmadd_ps(w, v[d], acc[r][d], live);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512 scale = _mm512_set1_ps(inv[r0 + r]);
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(rows.out[r0 + r] + d * 16, _mm512_mul_ps(acc[r][d], scale));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < DV; ++d) acc_mem[r * DV + d] = acc[r][d];
 }
 
 template <int DV, int R, typename T>
 struct ValueDispatch {
-  static void run(int count, const Rows& rows, int r0, const float* p, int64_t ld, int64_t n_max, const T* v_cache,
-                  const int64_t* table, int64_t block_size, int64_t head_stride, const float* inv) {
-    if (count == R) value_rows<DV, R>(rows, r0, p, ld, n_max, v_cache, table, block_size, head_stride, inv);
-    else ValueDispatch<DV, R - 1, T>::run(count, rows, r0, p, ld, n_max, v_cache, table, block_size, head_stride, inv);
+  static void run(int count, __m512* acc, const int64_t* keys, const float* pr, int64_t ld, const T* v_cache,
+                  const int64_t* table, int64_t block_size, int64_t head_stride, int64_t j0, int64_t j1) {
+    if (count == R) value_rows<DV, R>(acc, keys, pr, ld, v_cache, table, block_size, head_stride, j0, j1);
+    else ValueDispatch<DV, R - 1, T>::run(count, acc, keys, pr, ld, v_cache, table, block_size, head_stride, j0, j1);
   }
 };
 template <int DV, typename T>
 struct ValueDispatch<DV, 0, T> {
-  static void run(int, const Rows&, int, const float*, int64_t, int64_t, const T*, const int64_t*, int64_t,
-                  int64_t, const float*) {}
+  static void run(int, __m512*, const int64_t*, const float*, int64_t, const T*, const int64_t*, int64_t, int64_t,
+                  int64_t, int64_t) {}
 };
 
 // Attention of a tile's rows (one sequence, one key/value head) over that sequence's cache.
@@ -153,47 +184,67 @@ template <int DV, typename T>
 void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_heads, int64_t kvh,
             const int64_t* table, int64_t block_size, float scale, std::vector<float>& scratch, std::vector<T>& kbuf) {
   constexpr int64_t D = DV * 16;
+  constexpr int64_t W = 16 * SC;  // keys scored per pass over the rows
   int64_t n_max = 0;
   for (int r = 0; r < rows.count; ++r) n_max = std::max(n_max, rows.keys[r]);
-  const int64_t ld = n_max + 32;
+  const int64_t ld = (n_max + 15) / 16 * 16;
   scratch.resize(rows.count * ld);
-  kbuf.resize(2 * D * 16);
+  kbuf.resize(SC * D * 16);
   float* scores = scratch.data();
-  T* buf0 = kbuf.data();
-  T* buf1 = buf0 + D * 16;
-  for (int64_t j = 0; j < n_max; j += 32) {
-    int64_t s0, s1;
-    const T* k0 = key_columns(k_cache, table, j, n_max, kv_heads, kvh, D, block_size, buf0, s0);
-    const T* k1 = j + 16 < n_max ? key_columns(k_cache, table, j + 16, n_max, kv_heads, kvh, D, block_size, buf1, s1)
-                                 : k0;
-    if (j + 16 >= n_max) s1 = s0;  // no second column: score the first twice, ignore the copy
-    ScoreDispatch<MAX_ROWS, T>::run(rows.count, rows, 0, D, k0, s0, k1, s1, scale, scores, n_max, j);
-  }
-  float inv[MAX_ROWS];
-  for (int r = 0; r < rows.count; ++r) {
-    float* s = scores + r * ld;
-    const int64_t n = rows.keys[r];
-    // The maximum is exact in any order; the exponentials are elementwise; the denominator is
-    // summed in 16 lanes by key index, then reduced: all fixed by n alone.
-    __m512 mx16 = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-      mx16 = _mm512_mask_max_ps(mx16, m, mx16, _mm512_maskz_loadu_ps(m, s + j));
+  alignas(64) float qp[MAX_ROWS * D];
+  for (int r = 0; r < rows.count; ++r) std::copy(rows.q[r], rows.q[r] + D, qp + r * D);
+  __m512 mx[MAX_ROWS];
+  for (int r = 0; r < rows.count; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n_max; j += W) {
+    const T* col[SC];
+    int64_t stride[SC];
+    for (int c = 0; c < SC && j + 16 * c < n_max; ++c)
+      col[c] = key_columns(k_cache, table, j + 16 * c, n_max, kv_heads, kvh, D, block_size, kbuf.data() + c * D * 16,
+                           stride[c]);
+    switch (std::min<int64_t>(SC, (n_max - j + 15) / 16)) {  // the last keys: only the columns holding some
+      case 1: score_all<1, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
+      case 2: score_all<2, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
+      case 3: score_all<3, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
+      default: score_all<SC, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
     }
-    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv));
-      _mm512_mask_storeu_ps(s + j, m, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-    }
-    inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
   }
+  // Softmax and values, a chunk of VW keys at a time so that its scores and values stay in L1: the
+  // exponentials of a row's scores (the maximum is exact in any order; the exponentials are
+  // elementwise; the denominator is summed in 16 lanes by key index, then reduced: all fixed by
+  // the row's own key count), then their sum with the values, in key order.
   constexpr int VR = DV <= 4 ? 6 : 3;  // rows per pass over the values: VR x DV accumulators
-  for (int r0 = 0; r0 < rows.count; r0 += VR)
-    ValueDispatch<DV, VR, T>::run(std::min(VR, rows.count - r0), rows, r0, scores, ld, n_max, v_cache + kvh * D, table,
-                               block_size, kv_heads * D, inv);
+  constexpr int64_t VW = 64;
+  __m512 mv[MAX_ROWS], sum[MAX_ROWS];
+  alignas(64) __m512 acc[MAX_ROWS * DV];
+  for (int r = 0; r < rows.count; ++r) {
+    mv[r] = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
+    sum[r] = _mm512_setzero_ps();
+    for (int d = 0; d < DV; ++d) acc[r * DV + d] = _mm512_setzero_ps();
+  }
+  const T* vc = v_cache + kvh * D;
+  for (int64_t j0 = 0; j0 < n_max; j0 += VW)
+    for (int r0 = 0; r0 < rows.count; r0 += VR) {
+      int64_t hi = 0;
+      const int count = std::min(VR, rows.count - r0);
+      for (int r = r0; r < r0 + count; ++r) {
+        const int64_t n = std::min(rows.keys[r], j0 + VW);
+        hi = std::max(hi, rows.keys[r]);
+        float* s = scores + r * ld;
+        for (int64_t j = j0; j < n; j += 16) {
+          const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv[r]));
+          _mm512_mask_storeu_ps(s + j, m, e);
+          sum[r] = _mm512_add_ps(sum[r], _mm512_maskz_mov_ps(m, e));
+        }
+      }
+      if (j0 < hi)
+        ValueDispatch<DV, VR, T>::run(count, acc + r0 * DV, rows.keys + r0, scores + r0 * ld, ld, vc, table,
+                                      block_size, kv_heads * D, j0, std::min(hi, j0 + VW));
+    }
+  for (int r = 0; r < rows.count; ++r) {
+    const __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[r]));
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(rows.out[r] + d * 16, _mm512_mul_ps(acc[r * DV + d], scale));
+  }
 }
 
 template <int DV, typename T>
