@@ -14,8 +14,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "vec_math.h"
-
 #include <algorithm>
 #include <vector>
 
@@ -31,6 +29,24 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline void store_one(float* dst, float x) { *dst = x; }
 inline void store_one(uint16_t* dst, float x) { *dst = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// 2^x for the softmax's x = score - maximum <= 0 (scores are kept in base 2: the queries come
+// scaled by log2(e), so 2^x is the e^x of the natural scores): 2^n times 2^f with n = round(x) and
+// f = x - n in [-1/2, 1/2], 2^f a degree-6 polynomial fit for relative error (~1e-7 in float32).
+// x is clamped at -125 so that the weight stays a normal float (denormals slow the products).
+inline __m512 softmax_exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5337577497e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399859890e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6185198054e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503290147e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 
 // The key cache keeps each block transposed, [kv_heads][head_dim][block_size]: the scores of 16
 // keys are then 16 lanes of one multiply-add per dimension, with no horizontal sums.
@@ -72,12 +88,12 @@ inline const T* key_columns(const T* k_cache, const int64_t* table, int64_t j, i
   return buf;
 }
 
-// Scores of R rows (packed q, [R][D]) against SC columns of 16 keys: each score is the sum over d
-// of q[d] * k[d] in d order, one multiply-add chain per score, whatever R is. Each row's running
+// Scores of R rows (packed q, [R][D], already scaled) against C columns of 16 keys: each score is
+// the sum over d of q[d] * k[d] in d order, one multiply-add chain per score, whatever R is. Each row's running
 // maximum over its own keys (j < keys[r]) is kept in mx.
 template <int R, int C, int64_t D, typename T>
 inline void score_rows(const float* qp, const int64_t* keys, const T* const* col, const int64_t* stride,
-                       float scale, float* scores, int64_t ld, int64_t j, __m512* mx) {
+                       float* scores, int64_t ld, int64_t j, __m512* mx) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -89,11 +105,10 @@ inline void score_rows(const float* qp, const int64_t* keys, const T* const* col
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(qd, k[c], acc[r][c]);
     }
   }
-  const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r) {
     float* s = scores + r * ld + j;
     for (int c = 0; c < C; ++c) {
-      const __m512 x = _mm512_mul_ps(acc[r][c], sc);
+      const __m512 x = acc[r][c];
       _mm512_storeu_ps(s + 16 * c, x);
       const int64_t live = keys[r] - (j + 16 * c);
       if (live >= 16) mx[r] = _mm512_max_ps(mx[r], x);
@@ -105,23 +120,23 @@ inline void score_rows(const float* qp, const int64_t* keys, const T* const* col
 template <int R, int C, int64_t D, typename T>
 struct ScoreDispatch {
   static void run(int count, const float* qp, const int64_t* keys, const T* const* col, const int64_t* stride,
-                  float scale, float* scores, int64_t ld, int64_t j, __m512* mx) {
-    if (count == R) score_rows<R, C, D>(qp, keys, col, stride, scale, scores, ld, j, mx);
-    else ScoreDispatch<R - 1, C, D, T>::run(count, qp, keys, col, stride, scale, scores, ld, j, mx);
+                  float* scores, int64_t ld, int64_t j, __m512* mx) {
+    if (count == R) score_rows<R, C, D>(qp, keys, col, stride, scores, ld, j, mx);
+    else ScoreDispatch<R - 1, C, D, T>::run(count, qp, keys, col, stride, scores, ld, j, mx);
   }
 };
 template <int C, int64_t D, typename T>
 struct ScoreDispatch<0, C, D, T> {
-  static void run(int, const float*, const int64_t*, const T* const*, const int64_t*, float, float*, int64_t,
-                  int64_t, __m512*) {}
+  static void run(int, const float*, const int64_t*, const T* const*, const int64_t*, float*, int64_t, int64_t,
+                  __m512*) {}
 };
 
 // Scores of all rows against the next `cols` (1..SC) columns, SR rows at a time.
 template <int C, int64_t D, typename T>
-inline void score_all(const Rows& rows, const float* qp, const T* const* col, const int64_t* stride, float scale,
-                      float* scores, int64_t ld, int64_t j, __m512* mx) {
+inline void score_all(const Rows& rows, const float* qp, const T* const* col, const int64_t* stride, float* scores,
+                      int64_t ld, int64_t j, __m512* mx) {
   for (int r0 = 0; r0 < rows.count; r0 += SR)
-    ScoreDispatch<SR, C, D, T>::run(std::min(SR, rows.count - r0), qp + r0 * D, rows.keys + r0, col, stride, scale,
+    ScoreDispatch<SR, C, D, T>::run(std::min(SR, rows.count - r0), qp + r0 * D, rows.keys + r0, col, stride,
                                     scores + r0 * ld, ld, j, mx + r0);
 }
 
@@ -192,7 +207,9 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
   kbuf.resize(SC * D * 16);
   float* scores = scratch.data();
   alignas(64) float qp[MAX_ROWS * D];
-  for (int r = 0; r < rows.count; ++r) std::copy(rows.q[r], rows.q[r] + D, qp + r * D);
+  const float q_scale = scale * 1.44269504088896341f;  // scores in base 2, scaled as they are summed
+  for (int r = 0; r < rows.count; ++r)
+    for (int64_t d = 0; d < D; ++d) qp[r * D + d] = rows.q[r][d] * q_scale;
   __m512 mx[MAX_ROWS];
   for (int r = 0; r < rows.count; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n_max; j += W) {
@@ -202,10 +219,10 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
       col[c] = key_columns(k_cache, table, j + 16 * c, n_max, kv_heads, kvh, D, block_size, kbuf.data() + c * D * 16,
                            stride[c]);
     switch (std::min<int64_t>(SC, (n_max - j + 15) / 16)) {  // the last keys: only the columns holding some
-      case 1: score_all<1, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
-      case 2: score_all<2, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
-      case 3: score_all<3, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
-      default: score_all<SC, D>(rows, qp, col, stride, scale, scores, ld, j, mx); break;
+      case 1: score_all<1, D>(rows, qp, col, stride, scores, ld, j, mx); break;
+      case 2: score_all<2, D>(rows, qp, col, stride, scores, ld, j, mx); break;
+      case 3: score_all<3, D>(rows, qp, col, stride, scores, ld, j, mx); break;
+      default: score_all<SC, D>(rows, qp, col, stride, scores, ld, j, mx); break;
     }
   }
   // Softmax and values, a chunk of VW keys at a time so that its scores and values stay in L1: the
@@ -232,7 +249,7 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
         float* s = scores + r * ld;
         for (int64_t j = j0; j < n; j += 16) {
           const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv[r]));
+          const __m512 e = softmax_exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv[r]));
           _mm512_mask_storeu_ps(s + j, m, e);
           sum[r] = _mm512_add_ps(sum[r], _mm512_maskz_mov_ps(m, e));
         }
