@@ -336,6 +336,8 @@ def test_termination_grace_period_not_above_drain_seconds_is_rejected(
             id="hpa-string",
         ),
         pytest.param(("--set", "server.device=tpu"), "server.device", id="unknown-device"),
+        pytest.param(("--set", "server.kvCacheDtype=bfloat16"), "server.kvCacheDtype", id="unknown-kv-cache-dtype"),
+        pytest.param(("--set", "server.speculativeTokens=-1"), "server.speculativeTokens", id="negative-drafts"),
         pytest.param(
             ("--set", "gpus=2"),
             "Additional property gpus is not allowed",
@@ -413,6 +415,14 @@ def test_server_settings_reach_the_container_as_tokenmill_env_and_args(
         "--set",
         "server.backend=triton",
         "--set",
+        "server.quantization=int8",
+        "--set",
+        "server.kvCacheDtype=float16",
+        "--set",
+        "server.compile=auto",
+        "--set",
+        "server.speculativeTokens=0",
+        "--set",
         "server.extraArgs={--max-queue,32}",
         "--set",
         "server.extraEnv[0].name=EXTRA",
@@ -429,6 +439,10 @@ def test_server_settings_reach_the_container_as_tokenmill_env_and_args(
     assert env["TOKENMILL_MAX_NEW_TOKENS_LIMIT"] == "256"
     assert env["TOKENMILL_KV_CACHE_MEMORY"] == "512MiB"
     assert env["TOKENMILL_BACKEND"] == "triton"
+    assert env["TOKENMILL_QUANTIZATION"] == "int8"
+    assert env["TOKENMILL_KV_CACHE_DTYPE"] == "float16"
+    assert env["TOKENMILL_COMPILE"] == "auto"
+    assert env["TOKENMILL_SPECULATIVE_TOKENS"] == "0"
     assert env["TOKENMILL_LOG_FORMAT"] == "json"
     assert env["TOKENMILL_METRICS_PORT"] == "9090"
     assert env["EXTRA"] == "1"
