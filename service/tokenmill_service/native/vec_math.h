@@ -1,4 +1,4 @@
-// Vector math shared by the native kernels (included, not built on its own).
+// Vector math for the native kernels (included, not built on its own): the exponential of SiLU.
 #pragma once
 
 #include <immintrin.h>
