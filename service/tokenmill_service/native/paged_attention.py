@@ -1,4 +1,4 @@
-"""Paged causal attention on the CPU, one query at a time in a fixed order (paged_attention.cpp).
+"""Paged causal attention on the CPU, each query in its own fixed order (paged_attention.cpp).
 
 The key cache is laid out for it: each block transposed, [kv_heads, head_dim, block_size] in the
 memory of a [block_size, kv_heads, head_dim] block, written by ``store_keys``. Only this module
