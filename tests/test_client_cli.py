@@ -212,10 +212,13 @@ class PtySession:
         env.update(TERM="dumb", PYTHONUNBUFFERED="1")
         if history is not None:  # the REPL's history file, never the user's own
             env["TOKENMILL_HISTORY"] = str(history)
-        # A new session whose controlling terminal is the pty, so Ctrl-C (0x03) sends it SIGINT.
-        # Done by a tiny exec wrapper rather than preexec_fn, which is unsafe in a threaded parent.
+        # A new session whose controlling terminal is the pty, so Ctrl-C (0x03) sends it SIGINT, with
+        # SIGINT's default action as in a user's terminal: a suite started in the background by a
+        # shell without job control inherits SIGINT ignored, and exec keeps it ignored. Done by a tiny
+        # exec wrapper rather than preexec_fn, which is unsafe in a threaded parent.
         wrapper = (
-            "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
+            "import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+            "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", wrapper, *argv],
