@@ -2,7 +2,8 @@
 
 It must give the Python forward's results bit for bit (it calls the same kernels in the same
 order), over prefill chunks, decode tokens and mixed steps, with both native products; serve by
-default where it can; and step aside, saying why, where it cannot (dense layers, compiled regions).
+default where it can; and step aside, saying why, where it cannot (torch's int8/int4 kernels,
+compiled regions).
 """
 
 from __future__ import annotations
@@ -82,11 +83,23 @@ def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
     assert served_model.model.native_stack is not None
 
 
-def test_dense_layers_and_compiled_regions_keep_the_python_forward(default_model: Any, served_model: Any) -> None:
-    # --quantization none: dense float32 layers, whose products are torch's.
-    reason = default_model.use_native_stack()
-    assert reason is not None and "no native kernel" in reason
-    assert default_model.model.native_stack is None
+@torch.inference_mode()
+def test_dense_float32_layers_run_it_too(default_model: Any) -> None:
+    # --quantization none: float32 rows through the block product's F32 format.
+    _same_bits(default_model)
+
+
+def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_forward(
+    default_model_path: Path, served_model: Any
+) -> None:
+    from tokenmill_service.models.loader import load_model
+
+    # --quantization int8: torch's per-channel kernel, which native code cannot call.
+    with capture_logs() as logs:
+        model = load_model(default_model_path, quantization="int8")
+    skipped = next(e for e in logs if e["event"] == "native_stack_skipped")
+    assert "no native kernel" in skipped["reason"]
+    assert model.model.native_stack is None
     # Compiled regions replace the stack, and give it back when compiling is undone.
     served_model.compile_regions(lambda fn: fn)
     try:

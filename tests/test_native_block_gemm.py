@@ -124,6 +124,31 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_thread_count(met
         torch.set_num_threads(threads)
 
 
+def test_dense_float32_rows_take_the_same_fixed_order() -> None:
+    """--quantization none in float32: the weight's rows through the kernel's F32 format, so a row's
+    result does not depend on its batch on any AVX-512 CPU (MKL's own product's does, on AMD's)."""
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(200, 576, generator=gen) * 0.05
+    layer = ReplicatedLinear(576, 200, False, quant_method_class("none")(torch.float32))
+    layer.load_weight(weight)
+    layer.finalize()
+    assert layer.quant.native_kernel == ("block_gemm", "tm_block_gemm")
+    assert torch.equal(layer.quant.dequantized(layer), weight)
+    x = torch.randn(300, 576, generator=gen)
+    full = layer(x)
+    want = (x.double() @ weight.double().t()).float()
+    torch.testing.assert_close(full, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    for m in (1, 2, 3, 4, 5, 6, 7, 13, 64, 200):
+        assert torch.equal(layer(x[:m]), full[:m]), m
+    assert torch.equal(layer(x[41:42]), full[41:42])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_packed_qkv_and_gate_up_equal_the_separate_projections(method: str) -> None:
     gen = torch.Generator().manual_seed(7)

@@ -283,7 +283,9 @@ class LlamaForCausalLM(nn.Module):
                 if lin.bias is not None:
                     return f"the {name} projection has a bias"
             spec = {
-                name: decoder_stack.LinearSpec(lin.quant.native_kernel, lin.blocks, int(lin.qtype), lin.out_features)
+                name: decoder_stack.LinearSpec(
+                    lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features
+                )
                 for name, lin in linears.items()
             }
             layers.append(

@@ -1,4 +1,5 @@
 // y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q8_0) kept as stored,
+// or plain float32 rows (F32, --quantization none: the same fixed order, nothing to dequantize),
 // float32 activations and output. Built and loaded by native.py (g++ -O3 -march=native -fopenmp).
 //
 // Two promises shape the code:
@@ -31,10 +32,11 @@ constexpr int MT = 6;       // activation rows per register tile
 constexpr int NT = 4;       // weight rows per register tile
 
 // ggml's type ids.
-enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum Format : int { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
 int64_t block_bytes(int fmt) {
   switch (fmt) {
+    case F32: return 4 * QK;
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
@@ -52,6 +54,11 @@ inline __m512 half_at(const uint8_t* p) {
 // layout: byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 template <int F>
 inline void dequantize_regs(const uint8_t* b, __m512& lo, __m512& hi) {
+  if constexpr (F == F32) {
+    lo = _mm512_loadu_ps((const float*)b);
+    hi = _mm512_loadu_ps((const float*)b + 16);
+    return;
+  }
   const __m512 d = half_at(b);
   if constexpr (F == Q8_0) {
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
@@ -211,10 +218,14 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
       for (int64_t tn = first; tn < last; ++tn) {
         const int64_t n0 = tn * NT;
         const int cols = (int)std::min<int64_t>(NT, n - n0);
-        dequantize_rows<F>(w + n0 * row_bytes, cols, k, buf.data());
+        const float* wt = (const float*)(w + n0 * row_bytes);  // F32 rows are used where they are
+        if constexpr (F != F32) {
+          dequantize_rows<F>(w + n0 * row_bytes, cols, k, buf.data());
+          wt = buf.data();
+        }
         for (int64_t i = m0; i < m1; i += MT) {
           const int rows = (int)std::min<int64_t>(MT, m1 - i);
-          tile_any(rows, cols, x + i * k, buf.data(), k, y + i * n + n0, n);
+          tile_any(rows, cols, x + i * k, wt, k, y + i * n + n0, n);
         }
       }
     }
@@ -230,6 +241,7 @@ int tm_block_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* 
                   int threads) {
   if (k % QK) return -2;
   switch (fmt) {
+    case F32: gemm<F32>(x, m, k, w, n, y, threads); return 0;
     case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); return 0;
     case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); return 0;
     case Q8_0: gemm<Q8_0>(x, m, k, w, n, y, threads); return 0;
@@ -241,6 +253,7 @@ int tm_block_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* 
 int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
   if (k % QK) return -2;
   switch (fmt) {
+    case F32: dequantize_rows<F32>(w, n, k, out); return 0;
     case Q4_0: dequantize_rows<Q4_0>(w, n, k, out); return 0;
     case Q4_1: dequantize_rows<Q4_1>(w, n, k, out); return 0;
     case Q8_0: dequantize_rows<Q8_0>(w, n, k, out); return 0;

@@ -13,7 +13,8 @@ import torch
 from tokenmill_service.native import build
 
 # ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads).
-FORMATS = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+F32 = 0  # plain float32 rows: the dense method's weights (layers/quant/dense.py)
+FORMATS = {F32: 128, 2: 18, 3: 20, 8: 34}  # F32, Q4_0, Q4_1, Q8_0
 
 
 @functools.cache

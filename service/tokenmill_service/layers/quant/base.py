@@ -28,9 +28,8 @@ from tokenmill_service.registry import Registry
 class QuantMethod(ABC):
     name: ClassVar[str]
     # Where the product is a native kernel that native code may call directly, its entry point
-    # (library, symbol; signature as block_gemm.cpp's), reading the layer's ``blocks`` in format
-    # ``qtype`` (native/decoder_stack.py).
-    native_kernel: ClassVar[tuple[str, str] | None] = None
+    # (library, symbol; signature as block_gemm.cpp's), reading ``native_operands`` (native/decoder_stack.py).
+    native_kernel: tuple[str, str] | None = None
 
     def __init__(self, act_dtype: torch.dtype) -> None:
         # The dtype of the activations this layer multiplies (and returns).
@@ -47,6 +46,10 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
+        """Where ``native_kernel`` is set: the weights it reads and their format (a ggml type id)."""
+        raise NotImplementedError(f"{self.name} has no native kernel")
 
     @abstractmethod
     def dequantized(self, layer: nn.Module) -> torch.Tensor:

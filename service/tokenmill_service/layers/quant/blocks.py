@@ -54,6 +54,9 @@ class GGUFBlocksMethod(QuantMethod):
         y = native.block_gemm(x, layer.blocks, int(layer.qtype), layer.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
+    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
+        return layer.blocks, int(layer.qtype)
+
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         return native.block_dequantize(layer.blocks, int(layer.qtype))
 

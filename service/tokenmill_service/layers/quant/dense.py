@@ -1,10 +1,17 @@
 """Unquantized weights in the activation dtype (float32 or bfloat16).
 
-float32: the weight is stored transposed ([in, out]) and the product is taken in slices of the
-input dimension, added in float32: measured on MKL, ``x @ w`` with row-major ``w`` and a reduction
-of at most a few hundred gives each output row the same bits whatever the number of rows (from
-two; one row takes the gemv path, so a lone row is padded), which ``F.linear`` over the whole width
-does not. That keeps a sequence's logits independent of its batch.
+float32, on a CPU where tokenmill's native kernels build: the weight stays [out, in] and is
+multiplied by ``native/block_gemm.cpp`` as plain float32 rows (its F32 format), each output summed
+in one fixed order whatever the number of rows, so batch-invariant by construction, on any
+AVX-512 CPU. That keeps a sequence's logits independent of its batch.
+
+float32 elsewhere (no native kernel, or the tensors on a GPU): the weight is stored transposed
+([in, out]) and the product is taken in slices of the input dimension, added in float32. Measured
+on MKL on Intel CPUs, ``x @ w`` with row-major ``w`` and a reduction of at most a few hundred gives
+each output row the same bits whatever the number of rows (from two; one row takes the gemv path,
+so a lone row is padded), which ``F.linear`` over the whole width does not. That is a property of
+one library on one kind of CPU, not a construction: on an AMD EPYC it does not hold (a row alone
+and among 64 differ in the last bits), which is why the native kernel is preferred.
 
 bfloat16: ``F.linear`` on the usual [out, in] weight, oneDNN's fast path (the sliced product above
 runs about four times slower in bfloat16). Its rows are not independent of the row count, so this
@@ -18,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, dense
+from tokenmill_service.native import block_gemm as native
 
 K_SLICE = 256
 
@@ -43,24 +51,36 @@ class DenseMethod(QuantMethod):
         return self.act_dtype == torch.float32
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        if self.invariant:
+        # float32 rows for the native kernel where it can run (also from the native decoder stack).
+        self.native = (
+            self.invariant and in_features % QUANT_BLOCK == 0 and native.unavailable_reason() is None
+        )  # fmt: skip
+        self.native_kernel = ("block_gemm", "tm_block_gemm") if self.native else None
+        if self.invariant and not self.native:
             layer.weight_t = empty_param(in_features, out_features, dtype=self.act_dtype)
         else:
             layer.weight = empty_param(out_features, in_features, dtype=self.act_dtype)
 
     def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
-        if self.invariant:
+        if self.invariant and not self.native:
             layer.weight_t.data[:, rows] = dense(tensor).t().to(self.act_dtype)
         else:
             layer.weight.data[rows] = dense(tensor).to(self.act_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            if x.device.type == "cpu":
+                return native.block_gemm(x, layer.weight, native.F32, layer.weight.shape[0])
+            return batch_invariant_matmul(x, layer.weight.t())
         if self.invariant:
             return batch_invariant_matmul(x, layer.weight_t)
         return F.linear(x, layer.weight)
 
+    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
+        return layer.weight, native.F32
+
     def _stored(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight_t.t() if self.invariant else layer.weight
+        return layer.weight_t.t() if self.invariant and not self.native else layer.weight
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         return self._stored(layer).float()
