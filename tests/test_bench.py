@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +94,20 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
+    """scripts/cpu_peak.cpp, which RESULTS.md's arithmetic ceiling quotes, still builds and runs."""
+    from tokenmill_service.native import build
+
+    if shutil.which("g++") is None or build.unavailable_reason("block_gemm") is not None:
+        pytest.skip("needs g++ and an AVX-512 CPU")
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the CPU has no AVX512-BF16")
+    source = Path(__file__).resolve().parents[1] / "scripts" / "cpu_peak.cpp"
+    binary = tmp_path / "cpu_peak"
+    subprocess.run(["g++", "-O2", "-march=native", str(source), "-o", str(binary)], check=True, timeout=120)
+    out = subprocess.run([str(binary)], capture_output=True, text=True, check=True, timeout=120).stdout
+    rates = dict(re.findall(r"^(\S+ \S+)\s+([\d.]+) G multiply-adds/s", out, re.MULTILINE))
+    assert set(rates) == {"float32 vfmadd231ps", "int8 vpdpbusd", "bf16 vdpbf16ps"}, out
+    assert all(float(rate) > 0 for rate in rates.values()), out

@@ -1,0 +1,75 @@
+// The arithmetic ceiling of one core: multiply-adds a second of the three AVX-512 product
+// instructions a kernel here can use, each in 24 independent chains held in registers (enough to
+// hide their latency), on one thread. What bench/RESULTS.md's "arithmetic ceiling" quotes.
+//
+//   g++ -O2 -march=native scripts/cpu_peak.cpp -o /tmp/cpu_peak && /tmp/cpu_peak
+//
+// Run it on an otherwise idle machine; start one per core at once for the whole machine's rate.
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+
+namespace {
+
+double seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+constexpr long kSteps = 20000000;
+constexpr double kInstructions = kSteps * 24.0;
+
+}  // namespace
+
+// Spelled out (not an array in a loop) so that the compiler keeps every chain in a register.
+#define EACH12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define DECLARE(i) V c##i = init(i);
+#define STEP(i) c##i = OP(c##i);
+#define LIVE(i) asm volatile("" : "+v"(c##i));
+#define SUM(i) sum += total(c##i);
+// Times kSteps rounds of 24 instructions (two on each of 12 chains); prints multiply-adds a second.
+#define MEASURE(name, lanes)                            \
+  {                                                     \
+    EACH12(DECLARE)                                     \
+    const double start = seconds();                     \
+    for (long n = 0; n < kSteps; ++n) {                 \
+      EACH12(STEP) EACH12(STEP) EACH12(LIVE)            \
+    }                                                   \
+    const double t = seconds() - start;                 \
+    double sum = 0;                                     \
+    EACH12(SUM)                                         \
+    std::printf("%-20s %6.1f G multiply-adds/s (%d a instruction; checksum %g)\n", name, \
+                kInstructions * (lanes) / t / 1e9, lanes, sum);                         \
+  }
+
+int main() {
+  {
+    using V = __m512;
+    auto init = [](int i) { return _mm512_set1_ps(0.01f * i); };
+    auto total = [](V v) { return double(_mm512_reduce_add_ps(v)); };
+    const V a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+#define OP(x) _mm512_fmadd_ps(a, x, b)
+    MEASURE("float32 vfmadd231ps", 16)
+#undef OP
+  }
+  {
+    using V = __m512i;
+    auto init = [](int i) { return _mm512_set1_epi32(i); };
+    auto total = [](V v) { return double(_mm512_reduce_add_epi32(v)); };
+    const V u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(5);
+#define OP(x) _mm512_dpbusd_epi32(x, u, s)
+    MEASURE("int8 vpdpbusd", 64)
+#undef OP
+  }
+  {
+    using V = __m512;
+    auto init = [](int i) { return _mm512_set1_ps(float(i)); };
+    auto total = [](V v) { return double(_mm512_reduce_add_ps(v)); };
+    const __m512bh p = (__m512bh)_mm512_set1_epi16(0x3f80), q = (__m512bh)_mm512_set1_epi16(0x3f00);
+#define OP(x) _mm512_dpbf16_ps(x, p, q)
+    MEASURE("bf16 vdpbf16ps", 32)
+#undef OP
+  }
+  return 0;
+}
