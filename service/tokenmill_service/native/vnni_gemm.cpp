@@ -234,7 +234,12 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
   const int64_t blocks = k / QK, groups = (n + G - 1) / G, gstride = blocks * group_block_bytes(F);
   std::vector<int8_t> a(m * 2 * k);
   std::vector<float> dx(m * blocks), sx(m * blocks);
-  const int64_t tiles = (groups + NG - 1) / NG;
+  // Groups per tile: for a few rows (decoding) one, so that each thread reads its weights as one
+  // sequential stream, which the hardware prefetchers keep up with (two streams 5 KB apart measured
+  // 1.2-1.45x slower from DRAM at 1-4 rows, on an AMD EPYC); for more rows, NG for register reuse.
+  // Tiling never changes a result: each output's sums are the same whatever tile computes it.
+  const int ng_max = m <= 4 ? 1 : NG;
+  const int64_t tiles = (groups + ng_max - 1) / ng_max;
   // Activation rows per pass: as many as stay in a core's L2 beside the weights.
   const int64_t chunk = std::max<int64_t>(MT, (512 * 1024 / k) / MT * MT);
 #pragma omp parallel num_threads(threads)
@@ -246,8 +251,8 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
       const int64_t m1 = std::min(m, m0 + chunk);
       for (int64_t tg = first; tg < last; ++tg) {
-        const int64_t g0 = tg * NG;
-        const int ng = (int)std::min<int64_t>(NG, groups - g0);
+        const int64_t g0 = tg * ng_max;
+        const int ng = (int)std::min<int64_t>(ng_max, groups - g0);
         for (int64_t i = m0; i < m1; i += MT) {
           const int rows = (int)std::min<int64_t>(MT, m1 - i);
           tile_any<F>(rows, ng, a.data() + i * 2 * k, dx.data() + i * blocks, sx.data() + i * blocks, k,
