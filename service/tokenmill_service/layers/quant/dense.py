@@ -52,9 +52,7 @@ class DenseMethod(QuantMethod):
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         # float32 rows for the native kernel where it can run (also from the native decoder stack).
-        self.native = (
-            self.invariant and in_features % QUANT_BLOCK == 0 and native.unavailable_reason() is None
-        )  # fmt: skip
+        self.native = self.invariant and in_features % QUANT_BLOCK == 0 and native.unavailable_reason() is None
         self.native_kernel = ("block_gemm", "tm_block_gemm") if self.native else None
         if self.invariant and not self.native:
             layer.weight_t = empty_param(in_features, out_features, dtype=self.act_dtype)
