@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,6 +134,18 @@ def test_json_prints_one_event_per_line_ending_with_the_finish_reason(server_add
     assert events[-1]["finish_reason"] in ("eos", "length")
     assert events[-1]["usage"]["completion_tokens"] == sum(len(e["tokens"]) for e in events)
     assert all(e["finish_reason"] is None for e in events[:-1])
+
+
+def test_ignore_eos_generates_up_to_the_limit(server_address: str) -> None:
+    def last_event(*flags: str) -> dict[str, Any]:
+        proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "--json", "-l", "64", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    short = last_event()  # the answer ends well before 64 tokens
+    assert short["finish_reason"] == "eos" and short["usage"]["completion_tokens"] < 64
+    full = last_event("--ignore-eos")
+    assert full["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 64
 
 
 def test_invalid_argument_shows_the_servers_message_and_exits_nonzero(server_address: str) -> None:

@@ -115,6 +115,7 @@ class GenSettings:
     max_new_tokens: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
     system: str | None = None
     raw: bool = False
 
@@ -131,6 +132,7 @@ class GenSettings:
             max_new_tokens=self.max_new_tokens,
             seed=self.seed,
             stop=tuple(self.stop),
+            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )
 
@@ -145,6 +147,7 @@ class GenSettings:
             max_new_tokens=self.max_new_tokens,
             seed=self.seed,
             stop=tuple(self.stop),
+            ignore_eos=self.ignore_eos,
         )
 
     def summary(self) -> str:
@@ -159,6 +162,8 @@ class GenSettings:
         parts.append(f"seed={'random' if self.seed is None else self.seed}")
         if self.stop:
             parts.append(f"stop={self.stop!r}")
+        if self.ignore_eos:
+            parts.append("ignore_eos")
         return " ".join(parts)
 
     def messages(self, history: Sequence[ChatMessage], user: str) -> list[ChatMessage]:
@@ -175,6 +180,7 @@ def _settings_from_args(args: argparse.Namespace) -> GenSettings:
         max_new_tokens=args.limit,
         seed=args.seed,
         stop=list(args.stop),
+        ignore_eos=args.ignore_eos,
         system=args.system,
         raw=args.raw,
     )
@@ -761,6 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
     gen.add_argument("--seed", type=int, default=None, help="random seed (same seed, same answer)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-sequence, up to the limit (benchmarks)"
+    )
     gen.add_argument("--system", metavar="TEXT", help="system message of the chat")
     gen.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
     gen.add_argument("--show-tokens", action="store_true", help="print one line per token: repr(text) and logprob")
