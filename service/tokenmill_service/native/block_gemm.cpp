@@ -162,8 +162,13 @@ inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, fl
 template <int F, int M>
 void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t blocks = k / QK, bytes = block_bytes(F), row_bytes = blocks * bytes;
-  for (int64_t r0 = n0; r0 < n1; r0 += NT) {
-    const int cols = (int)std::min<int64_t>(NT, n1 - r0);
+  // F32 rows are 4 bytes a weight and the product waits on memory: one weight row at a time, so
+  // that each thread reads one sequential stream (1.4-1.75x faster from DRAM than 4 interleaved
+  // rows, measured at 1-4 rows on an AMD EPYC). The quantized formats wait on their arithmetic and
+  // keep 4. Each output's sum is the same either way (store_sums' tree does not depend on its slot).
+  constexpr int64_t step = F == F32 ? 1 : NT;
+  for (int64_t r0 = n0; r0 < n1; r0 += step) {
+    const int cols = (int)std::min<int64_t>(step, n1 - r0);
     __m512 acc[M][NT];
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
