@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from tokenmill_service.dtypes import resolve_dtype
-from tokenmill_service.engine.compile import compile_model, compiled_graphs
+from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.models.loader import load_model, resolve_model_path
 
@@ -52,21 +51,21 @@ def main() -> None:
     args = parser.parse_args()
 
     path = resolve_model_path(None)
-    model = load_model(path, dtype=resolve_dtype("auto", "cpu", quantized=True), quantization="auto")
-    runner = ModelRunner(model, BLOCK, 64 * 16)
+    # The default plan's executor (the native stack here) against compiled regions, on one model.
+    model = load_model(path, quantization="auto", compile="auto")
+    assert model.plan.executor.value == "compiled", f"torch.compile is unavailable here: {model.plan.skipped}"
+    runners = {
+        "eager": ModelRunner(model, BLOCK, 64 * 16, "native-stack"),
+        "compiled": ModelRunner(model, BLOCK, 64 * 16),
+    }
     shapes = plans()
-    assert compile_model(model, "auto"), "torch.compile is unavailable here (see compile_skipped)"
     start = time.perf_counter()
     for plan in shapes.values():
-        runner.execute(plan)
+        runners["compiled"].execute(plan)
     built = time.perf_counter() - start
     times: dict[str, dict[str, list[float]]] = {name: {"eager": [], "compiled": []} for name in shapes}
     for _ in range(args.repeats):
-        for mode in ("eager", "compiled"):
-            if mode == "eager":
-                model.compile_regions(None)
-            else:
-                compile_model(model, "auto")
+        for mode, runner in runners.items():
             for name, plan in shapes.items():
                 times[name][mode].append(time_step(runner, plan, args.steps))
 

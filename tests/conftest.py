@@ -44,22 +44,22 @@ def default_model(default_model_path: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def served_model(default_model_path: Path) -> Any:
-    """The model as the server runs it by default: --quantization auto (the GGUF's blocks as stored), --dtype auto."""
-    from tokenmill_service.dtypes import resolve_dtype
-    from tokenmill_service.models.loader import load_model
+    """The model as the server runs it by default: every option at its default (the GGUF's blocks as
+    stored, the native decoder stack), loaded as a worker loads it."""
+    from tokenmill_service.models.loader import load
+    from tokenmill_service.plan import LoadOptions
 
-    return load_model(default_model_path, dtype=resolve_dtype("auto", "cpu", quantized=True), quantization="auto")
+    return load(LoadOptions())
 
 
 @pytest.fixture(scope="session")
 def compiled_model(default_model_path: Path) -> Any:
     """The served model with --compile auto: its regions through torch.compile (compiled on first use)."""
-    from tokenmill_service.dtypes import resolve_dtype
-    from tokenmill_service.engine.compile import compile_model
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.models.loader import load
+    from tokenmill_service.plan import LoadOptions
 
-    model = load_model(default_model_path, dtype=resolve_dtype("auto", "cpu", quantized=True), quantization="auto")
-    assert compile_model(model, "auto"), "torch.compile is unavailable here (see the compile_skipped log line)"
+    model = load(LoadOptions(compile="auto"))
+    assert model.plan.executor.value == "compiled", f"torch.compile is unavailable here: {model.plan.skipped}"
     return model
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,8 +25,13 @@ from tests.server_process import ServerProcess
 from tests.streams import trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.engine.compile import compile_model, compiled_graphs, why_not_compiled
+from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.models.loader import load_model
+from tokenmill_service.ops import ops_class
+from tokenmill_service.plan import LoadOptions, PlanRefused
+from tokenmill_service.plan.device import DeviceFacts
+from tokenmill_service.plan.resolve import compile_missing
 
 
 @torch.inference_mode()
@@ -67,25 +73,31 @@ def test_no_step_shape_compiles_another_graph_after_the_first_steps(compiled_mod
 
 
 def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
-    default_model: Any, monkeypatch: pytest.MonkeyPatch
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch._inductor.config as inductor_config
 
     # What CXX=/nonexistent/g++ in the worker's environment comes to (inductor reads it at import).
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
     with capture_logs() as logs:
-        assert compile_model(default_model, "auto") is False
+        model = load_model(default_model_path, compile="auto")
     skipped = [e for e in logs if e["event"] == "compile_skipped"]
     assert len(skipped) == 1 and "C++ compiler" in skipped[0]["reason"]
-    assert default_model.model.regions.pre_attention.__module__ == "tokenmill_service.models.llama"
+    assert model.plan.executor.value == "native-stack"
+    assert "C++ compiler" in model.plan.skipped["compile"]
 
 
-def test_compile_settings(default_model: Any) -> None:
-    assert compile_model(default_model, "off") is False
-    with pytest.raises(ValueError, match="auto, off"):
-        compile_model(default_model, "on")
-    assert "triton" in str(why_not_compiled(default_model, "triton", 1))
-    assert "tensor-parallel" in str(why_not_compiled(default_model, "torch", 2))
+def test_compile_settings() -> None:
+    facts = DeviceFacts()
+    assert compile_missing(LoadOptions(compile="auto"), facts, ops_class("torch")) is None
+    assert "triton" in str(compile_missing(LoadOptions(compile="auto"), facts, ops_class("triton")))
+    assert "tensor-parallel" in str(compile_missing(LoadOptions(tensor_parallel=2), facts, ops_class("torch")))
+    assert "CUDA graphs" in str(compile_missing(LoadOptions(), DeviceFacts("cuda:0"), ops_class("torch")))
+
+
+def test_an_unknown_compile_setting_is_refused(default_model_path: Path) -> None:
+    with pytest.raises(PlanRefused, match="auto, off"):
+        load_model(default_model_path, compile="on")
 
 
 # -- through the RPC -------------------------------------------------------------------------

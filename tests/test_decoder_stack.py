@@ -40,21 +40,16 @@ def _steps() -> Iterator[StepPlan]:
 
 
 def _run(model: Any, native: bool) -> list[torch.Tensor]:
-    stack = model._native_stack
-    model.model.native_stack = stack if native else None
-    try:
-        runner = ModelRunner(model, block_size=16, num_blocks=16)
-        results = []
-        for plan in _steps():
-            logits, prompt_logits = runner.execute(plan)
-            results += [logits, *prompt_logits]
-        return results
-    finally:
-        model.model.native_stack = stack
+    runner = ModelRunner(model, block_size=16, num_blocks=16, executor="native-stack" if native else "eager")
+    results = []
+    for plan in _steps():
+        logits, prompt_logits = runner.execute(plan)
+        results += [logits, *prompt_logits]
+    return results
 
 
 def _same_bits(model: Any) -> None:
-    assert model.model.native_stack is not None
+    assert model.plan.executor.value == "native-stack"
     python, native = _run(model, native=False), _run(model, native=True)
     assert len(python) == len(native) == 7
     for a, b in zip(python, native):
@@ -80,7 +75,7 @@ def test_the_float32_block_product_runs_it_too(default_model_path: Path) -> None
 def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
     if vnni_gemm.unavailable_reason() is None:
         assert served_model.quantization == "gguf-vnni"
-    assert served_model.model.native_stack is not None
+    assert served_model.plan.executor.value == "native-stack"
 
 
 @torch.inference_mode()
@@ -90,7 +85,7 @@ def test_dense_float32_layers_run_it_too(default_model: Any) -> None:
 
 
 def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_forward(
-    default_model_path: Path, served_model: Any
+    default_model_path: Path, compiled_model: Any
 ) -> None:
     from tokenmill_service.models.loader import load_model
 
@@ -99,26 +94,21 @@ def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_for
         model = load_model(default_model_path, quantization="int8")
     skipped = next(e for e in logs if e["event"] == "native_stack_skipped")
     assert "no native kernel" in skipped["reason"]
-    assert model.model.native_stack is None
-    # Compiled regions replace the stack, and give it back when compiling is undone.
-    served_model.compile_regions(lambda fn: fn)
-    try:
-        assert served_model.model.native_stack is None
-    finally:
-        served_model.compile_regions(None)
-    assert served_model.model.native_stack is not None
+    assert model.plan.executor.value == "eager"
+    # Compiled regions replace the stack.
+    assert compiled_model.plan.executor.value == "compiled"
 
 
 @torch.inference_mode()
 def test_the_default_path_builds_no_attention_groups_nor_their_masks(served_model: Any) -> None:
     """The native kernels read the flat per-token view: the padded grids and their causal masks
     (quadratic in a long prompt) are never built."""
-    from tokenmill_service.engine.model_runner import kv_cache_shape
+    from tokenmill_service.engine.executor import make_executor
+    from tokenmill_service.engine.model_runner import allocate_kv_cache
     from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
-    k_cache = torch.zeros(kv_cache_shape(served_model, 40, 16))
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = allocate_kv_cache(served_model, 40, 16)
     meta = build_attention_metadata([300, 1], [280, 7], [list(range(37)), [37]], k_cache, v_cache)
-    served_model(torch.zeros(301, dtype=torch.long), meta.positions, meta)
+    make_executor(served_model).forward(torch.zeros(301, dtype=torch.long), meta.positions, meta)
     assert meta._groups is None
     assert len(meta.groups) == 2  # built on demand for the kernels that use them

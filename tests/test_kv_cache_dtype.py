@@ -35,15 +35,15 @@ pytestmark = pytest.mark.skipif(
 def test_a_float16_cache_is_the_float32_one_rounded_and_read_back_exactly() -> None:
     gen = torch.Generator().manual_seed(4)
     kv_heads, d, block = 3, 64, 16
-    shape = (1, 40, block, kv_heads, d)
+    ops = NativeCpuOps()
+    shapes = ops.kv_cache_layout.shapes(1, 40, block, kv_heads, d)
     lengths, query_lens = [300, 120, 41], [1, 80, 41]
     tables = [list(range(19)), list(range(19, 27)), list(range(27, 30))]
     k = torch.randn(sum(lengths), kv_heads, d, generator=gen) * 8
     v = torch.randn(sum(lengths), kv_heads, d, generator=gen)
     slots = torch.tensor([t[p // block] * block + p % block for t, n in zip(tables, lengths) for p in range(n)])
-    ops = NativeCpuOps()
-    half = [torch.zeros(shape, dtype=torch.float16) for _ in range(2)]
-    rounded = [torch.zeros(shape) for _ in range(2)]
+    half = [torch.zeros(shape, dtype=torch.float16) for shape in shapes]
+    rounded = [torch.zeros(shape) for shape in shapes]
     ops.store_kv(k, v, half[0][0], half[1][0], slots)
     ops.store_kv(k.half().float(), v.half().float(), rounded[0][0], rounded[1][0], slots)
     # Stored as torch rounds (the key cache's layout is the kernel's own: compare element sets by slot).

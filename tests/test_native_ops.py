@@ -26,8 +26,8 @@ def _setup(
     """One layer's caches (as the runner allocates them), every slot written through ``ops.store_kv``
     (each implementation keeps its own layout) with the same random keys and values."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (1, 96 * BLOCK // block, block, kv_heads, head_dim)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    k_shape, v_shape = ops.kv_cache_layout.shapes(1, 96 * BLOCK // block, block, kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
     slots = 96 * BLOCK
     k = torch.randn(slots, kv_heads, head_dim, generator=gen)
     v = torch.randn(slots, kv_heads, head_dim, generator=gen)

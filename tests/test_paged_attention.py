@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill_service.engine.model_runner import forward_prompt, kv_cache_shape
+from tokenmill_service.engine.executor import make_executor
+from tokenmill_service.engine.model_runner import allocate_kv_cache, forward_prompt
 from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
@@ -29,8 +30,7 @@ class Cache:
     """A KV cache of our own for one of the session's models (conftest.py)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        shape = kv_cache_shape(model, NUM_BLOCKS, BLOCK_SIZE)
-        self.k, self.v = torch.zeros(shape), torch.zeros(shape)
+        self.k, self.v = allocate_kv_cache(model, NUM_BLOCKS, BLOCK_SIZE)
 
 
 @pytest.fixture(params=["reference", "served", "compiled"])
@@ -76,7 +76,8 @@ def run_step(model: LlamaForCausalLM, cache: Cache, steps: list[tuple[Sequence, 
     meta = build_attention_metadata(
         query_lens, [seq.done for seq, _ in steps], [seq.blocks for seq, _ in steps], cache.k, cache.v
     )
-    logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), meta))
+    run = make_executor(model)  # as the model's plan runs it (native stack, compiled regions, ...)
+    logits = run.compute_logits(run.forward(torch.tensor(ids), torch.tensor(positions), meta))
     for seq, n in steps:
         seq.done += n
     return list(logits.split(query_lens))

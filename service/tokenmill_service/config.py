@@ -202,10 +202,20 @@ class Settings:
         if self.workers:
             return self.workers
         if self.device == "cuda":
-            import torch
-
-            return max(1, torch.cuda.device_count() // self.tensor_parallel)
+            return max(1, visible_gpus() // self.tensor_parallel)
         return 1
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, counted without torch (the server process never loads it):
+    CUDA_VISIBLE_DEVICES where set, else the driver's list of GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
 
 
 def env_name(name: str) -> str:

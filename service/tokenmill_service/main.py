@@ -28,7 +28,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 async def serve(settings: Settings) -> int:
-    from tokenmill_service.models.loader import ModelNotFoundError, resolve_model_path
+    from tokenmill_service.models.paths import ModelNotFoundError, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
     try:

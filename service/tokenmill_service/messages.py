@@ -11,10 +11,11 @@ gathered in one loop turn as one list; the worker answers each engine step with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.request import EngineStats, GenerationRequest, RequestOutput
+from tokenmill_service.plan.options import LoadOptions
 
 # -- what the router hands a worker process when it spawns it ---------------------------------
 
@@ -28,19 +29,12 @@ class WorkerSpec:
     world_size: int
     master_addr: str
     master_port: int
-    model: str
-    device: str
-    dtype: str
+    # What the user asked of the model, whole; the worker's load plan decides what it means here.
+    options: LoadOptions
     engine: EngineConfig
-    quantization: str
-    backend: str
     threads: int
     log_format: str
     log_level: str
-    # --compile: auto (torch.compile where it can) or off.
-    compile: str = "off"
-    # --kv-cache-dtype: auto (the activations' dtype), float32 or float16.
-    kv_cache_dtype: str = "auto"
     # Seconds between two heartbeats (sent whether the engine is busy or idle).
     heartbeat_interval: float = 0.5
     # Seconds a rank waits in one collective (a step broadcast, an all-reduce) before it takes a
@@ -63,6 +57,8 @@ class WorkerInfo:
     weight_bytes: int = 0  # bytes of weights one forward pass reads
     compiled_graphs: int = 0  # graphs torch.compile built during the warm-up (0: eager)
     backend: str = "torch"
+    # The load plan's decisions, each "value (reason)" (LoadPlan.summary()), for GetModelInfo.
+    plan: dict[str, str] = field(default_factory=dict)
 
 
 # -- router -> worker ---------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from tokenmill_service.messages import (
 )
 from tokenmill_service.messages import Rejected as RejectedMsg
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.worker import worker_main
 
 log = structlog.get_logger("tokenmill.router")
@@ -174,15 +175,9 @@ class Router:
             world_size=s.tensor_parallel,
             master_addr="127.0.0.1",
             master_port=master_port,
-            model=s.model,
-            device=s.device,
-            dtype=s.dtype,
+            options=LoadOptions.from_settings(s),
             engine=engine,
-            quantization=s.quantization,
-            backend=s.backend,
             threads=threads,
-            compile=s.compile,
-            kv_cache_dtype=s.kv_cache_dtype,
             log_format=s.resolved_log_format(),
             log_level=s.log_level,
             heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),

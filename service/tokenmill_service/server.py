@@ -125,6 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if info is not None:
             reply.name, reply.context_length, reply.device = info.model_name, info.context_length, info.device
             reply.dtype, reply.quantization, reply.weight_bytes = info.dtype, info.quantization, info.weight_bytes
+            reply.load_plan.update(info.plan)
         for w in self.router.workers:
             state = reply.workers.add(worker_id=w.worker_id, alive=w.serving, restarts=w.restarts)
             for rank, (proc, device) in enumerate(zip(w.processes, w.devices)):

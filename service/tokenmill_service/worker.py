@@ -107,7 +107,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                 quantization=engine.model.quantization,
                 weight_bytes=engine.model.weight_bytes(),
                 compiled_graphs=stats.compiled_graphs,
-                backend=spec.backend,
+                backend=spec.options.backend,
+                plan=engine.model.plan.summary(),
             ),
         )
     )
@@ -142,14 +143,14 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.distributed.parallel import TensorParallel
 
     torch.set_num_threads(spec.threads)
-    if spec.device == "cuda":
+    if spec.options.device == "cuda":
         if spec.device_index >= torch.cuda.device_count():
             raise RuntimeError(
                 f"worker {spec.worker_id} needs GPU {spec.device_index} but {torch.cuda.device_count()} are visible: "
                 "lower --workers or --tensor-parallel"
             )
         torch.cuda.set_device(spec.device_index)
-    backend = "nccl" if spec.device == "cuda" else "gloo"
+    backend = "nccl" if spec.options.device == "cuda" else "gloo"
     # A bounded wait in every collective: a rank whose peer died or hung fails instead of waiting forever.
     dist.init_process_group(
         backend=backend,
@@ -159,43 +160,26 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
         timeout=timedelta(seconds=spec.collective_timeout),
     )
     log.info("distributed_initialized", backend=backend, world_size=spec.world_size, master_port=spec.master_port)
-    device = f"cuda:{spec.device_index}" if spec.device == "cuda" else "cpu"
+    device = f"cuda:{spec.device_index}" if spec.options.device == "cuda" else "cpu"
     return TensorParallel(spec.rank, spec.world_size), device
-
-
-def _dtype(spec: WorkerSpec, device: str) -> Any:
-    from tokenmill_service.dtypes import resolve_dtype
-    from tokenmill_service.models.loader import resolve_model_path, serves_quantized
-
-    quantized = serves_quantized(resolve_model_path(spec.model or None), spec.quantization)
-    return resolve_dtype(spec.dtype, device, quantized)
 
 
 def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.distributed.step_broadcast import StepBroadcast, broadcast_from_rank0
-    from tokenmill_service.engine.compile import compile_model, compiled_graphs
+    from tokenmill_service.engine.compile import compiled_graphs
     from tokenmill_service.engine.llm_engine import LLMEngine
-    from tokenmill_service.models.loader import load_model, resolve_model_path
+    from tokenmill_service.models.loader import load, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
-    path = resolve_model_path(spec.model or None)
-    model = load_model(
-        path,
-        dtype=_dtype(spec, device),
-        device=device,
-        quantization=spec.quantization,
-        backend=spec.backend,
-        tp=tp,
-        kv_cache_dtype=spec.kv_cache_dtype,
-    )
-    tokenizer = load_tokenizer(path)
+    model = load(spec.options, device, tp)
+    tokenizer = load_tokenizer(resolve_model_path(spec.options.model or None))
     engine = LLMEngine(model, tokenizer, spec.engine)
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.
         broadcast_from_rank0(engine.block_manager.num_blocks, tp)
         engine.runner.broadcast = StepBroadcast(tp)
-    if not compile_model(model, spec.compile, spec.backend, tp.size):
+    if engine.runner.executor.kind != "compiled":
         _warm_up(engine)
         return engine
     started = time.monotonic()
@@ -203,9 +187,8 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
         _warm_up(engine)
     except Exception as exc:  # noqa: BLE001 - whatever the compiler raised: serve eager instead
         log.warning("compile_failed", error=str(exc).splitlines()[0] if str(exc) else repr(exc), running="eager")
-        model.compile_regions(None)
         del engine
-        engine = LLMEngine(model, tokenizer, spec.engine)
+        engine = LLMEngine(model, tokenizer, spec.engine, executor="eager")
         _warm_up(engine)
         return engine
     log.info("compiled", graphs=compiled_graphs(), seconds=round(time.monotonic() - started, 1))
@@ -226,19 +209,11 @@ def _follower_main(spec: WorkerSpec, log: Any) -> None:
     """A rank above 0: load this rank's shard, then run what rank 0 broadcasts until it stops."""
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, follow
     from tokenmill_service.engine.model_runner import ModelRunner
-    from tokenmill_service.models.loader import load_model, resolve_model_path
+    from tokenmill_service.models.loader import load
 
     try:
         tp, device = _init_distributed(spec, log)
-        model = load_model(
-            resolve_model_path(spec.model or None),
-            dtype=_dtype(spec, device),
-            device=device,
-            quantization=spec.quantization,
-            backend=spec.backend,
-            tp=tp,
-            kv_cache_dtype=spec.kv_cache_dtype,
-        )
+        model = load(spec.options, device, tp)
         num_blocks = broadcast_from_rank0(None, tp)
         assert isinstance(num_blocks, int)
         runner = ModelRunner(model, spec.engine.block_size, num_blocks)

@@ -5,18 +5,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill_service.plan.plan import LoadPlan
 
 
 class CausalLM(Protocol):
     act_dtype: torch.dtype
     kv_dtype: torch.dtype  # what the KV cache stores
     quantization: str
+    plan: LoadPlan | None  # the load plan it was built from (None: built by hand, runs eager)
+    # The functions a forward pass runs between attention calls (an executor may compile them).
+    regions_type: type[Any]
 
     @property
     def device(self) -> torch.device: ...
@@ -24,20 +29,18 @@ class CausalLM(Protocol):
     @property
     def max_positions(self) -> int: ...
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """[layers, blocks, block_size, this rank's kv heads, head_dim]."""
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (key, value) cache shapes, [layers, blocks, ...] each, in its ops backend's layout."""
         ...
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of a flat batch of T new tokens."""
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *run: Any
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat batch of T new tokens (``run``: its regions, if not as they are)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, *run: Any) -> torch.Tensor:
         """Float32 logits [N, vocab] for the given hidden rows."""
         ...
 
     def weight_bytes(self) -> int: ...
-
-    def compile_regions(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None) -> None:
-        """Run the model's compilable regions through ``compile`` (None: eager); see engine/compile.py."""
-        ...

@@ -1,6 +1,7 @@
-"""The compiled forward pass (``--compile``): the model's regions through ``torch.compile``.
+"""The compiled forward pass (``--compile auto``, the ``compiled`` executor): the model's regions
+through ``torch.compile``. The load plan decides whether a worker compiles (plan/resolve.py).
 
-What is compiled is what the model hands over in ``compile_regions``: for a Llama, the work of a
+What is compiled is the model's ``regions_type``: for a Llama, the work of a
 layer before attention (residual add, norm, q/k/v projection, rotary) and after it (output
 projection, norm, MLP), the final norm and the head. Attention and the KV cache writes stay eager
 between them: their work depends on the batch's shape (how many sequences, how much context), the
@@ -19,53 +20,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-import structlog
 import torch
 
-log = structlog.get_logger(__name__)
 
-COMPILE_SETTINGS = ("auto", "off")
-
-
-class Compilable(Protocol):
-    @property
-    def device(self) -> torch.device: ...
-
-    def compile_regions(self, compile: Callable[[Callable[..., Any]], Callable[..., Any]] | None) -> None: ...
-
-
-def why_not_compiled(model: Compilable, backend: str, tensor_parallel: int) -> str | None:
-    """Why ``--compile auto`` leaves this worker eager, or None when it compiles."""
-    if not hasattr(model, "compile_regions"):
-        return "the model has no compilable regions"
-    if backend != "torch":
-        return f"the {backend} backend runs its own kernels"
-    if tensor_parallel > 1:
-        return "tensor-parallel ranks run eager (collectives inside compiled regions are not supported yet)"
-    if model.device.type != "cpu":
-        return f"compiling for {model.device.type} (CUDA graphs) is not implemented yet"
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-    except Exception as exc:  # noqa: BLE001 - whatever inductor raises when it finds no compiler
-        return f"no C++ compiler for inductor ({exc}); install g++ or set CXX"
-    return None
-
-
-def compile_model(model: Compilable, setting: str, backend: str = "torch", tensor_parallel: int = 1) -> bool:
-    """Put the model's regions through torch.compile (they compile on first use: run the warm-up next).
-    False, with one log line saying why, where the worker stays eager."""
-    if setting not in COMPILE_SETTINGS:
-        raise ValueError(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, not {setting!r}")
-    if setting == "off":
-        return False
-    reason = why_not_compiled(model, backend, tensor_parallel)
-    if reason is not None:
-        log.warning("compile_skipped", reason=reason, running="eager")
-        return False
+def configure_inductor() -> None:
+    """Inductor's settings for tokenmill's regions (set before the first compilation)."""
     import torch._inductor.config as inductor_config
 
     # Compile in this process: a pool of compile workers would outlive a worker that is killed.
@@ -73,8 +34,6 @@ def compile_model(model: Compilable, setting: str, backend: str = "torch", tenso
     # Keep every rounding the code asks for: float32 activations reach the bfloat16 kernels as
     # hi = bf16(x) and lo = bf16(x - hi), which is only right if hi is really rounded.
     inductor_config.emulate_precision_casts = True
-    model.compile_regions(compiled_region)
-    return True
 
 
 def compiled_region(fn: Callable[..., Any]) -> Callable[..., Any]:

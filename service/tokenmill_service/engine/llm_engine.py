@@ -45,7 +45,9 @@ log = structlog.get_logger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, executor: str | None = None
+    ) -> None:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -59,7 +61,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, model.max_positions, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, block_size, num_blocks)
+        # executor: how each forward pass runs (None: as the model's load plan chose).
+        self.runner = ModelRunner(model, block_size, num_blocks, executor)
         self.sequences: dict[str, Sequence] = {}
         # Draft tokens checked and kept (speculation.py), since start.
         self.drafts_proposed = self.drafts_accepted = 0

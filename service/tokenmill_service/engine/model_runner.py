@@ -8,6 +8,7 @@ of a prompt whose logprobs were asked for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,20 +16,23 @@ import structlog
 import torch
 
 from tokenmill_service.engine.causal_lm import CausalLM
+from tokenmill_service.engine.executor import Executor, make_executor
 from tokenmill_service.engine.scheduler import ScheduledBatch
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
 log = structlog.get_logger(__name__)
 
 
-def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """[layers, blocks, block_size, kv heads of this rank, head_dim]."""
-    return model.kv_cache_shape(num_blocks, block_size)
+def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed key and value caches for every layer, in the model's ops backend's layout and its KV dtype."""
+    k_shape, v_shape = model.kv_cache_shapes(num_blocks, block_size)
+    k_cache = torch.zeros(k_shape, dtype=model.kv_dtype, device=model.device)
+    return k_cache, torch.zeros(v_shape, dtype=model.kv_dtype, device=model.device)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * elem * int(torch.tensor(kv_cache_shape(model, 1, block_size)).prod())
+    return elem * sum(math.prod(shape) for shape in model.kv_cache_shapes(1, block_size))
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
@@ -76,21 +80,22 @@ class PlanSink(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int, executor: str | None = None) -> None:
         self.model = model
+        # How a forward pass runs (None: as the model's load plan chose; engine/executor.py).
+        self.executor: Executor = make_executor(model, executor)
         # Tensor parallelism: where rank 0 sends each step's plan before running it (None: one rank).
         self.broadcast: PlanSink | None = None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device, self.dtype = model.device, model.kv_dtype
-        shape = kv_cache_shape(model, num_blocks, block_size)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache, self.v_cache = allocate_kv_cache(model, num_blocks, block_size)
         log.info(
             "kv_cache_allocated",
             blocks=num_blocks,
             block_size=block_size,
             mib=round(2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, 1),
+            executor=self.executor.kind,
         )
 
     def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
@@ -130,10 +135,10 @@ class ModelRunner:
         positions = [s + j for s, n in zip(plan.starts, plan.query_lens) for j in range(n)]
         meta = build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
-        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta)
+        hidden = self.executor.forward(input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        prompt_logits = [self.model.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]
+        logits = self.executor.compute_logits(hidden.index_select(0, rows))
+        prompt_logits = [self.executor.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]
         return logits, prompt_logits
 
     def run(self, batch: ScheduledBatch) -> StepLogits:
@@ -145,13 +150,12 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def forward_prompt(model: CausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Hidden states [len(ids), hidden] of one prompt run as a single prefill, in a KV cache of its own."""
+def forward_prompt(model: CausalLM, ids: list[int], block_size: int = 16, executor: str | None = None) -> torch.Tensor:
+    """Hidden states [len(ids), hidden] of one prompt run as a single prefill, in a KV cache of its own
+    (``executor``: how; None: as the model's load plan chose)."""
     num_blocks = -(-len(ids) // block_size)
     device = model.device
-    shape = kv_cache_shape(model, num_blocks, block_size)
-    k_cache = torch.zeros(shape, dtype=model.kv_dtype, device=device)
-    v_cache = torch.zeros(shape, dtype=model.kv_dtype, device=device)
+    k_cache, v_cache = allocate_kv_cache(model, num_blocks, block_size)
     meta = build_attention_metadata([len(ids)], [0], [list(range(num_blocks))], k_cache, v_cache)
     tokens = torch.tensor(ids, dtype=torch.long, device=device)
-    return model(tokens, torch.arange(len(ids), device=device), meta)
+    return make_executor(model, executor).forward(tokens, torch.arange(len(ids), device=device), meta)

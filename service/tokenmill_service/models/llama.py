@@ -13,8 +13,8 @@ model's dtype (``act_dtype``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -32,11 +32,12 @@ from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.registry import register_model
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
 from tokenmill_service.ops.interface import Ops
 
-# Turns a region function into its compiled form (see engine/compile.py).
-RegionCompiler = Callable[[Callable[..., object]], Callable[..., object]]
+if TYPE_CHECKING:
+    from tokenmill_service.plan.plan import LoadPlan
 
 
 class LlamaAttention(nn.Module):
@@ -124,8 +125,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 # A decoder layer runs as two regions around attention: each is a plain function of the layer and
-# flat [T, ...] tensors (no metadata, no Python lists), which is what `compile_regions` hands to a
-# compiler; attention, whose work depends on the batch's shape, stays eager between them.
+# flat [T, ...] tensors (no metadata, no Python lists), which is what the compiled executor hands
+# to a compiler; attention, whose work depends on the batch's shape, stays eager between them.
 
 
 def pre_attention(
@@ -163,6 +164,9 @@ class Regions:
     head_logits: Callable[..., torch.Tensor] = head_logits
 
 
+EAGER = Regions()
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -184,16 +188,11 @@ class LlamaModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, head_dtype)
-        self.regions = Regions()
-        # The layers and the final norm as one native call (LlamaForCausalLM.use_native_stack), the
-        # same bits as the loop below; None: the loop.
-        self.native_stack: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        run = self.regions
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = EAGER
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.native_stack is not None:
-            return self.native_stack(x, positions, meta)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             q, k, v, residual = run.pre_attention(layer, positions, x, residual)
@@ -202,7 +201,12 @@ class LlamaModel(nn.Module):
         return run.final_norm(self.norm, x, residual)
 
 
+@register_model("llama", "mistral", "qwen2")
 class LlamaForCausalLM(nn.Module):
+    # The runner may run its decoder layers and final norm as one native call (engine/native_stack.py).
+    native_stack: ClassVar[bool] = True
+    # The functions a forward pass runs between attention calls, which an executor may compile.
+    regions_type: ClassVar[type[Regions]] = Regions
     # Checkpoint projections that live packed in one layer here: name -> (layer, shard id).
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -226,13 +230,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.ops = ops
         self.act_dtype = act_dtype
-        self.kv_dtype = act_dtype  # what the KV cache stores (the loader may choose float16)
+        self.kv_dtype = act_dtype  # what the KV cache stores (the plan may choose float16)
         self.tp = tp
-        self.quantization = "none"  # what the loader chose, for reports ("int4+int8" when mixed)
+        self.quantization = "none"  # what the plan chose, for reports ("int4+int8" when mixed)
+        self.plan: LoadPlan | None = None  # the plan it was built from (models/builder.py)
         head_quant = quant("lm_head")
         self.model = LlamaModel(config, ops, quant, act_dtype, embed_dtype or act_dtype, head_quant.act_dtype, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, head_quant, tp)
-        self._native_stack: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
+
+    @classmethod
+    def linear_prefixes(cls, config: ModelConfig) -> list[str]:
+        """Every linear layer, as ``quant`` is asked for them (packed q/k/v and gate/up)."""
+        leaves = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        return [f"model.layers.{i}.{leaf}" for i in range(config.num_layers) for leaf in leaves] + ["lm_head"]
 
     @property
     def device(self) -> torch.device:
@@ -242,80 +252,23 @@ class LlamaForCausalLM(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """[layers, blocks, block_size, this rank's kv heads, head_dim]."""
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (key, value) cache shapes for this rank, in its ops backend's layout."""
         attn = self.model.layers[0].self_attn
-        return (len(self.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        return self.ops.kv_cache_layout.shapes(
+            len(self.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] flat over the batch. Returns the final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = EAGER
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] flat over the batch. Returns the final hidden states [T, hidden].
+        ``run``: the regions between attention calls, as they are or compiled (engine/executor.py)."""
+        return self.model(input_ids, positions, meta, run)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, run: Regions = EAGER) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden rows."""
-        return self.model.regions.head_logits(self.lm_head, hidden)
-
-    def use_native_stack(self) -> str | None:
-        """Run the decoder layers and the final norm as one native call (native/decoder_stack.py)
-        where every part of them has a native kernel. None when it does, else why not (the layers
-        then run one by one from Python, with the same results)."""
-        from tokenmill_service.native import decoder_stack
-        from tokenmill_service.ops.native_cpu_ops import NativeCpuOps
-
-        if not isinstance(self.ops, NativeCpuOps):
-            return "attention is not tokenmill's native kernel"
-        if self.tp.size > 1:
-            return "tensor-parallel ranks all-reduce between the layers"
-        norms = [self.model.norm] + [
-            n for ly in self.model.layers for n in (ly.input_layernorm, ly.post_attention_layernorm)
-        ]
-        if self.act_dtype != torch.float32 or any(n.out_dtype != torch.float32 for n in norms):
-            return "it runs float32 activations"
-        layers = []
-        for ly in self.model.layers:
-            linears = {
-                "qkv": ly.self_attn.qkv_proj, "o": ly.self_attn.o_proj,
-                "gate_up": ly.mlp.gate_up_proj, "down": ly.mlp.down_proj,
-            }  # fmt: skip
-            for name, lin in linears.items():
-                if lin.quant.native_kernel is None or lin.quant.act_dtype != torch.float32:
-                    return f"the {name} projection is {lin.quant.name}, which has no native kernel to call"
-                if lin.bias is not None:
-                    return f"the {name} projection has a bias"
-            spec = {
-                name: decoder_stack.LinearSpec(
-                    lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features
-                )
-                for name, lin in linears.items()
-            }
-            layers.append(
-                decoder_stack.LayerSpec(ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **spec)
-            )
-        if (reason := decoder_stack.unavailable_reason()) is not None:
-            return reason
-        attn, rotary = self.model.layers[0].self_attn, self.model.layers[0].self_attn.rotary
-        self._native_stack = decoder_stack.DecoderStack(
-            decoder_stack.StackSpec(
-                hidden=self.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                head_dim=attn.head_dim, intermediate=self.config.intermediate_size, eps=self.model.norm.eps,
-                scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=self.model.norm.weight, layers=layers,
-                kv_dtype=self.kv_dtype,
-            )
-        )  # fmt: skip
-        self.model.native_stack = self._native_stack
-        return None
-
-    def compile_regions(self, compile: RegionCompiler | None) -> None:
-        """Run the regions between attention calls through ``compile`` (None: eager again)."""
-        plain = Regions()
-        # Compiled regions replace the native stack (inductor fuses what the native kernels did).
-        self.model.native_stack = None if compile is not None else self._native_stack
-        if compile is None:
-            self.model.regions = plain
-        else:
-            self.model.regions = Regions(
-                *(compile(getattr(plain, f.name)) for f in fields(Regions))  # type: ignore[arg-type]
-            )
+        return run.head_logits(self.lm_head, hidden)
 
     # -- loading ---------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Paged causal attention on the CPU, each query in its own fixed order (paged_attention.cpp).
 
-The key cache is laid out for it: each block transposed, [kv_heads, head_dim, block_size] in the
-memory of a [block_size, kv_heads, head_dim] block, written by ``store_keys``. Only this module
-reads and writes it (the same total size, so the engine's block accounting is unchanged). The
+The key cache is laid out for it: each block transposed, [blocks, kv_heads, head_dim, block_size]
+(the native backend's ``KVCacheLayout``), written by ``store_keys``. Only this module reads and
+writes it (the same size as the values' [blocks, block_size, kv_heads, head_dim]). The
 caches are float32 or float16 (``--kv-cache-dtype float16``: stored rounded to nearest, read back
 exactly as float32; the arithmetic is the same)."""
 
@@ -62,12 +62,13 @@ def unavailable_reason() -> str | None:
 
 
 def store_keys(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Writes k [T, KV, D] (float32, rows may be strided) into its slots of the transposed key cache."""
+    """Writes k [T, KV, D] (float32, rows may be strided) into its slots of the transposed key cache
+    [blocks, KV, D, block_size]."""
     t, kv_heads, head_dim = k.shape
     assert k.dtype == torch.float32 and k.stride(2) == 1 and k.stride(1) == head_dim and k_cache.is_contiguous()
     getattr(_lib(), symbol("tm_store_keys", k_cache.dtype))(
         k.data_ptr(), k.stride(0), t, kv_heads, head_dim, slot_mapping.contiguous().data_ptr(),
-        k_cache.data_ptr(), k_cache.shape[1],
+        k_cache.data_ptr(), k_cache.shape[-1],
     )  # fmt: skip
 
 
@@ -91,10 +92,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D] float32 -> [T, H, D]: token i (at ``positions[i]`` of sequence ``seq_of_token[i]``)
     attends over keys 0..positions[i] of that sequence, found through ``block_tables`` [S, W] in
-    the caches [blocks, block_size, KV, D] (float32 or float16, contiguous; this step's keys and
-    values already stored by ``store_keys`` and ``store_values``)."""
+    the caches (keys [blocks, KV, D, block_size], values [blocks, block_size, KV, D]; float32 or
+    float16, contiguous; this step's keys and values already stored by ``store_keys`` and
+    ``store_values``)."""
     t, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    _, block_size, kv_heads, _ = v_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     if t:

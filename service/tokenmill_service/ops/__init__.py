@@ -1,6 +1,14 @@
-"""The hot operations by backend (see interface.py); the torch reference is always registered."""
+"""The hot operations by backend (see interface.py): the torch reference and the native CPU kernels
+are always registered, triton when asked for."""
 
-from tokenmill_service.ops import torch_ops  # noqa: F401 - registers "torch"
-from tokenmill_service.ops.interface import Ops, available_backends, get_ops, register_ops
+from tokenmill_service.ops import native_cpu_ops, torch_ops  # noqa: F401 - register "native" and "torch"
+from tokenmill_service.ops.interface import (
+    KVCacheLayout,
+    Ops,
+    available_backends,
+    get_ops,
+    ops_class,
+    register_ops,
+)
 
-__all__ = ["Ops", "available_backends", "get_ops", "register_ops"]
+__all__ = ["KVCacheLayout", "Ops", "available_backends", "get_ops", "ops_class", "register_ops"]

@@ -44,7 +44,7 @@ class AttentionMetadata:
     # Cache slot (block * block_size + offset) of each new token, [T] int64.
     slot_mapping: torch.Tensor
     num_tokens: int
-    # The KV cache of every layer: [num_layers, num_blocks, block_size, kv_heads, head_dim] each.
+    # The KV cache of every layer, in the ops backend's layout (ops/interface.py: KVCacheLayout).
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_size: int
@@ -120,7 +120,7 @@ def build_attention_metadata(
     """Metadata for a step: sequence i adds ``query_lens[i]`` tokens at positions ``starts[i]`` onwards
     (its earlier tokens are cached), its blocks are ``block_tables[i]``; caches as in AttentionMetadata."""
     device = k_cache.device
-    block_size = k_cache.shape[2]
+    block_size = v_cache.shape[2]  # values are [layers, blocks, block_size, ...] in every layout
     if KEY_CHUNK % block_size:
         raise ValueError(f"the KV block size ({block_size}) must divide {KEY_CHUNK}")
     offsets, slots, positions, seq_of_token = [], [], [], []

@@ -1,23 +1,58 @@
 """The hot operations of a decoder, one implementation per backend, the same signatures for all.
 
 The model calls these and nothing else for its arithmetic outside the linear layers. The torch
-implementation (``torch_ops.py``) is the reference; a faster backend (triton) registers its own
-class under its name and is tested against the reference on random inputs.
+implementation (``torch_ops.py``) is the reference; a faster backend (native CPU kernels, triton)
+registers its own class under its name, says where it can run (``unavailable_reason``) and how it
+lays out the KV cache (``kv_cache_layout``), and is tested against the reference on random inputs.
+The load plan (plan/resolve.py) asks these; nothing else decides which backend runs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
 from tokenmill_service.registry import Registry
 
+if TYPE_CHECKING:
+    from tokenmill_service.plan.device import DeviceFacts
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """How a backend lays out one layer's cache: values always [blocks, block_size, kv_heads,
+    head_dim]; keys that, or each block transposed to [kv_heads, head_dim, block_size]
+    (``keys_transposed``: what a kernel that scores a query against many keys at once reads)."""
+
+    name: str = "blocks"
+    keys_transposed: bool = False
+
+    def shapes(
+        self, layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (key, value) cache shapes of a model: [layers, blocks, ...] each."""
+        values = (layers, blocks, block_size, kv_heads, head_dim)
+        keys = (layers, blocks, kv_heads, head_dim, block_size) if self.keys_transposed else values
+        return keys, values
+
 
 class Ops(ABC):
     name: ClassVar[str]
+    # What the KV cache may store besides the activations' dtype (the native kernel reads float16).
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    # Plain torch operations that torch.compile can trace (the reference and what derives from it).
+    compilable: ClassVar[bool] = False
+    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
+
+    @classmethod
+    def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:
+        """None where this backend can run a model of ``head_dim`` at ``act_dtype`` on the device of
+        ``facts``; otherwise why not (the plan reports it)."""
+        return None
 
     @abstractmethod
     def rms_norm(
@@ -80,10 +115,15 @@ _BACKENDS: Registry[type[Ops]] = Registry("backend")
 register_ops = _BACKENDS.register
 
 
-def get_ops(name: str) -> Ops:
+def ops_class(name: str) -> type[Ops]:
+    """The backend registered as ``name`` (ValueError naming the registered ones otherwise)."""
     if name == "triton" and name not in _BACKENDS:
         import tokenmill_service.ops.triton  # noqa: F401 - registers itself; imported only when asked for
-    return _BACKENDS.get(name)()
+    return _BACKENDS.get(name)
+
+
+def get_ops(name: str) -> Ops:
+    return ops_class(name)()
 
 
 def available_backends() -> list[str]:

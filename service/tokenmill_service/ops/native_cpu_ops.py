@@ -1,32 +1,35 @@
-"""The torch backend on a CPU, with its operations in tokenmill's native kernels (native/).
+"""The ``native`` backend: the torch backend's operations in tokenmill's native CPU kernels (native/).
 
 Attention is native/paged_attention.cpp; RMSNorm with the residual add, rotary and SiLU-and-mul are
-native/elementwise.cpp, one pass each instead of several torch operations. The loader picks this
-class for ``--backend torch`` where the kernels can run (a CPU, float32 activations and KV cache,
-head_dim 64 or 128, the kernels built); anything else (another layout or dtype) goes to the
-reference (``TorchOps``), as does code being compiled (inductor fuses it). Every kernel computes each row or query on its own in a fixed order, so
-the batch-invariance promises hold by construction; tests/test_native_ops.py holds them to the
-reference's results.
+native/elementwise.cpp, one pass each instead of several torch operations. The load plan picks it
+for ``--backend torch`` where it can run (``unavailable_reason``: a CPU, float32 activations,
+head_dim 64 or 128, the kernels built); it lays its key cache out transposed per block
+(``kv_cache_layout``) and can store the cache in float16. Tensors it has no kernel for (another
+dtype or stride) go to the reference (``TorchOps``), as does code being compiled (inductor fuses
+it). Every kernel computes each row or query on its own in a fixed order, so the batch-invariance
+promises hold by construction; tests/test_native_ops.py holds them to the reference's results.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill_service.native import elementwise, paged_attention
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.ops.interface import KVCacheLayout, register_ops
 from tokenmill_service.ops.torch_ops import TorchOps
+
+if TYPE_CHECKING:
+    from tokenmill_service.plan.device import DeviceFacts
 
 
 def native_attention_serves(device: str | torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when the native attention kernel can serve this model here; otherwise why not."""
-    if torch.device(device).type != "cpu":
-        return f"it runs on the CPU, and this model is on {device}"
-    if dtype != torch.float32:
-        return f"it takes float32 activations, and these are {str(dtype).removeprefix('torch.')}"
-    if head_dim not in paged_attention.HEAD_DIMS:
-        return f"it takes head_dim 64 or 128, and this model's is {head_dim}"
-    return paged_attention.unavailable_reason() or elementwise.unavailable_reason()
+    from tokenmill_service.plan.device import probe_device
+
+    return NativeCpuOps.unavailable_reason(probe_device(str(torch.device(device))), dtype, head_dim)
 
 
 def _eager() -> bool:
@@ -34,7 +37,22 @@ def _eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
+@register_ops("native")
 class NativeCpuOps(TorchOps):
+    kv_cache_dtypes = (torch.float16,)
+    compilable = True  # attention runs eager between compiled regions; inside them, the reference's ops
+    kv_cache_layout = KVCacheLayout("blocks, keys transposed per block", keys_transposed=True)
+
+    @classmethod
+    def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:
+        if facts.kind != "cpu":
+            return f"it runs on the CPU, and this model is on {facts.device}"
+        if act_dtype != torch.float32:
+            return f"it takes float32 activations, and these are {str(act_dtype).removeprefix('torch.')}"
+        if head_dim not in paged_attention.HEAD_DIMS:
+            return f"it takes head_dim 64 or 128, and this model's is {head_dim}"
+        return facts.native("paged_attention", "elementwise")
+
     def rms_norm(
         self,
         x: torch.Tensor,

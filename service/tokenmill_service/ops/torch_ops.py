@@ -69,6 +69,8 @@ def _group_attention(
 
 @register_ops("torch")
 class TorchOps(Ops):
+    compilable = True
+
     def rms_norm(
         self,
         x: torch.Tensor,

@@ -14,8 +14,10 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def triton_unavailable_reason(device: str) -> str | None:
-    """None when ``--backend triton`` can run on ``device``; otherwise what is wrong and what to use."""
+def triton_unavailable_reason(device: str, gpu_visible: bool | None = None) -> str | None:
+    """None when ``--backend triton`` can run on ``device``; otherwise what is wrong and what to use.
+    ``gpu_visible``: whether torch sees a GPU (None: not known here, as in the torch-free server
+    process, which checks the flags alone and leaves the GPU to the worker's plan)."""
     if interpreter_enabled():
         return None
     instead = (
@@ -24,8 +26,6 @@ def triton_unavailable_reason(device: str) -> str | None:
     )
     if device != "cuda":
         return f"--backend triton needs a GPU (--device cuda) and --device is {device}: {instead}"
-    import torch
-
-    if not torch.cuda.is_available():
+    if gpu_visible is False:
         return f"--backend triton needs a GPU and torch sees none: {instead}"
     return None

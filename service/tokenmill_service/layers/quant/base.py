@@ -9,14 +9,16 @@ A linear layer owns a method chosen at load (vLLM's ``QuantizeMethodBase`` is th
 - ``apply`` is the matrix product ``x @ W.T`` (no bias; the layer adds it).
 
 Methods register under a name (``@register_quantization("int4")``) and are picked by
-``--quantization``; a test can register its own without touching the model.
+``--quantization``; a test can register its own without touching the model. The load plan
+(plan/resolve.py) asks each method where it can run (``unavailable_reason``) and which of its
+kernels it runs there (``kernel_for``), once; the method is then built with that kernel.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -24,16 +26,41 @@ from torch import nn
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.registry import Registry
 
+if TYPE_CHECKING:
+    from tokenmill_service.plan.device import DeviceFacts
+
 
 class QuantMethod(ABC):
     name: ClassVar[str]
-    # Where the product is a native kernel that native code may call directly, its entry point
-    # (library, symbol; signature as block_gemm.cpp's), reading ``native_operands`` (native/decoder_stack.py).
-    native_kernel: tuple[str, str] | None = None
+    # Native entry points (library, symbol; signature as block_gemm.cpp's) by kernel name: where
+    # the method's kernel is one, native code may call it directly on ``native_operands``
+    # (native/decoder_stack.py).
+    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {}
 
-    def __init__(self, act_dtype: torch.dtype) -> None:
+    def __init__(self, act_dtype: torch.dtype, kernel: str | None = None) -> None:
         # The dtype of the activations this layer multiplies (and returns).
         self.act_dtype = act_dtype
+        # The kernel the plan chose (None, outside a plan: the one this machine's CPU would get).
+        if kernel is None:
+            from tokenmill_service.plan.device import probe_device
+
+            kernel = self.kernel_for(probe_device("cpu"), act_dtype)
+        self.kernel = kernel
+
+    @classmethod
+    def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str | None:
+        """None where this method can run at ``act_dtype`` on the device of ``facts``, else why not."""
+        return None
+
+    @classmethod
+    def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
+        """The kernel this method multiplies with there (a name for reports; most methods have one)."""
+        return cls.name
+
+    @property
+    def native_kernel(self) -> tuple[str, str] | None:
+        """The native entry point of this layer's kernel, or None where it is not a native kernel."""
+        return self.native_entry_points.get(self.kernel)
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None: ...

@@ -10,6 +10,8 @@ default is as close to the float32 reference as the file allows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 from torch import nn
 
@@ -18,17 +20,27 @@ from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK,
 from tokenmill_service.native import block_gemm as native
 from tokenmill_service.native import vnni_gemm as vnni
 
+if TYPE_CHECKING:
+    from tokenmill_service.plan.device import DeviceFacts
+
 SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
 
 
 @register_quantization("gguf")
 class GGUFBlocksMethod(QuantMethod):
-    native_kernel = ("block_gemm", "tm_block_gemm")
+    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {"block_gemm": ("block_gemm", "tm_block_gemm")}
+    # The tensor types a GGUF method multiplies as stored (the plan gives it no other layer).
+    served_types = SERVED_TYPES
 
-    def __init__(self, act_dtype: torch.dtype) -> None:
-        super().__init__(act_dtype)
-        if (reason := native.unavailable_reason()) is not None:
-            raise ValueError(f"--quantization gguf needs tokenmill's native CPU kernel, which is unavailable: {reason}")
+    @classmethod
+    def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str | None:
+        if act_dtype != torch.float32:
+            return f"it takes float32 activations, and --dtype is {str(act_dtype).removeprefix('torch.')}"
+        return facts.native(cls.kernel_for(facts, act_dtype))
+
+    @classmethod
+    def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
+        return "block_gemm"
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         if in_features % QUANT_BLOCK:
@@ -72,12 +84,11 @@ class GGUFBlocksVnniMethod(GGUFBlocksMethod):
     within about 1e-3 of the float32 reference. Rows stay independent, each output reduced in a
     fixed order, so a sequence's results do not depend on its batch."""
 
-    native_kernel = ("vnni_gemm", "tm_vnni_gemm")
+    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {"vnni_gemm": ("vnni_gemm", "tm_vnni_gemm")}
 
-    def __init__(self, act_dtype: torch.dtype) -> None:
-        QuantMethod.__init__(self, act_dtype)
-        if (reason := vnni.unavailable_reason()) is not None:
-            raise ValueError(f"--quantization gguf-vnni needs tokenmill's VNNI kernel, which is unavailable: {reason}")
+    @classmethod
+    def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
+        return "vnni_gemm"
 
     def finalize(self, layer: nn.Module) -> None:
         # The kernel's layout (groups of 16 rows, as many bytes as the file's blocks) replaces them.

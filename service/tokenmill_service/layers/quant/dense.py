@@ -20,6 +20,8 @@ one mode (``--quantization none --dtype bfloat16``) does not promise batch invar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,9 @@ from torch import nn
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, dense
 from tokenmill_service.native import block_gemm as native
+
+if TYPE_CHECKING:
+    from tokenmill_service.plan.device import DeviceFacts
 
 K_SLICE = 256
 
@@ -44,16 +49,31 @@ def batch_invariant_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return out[:m].to(x.dtype)
 
 
+# The dense kernels: float32 rows in the native block kernel; float32 in slices of the input (torch);
+# F.linear (bfloat16).
+NATIVE_F32, SLICED, LINEAR = "block_gemm-f32", "sliced-matmul", "linear"
+
+
 @register_quantization("none")
 class DenseMethod(QuantMethod):
+    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {NATIVE_F32: ("block_gemm", "tm_block_gemm")}
+
+    @classmethod
+    def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
+        if act_dtype != torch.float32:
+            return LINEAR
+        return NATIVE_F32 if facts.native("block_gemm") is None else SLICED
+
     @property
     def invariant(self) -> bool:
         return self.act_dtype == torch.float32
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        # float32 rows for the native kernel where it can run (also from the native decoder stack).
-        self.native = self.invariant and in_features % QUANT_BLOCK == 0 and native.unavailable_reason() is None
-        self.native_kernel = ("block_gemm", "tm_block_gemm") if self.native else None
+        # float32 rows for the native kernel where the plan chose it (also read by the native decoder
+        # stack); a layer whose width is not whole blocks takes the sliced product instead.
+        self.native = self.kernel == NATIVE_F32 and in_features % QUANT_BLOCK == 0
+        if self.kernel == NATIVE_F32 and not self.native:
+            self.kernel = SLICED
         if self.invariant and not self.native:
             layer.weight_t = empty_param(in_features, out_features, dtype=self.act_dtype)
         else:

@@ -1,0 +1,59 @@
+"""The native decoder stack as an executor: a Llama-family model's layers and final norm described
+to ``native/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
+as one native call a step with the bits of the model's own loop (tests/test_decoder_stack.py).
+
+The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
+this only describes a model the plan chose it for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenmill_service.native import decoder_stack
+from tokenmill_service.ops.attention_metadata import AttentionMetadata
+
+
+def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
+    """The stack for ``model`` (a Llama-family module whose every linear layer has a native kernel)."""
+    layers = []
+    for ly in model.model.layers:
+        linears = {
+            "qkv": ly.self_attn.qkv_proj, "o": ly.self_attn.o_proj,
+            "gate_up": ly.mlp.gate_up_proj, "down": ly.mlp.down_proj,
+        }  # fmt: skip
+        spec = {}
+        for name, lin in linears.items():
+            if lin.quant.native_kernel is None or lin.bias is not None:
+                raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
+            spec[name] = decoder_stack.LinearSpec(
+                lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features
+            )
+        layers.append(decoder_stack.LayerSpec(ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **spec))
+    attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
+    return decoder_stack.DecoderStack(
+        decoder_stack.StackSpec(
+            hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
+            scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight, layers=layers,
+            kv_dtype=model.kv_dtype,
+        )
+    )  # fmt: skip
+
+
+class NativeStackExecutor:
+    """Embedding lookup in torch, then every layer and the final norm in one native call."""
+
+    kind = "native-stack"
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.stack = build_decoder_stack(model)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.stack(self.model.model.embed_tokens(input_ids), positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)  # type: ignore[no-any-return]

@@ -1,0 +1,50 @@
+"""Building a model from a load plan and a checkpoint: the family's module on the plan's device,
+each linear layer with the method and kernel the plan chose for it, the weights loaded in place.
+
+Nothing here decides anything: the plan (plan/resolve.py) has, and this carries it out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.layers.quant import QuantMethod, quant_method_class
+from tokenmill_service.models.checkpoint import Checkpoint
+from tokenmill_service.models.paths import ModelLoadError
+from tokenmill_service.models.registry import model_class
+from tokenmill_service.ops import get_ops
+from tokenmill_service.plan.plan import LoadPlan
+from tokenmill_service.plan.resolve import DTYPES
+
+
+def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> nn.Module:
+    """A ready-to-run model (eval mode, no gradients): the plan carried out on the checkpoint."""
+    config = checkpoint.config
+    act_dtype = DTYPES[plan.act_dtype.value]
+
+    def quant(prefix: str) -> QuantMethod:
+        choice = plan.quant_method(prefix)
+        return quant_method_class(choice.method)(act_dtype, choice.kernel)
+
+    # Built on the target device, so that each layer packs its weights for the kernel it will run.
+    with torch.device(plan.device):
+        model = model_class(plan.architecture)(
+            config,
+            get_ops(plan.ops.value),
+            quant,
+            act_dtype=act_dtype,
+            embed_dtype=DTYPES[plan.embed_dtype],
+            tp=tp or TensorParallel(),
+        )
+    try:
+        model.load_weights(checkpoint.tensors)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{checkpoint.path}: weights do not fit the configuration: {e}") from e
+    model.kv_dtype = getattr(torch, plan.kv_cache_dtype.value)
+    model.quantization = plan.quantization
+    model.plan = plan
+    model.eval()
+    model.requires_grad_(False)
+    return model

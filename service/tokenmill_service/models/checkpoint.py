@@ -1,0 +1,51 @@
+"""Reading a checkpoint, apart from building a model from it: its configuration, how each tensor is
+stored, and the tensors themselves (lazily, in file order).
+
+GGUF files and Hugging Face safetensors directories are supported; neither format can run code
+when read, and pickled checkpoints are never opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as QType
+
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.dims import is_gguf
+from tokenmill_service.models.gguf_loader import iter_gguf
+from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
+from tokenmill_service.models.paths import ModelLoadError
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    path: Path
+    config: ModelConfig  # ``config.name`` is the model's name (the file's or the directory's)
+    # Each tensor's GGUF storage type, by the model's (Hugging Face) name; empty for safetensors.
+    tensor_types: dict[str, QType]
+    # The tensors as stored (GGUF blocks stay memory-mapped until a layer takes its slice); read once.
+    tensors: Iterator[tuple[str, CheckpointTensor]]
+
+    @property
+    def format(self) -> str:
+        return "gguf" if self.tensor_types else "safetensors"
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at ``path``, its tensors not read yet (ModelLoadError if it is not one)."""
+    path = Path(path)
+    if is_gguf(path):
+        config, types, items = iter_gguf(path)
+        config.name = path.name.removesuffix(".gguf")
+        return Checkpoint(path, config, types, items)
+    if is_hf_checkpoint(path):
+        config, hf_items = iter_hf(path)
+        config.name = path.resolve().name
+        return Checkpoint(path, config, {}, hf_items)
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a directory without config.json; expected a Hugging Face checkpoint")
+    raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")

@@ -1,0 +1,44 @@
+"""Model families by the architecture a checkpoint declares (``ModelConfig.architecture``).
+
+A family registers its ``nn.Module`` class here (``@register_model("llama", "mistral", "qwen2")``)
+and says which linear layers it has (``linear_prefixes``), so the load plan can choose a method for
+each before the model is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from tokenmill_service.models.config import ModelConfig
+
+
+class ModelFamily(Protocol):
+    @classmethod
+    def linear_prefixes(cls, config: ModelConfig) -> list[str]:
+        """Every linear layer's prefix, as the model's quant factory will be asked for them."""
+        ...
+
+
+_FAMILIES: dict[str, type] = {}
+
+
+def register_model(*architectures: str) -> Callable[[type], type]:
+    def wrap(cls: type) -> type:
+        for arch in architectures:
+            _FAMILIES[arch] = cls
+        return cls
+
+    return wrap
+
+
+def model_class(architecture: str) -> type:
+    """The family registered for ``architecture`` (ValueError naming those that are otherwise)."""
+    import tokenmill_service.models.llama  # noqa: F401 - registers the built-in families
+
+    try:
+        return _FAMILIES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} has no model here (registered: {', '.join(sorted(_FAMILIES))})"
+        ) from None

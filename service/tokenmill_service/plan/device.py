@@ -1,0 +1,80 @@
+"""What the worker's device can run, probed once: the facts ``resolve_plan`` decides from.
+
+Kept apart from the decision so that a test can hand ``resolve_plan`` a device that lacks
+something (no C++ compiler, no AVX-512 VNNI, no GPU) and read the reason it gives. Each
+``*_missing`` field is None where the thing is there, else why it is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The native CPU kernels, by library name (native/<name>.cpp).
+NATIVE_KERNELS = ("block_gemm", "vnni_gemm", "paged_attention", "elementwise", "decoder_stack")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFacts:
+    # "cpu" or "cuda:N": where the model's tensors live.
+    device: str = "cpu"
+    # Native kernel name -> why it cannot run here (absent: it can).
+    native_missing: dict[str, str] = field(default_factory=dict)
+    # Why Triton cannot run here (None: it can, on the GPU or in its interpreter).
+    triton_missing: str | None = None
+    # Triton runs in its CPU interpreter (TRITON_INTERPRET=1): float32 only.
+    triton_interpreter: bool = False
+    # Why torch.compile (inductor) cannot build here (None: it can).
+    compiler_missing: str | None = None
+    # The device multiplies bfloat16 natively (AVX512-BF16 or AMX on a CPU; a recent GPU).
+    native_bf16: bool = False
+
+    @property
+    def kind(self) -> str:
+        return self.device.split(":")[0]
+
+    def native(self, *kernels: str) -> str | None:
+        """None when every one of ``kernels`` can run here, else the first reason one cannot."""
+        if self.kind != "cpu":
+            return f"tokenmill's native kernels run on the CPU, and this model is on {self.device}"
+        return next((self.native_missing[k] for k in kernels if k in self.native_missing), None)
+
+
+def probe_device(device: str) -> DeviceFacts:
+    """The facts of ``device`` ("cpu", "cuda", "cuda:N") on this machine. On a CPU this builds the
+    native kernels (once per machine, cached; a few seconds each the first time)."""
+    import torch
+
+    from tokenmill_service.dtypes import cpu_has_native_bf16
+    from tokenmill_service.ops.triton_support import interpreter_enabled, triton_unavailable_reason
+
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
+    kind = device.split(":")[0]
+    missing: dict[str, str] = {}
+    if kind == "cpu":
+        from tokenmill_service.native import build
+
+        for name in NATIVE_KERNELS:
+            if (reason := build.unavailable_reason(name)) is not None:
+                missing[name] = reason
+        native_bf16 = cpu_has_native_bf16()
+    else:
+        native_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return DeviceFacts(
+        device=device,
+        native_missing=missing,
+        triton_missing=triton_unavailable_reason(kind, torch.cuda.is_available()),
+        triton_interpreter=interpreter_enabled(),
+        compiler_missing=_inductor_compiler_missing() if kind == "cpu" else None,
+        native_bf16=native_bf16,
+    )
+
+
+def _inductor_compiler_missing() -> str | None:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - whatever inductor raises when it finds no compiler
+        return f"no C++ compiler for inductor ({exc}); install g++ or set CXX"
+    return None

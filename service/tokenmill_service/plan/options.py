@@ -1,0 +1,47 @@
+"""What the user asked for a model, as one frozen value: made from ``Settings`` in the server and
+passed whole through the router's worker spec to the loader, which turns it into a ``LoadPlan``.
+
+Torch-free (the server process builds and ships it). Every field is the flag's text, unresolved:
+``auto`` stays ``auto`` here; ``resolve_plan`` decides what it means on the worker's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill_service.config import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    # A GGUF file or a Hugging Face directory; empty: the embedded default model.
+    model: str = ""
+    device: str = "cpu"
+    # Activations: auto, float32 or bfloat16.
+    dtype: str = "auto"
+    # The linear layers' method: auto, or a registered name (gguf-vnni, gguf, none, int8, int4, ...).
+    quantization: str = "auto"
+    # The ops family asked for: torch (the best ops torch runs here: native CPU kernels where they
+    # serve, else the reference), or a registered backend by name (triton, native, ...).
+    backend: str = "torch"
+    # What the KV cache stores: auto (the activations' dtype), float32 or float16.
+    kv_cache_dtype: str = "auto"
+    # torch.compile the forward pass where it can (auto) or not (off).
+    compile: str = "off"
+    # Ranks one replica spans.
+    tensor_parallel: int = 1
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LoadOptions:
+        return cls(
+            model=settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            quantization=settings.quantization,
+            backend=settings.backend,
+            kv_cache_dtype=settings.kv_cache_dtype,
+            compile=settings.compile,
+            tensor_parallel=settings.tensor_parallel,
+        )

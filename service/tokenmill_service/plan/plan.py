@@ -1,0 +1,98 @@
+"""The load plan: everything decided about how a model runs, each decision with its reason.
+
+Made once per worker by ``resolve_plan`` (plan/resolve.py) from what the user asked
+(``LoadOptions``), the checkpoint, and the device's facts; then the model is built from it, the
+runner picks its executor from it, ``model_loaded`` logs it and ``GetModelInfo`` reports it.
+Nothing else decides any of these. Torch-free (dtypes by name), so it travels to the server.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tokenmill_service.models.paths import ModelLoadError
+from tokenmill_service.plan.options import LoadOptions
+
+# How a forward pass runs: the model's own loop from Python; the decoder stack in one native call;
+# the regions between attention calls through torch.compile.
+EXECUTORS = ("eager", "native-stack", "compiled")
+
+
+class PlanRefused(ModelLoadError):
+    """What was asked cannot run here; the message says why and what would."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerChoice:
+    """How one linear layer stores and multiplies its weight: a registered method and its kernel."""
+
+    method: str
+    kernel: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    options: LoadOptions
+    device: str  # "cpu" or "cuda:N"
+    architecture: str  # the model family's registered name ("llama")
+    act_dtype: Decision  # the linear layers' activations (the residual stream is float32 whatever)
+    embed_dtype: str  # the embedding table's storage
+    ops: Decision  # the registered ops backend ("native", "torch", "triton")
+    kv_cache_dtype: Decision
+    kv_cache_layout: str  # the ops backend's layout, by name
+    executor: Decision  # one of EXECUTORS
+    # Every linear layer by prefix ("model.layers.0.self_attn.qkv_proj", "lm_head").
+    layers: Mapping[str, LayerChoice]
+    # Why each method in ``layers`` serves the layers it does.
+    quant_reasons: Mapping[str, str]
+    tensor_parallel: int = 1
+    # Faster choices this device could not take, and why (what ``native_kernel_skipped`` logged).
+    skipped: Mapping[str, str] = field(default_factory=dict)
+
+    def quant_method(self, prefix: str) -> LayerChoice:
+        """The method of the linear layer at ``prefix`` (vLLM's ``get_quant_method(layer, prefix)``)."""
+        try:
+            return self.layers[prefix]
+        except KeyError:
+            raise KeyError(f"the load plan has no linear layer {prefix!r}") from None
+
+    @property
+    def method_counts(self) -> dict[str, int]:
+        """Layers per method ("gguf-vnni": 120, "none": 1)."""
+        return dict(sorted(Counter(c.method for c in self.layers.values()).items()))
+
+    @property
+    def quantization(self) -> str:
+        """The methods, for reports: "gguf-vnni", or "int4+int8" where layers differ."""
+        return "+".join(self.method_counts)
+
+    def summary(self) -> dict[str, str]:
+        """Each decision as ``value (reason)``, for the ``model_loaded`` log line and GetModelInfo."""
+        kernels = Counter(f"{c.method}/{c.kernel}" for c in self.layers.values())
+        out = {
+            "architecture": self.architecture,
+            "device": self.device,
+            "dtype": _shown(self.act_dtype),
+            "embedding_dtype": self.embed_dtype,
+            "ops": _shown(self.ops),
+            "kv_cache_dtype": _shown(self.kv_cache_dtype),
+            "kv_cache_layout": self.kv_cache_layout,
+            "executor": _shown(self.executor),
+            "tensor_parallel": str(self.tensor_parallel),
+            "linear_layers": ", ".join(f"{k}: {n}" for k, n in sorted(kernels.items())),
+        }
+        out |= {f"quantization.{m}": reason for m, reason in sorted(self.quant_reasons.items())}
+        out |= {f"skipped.{what}": reason for what, reason in sorted(self.skipped.items())}
+        return out
+
+
+def _shown(decision: Decision) -> str:
+    return f"{decision.value} ({decision.reason})"

@@ -1,0 +1,256 @@
+"""``resolve_plan``: what the user asked, the checkpoint and the device's facts -> the load plan.
+
+Every choice about how a model runs is made here, once, each with its reason: the activations'
+dtype, each linear layer's method and kernel (asking the registered methods where they run), the
+ops backend (asking the registered backends), the KV cache's dtype and layout (the backend's), and
+the executor (the model's loop, the native decoder stack, or compiled regions). A refusal raises
+``PlanRefused`` saying why and what would run.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from tokenmill_service.distributed.degree import check_degree
+from tokenmill_service.layers.quant import quant_method_class
+from tokenmill_service.models.checkpoint import Checkpoint
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.dims import ModelDims
+from tokenmill_service.models.registry import model_class
+from tokenmill_service.ops import Ops, ops_class
+from tokenmill_service.plan.device import DeviceFacts
+from tokenmill_service.plan.options import LoadOptions
+from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+COMPILE_SETTINGS = ("auto", "off")
+# The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first.
+NATIVE_METHODS = ("gguf-vnni", "gguf")
+_INT4_TYPES = {QType.Q4_0, QType.Q4_1}
+# Checkpoint projections each packed layer is made of.
+_PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
+    config, types = checkpoint.config, checkpoint.tensor_types
+    family = model_class(config.architecture)
+    if options.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PlanRefused(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache_dtype!r}"
+        )
+    if options.compile not in COMPILE_SETTINGS:
+        raise PlanRefused(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, not {options.compile!r}")
+    if options.quantization != "auto":
+        quant_method_class(options.quantization)  # an unknown name fails here, before anything else
+    ops_cls = ops_class("native" if options.backend == "torch" else options.backend)
+    act = _activations(options, bool(types), facts)
+    act_dtype = DTYPES[act.value]
+    layers, quant_reasons, skipped = _linear_layers(
+        options, family.linear_prefixes(config), checkpoint, facts, act_dtype
+    )
+    _check_tensor_parallel(options, config, types)
+    ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
+    ops_cls = ops_class(ops.value)
+    kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
+    executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
+    quantized = any(c.method != "none" for c in layers.values())
+    return LoadPlan(
+        options=options,
+        device=facts.device,
+        architecture=config.architecture,
+        act_dtype=act,
+        # Quantized weights keep the embedding table exact (float32); only looked-up rows are read.
+        embed_dtype="float32" if quantized else act.value,
+        ops=ops,
+        kv_cache_dtype=kv,
+        kv_cache_layout=ops_cls.kv_cache_layout.name,
+        executor=executor,
+        layers=layers,
+        quant_reasons=quant_reasons,
+        tensor_parallel=options.tensor_parallel,
+        skipped=skipped,
+    )
+
+
+def _activations(options: LoadOptions, gguf: bool, facts: DeviceFacts) -> Decision:
+    if options.dtype not in ("auto", *DTYPES):
+        raise PlanRefused(f"--dtype must be auto, float32 or bfloat16, not {options.dtype!r}")
+    if options.backend == "triton" and facts.triton_interpreter and options.dtype == "bfloat16":
+        return Decision("float32", "Triton's interpreter has no bfloat16")
+    if options.dtype != "auto":
+        return Decision(options.dtype, "asked (--dtype)")
+    quantized = gguf if options.quantization in ("auto", *NATIVE_METHODS) else options.quantization != "none"
+    if quantized:
+        return Decision("float32", "quantized weights: their kernels take float32 activations")
+    if facts.native_bf16 and not (options.backend == "triton" and facts.triton_interpreter):
+        return Decision("bfloat16", f"dense weights, and {facts.kind} multiplies bfloat16 natively")
+    return Decision("float32", f"dense weights, and {facts.kind} has no native bfloat16")
+
+
+def _linear_layers(
+    options: LoadOptions, prefixes: list[str], checkpoint: Checkpoint, facts: DeviceFacts, act: torch.dtype
+) -> tuple[dict[str, LayerChoice], dict[str, str], dict[str, str]]:
+    """Each linear layer's method and kernel, why each method, and the native methods skipped."""
+    setting, types = options.quantization, checkpoint.tensor_types
+    skipped: dict[str, str] = {}
+    native: str | None = None
+    if setting in NATIVE_METHODS:
+        if (why := quant_method_class(setting).unavailable_reason(facts, act)) is not None:
+            raise PlanRefused(f"--quantization {setting} needs tokenmill's native CPU kernel: {why}")
+        if not types:
+            raise PlanRefused(
+                f"--quantization {setting} serves a GGUF file's blocks; {checkpoint.path} is not a GGUF file"
+            )
+        native = setting
+    elif setting == "auto" and types:
+        for method in NATIVE_METHODS:
+            if (why := quant_method_class(method).unavailable_reason(facts, act)) is None:
+                native = method
+                break
+            skipped[method] = why
+    elif setting != "auto" and (why := quant_method_class(setting).unavailable_reason(facts, act)) is not None:
+        raise PlanRefused(f"--quantization {setting} cannot run here: {why}")
+    layers: dict[str, LayerChoice] = {}
+    reasons: dict[str, str] = {}
+    for prefix in prefixes:
+        method, reason = _layer_method(setting, native, _stored_types(prefix, checkpoint.config, types), prefix)
+        cls = quant_method_class(method)
+        layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
+        reasons.setdefault(method, reason)
+    return layers, reasons, skipped
+
+
+def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> set[QType | None]:
+    """How the checkpoint stores the tensors a layer is made of (None: not a GGUF tensor)."""
+    if prefix == "lm_head":
+        sources = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    else:
+        parent, _, leaf = prefix.rpartition(".")
+        sources = [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
+    return {types.get(name) for name in sources}
+
+
+def _layer_method(setting: str, native: str | None, kinds: set[QType | None], prefix: str) -> tuple[str, str]:
+    """The method of one layer under ``--quantization setting`` (``native``: the GGUF method chosen)."""
+    names = "/".join(sorted(k.name if k is not None else "float" for k in kinds))
+    if setting == "auto" or setting in NATIVE_METHODS:
+        served = quant_method_class(native).served_types if native is not None else frozenset()
+        if native is not None and len(kinds) == 1 and kinds <= served:
+            return native, "the GGUF file's blocks, multiplied as stored"
+        if kinds <= _INT4_TYPES:
+            why = "no native kernel serves here" if native is None else "stored in mixed formats"
+            return "int4", f"Q4_0/Q4_1 blocks kept as int4 exactly as stored ({why})"
+        return "none", f"{names} tensors, dense (exactly dequantized)"
+    if prefix == "lm_head" and setting == "int4":
+        return "int8", "the output head is int8 under int4: it is the layer whose rounding shows most"
+    return setting, "asked (--quantization)"
+
+
+def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dict[str, QType]) -> None:
+    if options.tensor_parallel <= 1:
+        return
+    dims = ModelDims(
+        config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, config.vocab_size
+    )
+    try:
+        # GGUF tensors are split in their 32-weight blocks; int4 quantizes in groups of 32.
+        check_degree(dims, options.tensor_parallel, blocked=bool(types) or options.quantization == "int4")
+    except ValueError as e:
+        raise PlanRefused(str(e)) from None
+
+
+def _ops(
+    options: LoadOptions,
+    asked: type[Ops],
+    facts: DeviceFacts,
+    act: torch.dtype,
+    head_dim: int,
+    skipped: dict[str, str],
+) -> Decision:
+    why = asked.unavailable_reason(facts, act, head_dim)
+    if options.backend == "torch":
+        # --backend torch: the native CPU kernels where they serve, else the plain torch reference.
+        if why is None:
+            return Decision("native", "tokenmill's CPU kernels serve this model here")
+        skipped["native-ops"] = why
+        return Decision("torch", f"the reference ops: native ones cannot run ({why})")
+    if why is not None:
+        raise PlanRefused(f"--backend {options.backend} cannot run here: {why}")
+    return Decision(asked.name, "asked (--backend)")
+
+
+def _kv_cache_dtype(name: str, act: torch.dtype, ops: type[Ops], facts: DeviceFacts, head_dim: int) -> Decision:
+    if name == "auto":
+        return Decision(dtype_name(act), "the activations' dtype")
+    if name == "float32" and act == torch.float32:
+        return Decision("float32", "asked (--kv-cache-dtype)")
+    if name == "float16":
+        if torch.float16 in ops.kv_cache_dtypes:
+            return Decision("float16", f"asked (--kv-cache-dtype); the {ops.name} ops read it")
+        native = ops_class("native")
+        why = native.unavailable_reason(facts, act, head_dim) or f"the {ops.name} ops run their own attention"
+        raise PlanRefused(f"--kv-cache-dtype float16 needs tokenmill's native attention kernel: {why}")
+    raise PlanRefused(f"--kv-cache-dtype {name} needs {name} activations; they are {dtype_name(act)}")
+
+
+def _executor(
+    options: LoadOptions,
+    facts: DeviceFacts,
+    ops: type[Ops],
+    act: torch.dtype,
+    layers: dict[str, LayerChoice],
+    config: ModelConfig,
+    skipped: dict[str, str],
+) -> Decision:
+    if options.compile == "auto":
+        why = compile_missing(options, facts, ops)
+        if why is None:
+            return Decision("compiled", "asked (--compile auto)")
+        skipped["compile"] = why
+    why = native_stack_missing(options, facts, ops, act, layers, config)
+    if why is None:
+        return Decision("native-stack", "every part of the decoder has a native kernel: one native call a step")
+    return Decision("eager", f"the model's layers one by one: no native stack, as {why}")
+
+
+def compile_missing(options: LoadOptions, facts: DeviceFacts, ops: type[Ops]) -> str | None:
+    """Why ``--compile auto`` leaves this worker eager, or None when it compiles."""
+    if not ops.compilable:
+        return f"the {ops.name} backend runs its own kernels"
+    if options.tensor_parallel > 1:
+        return "tensor-parallel ranks run eager (collectives inside compiled regions are not supported yet)"
+    if facts.kind != "cpu":
+        return f"compiling for {facts.kind} (CUDA graphs) is not implemented yet"
+    return facts.compiler_missing
+
+
+def native_stack_missing(
+    options: LoadOptions,
+    facts: DeviceFacts,
+    ops: type[Ops],
+    act: torch.dtype,
+    layers: dict[str, LayerChoice],
+    config: ModelConfig,
+) -> str | None:
+    """Why the decoder layers cannot run as one native call, or None when they can."""
+    if ops.name != "native":
+        return "attention is not tokenmill's native kernel"
+    if options.tensor_parallel > 1:
+        return "tensor-parallel ranks all-reduce between the layers"
+    if act != torch.float32:
+        return "it runs float32 activations"
+    if not getattr(model_class(config.architecture), "native_stack", False):
+        return f"the {config.architecture} family has no native stack"
+    if config.attention_bias:
+        return "the qkv projection has a bias"
+    for prefix, choice in layers.items():
+        if prefix != "lm_head" and choice.kernel not in quant_method_class(choice.method).native_entry_points:
+            leaf = prefix.rpartition(".")[2].removesuffix("_proj")
+            return f"the {leaf} projection is {choice.method}, which has no native kernel to call"
+    return facts.native("decoder_stack", "paged_attention", "elementwise")
