@@ -6,6 +6,8 @@ they run in Triton's interpreter on the CPU (slow; for tests), where the model r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import structlog
 import torch
 
@@ -18,11 +20,22 @@ from tokenmill_service.ops.triton.silu_and_mul import silu_and_mul
 from tokenmill_service.ops.triton.store_kv import store_kv
 from tokenmill_service.ops.triton_support import interpreter_enabled
 
+if TYPE_CHECKING:
+    from tokenmill_service.plan.device import DeviceFacts
+
 log = structlog.get_logger(__name__)
 
 
 @register_ops("triton")
 class TritonOps(Ops):
+    @classmethod
+    def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:
+        if facts.triton_missing is not None:
+            return facts.triton_missing
+        if facts.triton_interpreter and act_dtype != torch.float32:
+            return "Triton's interpreter runs float32 only"
+        return None
+
     def __init__(self) -> None:
         if interpreter_enabled():
             log.warning(

@@ -1,0 +1,167 @@
+"""The load plan: one place decides what runs, with a reason for each choice.
+
+``resolve_plan`` is given the device's facts, so each refusal can be asked for on any machine (no
+compiler, no AVX-512 VNNI, tensor parallel with the native stack, triton without a GPU); a toy
+quantization method and a toy ops backend, one file each (tests/plugins/), are chosen by name; the
+running default server logs its plan, reports it in GetModelInfo, and never maps libtorch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from tests.plugins import toy_backend, toy_quantization
+from tests.server_process import ServerProcess
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.models.checkpoint import Checkpoint, open_checkpoint
+from tokenmill_service.models.loader import load_model
+from tokenmill_service.plan import LoadOptions, LoadPlan, PlanRefused
+from tokenmill_service.plan.device import NATIVE_KERNELS, DeviceFacts, probe_device
+from tokenmill_service.plan.resolve import resolve_plan
+
+NO_COMPILER = "no C++ compiler (g++) on PATH"
+NO_VNNI = "the CPU has no AVX-512 VNNI"
+
+
+@pytest.fixture(scope="module")
+def smollm(default_model_path: Path) -> Checkpoint:
+    return open_checkpoint(default_model_path)  # the tensors are never read here
+
+
+def plan(checkpoint: Checkpoint, facts: DeviceFacts | None = None, **options: Any) -> LoadPlan:
+    return resolve_plan(LoadOptions(**options), checkpoint, facts or DeviceFacts())
+
+
+def test_every_choice_of_the_default_plan_says_why(smollm: Checkpoint) -> None:
+    p = resolve_plan(LoadOptions(), smollm, probe_device("cpu"))
+    assert (p.act_dtype.value, p.ops.value, p.executor.value) == ("float32", "native", "native-stack")
+    assert p.kv_cache_layout == "blocks, keys transposed per block"
+    assert set(p.method_counts) == {"gguf-vnni"} and sum(p.method_counts.values()) == 30 * 4 + 1
+    for decision in (p.act_dtype, p.ops, p.kv_cache_dtype, p.executor):
+        assert decision.reason
+    summary = p.summary()
+    assert summary["executor"].startswith("native-stack (") and summary["quantization.gguf-vnni"]
+
+
+def test_without_a_compiler_auto_serves_torchs_kernels_and_says_why(smollm: Checkpoint) -> None:
+    facts = DeviceFacts(native_missing=dict.fromkeys(NATIVE_KERNELS, NO_COMPILER))
+    p = plan(smollm, facts)
+    assert p.skipped["gguf-vnni"] == p.skipped["gguf"] == NO_COMPILER
+    assert p.method_counts == {"int4": 120, "none": 1}  # the Q8_0 head dense, exactly dequantized
+    assert p.ops.value == "torch" and NO_COMPILER in p.ops.reason
+    assert p.executor.value == "eager" and "not tokenmill's native kernel" in p.executor.reason
+    with pytest.raises(
+        PlanRefused, match=re.escape(f"--quantization gguf needs tokenmill's native CPU kernel: {NO_COMPILER}")
+    ):
+        plan(smollm, facts, quantization="gguf")
+    with pytest.raises(PlanRefused, match="float16 needs tokenmill's native attention kernel: no C\\+\\+ compiler"):
+        plan(smollm, facts, kv_cache_dtype="float16")
+
+
+def test_without_vnni_auto_takes_the_float32_block_kernel_and_says_why(smollm: Checkpoint) -> None:
+    facts = DeviceFacts(native_missing={"vnni_gemm": NO_VNNI})
+    p = plan(smollm, facts)
+    assert p.skipped == {"gguf-vnni": NO_VNNI}
+    assert p.method_counts == {"gguf": 121} and p.executor.value == "native-stack"
+    with pytest.raises(PlanRefused, match=f"gguf-vnni needs tokenmill's native CPU kernel: {NO_VNNI}"):
+        plan(smollm, facts, quantization="gguf-vnni")
+
+
+def test_tensor_parallel_ranks_run_without_the_native_stack_and_say_why(smollm: Checkpoint) -> None:
+    p = plan(smollm, tensor_parallel=3)
+    assert p.executor.value == "eager" and "all-reduce between the layers" in p.executor.reason
+    with pytest.raises(PlanRefused, match="9 query heads"):
+        plan(smollm, tensor_parallel=2)
+
+
+def test_triton_without_a_gpu_is_refused_with_the_way_out(smollm: Checkpoint) -> None:
+    facts = DeviceFacts(triton_missing="--backend triton needs a GPU (--device cuda) and --device is cpu: use ...")
+    with pytest.raises(PlanRefused, match="--backend triton cannot run here: --backend triton needs a GPU"):
+        plan(smollm, facts, backend="triton")
+    interpreted = plan(smollm, DeviceFacts(triton_interpreter=True), backend="triton", dtype="bfloat16")
+    assert interpreted.act_dtype.value == "float32" and "interpreter" in interpreted.act_dtype.reason
+    assert interpreted.ops.value == "triton" and interpreted.executor.value == "eager"
+
+
+def test_compiling_replaces_the_stack_and_where_it_cannot_says_why(smollm: Checkpoint) -> None:
+    assert plan(smollm, compile="auto").executor.value == "compiled"
+    p = plan(smollm, DeviceFacts(compiler_missing="no C++ compiler for inductor"), compile="auto")
+    assert p.executor.value == "native-stack" and p.skipped["compile"] == "no C++ compiler for inductor"
+
+
+def test_dense_and_bfloat16_choices(smollm: Checkpoint) -> None:
+    dense = plan(smollm, quantization="none", dtype="float32")
+    assert {c.kernel for c in dense.layers.values()} == {"block_gemm-f32"} and dense.executor.value == "native-stack"
+    sliced = plan(smollm, DeviceFacts(native_missing={"block_gemm": NO_COMPILER}), quantization="none")
+    assert {c.kernel for c in sliced.layers.values()} == {"sliced-matmul"}
+    bf16 = plan(smollm, DeviceFacts(native_bf16=True), quantization="none")
+    assert bf16.act_dtype.value == "bfloat16" and bf16.ops.value == "torch"
+    with pytest.raises(PlanRefused, match="needs float32 activations"):
+        plan(smollm, dtype="bfloat16", kv_cache_dtype="float32")
+    assert plan(smollm, quantization="int4").layers["lm_head"].method == "int8"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@torch.inference_mode()
+def test_a_toy_method_and_a_toy_backend_are_one_file_each(tiny_checkpoint: Path) -> None:
+    toy_backend.CALLS["attention"] = 0
+    toy = load_model(tiny_checkpoint, quantization="toy-pow2", backend="toy-ops")
+    assert toy.plan.quant_method("model.layers.1.mlp.down_proj").method == "toy-pow2"
+    assert toy.plan.ops.value == "toy-ops" and toy.plan.kv_cache_layout.startswith("toy")
+    assert toy.quantization == "toy-pow2" and isinstance(toy.lm_head.quant, toy_quantization.Pow2RowsMethod)
+    reference = load_model(tiny_checkpoint, backend="torch")
+    ids = [1, 5, 9, 3, 60, 2]
+    assert torch.allclose(forward_prompt(toy, ids), forward_prompt(reference, ids), atol=1e-5)
+    assert toy_backend.CALLS["attention"] == 2
+    with pytest.raises(PlanRefused, match="toy-pow2 cannot run here: it multiplies float32"):
+        load_model(tiny_checkpoint, quantization="toy-pow2", dtype=torch.bfloat16)
+
+
+# -- the running default server ---------------------------------------------------------------
+
+
+def test_the_default_server_logs_and_reports_its_plan(server: ServerProcess) -> None:
+    loaded = [json.loads(line) for line in server.logs().splitlines() if '"model_loaded"' in line]
+    assert loaded and loaded[0]["plan"]["executor"].startswith("native-stack")
+    with grpc.insecure_channel(server.address) as channel:
+        info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert dict(info.load_plan) == loaded[0]["plan"]
+    assert info.load_plan["ops"].startswith("native (") and info.load_plan["kv_cache_layout"]
+
+
+def test_the_server_process_never_maps_libtorch(server: ServerProcess) -> None:
+    """Checked on the running process's memory maps, not by importing modules: its workers map
+    libtorch, the server (router, gRPC, HTTP) does not."""
+    assert server.proc is not None
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
+    workers = [p for p in Path(f"/proc/{server.proc.pid}/task").glob("*/children")]
+    children = {int(pid) for f in workers for pid in f.read_text().split()}
+    assert any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in children)
