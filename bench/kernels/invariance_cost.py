@@ -1,6 +1,6 @@
 """What batch invariance costs the default: its kernels against the fastest ones that drop the promise.
 
-    python scripts/bench_invariance_cost.py --repeats 7
+    python bench/kernels/invariance_cost.py --repeats 7
 
 The default's products (``gguf-vnni``: every row on its own, one reduction order) and attention
 (``native/paged_attention.cpp``: every query on its own, keys in order) are timed, alternately in

@@ -1,6 +1,6 @@
 """What one engine step costs with the model split over N ranks (gloo on CPU), against one rank.
 
-    python scripts/bench_tensor_parallel.py --sizes 1 3 --repeats 20
+    python bench/kernels/tensor_parallel.py --sizes 1 3 --repeats 20
 
 Each size spawns its ranks; rank 0 broadcasts every step's plan and runs its shard (the path the
 server takes), the others follow. Reported: the median wall time of a step on rank 0, for a

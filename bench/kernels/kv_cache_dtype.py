@@ -1,6 +1,6 @@
 """What ``--kv-cache-dtype float16`` saves: attention and whole steps, float32 cache against float16.
 
-    python scripts/bench_kv_cache_dtype.py --repeats 7
+    python bench/kernels/kv_cache_dtype.py --repeats 7
 
 The default model, its native kernels, one process; the two caches take turns, so both see the same
 machine load. Printed: median milliseconds of native attention for one layer (decode batches at

@@ -1,6 +1,6 @@
 """What one engine step costs eager and with ``--compile auto``, measured alternately in one process.
 
-    python scripts/bench_compile.py --repeats 10
+    python bench/kernels/compile.py --repeats 10
 
 The default configuration (the embedded model, its blocks as stored, float32 activations). One model is
 loaded; its regions are compiled (the time is reported, as the worker's warm-up would pay it) and

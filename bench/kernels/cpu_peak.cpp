@@ -2,7 +2,7 @@
 // instructions a kernel here can use, each in 24 independent chains held in registers (enough to
 // hide their latency), on one thread. What bench/RESULTS.md's "arithmetic ceiling" quotes.
 //
-//   g++ -O2 -march=native scripts/cpu_peak.cpp -o /tmp/cpu_peak && /tmp/cpu_peak
+//   g++ -O2 -march=native bench/kernels/cpu_peak.cpp -o /tmp/cpu_peak && /tmp/cpu_peak
 //
 // Run it on an otherwise idle machine; start one per core at once for the whole machine's rate.
 
