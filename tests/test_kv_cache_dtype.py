@@ -24,11 +24,12 @@ from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.models.loader import ModelLoadError, load_model
 from tokenmill_service.native import paged_attention
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
-from tokenmill_service.ops.native_cpu_ops import NativeCpuOps, native_attention_serves
+from tokenmill_service.ops.native_cpu_ops import NativeCpuOps
+from tokenmill_service.plan.device import probe_device
 
 pytestmark = pytest.mark.skipif(
-    native_attention_serves("cpu", torch.float32, 64) is not None,
-    reason=f"native kernels unavailable: {native_attention_serves('cpu', torch.float32, 64)}",
+    NativeCpuOps.unavailable_reason(probe_device("cpu"), torch.float32, 64) is not None,
+    reason=f"native kernels unavailable: {NativeCpuOps.unavailable_reason(probe_device('cpu'), torch.float32, 64)}",
 )
 
 

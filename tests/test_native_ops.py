@@ -10,12 +10,13 @@ import torch
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.native import elementwise
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
-from tokenmill_service.ops.native_cpu_ops import NativeCpuOps, native_attention_serves
+from tokenmill_service.ops.native_cpu_ops import NativeCpuOps
 from tokenmill_service.ops.torch_ops import TorchOps
+from tokenmill_service.plan.device import DeviceFacts, probe_device
 
 pytestmark = pytest.mark.skipif(
-    native_attention_serves("cpu", torch.float32, 64) is not None,
-    reason=f"native kernels unavailable: {native_attention_serves('cpu', torch.float32, 64)}",
+    NativeCpuOps.unavailable_reason(probe_device("cpu"), torch.float32, 64) is not None,
+    reason=f"native kernels unavailable: {NativeCpuOps.unavailable_reason(probe_device('cpu'), torch.float32, 64)}",
 )
 BLOCK = 16
 
@@ -94,11 +95,12 @@ def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk(
     assert torch.equal(chunk, prefill[100:180])
 
 
-def test_the_loader_says_where_native_attention_cannot_serve() -> None:
-    assert native_attention_serves("cpu", torch.float32, 64) is None
-    assert "float32 activations" in str(native_attention_serves("cpu", torch.bfloat16, 64))
-    assert "head_dim 64 or 128" in str(native_attention_serves("cpu", torch.float32, 80))
-    assert "on the CPU" in str(native_attention_serves("cuda:0", torch.float32, 64))
+def test_the_backend_says_where_native_attention_cannot_serve() -> None:
+    cpu = probe_device("cpu")
+    assert NativeCpuOps.unavailable_reason(cpu, torch.float32, 64) is None
+    assert "float32 activations" in str(NativeCpuOps.unavailable_reason(cpu, torch.bfloat16, 64))
+    assert "head_dim 64 or 128" in str(NativeCpuOps.unavailable_reason(cpu, torch.float32, 80))
+    assert "on the CPU" in str(NativeCpuOps.unavailable_reason(DeviceFacts("cuda:0"), torch.float32, 64))
 
 
 def _rows(t: int, d: int, seed: int) -> torch.Tensor:

@@ -25,13 +25,6 @@ if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
 
 
-def native_attention_serves(device: str | torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when the native attention kernel can serve this model here; otherwise why not."""
-    from tokenmill_service.plan.device import probe_device
-
-    return NativeCpuOps.unavailable_reason(probe_device(str(torch.device(device))), dtype, head_dim)
-
-
 def _eager() -> bool:
     """Under torch.compile (--compile auto) the elementwise work is inductor's to fuse: the reference."""
     return not torch.compiler.is_compiling()
