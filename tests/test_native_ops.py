@@ -15,8 +15,8 @@ from tokenmill_service.ops.torch_ops import TorchOps
 from tokenmill_service.plan.device import DeviceFacts, probe_device
 
 pytestmark = pytest.mark.skipif(
-    NativeCpuOps.unavailable_reason(probe_device("cpu"), torch.float32, 64) is not None,
-    reason=f"native kernels unavailable: {NativeCpuOps.unavailable_reason(probe_device('cpu'), torch.float32, 64)}",
+    probe_device("cpu").native("paged_attention", "elementwise") is not None,
+    reason=f"native kernels unavailable: {probe_device('cpu').native('paged_attention', 'elementwise')}",
 )
 BLOCK = 16
 

@@ -38,7 +38,8 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
     start = time.perf_counter()
     path = resolve_model_path(options.model or None)
     checkpoint = open_checkpoint(path)
-    plan = resolve_plan(options, checkpoint, probe_device(device or options.device))
+    facts = probe_device(device or options.device, compiler=options.compile == "auto")
+    plan = resolve_plan(options, checkpoint, facts)
     _log_refusals(plan)
     model = build_model(plan, checkpoint, tp)
     log.info(

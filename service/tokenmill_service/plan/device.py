@@ -39,9 +39,10 @@ class DeviceFacts:
         return next((self.native_missing[k] for k in kernels if k in self.native_missing), None)
 
 
-def probe_device(device: str) -> DeviceFacts:
+def probe_device(device: str, compiler: bool = False) -> DeviceFacts:
     """The facts of ``device`` ("cpu", "cuda", "cuda:N") on this machine. On a CPU this builds the
-    native kernels (once per machine, cached; a few seconds each the first time)."""
+    native kernels (once per machine, cached; a few seconds each the first time). ``compiler``:
+    also look for inductor's C++ compiler (importing inductor takes seconds: only for --compile auto)."""
     import torch
 
     from tokenmill_service.dtypes import cpu_has_native_bf16
@@ -65,7 +66,7 @@ def probe_device(device: str) -> DeviceFacts:
         native_missing=missing,
         triton_missing=triton_unavailable_reason(kind, torch.cuda.is_available()),
         triton_interpreter=interpreter_enabled(),
-        compiler_missing=_inductor_compiler_missing() if kind == "cpu" else None,
+        compiler_missing=_inductor_compiler_missing() if kind == "cpu" and compiler else None,
         native_bf16=native_bf16,
     )
 
