@@ -132,9 +132,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @torch.inference_mode()
 def test_a_toy_method_and_a_toy_backend_are_one_file_each(tiny_checkpoint: Path) -> None:
     toy_backend.CALLS["attention"] = 0
-    toy = load_model(tiny_checkpoint, quantization="toy-pow2", backend="toy-ops")
+    toy = load_model(tiny_checkpoint, quantization="toy-pow2", backend="toy-transposed")
     assert toy.plan.quant_method("model.layers.1.mlp.down_proj").method == "toy-pow2"
-    assert toy.plan.ops.value == "toy-ops" and toy.plan.kv_cache_layout.startswith("toy")
+    assert toy.plan.ops.value == "toy-transposed" and toy.plan.kv_cache_layout.startswith("toy")
     assert toy.quantization == "toy-pow2" and isinstance(toy.lm_head.quant, toy_quantization.Pow2RowsMethod)
     reference = load_model(tiny_checkpoint, backend="torch")
     ids = [1, 5, 9, 3, 60, 2]

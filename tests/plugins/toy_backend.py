@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 CALLS = {"attention": 0}
 
 
-@register_ops("toy-ops")
+@register_ops("toy-transposed")
 class CountingOps(TorchOps):
     kv_cache_layout = KVCacheLayout("toy: keys transposed per block", keys_transposed=True)
 
