@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install run test lint proto tools clean
+.PHONY: install run test test-quick lint proto tools clean
 
 install: $(STAMP) $(LINKED)
 
@@ -44,6 +44,10 @@ run: install
 
 test: install tools
 	$(BIN)/python -m pytest -q --durations=12 tests
+
+# The inner loop: the unit and kernel tiers (under a minute here), stopping at the first failure.
+test-quick: install
+	$(BIN)/python -m pytest -q -x -m "unit or kernels" tests
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model's tokenizer and engine, loaded once per test session."""
+"""Shared fixtures (the default model's tokenizer and models, one default server, loaded once per
+session), and each test's tier marked from its folder: unit, kernels, engine, service, deploy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ import pytest
 from tests.server_process import ServerProcess
 
 DATA = Path(__file__).parent / "data"
+TIERS = ("unit", "kernels", "engine", "service", "deploy")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``-m unit`` (or kernels, engine, service, deploy) selects a tier: the folder a test lives in."""
+    root = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(root).parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

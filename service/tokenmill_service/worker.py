@@ -198,7 +198,7 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
 def _warm_up(engine: Any) -> None:
     """One real prefill and decode, so that the first caller pays for no lazy set-up. Compiled, that
     builds every graph: each region has one graph for any number of tokens (engine/compile.py), and
-    tests/test_compile.py checks that no step shape builds another afterwards."""
+    tests/engine/test_compile.py checks that no step shape builds another afterwards."""
     tokens = engine.tokenizer.encode("Hello")
     engine.add_request(GenerationRequest("warmup", tokens, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))
     while engine.has_unfinished():

@@ -1,6 +1,6 @@
 """The native decoder stack as an executor: a Llama-family model's layers and final norm described
 to ``native/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
-as one native call a step with the bits of the model's own loop (tests/test_decoder_stack.py).
+as one native call a step with the bits of the model's own loop (tests/kernels/test_decoder_stack.py).
 
 The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
 this only describes a model the plan chose it for.

@@ -3,7 +3,7 @@
 At one decoding sequence a Llama layer's Python forward (module calls, views, tensor allocations,
 a dozen ctypes calls) costs more than its arithmetic. ``DecoderStack`` runs the same kernels on
 the same inputs in the same order from native code, so its results are those of the Python
-forward bit for bit (tests/test_decoder_stack.py holds it to that), and the Python per step is
+forward bit for bit (tests/kernels/test_decoder_stack.py holds it to that), and the Python per step is
 one call. The model describes itself with ``StackSpec``; models/llama.py builds one where every
 part has a native kernel.
 """

@@ -7,7 +7,7 @@ head_dim 64 or 128, the kernels built); it lays its key cache out transposed per
 (``kv_cache_layout``) and can store the cache in float16. Tensors it has no kernel for (another
 dtype or stride) go to the reference (``TorchOps``), as does code being compiled (inductor fuses
 it). Every kernel computes each row or query on its own in a fixed order, so the batch-invariance
-promises hold by construction; tests/test_native_ops.py holds them to the reference's results.
+promises hold by construction; tests/kernels/test_native_ops.py holds them to the reference's results.
 """
 
 from __future__ import annotations

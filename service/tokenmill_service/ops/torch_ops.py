@@ -10,7 +10,7 @@ batch and whether it arrives in a prefill chunk or as a decode token:
   (exact in any order); the softmax denominator is one more column of the ``p @ v`` product
   rather than a ``sum`` (whose vectorized order changes with the row length).
 
-tests/test_paged_attention.py (in process, per model configuration) and tests/test_batching_service.py
+tests/kernels/test_paged_attention.py (in process, per model configuration) and tests/service/test_batching_service.py
 (through the RPC) hold these properties to account.
 """
 

@@ -21,7 +21,7 @@ from tokenmill_service.engine.model_runner import allocate_kv_cache, forward_pro
 from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
-REFERENCE = Path(__file__).parent / "data" / "smollm2_reference.json"
+REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 

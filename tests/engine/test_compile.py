@@ -1,7 +1,7 @@
 """``--compile auto``: the forward pass's regions through torch.compile.
 
 In process: compiling keeps the numbers (as faithful as eager, and within the compiled path bitwise the
-same whatever the batch: tests/test_paged_attention.py runs its bitwise checks on the compiled
+same whatever the batch: tests/kernels/test_paged_attention.py runs its bitwise checks on the compiled
 model too); every graph is built by the first steps and no later step shape builds another; where
 no C++ compiler is found the model stays eager with one log line. Through the RPC: a server started
 with ``--compile auto`` builds its graphs before it is ready and none while serving, and a seeded

@@ -17,7 +17,7 @@ from tests.server_process import ServerProcess
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 
-GRPCURL = Path(__file__).resolve().parents[1] / ".tools" / "bin" / "grpcurl"
+GRPCURL = Path(__file__).resolve().parents[2] / ".tools" / "bin" / "grpcurl"
 FRANCE = pb.Messages(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.server_process import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Not part of the package build; the copy leaves them out so that nothing in the working tree is
 # written to (setuptools builds in the source directory) and the copy stays small.

@@ -104,7 +104,7 @@ def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
         pytest.skip("needs g++ and an AVX-512 CPU")
     if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the CPU has no AVX512-BF16")
-    source = Path(__file__).resolve().parents[1] / "bench" / "kernels" / "cpu_peak.cpp"
+    source = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "cpu_peak.cpp"
     binary = tmp_path / "cpu_peak"
     subprocess.run(["g++", "-O2", "-march=native", str(source), "-o", str(binary)], check=True, timeout=120)
     out = subprocess.run([str(binary)], capture_output=True, text=True, check=True, timeout=120).stdout

@@ -466,7 +466,7 @@ def test_the_prompt_can_be_an_argument_or_standard_input(server_address: str) ->
 
 
 def test_the_example_prompts_file_runs_as_the_readme_shows(server_address: str) -> None:
-    path = Path(__file__).resolve().parents[1] / "client" / "examples" / "prompts.txt"
+    path = Path(__file__).resolve().parents[2] / "client" / "examples" / "prompts.txt"
     prompts = [line for line in path.read_text().splitlines() if line.strip()]
     assert len(prompts) >= 4
     proc = run_cli("--server", server_address, "generate", "--input-file", str(path), "-l", "2", "--json", "-q")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "tokenmill"
 HELM = ROOT / ".tools" / "bin" / "helm"
 KUBERNETES_VERSION = "1.31.0"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_engine import make_engine, run_all, text, token_ids
+from tests.engine.test_engine import make_engine, run_all, text, token_ids
 from tokenmill_service.detokenizer import IncrementalDetokenizer
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import (

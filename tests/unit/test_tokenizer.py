@@ -27,7 +27,7 @@ from tokenmill_service.tokenizer import (
     load_tokenizer,
 )
 
-REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
+REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "smollm2_reference.json").read_text())
 
 # Bytes SmolLM2's vocabulary has no token for (0xC0, 0xC1, 0xF1, 0xF2, 0xF5.. and a few C0 controls):
 # llama.cpp and HF drop them differently (see test_bytes_without_a_token_are_dropped_like_llama_cpp).

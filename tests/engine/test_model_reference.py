@@ -18,7 +18,7 @@ from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.models.loader import load_model, resolve_model_path
 
-REFERENCE = Path(__file__).parent / "data" / "smollm2_reference.json"
+REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 LOGPROB_ATOL = 1e-3
 # Two reference candidates this close may come out in either order at float32 precision.
 NEAR_TIE = 1e-3

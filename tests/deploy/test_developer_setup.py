@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.server_process import free_port
-from tests.test_client_cli import PtySession
-from tests.test_client_light_install import _NOT_BUILD_INPUTS
+from tests.service.test_client_cli import PtySession
+from tests.service.test_client_light_install import _NOT_BUILD_INPUTS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STAMP, LINKED = ".venv/.installed", ".venv/.linked"
 
 
