@@ -21,25 +21,27 @@
 #include <algorithm>
 #include <vector>
 
+#include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
+
 #if !defined(__AVX512F__) || !defined(__F16C__)
 #error "block_gemm needs AVX-512F and F16C"
 #endif
 
 namespace {
 
-constexpr int64_t QK = 32;  // weights per block in every format
+constexpr int64_t QK = TM_QK;  // weights per block in every format
 constexpr int MT = 6;       // activation rows per register tile
 constexpr int NT = 4;       // weight rows per register tile
 
 // ggml's type ids.
-enum Format : int { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum Format : int { F32 = TM_FORMAT_F32, Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q8_0 = TM_FORMAT_Q8_0 };
 
 int64_t block_bytes(int fmt) {
   switch (fmt) {
-    case F32: return 4 * QK;
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q8_0: return 34;
+    case F32: return TM_BLOCK_BYTES_F32;
+    case Q4_0: return TM_BLOCK_BYTES_Q4_0;
+    case Q4_1: return TM_BLOCK_BYTES_Q4_1;
+    case Q8_0: return TM_BLOCK_BYTES_Q8_0;
     default: return 0;
   }
 }

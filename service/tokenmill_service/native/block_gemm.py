@@ -5,27 +5,19 @@ dynamo keeps as one opaque call; eager code calls the library directly, without 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
 
-from tokenmill_service.native import build
+from tokenmill_service.native import abi, build
 
-# ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads).
+# ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads; abi.py's table).
 F32 = 0  # plain float32 rows: the dense method's weights (layers/quant/dense.py)
-FORMATS = {F32: 128, 2: 18, 3: 20, 8: 34}  # F32, Q4_0, Q4_1, Q8_0
+FORMATS = abi.FORMAT_BYTES
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = build.load("block_gemm")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tm_block_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.tm_block_gemm.restype = ctypes.c_int
-    lib.tm_block_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-    lib.tm_block_dequantize.restype = ctypes.c_int
-    return lib
+    return build.load("block_gemm")  # its functions typed from abi.py
 
 
 def unavailable_reason() -> str | None:

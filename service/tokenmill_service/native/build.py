@@ -1,7 +1,10 @@
 """Compiling and loading the native kernels: one shared library per C++ source in this folder.
 
 A source is compiled once per machine (``g++ -O3 -march=native -fopenmp``, a few seconds) into a
-cache directory and loaded with ctypes; later processes load the cached library. The cache key
+cache directory and loaded with ctypes; later processes load the cached library. Every source
+includes ``tm_abi.h``, generated from abi.py (the block table, the structs, each exported
+function's prototype), and ``load`` types the library's functions from the same description, so a
+C++ definition that disagrees with the Python side fails to compile. The cache key
 covers the source, the flags, the compiler's version and the CPU (``-march=native`` depends on it),
 so a shared cache never hands a library to a machine it was not built for. Where a kernel cannot
 be built (no C++ compiler, a CPU without AVX-512) ``unavailable_reason`` says why and the callers
@@ -23,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import structlog
+
+from tokenmill_service.native import abi
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +61,8 @@ def _cpu_signature() -> str:
 def _build(name: str, cxx: str) -> Path:
     source = HERE / f"{name}.cpp"
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # what the sources include
+    # What the sources include: the headers here, and tm_abi.h, generated from abi.py.
+    headers = [h.read_text() for h in sorted(HERE.glob("*.h"))] + [abi.header()]
     key = "\0".join([source.read_text(), *headers, " ".join(FLAGS), version, _cpu_signature()])
     target_name = f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     errors = []
@@ -72,15 +78,26 @@ def _build(name: str, cxx: str) -> Path:
         except OSError as e:
             errors.append(f"{directory}: {e}")
             continue
-        result = subprocess.run([cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True, check=False)
-        if result.returncode != 0:
+        try:
+            compile_source(cxx, source, Path(tmp))
+        except NativeKernelUnavailable:
             os.unlink(tmp)
-            first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
-            raise NativeKernelUnavailable(f"{cxx} could not build {source.name}: {first}")
+            raise
         os.replace(tmp, target)
         log.info("native_kernel_built", kernel=name, path=str(target))
         return target
     raise NativeKernelUnavailable("no writable cache directory: " + "; ".join(errors))
+
+
+def compile_source(cxx: str, source: Path, target: Path) -> None:
+    """``source`` compiled into the shared library ``target``, against the generated ``tm_abi.h``."""
+    with tempfile.TemporaryDirectory(prefix="tm-abi-") as include:
+        (Path(include) / "tm_abi.h").write_text(abi.header())
+        cmd = [cxx, *FLAGS, "-I", include, "-o", str(target), str(source)]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
+        raise NativeKernelUnavailable(f"{cxx} could not build {source.name}: {first}")
 
 
 @functools.cache
@@ -105,11 +122,13 @@ def unavailable_reason(name: str) -> str | None:
     return str(lib) if isinstance(lib, NativeKernelUnavailable) else None
 
 
+@functools.cache
 def load(name: str) -> ctypes.CDLL:
+    """Kernel ``name``'s library with its functions' types set from abi.py (or why it cannot be had)."""
     lib = library(name)
     if isinstance(lib, NativeKernelUnavailable):
         raise lib
-    return lib
+    return abi.bind(lib, name)
 
 
 def address(name: str, symbol: str) -> int:

@@ -9,55 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tm_abi.h"  // TmLinear, TmLayer, TmStack, the kernels' pointer types and this file's prototypes
+
 extern "C" {
-
-// The per-operation kernels' signatures (block_gemm.cpp or vnni_gemm.cpp, elementwise.cpp,
-// paged_attention.cpp).
-typedef int (*TmGemm)(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
-                      int threads);
-typedef void (*TmRmsNorm)(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps,
-                          float* h_out, float* normed, int64_t t, int64_t d);
-typedef void (*TmRotary)(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim,
-                         const int64_t* positions, const float* cos_table, const float* sin_table);
-typedef void (*TmSiluAndMul)(const float* x, float* out, int64_t t, int64_t n);
-// The caches are float32 or float16 (the kernels' _f16 variants): passed through untyped.
-typedef void (*TmStoreKeys)(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, int64_t head_dim,
-                            const int64_t* slots, void* k_cache, int64_t block_size);
-typedef void (*TmStoreValues)(const float* v, int64_t v_stride, int64_t t, int64_t row, const int64_t* slots,
-                              void* v_cache);
-typedef int (*TmAttention)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions,
-                           const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale,
-                           float* out, int threads);
-
-// One linear layer: its product kernel and the weights it reads ([out_features, in_features]).
-struct TmLinear {
-  TmGemm gemm;
-  const uint8_t* weights;
-  int64_t fmt;
-  int64_t out_features;
-};
-
-struct TmLayer {
-  const float* input_norm;  // [hidden]
-  const float* post_norm;   // [hidden]
-  TmLinear qkv, o, gate_up, down;
-};
-
-struct TmStack {
-  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-  float eps, scale;
-  const float* cos_table;  // [positions, head_dim / 2]
-  const float* sin_table;
-  const float* final_norm;  // [hidden]
-  const TmLayer* layers;
-  TmRmsNorm rms_norm;
-  TmRotary rotary;
-  TmSiluAndMul silu_and_mul;
-  TmStoreKeys store_keys;
-  TmStoreValues store_values;
-  TmAttention attention;
-};
 
 // Floats of workspace a step of t tokens needs.
 int64_t tm_stack_workspace(const TmStack* s, int64_t t) {

@@ -11,48 +11,20 @@ part has a native kernel.
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill_service.native import build, paged_attention
+from tokenmill_service.native import abi, build, paged_attention
 from tokenmill_service.ops.attention_metadata import AttentionMetadata
 
-_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# The structs as decoder_stack.cpp sees them: both from abi.py's one description.
+_Linear, _Layer, _Stack = (abi.structure(name) for name in ("TmLinear", "TmLayer", "TmStack"))
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("gemm", _ptr), ("weights", _ptr), ("fmt", _i64), ("out_features", _i64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _ptr), ("post_norm", _ptr),
-        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-    ]  # fmt: skip
-
-
-class _Stack(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
-        ("cos_table", _ptr), ("sin_table", _ptr), ("final_norm", _ptr), ("layers", _ptr),
-        ("rms_norm", _ptr), ("rotary", _ptr), ("silu_and_mul", _ptr),
-        ("store_keys", _ptr), ("store_values", _ptr), ("attention", _ptr),
-    ]  # fmt: skip
-
-
-@functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = build.load("decoder_stack")
-    lib.tm_stack_workspace.argtypes = [_ptr, _i64]
-    lib.tm_stack_workspace.restype = _i64
-    lib.tm_decoder_stack.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64]
-    lib.tm_decoder_stack.argtypes += [_ptr, _ptr, ctypes.c_int]
-    lib.tm_decoder_stack.restype = ctypes.c_int
-    return lib
+    return build.load("decoder_stack")  # its functions typed from abi.py
 
 
 def unavailable_reason() -> str | None:

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tm_abi.h"  // this file's prototypes (generated from abi.py)
 #include "vec_math.h"
 
 #if !defined(__AVX512F__)

@@ -7,23 +7,14 @@ check the layout (``fits``) and use the torch reference otherwise.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from tokenmill_service.native import build
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = build.load("elementwise")
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.tm_rms_norm.argtypes = [ptr, i64, ptr, ptr, f32, ptr, ptr, i64, i64]
-    lib.tm_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
-    lib.tm_silu_and_mul.argtypes = [ptr, ptr, i64, i64]
-    for f in (lib.tm_rms_norm, lib.tm_rotary, lib.tm_silu_and_mul):
-        f.restype = None
-    return lib
+    return build.load("elementwise")  # its functions typed from abi.py
 
 
 def unavailable_reason() -> str | None:

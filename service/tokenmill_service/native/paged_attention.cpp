@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "tm_abi.h"  // this file's prototypes (generated from abi.py)
+
 #if !defined(__AVX512F__)
 #error "paged_attention needs AVX-512F"
 #endif

@@ -9,7 +9,6 @@ exactly as float32; the arithmetic is the same)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -19,35 +18,8 @@ HEAD_DIMS = (64, 128)
 CACHE_DTYPES = {torch.float32: "", torch.float16: "_f16"}  # the kernels' symbol suffixes
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = build.load("paged_attention")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for suffix in CACHE_DTYPES.values():
-        attention = getattr(lib, f"tm_paged_attention{suffix}")
-        attention.argtypes = [
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ctypes.c_float,
-            ptr,
-            ctypes.c_int,
-        ]
-        attention.restype = ctypes.c_int
-        getattr(lib, f"tm_store_keys{suffix}").argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64]
-        getattr(lib, f"tm_store_keys{suffix}").restype = None
-        getattr(lib, f"tm_store_values{suffix}").argtypes = [ptr, i64, i64, i64, ptr, ptr]
-        getattr(lib, f"tm_store_values{suffix}").restype = None
-    return lib
+    return build.load("paged_attention")  # its functions typed from abi.py
 
 
 def symbol(name: str, cache_dtype: torch.dtype) -> str:

@@ -33,13 +33,15 @@
 #include <algorithm>
 #include <vector>
 
+#include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
+
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
 #error "vnni_gemm needs AVX-512F/BW, AVX-512 VNNI and F16C"
 #endif
 
 namespace {
 
-constexpr int64_t QK = 32;  // weights per block
+constexpr int64_t QK = TM_QK;  // weights per block
 constexpr int64_t G = 16;   // weight rows per group (one output per int32 lane)
 #ifndef VNNI_MT
 #define VNNI_MT 3
@@ -48,13 +50,13 @@ constexpr int64_t G = 16;   // weight rows per group (one output per int32 lane)
 constexpr int MT = VNNI_MT;  // activation rows per register tile
 constexpr int NG = VNNI_NG;  // groups per register tile
 
-enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum Format : int { Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q8_0 = TM_FORMAT_Q8_0 };
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q8_0: return 34;
+    case Q4_0: return TM_BLOCK_BYTES_Q4_0;
+    case Q4_1: return TM_BLOCK_BYTES_Q4_1;
+    case Q8_0: return TM_BLOCK_BYTES_Q8_0;
     default: return 0;
   }
 }

@@ -6,7 +6,6 @@ library directly."""
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -16,21 +15,8 @@ from tokenmill_service.native.block_gemm import check_status, run_product
 GROUP = 16  # weight rows per packed group
 
 
-@functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = build.load("vnni_gemm")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tm_vnni_packed_bytes.argtypes = [ctypes.c_int, i64, i64]
-    lib.tm_vnni_packed_bytes.restype = i64
-    lib.tm_vnni_pack.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-    lib.tm_vnni_pack.restype = ctypes.c_int
-    lib.tm_vnni_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.tm_vnni_gemm.restype = ctypes.c_int
-    lib.tm_vnni_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
-    lib.tm_vnni_dequantize.restype = ctypes.c_int
-    lib.tm_vnni_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
-    lib.tm_vnni_quantize.restype = ctypes.c_int
-    return lib
+    return build.load("vnni_gemm")  # its functions typed from abi.py
 
 
 def unavailable_reason() -> str | None:

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-QUANT_BLOCK = 32  # weights per block in every format below
-# Bytes per block of 32 weights.
-BLOCK_BYTES = {QType.Q8_0: 34, QType.Q4_0: 18, QType.Q4_1: 20}
+from tokenmill_service.native.abi import BLOCK_FORMATS, QUANT_BLOCK
+
+# Bytes per block of QUANT_BLOCK weights, for the quantized formats (from the one table the C++ shares).
+BLOCK_BYTES = {QType[f.name]: f.block_bytes for f in BLOCK_FORMATS if f.name != "F32"}
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 

@@ -1,0 +1,217 @@
+"""tokenmill's native C ABI, written once: the GGUF block formats every kernel reads, every exported
+function's signature, and the decoder stack's structs.
+
+Both sides are made from it. ``header()`` is the C header every kernel source includes (``tm_abi.h``,
+generated at build by build.py): the block table as constants, the structs with ``static_assert``s
+of the sizes and offsets ctypes computes for them, and an ``extern "C"`` prototype of each exported
+function. C linkage allows no overloads, so a definition whose parameters differ from its prototype
+does not compile, and a struct laid out differently from the ctypes one fails its ``static_assert``:
+a mismatch stops the build instead of passing garbage at run time. The ctypes side (argument and
+return types, the Structures) is derived here too (``bind``, ``structure``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+from dataclasses import dataclass
+
+# Weights per block in every format.
+QUANT_BLOCK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    name: str
+    id: int  # ggml's type id (F32 is tokenmill's plain float32 rows, in ggml's F32 slot)
+    block_bytes: int  # bytes per block of QUANT_BLOCK weights
+
+
+BLOCK_FORMATS = (
+    BlockFormat("F32", 0, 4 * QUANT_BLOCK),
+    BlockFormat("Q4_0", 2, 18),  # float16 scale, 16 bytes of 4-bit weights
+    BlockFormat("Q4_1", 3, 20),  # float16 scale and minimum, 16 bytes of 4-bit weights
+    BlockFormat("Q8_0", 8, 34),  # float16 scale, 32 int8 weights
+)
+FORMAT_BYTES = {f.id: f.block_bytes for f in BLOCK_FORMATS}
+
+# Every exported function, by library (the .cpp it is defined in), exactly as defined there.
+FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "block_gemm": (
+        (
+            "int tm_block_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, "
+            "int threads)"
+        ),
+        "int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
+    ),
+    "vnni_gemm": (
+        "int64_t tm_vnni_packed_bytes(int fmt, int64_t n, int64_t k)",
+        "int tm_vnni_pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out)",
+        (
+            "int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, "
+            "int threads)"
+        ),
+        "int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
+        "int tm_vnni_quantize(const float* x, int64_t m, int64_t k, int16_t* q, float* dq)",
+    ),
+    "elementwise": (
+        (
+            "void tm_rms_norm(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps, "
+            "float* h_out, float* normed, int64_t t, int64_t d)"
+        ),
+        (
+            "void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, "
+            "const int64_t* positions, const float* cos_table, const float* sin_table)"
+        ),
+        "void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n)",
+    ),
+    "paged_attention": tuple(
+        signature
+        for suffix, cache in (("", "float"), ("_f16", "uint16_t"))
+        for signature in (
+            (
+                f"void tm_store_keys{suffix}(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, "
+                f"int64_t head_dim, const int64_t* slots, {cache}* k_cache, int64_t block_size)"
+            ),
+            (
+                f"void tm_store_values{suffix}(const float* v, int64_t v_stride, int64_t t, int64_t row, "
+                f"const int64_t* slots, {cache}* v_cache)"
+            ),
+            (
+                f"int tm_paged_attention{suffix}(const float* q, int64_t t, int64_t heads, int64_t kv_heads, "
+                f"int64_t head_dim, const {cache}* k_cache, const {cache}* v_cache, int64_t block_size, "
+                "const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
+                "float scale, float* out, int threads)"
+            ),
+        )
+    ),
+    "decoder_stack": (
+        "int64_t tm_stack_workspace(const TmStack* s, int64_t t)",
+        (
+            "int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, "
+            "const int64_t* slots, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
+            "uint8_t* k_cache, uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, float* workspace, "
+            "float* out, int threads)"
+        ),
+    ),
+}
+
+# The kernels the decoder stack calls through pointers (the caches untyped: float32 or float16).
+FUNCTION_POINTERS = {
+    "TmGemm": "int (*)(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, "
+    "int threads)",
+    "TmRmsNorm": "void (*)(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps, "
+    "float* h_out, float* normed, int64_t t, int64_t d)",
+    "TmRotary": "void (*)(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, "
+    "const int64_t* positions, const float* cos_table, const float* sin_table)",
+    "TmSiluAndMul": "void (*)(const float* x, float* out, int64_t t, int64_t n)",
+    "TmStoreKeys": "void (*)(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, int64_t head_dim, "
+    "const int64_t* slots, void* k_cache, int64_t block_size)",
+    "TmStoreValues": "void (*)(const float* v, int64_t v_stride, int64_t t, int64_t row, const int64_t* slots, "
+    "void* v_cache)",
+    "TmAttention": "int (*)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, "
+    "const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions, "
+    "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, float* out, "
+    "int threads)",
+}
+
+# The decoder stack's structs, in declaration order: (C type, field name) each.
+STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # One bias-free linear layer: its product kernel and the weights it reads ([out_features, in_features]).
+    "TmLinear": (("TmGemm", "gemm"), ("const uint8_t*", "weights"), ("int64_t", "fmt"), ("int64_t", "out_features")),
+    "TmLayer": (
+        ("const float*", "input_norm"),  # [hidden]
+        ("const float*", "post_norm"),  # [hidden]
+        ("TmLinear", "qkv"),
+        ("TmLinear", "o"),
+        ("TmLinear", "gate_up"),
+        ("TmLinear", "down"),
+    ),
+    "TmStack": (
+        *(("int64_t", name) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
+        ("float", "eps"),
+        ("float", "scale"),
+        ("const float*", "cos_table"),  # [positions, head_dim / 2]
+        ("const float*", "sin_table"),
+        ("const float*", "final_norm"),  # [hidden]
+        ("const TmLayer*", "layers"),
+        ("TmRmsNorm", "rms_norm"),
+        ("TmRotary", "rotary"),
+        ("TmSiluAndMul", "silu_and_mul"),
+        ("TmStoreKeys", "store_keys"),
+        ("TmStoreValues", "store_values"),
+        ("TmAttention", "attention"),
+    ),
+}
+
+_SCALARS: dict[str, type[ctypes._SimpleCData]] = {  # type: ignore[type-arg]
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+}
+_SIGNATURE = re.compile(r"^(\w+) (\w+)\((.*)\)$")
+
+
+def _ctype(c_type: str) -> type:
+    """The ctypes type of a C type: every pointer (data or function) a void pointer."""
+    c_type = c_type.removeprefix("const ").strip()
+    if c_type.endswith("*") or c_type in FUNCTION_POINTERS:
+        return ctypes.c_void_p
+    if c_type in STRUCTS:
+        return structure(c_type)
+    return _SCALARS[c_type]
+
+
+def _parse(signature: str) -> tuple[str, str, list[str]]:
+    """'int tm_f(int a, const float* x)' -> ('int', 'tm_f', ['int', 'const float*'])."""
+    m = _SIGNATURE.match(signature)
+    assert m is not None, signature
+    params = [p.strip().rsplit(" ", 1)[0] for p in m.group(3).split(",")]
+    return m.group(1), m.group(2), params
+
+
+@functools.cache
+def structure(name: str) -> type[ctypes.Structure]:
+    """The ctypes Structure of struct ``name``, field for field."""
+    fields = [(field, _ctype(c_type)) for c_type, field in STRUCTS[name]]
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+def bind(lib: ctypes.CDLL, library: str) -> ctypes.CDLL:
+    """Set the argument and return types of every function ``library`` exports, from ``FUNCTIONS``."""
+    for signature in FUNCTIONS[library]:
+        ret, name, params = _parse(signature)
+        fn = getattr(lib, name)
+        fn.argtypes = [_ctype(p) for p in params]
+        fn.restype = None if ret == "void" else _ctype(ret)
+    return lib
+
+
+def header() -> str:
+    """The C header every kernel source includes (``#include "tm_abi.h"``)."""
+    lines = [
+        "// Generated by native/abi.py at build time (do not edit): the block formats, the decoder",
+        "// stack's structs and every exported function's prototype, shared with the ctypes bindings.",
+        "#pragma once",
+        "#include <stddef.h>",
+        "#include <stdint.h>",
+        "",
+        f"#define TM_QK {QUANT_BLOCK}",
+    ]
+    for f in BLOCK_FORMATS:
+        lines += [f"#define TM_FORMAT_{f.name} {f.id}", f"#define TM_BLOCK_BYTES_{f.name} {f.block_bytes}"]
+    lines += ["", 'extern "C" {', ""]
+    for name, pointer in FUNCTION_POINTERS.items():
+        lines.append(f"typedef {pointer.replace('(*)', f'(*{name})', 1)};")
+    for name, fields in STRUCTS.items():
+        lines += ["", f"struct {name} {{", *(f"  {c_type} {field};" for c_type, field in fields), "};"]
+        layout = structure(name)
+        lines.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(layout)}, "{name}: size differs from ctypes");')
+        for _, field in fields:
+            offset = getattr(layout, field).offset
+            lines.append(f'static_assert(offsetof({name}, {field}) == {offset}, "{name}.{field}: offset differs");')
+    for library, signatures in FUNCTIONS.items():
+        lines += ["", f"// {library}.cpp", *(f"{signature};" for signature in signatures)]
+    lines += ["", '}  // extern "C"', ""]
+    return "\n".join(lines)

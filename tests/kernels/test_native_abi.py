@@ -1,0 +1,72 @@
+"""The native ABI is written once (native/abi.py): the C++ compiles against a header generated from
+it, the ctypes bindings are derived from it, and a disagreement stops the build."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType
+
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK
+from tokenmill_service.native import abi, block_gemm, build
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+
+AGREEING = """#include "tm_abi.h"
+extern "C" int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) { return 0; }
+"""
+
+
+def test_a_definition_that_disagrees_with_the_abi_does_not_compile(tmp_path: Path) -> None:
+    source = tmp_path / "agrees.cpp"
+    source.write_text(AGREEING)
+    build.compile_source("g++", source, tmp_path / "agrees.so")  # the control: it builds
+    # One parameter's type changed (int64_t k -> int k): C linkage has no overloads, so g++ refuses.
+    source = tmp_path / "disagrees.cpp"
+    source.write_text(AGREEING.replace("int64_t k", "int k"))
+    with pytest.raises(build.NativeKernelUnavailable, match="could not build disagrees.cpp: .*conflicting declaration"):
+        build.compile_source("g++", source, tmp_path / "disagrees.so")
+
+
+def test_a_struct_laid_out_otherwise_than_ctypes_sees_it_does_not_compile(tmp_path: Path) -> None:
+    """The header asserts each struct's size and offsets as ctypes computes them."""
+    header = abi.header()
+    offset = abi.structure("TmStack").eps.offset
+    assert f"offsetof(TmStack, eps) == {offset}" in header
+    source = tmp_path / "moved.cpp"
+    source.write_text('#include "tm_abi.h"\n')
+    build.compile_source("g++", source, tmp_path / "ok.so")
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "tm_abi.h").write_text(header.replace("  float eps;\n  float scale;", "  float scale;\n  double eps;"))
+    result = subprocess.run(
+        ["g++", "-std=c++17", "-fsyntax-only", "-I", str(include), str(source)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0 and "offset differs" in result.stderr
+
+
+def test_the_bindings_are_typed_from_the_abi() -> None:
+    lib = build.load("block_gemm")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    assert lib.tm_block_gemm.argtypes == [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    assert lib.tm_block_gemm.restype is ctypes.c_int
+    assert [name for name, _ in abi.structure("TmLinear")._fields_] == ["gemm", "weights", "fmt", "out_features"]
+
+
+def test_one_block_table_for_python_and_cpp() -> None:
+    assert QUANT_BLOCK == abi.QUANT_BLOCK == 32
+    for fmt in abi.BLOCK_FORMATS:
+        assert block_gemm.FORMATS[fmt.id] == fmt.block_bytes
+        assert f"#define TM_BLOCK_BYTES_{fmt.name} {fmt.block_bytes}" in abi.header()
+        if fmt.name != "F32":
+            # gguf's own table: (weights per block, bytes per block).
+            assert GGML_QUANT_SIZES[QType[fmt.name]] == (QUANT_BLOCK, fmt.block_bytes)
+            assert BLOCK_BYTES[QType[fmt.name]] == fmt.block_bytes
