@@ -78,7 +78,7 @@ RUN set -eux; \
 # -march=native ties each library to the build machine's CPU: the cache key covers the CPU, so on
 # another CPU a worker builds its own at the first start into the writable $XDG_CACHE_HOME instead.
 ENV TOKENMILL_KERNEL_CACHE=/opt/tokenmill/kernels
-RUN python -c "from tokenmill_service.native import build; from tokenmill_service.plan.device import NATIVE_KERNELS; \
+RUN python -c "from tokenmill_service.kernels.cpu import build; from tokenmill_service.plan.device import NATIVE_KERNELS; \
 print({k: build.unavailable_reason(k) or 'built' for k in NATIVE_KERNELS})"
 RUN groupadd --system --gid 10001 tokenmill \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/tokenmill --create-home \

@@ -143,7 +143,7 @@ class Settings:
 
     def validate(self) -> None:
         if self.backend == "triton":
-            from tokenmill_service.ops.triton_support import triton_unavailable_reason
+            from tokenmill_service.plan.device import triton_unavailable_reason
 
             reason = triton_unavailable_reason(self.device)
             if reason:

@@ -98,7 +98,7 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
 
 def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
     """bench/kernels/cpu_peak.cpp, which RESULTS.md's arithmetic ceiling quotes, still builds and runs."""
-    from tokenmill_service.native import build
+    from tokenmill_service.kernels.cpu import build
 
     if shutil.which("g++") is None or build.unavailable_reason("block_gemm") is not None:
         pytest.skip("needs g++ and an AVX-512 CPU")

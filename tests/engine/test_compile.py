@@ -27,8 +27,8 @@ from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.kernels import ops_class
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.ops import ops_class
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.resolve import compile_missing

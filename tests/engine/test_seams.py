@@ -16,12 +16,12 @@ from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.interface import register_ops
+from tokenmill_service.kernels.torch_ops import TorchOps
 from tokenmill_service.layers.quant.base import register_quantization
 from tokenmill_service.layers.quant.dense import DenseMethod
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
-from tokenmill_service.ops.interface import register_ops
-from tokenmill_service.ops.torch_ops import TorchOps
 
 CALLS: dict[str, int] = {}
 

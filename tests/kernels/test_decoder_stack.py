@@ -1,4 +1,4 @@
-"""The native decoder stack (native/decoder_stack.cpp): the served model's layers in one native call.
+"""The native decoder stack (kernels/cpu/decoder_stack.cpp): the served model's layers in one native call.
 
 It must give the Python forward's results bit for bit (it calls the same kernels in the same
 order), over prefill chunks, decode tokens and mixed steps, with both native products; serve by
@@ -17,7 +17,7 @@ import torch
 from structlog.testing import capture_logs
 
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.native import decoder_stack, vnni_gemm
+from tokenmill_service.kernels.cpu import decoder_stack, vnni_gemm
 
 pytestmark = pytest.mark.skipif(
     decoder_stack.unavailable_reason() is not None,
@@ -105,7 +105,7 @@ def test_the_default_path_builds_no_attention_groups_nor_their_masks(served_mode
     (quadratic in a long prompt) are never built."""
     from tokenmill_service.engine.executor import make_executor
     from tokenmill_service.engine.model_runner import allocate_kv_cache
-    from tokenmill_service.ops.attention_metadata import build_attention_metadata
+    from tokenmill_service.kernels.attention_metadata import build_attention_metadata
 
     k_cache, v_cache = allocate_kv_cache(served_model, 40, 16)
     meta = build_attention_metadata([300, 1], [280, 7], [list(range(37)), [37]], k_cache, v_cache)

@@ -21,10 +21,10 @@ from tests.fidelity import prompt_logprob_errors
 from tests.server_process import ServerProcess
 from tokenmill_client import Client
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.kernels.cpu import paged_attention
+from tokenmill_service.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.models.loader import ModelLoadError, load_model
-from tokenmill_service.native import paged_attention
-from tokenmill_service.ops.attention_metadata import build_attention_metadata
-from tokenmill_service.ops.native_cpu_ops import NativeCpuOps
 from tokenmill_service.plan.device import probe_device
 
 pytestmark = pytest.mark.skipif(

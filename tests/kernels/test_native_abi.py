@@ -1,4 +1,4 @@
-"""The native ABI is written once (native/abi.py): the C++ compiles against a header generated from
+"""The native ABI is written once (kernels/cpu/abi.py): the C++ compiles against a header generated from
 it, the ctypes bindings are derived from it, and a disagreement stops the build."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from tokenmill_service.kernels.cpu import abi, block_gemm, build
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK
-from tokenmill_service.native import abi, block_gemm, build
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 

@@ -1,5 +1,5 @@
 """``--quantization gguf`` and ``gguf-vnni``: GGUF blocks multiplied as stored by tokenmill's native
-CPU kernels (native/block_gemm.cpp: float32 activations; native/vnni_gemm.cpp: 16-bit fixed-point
+CPU kernels (kernels/cpu/block_gemm.cpp: float32 activations; kernels/cpu/vnni_gemm.cpp: 16-bit fixed-point
 activations, integer products), checked against the plain-torch product with gguf's own
 dequantization."""
 
@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
 from tokenmill_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from tokenmill_service.layers.quant import quant_method_class
 from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
-from tokenmill_service.native import block_gemm, vnni_gemm
 
 pytestmark = pytest.mark.skipif(
     block_gemm.unavailable_reason() is not None, reason=f"native kernel unavailable: {block_gemm.unavailable_reason()}"
@@ -191,7 +191,7 @@ def test_without_a_compiler_the_kernels_say_why_and_auto_serves_with_torchs(tmp_
     """A fresh process with no C++ compiler and an empty kernel cache: ``auto`` falls back to torch's
     kernels (int4 layers, a dense head, the reference attention), logging why."""
     code = (
-        "from tokenmill_service.native import block_gemm\n"
+        "from tokenmill_service.kernels.cpu import block_gemm\n"
         "from tokenmill_service.models.loader import load_model, resolve_model_path\n"
         "print('REASON', block_gemm.unavailable_reason())\n"
         "print('QUANT', load_model(resolve_model_path(None), quantization='auto').quantization)\n"

@@ -1,5 +1,5 @@
-"""The native CPU ops (native/*.cpp, behind ops/native_cpu_ops.py) against the plain-torch reference
-(ops/torch_ops.py), and their batch invariance: attention on random paged caches, RMSNorm, rotary
+"""The native CPU ops (native/*.cpp, behind kernels/cpu/ops.py) against the plain-torch reference
+(kernels/torch_ops.py), and their batch invariance: attention on random paged caches, RMSNorm, rotary
 and SiLU-and-mul on random rows."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill_service.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.kernels.cpu import elementwise
+from tokenmill_service.kernels.cpu.ops import NativeCpuOps
+from tokenmill_service.kernels.torch_ops import TorchOps
 from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.native import elementwise
-from tokenmill_service.ops.attention_metadata import build_attention_metadata
-from tokenmill_service.ops.native_cpu_ops import NativeCpuOps
-from tokenmill_service.ops.torch_ops import TorchOps
 from tokenmill_service.plan.device import DeviceFacts, probe_device
 
 pytestmark = pytest.mark.skipif(

@@ -18,8 +18,8 @@ import torch
 
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import allocate_kv_cache, forward_prompt
+from tokenmill_service.kernels.attention_metadata import build_attention_metadata
 from tokenmill_service.models.llama import LlamaForCausalLM
-from tokenmill_service.ops.attention_metadata import build_attention_metadata
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 BLOCK_SIZE = 4

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
-from tokenmill_service.ops.interface import KVCacheLayout, register_ops
-from tokenmill_service.ops.torch_ops import TorchOps
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
+from tokenmill_service.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.plan import LoadPlan

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill_service.engine.causal_lm import CausalLM
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 
 
 class Executor(Protocol):

@@ -18,7 +18,7 @@ import torch
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.executor import Executor, make_executor
 from tokenmill_service.engine.scheduler import ScheduledBatch
-from tokenmill_service.ops.attention_metadata import build_attention_metadata
+from tokenmill_service.kernels.attention_metadata import build_attention_metadata
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """The native decoder stack as an executor: a Llama-family model's layers and final norm described
-to ``native/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
+to ``kernels/cpu/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
 as one native call a step with the bits of the model's own loop (tests/kernels/test_decoder_stack.py).
 
 The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tokenmill_service.native import decoder_stack
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.cpu import decoder_stack
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
-from tokenmill_service.ops.interface import Ops
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill_service.ops.interface import Ops
+from tokenmill_service.kernels.interface import Ops
 
 
 @dataclass(slots=True)

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels import get_ops
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.models.registry import model_class
-from tokenmill_service.ops import get_ops
 from tokenmill_service.plan.plan import LoadPlan
 from tokenmill_service.plan.resolve import DTYPES
 

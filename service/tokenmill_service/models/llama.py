@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as a plain ``nn.Module``.
 
 Built from ``layers/`` (linear layers with their quantization method, vocabulary-parallel
-embedding and head, norms, rotary tables) and ``ops/`` (the hot arithmetic, picked by backend),
+embedding and head, norms, rotary tables) and ``kernels/`` (the hot arithmetic, by the backend the plan picked),
 for one tensor-parallel rank. Checkpoint tensors keep Hugging Face's names; ``load_weights``
 routes each into its layer's loader, packing q/k/v and gate/up as they arrive.
 
@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill_service.layers.linear import (
     LinearBase,
@@ -33,8 +35,6 @@ from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.registry import register_model
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
-from tokenmill_service.ops.interface import Ops
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.plan import LoadPlan

@@ -7,9 +7,10 @@ something (no C++ compiler, no AVX-512 VNNI, no GPU) and read the reason it give
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-# The native CPU kernels, by library name (native/<name>.cpp).
+# The native CPU kernels, by library name (kernels/cpu/<name>.cpp).
 NATIVE_KERNELS = ("block_gemm", "vnni_gemm", "paged_attention", "elementwise", "decoder_stack")
 
 
@@ -46,14 +47,13 @@ def probe_device(device: str, compiler: bool = False) -> DeviceFacts:
     import torch
 
     from tokenmill_service.dtypes import cpu_has_native_bf16
-    from tokenmill_service.ops.triton_support import interpreter_enabled, triton_unavailable_reason
 
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
     kind = device.split(":")[0]
     missing: dict[str, str] = {}
     if kind == "cpu":
-        from tokenmill_service.native import build
+        from tokenmill_service.kernels.cpu import build
 
         for name in NATIVE_KERNELS:
             if (reason := build.unavailable_reason(name)) is not None:
@@ -78,4 +78,31 @@ def _inductor_compiler_missing() -> str | None:
         get_cpp_compiler()
     except Exception as exc:  # noqa: BLE001 - whatever inductor raises when it finds no compiler
         return f"no C++ compiler for inductor ({exc}); install g++ or set CXX"
+    return None
+
+
+# -- Triton: whether it can run here, decided before anything heavy is imported or loaded. It compiles
+# its kernels for a GPU; without one it can still run them in its interpreter (TRITON_INTERPRET=1,
+# NumPy on the CPU, slow, float32 only), which is for tests.
+
+
+def interpreter_enabled() -> bool:
+    """Triton's own switch; read when a kernel is defined, so it must be set before the process starts."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_unavailable_reason(device: str, gpu_visible: bool | None = None) -> str | None:
+    """None when ``--backend triton`` can run on ``device``; otherwise what is wrong and what to use.
+    ``gpu_visible``: whether torch sees a GPU (None: not known here, as in the torch-free server
+    process, which checks the flags alone and leaves the GPU to the worker's plan)."""
+    if interpreter_enabled():
+        return None
+    instead = (
+        "use --backend torch, or set TRITON_INTERPRET=1 to run the triton kernels in Triton's CPU "
+        "interpreter (slow, float32 only; for testing)"
+    )
+    if device != "cuda":
+        return f"--backend triton needs a GPU (--device cuda) and --device is {device}: {instead}"
+    if gpu_visible is False:
+        return f"--backend triton needs a GPU and torch sees none: {instead}"
     return None

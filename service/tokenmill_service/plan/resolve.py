@@ -13,12 +13,12 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.distributed.degree import check_degree
+from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.dims import ModelDims
 from tokenmill_service.models.registry import model_class
-from tokenmill_service.ops import Ops, ops_class
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused

@@ -34,7 +34,7 @@ class QuantMethod(ABC):
     name: ClassVar[str]
     # Native entry points (library, symbol; signature as block_gemm.cpp's) by kernel name: where
     # the method's kernel is one, native code may call it directly on ``native_operands``
-    # (native/decoder_stack.py).
+    # (kernels/cpu/decoder_stack.py).
     native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {}
 
     def __init__(self, act_dtype: torch.dtype, kernel: str | None = None) -> None:

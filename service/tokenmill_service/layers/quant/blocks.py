@@ -2,7 +2,7 @@
 
 The layer keeps the file's own bytes (Q4_0, Q4_1 or Q8_0: a float16 scale, for Q4_1 a float16
 minimum, and 32 quantized weights per block) and multiplies them with tokenmill's native kernel
-(``native/block_gemm.cpp``): float32 activations, each weight dequantized exactly as gguf
+(``kernels/cpu/block_gemm.cpp``): float32 activations, each weight dequantized exactly as gguf
 does, float32 sums in an order fixed per output, so a row's result is the same whatever else is in
 its batch. Unlike the int4/int8 methods nothing is rounded to bfloat16 on the way, so the served
 default is as close to the float32 reference as the file allows.
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from tokenmill_service.kernels.cpu import block_gemm as native
+from tokenmill_service.kernels.cpu import vnni_gemm as vnni
 from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks
-from tokenmill_service.native import block_gemm as native
-from tokenmill_service.native import vnni_gemm as vnni
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
@@ -78,7 +78,7 @@ class GGUFBlocksMethod(QuantMethod):
 
 @register_quantization("gguf-vnni")
 class GGUFBlocksVnniMethod(GGUFBlocksMethod):
-    """The same blocks multiplied with integer products (``native/vnni_gemm.cpp``, AVX-512 VNNI):
+    """The same blocks multiplied with integer products (``kernels/cpu/vnni_gemm.cpp``, AVX-512 VNNI):
     activations as 16-bit fixed point per block of 32 (two int8 digits), exact integer sums,
     float32 scales. 2.1 to 2.7 times the float32 kernel's rate; logprobs
     within about 1e-3 of the float32 reference. Rows stay independent, each output reduced in a

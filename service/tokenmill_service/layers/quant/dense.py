@@ -1,7 +1,7 @@
 """Unquantized weights in the activation dtype (float32 or bfloat16).
 
 float32, on a CPU where tokenmill's native kernels build: the weight stays [out, in] and is
-multiplied by ``native/block_gemm.cpp`` as plain float32 rows (its F32 format), each output summed
+multiplied by ``kernels/cpu/block_gemm.cpp`` as plain float32 rows (its F32 format), each output summed
 in one fixed order whatever the number of rows, so batch-invariant by construction, on any
 AVX-512 CPU. That keeps a sequence's logits independent of its batch.
 
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill_service.kernels.cpu import block_gemm as native
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, dense
-from tokenmill_service.native import block_gemm as native
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts

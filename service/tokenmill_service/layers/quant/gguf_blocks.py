@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.native.abi import BLOCK_FORMATS, QUANT_BLOCK
+from tokenmill_service.kernels.cpu.abi import BLOCK_FORMATS, QUANT_BLOCK
 
 # Bytes per block of QUANT_BLOCK weights, for the quantized formats (from the one table the C++ shares).
 BLOCK_BYTES = {QType[f.name]: f.block_bytes for f in BLOCK_FORMATS if f.name != "F32"}

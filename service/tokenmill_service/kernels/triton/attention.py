@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill_service.ops.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenmill_service.kernels.attention_metadata import AttentionGroup, AttentionMetadata
 
 SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 64  # keys per tile inside a split

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill_service.native import abi, build, paged_attention
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.cpu import abi, build, paged_attention
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
 _Linear, _Layer, _Stack = (abi.structure(name) for name in ("TmLinear", "TmLayer", "TmStack"))

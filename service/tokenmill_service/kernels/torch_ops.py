@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill_service.ops.attention_metadata import KEY_CHUNK, AttentionGroup, AttentionMetadata
-from tokenmill_service.ops.interface import Ops, register_ops
+from tokenmill_service.kernels.attention_metadata import KEY_CHUNK, AttentionGroup, AttentionMetadata
+from tokenmill_service.kernels.interface import Ops, register_ops
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ import ctypes
 
 import torch
 
-from tokenmill_service.native import build
-from tokenmill_service.native.block_gemm import check_status, run_product
+from tokenmill_service.kernels.cpu import build
+from tokenmill_service.kernels.cpu.block_gemm import check_status, run_product
 
 GROUP = 16  # weight rows per packed group
 

@@ -1,7 +1,7 @@
 // The small per-token operations of a decoder layer, each one pass over its rows instead of the
-// five to twelve torch operations (and their dispatch) it takes in ops/torch_ops.py. float32 in
+// five to twelve torch operations (and their dispatch) it takes in kernels/torch_ops.py. float32 in
 // and out; every row is computed on its own, in an order fixed by the row's length alone.
-// Built and loaded by native/build.py (g++ -O3 -march=native -fopenmp).
+// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <immintrin.h>
 #include <math.h>

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ register_ops = _BACKENDS.register
 def ops_class(name: str) -> type[Ops]:
     """The backend registered as ``name`` (ValueError naming the registered ones otherwise)."""
     if name == "triton" and name not in _BACKENDS:
-        import tokenmill_service.ops.triton  # noqa: F401 - registers itself; imported only when asked for
+        import tokenmill_service.kernels.triton  # noqa: F401 - registers itself; imported only when asked for
     return _BACKENDS.get(name)
 
 

@@ -7,7 +7,7 @@ query rows, so that no layer loops over sequences and no layer reads a Python li
 with the host. The groups are built when first read (by the first layer's attention, for all
 layers): the native kernel reads the flat per-token view instead and never pays for them. Keys are visited in fixed chunks of ``KEY_CHUNK`` absolute positions, the same
 chunks whichever group a query sits in: that is what makes a query's result independent of
-the batch and of whether its prefix was prefilled or decoded (see ops/torch_ops.py).
+the batch and of whether its prefix was prefilled or decoded (see kernels/torch_ops.py).
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ class AttentionMetadata:
     # Cache slot (block * block_size + offset) of each new token, [T] int64.
     slot_mapping: torch.Tensor
     num_tokens: int
-    # The KV cache of every layer, in the ops backend's layout (ops/interface.py: KVCacheLayout).
+    # The KV cache of every layer, in the ops backend's layout (kernels/interface.py: KVCacheLayout).
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_size: int
-    # Flat per-token view, for kernels that take each query on its own (native/paged_attention.py):
+    # Flat per-token view, for kernels that take each query on its own (kernels/cpu/paged_attention.py):
     # the absolute position [T] and sequence [T] of each new token, and every sequence's block
     # table, [S, max blocks] int64 padded with 0.
     positions: torch.Tensor
     seq_of_token: torch.Tensor
     block_tables: torch.Tensor
     # Builds the groups (below) the first time they are read: kernels that take each query on its
-    # own from the flat view (native/paged_attention.py) never read them, nor build their masks.
+    # own from the flat view (kernels/cpu/paged_attention.py) never read them, nor build their masks.
     build_groups: Callable[[], list[AttentionGroup]]
     extra: dict[str, object] = field(default_factory=dict)  # backend-specific additions
     _groups: list[AttentionGroup] | None = None

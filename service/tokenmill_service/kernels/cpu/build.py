@@ -27,7 +27,7 @@ from pathlib import Path
 
 import structlog
 
-from tokenmill_service.native import abi
+from tokenmill_service.kernels.cpu import abi
 
 log = structlog.get_logger(__name__)
 

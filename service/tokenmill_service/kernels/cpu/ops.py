@@ -1,7 +1,7 @@
 """The ``native`` backend: the torch backend's operations in tokenmill's native CPU kernels (native/).
 
-Attention is native/paged_attention.cpp; RMSNorm with the residual add, rotary and SiLU-and-mul are
-native/elementwise.cpp, one pass each instead of several torch operations. The load plan picks it
+Attention is kernels/cpu/paged_attention.cpp; RMSNorm with the residual add, rotary and SiLU-and-mul are
+kernels/cpu/elementwise.cpp, one pass each instead of several torch operations. The load plan picks it
 for ``--backend torch`` where it can run (``unavailable_reason``: a CPU, float32 activations,
 head_dim 64 or 128, the kernels built); it lays its key cache out transposed per block
 (``kv_cache_layout``) and can store the cache in float16. Tensors it has no kernel for (another
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill_service.native import elementwise, paged_attention
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
-from tokenmill_service.ops.interface import KVCacheLayout, register_ops
-from tokenmill_service.ops.torch_ops import TorchOps
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.cpu import elementwise, paged_attention
+from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
+from tokenmill_service.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from tokenmill_service.native import build
+from tokenmill_service.kernels.cpu import build
 
 HEAD_DIMS = (64, 128)
 CACHE_DTYPES = {torch.float32: "", torch.float16: "_f16"}  # the kernels' symbol suffixes

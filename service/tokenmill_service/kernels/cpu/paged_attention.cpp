@@ -1,5 +1,5 @@
 // Causal attention of each new token over its sequence's paged KV cache, float32, on the CPU.
-// Built and loaded by native/build.py (g++ -O3 -march=native -fopenmp).
+// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 //
 // Every query is computed on its own, in one fixed order that depends only on its position: the
 // scores of keys 0..p (each summed over the head dimension in order), their maximum, the

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill_service.native import abi, build
+from tokenmill_service.kernels.cpu import abi, build
 
 # ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads; abi.py's table).
 F32 = 0  # plain float32 rows: the dense method's weights (layers/quant/dense.py)

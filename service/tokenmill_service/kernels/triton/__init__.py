@@ -1,4 +1,4 @@
-"""The triton backend: the hot operations as Triton kernels, one file each, tested against ops/torch_ops.py.
+"""The triton backend: the hot operations as Triton kernels, one file each, tested against kernels/torch_ops.py.
 
 Selected with ``--backend triton``. On a GPU the kernels are compiled; with ``TRITON_INTERPRET=1``
 they run in Triton's interpreter on the CPU (slow; for tests), where the model runs float32.
@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from tokenmill_service.ops.attention_metadata import AttentionMetadata
-from tokenmill_service.ops.interface import Ops, register_ops
-from tokenmill_service.ops.triton.attention import paged_attention
-from tokenmill_service.ops.triton.rms_norm import rms_norm
-from tokenmill_service.ops.triton.rotary import rotary
-from tokenmill_service.ops.triton.silu_and_mul import silu_and_mul
-from tokenmill_service.ops.triton.store_kv import store_kv
-from tokenmill_service.ops.triton_support import interpreter_enabled
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.interface import Ops, register_ops
+from tokenmill_service.kernels.triton.attention import paged_attention
+from tokenmill_service.kernels.triton.rms_norm import rms_norm
+from tokenmill_service.kernels.triton.rotary import rotary
+from tokenmill_service.kernels.triton.silu_and_mul import silu_and_mul
+from tokenmill_service.kernels.triton.store_kv import store_kv
+from tokenmill_service.plan.device import interpreter_enabled
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts

@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from tokenmill_service.native import build
+from tokenmill_service.kernels.cpu import build
 
 
 def _lib() -> ctypes.CDLL:

@@ -4,7 +4,7 @@
 // decoder_stack.py), in the same order on the same inputs: so the same bits, without some 15
 // Python-level calls and tensor allocations per layer, which at one decoding sequence cost more
 // than the layer's arithmetic.
-// Built and loaded by native/build.py (g++ -O3 -march=native -fopenmp).
+// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
 #include <string.h>
