@@ -8,7 +8,7 @@ each before the model is built.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenmill_service.models.config import ModelConfig
 
@@ -32,7 +32,7 @@ def register_model(*architectures: str) -> Callable[[type], type]:
     return wrap
 
 
-def model_class(architecture: str) -> type:
+def model_class(architecture: str) -> type[Any]:
     """The family registered for ``architecture`` (ValueError naming those that are otherwise)."""
     import tokenmill_service.models.llama  # noqa: F401 - registers the built-in families
 

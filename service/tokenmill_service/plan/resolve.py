@@ -140,7 +140,9 @@ def _layer_method(setting: str, native: str | None, kinds: set[QType | None], pr
     """The method of one layer under ``--quantization setting`` (``native``: the GGUF method chosen)."""
     names = "/".join(sorted(k.name if k is not None else "float" for k in kinds))
     if setting == "auto" or setting in NATIVE_METHODS:
-        served = quant_method_class(native).served_types if native is not None else frozenset()
+        served: frozenset[QType] = (
+            getattr(quant_method_class(native), "served_types", frozenset()) if native else frozenset()
+        )
         if native is not None and len(kinds) == 1 and kinds <= served:
             return native, "the GGUF file's blocks, multiplied as stored"
         if kinds <= _INT4_TYPES:
