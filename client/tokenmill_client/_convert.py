@@ -9,6 +9,7 @@ from ._types import (
     EngineState,
     FinishReason,
     GenerateEvent,
+    GenerateOptions,
     GenerateResult,
     Limits,
     MessageLike,
@@ -39,24 +40,12 @@ def build_generate_request(
     prompt: str | None,
     messages: Sequence[MessageLike] | None,
     token_ids: Sequence[int] | None,
-    *,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    repetition_penalty: float,
-    seed: int | None,
-    max_new_tokens: int,
-    stop: Sequence[str],
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
-    logprobs: bool,
-    top_logprobs: int,
-    prompt_logprobs: bool,
-    request_id: str | None,
+    options: GenerateOptions,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; exactly one of prompt, messages and token_ids must be given (ValueError otherwise).
 
     Values are sent as they are: the server validates them and answers INVALID_ARGUMENT with a message.
+    ``options.timeout`` is the call's, not the request's.
     """
     given = [
         name
@@ -65,22 +54,26 @@ def build_generate_request(
     ]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
-    if isinstance(stop, str):
-        stop = (stop,)
     sampling = pb.SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p,
+        repetition_penalty=options.repetition_penalty,
     )
-    if seed is not None:
-        sampling.seed = seed
+    if options.seed is not None:
+        sampling.seed = options.seed
     request = pb.GenerateRequest(
         sampling=sampling,
         stopping=pb.StoppingParams(
-            max_new_tokens=max_new_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+            max_new_tokens=options.max_new_tokens,
+            stop=list(options.stop),
+            stop_token_ids=list(options.stop_token_ids),
+            ignore_eos=options.ignore_eos,
         ),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        prompt_logprobs=prompt_logprobs,
-        request_id=request_id or "",
+        logprobs=options.logprobs,
+        top_logprobs=options.top_logprobs,
+        prompt_logprobs=options.prompt_logprobs,
+        request_id=options.request_id or "",
     )
     if prompt is not None:
         request.prompt = prompt

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TypeAlias, TypedDict
 
 
 class FinishReason(str, enum.Enum):
@@ -74,6 +75,95 @@ def to_chat_messages(messages: Sequence[MessageLike]) -> tuple[ChatMessage, ...]
     if isinstance(messages, (str, bytes)):
         raise TypeError("messages must be a sequence of chat messages, not a string")
     return tuple(to_chat_message(m) for m in messages)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateOptions:
+    """How to generate: sampling, stopping, what to return and the call's deadline.
+
+    Every generate method takes one as ``options=``, and each field as a keyword that overrides it:
+    ``client.generate_text(prompt, options=base, seed=1)``. Make variants with
+    ``dataclasses.replace(base, temperature=0.7)``. The defaults are greedy decoding up to the server's
+    default length. Values are sent as they are: the server checks them against its limits and answers
+    with an InvalidRequestError that names the field.
+    """
+
+    max_new_tokens: int = 0
+    """The most tokens to generate; 0 = the server's default."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 = greedy."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches p; 0 or 1 = off."""
+    repetition_penalty: float = 1.0
+    """Makes tokens already seen less likely; 0 or 1 = off."""
+    seed: int | None = None
+    """The same seed and request give the same tokens; None = a fresh random seed."""
+    stop: Sequence[str] = ()
+    """Strings that end generation (not part of the text); a single string is one stop string."""
+    stop_token_ids: Sequence[int] = ()
+    """Token ids that end generation as EOS does."""
+    ignore_eos: bool = False
+    """Keep going past end-of-sequence, up to max_new_tokens or the end of the context."""
+    logprobs: bool = False
+    """Return each generated token's log-probability."""
+    top_logprobs: int = 0
+    """Also return this many most likely alternatives at each position (implies logprobs)."""
+    prompt_logprobs: bool = False
+    """Return the prompt's tokens with their log-probabilities in the first event."""
+    request_id: str | None = None
+    """Echoed in every event and in the server's logs; None = the server makes one."""
+    timeout: float | None = None
+    """Deadline of the whole call in seconds, retries included; None = the client's default."""
+
+    def __post_init__(self) -> None:
+        # Tuples, so that options stay immutable (and hashable) whatever sequence was given.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+class GenerateOverrides(TypedDict, total=False):
+    """GenerateOptions' fields as keyword arguments of the generate methods (``**overrides``).
+
+    Names and types match GenerateOptions field for field: mypy checks the types where the overrides
+    are applied (``dataclasses.replace``), and a test checks that no field is missing.
+    """
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: bool
+    request_id: str | None
+    timeout: float | None
+
+
+_DEFAULT_OPTIONS = GenerateOptions()
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateOptions))
+
+
+def resolve_options(caller: str, options: GenerateOptions | None, overrides: GenerateOverrides) -> GenerateOptions:
+    """``options`` (default: GenerateOptions()) with the keyword ``overrides`` of ``caller`` applied.
+
+    A keyword that is not an option is a TypeError, as it would be for a signature that listed them.
+    """
+    unknown = sorted(overrides.keys() - _OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    if options is None:
+        options = _DEFAULT_OPTIONS
+    elif not isinstance(options, GenerateOptions):
+        raise TypeError(f"options must be a GenerateOptions, got {type(options).__name__}")
+    return dataclasses.replace(options, **overrides) if overrides else options
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,19 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._transport import default_target
-from ._types import ChatMessage, FinishReason, GenerateEvent, GenerateResult, ModelInfo, Token
+from ._types import (
+    ChatMessage,
+    FinishReason,
+    GenerateEvent,
+    GenerateOptions,
+    GenerateOverrides,
+    GenerateResult,
+    ModelInfo,
+    Token,
+)
 from .client import Client
 from .errors import (
     AuthenticationError,
@@ -30,6 +39,9 @@ from .errors import (
     TokenmillError,
     UnavailableError,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # annotations only: typing.Unpack needs Python 3.11
 
 ENV_TOKEN = "TOKENMILL_TOKEN"
 EXIT_FAILED = 1
@@ -106,63 +118,34 @@ def _fmt_num(value: float) -> str:
 
 @dataclass
 class GenSettings:
-    """The sampling and stopping settings of the generate command (and of the REPL, which edits them)."""
+    """The generate command's settings (the REPL edits them): the generate options and how prompts are sent."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    options: GenerateOptions = field(default_factory=GenerateOptions)
     system: str | None = None
     raw: bool = False
 
     def stream(
-        self, client: Client, prompt: str | None, messages: Sequence[ChatMessage] | None, *, logprobs: bool = False
+        self, client: Client, prompt: str | None, messages: Sequence[ChatMessage] | None
     ) -> Generator[GenerateEvent, None, None]:
-        return client.generate(
-            prompt,
-            messages=messages,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            repetition_penalty=self.repetition_penalty,
-            max_new_tokens=self.max_new_tokens,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-        )
+        return client.generate(prompt, messages=messages, options=self.options)
 
     def complete(self, client: Client, prompt: str | None, messages: Sequence[ChatMessage] | None) -> GenerateResult:
-        return client.generate_text(
-            prompt,
-            messages=messages,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            repetition_penalty=self.repetition_penalty,
-            max_new_tokens=self.max_new_tokens,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            ignore_eos=self.ignore_eos,
-        )
+        return client.generate_text(prompt, messages=messages, options=self.options)
 
     def summary(self) -> str:
+        o = self.options
         parts = [
-            f"temperature={_fmt_num(self.temperature)}" + (" (greedy)" if self.temperature == 0 else ""),
-            f"top_k={self.top_k or 'off'}",
-            f"top_p={'off' if self.top_p in (0.0, 1.0) else _fmt_num(self.top_p)}",
+            f"temperature={_fmt_num(o.temperature)}" + (" (greedy)" if o.temperature == 0 else ""),
+            f"top_k={o.top_k or 'off'}",
+            f"top_p={'off' if o.top_p in (0.0, 1.0) else _fmt_num(o.top_p)}",
         ]
-        if self.repetition_penalty not in (0.0, 1.0):
-            parts.append(f"repetition_penalty={_fmt_num(self.repetition_penalty)}")
-        parts.append(f"limit={self.max_new_tokens or 'server default'}")
-        parts.append(f"seed={'random' if self.seed is None else self.seed}")
-        if self.stop:
-            parts.append(f"stop={self.stop!r}")
-        if self.ignore_eos:
+        if o.repetition_penalty not in (0.0, 1.0):
+            parts.append(f"repetition_penalty={_fmt_num(o.repetition_penalty)}")
+        parts.append(f"limit={o.max_new_tokens or 'server default'}")
+        parts.append(f"seed={'random' if o.seed is None else o.seed}")
+        if o.stop:
+            parts.append(f"stop={list(o.stop)!r}")
+        if o.ignore_eos:
             parts.append("ignore_eos")
         return " ".join(parts)
 
@@ -171,19 +154,26 @@ class GenSettings:
         return [*system, *history, ChatMessage("user", user)]
 
 
-def _settings_from_args(args: argparse.Namespace) -> GenSettings:
-    return GenSettings(
+def options_from_args(args: argparse.Namespace) -> GenerateOptions:
+    """The generate command's flags as one GenerateOptions.
+
+    --timeout is not among them: it is the client's default deadline, for every command.
+    """
+    return GenerateOptions(
+        max_new_tokens=args.limit,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
-        max_new_tokens=args.limit,
         seed=args.seed,
-        stop=list(args.stop),
+        stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
-        system=args.system,
-        raw=args.raw,
+        logprobs=_output_mode(args) == "tokens",  # --show-tokens prints each token's logprob
     )
+
+
+def _settings_from_args(args: argparse.Namespace) -> GenSettings:
+    return GenSettings(options=options_from_args(args), system=args.system, raw=args.raw)
 
 
 def _client_from_args(args: argparse.Namespace) -> Client:
@@ -222,7 +212,7 @@ def _stream_answer(
 
     Returns the last event and the whole text. Ctrl-C propagates as KeyboardInterrupt once the call is cancelled.
     """
-    stream = settings.stream(client, prompt, messages, logprobs=mode == "tokens")
+    stream = settings.stream(client, prompt, messages)
     last: GenerateEvent | None = None
     text: list[str] = []
     ends_with_newline = True
@@ -545,35 +535,40 @@ class Repl:
             _error_line(describe_error(exc))
             return
         if last is not None and last.finish_reason is FinishReason.LENGTH:
-            _err(f"[stopped at the limit of {self.settings.max_new_tokens} tokens: /tokens N to change it]\n")
+            _err(f"[stopped at the limit of {self.settings.options.max_new_tokens} tokens: /tokens N to change it]\n")
         elif last is not None and last.finish_reason is FinishReason.CONTEXT_LIMIT:
             _err("[the conversation fills the model's context: /clear to start afresh]\n")
         self.history += [ChatMessage("user", question), ChatMessage("assistant", answer)]
 
     def _set_temp(self, arg: str) -> bool:
-        self.settings.temperature = _parse_float(arg, "temperature", 0.0)
-        _err(f"temperature = {_fmt_num(self.settings.temperature)}\n")
+        options = self._replace(temperature=_parse_float(arg, "temperature", 0.0))
+        _err(f"temperature = {_fmt_num(options.temperature)}\n")
         return True
 
     def _set_topk(self, arg: str) -> bool:
-        self.settings.top_k = _parse_int(arg, "top_k")
-        _err(f"top_k = {self.settings.top_k or 'off'}\n")
+        options = self._replace(top_k=_parse_int(arg, "top_k"))
+        _err(f"top_k = {options.top_k or 'off'}\n")
         return True
 
     def _set_topp(self, arg: str) -> bool:
-        self.settings.top_p = _parse_float(arg, "top_p", 0.0, 1.0)
-        _err(f"top_p = {_fmt_num(self.settings.top_p)}\n")
+        options = self._replace(top_p=_parse_float(arg, "top_p", 0.0, 1.0))
+        _err(f"top_p = {_fmt_num(options.top_p)}\n")
         return True
 
     def _set_tokens(self, arg: str) -> bool:
-        self.settings.max_new_tokens = _parse_int(arg, "tokens")
-        _err(f"tokens = {self.settings.max_new_tokens or 'server default'}\n")
+        options = self._replace(max_new_tokens=_parse_int(arg, "tokens"))
+        _err(f"tokens = {options.max_new_tokens or 'server default'}\n")
         return True
 
     def _set_seed(self, arg: str) -> bool:
-        self.settings.seed = None if arg.lower() in ("off", "none", "random") else _parse_int(arg, "seed")
-        _err(f"seed = {'random' if self.settings.seed is None else self.settings.seed}\n")
+        options = self._replace(seed=None if arg.lower() in ("off", "none", "random") else _parse_int(arg, "seed"))
+        _err(f"seed = {'random' if options.seed is None else options.seed}\n")
         return True
+
+    def _replace(self, **changes: Unpack[GenerateOverrides]) -> GenerateOptions:
+        """The session's options with ``changes`` (the next answers use them)."""
+        self.settings.options = dataclasses.replace(self.settings.options, **changes)
+        return self.settings.options
 
     def _set_system(self, arg: str) -> bool:
         self.settings.system = arg or None
@@ -581,16 +576,16 @@ class Repl:
         return True
 
     def _show_config(self, arg: str) -> bool:
-        s = self.settings
+        o = self.settings.options
         _out(
             f"server      {self.client.target}\n"
-            f"temperature {_fmt_num(s.temperature)}\n"
-            f"top_k       {s.top_k or 'off'}\n"
-            f"top_p       {_fmt_num(s.top_p)}\n"
-            f"tokens      {s.max_new_tokens or 'server default'}\n"
-            f"seed        {'random' if s.seed is None else s.seed}\n"
-            f"stop        {s.stop!r}\n"
-            f"system      {s.system!r}\n"
+            f"temperature {_fmt_num(o.temperature)}\n"
+            f"top_k       {o.top_k or 'off'}\n"
+            f"top_p       {_fmt_num(o.top_p)}\n"
+            f"tokens      {o.max_new_tokens or 'server default'}\n"
+            f"seed        {'random' if o.seed is None else o.seed}\n"
+            f"stop        {list(o.stop)!r}\n"
+            f"system      {self.settings.system!r}\n"
             f"turns       {len(self.history) // 2}\n"
         )
         return True

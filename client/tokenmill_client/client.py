@@ -29,11 +29,22 @@ from ._transport import (
     make_settings,
     retry_delay,
 )
-from ._types import GenerateEvent, GenerateResult, HealthStatus, MessageLike, ModelInfo, Tokenization
+from ._types import (
+    GenerateEvent,
+    GenerateOptions,
+    GenerateOverrides,
+    GenerateResult,
+    HealthStatus,
+    MessageLike,
+    ModelInfo,
+    Tokenization,
+    resolve_options,
+)
 from .errors import TokenmillError, error_from_rpc
 
 if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self needs Python 3.11
+    # Annotations only (never evaluated at run time): typing.Self and typing.Unpack need Python 3.11.
+    from typing_extensions import Self, Unpack
 
 _T = TypeVar("_T")
 _Req = TypeVar("_Req")
@@ -95,46 +106,20 @@ class Client:
         *,
         messages: Sequence[MessageLike] | None = None,
         token_ids: Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        max_new_tokens: int = 0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        options: GenerateOptions | None = None,
+        **overrides: Unpack[GenerateOverrides],
     ) -> Generator[GenerateEvent, None, None]:
         """Streams a generation as GenerateEvents; the last one carries finish_reason, usage and timing.
 
         Give exactly one of ``prompt`` (raw text), ``messages`` (a chat, rendered with the model's
-        template) or ``token_ids``. The call starts on the first ``next()``; stopping early (``break``,
-        ``close()``, an exception, Ctrl-C) cancels it, so the server stops generating.
+        template) or ``token_ids``. How to generate is ``options`` (a GenerateOptions), with any of its
+        fields given as keywords overriding it (``max_new_tokens=64``). The call starts on the first
+        ``next()``; stopping early (``break``, ``close()``, an exception, Ctrl-C) cancels it, so the
+        server stops generating.
         """
-        request = build_generate_request(
-            prompt,
-            messages,
-            token_ids,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            request_id=request_id,
-        )
-        return self._stream(request, timeout)
+        resolved = resolve_options("generate", options, overrides)
+        request = build_generate_request(prompt, messages, token_ids, resolved)
+        return self._stream(request, resolved.timeout)
 
     def generate_text(
         self,
@@ -142,42 +127,13 @@ class Client:
         *,
         messages: Sequence[MessageLike] | None = None,
         token_ids: Sequence[int] | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        max_new_tokens: int = 0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        prompt_logprobs: bool = False,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        options: GenerateOptions | None = None,
+        **overrides: Unpack[GenerateOverrides],
     ) -> GenerateResult:
         """Generates to the end and returns the whole result (see generate() for the parameters)."""
+        resolved = resolve_options("generate_text", options, overrides)
         builder = ResultBuilder()
-        for event in self.generate(
-            prompt,
-            messages=messages,
-            token_ids=token_ids,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            request_id=request_id,
-            timeout=timeout,
-        ):
+        for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
             builder.add(event)
         result = builder.result()
         if result is None:
@@ -190,40 +146,15 @@ class Client:
         self,
         messages: Sequence[MessageLike],
         *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        max_new_tokens: int = 0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        request_id: str | None = None,
-        timeout: float | None = None,
+        options: GenerateOptions | None = None,
+        **overrides: Unpack[GenerateOverrides],
     ) -> GenerateResult:
         """The assistant's whole answer to a conversation (ChatMessages, (role, content) tuples or dicts).
 
-        For a streamed answer use ``generate(messages=...)``.
+        ``options`` and keyword overrides as for generate(). For a streamed answer use ``generate(messages=...)``.
         """
-        return self.generate_text(
-            messages=messages,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            request_id=request_id,
-            timeout=timeout,
-        )
+        resolved = resolve_options("chat", options, overrides)
+        return self.generate_text(messages=messages, options=resolved)
 
     def tokenize(self, text_or_messages: str | Sequence[MessageLike], *, timeout: float | None = None) -> Tokenization:
         """Token ids and pieces of raw text, or of a chat rendered with the model's template."""

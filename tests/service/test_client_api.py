@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -26,6 +30,8 @@ from tokenmill_client import (
     EngineState,
     FinishReason,
     GenerateEvent,
+    GenerateOptions,
+    GenerateOverrides,
     GenerateResult,
     HealthStatus,
     InvalidRequestError,
@@ -37,6 +43,7 @@ from tokenmill_client import (
     UnavailableError,
     Usage,
 )
+from tokenmill_client._convert import build_generate_request
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc
 from tokenmill_client._transport import decode_health_response, encode_health_request
@@ -75,6 +82,113 @@ def test_generate_needs_exactly_one_kind_of_prompt() -> None:
             client.generate()
         with pytest.raises(ValueError, match="exactly one"):
             client.generate("text", token_ids=[1, 2])
+
+
+# ------------------------------------------------------------------------------------- generate options
+
+
+def test_generate_options_defaults_are_greedy_up_to_the_servers_default_length() -> None:
+    options = GenerateOptions()
+    assert (options.max_new_tokens, options.temperature, options.top_k, options.top_p) == (0, 0.0, 0, 1.0)
+    assert (options.repetition_penalty, options.seed, options.stop, options.stop_token_ids) == (1.0, None, (), ())
+    assert not (options.ignore_eos or options.logprobs or options.prompt_logprobs or options.top_logprobs)
+    assert options.request_id is None and options.timeout is None
+    # The defaults send what an empty request means: no seed, no stop, no extras.
+    request = build_generate_request("hi", None, None, options)
+    assert not request.sampling.HasField("seed")
+    assert request == pb.GenerateRequest(
+        prompt="hi",
+        sampling=pb.SamplingParams(top_p=1.0, repetition_penalty=1.0),
+        stopping=pb.StoppingParams(),
+    )
+
+
+def test_generate_options_are_frozen_slotted_keyword_only_and_hashable() -> None:
+    options = GenerateOptions(max_new_tokens=8, stop=["a", "b"], stop_token_ids=[7])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.seed = 1  # type: ignore[misc]
+    assert not hasattr(options, "__dict__")
+    with pytest.raises(TypeError):
+        GenerateOptions(8)  # type: ignore[call-arg]
+    # Sequences are kept as tuples, so a caller's list changing later changes nothing.
+    assert options.stop == ("a", "b") and options.stop_token_ids == (7,)
+    assert options == GenerateOptions(max_new_tokens=8, stop=("a", "b"), stop_token_ids=(7,))
+    assert hash(options) == hash(GenerateOptions(max_new_tokens=8, stop=("a", "b"), stop_token_ids=(7,)))
+    assert GenerateOptions(stop="END").stop == ("END",)  # one string is one stop string, not its characters
+
+
+def test_dataclasses_replace_makes_a_variant_and_leaves_the_original() -> None:
+    base = GenerateOptions(max_new_tokens=16, temperature=0.7, stop=["x"])
+    variant = dataclasses.replace(base, seed=3, stop="y")
+    assert variant == GenerateOptions(max_new_tokens=16, temperature=0.7, seed=3, stop=("y",))
+    assert base.seed is None and base.stop == ("x",)
+
+
+def test_generate_overrides_name_every_option_with_its_type() -> None:
+    fields = typing.get_type_hints(GenerateOptions)
+    assert typing.get_type_hints(GenerateOverrides) == fields
+    assert GenerateOverrides.__optional_keys__ == frozenset(fields)  # every override may be left out
+
+
+def test_a_keyword_that_is_not_an_option_is_a_type_error_before_any_call() -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens: the error must come first
+    with Client(address, max_retries=0) as client:
+        for call in (
+            lambda: client.generate("hi", max_tokens=8),  # type: ignore[call-arg]
+            lambda: client.generate_text("hi", max_tokens=8),  # type: ignore[call-arg]
+            lambda: client.chat([("user", "hi")], max_tokens=8),  # type: ignore[call-arg]
+        ):
+            with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+                call()
+        with pytest.raises(TypeError, match="GenerateOptions"):
+            client.generate_text("hi", options={"max_new_tokens": 8})  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        async with AsyncClient(address, max_retries=0) as aclient:
+            with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+                aclient.generate("hi", max_tokens=8)  # type: ignore[call-arg]
+            with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+                await aclient.generate_text("hi", max_tokens=8)  # type: ignore[call-arg]
+            with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+                await aclient.chat([("user", "hi")], max_tokens=8)  # type: ignore[call-arg]
+
+    asyncio.run(scenario())
+
+
+_TYPED_CALLS = """\
+from tokenmill_client import AsyncClient, Client, GenerateOptions
+
+
+async def calls(client: Client, aclient: AsyncClient) -> None:
+    client.generate_text("x", max_new_tokens=8, temperature=0.7, seed=1, logprobs=True, stop=["."])
+    client.generate_text("x", options=GenerateOptions(seed=2), top_k=3)
+    client.generate_text("x", max_tokens=8)
+    client.generate("x", temperature="hot")
+    client.chat([("user", "x")], nope=True)
+    await aclient.generate_text("x", seed="1")
+    GenerateOptions(nope=1)
+"""
+
+
+def test_mypy_checks_the_option_keywords_of_every_method(tmp_path: Path) -> None:
+    script = tmp_path / "calls.py"
+    script.write_text(_TYPED_CALLS)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "mypy"), "--strict", "--no-incremental", str(script)],
+        cwd=root,  # the project's mypy settings
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "MYPYPATH": str(root / "client")},
+    )
+    errors = dict(line.split(": error: ", 1) for line in result.stdout.splitlines() if ": error: " in line)
+    # Each bad line, and only those, is an error naming its keyword.
+    expected = {7: '"max_tokens"', 8: '"temperature"', 9: '"nope"', 10: '"seed"', 11: '"nope"'}
+    assert set(errors) == {f"{script}:{line}" for line in expected}, result.stdout
+    for line, keyword in expected.items():
+        assert keyword in errors[f"{script}:{line}"]
 
 
 @pytest.mark.parametrize(
@@ -207,6 +321,25 @@ def test_same_seed_gives_the_same_sample(client: Client) -> None:
     assert [t.id for t in first.tokens] == [t.id for t in second.tokens]
 
 
+def test_one_options_object_serves_every_method_and_keywords_override_it(client: Client, server_address: str) -> None:
+    base = GenerateOptions(max_new_tokens=5, ignore_eos=True, logprobs=True)
+    result = client.generate_text("Once upon a time", options=base)
+    assert result.finish_reason is FinishReason.LENGTH and len(result.tokens) == 5
+    assert all(t.logprob is not None for t in result.tokens)
+    shorter = client.generate_text("Once upon a time", options=base, max_new_tokens=3, logprobs=False)
+    assert len(shorter.tokens) == 3 and all(t.logprob is None for t in shorter.tokens)
+    assert [t.id for t in shorter.tokens] == [t.id for t in result.tokens[:3]]  # greedy: the same start
+    streamed = [t for e in client.generate("Once upon a time", options=base) for t in e.tokens]
+    assert [t.id for t in streamed] == [t.id for t in result.tokens]
+    assert len(client.chat([("user", QUESTION)], options=base).tokens) == 5
+
+    async def scenario() -> GenerateResult:
+        async with AsyncClient(server_address, timeout=120) as aclient:
+            return await aclient.generate_text("Once upon a time", options=base)
+
+    assert [t.id for t in asyncio.run(scenario()).tokens] == [t.id for t in result.tokens]
+
+
 def test_tokenize_a_chat_renders_the_template(client: Client) -> None:
     raw = client.tokenize(QUESTION)
     chat = client.tokenize([("user", QUESTION)])
@@ -326,6 +459,8 @@ class ScriptedGeneration(generate_pb2_grpc.GenerationServicer):  # type: ignore[
         self.script = script
         self.calls = 0
         self.metadata: list[dict[str, str]] = []
+        self.requests: list[pb.GenerateRequest] = []
+        self.deadlines: list[float | None] = []  # seconds left when each call arrived; None = no deadline
         self.lock = threading.Lock()
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -333,6 +468,8 @@ class ScriptedGeneration(generate_pb2_grpc.GenerationServicer):  # type: ignore[
             step = self.script[min(self.calls, len(self.script) - 1)]
             self.calls += 1
             self.metadata.append({k: v for k, v in context.invocation_metadata()})  # type: ignore[misc]
+            self.requests.append(request)
+            self.deadlines.append(context.time_remaining())
         codes = {
             "unavailable": grpc.StatusCode.UNAVAILABLE,
             "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
@@ -433,6 +570,58 @@ def test_bearer_token_is_sent_as_authorization_metadata() -> None:
             client.generate_text("hi")
     assert servicer.metadata[0]["authorization"] == "Bearer s3cret"
     assert "authorization" not in servicer.metadata[1]
+
+
+def test_options_and_keyword_overrides_reach_the_request_and_the_deadline() -> None:
+    base = GenerateOptions(
+        max_new_tokens=9,
+        temperature=0.5,
+        top_k=4,
+        top_p=0.9,
+        repetition_penalty=1.25,
+        seed=7,
+        stop="END",
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=2,
+        prompt_logprobs=True,
+        request_id="opts-1",
+        timeout=50.0,
+    )
+    expected = pb.GenerateRequest(
+        prompt="hi",
+        sampling=pb.SamplingParams(temperature=0.5, top_k=4, top_p=0.9, repetition_penalty=1.25, seed=8),
+        stopping=pb.StoppingParams(max_new_tokens=9, stop=["END"], stop_token_ids=[5, 6], ignore_eos=True),
+        logprobs=True,
+        top_logprobs=2,
+        prompt_logprobs=True,
+        request_id="opts-1",
+    )
+    chat = pb.GenerateRequest()
+    chat.CopyFrom(expected)
+    chat.chat.messages.add(role="user", content="hi")
+
+    async def scenario(address: str) -> None:
+        async with AsyncClient(address) as aclient:
+            await aclient.generate_text("hi", options=base, seed=8)
+            await aclient.chat([("user", "hi")], options=base, seed=8)
+
+    with scripted_server(["ok"]) as (address, servicer):
+        with Client(address, timeout=600) as client:
+            client.generate_text("hi", options=base, seed=8)  # the keyword wins over the options
+            list(client.generate("hi", options=base, seed=8))
+            client.chat([("user", "hi")], options=base, seed=8)
+            client.generate_text("hi")  # no options: the client's own deadline
+        asyncio.run(scenario(address))
+    plain = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=1.0, repetition_penalty=1.0), stopping={})
+    assert servicer.requests == [expected, expected, chat, plain, expected, chat]
+    assert base.seed == 7  # the overrides made a new options object
+    deadlines = [d for d in servicer.deadlines if d is not None]
+    assert len(deadlines) == len(servicer.deadlines)
+    # options.timeout where given, else the client's (gRPC rounds a deadline up by up to a second).
+    assert all(40 < d <= 51 for d in deadlines[:3] + deadlines[4:]), deadlines
+    assert 590 < deadlines[3] <= 601, deadlines
 
 
 def test_tls_with_root_certificates_from_a_file_or_bytes(tmp_path: Path) -> None:

@@ -22,7 +22,10 @@ from typing import Any
 import pytest
 
 from tests.server_process import free_port
-from tokenmill_client import Client, InvalidRequestError
+from tests.test_client_api import scripted_server
+from tokenmill_client import ChatMessage, Client, GenerateOptions, InvalidRequestError
+from tokenmill_client._convert import build_generate_request
+from tokenmill_client.cli import build_parser, main, options_from_args
 
 CLIENT = Path(sys.executable).parent / "tokenmill-client"
 QUESTION = "What is the capital of France?"
@@ -91,6 +94,42 @@ def test_unreadable_input_file_is_a_usage_error(tmp_path: Path) -> None:
     proc = run_cli("generate", "--input-file", str(tmp_path / "missing.txt"))
     assert proc.returncode == 2
     assert "missing.txt" in error_lines(proc.stderr)[0]
+
+
+def test_generate_flags_map_to_one_generate_options() -> None:
+    parser = build_parser()
+    # No flags: the type's own defaults.
+    assert options_from_args(parser.parse_args(["generate", "hi"])) == GenerateOptions()
+    args = parser.parse_args(
+        ["generate", "hi", "-t", "0.7", "-l", "12", "--top-k", "5", "--top-p", "0.9", "--repetition-penalty", "1.2",
+         "--seed", "3", "--stop", "END", "--stop", "\n\n", "--ignore-eos", "--show-tokens", "--timeout", "30"]
+    )  # fmt: skip
+    assert options_from_args(args) == GenerateOptions(
+        max_new_tokens=12,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        repetition_penalty=1.2,
+        seed=3,
+        stop=("END", "\n\n"),
+        ignore_eos=True,
+        logprobs=True,  # what --show-tokens prints
+    )  # --timeout stays the client's default deadline, for every command
+    assert not options_from_args(parser.parse_args(["generate", "hi", "--show-tokens", "--json"])).logprobs
+
+
+def test_generate_sends_the_options_its_flags_make(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["-t", "0.5", "-l", "7", "--top-k", "3", "--seed", "9", "--stop", "END", "--ignore-eos"]
+    with scripted_server(["ok"]) as (address, servicer):
+        assert main(["--server", address, "generate", "hi", "-q", *flags]) == 0
+        assert main(["--server", address, "generate", "hi", "-q", "--raw", "--system", "x"]) == 2  # never sent
+        assert main(["--server", address, "generate", "hi", "-q", "--raw", "--show-tokens"]) == 0
+    options = GenerateOptions(temperature=0.5, max_new_tokens=7, top_k=3, seed=9, stop="END", ignore_eos=True)
+    assert servicer.requests == [
+        build_generate_request(None, [ChatMessage("user", "hi")], None, options),
+        build_generate_request("hi", None, None, GenerateOptions(logprobs=True)),
+    ]
+    assert capsys.readouterr().out == "Hello!\n'Hello'\t-\n'!'\t-\n"
 
 
 # ------------------------------------------------------------------------------------- live server

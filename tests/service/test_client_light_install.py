@@ -46,8 +46,11 @@ def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(900)
 def test_base_install_imports_the_client_without_torch(light_venv: Path) -> None:
     python = light_venv / "bin" / "python"
-    imported = _run(python, "-c", "import tokenmill_client, tokenmill_client.cli; print(tokenmill_client.Client)")
+    imported = _run(
+        python, "-c", "import tokenmill_client, tokenmill_client.cli; print(tokenmill_client.GenerateOptions(seed=1))"
+    )
     assert imported.returncode == 0, imported.stderr
+    assert "GenerateOptions(max_new_tokens=0" in imported.stdout and "seed=1" in imported.stdout
     torch = _run(python, "-c", "import torch")
     assert torch.returncode != 0
     assert "No module named 'torch'" in torch.stderr
