@@ -173,6 +173,7 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
         quantization=info.quantization,
         weight_bytes=info.weight_bytes,
         tensor_parallel=info.tensor_parallel or 1,
+        load_plan=dict(info.load_plan),
         limits=Limits(
             max_new_tokens=lim.max_new_tokens,
             max_top_logprobs=lim.max_top_logprobs,

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias, TypedDict
 
 
@@ -326,3 +326,5 @@ class ModelInfo:
     quantization: str = ""  # "none", "int8", "int4", or a mix such as "int4+none"
     weight_bytes: int = 0  # bytes of weights one forward pass reads, as served
     tensor_parallel: int = 1  # ranks (processes, devices) per replica
+    # How the worker runs the model, each decision "value (reason)": "executor", "ops", "dtype", ...
+    load_plan: Mapping[str, str] = field(default_factory=dict)

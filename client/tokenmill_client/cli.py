@@ -663,6 +663,7 @@ def _format_model_info(info: ModelInfo) -> str:
             f"kv_blocks={eng.kv_blocks_used}/{eng.kv_blocks_total} kv_block_size={eng.kv_block_size}"
         ),
     ]
+    lines += [f"plan            {name}: {value}" for name, value in sorted(info.load_plan.items())]
     for w in info.workers:
         lines.append(
             f"worker {w.worker_id:<8} {'alive' if w.alive else 'DEAD'} running={w.running} waiting={w.waiting} "

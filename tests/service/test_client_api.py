@@ -355,6 +355,7 @@ def test_model_info_is_typed_and_consistent(client: Client) -> None:
     assert all(w.alive for w in info.workers)
     assert info.limits.max_new_tokens > 0
     assert info.engine.kv_blocks_total == sum(w.kv_blocks_total for w in info.workers)
+    assert info.load_plan["executor"].startswith("native-stack (") and info.load_plan["ops"].startswith("native (")
 
 
 def test_health_reports_serving(client: Client) -> None:

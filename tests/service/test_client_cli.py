@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.server_process import free_port
-from tests.test_client_api import scripted_server
+from tests.service.test_client_api import scripted_server
 from tokenmill_client import ChatMessage, Client, GenerateOptions, InvalidRequestError
 from tokenmill_client._convert import build_generate_request
 from tokenmill_client.cli import build_parser, main, options_from_args
@@ -202,8 +202,10 @@ def test_info_tokenize_and_health_commands(server_address: str) -> None:
     info = run_cli("info", "--server", server_address)
     assert info.returncode == 0, info.stderr
     assert re.search(r"^context_length\s+\d+$", info.stdout, re.MULTILINE)
+    assert re.search(r"^plan\s+executor: native-stack \(", info.stdout, re.MULTILINE)
     info_json = json.loads(run_cli("info", "--server", server_address, "--json").stdout)
     assert info_json["num_workers"] == len(info_json["workers"])
+    assert info_json["load_plan"]["kv_cache_layout"] == "blocks, keys transposed per block"
 
     tok = run_cli("tokenize", "--server", server_address, "Hello world", "--json")
     assert tok.returncode == 0, tok.stderr
