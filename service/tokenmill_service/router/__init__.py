@@ -1,0 +1,30 @@
+"""The router: between the servicer and the worker processes, in the server's (torch-free) process.
+
+- ``dispatch.py``: ``Router``: admission, the least loaded replica, resumption, cancellation
+- ``replicas.py``: ``ReplicaPool``: the worker processes, their pipes, supervision and restarts
+- ``spec.py``: what each worker process is started with (the load options whole, limits, threads)
+- ``streams.py``: one admitted request, as kept for resumption and as its caller reads it
+- ``errors.py``: what a request's stream can end with (each one gRPC status)
+"""
+
+from tokenmill_service.router.dispatch import Router
+from tokenmill_service.router.errors import (
+    DeadlineExceeded,
+    Overloaded,
+    Rejected,
+    RouterError,
+    Unavailable,
+    WorkerStartError,
+)
+from tokenmill_service.router.streams import RequestStream
+
+__all__ = [
+    "DeadlineExceeded",
+    "Overloaded",
+    "Rejected",
+    "RequestStream",
+    "Router",
+    "RouterError",
+    "Unavailable",
+    "WorkerStartError",
+]

@@ -1,0 +1,183 @@
+"""Dispatch: admitting requests (bounded), sending each to the least loaded replica, handing its
+outputs to its stream, resuming the requests of a replica that died on another one (prompt + the
+tokens already sent, same seed), and cancelling what callers abandon.
+
+``Router`` is what the servicer talks to; the replicas themselves (processes, supervision,
+restarts) are ``ReplicaPool``'s, which tells the router what happened through ``ReplicaListener``.
+It lives on the server's asyncio loop and imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+import uuid
+from collections.abc import Sequence
+
+import structlog
+
+from tokenmill_service.config import Settings
+from tokenmill_service.engine.request import GenerationRequest, RequestOutput
+from tokenmill_service.messages import AddRequest, Cancel
+from tokenmill_service.metrics import Metrics
+from tokenmill_service.router.errors import Overloaded, Rejected, Unavailable
+from tokenmill_service.router.replicas import Replica, ReplicaPool
+from tokenmill_service.router.streams import InFlight, RequestStream
+
+log = structlog.get_logger("tokenmill.router")
+
+
+class Router:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.pool = ReplicaPool(settings, metrics, self)
+        self.num_workers = self.pool.num_workers
+        # Set whenever a replica starts or stops serving, so health follows at once.
+        self.state_changed = self.pool.state_changed
+        self.requests: dict[str, InFlight] = {}
+        # Requests whose replica died while no other could take them; admitted on the next Ready.
+        self.parked: list[InFlight] = []
+        self.draining = False
+
+    @property
+    def workers(self) -> list[Replica]:
+        return self.pool.replicas
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, timeout: float = 600.0) -> None:
+        await self.pool.start(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.pool.serving()) and not self.draining
+
+    async def drain(self, seconds: float) -> None:
+        """Refuse new work; give in-flight requests up to `seconds` to finish."""
+        self.draining = True
+        deadline = time.monotonic() + seconds
+        while self.inflight_count() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.inflight_count()
+        if left:
+            log.warning("drain_timeout", abandoned=left)
+            for inflight in list(self.requests.values()):
+                inflight.end(Unavailable("the server is shutting down"))
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def inflight_count(self) -> int:
+        return len(self.requests)
+
+    def capacity(self) -> int:
+        return len(self.pool.serving()) * self.settings.max_batch_size + self.settings.max_queue
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica")
+        worker = self._pick()
+        if worker is None:
+            raise Unavailable("no worker is ready to serve; retry shortly")
+        if self.inflight_count() >= self.capacity():
+            raise Overloaded(
+                f"the server is at capacity ({self.capacity()} requests in flight, "
+                f"queue size {self.settings.max_queue}); retry later"
+            )
+        # The engine's id is ours, unique; the caller's request_id stays in the servicer.
+        request.request_id = uuid.uuid4().hex
+        if request.sampling.seed is None:
+            # Fixed now, so that a resumed request continues the same random stream.
+            request.sampling.seed = secrets.randbits(63)
+        stream = RequestStream(self._drop)
+        inflight = InFlight(request, stream)
+        stream.inflight = inflight
+        self.requests[request.request_id] = inflight
+        self._dispatch(inflight, worker)
+        log.debug("request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight))
+        return stream
+
+    def _pick(self) -> Replica | None:
+        candidates = self.pool.serving()
+        return min(candidates, key=lambda w: len(w.inflight)) if candidates else None
+
+    def _dispatch(self, inflight: InFlight, replica: Replica) -> None:
+        request = inflight.request
+        if inflight.delivered:
+            # The engine prefills prompt + sent tokens and primes its detokenizer with them, emitting nothing twice.
+            request = dataclasses.replace(request, resume_ids=list(inflight.sent_ids), prompt_logprobs=False)
+        inflight.replica = replica
+        replica.inflight[request.request_id] = inflight
+        self.pool.send(replica, AddRequest(request))
+
+    def _drop(self, inflight: InFlight) -> None:
+        """Forget a request (finished, failed or abandoned); cancel it in its replica if it still runs it."""
+        request_id = inflight.request.request_id
+        self.requests.pop(request_id, None)
+        if inflight in self.parked:
+            self.parked.remove(inflight)
+        replica, inflight.replica = inflight.replica, None
+        if replica is not None and replica.inflight.pop(request_id, None) is not None and replica.alive:
+            self.pool.send(replica, Cancel(request_id))
+
+    # -- what the replicas report (ReplicaListener) --------------------------------------------
+
+    def on_outputs(self, replica: Replica, outputs: Sequence[RequestOutput]) -> None:
+        for out in outputs:
+            inflight = replica.inflight.get(out.request_id)
+            if inflight is None:
+                continue  # cancelled meanwhile
+            inflight.deliver(out)
+            if out.finished:
+                del replica.inflight[out.request_id]
+                self.requests.pop(out.request_id, None)
+
+    def on_rejected(self, replica: Replica, request_id: str, message: str) -> None:
+        inflight = replica.inflight.pop(request_id, None)
+        self.requests.pop(request_id, None)
+        if inflight is not None:
+            inflight.end(Rejected(message))
+
+    def on_ready(self, replica: Replica) -> None:
+        parked, self.parked = self.parked, []
+        for inflight in parked:
+            target = self._pick()
+            if target is None:
+                self.parked.append(inflight)
+            else:
+                self._dispatch(inflight, target)
+
+    def on_lost(self, lost: list[InFlight], reason: str) -> None:
+        for inflight in lost:
+            if self.pool.stopping:
+                inflight.end(Unavailable("the server is shutting down"))
+            else:
+                self._resume(inflight, reason)
+
+    def _resume(self, inflight: InFlight, reason: str) -> None:
+        """Re-admit a request whose replica died: prompt + the tokens already sent, same seed."""
+        limit = self.settings.max_resumptions
+        if inflight.resumptions >= limit:
+            self._drop(inflight)
+            moved = f"it was already resumed {inflight.resumptions} times" if limit else "resumption is off"
+            inflight.end(Unavailable(f"{reason}; {moved} (--max-resumptions {limit}); retry the request"))
+            return
+        inflight.resumptions += 1
+        inflight.replica = None
+        target = self._pick()
+        log.info(
+            "request_resumed",
+            request_id=inflight.request.request_id,
+            tokens_sent=len(inflight.sent_ids),
+            resumptions=inflight.resumptions,
+            worker_id=target.worker_id if target is not None else None,
+        )
+        if target is None:
+            self.parked.append(inflight)
+        else:
+            self._dispatch(inflight, target)

@@ -1,0 +1,27 @@
+"""What a caller of the router sees go wrong; each maps to one gRPC status in the servicer."""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base of the errors a request's stream ends with."""
+
+
+class Unavailable(RouterError):
+    """No replica can take the request now (none ready, all dead, shutting down): UNAVAILABLE."""
+
+
+class Overloaded(RouterError):
+    """Every replica's batch and the admission queue are full: RESOURCE_EXHAUSTED."""
+
+
+class DeadlineExceeded(RouterError):
+    """The caller's deadline passed before generation ended: DEADLINE_EXCEEDED."""
+
+
+class Rejected(RouterError):
+    """The worker's engine refused the request (a limit the servicer could not check)."""
+
+
+class WorkerStartError(RuntimeError):
+    """A replica failed to load its model or to run its warm-up step."""
