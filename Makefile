@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 # The package itself, linked into the venv; redone when a source file is added or changed.
 LINKED := $(VENV)/.linked
-SOURCES := $(shell find client service bench -name '*.py' -o -name '*.pyi' -o -name py.typed 2>/dev/null)
+SOURCES := $(shell find client service bench -name "*.py" -o -name "*.pyi" -o -name py.typed -o -name "*.cpp" -o -name "*.h" 2>/dev/null)
 TOOLS  := .tools
 
 HOST ?= 127.0.0.1

@@ -25,15 +25,8 @@
 // in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
 // dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in the file.
 
-#include <immintrin.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-
-#include <algorithm>
-#include <vector>
-
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
+#include "vnni_common.h"  // the activations' fixed point and the tiles' driver, shared with kquant_gemm.cpp
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
 #error "vnni_gemm needs AVX-512F/BW, AVX-512 VNNI and F16C"
@@ -41,8 +34,11 @@
 
 namespace {
 
-constexpr int64_t QK = TM_QK;  // weights per block
-constexpr int64_t G = 16;   // weight rows per group (one output per int32 lane)
+using vnni::dword_at;
+using vnni::G;
+using vnni::half_bits;
+using vnni::QK;
+using vnni::quantize_row;
 #ifndef VNNI_MT
 #define VNNI_MT 3
 #define VNNI_NG 2
@@ -65,12 +61,6 @@ constexpr int64_t quant_bytes(int fmt) { return fmt == Q8_0 ? 512 : 256; }
 constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (fmt == Q4_1 ? 2 : 1) * G * 2; }
 // What m is in units of d, for the formats whose m follows from d.
 constexpr float implied_min(int fmt) { return fmt == Q8_0 ? -128.0f : -8.0f; }
-
-uint16_t half_bits(const uint8_t* p) {
-  uint16_t h;
-  memcpy(&h, p, 2);
-  return h;
-}
 
 // One source block's 32 weights as unsigned q, its d and (Q4_1) m, as float16 bits.
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16_t& m) {
@@ -113,38 +103,6 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
     }
   }
   return 0;
-}
-
-// Row i of x as fixed-point blocks: per block 32 hi digits then 32 lo digits (a: 2k bytes), the
-// block's unit dq and dq * sum(256 * hi + lo).
-void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float* sx) {
-  for (int64_t b = 0; b < k / QK; ++b) {
-    int32_t sum = 0;
-    __m512 t[2];
-    t[0] = _mm512_loadu_ps(x + b * QK);
-    t[1] = _mm512_loadu_ps(x + b * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(t[0]), _mm512_abs_ps(t[1])));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int h = 0; h < 2; ++h) {
-      const __m512 v = _mm512_mul_ps(t[h], _mm512_set1_ps(id));  // |v| <= 127 (up to rounding)
-      const __m512i hi = _mm512_cvtps_epi32(v);  // nearest, ties to even
-      // The remainder is exact in float32 (v and hi are within 0.5), and so is scaling it by 256.
-      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
-      const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));  // as stored (saturated)
-      const __m512i lo8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo));
-      _mm_storeu_si128((__m128i*)(a + b * 2 * QK + h * 16), _mm512_cvtepi32_epi8(hi8));
-      _mm_storeu_si128((__m128i*)(a + b * 2 * QK + QK + h * 16), _mm512_cvtepi32_epi8(lo8));
-      sum += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8));
-    }
-    dq[b] = d * (1.0f / 256.0f);
-    sx[b] = dq[b] * (float)sum;
-  }
-}
-
-inline int32_t dword_at(const int8_t* p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
 }
 
 // y[i, 16g + l] for M activation rows (a: stride k) and NGT groups starting at w.
@@ -233,36 +191,11 @@ inline void tile_any(int m, int ng, const int8_t* a, const float* dx, const floa
 
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
-  const int64_t blocks = k / QK, groups = (n + G - 1) / G, gstride = blocks * group_block_bytes(F);
-  std::vector<int8_t> a(m * 2 * k);
-  std::vector<float> dx(m * blocks), sx(m * blocks);
-  // Groups per tile: for a few rows (decoding) one, so that each thread reads its weights as one
-  // sequential stream, which the hardware prefetchers keep up with (two streams 5 KB apart measured
-  // 1.2-1.45x slower from DRAM at 1-4 rows, on an AMD EPYC); for more rows, NG for register reuse.
-  // Tiling never changes a result: each output's sums are the same whatever tile computes it.
-  const int ng_max = m <= 4 ? 1 : NG;
-  const int64_t tiles = (groups + ng_max - 1) / ng_max;
-  // Activation rows per pass: as many as stay in a core's L2 beside the weights.
-  const int64_t chunk = std::max<int64_t>(MT, (512 * 1024 / k) / MT * MT);
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) quantize_row(x + i * k, k, a.data() + i * 2 * k, dx.data() + i * blocks, sx.data() + i * blocks);
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t first = tiles * t / nt, last = tiles * (t + 1) / nt;
-    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-      const int64_t m1 = std::min(m, m0 + chunk);
-      for (int64_t tg = first; tg < last; ++tg) {
-        const int64_t g0 = tg * ng_max;
-        const int ng = (int)std::min<int64_t>(ng_max, groups - g0);
-        for (int64_t i = m0; i < m1; i += MT) {
-          const int rows = (int)std::min<int64_t>(MT, m1 - i);
-          tile_any<F>(rows, ng, a.data() + i * 2 * k, dx.data() + i * blocks, sx.data() + i * blocks, k,
-                         w + g0 * gstride, gstride, y + i * n + g0 * G, n, n - g0 * G);
-        }
-      }
-    }
-  }
+  const int64_t gstride = (k / QK) * group_block_bytes(F);
+  vnni::drive(x, m, k, n, y, false, MT, NG, threads,
+              [&](int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
+                tile_any<F>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
+              });
 }
 
 }  // namespace
@@ -321,7 +254,7 @@ int tm_vnni_quantize(const float* x, int64_t m, int64_t k, int16_t* q, float* dq
   std::vector<int8_t> a(2 * k);
   std::vector<float> sx(blocks);
   for (int64_t i = 0; i < m; ++i) {
-    quantize_row(x + i * k, k, a.data(), dq + i * blocks, sx.data());
+    quantize_row(x + i * k, k, a.data(), dq + i * blocks, sx.data(), nullptr);
     for (int64_t b = 0; b < blocks; ++b)
       for (int j = 0; j < QK; ++j) q[i * k + b * QK + j] = (int16_t)(a[b * 2 * QK + j] * 256 + a[b * 2 * QK + QK + j]);
   }
