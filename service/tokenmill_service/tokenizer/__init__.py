@@ -16,7 +16,7 @@ from tokenmill_service.tokenizer.byte_level import (
 from tokenmill_service.tokenizer.gguf import GGUF_PRE_PATTERNS, tokenizer_from_gguf
 from tokenmill_service.tokenizer.hf import tokenizer_from_hf_dir
 from tokenmill_service.tokenizer.load import load_tokenizer
-from tokenmill_service.tokenizer.tokenizer import END_OF_TURN_TOKENS, Tokenizer, TokenizerError
+from tokenmill_service.tokenizer.tokenizer import END_OF_TURN_TOKENS, Encoding, Tokenizer, TokenizerError
 
 __all__ = [
     "END_OF_TURN_TOKENS",
@@ -26,6 +26,7 @@ __all__ = [
     "GPT2_PATTERN",
     "LLAMA3_PATTERN",
     "QWEN2_PATTERN",
+    "Encoding",
     "Tokenizer",
     "TokenizerError",
     "build_bpe_encoding",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from functools import cached_property
-
-import tiktoken
+from typing import Protocol
 
 from tokenmill_service.chat_template import ChatTemplate
 
@@ -29,12 +29,29 @@ class TokenizerError(ValueError):
     """The tokenizer files describe a tokenizer this service does not support."""
 
 
+class Encoding(Protocol):
+    """What the Tokenizer asks of the encoding a reader builds (a tiktoken.Encoding for byte-level BPE)."""
+
+    def encode(self, text: str, *, allowed_special: AbstractSet[str], disallowed_special: Collection[str]) -> list[int]:
+        """Text to ids, parsing the special tokens in ``allowed_special``; ValueError where the text holds one in
+        ``disallowed_special``, and any other special token's text stays text."""
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text to ids, parsing no special token."""
+
+    def decode_bytes(self, tokens: Sequence[int]) -> bytes:
+        """The ids' bytes together; KeyError for an id with no token."""
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        """One token's bytes (a special token's are its text's UTF-8); KeyError for an id with no token."""
+
+
 class Tokenizer:
     """Encode, decode and chat-render for one model; the engine and the service only use this class."""
 
     def __init__(
         self,
-        encoding: tiktoken.Encoding,
+        encoding: Encoding,
         *,
         vocab_size: int,
         special_tokens: Mapping[str, int],
