@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,10 @@ GGUF_PRE_PATTERNS: dict[str, str] = {
 _GGUF_NORMAL, _GGUF_USER_DEFINED = 1, 4
 
 
+# A GGUF metadata value by key; None where the file lacks the key.
+GgufField = Callable[[str], Any]
+
+
 def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
     start = time.perf_counter()
@@ -46,8 +51,18 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
         return None if found is None else found.contents()
 
     model = field("tokenizer.ggml.model")
-    if model != "gpt2":
+    build = GGUF_TOKENIZER_KINDS.get(model)
+    if build is None:
         raise TokenizerError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2')")
+    tokenizer = build(Path(path).stem, field)
+    pre = field("tokenizer.ggml.pre") or "default"
+    seconds = round(time.perf_counter() - start, 3)
+    log.info("tokenizer_loaded", source=str(path), pre=pre, vocab_size=tokenizer.vocab_size, seconds=seconds)
+    return tokenizer
+
+
+def _byte_level_bpe(name: str, field: GgufField) -> Tokenizer:
+    """``tokenizer.ggml.model == "gpt2"``: byte-level BPE, its pre-tokenizer named by ``tokenizer.ggml.pre``."""
     pre = field("tokenizer.ggml.pre") or "default"
     pattern = GGUF_PRE_PATTERNS.get(pre)
     if pattern is None:
@@ -67,8 +82,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     special = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind not in (_GGUF_NORMAL, _GGUF_USER_DEFINED)}
     added = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == _GGUF_USER_DEFINED}
     pairs = (tuple(m.split(" ", 1)) for m in merges)
-    encoding, num_ids = build_bpe_encoding(Path(path).stem, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
-    tokenizer = Tokenizer(
+    encoding, num_ids = build_bpe_encoding(name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
+    return Tokenizer(
         encoding,
         vocab_size=max(num_ids, len(tokens)),
         special_tokens=special,
@@ -78,6 +93,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
         add_bos=bool(field("tokenizer.ggml.add_bos_token")),
         chat_template=field("tokenizer.chat_template"),
     )
-    seconds = round(time.perf_counter() - start, 3)
-    log.info("tokenizer_loaded", source=str(path), pre=pre, vocab_size=tokenizer.vocab_size, seconds=seconds)
-    return tokenizer
+
+
+# What builds the tokenizer for each `tokenizer.ggml.model`, from the file's name and its metadata:
+# a new kind is one entry here (and its name in tokenizer_from_gguf's refusal message).
+GGUF_TOKENIZER_KINDS: dict[str, Callable[[str, GgufField], Tokenizer]] = {"gpt2": _byte_level_bpe}
