@@ -2,7 +2,8 @@
 
 tokenizer.py (the Tokenizer the engine and the service use: encode, decode, chat) · byte_level.py
 (the tiktoken encoding: pre-tokenizer patterns, byte alphabet, rank table) · gguf.py (read from a
-GGUF's metadata) · hf.py (read from a Hugging Face directory) · load.py (which reader for a path).
+GGUF's metadata, the kind chosen by tokenizer.ggml.model) · hf.py (read from a Hugging Face
+directory) · load.py (which reader for a path).
 """
 
 from tokenmill_service.tokenizer.byte_level import (
