@@ -25,6 +25,7 @@ from tokenmill_service.tokenizer import (
     TokenizerError,
     build_bpe_encoding,
     load_tokenizer,
+    tokenizer_from_hf_dir,
 )
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "smollm2_reference.json").read_text())
@@ -369,7 +370,7 @@ def test_split_regex_pre_tokenizer_encodes_like_hf(hf_dir: Path, tmp_path: Path,
     )
     out = _rewrite_tokenizer_json(hf_dir, tmp_path / "split", pre_tokenizer=json.loads(pre.__getstate__()))
     hf = _hf_oracle(out)
-    tok = Tokenizer.from_hf_dir(out)
+    tok = tokenizer_from_hf_dir(out)
     for text in [*TEXTS, *_random_texts(1000, seed=4)]:
         assert tok.encode(text) == _hf_ids(hf, text), repr(text)
 
@@ -378,7 +379,7 @@ def test_nfc_normalizer_is_applied_before_encoding(hf_dir: Path, tmp_path: Path)
     nfc = json.loads(normalizers.NFC().__getstate__())
     out = _rewrite_tokenizer_json(hf_dir, tmp_path / "nfc", normalizer=nfc)
     hf = _hf_oracle(out)
-    tok = Tokenizer.from_hf_dir(out)
+    tok = tokenizer_from_hf_dir(out)
     assert tok.encode("cafe\u0301") == tok.encode("caf\u00e9") == _hf_ids(hf, "cafe\u0301")
 
 
@@ -395,7 +396,7 @@ def test_nfc_normalizer_is_applied_before_encoding(hf_dir: Path, tmp_path: Path)
 def test_unsupported_hf_tokenizers_are_refused_clearly(hf_dir: Path, tmp_path: Path, changes: dict[str, Any]) -> None:
     out = _rewrite_tokenizer_json(hf_dir, tmp_path / "bad", **changes)
     with pytest.raises(TokenizerError, match="not supported"):
-        Tokenizer.from_hf_dir(out)
+        tokenizer_from_hf_dir(out)
 
 
 def test_hf_bos_from_post_processor_is_added_once_to_chat(hf_dir: Path, tmp_path: Path) -> None:
@@ -410,7 +411,7 @@ def test_hf_bos_from_post_processor_is_added_once_to_chat(hf_dir: Path, tmp_path
     config["bos_token"] = "<|endoftext|>"
     config["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (out / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = Tokenizer.from_hf_dir(out)
+    tok = tokenizer_from_hf_dir(out)
     assert tok.add_bos and tok.bos_token_id == 0
     assert tok.encode_chat([{"role": "user", "content": "hi"}]) == [0, *tok.encode("hi")]
 

@@ -1,6 +1,6 @@
 """The engine API the service drives: add a request, advance one step, cancel a request.
 
-    engine = LLMEngine(load_model(path), load_tokenizer(path))   # see models/loader.py, tokenizer.py
+    engine = LLMEngine(load_model(path), load_tokenizer(path))   # see models/loader.py, tokenizer/load.py
     engine.add_request(GenerationRequest("r1", engine.tokenizer.encode_chat(messages)))
     while engine.has_unfinished():
         for out in engine.step():                   # token events of this step, per request

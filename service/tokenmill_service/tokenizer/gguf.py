@@ -1,0 +1,100 @@
+"""The tokenizer described by a GGUF file's ``tokenizer.*`` metadata (llama.cpp's keys and token types)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tokenmill_service.models.gguf_reader import open_gguf
+from tokenmill_service.tokenizer.byte_level import (
+    GPT2_INDIVIDUAL_DIGITS_PATTERN,
+    GPT2_PATTERN,
+    LLAMA3_PATTERN,
+    QWEN2_PATTERN,
+    build_bpe_encoding,
+)
+from tokenmill_service.tokenizer.tokenizer import Tokenizer, TokenizerError
+
+log = structlog.get_logger(__name__)
+
+# llama.cpp's `tokenizer.ggml.pre` names whose pre-tokenizer is one of the byte-level patterns.
+GGUF_PRE_PATTERNS: dict[str, str] = {
+    **dict.fromkeys(("gpt-2", "mpt", "olmo"), GPT2_PATTERN),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), GPT2_INDIVIDUAL_DIGITS_PATTERN
+    ),
+    "llama3": LLAMA3_PATTERN,
+    "llama-v3": LLAMA3_PATTERN,
+    "llama-bpe": LLAMA3_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+}
+
+# GGUF token types (llama.cpp's llama_token_type).
+_GGUF_NORMAL, _GGUF_USER_DEFINED = 1, 4
+
+
+# A GGUF metadata value by key; None where the file lacks the key.
+GgufField = Callable[[str], Any]
+
+
+def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
+    """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
+    start = time.perf_counter()
+    reader = open_gguf(Path(path))
+
+    def field(key: str) -> Any:
+        found = reader.get_field(key)
+        return None if found is None else found.contents()
+
+    model = field("tokenizer.ggml.model")
+    build = GGUF_TOKENIZER_KINDS.get(model)
+    if build is None:
+        raise TokenizerError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2')")
+    tokenizer = build(Path(path).stem, field)
+    pre = field("tokenizer.ggml.pre") or "default"
+    seconds = round(time.perf_counter() - start, 3)
+    log.info("tokenizer_loaded", source=str(path), pre=pre, vocab_size=tokenizer.vocab_size, seconds=seconds)
+    return tokenizer
+
+
+def _byte_level_bpe(name: str, field: GgufField) -> Tokenizer:
+    """``tokenizer.ggml.model == "gpt2"``: byte-level BPE, its pre-tokenizer named by ``tokenizer.ggml.pre``."""
+    pre = field("tokenizer.ggml.pre") or "default"
+    pattern = GGUF_PRE_PATTERNS.get(pre)
+    if pattern is None:
+        known = ", ".join(sorted(GGUF_PRE_PATTERNS))
+        raise TokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {known})")
+    tokens: list[str] = field("tokenizer.ggml.tokens")
+    merges: list[str] | None = field("tokenizer.ggml.merges")
+    if tokens is None or merges is None:
+        raise TokenizerError("GGUF metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    types: list[int] = field("tokenizer.ggml.token_type") or [_GGUF_NORMAL] * len(tokens)
+    eos = field("tokenizer.ggml.eos_token_id")
+    if eos is None:
+        raise TokenizerError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
+    bos = field("tokenizer.ggml.bos_token_id")
+
+    bpe = {i: t for i, (t, kind) in enumerate(zip(tokens, types)) if kind == _GGUF_NORMAL}
+    special = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind not in (_GGUF_NORMAL, _GGUF_USER_DEFINED)}
+    added = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == _GGUF_USER_DEFINED}
+    pairs = (tuple(m.split(" ", 1)) for m in merges)
+    encoding, num_ids = build_bpe_encoding(name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
+    return Tokenizer(
+        encoding,
+        vocab_size=max(num_ids, len(tokens)),
+        special_tokens=special,
+        added_tokens=added,
+        eos_token_id=int(eos),
+        bos_token_id=None if bos is None else int(bos),
+        add_bos=bool(field("tokenizer.ggml.add_bos_token")),
+        chat_template=field("tokenizer.chat_template"),
+    )
+
+
+# What builds the tokenizer for each `tokenizer.ggml.model`, from the file's name and its metadata:
+# a new kind is one entry here (and its name in tokenizer_from_gguf's refusal message).
+GGUF_TOKENIZER_KINDS: dict[str, Callable[[str, GgufField], Tokenizer]] = {"gpt2": _byte_level_bpe}

@@ -1,0 +1,153 @@
+"""The tokenizer of a Hugging Face directory: a byte-level BPE ``tokenizer.json`` and its config files.
+
+tokenizer.json describes its pipeline step by step (normalizer, pre-tokenizer, model, post-processor);
+a supported one is read into the one regex and rank table of a byte-level encoding, anything else is
+refused with a TokenizerError naming what is not supported.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tokenmill_service.tokenizer.byte_level import (
+    GPT2_DIGIT_RUNS_PATTERN,
+    GPT2_INDIVIDUAL_DIGITS_PATTERN,
+    GPT2_PATTERN,
+    build_bpe_encoding,
+)
+from tokenmill_service.tokenizer.tokenizer import Tokenizer, TokenizerError
+
+log = structlog.get_logger(__name__)
+
+
+def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
+    """A Hugging Face directory with a byte-level BPE ``tokenizer.json`` (and ``tokenizer_config.json``)."""
+    start = time.perf_counter()
+    root = Path(path)
+    spec = _read_json(root / "tokenizer.json")
+    if spec is None:
+        raise TokenizerError(f"{root} has no tokenizer.json")
+    config = _read_json(root / "tokenizer_config.json") or {}
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise TokenizerError(
+            f"tokenizer model {model.get('type')!r} (byte_fallback={model.get('byte_fallback')}) is not supported; "
+            "only byte-level BPE"
+        )
+    nfc = _normalizer_is_nfc(spec.get("normalizer"))
+    pattern = _pattern(spec.get("pre_tokenizer"))
+
+    added_specs = spec.get("added_tokens") or []
+    special = {a["content"]: int(a["id"]) for a in added_specs if a.get("special", True)}
+    added = {a["content"]: int(a["id"]) for a in added_specs if not a.get("special", True)}
+    added_ids = {*special.values(), *added.values()}
+    bpe = {int(i): t for t, i in model["vocab"].items() if int(i) not in added_ids}
+    pairs = (tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in model.get("merges", []))
+    encoding, num_ids = build_bpe_encoding(root.name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
+
+    id_of = {**{t: i for i, t in bpe.items()}, **special, **added}
+    eos_text = _token_text(config.get("eos_token"))
+    if eos_text is None or eos_text not in id_of:
+        raise TokenizerError(f"{root}: tokenizer_config.json names no eos_token in the vocabulary ({eos_text!r})")
+    bos_text = _token_text(config.get("bos_token"))
+    bos_id = id_of.get(bos_text) if bos_text is not None else None
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:
+        add_bos = bos_text is not None and _post_processor_adds(spec.get("post_processor"), bos_text)
+    generation = _read_json(root / "generation_config.json") or {}
+    extra_eos = generation.get("eos_token_id")
+    extra_eos = [] if extra_eos is None else [extra_eos] if isinstance(extra_eos, int) else list(extra_eos)
+
+    tokenizer = Tokenizer(
+        encoding,
+        vocab_size=num_ids,
+        special_tokens=special,
+        added_tokens=added,
+        eos_token_id=id_of[eos_text],
+        bos_token_id=bos_id,
+        add_bos=bool(add_bos),
+        chat_template=_chat_template(root, config),
+        nfc=nfc,
+        extra_stop_ids=(int(i) for i in extra_eos),
+    )
+    seconds = round(time.perf_counter() - start, 3)
+    log.info("tokenizer_loaded", source=str(root), vocab_size=tokenizer.vocab_size, seconds=seconds)
+    return tokenizer
+
+
+def _pattern(pre: Mapping[str, Any] | None) -> str:
+    """The one regex equal to a supported tokenizer.json pre_tokenizer; TokenizerError for the rest."""
+    steps = list(pre.get("pretokenizers", [])) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    kinds = [step.get("type") for step in steps]
+    byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
+    if byte_level is None or byte_level.get("add_prefix_space"):
+        raise TokenizerError(
+            f"pre_tokenizer {kinds} is not supported: it must end in ByteLevel without add_prefix_space"
+        )
+    uses_regex = byte_level.get("use_regex", True)
+    if kinds == ["ByteLevel"] and uses_regex:
+        return GPT2_PATTERN
+    if kinds == ["Digits", "ByteLevel"] and uses_regex:
+        return GPT2_INDIVIDUAL_DIGITS_PATTERN if steps[0].get("individual_digits") else GPT2_DIGIT_RUNS_PATTERN
+    if kinds == ["Split", "ByteLevel"] and not uses_regex:
+        split = steps[0]
+        regex = (split.get("pattern") or {}).get("Regex")
+        if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
+            raise TokenizerError(f"Split pre-tokenizer {split} is not supported: need an isolated, non-inverted Regex")
+        # HF keeps the text between matches as pieces; tiktoken drops it, so match that text too.
+        return f"{regex}|(?:(?!(?:{regex}))[\\s\\S])+"
+    raise TokenizerError(f"pre_tokenizer {kinds} is not supported")
+
+
+def _normalizer_is_nfc(normalizer: Mapping[str, Any] | None) -> bool:
+    if normalizer is None:
+        return False
+    if normalizer.get("type") == "NFC":
+        return True
+    if normalizer.get("type") == "Sequence" and not normalizer.get("normalizers"):
+        return False
+    raise TokenizerError(f"normalizer {normalizer.get('type')!r} is not supported (only none or NFC)")
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a token as its text or as a serialized AddedToken."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _post_processor_adds(processor: Mapping[str, Any] | None, bos_text: str) -> bool:
+    """Whether tokenizer.json's post-processor puts BOS in front of a single sequence (Llama 3 style)."""
+    if not processor:
+        return False
+    if processor.get("type") == "Sequence":
+        return any(_post_processor_adds(p, bos_text) for p in processor.get("processors", []))
+    if processor.get("type") != "TemplateProcessing":
+        return False
+    single = processor.get("single") or []
+    return bool(single) and (single[0].get("SpecialToken") or {}).get("id") == bos_text
+
+
+def _chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
+    standalone = root / "chat_template.jinja"
+    if standalone.is_file():
+        return standalone.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default", else the first
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        loaded = json.load(f)
+    return loaded if isinstance(loaded, dict) else None
