@@ -1,4 +1,5 @@
-"""GGUF loading: dequantization against the gguf package's reference, and q/k row order end to end."""
+"""GGUF loading: dequantization against the gguf package's reference (every block format, k-quants
+included), q/k row order end to end, and a Q4_K_M-style file loaded and served."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.layers.quant import gguf_blocks
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
 from tokenmill_service.models.gguf_loader import (
     GGUFError,
     dequantize_tensor,
@@ -23,7 +26,7 @@ from tokenmill_service.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-QUANTIZED_TYPES = [QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1]
+QUANTIZED_TYPES = [QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1]
 
 
 def _encode(values: np.ndarray, qtype: QType) -> np.ndarray:
@@ -67,12 +70,94 @@ def test_dequantize_matches_gguf_reference_bit_for_bit(tmp_path: Path, qtype: QT
         assert np.abs(ours.numpy() - original).max() < 0.5
 
 
+# Byte offsets of each block format's float16 scale fields (ggml's layouts): random blocks get small
+# finite values there, so that no inf or nan can hide a difference.
+SCALE_FIELDS = {
+    QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
+    QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
+}
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Valid ``qtype`` bytes uint8 [rows, bytes per row]: random, the float16 scales in (-scale, scale)."""
+    weights, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // weights, size), dtype=np.uint8)
+    for at in SCALE_FIELDS[qtype]:
+        halves = rng.uniform(-scale, scale, size=(rows, cols // weights, 1)).astype(np.float16)
+        blocks[..., at : at + 2] = halves.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_every_block_format_of_the_table_is_tested() -> None:
+    assert set(SCALE_FIELDS) == set(BLOCK_WEIGHTS)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_WEIGHTS), ids=lambda t: t.name)
+def test_every_block_format_dequantizes_as_gguf_does_bit_for_bit(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
+    block = BLOCK_WEIGHTS[qtype]
+    rows, cols = 9, 3 * block
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    # A few rows at a time, as a large tensor is dequantized.
+    monkeypatch.setattr(gguf_blocks, "_CHUNK_WEIGHTS", 2 * cols)
+    ours = GGUFBlocks.from_raw(raw, qtype, (rows, cols)).dequantize()
+    reference = gguf.quants.dequantize(raw, qtype)
+    assert ours.dtype == torch.float32 and tuple(ours.shape) == reference.shape == (rows, cols)
+    assert np.isfinite(reference).all() and np.abs(reference).max() > 0
+    np.testing.assert_array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
+
+
+def test_a_super_block_is_never_split_between_columns() -> None:
+    raw = random_blocks(QType.Q4_K, 4, 512, np.random.default_rng(0))
+    blocks = GGUFBlocks.from_raw(raw, QType.Q4_K, (4, 512))
+    assert blocks.shape == (4, 512) and blocks.block_weights == 256
+    assert torch.equal(blocks.narrow(1, 256, 256).dequantize(), blocks.dequantize()[:, 256:])
+    assert torch.equal(blocks.narrow(0, 1, 2).dequantize(), blocks.dequantize()[1:3])
+    # 32 columns is a block boundary for Q4_0, inside a super-block for Q4_K.
+    with pytest.raises(ValueError, match=r"Q4_K tensor can only be split along its columns at multiples of 256"):
+        blocks.narrow(1, 32, 256)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        blocks.narrow(1, 0, 224)
+    q4_0 = GGUFBlocks.from_raw(random_blocks(QType.Q4_0, 4, 512, np.random.default_rng(1)), QType.Q4_0, (4, 512))
+    assert q4_0.narrow(1, 32, 256).shape == (4, 256)
+    with pytest.raises(ValueError, match="whole blocks of 256 weights, not 224"):
+        GGUFBlocks.from_raw(raw, QType.Q4_K, (4, 224))
+
+
 def test_unsupported_tensor_type_is_named_in_the_error(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    _write_tensors(path, {"matrix": (np.ones((4, 32), dtype=np.float32), QType.Q5_0)})
+    # IQ2_XXS: a real ggml type outside tokenmill's table (66 bytes for 256 weights).
+    path = tmp_path / "iq2.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("matrix", np.zeros((4, 66), dtype=np.uint8), raw_dtype=QType.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     tensor = open_gguf(path).tensors[0]
-    with pytest.raises(GGUFError, match="Q5_0"):
+    with pytest.raises(GGUFError, match=r"GGUF tensor type IQ2_XXS is not supported \(supported: F32, .*Q4_K.*\)"):
         dequantize_tensor(tensor)
+
+
+def test_a_tensor_type_ggml_has_no_name_for_is_named_in_the_error(tmp_path: Path) -> None:
+    path = tmp_path / "made-up.gguf"
+    _write_tensors(path, {"matrix": (np.zeros((4, 32), dtype=np.float32), QType.F32)})
+    data = bytearray(path.read_bytes())
+    # The tensor's info: its name, n_dims (u32), the dims (u64 each), then its type (u32).
+    at = data.index(b"matrix") + len(b"matrix")
+    at += 4 + 8 * int.from_bytes(data[at : at + 4], "little")
+    data[at : at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor's type is not one the gguf package knows \(.*99"):
+        open_gguf(path)
 
 
 def llama_cpp_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
