@@ -17,7 +17,7 @@ from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.dims import ModelDims
+from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.options import LoadOptions
@@ -157,12 +157,19 @@ def _layer_method(setting: str, native: str | None, kinds: set[QType | None], pr
 def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dict[str, QType]) -> None:
     if options.tensor_parallel <= 1:
         return
+    # Shards hold whole blocks: the checkpoint's largest (a k-quant's 256 weights), or int4's groups of 32.
+    block, block_format = largest_block(types.values())
     dims = ModelDims(
-        config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, config.vocab_size
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        block=block,
+        block_format=block_format,
     )
     try:
-        # GGUF tensors are split in their 32-weight blocks; int4 quantizes in groups of 32.
-        check_degree(dims, options.tensor_parallel, blocked=bool(types) or options.quantization == "int4")
+        check_degree(dims, options.tensor_parallel, int4_groups=options.quantization == "int4")
     except ValueError as e:
         raise PlanRefused(str(e)) from None
 
