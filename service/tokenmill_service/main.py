@@ -150,11 +150,10 @@ async def serve(settings: Settings) -> int:
 def check_tensor_parallel(settings: Settings, model_path: Path) -> None:
     """Refuse a --tensor-parallel degree that does not split the model (ValueError naming the ones that do)."""
     from tokenmill_service.distributed.degree import check_degree
-    from tokenmill_service.models.dims import is_gguf, read_dims
+    from tokenmill_service.models.dims import read_dims
 
-    # GGUF tensors are split in their 32-weight blocks; int4 quantizes in groups of 32.
-    blocked = is_gguf(model_path) or settings.quantization == "int4"
-    check_degree(read_dims(model_path), settings.tensor_parallel, blocked)
+    # GGUF tensors are split in whole blocks (read_dims finds the largest); int4 quantizes in groups of 32.
+    check_degree(read_dims(model_path), settings.tensor_parallel, int4_groups=settings.quantization == "int4")
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

@@ -1,4 +1,5 @@
-"""GGUF loading: dequantization against the gguf package's reference, and q/k row order end to end."""
+"""GGUF loading: dequantization against the gguf package's reference (every block format, k-quants
+included), q/k row order end to end, and a Q4_K_M-style file loaded and served."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.layers.quant import gguf_blocks
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
+from tokenmill_service.models.checkpoint import open_checkpoint
+from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.gguf_loader import (
     GGUFError,
     dequantize_tensor,
@@ -19,11 +25,14 @@ from tokenmill_service.models.gguf_loader import (
     open_gguf,
     unpermute_qk,
 )
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.models.loader import load, load_model
+from tokenmill_service.plan import LoadOptions, PlanRefused
+from tokenmill_service.plan.device import DeviceFacts
+from tokenmill_service.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")
 
-QUANTIZED_TYPES = [QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1]
+QUANTIZED_TYPES = [QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1]
 
 
 def _encode(values: np.ndarray, qtype: QType) -> np.ndarray:
@@ -67,12 +76,94 @@ def test_dequantize_matches_gguf_reference_bit_for_bit(tmp_path: Path, qtype: QT
         assert np.abs(ours.numpy() - original).max() < 0.5
 
 
+# Byte offsets of each block format's float16 scale fields (ggml's layouts): random blocks get small
+# finite values there, so that no inf or nan can hide a difference.
+SCALE_FIELDS = {
+    QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
+    QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
+}
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Valid ``qtype`` bytes uint8 [rows, bytes per row]: random, the float16 scales in (-scale, scale)."""
+    weights, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // weights, size), dtype=np.uint8)
+    for at in SCALE_FIELDS[qtype]:
+        halves = rng.uniform(-scale, scale, size=(rows, cols // weights, 1)).astype(np.float16)
+        blocks[..., at : at + 2] = halves.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_every_block_format_of_the_table_is_tested() -> None:
+    assert set(SCALE_FIELDS) == set(BLOCK_WEIGHTS)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_WEIGHTS), ids=lambda t: t.name)
+def test_every_block_format_dequantizes_as_gguf_does_bit_for_bit(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
+    block = BLOCK_WEIGHTS[qtype]
+    rows, cols = 9, 3 * block
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    # A few rows at a time, as a large tensor is dequantized.
+    monkeypatch.setattr(gguf_blocks, "_CHUNK_WEIGHTS", 2 * cols)
+    ours = GGUFBlocks.from_raw(raw, qtype, (rows, cols)).dequantize()
+    reference = gguf.quants.dequantize(raw, qtype)
+    assert ours.dtype == torch.float32 and tuple(ours.shape) == reference.shape == (rows, cols)
+    assert np.isfinite(reference).all() and np.abs(reference).max() > 0
+    np.testing.assert_array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
+
+
+def test_a_super_block_is_never_split_between_columns() -> None:
+    raw = random_blocks(QType.Q4_K, 4, 512, np.random.default_rng(0))
+    blocks = GGUFBlocks.from_raw(raw, QType.Q4_K, (4, 512))
+    assert blocks.shape == (4, 512) and blocks.block_weights == 256
+    assert torch.equal(blocks.narrow(1, 256, 256).dequantize(), blocks.dequantize()[:, 256:])
+    assert torch.equal(blocks.narrow(0, 1, 2).dequantize(), blocks.dequantize()[1:3])
+    # 32 columns is a block boundary for Q4_0, inside a super-block for Q4_K.
+    with pytest.raises(ValueError, match=r"Q4_K tensor can only be split along its columns at multiples of 256"):
+        blocks.narrow(1, 32, 256)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        blocks.narrow(1, 0, 224)
+    q4_0 = GGUFBlocks.from_raw(random_blocks(QType.Q4_0, 4, 512, np.random.default_rng(1)), QType.Q4_0, (4, 512))
+    assert q4_0.narrow(1, 32, 256).shape == (4, 256)
+    with pytest.raises(ValueError, match="whole blocks of 256 weights, not 224"):
+        GGUFBlocks.from_raw(raw, QType.Q4_K, (4, 224))
+
+
 def test_unsupported_tensor_type_is_named_in_the_error(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    _write_tensors(path, {"matrix": (np.ones((4, 32), dtype=np.float32), QType.Q5_0)})
+    # IQ2_XXS: a real ggml type outside tokenmill's table (66 bytes for 256 weights).
+    path = tmp_path / "iq2.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("matrix", np.zeros((4, 66), dtype=np.uint8), raw_dtype=QType.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     tensor = open_gguf(path).tensors[0]
-    with pytest.raises(GGUFError, match="Q5_0"):
+    with pytest.raises(GGUFError, match=r"GGUF tensor type IQ2_XXS is not supported \(supported: F32, .*Q4_K.*\)"):
         dequantize_tensor(tensor)
+
+
+def test_a_tensor_type_ggml_has_no_name_for_is_named_in_the_error(tmp_path: Path) -> None:
+    path = tmp_path / "made-up.gguf"
+    _write_tensors(path, {"matrix": (np.zeros((4, 32), dtype=np.float32), QType.F32)})
+    data = bytearray(path.read_bytes())
+    # The tensor's info: its name, n_dims (u32), the dims (u64 each), then its type (u32).
+    at = data.index(b"matrix") + len(b"matrix")
+    at += 4 + 8 * int.from_bytes(data[at : at + 4], "little")
+    data[at : at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor's type is not one the gguf package knows \(.*99"):
+        open_gguf(path)
 
 
 def llama_cpp_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -268,3 +359,124 @@ def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(GGUFError, match="gpt2"):
         load_gguf(path)
+
+
+# --- a Q4_K_M-style file: k-quant layers load, dense and exact, through the worker's load path ----
+
+KQ_VOCAB, KQ_HIDDEN, KQ_INTERMEDIATE, KQ_HEADS, KQ_KV_HEADS, KQ_LAYERS = 64, 256, 512, 4, 2, 2
+KQ_HEAD_DIM = KQ_HIDDEN // KQ_HEADS
+
+
+def _kquant_tensors(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, QType]]:
+    """llama.cpp's Q4_K_M mix: Q4_K, the output head and (here, layer 0's) attn_v and ffn_down in
+    Q6_K, float32 norms; random valid blocks, scaled so the weights stay about 0.1."""
+    scale = {QType.Q4_K: 1e-4, QType.Q6_K: 3e-5}
+
+    def blocks(qtype: QType, rows: int, cols: int) -> tuple[np.ndarray, QType]:
+        return random_blocks(qtype, rows, cols, rng, scale[qtype]), qtype
+
+    def norm() -> tuple[np.ndarray, QType]:
+        return (1 + 0.1 * rng.standard_normal(KQ_HIDDEN)).astype(np.float32), QType.F32
+
+    kv = KQ_KV_HEADS * KQ_HEAD_DIM
+    tensors = {"token_embd.weight": blocks(QType.Q4_K, KQ_VOCAB, KQ_HIDDEN)}
+    for i in range(KQ_LAYERS):
+        wide = QType.Q6_K if i == 0 else QType.Q4_K
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": norm(),
+            f"blk.{i}.attn_q.weight": blocks(QType.Q4_K, KQ_HIDDEN, KQ_HIDDEN),
+            f"blk.{i}.attn_k.weight": blocks(QType.Q4_K, kv, KQ_HIDDEN),
+            f"blk.{i}.attn_v.weight": blocks(wide, kv, KQ_HIDDEN),
+            f"blk.{i}.attn_output.weight": blocks(QType.Q4_K, KQ_HIDDEN, KQ_HIDDEN),
+            f"blk.{i}.ffn_norm.weight": norm(),
+            f"blk.{i}.ffn_gate.weight": blocks(QType.Q4_K, KQ_INTERMEDIATE, KQ_HIDDEN),
+            f"blk.{i}.ffn_up.weight": blocks(QType.Q4_K, KQ_INTERMEDIATE, KQ_HIDDEN),
+            f"blk.{i}.ffn_down.weight": blocks(wide, KQ_HIDDEN, KQ_INTERMEDIATE),
+        }
+    return tensors | {"output_norm.weight": norm(), "output.weight": blocks(QType.Q6_K, KQ_VOCAB, KQ_HIDDEN)}
+
+
+def _write_llama(path: Path, tensors: dict[str, tuple[np.ndarray, QType]]) -> None:
+    """A tiny Llama GGUF with llama.cpp's metadata keys; quantized tensors given as their raw bytes."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-q4_k_m")
+    writer.add_context_length(128)
+    writer.add_embedding_length(KQ_HIDDEN)
+    writer.add_block_count(KQ_LAYERS)
+    writer.add_feed_forward_length(KQ_INTERMEDIATE)
+    writer.add_head_count(KQ_HEADS)
+    writer.add_head_count_kv(KQ_KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(KQ_HEAD_DIM)
+    writer.add_vocab_size(KQ_VOCAB)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=None if qtype == QType.F32 else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The k-quant file, and the same model with every tensor as gguf.quants dequantizes it (float32)."""
+    tensors = _kquant_tensors(np.random.default_rng(7))
+    folder = tmp_path_factory.mktemp("kquants")
+    _write_llama(folder / "tiny-q4_k_m.gguf", tensors)
+    dequantized = {
+        name: (data if qtype == QType.F32 else gguf.quants.dequantize(data, qtype), QType.F32)
+        for name, (data, qtype) in tensors.items()
+    }
+    _write_llama(folder / "tiny-f32.gguf", dequantized)
+    return folder / "tiny-q4_k_m.gguf", folder / "tiny-f32.gguf"
+
+
+def test_a_q4_k_m_file_loads_and_gives_the_logits_of_its_dequantized_weights(q4_k_m_files: tuple[Path, Path]) -> None:
+    kquants, f32 = q4_k_m_files
+    types = {t.name: QType(t.tensor_type) for t in open_gguf(kquants).tensors}
+    assert {types["output.weight"], types["blk.0.ffn_down.weight"], types["blk.1.attn_q.weight"]} == {
+        QType.Q6_K,
+        QType.Q4_K,
+    }
+    # The worker's load path, every option at its default.
+    model = load(LoadOptions(model=str(kquants)))
+    reference = load(LoadOptions(model=str(f32)))
+    plan = model.plan
+    assert set(plan.method_counts) == {"none"} and sum(plan.method_counts.values()) == KQ_LAYERS * 4 + 1
+    # Where the native kernels run, the plan says which formats they do not read (yet).
+    reason = resolve_plan(LoadOptions(model=str(kquants)), open_checkpoint(kquants), DeviceFacts()).quant_reasons
+    assert reason["none"].split("; ") == [
+        "Q4_K/Q6_K tensors, dense (exactly dequantized): no native kernel reads Q4_K/Q6_K yet",  # layer 0's qkv
+        "Q4_K tensors, dense (exactly dequantized): no native kernel reads Q4_K yet",
+        "Q6_K tensors, dense (exactly dequantized): no native kernel reads Q6_K yet",
+    ]
+    # Both run the same plan, on the same float32 weights: gguf's exact dequantization.
+    assert (plan.layers, plan.executor, plan.ops) == (
+        reference.plan.layers,
+        reference.plan.executor,
+        reference.plan.ops,
+    )
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    ids = torch.randint(0, KQ_VOCAB, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        logits = model.compute_logits(forward_prompt(model, ids))
+        expected = reference.compute_logits(forward_prompt(reference, ids))
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    # Bitwise: the same weights through the same kernels in the same order.
+    assert torch.equal(logits, expected)
+
+
+def test_a_q4_k_m_file_refuses_a_tensor_parallel_degree_that_splits_a_super_block(
+    q4_k_m_files: tuple[Path, Path],
+) -> None:
+    kquants, f32 = q4_k_m_files
+    # 4 heads of 64 over 2 ranks: 128 inputs of o_proj per rank, half a Q4_K super-block.
+    with pytest.raises(PlanRefused, match=r"o_proj \(128\).*multiples of 256.*Q4_K blocks of 256 weights.*work: 1$"):
+        resolve_plan(LoadOptions(model=str(kquants), tensor_parallel=2), open_checkpoint(kquants), DeviceFacts())
+    assert read_dims(kquants).block == 256 and read_dims(kquants).block_format == "Q4_K"
+    # The same model in float32 splits anywhere the heads do.
+    resolve_plan(LoadOptions(model=str(f32), tensor_parallel=2), open_checkpoint(f32), DeviceFacts())
+    with pytest.raises(ValueError, match="multiples of 256"):
+        check_degree(read_dims(kquants), 2)

@@ -8,6 +8,7 @@ heads and 2 key/value heads, so degree 4 replicates each key/value head on two r
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -141,16 +142,26 @@ SMOLLM2 = ModelDims(num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=
 
 
 def test_degrees_that_split_smollm2() -> None:
-    assert working_degrees(SMOLLM2, blocked=True) == [1, 3]
-    check_degree(SMOLLM2, 3, blocked=True)
+    assert working_degrees(SMOLLM2, int4_groups=True) == [1, 3]
+    check_degree(SMOLLM2, 3, int4_groups=True)
     with pytest.raises(ValueError, match=r"9 query heads, 3 key/value heads.*degrees that work: 1, 3"):
-        check_degree(SMOLLM2, 2, blocked=True)
+        check_degree(SMOLLM2, 2, int4_groups=True)
 
 
 def test_quantized_row_parallel_inputs_stay_multiples_of_32() -> None:
     dims = ModelDims(num_heads=8, num_kv_heads=8, head_dim=16, intermediate_size=256, vocab_size=256)
     # 8 heads x 16 / 8 ranks = 16 input features of o_proj per rank: fine dense, not in int4 groups.
-    assert 8 in working_degrees(dims, blocked=False)
-    assert working_degrees(dims, blocked=True) == [1, 2, 4]
+    assert 8 in working_degrees(dims, int4_groups=False)
+    assert working_degrees(dims, int4_groups=True) == [1, 2, 4]
     with pytest.raises(ValueError, match="multiples of 32"):
-        check_degree(dims, 8, blocked=True)
+        check_degree(dims, 8, int4_groups=True)
+
+
+def test_k_quant_row_parallel_inputs_stay_whole_super_blocks() -> None:
+    # Llama 2 7B: 11008 = 43 x 256 MLP inputs split in 32-weight blocks, never in 256-weight super-blocks.
+    llama2 = ModelDims(num_heads=32, num_kv_heads=32, head_dim=128, intermediate_size=11008, vocab_size=32000)
+    assert working_degrees(replace(llama2, block=32, block_format="Q8_0")) == [1, 2, 4, 8]
+    q4_k = replace(llama2, block=256, block_format="Q4_K")
+    assert working_degrees(q4_k) == [1]
+    with pytest.raises(ValueError, match=r"multiples of 256 .*one of the checkpoint's Q4_K blocks of 256 weights"):
+        check_degree(q4_k, 2)

@@ -9,11 +9,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.kernels.cpu import abi, block_gemm, build
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK
+from tokenmill_service.layers.quant.blocks import GGUFBlocksMethod
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_BLOCK
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
@@ -63,10 +65,26 @@ def test_the_bindings_are_typed_from_the_abi() -> None:
 
 def test_one_block_table_for_python_and_cpp() -> None:
     assert QUANT_BLOCK == abi.QUANT_BLOCK == 32
+    header = abi.header()
     for fmt in abi.BLOCK_FORMATS:
-        assert block_gemm.FORMATS[fmt.id] == fmt.block_bytes
-        assert f"#define TM_BLOCK_BYTES_{fmt.name} {fmt.block_bytes}" in abi.header()
+        assert f"#define TM_BLOCK_WEIGHTS_{fmt.name} {fmt.block_weights}" in header
+        assert f"#define TM_BLOCK_BYTES_{fmt.name} {fmt.block_bytes}" in header
         if fmt.name != "F32":
-            # gguf's own table: (weights per block, bytes per block).
-            assert GGML_QUANT_SIZES[QType[fmt.name]] == (QUANT_BLOCK, fmt.block_bytes)
+            # gguf's own table: (weights per block, bytes per block), and ggml's type id.
+            assert GGML_QUANT_SIZES[QType[fmt.name]] == (fmt.block_weights, fmt.block_bytes)
+            assert QType[fmt.name] == fmt.id
             assert BLOCK_BYTES[QType[fmt.name]] == fmt.block_bytes
+            assert BLOCK_WEIGHTS[QType[fmt.name]] == fmt.block_weights
+
+
+def test_the_native_kernels_read_only_the_formats_they_have_code_for() -> None:
+    """The table holds every format tokenmill dequantizes; the kernels keep to their own rows of it."""
+    assert block_gemm.FORMATS == {f.id: f.block_bytes for f in abi.BLOCK_FORMATS if f.native}
+    assert sorted(block_gemm.FORMATS) == [0, int(QType.Q4_0), int(QType.Q4_1), int(QType.Q8_0)]
+    assert GGUFBlocksMethod.served_types == {QType.Q4_0, QType.Q4_1, QType.Q8_0}
+    assert all(f.block_weights == QUANT_BLOCK for f in abi.BLOCK_FORMATS if f.native)
+    assert "static_assert(TM_BLOCK_WEIGHTS_Q4_0 == TM_QK" in abi.header()
+    assert "TM_BLOCK_WEIGHTS_Q4_K == TM_QK" not in abi.header()
+    # A k-quant is in the table, not in the kernels: they refuse its id before reading a byte.
+    with pytest.raises(ValueError, match="ggml type 12 is not a block format the native kernel reads"):
+        block_gemm.block_dequantize(torch.zeros(2, 1, 144, dtype=torch.uint8), int(QType.Q4_K))

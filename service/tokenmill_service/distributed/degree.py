@@ -2,18 +2,26 @@
 
 A degree ``d`` works when it divides the query heads, the MLP width and the vocabulary, and the
 key/value heads either split over the ranks or are replicated (``d`` a multiple of them). When
-weights are in 32-weight blocks (int4 groups, GGUF's quantized tensors), each rank's input slice
-of a row-parallel layer (o_proj, down_proj) must hold whole blocks: a multiple of 32.
+weights are in blocks (GGUF's quantized tensors: 32 weights a block, 256 a k-quant super-block;
+int4's groups of 32), each rank's input slice of a row-parallel layer (o_proj, down_proj) must hold
+whole blocks: a multiple of the checkpoint's largest block (``ModelDims.block``), or of 32 under int4.
 """
 
 from __future__ import annotations
 
 from tokenmill_service.models.dims import ModelDims
 
-BLOCK = 32  # weights per quantization group / GGUF block
+INT4_GROUP = 32  # weights per int4 quantization group
 
 
-def _problems(dims: ModelDims, degree: int, blocked: bool) -> list[str]:
+def _block(dims: ModelDims, int4_groups: bool) -> tuple[int, str]:
+    """The weights per block a rank's input slice must hold whole, and what those blocks are."""
+    if int4_groups and INT4_GROUP > dims.block:
+        return INT4_GROUP, f"int4's groups of {INT4_GROUP} weights"
+    return dims.block, f"the checkpoint's {dims.block_format} blocks of {dims.block} weights"
+
+
+def _problems(dims: ModelDims, degree: int, int4_groups: bool) -> list[str]:
     problems = []
     if dims.num_heads % degree:
         problems.append(f"{dims.num_heads} query heads")
@@ -24,27 +32,29 @@ def _problems(dims: ModelDims, degree: int, blocked: bool) -> list[str]:
         problems.append(f"MLP width {dims.intermediate_size}")
     if dims.vocab_size % degree:
         problems.append(f"vocabulary {dims.vocab_size}")
-    if blocked and not problems:
+    block, blocks = _block(dims, int4_groups)
+    if block > 1 and not problems:
         o_in = dims.num_heads * dims.head_dim // degree
         down_in = dims.intermediate_size // degree
-        if o_in % BLOCK or down_in % BLOCK:
+        if o_in % block or down_in % block:
             problems.append(
-                f"per-rank inputs of o_proj ({o_in}) and down_proj ({down_in}) must be multiples of {BLOCK} "
-                "for quantized weights"
+                f"per-rank inputs of o_proj ({o_in}) and down_proj ({down_in}) must be multiples of {block} "
+                f"for quantized weights (a rank cannot split one of {blocks})"
             )
     return problems
 
 
-def working_degrees(dims: ModelDims, blocked: bool) -> list[int]:
-    return [d for d in range(1, dims.num_heads + 1) if not _problems(dims, d, blocked)]
+def working_degrees(dims: ModelDims, int4_groups: bool = False) -> list[int]:
+    return [d for d in range(1, dims.num_heads + 1) if not _problems(dims, d, int4_groups)]
 
 
-def check_degree(dims: ModelDims, degree: int, blocked: bool) -> None:
-    """Raise ValueError naming the model's counts and the degrees that work unless ``degree`` does."""
-    problems = _problems(dims, degree, blocked)
+def check_degree(dims: ModelDims, degree: int, int4_groups: bool = False) -> None:
+    """Raise ValueError naming the model's counts and the degrees that work unless ``degree`` does
+    (``int4_groups``: the weights are quantized to int4 here, in groups of 32, whatever the checkpoint's blocks)."""
+    problems = _problems(dims, degree, int4_groups)
     if not problems:
         return
-    works = ", ".join(map(str, working_degrees(dims, blocked)))
+    works = ", ".join(map(str, working_degrees(dims, int4_groups)))
     raise ValueError(
         f"--tensor-parallel {degree} does not split this model evenly: {'; '.join(problems)} "
         f"(the model has {dims.num_heads} query heads, {dims.num_kv_heads} key/value heads, "

@@ -7,6 +7,7 @@ imports torch); the loader checks the same sizes again from the full ``ModelConf
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ class ModelDims:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    # The checkpoint's largest quantization block in weights (1: none) and its format: a rank's slice
+    # of a row-parallel layer's inputs holds whole blocks.
+    block: int = 1
+    block_format: str = ""
 
 
 def is_gguf(path: Path) -> bool:
@@ -48,6 +53,19 @@ def read_dims(path: Path) -> ModelDims:
     )
 
 
+def largest_block(types: Iterable[int]) -> tuple[int, str]:
+    """The most weights per block among ggml tensor types ``types`` and that format's name; (1, "")
+    when none is block-quantized (float types hold one weight a "block")."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, name = 1, ""
+    for qtype in sorted(map(GGMLQuantizationType, set(types))):
+        weights = GGML_QUANT_SIZES[qtype][0]
+        if weights > block:
+            block, name = weights, qtype.name
+    return block, name
+
+
 def _gguf_dims(path: Path) -> ModelDims:
     from tokenmill_service.models.gguf_reader import open_gguf
 
@@ -61,10 +79,13 @@ def _gguf_dims(path: Path) -> ModelDims:
     heads = int(field(f"{arch}.attention.head_count"))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     key_length = field(f"{arch}.attention.key_length")
+    block, block_format = largest_block(int(t.tensor_type) for t in reader.tensors)
     return ModelDims(
         num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv") or heads),
         head_dim=int(key_length) if key_length is not None else int(field(f"{arch}.embedding_length")) // heads,
         intermediate_size=int(field(f"{arch}.feed_forward_length")),
         vocab_size=int(embd.shape[1]),  # GGUF lists dims innermost first: [hidden, vocab]
+        block=block,
+        block_format=block_format,
     )

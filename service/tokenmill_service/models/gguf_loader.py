@@ -1,9 +1,11 @@
 """Read a GGUF checkpoint (llama.cpp's format): a ``ModelConfig`` and its tensors under Hugging Face names.
 
 The file is memory-mapped by ``gguf.GGUFReader``. Float tensors become float32 torch tensors;
-block-quantized ones (Q8_0, Q4_0, Q4_1) stay ``GGUFBlocks`` over the mapping, so that each layer
-takes its slice and its quantization method decides (int4 serves Q4_x as it is). Llama-arch q/k
-rows are put back in Hugging Face order (llama.cpp's converter permutes them for its RoPE).
+block-quantized ones (every format of abi.py's table: Q4_0 .. Q8_0, the k-quants Q2_K .. Q6_K,
+IQ4_NL/IQ4_XS) stay ``GGUFBlocks`` over the mapping, so that each layer takes its slice and its
+quantization method decides (the native kernels serve Q4_0/Q4_1/Q8_0 as stored, int4 serves Q4_x
+as it is, anything else is dequantized exactly). Llama-arch q/k rows are put back in Hugging Face
+order (llama.cpp's converter permutes them for its RoPE).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.layers.quant.gguf_blocks import FLOAT_TYPES, CheckpointTensor, GGUFBlocks
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, FLOAT_TYPES, CheckpointTensor, GGUFBlocks
 from tokenmill_service.layers.rotary import rope_inv_freq
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.gguf_reader import open_gguf
@@ -31,7 +33,7 @@ log = structlog.get_logger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
-SUPPORTED_TENSOR_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1)
+SUPPORTED_TENSOR_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -154,7 +156,7 @@ def _check_type(qtype: QType) -> None:
 
 
 def checkpoint_tensor(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> CheckpointTensor:
-    """A float tensor (F32/F16/BF16, converted to float32) or the still-quantized blocks (Q8_0/Q4_0/Q4_1)."""
+    """A float tensor (F32/F16/BF16, converted to float32) or the still-quantized blocks (any block format)."""
     _check_type(qtype)
     if qtype not in FLOAT_TYPES:
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1

@@ -28,4 +28,13 @@ class _PlainArrayReader(gguf.GGUFReader):
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    return _PlainArrayReader(path)
+    try:
+        return _PlainArrayReader(path)
+    except ValueError as e:
+        # The reader meets a tensor type id ggml has no name for as a bare enum error; say what it means.
+        if "GGMLQuantizationType" not in str(e):
+            raise
+        raise ValueError(
+            f"{path}: a tensor's type is not one the gguf package knows ({e}): the file is damaged, or newer "
+            "than this gguf"
+        ) from e

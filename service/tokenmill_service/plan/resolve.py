@@ -15,9 +15,10 @@ from gguf import GGMLQuantizationType as QType
 from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.dims import ModelDims
+from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.options import LoadOptions
@@ -117,13 +118,15 @@ def _linear_layers(
     elif setting != "auto" and (why := quant_method_class(setting).unavailable_reason(facts, act)) is not None:
         raise PlanRefused(f"--quantization {setting} cannot run here: {why}")
     layers: dict[str, LayerChoice] = {}
-    reasons: dict[str, str] = {}
+    reasons: dict[str, list[str]] = {}
     for prefix in prefixes:
         method, reason = _layer_method(setting, native, _stored_types(prefix, checkpoint.config, types), prefix)
         cls = quant_method_class(method)
         layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
-        reasons.setdefault(method, reason)
-    return layers, reasons, skipped
+        # Each distinct reason once: layers of one method can be there for different formats (Q4_K, Q6_K).
+        if reason not in reasons.setdefault(method, []):
+            reasons[method].append(reason)
+    return layers, {method: "; ".join(why) for method, why in reasons.items()}, skipped
 
 
 def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> set[QType | None]:
@@ -148,7 +151,11 @@ def _layer_method(setting: str, native: str | None, kinds: set[QType | None], pr
         if kinds <= _INT4_TYPES:
             why = "no native kernel serves here" if native is None else "stored in mixed formats"
             return "int4", f"Q4_0/Q4_1 blocks kept as int4 exactly as stored ({why})"
-        return "none", f"{names} tensors, dense (exactly dequantized)"
+        reason = f"{names} tensors, dense (exactly dequantized)"
+        unread = "/".join(sorted(k.name for k in kinds if k in BLOCK_WEIGHTS and k not in served))
+        if native is not None and unread:
+            reason += f": no native kernel reads {unread} yet"
+        return "none", reason
     if prefix == "lm_head" and setting == "int4":
         return "int8", "the output head is int8 under int4: it is the layer whose rounding shows most"
     return setting, "asked (--quantization)"
@@ -157,12 +164,19 @@ def _layer_method(setting: str, native: str | None, kinds: set[QType | None], pr
 def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dict[str, QType]) -> None:
     if options.tensor_parallel <= 1:
         return
+    # Shards hold whole blocks: the checkpoint's largest (a k-quant's 256 weights), or int4's groups of 32.
+    block, block_format = largest_block(types.values())
     dims = ModelDims(
-        config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, config.vocab_size
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        block=block,
+        block_format=block_format,
     )
     try:
-        # GGUF tensors are split in their 32-weight blocks; int4 quantizes in groups of 32.
-        check_degree(dims, options.tensor_parallel, blocked=bool(types) or options.quantization == "int4")
+        check_degree(dims, options.tensor_parallel, int4_groups=options.quantization == "int4")
     except ValueError as e:
         raise PlanRefused(str(e)) from None
 

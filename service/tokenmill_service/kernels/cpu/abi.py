@@ -17,24 +17,39 @@ import functools
 import re
 from dataclasses import dataclass
 
-# Weights per block in every format.
+# Weights per block in the formats the native kernels read (``TM_QK``); k-quants' super-blocks hold 256.
 QUANT_BLOCK = 32
+SUPER_BLOCK = 256  # ggml's QK_K
 
 
 @dataclass(frozen=True, slots=True)
 class BlockFormat:
     name: str
     id: int  # ggml's type id (F32 is tokenmill's plain float32 rows, in ggml's F32 slot)
-    block_bytes: int  # bytes per block of QUANT_BLOCK weights
+    block_weights: int  # weights per block: QUANT_BLOCK, or SUPER_BLOCK for a k-quant
+    block_bytes: int  # bytes per block
+    # Read by the native block kernels (block_gemm.cpp, vnni_gemm.cpp); the others are only dequantized, in torch.
+    native: bool = False
 
 
+# Every GGUF block format tokenmill reads, exactly as ggml lays them out (sizes as gguf's GGML_QUANT_SIZES).
 BLOCK_FORMATS = (
-    BlockFormat("F32", 0, 4 * QUANT_BLOCK),
-    BlockFormat("Q4_0", 2, 18),  # float16 scale, 16 bytes of 4-bit weights
-    BlockFormat("Q4_1", 3, 20),  # float16 scale and minimum, 16 bytes of 4-bit weights
-    BlockFormat("Q8_0", 8, 34),  # float16 scale, 32 int8 weights
+    BlockFormat("F32", 0, QUANT_BLOCK, 4 * QUANT_BLOCK, native=True),
+    BlockFormat("Q4_0", 2, QUANT_BLOCK, 18, native=True),  # float16 scale, 16 bytes of 4-bit weights
+    BlockFormat("Q4_1", 3, QUANT_BLOCK, 20, native=True),  # float16 scale and minimum, 16 bytes of 4-bit weights
+    BlockFormat("Q5_0", 6, QUANT_BLOCK, 22),  # float16 scale, 32 high bits, 16 bytes of low nibbles
+    BlockFormat("Q5_1", 7, QUANT_BLOCK, 24),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
+    BlockFormat("Q8_0", 8, QUANT_BLOCK, 34, native=True),  # float16 scale, 32 int8 weights
+    BlockFormat("Q2_K", 10, SUPER_BLOCK, 84),  # 16 sub-blocks of 16: 4-bit scale and minimum each, 2-bit weights
+    BlockFormat("Q3_K", 11, SUPER_BLOCK, 110),  # 16 sub-blocks of 16: 6-bit scales, 3-bit weights
+    BlockFormat("Q4_K", 12, SUPER_BLOCK, 144),  # 8 sub-blocks of 32: 6-bit scale and minimum each, 4-bit weights
+    BlockFormat("Q5_K", 13, SUPER_BLOCK, 176),  # as Q4_K, with a fifth bit per weight
+    BlockFormat("Q6_K", 14, SUPER_BLOCK, 210),  # 16 sub-blocks of 16: int8 scales, 6-bit weights
+    BlockFormat("IQ4_NL", 20, QUANT_BLOCK, 18),  # float16 scale, 4-bit indices into a fixed non-linear table
+    BlockFormat("IQ4_XS", 23, SUPER_BLOCK, 136),  # 8 sub-blocks of 32: 6-bit scales, IQ4_NL's table
 )
-FORMAT_BYTES = {f.id: f.block_bytes for f in BLOCK_FORMATS}
+# ggml type id -> bytes per block, for the formats the native kernels read.
+NATIVE_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.native}
 
 # Every exported function, by library (the .cpp it is defined in), exactly as defined there.
 FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -197,10 +212,18 @@ def header() -> str:
         "#include <stddef.h>",
         "#include <stdint.h>",
         "",
+        "// Every GGUF block format (abi.py's BLOCK_FORMATS); the kernels read the ones asserted to be in",
+        "// blocks of TM_QK weights, the others are dequantized in torch.",
         f"#define TM_QK {QUANT_BLOCK}",
     ]
     for f in BLOCK_FORMATS:
-        lines += [f"#define TM_FORMAT_{f.name} {f.id}", f"#define TM_BLOCK_BYTES_{f.name} {f.block_bytes}"]
+        lines += [
+            f"#define TM_FORMAT_{f.name} {f.id}",
+            f"#define TM_BLOCK_WEIGHTS_{f.name} {f.block_weights}",
+            f"#define TM_BLOCK_BYTES_{f.name} {f.block_bytes}",
+        ]
+        if f.native:  # the kernels walk every format they read in blocks of TM_QK weights
+            lines.append(f'static_assert(TM_BLOCK_WEIGHTS_{f.name} == TM_QK, "{f.name}: not in blocks of TM_QK");')
     lines += ["", 'extern "C" {', ""]
     for name, pointer in FUNCTION_POINTERS.items():
         lines.append(f"typedef {pointer.replace('(*)', f'(*{name})', 1)};")

@@ -11,9 +11,9 @@ import torch
 
 from tokenmill_service.kernels.cpu import abi, build
 
-# ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads; abi.py's table).
+# ggml type id -> bytes per block of 32 weights (the formats block_gemm.cpp reads: the native rows of abi.py's table).
 F32 = 0  # plain float32 rows: the dense method's weights (layers/quant/dense.py)
-FORMATS = abi.FORMAT_BYTES
+FORMATS = abi.NATIVE_FORMATS
 
 
 def _lib() -> ctypes.CDLL:
