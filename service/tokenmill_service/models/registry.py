@@ -25,7 +25,7 @@ class ModelFamily(Protocol):
 _FAMILIES: dict[str, type] = {}
 
 # The modules whose classes register the built-in families; imported lazily, as they import torch.
-BUILTIN_FAMILIES = ("tokenmill_service.models.llama",)
+BUILTIN_FAMILIES = ("tokenmill_service.models.llama", "tokenmill_service.models.qwen3")
 
 
 def register_model(*architectures: str) -> Callable[[type], type]:
