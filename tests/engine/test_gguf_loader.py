@@ -204,6 +204,8 @@ _GGUF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -242,6 +244,7 @@ def llama_cpp_rope_factors(rope: dict[str, float], head_dim: int) -> torch.Tenso
 def convert_hf_to_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     """A float32 GGUF of a transformers model, with llama.cpp's metadata keys and q/k permutation."""
     cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -252,10 +255,13 @@ def convert_hf_to_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # else the reader's default (Qwen3's usually is not)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     if cfg.rope_parameters.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg.rope_parameters, cfg.head_dim).numpy())
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg.rope_parameters, head_dim).numpy())
     tied = cfg.tie_word_embeddings
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":

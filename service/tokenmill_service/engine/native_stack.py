@@ -18,6 +18,10 @@ from tokenmill_service.kernels.cpu import decoder_stack
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     """The stack for ``model`` (a Llama-family module whose every linear layer has a native kernel)."""
+    if not getattr(type(model), "native_stack", False):
+        # The stack would run Llama's layers and silently skip what the family adds (Qwen3's q/k norms).
+        gap = getattr(type(model), "native_stack_gap", "")
+        raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
     layers = []
     for ly in model.model.layers:
         linears = {

@@ -30,7 +30,7 @@ log = structlog.get_logger(__name__)
 
 # general.architecture values we can run; "mistral" is an alias some tools write for Mistral's
 # llama-shaped models (llama.cpp itself converts them as "llama"). Only llama-arch q/k are permuted.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 SUPPORTED_TENSOR_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)
@@ -47,6 +47,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms, [head_dim] each
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

@@ -19,8 +19,14 @@ from tokenmill_service.models.config import ModelConfig, RopeScaling
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+# Hugging Face architecture -> the registered family (models/registry.py) that runs it.
+_ARCH_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_HF_ARCHITECTURES = tuple(_ARCH_NAMES)
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -104,7 +110,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
         rope_theta=_rope_theta(raw),
         rope_scaling=_rope_scaling(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
+        # Qwen2 always has q/k/v biases; Llama and Qwen3 declare them with attention_bias.
         attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
         architecture=_ARCH_NAMES[arch],
         name=directory.name,

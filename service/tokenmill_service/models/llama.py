@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) as a plain ``nn.Module``.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3 in qwen3.py) as a plain ``nn.Module``.
 
 Built from ``layers/`` (linear layers with their quantization method, vocabulary-parallel
 embedding and head, norms, rotary tables) and ``kernels/`` (the hot arithmetic, by the backend the plan picked),
@@ -78,8 +78,13 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.before_rotary(q, k)
         q, k = self.rotary(positions, q, k)
         return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A family's seam between the projection and rotary (Qwen3 norms each head here); Llama has none."""
+        return q, k
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Store the new keys and values in the cache, attend over it: [T, heads * head_dim]."""
@@ -115,11 +120,12 @@ class LlamaDecoderLayer(nn.Module):
         quant: QuantFactory,
         act_dtype: torch.dtype,
         tp: TensorParallel,
+        attention_type: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", layer_idx, rotary, ops, quant, tp)
+        self.self_attn = attention_type(config, f"{prefix}.self_attn", layer_idx, rotary, ops, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
 
@@ -177,6 +183,7 @@ class LlamaModel(nn.Module):
         embed_dtype: torch.dtype,
         head_dtype: torch.dtype,
         tp: TensorParallel,
+        attention_type: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, embed_dtype, tp)
@@ -184,7 +191,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp)
+            LlamaDecoderLayer(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp, attention_type)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, head_dtype)
@@ -205,6 +212,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # The runner may run its decoder layers and final norm as one native call (engine/native_stack.py).
     native_stack: ClassVar[bool] = True
+    # Where a family has no native stack, what the stack lacks (the plan's executor reason names it).
+    native_stack_gap: ClassVar[str] = ""
+    # The attention module of every layer: a family that changes q and k subclasses it (``before_rotary``).
+    attention_type: ClassVar[type[LlamaAttention]] = LlamaAttention
     # The functions a forward pass runs between attention calls, which an executor may compile.
     regions_type: ClassVar[type[Regions]] = Regions
     # Checkpoint projections that live packed in one layer here: name -> (layer, shard id).
@@ -235,7 +246,9 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = "none"  # what the plan chose, for reports ("int4+int8" when mixed)
         self.plan: LoadPlan | None = None  # the plan it was built from (models/builder.py)
         head_quant = quant("lm_head")
-        self.model = LlamaModel(config, ops, quant, act_dtype, embed_dtype or act_dtype, head_quant.act_dtype, tp)
+        self.model = LlamaModel(
+            config, ops, quant, act_dtype, embed_dtype or act_dtype, head_quant.act_dtype, tp, self.attention_type
+        )
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, head_quant, tp)
 
     @classmethod

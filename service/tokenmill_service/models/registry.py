@@ -2,11 +2,13 @@
 
 A family registers its ``nn.Module`` class here (``@register_model("llama", "mistral", "qwen2")``)
 and says which linear layers it has (``linear_prefixes``), so the load plan can choose a method for
-each before the model is built.
+each before the model is built. The families that ship with tokenmill are listed once, in
+``BUILTIN_FAMILIES``, and imported on the first lookup.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,6 +24,9 @@ class ModelFamily(Protocol):
 
 _FAMILIES: dict[str, type] = {}
 
+# The modules whose classes register the built-in families; imported lazily, as they import torch.
+BUILTIN_FAMILIES = ("tokenmill_service.models.llama", "tokenmill_service.models.qwen3")
+
 
 def register_model(*architectures: str) -> Callable[[type], type]:
     def wrap(cls: type) -> type:
@@ -34,8 +39,8 @@ def register_model(*architectures: str) -> Callable[[type], type]:
 
 def model_class(architecture: str) -> type[Any]:
     """The family registered for ``architecture`` (ValueError naming those that are otherwise)."""
-    import tokenmill_service.models.llama  # noqa: F401 - registers the built-in families
-
+    for module in BUILTIN_FAMILIES:
+        importlib.import_module(module)  # registers its families (once: imports are cached)
     try:
         return _FAMILIES[architecture]
     except KeyError:

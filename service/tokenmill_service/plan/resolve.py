@@ -261,8 +261,10 @@ def native_stack_missing(
         return "tensor-parallel ranks all-reduce between the layers"
     if act != torch.float32:
         return "it runs float32 activations"
-    if not getattr(model_class(config.architecture), "native_stack", False):
-        return f"the {config.architecture} family has no native stack"
+    family = model_class(config.architecture)
+    if not getattr(family, "native_stack", False):
+        gap = getattr(family, "native_stack_gap", "")
+        return f"the {config.architecture} family has no native stack" + (f": {gap}" if gap else "")
     if config.attention_bias:
         return "the qkv projection has a bias"
     for prefix, choice in layers.items():

@@ -1,0 +1,210 @@
+"""Qwen3 (dense): tiny random transformers checkpoints, tied and untied, with head_dim 64 where
+hidden / heads is 16, served as transformers computes them: logits and prompt logprobs within
+1e-4 (float32, dense) on each ops backend (native CPU ops, the torch reference, triton), the same
+greedy tokens, the same logits from a GGUF of the model and from two tensor-parallel ranks, and a
+prompt's logits bitwise the same alone and in a batch of others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
+from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.engine.executor import make_executor
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.models.builder import build_model
+from tokenmill_service.models.checkpoint import open_checkpoint
+from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.models.loader import load_model
+from tokenmill_service.plan import LoadOptions
+from tokenmill_service.plan.device import probe_device
+from tokenmill_service.plan.resolve import resolve_plan
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(  # noqa: C408 - keyword names as in the transformers config
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,  # not hidden / heads (16); 64 is a head the native attention kernel takes
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+PROMPT = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+OPS = ["native", "torch", "triton"]
+
+
+def qwen3(tied: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, tie_word_embeddings=tied))
+    _randomize(model, seed=1)  # q_norm and k_norm too: every weight counts
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A saved tiny Qwen3 and the transformers model it was saved from."""
+    hf_model = qwen3(tied=request.param)
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return directory, hf_model
+
+
+def load(directory: Path, ops: str) -> Any:
+    """The checkpoint at float32, dense, on the ``ops`` backend (``torch``: the reference ops, as a
+    machine without tokenmill's native attention kernel gets them)."""
+    if ops == "native":
+        model = load_model(directory, dtype=torch.float32, quantization="none")
+    elif ops == "triton":
+        model = load_model(directory, dtype=torch.float32, quantization="none", backend="triton", device=DEVICE.type)
+    else:
+        facts = probe_device("cpu")
+        facts = dataclasses.replace(facts, native_missing={**facts.native_missing, "paged_attention": "not asked"})
+        checkpoint = open_checkpoint(directory)
+        options = LoadOptions(model=str(directory), dtype="float32", quantization="none")
+        model = build_model(resolve_plan(options, checkpoint, facts), checkpoint)
+    assert model.plan.ops.value == ops
+    return model
+
+
+def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("ops", OPS)
+@torch.inference_mode()
+def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
+    directory, hf_model = checkpoint
+    model = load(directory, ops)
+    assert model.config.architecture == "qwen3" and model.config.head_dim == 64
+    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
+    expected = hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def test_the_config_and_the_weights_are_qwen3s(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    config = read_hf_config(directory)
+    assert (config.architecture, config.head_dim, config.attention_bias) == ("qwen3", 64, False)
+    assert config.tie_word_embeddings is hf_model.config.tie_word_embeddings
+    model = load_model(directory)
+    attn, hf_attn = model.model.layers[1].self_attn, hf_model.model.layers[1].self_attn
+    assert torch.equal(attn.q_norm.weight, hf_attn.q_norm.weight)
+    assert torch.equal(attn.k_norm.weight, hf_attn.k_norm.weight)
+    if config.tie_word_embeddings:
+        assert torch.equal(model.lm_head.quant.dequantized(model.lm_head), model.model.embed_tokens.weight)
+
+
+def test_the_plan_says_the_native_stack_has_no_qk_norm(checkpoint: tuple[Path, Any]) -> None:
+    model = load(checkpoint[0], "native")
+    executor = model.plan.executor
+    assert executor.value == "eager"
+    assert "the qwen3 family has no native stack" in executor.reason and "q/k norm" in executor.reason
+    # Asked for by hand, the stack refuses rather than run Llama's layers without the norms.
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no native stack"):
+        make_executor(model, "native-stack")
+
+
+def greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens through the runner's paged KV cache: a prefill, then one decode step per token."""
+    runner = ModelRunner(model, block_size=16, num_blocks=8)
+    ids, start, table = list(prompt), 0, list(range(8))
+    for _ in range(new_tokens):
+        new = ids[start:]
+        logits, _ = runner.execute(StepPlan(new, [len(new)], [start], [table], [len(new) - 1], []))
+        start = len(ids)
+        ids.append(int(logits[0].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(10):  # transformers' own greedy choice, one full forward per token
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+
+
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any]) -> None:
+    """Prefill and the next decode step, alone and between two other sequences (block tables out of
+    order), as served (native ops): the per-head norms, like every other op, compute each row on its own.
+    The torch reference ops are left out: their decode attention differs in the last bits between one
+    sequence and three here, for a Llama of these sizes as much as for Qwen3."""
+    model = load(checkpoint[0], "native")
+    a, p, b = PROMPT[20:29], PROMPT[:13], PROMPT[30:35]
+    next_token = 7
+
+    alone = ModelRunner(model, block_size=4, num_blocks=16)
+    table = [9, 3, 12, 5]
+    _, (prefill,) = alone.execute(StepPlan(p, [13], [0], [table], [12], [(0, 13)]))
+    decode, _ = alone.execute(StepPlan([next_token], [1], [13], [table], [0], []))
+
+    crowd = ModelRunner(model, block_size=4, num_blocks=16)
+    tables = [[0, 7, 2], [11, 4, 15, 6], [14, 1]]
+    _, (crowd_prefill,) = crowd.execute(StepPlan(a + p + b, [9, 13, 5], [0, 0, 0], tables, [8, 21, 26], [(9, 13)]))
+    crowd_decode, _ = crowd.execute(StepPlan([3, next_token, 4], [1, 1, 1], [9, 13, 5], tables, [0, 1, 2], []))
+    assert torch.equal(crowd_prefill, prefill)
+    assert torch.equal(crowd_decode[1], decode[0])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path, tied: bool) -> None:
+    hf_model = qwen3(tied)
+    path = tmp_path / "tiny-qwen3.gguf"
+    convert_hf_to_gguf(hf_model, "qwen3", path)  # llama.cpp's names: blk.N.attn_q_norm.weight, ...
+    model = load_model(path)
+    assert model.config.architecture == "qwen3" and model.config.head_dim == 64
+    assert model.config.tie_word_embeddings is tied
+    with torch.inference_mode():
+        actual = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(actual, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+
+
+# -- tensor parallel (gloo on CPU, real processes; as tests/engine/test_tensor_parallel.py) -----------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_logits(rank: int, size: int, port: int, path: str, out: str) -> None:
+    """One rank: join the group, load this rank's heads, write the gathered logits (rank 0)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        model = load_model(Path(path), tp=TensorParallel(rank, size))
+        attn = model.model.layers[0].self_attn
+        logits = model.compute_logits(forward_prompt(model, PROMPT))
+        if rank == 0:
+            torch.save({"logits": logits, "heads": attn.num_heads, "q_norm": tuple(attn.q_norm.weight.shape)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_tensor_parallel_ranks_give_the_whole_models_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+    directory, _ = checkpoint
+    out = tmp_path / "logits.pt"
+    mp.spawn(_rank_logits, args=(2, _free_port(), str(directory), str(out)), nprocs=2)
+    sharded = torch.load(out)
+    assert sharded["heads"] == 2 and sharded["q_norm"] == (64,)  # half the heads, the whole norm
+    model = load_model(directory)
+    with torch.inference_mode():
+        whole = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(sharded["logits"], whole, atol=1e-4, rtol=0)
