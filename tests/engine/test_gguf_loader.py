@@ -438,25 +438,19 @@ def q4_k_m_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return folder / "tiny-q4_k_m.gguf", folder / "tiny-f32.gguf"
 
 
-def test_a_q4_k_m_file_loads_and_gives_the_logits_of_its_dequantized_weights(q4_k_m_files: tuple[Path, Path]) -> None:
+def test_a_q4_k_m_file_dequantized_gives_the_logits_of_its_dequantized_weights(q4_k_m_files: tuple[Path, Path]) -> None:
+    """--quantization none --dtype float32: every k-quant layer dense, exactly as gguf dequantizes it (the reference the
+    native k-quant kernel is held to, tests/engine/test_kquant_model.py)."""
     kquants, f32 = q4_k_m_files
     types = {t.name: QType(t.tensor_type) for t in open_gguf(kquants).tensors}
     assert {types["output.weight"], types["blk.0.ffn_down.weight"], types["blk.1.attn_q.weight"]} == {
         QType.Q6_K,
         QType.Q4_K,
     }
-    # The worker's load path, every option at its default.
-    model = load(LoadOptions(model=str(kquants)))
+    model = load(LoadOptions(model=str(kquants), quantization="none", dtype="float32"))
     reference = load(LoadOptions(model=str(f32)))
     plan = model.plan
     assert set(plan.method_counts) == {"none"} and sum(plan.method_counts.values()) == KQ_LAYERS * 4 + 1
-    # Where the native kernels run, the plan says which formats they do not read (yet).
-    reason = resolve_plan(LoadOptions(model=str(kquants)), open_checkpoint(kquants), DeviceFacts()).quant_reasons
-    assert reason["none"].split("; ") == [
-        "Q4_K/Q6_K tensors, dense (exactly dequantized): no native kernel reads Q4_K/Q6_K yet",  # layer 0's qkv
-        "Q4_K tensors, dense (exactly dequantized): no native kernel reads Q4_K yet",
-        "Q6_K tensors, dense (exactly dequantized): no native kernel reads Q6_K yet",
-    ]
     # Both run the same plan, on the same float32 weights: gguf's exact dequantization.
     assert (plan.layers, plan.executor, plan.ops) == (
         reference.plan.layers,
@@ -472,6 +466,27 @@ def test_a_q4_k_m_file_loads_and_gives_the_logits_of_its_dequantized_weights(q4_
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     # Bitwise: the same weights through the same kernels in the same order.
     assert torch.equal(logits, expected)
+
+
+def test_formats_no_native_kernel_reads_are_dense_and_the_plan_names_them(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    tensors = _kquant_tensors(rng)
+    for name, (data, qtype) in list(tensors.items()):
+        if name.endswith(("attn_k.weight", "ffn_up.weight")):
+            tensors[name] = (random_blocks(QType.Q3_K, *_shape_of(data, qtype), rng, 0.01), QType.Q3_K)
+    path = tmp_path / "tiny-q3_k.gguf"
+    _write_llama(path, tensors)
+    plan = resolve_plan(LoadOptions(model=str(path)), open_checkpoint(path), DeviceFacts())
+    assert plan.layers["model.layers.1.self_attn.qkv_proj"].method == "none"
+    assert plan.layers["model.layers.1.self_attn.o_proj"].method == "gguf-kquant"
+    assert (
+        "Q3_K/Q4_K tensors, dense (exactly dequantized): no native kernel reads Q3_K yet" in plan.quant_reasons["none"]
+    )
+
+
+def _shape_of(data: np.ndarray, qtype: QType) -> tuple[int, int]:
+    weights, size = gguf.GGML_QUANT_SIZES[qtype]
+    return data.shape[0], data.shape[1] // size * weights
 
 
 def test_a_q4_k_m_file_refuses_a_tensor_parallel_degree_that_splits_a_super_block(

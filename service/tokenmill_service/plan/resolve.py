@@ -27,8 +27,9 @@ from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRef
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 COMPILE_SETTINGS = ("auto", "off")
-# The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first.
-NATIVE_METHODS = ("gguf-vnni", "gguf")
+# The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first
+# (each serves its own formats: a layer gets the first available one that serves how it is stored).
+NATIVE_METHODS = ("gguf-vnni", "gguf-kquant", "gguf")
 _INT4_TYPES = {QType.Q4_0, QType.Q4_1}
 # Checkpoint projections each packed layer is made of.
 _PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -100,7 +101,7 @@ def _linear_layers(
     """Each linear layer's method and kernel, why each method, and the native methods skipped."""
     setting, types = options.quantization, checkpoint.tensor_types
     skipped: dict[str, str] = {}
-    native: str | None = None
+    native: list[str] = []  # the native methods a layer may get, in order of preference
     if setting in NATIVE_METHODS:
         if (why := quant_method_class(setting).unavailable_reason(facts, act)) is not None:
             raise PlanRefused(f"--quantization {setting} needs tokenmill's native CPU kernel: {why}")
@@ -108,24 +109,32 @@ def _linear_layers(
             raise PlanRefused(
                 f"--quantization {setting} serves a GGUF file's blocks; {checkpoint.path} is not a GGUF file"
             )
-        native = setting
+        native = [setting]
     elif setting == "auto" and types:
         for method in NATIVE_METHODS:
             if (why := quant_method_class(method).unavailable_reason(facts, act)) is None:
-                native = method
-                break
-            skipped[method] = why
+                native.append(method)
+            else:
+                skipped[method] = why
     elif setting != "auto" and (why := quant_method_class(setting).unavailable_reason(facts, act)) is not None:
         raise PlanRefused(f"--quantization {setting} cannot run here: {why}")
     layers: dict[str, LayerChoice] = {}
     reasons: dict[str, list[str]] = {}
+    stored: dict[str, list[str]] = {}  # a native method's formats, as the layers it multiplies hold them
     for prefix in prefixes:
-        method, reason = _layer_method(setting, native, _stored_types(prefix, checkpoint.config, types), prefix)
+        kinds = _stored_types(prefix, checkpoint.config, types)
+        method, reason = _layer_method(setting, native, kinds, prefix)
         cls = quant_method_class(method)
         layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
+        if method in native:
+            names = "/".join(sorted(k.name for k in kinds if k is not None))
+            if names not in stored.setdefault(method, []):
+                stored[method].append(names)
         # Each distinct reason once: layers of one method can be there for different formats (Q4_K, Q6_K).
-        if reason not in reasons.setdefault(method, []):
+        elif reason not in reasons.setdefault(method, []):
             reasons[method].append(reason)
+    for method, names in stored.items():
+        reasons[method] = [f"the GGUF file's blocks ({', '.join(names)}), multiplied as stored"]
     return layers, {method: "; ".join(why) for method, why in reasons.items()}, skipped
 
 
@@ -139,22 +148,26 @@ def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> 
     return {types.get(name) for name in sources}
 
 
-def _layer_method(setting: str, native: str | None, kinds: set[QType | None], prefix: str) -> tuple[str, str]:
-    """The method of one layer under ``--quantization setting`` (``native``: the GGUF method chosen)."""
+def _layer_method(setting: str, native: list[str], kinds: set[QType | None], prefix: str) -> tuple[str, str]:
+    """The method of one layer under ``--quantization setting`` (``native``: the GGUF methods that may run)."""
     names = "/".join(sorted(k.name if k is not None else "float" for k in kinds))
     if setting == "auto" or setting in NATIVE_METHODS:
-        served: frozenset[QType] = (
-            getattr(quant_method_class(native), "served_types", frozenset()) if native else frozenset()
-        )
-        if native is not None and len(kinds) == 1 and kinds <= served:
-            return native, "the GGUF file's blocks, multiplied as stored"
+        served: set[QType] = set()
+        for method in native:
+            method_serves: frozenset[QType] = getattr(quant_method_class(method), "served_types", frozenset())
+            mixes = getattr(quant_method_class(method), "mixed_formats", False)
+            if kinds <= method_serves and (len(kinds) == 1 or mixes):
+                return method, "the GGUF file's blocks, multiplied as stored"
+            served |= method_serves
         if kinds <= _INT4_TYPES:
-            why = "no native kernel serves here" if native is None else "stored in mixed formats"
+            why = "no native kernel serves here" if not native else "stored in mixed formats"
             return "int4", f"Q4_0/Q4_1 blocks kept as int4 exactly as stored ({why})"
         reason = f"{names} tensors, dense (exactly dequantized)"
         unread = "/".join(sorted(k.name for k in kinds if k in BLOCK_WEIGHTS and k not in served))
-        if native is not None and unread:
+        if native and unread:
             reason += f": no native kernel reads {unread} yet"
+        elif native and len(kinds) > 1:
+            reason += ": stored in mixed formats"
         return "none", reason
     if prefix == "lm_head" and setting == "int4":
         return "int8", "the output head is int8 under int4: it is the layer whose rounding shows most"

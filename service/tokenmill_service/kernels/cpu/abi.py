@@ -28,28 +28,38 @@ class BlockFormat:
     id: int  # ggml's type id (F32 is tokenmill's plain float32 rows, in ggml's F32 slot)
     block_weights: int  # weights per block: QUANT_BLOCK, or SUPER_BLOCK for a k-quant
     block_bytes: int  # bytes per block
-    # Read by the native block kernels (block_gemm.cpp, vnni_gemm.cpp); the others are only dequantized, in torch.
-    native: bool = False
+    # Which native kernels read it: "blocks" (block_gemm.cpp and vnni_gemm.cpp, in blocks of QUANT_BLOCK),
+    # "kquant" (kquant_gemm.cpp, in super-blocks); None: only dequantized, in torch.
+    kernel: str | None = None
 
 
 # Every GGUF block format tokenmill reads, exactly as ggml lays them out (sizes as gguf's GGML_QUANT_SIZES).
 BLOCK_FORMATS = (
-    BlockFormat("F32", 0, QUANT_BLOCK, 4 * QUANT_BLOCK, native=True),
-    BlockFormat("Q4_0", 2, QUANT_BLOCK, 18, native=True),  # float16 scale, 16 bytes of 4-bit weights
-    BlockFormat("Q4_1", 3, QUANT_BLOCK, 20, native=True),  # float16 scale and minimum, 16 bytes of 4-bit weights
+    BlockFormat("F32", 0, QUANT_BLOCK, 4 * QUANT_BLOCK, kernel="blocks"),
+    BlockFormat("Q4_0", 2, QUANT_BLOCK, 18, kernel="blocks"),  # float16 scale, 16 bytes of 4-bit weights
+    BlockFormat("Q4_1", 3, QUANT_BLOCK, 20, kernel="blocks"),  # float16 scale and minimum, 16 bytes of 4-bit weights
     BlockFormat("Q5_0", 6, QUANT_BLOCK, 22),  # float16 scale, 32 high bits, 16 bytes of low nibbles
     BlockFormat("Q5_1", 7, QUANT_BLOCK, 24),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
-    BlockFormat("Q8_0", 8, QUANT_BLOCK, 34, native=True),  # float16 scale, 32 int8 weights
+    BlockFormat("Q8_0", 8, QUANT_BLOCK, 34, kernel="blocks"),  # float16 scale, 32 int8 weights
     BlockFormat("Q2_K", 10, SUPER_BLOCK, 84),  # 16 sub-blocks of 16: 4-bit scale and minimum each, 2-bit weights
     BlockFormat("Q3_K", 11, SUPER_BLOCK, 110),  # 16 sub-blocks of 16: 6-bit scales, 3-bit weights
-    BlockFormat("Q4_K", 12, SUPER_BLOCK, 144),  # 8 sub-blocks of 32: 6-bit scale and minimum each, 4-bit weights
-    BlockFormat("Q5_K", 13, SUPER_BLOCK, 176),  # as Q4_K, with a fifth bit per weight
-    BlockFormat("Q6_K", 14, SUPER_BLOCK, 210),  # 16 sub-blocks of 16: int8 scales, 6-bit weights
+    BlockFormat(
+        "Q4_K", 12, SUPER_BLOCK, 144, kernel="kquant"
+    ),  # 8 sub-blocks of 32: 6-bit scale and minimum each, 4-bit weights
+    BlockFormat("Q5_K", 13, SUPER_BLOCK, 176, kernel="kquant"),  # as Q4_K, with a fifth bit per weight
+    BlockFormat("Q6_K", 14, SUPER_BLOCK, 210, kernel="kquant"),  # 16 sub-blocks of 16: int8 scales, 6-bit weights
     BlockFormat("IQ4_NL", 20, QUANT_BLOCK, 18),  # float16 scale, 4-bit indices into a fixed non-linear table
     BlockFormat("IQ4_XS", 23, SUPER_BLOCK, 136),  # 8 sub-blocks of 32: 6-bit scales, IQ4_NL's table
 )
-# ggml type id -> bytes per block, for the formats the native kernels read.
-NATIVE_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.native}
+# ggml type id -> bytes per block, for the formats each native kernel reads.
+NATIVE_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "blocks"}
+KQUANT_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "kquant"}
+# kquant_gemm's format id for a layer whose row ranges are stored in different k-quants (a packed
+# q/k/v whose v is Q6_K and q, k Q4_K, as Q4_K_M files have it): the packed weights then start with a
+# header of KQUANT_HEADER_BYTES: int64 count, then per segment int64 format, rows and byte offset.
+KQUANT_MIXED = 255
+KQUANT_MAX_SEGMENTS = 4
+KQUANT_HEADER_BYTES = 128
 
 # Every exported function, by library (the .cpp it is defined in), exactly as defined there.
 FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -69,6 +79,15 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         ),
         "int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
         "int tm_vnni_quantize(const float* x, int64_t m, int64_t k, int16_t* q, float* dq)",
+    ),
+    "kquant_gemm": (
+        "int64_t tm_kquant_packed_bytes(int fmt, int64_t n, int64_t k)",
+        "int tm_kquant_pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out)",
+        (
+            "int tm_kquant_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, "
+            "float* y, int threads)"
+        ),
+        "int tm_kquant_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
     ),
     "elementwise": (
         (
@@ -215,6 +234,9 @@ def header() -> str:
         "// Every GGUF block format (abi.py's BLOCK_FORMATS); the kernels read the ones asserted to be in",
         "// blocks of TM_QK weights, the others are dequantized in torch.",
         f"#define TM_QK {QUANT_BLOCK}",
+        f"#define TM_KQUANT_MIXED {KQUANT_MIXED}",
+        f"#define TM_KQUANT_MAX_SEGMENTS {KQUANT_MAX_SEGMENTS}",
+        f"#define TM_KQUANT_HEADER_BYTES {KQUANT_HEADER_BYTES}",
     ]
     for f in BLOCK_FORMATS:
         lines += [
@@ -222,8 +244,10 @@ def header() -> str:
             f"#define TM_BLOCK_WEIGHTS_{f.name} {f.block_weights}",
             f"#define TM_BLOCK_BYTES_{f.name} {f.block_bytes}",
         ]
-        if f.native:  # the kernels walk every format they read in blocks of TM_QK weights
+        if f.kernel == "blocks":  # these kernels walk every format they read in blocks of TM_QK weights
             lines.append(f'static_assert(TM_BLOCK_WEIGHTS_{f.name} == TM_QK, "{f.name}: not in blocks of TM_QK");')
+        elif f.kernel == "kquant":
+            lines.append(f'static_assert(TM_BLOCK_WEIGHTS_{f.name} == {SUPER_BLOCK}, "{f.name}: not a super-block");')
     lines += ["", 'extern "C" {', ""]
     for name, pointer in FUNCTION_POINTERS.items():
         lines.append(f"typedef {pointer.replace('(*)', f'(*{name})', 1)};")

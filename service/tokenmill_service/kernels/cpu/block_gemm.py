@@ -32,15 +32,23 @@ def check_status(rc: int, fmt: int) -> None:
         raise ValueError("the input dimension must be a multiple of 32")
 
 
-def run_product(kernel: Callable[..., int], x: torch.Tensor, weights: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
-    """``kernel(fmt, x, M, K, weights, n, y, threads)`` into a new float32 y [M, n]."""
+def run_product(
+    kernel: Callable[..., int],
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    fmt: int,
+    n: int,
+    check: Callable[[int, int], None] = check_status,
+) -> torch.Tensor:
+    """``kernel(fmt, x, M, K, weights, n, y, threads)`` into a new float32 y [M, n] (``check`` raises
+    for the kernel's error codes)."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0]:
         rc = kernel(
             fmt, x.data_ptr(), x.shape[0], x.shape[1], weights.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
         )
-        check_status(rc, fmt)
+        check(rc, fmt)
     return y
 
 

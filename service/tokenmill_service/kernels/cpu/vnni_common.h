@@ -75,13 +75,16 @@ struct Activations {
   }
 };
 
-// Runs y[m, n] = x[m, k] @ W^T over W packed in groups of 16 rows. tile(rows, ng, acts, g0, y, ldy,
-// n_valid) computes `rows` (at most mt) activation rows against groups g0 .. g0 + ng - 1 (ng at
-// most ng_wide) into y (row stride ldy), of which the first n_valid outputs exist.
+// Runs y[m, :] = x[m, k] @ W^T where W's rows come in segments (one, or a packed layer's q, k and v
+// stored in different formats), each packed in groups of 16 rows; segment s has rows[s] rows and
+// writes the columns after the previous segments'. tile(s, rows, ng, acts, g0, y, ldy, n_valid)
+// computes `rows` (at most mt) activation rows against groups g0 .. g0 + ng - 1 (ng at most
+// ng_wide) of segment s into y (row stride ldy), of which the first n_valid outputs exist. The
+// activations are quantized once for every segment.
 template <class Tile>
-void drive(const float* x, int64_t m, int64_t k, int64_t n, float* y, bool half_sums, int mt, int ng_wide, int threads,
-           Tile tile) {
-  const int64_t blocks = k / QK, groups = (n + G - 1) / G;
+void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const int64_t* rows, int segments,
+           bool half_sums, int mt, int ng_wide, int threads, Tile tile) {
+  const int64_t blocks = k / QK;
   std::vector<int8_t> a(m * 2 * k);
   std::vector<float> dx(m * blocks), sx(m * blocks);
   std::vector<int32_t> s16(half_sums ? m * 2 * blocks : 0);
@@ -90,7 +93,16 @@ void drive(const float* x, int64_t m, int64_t k, int64_t n, float* y, bool half_
   // sequential stream, which the hardware prefetchers keep up with (two streams 5 KB apart measured
   // 1.2-1.45x slower from DRAM at 1-4 rows, on an AMD EPYC); for more rows, ng_wide for register reuse.
   const int ng_max = m <= 4 ? 1 : ng_wide;
-  const int64_t tiles = (groups + ng_max - 1) / ng_max;
+  // The tiles of every segment in one list (segment, first group, column of its first output).
+  struct Span { int seg; int64_t g0, col, left; int ng; };
+  std::vector<Span> spans;
+  int64_t col = 0;
+  for (int s = 0; s < segments; col += rows[s], ++s)
+    for (int64_t g0 = 0; g0 * G < rows[s]; g0 += ng_max) {
+      const int64_t groups = (rows[s] + G - 1) / G;
+      spans.push_back({s, g0, col + g0 * G, rows[s] - g0 * G, (int)std::min<int64_t>(ng_max, groups - g0)});
+    }
+  const int64_t tiles = (int64_t)spans.size();
   // Activation rows per pass: as many as stay in a core's L2 beside the weights.
   const int64_t chunk = std::max<int64_t>(mt, (512 * 1024 / k) / mt * mt);
 #pragma omp parallel num_threads(threads)
@@ -106,11 +118,10 @@ void drive(const float* x, int64_t m, int64_t k, int64_t n, float* y, bool half_
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
       const int64_t m1 = std::min(m, m0 + chunk);
       for (int64_t tg = first; tg < last; ++tg) {
-        const int64_t g0 = tg * ng_max;
-        const int ng = (int)std::min<int64_t>(ng_max, groups - g0);
+        const Span& sp = spans[tg];
         for (int64_t i = m0; i < m1; i += mt) {
-          const int rows = (int)std::min<int64_t>(mt, m1 - i);
-          tile(rows, ng, acts.at(i), g0, y + i * n + g0 * G, n, n - g0 * G);
+          const int r = (int)std::min<int64_t>(mt, m1 - i);
+          tile(sp.seg, r, sp.ng, acts.at(i), sp.g0, y + i * ldy + sp.col, ldy, sp.left);
         }
       }
     }

@@ -192,8 +192,9 @@ inline void tile_any(int m, int ng, const int8_t* a, const float* dx, const floa
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
   const int64_t gstride = (k / QK) * group_block_bytes(F);
-  vnni::drive(x, m, k, n, y, false, MT, NG, threads,
-              [&](int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
+  vnni::drive(x, m, k, y, n, &n, 1, false, MT, NG, threads,
+              [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
+                  int64_t n_valid) {
                 tile_any<F>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
               });
 }

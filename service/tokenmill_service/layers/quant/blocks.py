@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from tokenmill_service.kernels.cpu import block_gemm as native
@@ -29,8 +30,10 @@ SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.
 @register_quantization("gguf")
 class GGUFBlocksMethod(QuantMethod):
     native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {"block_gemm": ("block_gemm", "tm_block_gemm")}
-    # The tensor types a GGUF method multiplies as stored (the plan gives it no other layer).
-    served_types = SERVED_TYPES
+    # The tensor types a GGUF method multiplies as stored (the plan gives it no other layer), and
+    # the weights per block of those formats (a layer's input features hold whole blocks).
+    served_types: ClassVar[frozenset[QType]] = SERVED_TYPES
+    block_weights: ClassVar[int] = QUANT_BLOCK
 
     @classmethod
     def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str | None:
@@ -43,17 +46,19 @@ class GGUFBlocksMethod(QuantMethod):
         return "block_gemm"
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        if in_features % QUANT_BLOCK:
-            raise ValueError(f"gguf needs input features divisible by {QUANT_BLOCK}; this layer has {in_features}")
+        if in_features % self.block_weights:
+            raise ValueError(
+                f"{self.name} needs input features divisible by {self.block_weights}; this layer has {in_features}"
+            )
         layer.qtype = None
         # Sized at the first load, once the checkpoint says which format the layer is stored in.
         layer.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
 
     def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
-        if not isinstance(tensor, GGUFBlocks) or tensor.qtype not in SERVED_TYPES:
+        if not isinstance(tensor, GGUFBlocks) or tensor.qtype not in self.served_types:
             kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
-            names = ", ".join(sorted(t.name for t in SERVED_TYPES))
-            raise ValueError(f"--quantization gguf serves {names} tensors as stored, not {kind}")
+            names = ", ".join(sorted(t.name for t in self.served_types))
+            raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {kind}")
         if layer.qtype is None:
             layer.qtype = tensor.qtype
             shape = (layer.out_features, tensor.data.shape[1], tensor.data.shape[2])

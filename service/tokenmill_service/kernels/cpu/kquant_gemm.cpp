@@ -1,0 +1,399 @@
+// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q4_K, Q5_K, Q6_K: super-blocks of
+// 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
+// per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd, exact int32 sums.
+//
+// What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
+//   Q4_K, Q5_K: 8 sub-blocks of 32, each with a 6-bit scale sc and minimum m; the super-block has
+//               float16 d and dmin;  w = (d * sc) * q - dmin * m,  q in 0..15 (Q5_K: 0..31, a fifth bit).
+//   Q6_K:       16 sub-blocks of 16, each with an int8 scale sc; float16 d;  w = (d * sc) * (q - 32),
+//               q in 0..63.
+// So per activation block b of 32 (unit dx, integer values a, sx = dx * sum a):
+//   Q4_K, Q5_K: sum w x = (d sc) dx * sum q a  -  (dmin m) * sx           (one sub-block = one block)
+//   Q6_K:       per half block h:  (d sc_h) dx * (sum q a - 32 * sum_h a)   (the integer part exact)
+//
+// Batch-invariant: the integer sums are exact, every float32 step is done per output in one fixed
+// order (block after block along K), and the activations are quantized row by row, so a row's
+// result never depends on the other rows, the tiling or the thread count.
+//
+// Layout (tm_kquant_pack): rows in groups of 16 (the 16 int32 lanes of vpdpbusd are 16 outputs);
+// per group and super-block, for each of its 8 blocks of 32 the low four bits of every weight as
+// vnni_gemm.cpp packs Q4_0 (4 x 64 bytes: byte i of part s holds, for row i / 4 and weight i % 4,
+// step 2s's weight in its low nibble and step 2s+1's in its high nibble; step j: weights 4j..4j+3),
+// then the higher bits as one 64-bit mask per step and bit (bit i: row i / 4, weight i % 4 of that
+// step; Q5_K bit 4, Q6_K bits 4 and 5), then the scales:
+//   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
+//   Q6_K:       d[16] as float16, sc[16][16] as int8                            (3360 bytes)
+// A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
+// Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
+// each one's format, rows and offset; one call quantizes the activations once for all of them.
+// About as many bytes as the file's blocks (Q4_K 4.63 bits a weight against 4.5, Q5_K 5.63 against
+// 5.5, Q6_K the same 6.56), so a decoding step reads no more than the file holds.
+
+#include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
+#include "vnni_common.h"  // the activations' fixed point and the tiles' driver
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
+#error "kquant_gemm needs AVX-512F/BW, AVX-512 VNNI and F16C"
+#endif
+
+namespace {
+
+using vnni::Activations;
+using vnni::dword_at;
+using vnni::G;
+using vnni::half_bits;
+using vnni::QK;
+
+constexpr int64_t QK_K = TM_BLOCK_WEIGHTS_Q4_K;  // weights per super-block
+constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-block
+static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K, "k-quants: one super-block size");
+constexpr int MT = 3;  // activation rows per register tile
+constexpr int NG = 2;  // groups per register tile
+
+enum Format : int { Q4_K = TM_FORMAT_Q4_K, Q5_K = TM_FORMAT_Q5_K, Q6_K = TM_FORMAT_Q6_K };
+
+int64_t source_block_bytes(int fmt) {
+  switch (fmt) {
+    case Q4_K: return TM_BLOCK_BYTES_Q4_K;
+    case Q5_K: return TM_BLOCK_BYTES_Q5_K;
+    case Q6_K: return TM_BLOCK_BYTES_Q6_K;
+    default: return 0;
+  }
+}
+
+constexpr int64_t NIBBLES = SUBS * 4 * 64;  // the low four bits of a group's super-block
+constexpr int64_t high_bits(int fmt) { return fmt == Q4_K ? 0 : (fmt == Q5_K ? 1 : 2); }
+constexpr int64_t mask_bytes(int fmt) { return SUBS * 8 * 8 * high_bits(fmt); }  // 8 steps a block, 8 bytes a mask
+constexpr int64_t scale_bytes(int fmt) { return fmt == Q6_K ? G * 2 + 16 * G : 2 * G * 2 + 2 * SUBS * G; }
+constexpr int64_t group_super_bytes(int fmt) { return NIBBLES + mask_bytes(fmt) + scale_bytes(fmt); }
+
+// One source super-block: its 256 weights as unsigned q, d, dmin (Q6_K: 0) as float16 bits, and the
+// sub-block scales and minimums (Q6_K: 16 int8 scales, no minimums).
+void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[8]) {
+  if (fmt == Q6_K) {  // ql[128] qh[64] scales[16] d
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 64; ++l) {
+        q[h * 128 + l] = ql[h * 64 + l] & 0x0F;
+        q[h * 128 + 64 + l] = ql[h * 64 + l] >> 4;
+      }
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) q[h * 128 + s * 32 + l] |= ((qh[h * 32 + l] >> (2 * s)) & 3) << 4;
+    for (int j = 0; j < 16; ++j) sc[j] = (int8_t)b[192 + j];
+    d = half_bits(b + 208);
+    dmin = 0;
+    return;
+  }
+  // Q4_K: d dmin scales[12] qs[128];  Q5_K: d dmin scales[12] qh[32] qs[128]
+  d = half_bits(b);
+  dmin = half_bits(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+  const uint8_t* qs = b + (fmt == Q5_K ? 48 : 16);
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * c + l] = qs[32 * c + l] & 0x0F;
+      q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+  if (fmt == Q5_K)
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) q[32 * j + l] |= ((b[16 + l] >> j) & 1) << 4;
+}
+
+// Where the parts of group g's super-block sb start.
+struct Packed {
+  const uint8_t* nibbles;  // [8 blocks][4 parts][64]
+  const uint8_t* masks;    // [8 blocks][8 steps][bits][8]
+  const uint8_t* scales;
+  Packed(int fmt, const uint8_t* w, int64_t gstride, int64_t g, int64_t sb) {
+    nibbles = w + g * gstride + sb * group_super_bytes(fmt);
+    masks = nibbles + NIBBLES;
+    scales = masks + mask_bytes(fmt);
+  }
+};
+
+int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
+  const int64_t supers = k / QK_K, sbytes = source_block_bytes(fmt), gstride = supers * group_super_bytes(fmt);
+  const int bits = (int)high_bits(fmt);
+  memset(out, 0, (n + G - 1) / G * gstride);
+  uint8_t q[QK_K];
+  int sc[16], m[8];
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t g = r / G, row = r % G;
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      uint16_t d, dmin;
+      unpack_source(fmt, src + (r * supers + sb) * sbytes, q, d, dmin, sc, m);
+      const Packed p(fmt, out, gstride, g, sb);
+      uint8_t* nib = const_cast<uint8_t*>(p.nibbles);
+      uint8_t* masks = const_cast<uint8_t*>(p.masks);
+      uint8_t* scales = const_cast<uint8_t*>(p.scales);
+      for (int j = 0; j < QK_K; ++j) {
+        const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
+        nib[blk * 256 + (step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
+        for (int bit = 0; bit < bits; ++bit)
+          if ((q[j] >> (4 + bit)) & 1) masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] |= (uint8_t)(1u << (i % 8));
+      }
+      memcpy(scales + row * 2, &d, 2);
+      if (fmt == Q6_K) {
+        for (int j = 0; j < 16; ++j) scales[G * 2 + j * G + row] = (uint8_t)(int8_t)sc[j];
+      } else {
+        memcpy(scales + G * 2 + row * 2, &dmin, 2);
+        for (int j = 0; j < 8; ++j) {
+          scales[4 * G + j * G + row] = (uint8_t)sc[j];
+          scales[4 * G + SUBS * G + j * G + row] = (uint8_t)m[j];
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+inline __m512 bytes_as_floats(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)p);
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+inline __mmask64 mask_at(const uint8_t* p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return (__mmask64)v;
+}
+
+// y[i, 16g + l] for M activation rows and NGT groups starting at w.
+template <int F, int M, int NGT>
+inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
+                 int64_t n_valid) {
+  constexpr int BITS = (int)high_bits(F);
+  const int64_t blocks = k / QK;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16), b32 = _mm512_set1_epi8(32);
+  __m512 acc[M][NGT];
+  for (int i = 0; i < M; ++i)
+    for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < k / QK_K; ++sb) {
+    __m512 d[NGT], dmin[NGT];
+    for (int g = 0; g < NGT; ++g) {
+      const Packed p(F, w, gstride, g, sb);
+      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p.scales));
+      dmin[g] = F == Q6_K ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p.scales + 2 * G)));
+    }
+    for (int64_t j = 0; j < SUBS; ++j) {
+      const int64_t b = sb * SUBS + j;
+      __m512i hi[M][NGT], lo[M][NGT];
+      for (int i = 0; i < M; ++i)
+        for (int g = 0; g < NGT; ++g) hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+      for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
+        __m512i w0[NGT], w1[NGT];
+        for (int g = 0; g < NGT; ++g) {
+          const Packed p(F, w, gstride, g, sb);
+          const __m512i v = _mm512_loadu_si512(p.nibbles + j * 256 + s * 64);
+          w0[g] = _mm512_and_si512(v, nibble);
+          w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (BITS > 0) {
+            const uint8_t* mk = p.masks + (j * 8 + 2 * s) * BITS * 8;
+            w0[g] = _mm512_mask_add_epi8(w0[g], mask_at(mk), w0[g], b16);
+            w1[g] = _mm512_mask_add_epi8(w1[g], mask_at(mk + BITS * 8), w1[g], b16);
+            if constexpr (BITS > 1) {
+              w0[g] = _mm512_mask_add_epi8(w0[g], mask_at(mk + 8), w0[g], b32);
+              w1[g] = _mm512_mask_add_epi8(w1[g], mask_at(mk + BITS * 8 + 8), w1[g], b32);
+            }
+          }
+        }
+        for (int i = 0; i < M; ++i) {
+          const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
+          const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
+          const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
+          for (int g = 0; g < NGT; ++g) {
+            hi[i][g] = _mm512_dpbusd_epi32(hi[i][g], w0[g], h0);
+            hi[i][g] = _mm512_dpbusd_epi32(hi[i][g], w1[g], h1);
+            lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w0[g], l0);
+            lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w1[g], l1);
+          }
+        }
+        if constexpr (F == Q6_K) {
+          if (s % 2 == 0) continue;
+          // The end of a half block (16 weights, one scale): fold it in and start the next.
+          const int64_t half = 2 * j + s / 2;
+          for (int g = 0; g < NGT; ++g) {
+            const Packed p(F, w, gstride, g, sb);
+            const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 2 * G + half * G, true));  // exact
+            for (int i = 0; i < M; ++i) {
+              const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);
+              const __m512i centred =
+                  _mm512_sub_epi32(qa, _mm512_set1_epi32(32 * act.s16[i * 2 * blocks + 2 * b + s / 2]));  // exact
+              const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
+              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[i][g]);
+              hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+            }
+          }
+        }
+      }
+      if constexpr (F != Q6_K) {
+        for (int g = 0; g < NGT; ++g) {
+          const Packed p(F, w, gstride, g, sb);
+          const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 4 * G + j * G, false));  // exact
+          const __m512 dm = _mm512_mul_ps(dmin[g], bytes_as_floats(p.scales + 4 * G + SUBS * G + j * G, false));
+          for (int i = 0; i < M; ++i) {
+            const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
+            const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
+            acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), scale, acc[i][g]);
+            acc[i][g] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(act.sx[i * blocks + b]), acc[i][g]);
+          }
+        }
+      }
+    }
+  }
+  for (int g = 0; g < NGT; ++g) {
+    const int64_t left = n_valid - g * G;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= G ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int i = 0; i < M; ++i) _mm512_mask_storeu_ps(y + i * ldy + g * G, mask, acc[i][g]);
+  }
+}
+
+template <int F, int M>
+inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
+                        int64_t ldy, int64_t n_valid) {
+  if (ng == 2)
+    tile<F, M, 2>(act, k, w, gstride, y, ldy, n_valid);
+  else
+    tile<F, M, 1>(act, k, w, gstride, y, ldy, n_valid);
+}
+
+template <int F>
+inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
+                      int64_t ldy, int64_t n_valid) {
+  switch (rows) {
+    case 3: tile_groups<F, 3>(ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case 2: tile_groups<F, 2>(ng, act, k, w, gstride, y, ldy, n_valid); break;
+    default: tile_groups<F, 1>(ng, act, k, w, gstride, y, ldy, n_valid); break;
+  }
+}
+
+// Rows of one format, packed as above.
+struct Segment {
+  int fmt;
+  int64_t rows;
+  const uint8_t* w;
+};
+
+// The segments of weights w for n rows in format fmt (one, or TM_KQUANT_MIXED's); 0 if they do not add up.
+int segments_of(int fmt, const uint8_t* w, int64_t n, Segment out[TM_KQUANT_MAX_SEGMENTS]) {
+  if (fmt != TM_KQUANT_MIXED) {
+    out[0] = {fmt, n, w};
+    return 1;
+  }
+  int64_t header[1 + 3 * TM_KQUANT_MAX_SEGMENTS];
+  memcpy(header, w, sizeof(header));
+  const int64_t count = header[0];
+  if (count < 1 || count > TM_KQUANT_MAX_SEGMENTS) return 0;
+  int64_t rows = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t f = header[1 + 3 * s], r = header[2 + 3 * s], offset = header[3 + 3 * s];
+    if (!source_block_bytes((int)f) || r <= 0 || offset < TM_KQUANT_HEADER_BYTES) return 0;
+    // Every segment but the last fills whole groups of 16 rows: a group holds one format.
+    if (s + 1 < count && r % G) return 0;
+    out[s] = {(int)f, r, w + offset};
+    rows += r;
+  }
+  return rows == n ? (int)count : 0;
+}
+
+void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, int64_t n, float* y, int threads) {
+  int64_t rows[TM_KQUANT_MAX_SEGMENTS];
+  bool half_sums = false;
+  for (int s = 0; s < count; ++s) {
+    rows[s] = segs[s].rows;
+    half_sums |= segs[s].fmt == Q6_K;
+  }
+  vnni::drive(x, m, k, y, n, rows, count, half_sums, MT, NG, threads,
+              [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
+                const int fmt = segs[s].fmt;
+                const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
+                const uint8_t* wg = segs[s].w + g0 * gstride;
+                switch (fmt) {
+                  case Q4_K: tile_rows<Q4_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
+                  case Q5_K: tile_rows<Q5_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
+                  default: tile_rows<Q6_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
+                }
+              });
+}
+
+// One segment's packed weights [rows, k] as float32, exactly gguf's dequantized values (row stride k).
+void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
+  const int64_t supers = k / QK_K, gstride = supers * group_super_bytes(fmt);
+  const int bits = (int)high_bits(fmt);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t g = r / G, row = r % G;
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const Packed p(fmt, w, gstride, g, sb);
+      const float d = _cvtsh_ss(half_bits(p.scales + row * 2));
+      for (int j = 0; j < QK_K; ++j) {
+        const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
+        int q = (p.nibbles[blk * 256 + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        for (int bit = 0; bit < bits; ++bit)
+          q |= ((p.masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] >> (i % 8)) & 1) << (4 + bit);
+        float value;
+        if (fmt == Q6_K) {
+          const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
+          value = de * (float)(q - 32);
+        } else {
+          const float dmin = _cvtsh_ss(half_bits(p.scales + G * 2 + row * 2));
+          const float de = d * (float)p.scales[4 * G + blk * G + row];
+          const float dm = dmin * (float)p.scales[4 * G + SUBS * G + blk * G + row];
+          value = de * (float)q - dm;
+        }
+        out[r * k + sb * QK_K + j] = value;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes tm_kquant_pack writes for n rows of k weights in format fmt (0 for an unknown format).
+int64_t tm_kquant_packed_bytes(int fmt, int64_t n, int64_t k) {
+  if (!source_block_bytes(fmt)) return 0;
+  return (n + G - 1) / G * (k / QK_K) * group_super_bytes(fmt);
+}
+
+// Returns 0, -1 for an unknown format, -2 for k not a multiple of 256.
+int tm_kquant_pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
+  if (!source_block_bytes(fmt)) return -1;
+  if (k % QK_K) return -2;
+  return pack(fmt, src, n, k, out);
+}
+
+// Returns 0, -1 for an unknown format, -2 for k not a multiple of 256, -3 for a mixed header that
+// does not describe n rows.
+int tm_kquant_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
+  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
+  if (k % QK_K) return -2;
+  Segment segs[TM_KQUANT_MAX_SEGMENTS];
+  const int count = segments_of(fmt, w, n, segs);
+  if (!count) return -3;
+  gemm(segs, count, x, m, k, n, y, threads);
+  return 0;
+}
+
+// The packed weights [n, k] as float32, exactly gguf's dequantized values.
+int tm_kquant_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
+  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
+  if (k % QK_K) return -2;
+  Segment segs[TM_KQUANT_MAX_SEGMENTS];
+  const int count = segments_of(fmt, w, n, segs);
+  if (!count) return -3;
+  for (int s = 0; s < count; ++s) {
+    dequantize(segs[s].fmt, segs[s].w, segs[s].rows, k, out);
+    out += segs[s].rows * k;
+  }
+  return 0;
+}
+}

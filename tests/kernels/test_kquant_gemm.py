@@ -1,0 +1,132 @@
+"""``--quantization gguf-kquant``: llama.cpp's k-quants (Q4_K, Q5_K, Q6_K) multiplied as stored by the native
+kernel (kernels/cpu/kquant_gemm.cpp: 16-bit fixed-point activations, integer products), checked against
+gguf's own dequantization and the float64 product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
+
+from tests.engine.test_gguf_loader import random_blocks
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels.cpu import kquant_gemm, vnni_gemm
+from tokenmill_service.layers.linear import QKVParallelLinear, ReplicatedLinear
+from tokenmill_service.layers.quant import quant_method_class
+from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
+
+pytestmark = pytest.mark.skipif(
+    kquant_gemm.unavailable_reason() is not None, reason=f"k-quant kernel: {kquant_gemm.unavailable_reason()}"
+)
+QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K]
+
+
+def _blocks(qtype: QType, out: int, inp: int, seed: int) -> GGUFBlocks:
+    raw = random_blocks(qtype, out, inp, np.random.default_rng(seed), scale=0.01)
+    return GGUFBlocks.from_raw(raw, qtype, (out, inp))
+
+
+def _layer(blocks: GGUFBlocks) -> ReplicatedLinear:
+    out, inp = blocks.shape
+    layer = ReplicatedLinear(inp, out, False, quant_method_class("gguf-kquant")(torch.float32))
+    layer.load_weight(blocks)
+    layer.finalize()
+    return layer
+
+
+def _gguf_dequantized(blocks: GGUFBlocks) -> torch.Tensor:
+    raw = blocks.data.numpy().reshape(blocks.shape[0], -1)
+    return torch.from_numpy(quants.dequantize(raw, blocks.qtype).astype(np.float32))
+
+
+def _as_multiplied(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the kernel multiplies them, in float64."""
+    q, unit = vnni_gemm.quantize(x)
+    return (q.double().view(x.shape[0], -1, 32) * unit.double()[..., None]).view(x.shape)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("out", "inp"), [(16, 256), (97, 512), (576, 1536)])
+def test_the_product_is_the_float64_product_with_ggufs_dequantized_weight(qtype: QType, out: int, inp: int) -> None:
+    blocks = _blocks(qtype, out, inp, seed=out + inp)
+    layer = _layer(blocks)
+    weight = _gguf_dequantized(blocks)
+    # The kernel multiplies by exactly the weights gguf dequantizes to...
+    assert torch.equal(layer.quant.dequantized(layer), weight)
+    gen = torch.Generator().manual_seed(out)
+    for m in (1, 2, 3, 4, 5, 7, 64, 131):
+        x = torch.randn(m, inp, generator=gen)
+        got = layer(x)
+        want = (_as_multiplied(x) @ weight.double().t()).float()
+        # ...with float32 scales and sums: only their order and rounding differ from float64's.
+        torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_a_packed_row_takes_about_the_files_bytes(qtype: QType) -> None:
+    blocks = _blocks(qtype, 64, 1024, seed=1)
+    layer = _layer(blocks)
+    file_bytes = blocks.data.numel()
+    # The scales of a group of 16 rows are spread out for the kernel: at most 3 % more than the file.
+    assert file_bytes <= layer.quant.weight_bytes(layer) <= 1.03 * file_bytes
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_thread_count(qtype: QType) -> None:
+    layer = _layer(_blocks(qtype, 200, 768, seed=5))
+    x = torch.randn(300, 768, generator=torch.Generator().manual_seed(6))
+    full = layer(x)
+    for m in (1, 2, 3, 4, 5, 6, 7, 13, 64, 200):
+        assert torch.equal(layer(x[:m]), full[:m]), m
+    for row in (0, 41, 299):
+        assert torch.equal(layer(x[row : row + 1]), full[row : row + 1]), row
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_layer_whose_inputs_split_a_super_block_is_refused() -> None:
+    with pytest.raises(ValueError, match="gguf-kquant needs input features divisible by 256; this layer has 288"):
+        ReplicatedLinear(288, 16, False, quant_method_class("gguf-kquant")(torch.float32))
+
+
+def test_the_kernel_refuses_a_format_it_has_no_code_for() -> None:
+    with pytest.raises(ValueError, match="ggml type 2 is not a k-quant format the native kernel reads"):
+        kquant_gemm.pack(torch.zeros(16, 1, 144, dtype=torch.uint8), int(QType.Q4_0))
+
+
+def test_a_packed_layer_stored_in_several_k_quants_is_one_product_of_its_segments() -> None:
+    """Q4_K_M files keep some layers' v projection in Q6_K beside Q4_K q and k: the packed q/k/v layer
+    holds its row ranges as segments, exactly as stored, and multiplies them in one call."""
+    q, k, v = (
+        _blocks(QType.Q4_K, 64, 512, seed=1),
+        _blocks(QType.Q4_K, 32, 512, seed=2),
+        _blocks(QType.Q6_K, 32, 512, 3),
+    )
+    layer = QKVParallelLinear(512, 16, 4, 2, False, quant_method_class("gguf-kquant")(torch.float32), TensorParallel())
+    for shard, blocks in zip("vqk", (v, q, k)):  # pieces may arrive in any order
+        layer.load_weight(blocks, shard)
+    layer.finalize()
+    assert layer.fmt == kquant_gemm.MIXED and layer.formats == "Q4_K/Q6_K"
+    weight = torch.cat([_gguf_dequantized(b) for b in (q, k, v)])
+    assert torch.equal(layer.quant.dequantized(layer), weight)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(4))
+    want = (_as_multiplied(x) @ weight.double().t()).float()
+    got = layer(x)
+    torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)
+    # Each segment's outputs are those of the same rows multiplied alone.
+    alone = _layer(v)(x)
+    assert torch.equal(got[:, 96:], alone)
+    assert torch.equal(layer(x[4:5]), got[4:5])
+
+
+def test_segments_that_split_a_group_of_16_rows_are_refused() -> None:
+    with pytest.raises(ValueError, match="needs 16-row multiples before its last format; a range has 8 rows"):
+        kquant_gemm.pack_segments(
+            [(_blocks(QType.Q4_K, 8, 256, 1).data, 12), (_blocks(QType.Q6_K, 16, 256, 2).data, 14)]
+        )
