@@ -627,6 +627,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plot_main(arguments[1:])
     if arguments[:1] == ["table"]:
         return table_main(arguments[1:])
+    if arguments[:1] == ["shaped"]:
+        from tokenmill_bench.shaped import shaped_main
+
+        return shaped_main(arguments[1:])
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     args = build_parser().parse_args(arguments)

@@ -61,9 +61,9 @@ class Settings:
             "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
             "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built: "
             "gguf-vnni, integer products on 16-bit fixed-point activations, on CPUs with AVX-512 VNNI, "
-            "else gguf, float32 products; else Q4_0/Q4_1 as int4), gguf-vnni / gguf = that kernel or "
-            "fail, none = dense",
-            "choices": ["auto", "gguf-vnni", "gguf", "none", "int8", "int4"],
+            "else gguf, float32 products; a GGUF's k-quants Q4_K/Q5_K/Q6_K by gguf-kquant; else Q4_0/Q4_1 "
+            "as int4), gguf-vnni / gguf-kquant / gguf = that kernel or fail, none = dense",
+            "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "none", "int8", "int4"],
         },
     )
     kv_cache_dtype: str = field(
