@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import structlog
 import torch
 from torch import nn
 
@@ -38,6 +39,26 @@ from tokenmill_service.models.registry import register_model
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.plan import LoadPlan
+
+log = structlog.get_logger(__name__)
+
+# llama.cpp's names (convert_hf_to_gguf.py) of the tensors outside the layers, and of a layer's parts.
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 class LlamaAttention(nn.Module):
@@ -226,6 +247,48 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    # -- what the loaders ask of a family (models/registry.py) -------------------------------
+    # Hugging Face ``architectures`` and GGUF ``general.architecture`` names -> the registered name they
+    # run as. Each family declares its own (a subclass does not inherit these). Tools write "mistral"
+    # for Mistral's llama-shaped GGUFs (llama.cpp itself converts them as "llama").
+    hf_architectures: ClassVar[dict[str, str]] = {
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2",
+    }
+    gguf_architectures: ClassVar[dict[str, str]] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+    # GGUF architectures whose q/k rows llama.cpp's converter permuted for ggml's pairwise RoPE.
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset({"llama", "mistral"})
+    # llama.cpp's tensor names -> the model's: outside the layers, and a layer's part (``blk.N.<part>``).
+    gguf_global_names: ClassVar[dict[str, str]] = GGUF_GLOBAL_NAMES
+    gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        """Set what this family reads from ``config.json`` beyond the common keys (ValueError: refused)."""
+        if hf_architecture == "Qwen2ForCausalLM":
+            config.attention_bias = True  # always there, never declared
+        # Sliding-window attention is not implemented; within one window it is plain causal attention,
+        # so cap the context there rather than silently diverge past it.
+        window = raw.get("sliding_window")
+        windowed = hf_architecture == "MistralForCausalLM" or raw.get("use_sliding_window", False)
+        if windowed and window and int(window) < config.max_position_embeddings:
+            log.info(
+                "context_capped_to_sliding_window",
+                sliding_window=int(window),
+                max_positions=config.max_position_embeddings,
+            )
+            config.max_position_embeddings = int(window)
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        """Set what this family reads from GGUF metadata (``field(key)``, None if absent) beyond the common keys."""
+
+    @classmethod
+    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+        """The layers a fused checkpoint tensor packs, as (name, first row, rows); None: not fused."""
+        return None
 
     def __init__(
         self,
