@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3 in qwen3.py) as a plain ``nn.Module``.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3 and Granite in their own files)
+as a plain ``nn.Module``.
 
 Built from ``layers/`` (linear layers with their quantization method, vocabulary-parallel
 embedding and head, norms, rotary tables) and ``kernels/`` (the hot arithmetic, by the backend the plan picked),
@@ -150,6 +151,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
 
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """A family's seam on each sub-layer's output before its residual add (Granite scales it); Llama has none."""
+        return x
+
 
 # A decoder layer runs as two regions around attention: each is a plain function of the layer and
 # flat [T, ...] tensors (no metadata, no Python lists), which is what the compiled executor hands
@@ -169,8 +174,8 @@ def post_attention(
     layer: LlamaDecoderLayer, attn: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output projection, residual add, post-attention norm, MLP: (x, residual)."""
-    h, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(attn), residual)
-    return layer.mlp(h), residual
+    h, residual = layer.post_attention_layernorm(layer.branch(layer.self_attn.o_proj(attn)), residual)
+    return layer.branch(layer.mlp(h)), residual
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -205,6 +210,7 @@ class LlamaModel(nn.Module):
         head_dtype: torch.dtype,
         tp: TensorParallel,
         attention_type: type[LlamaAttention] = LlamaAttention,
+        layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, embed_dtype, tp)
@@ -212,7 +218,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp, attention_type)
+            layer_type(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp, attention_type)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, head_dtype)
@@ -220,13 +226,17 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = EAGER
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             q, k, v, residual = run.pre_attention(layer, positions, x, residual)
             x, residual = run.post_attention(layer, layer.self_attn.attend(q, k, v, meta), residual)
         assert residual is not None
         return run.final_norm(self.norm, x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A family's seam on the token embeddings (Granite scales them); Llama's are the table's rows."""
+        return self.embed_tokens(input_ids)
 
 
 @register_model("llama", "mistral", "qwen2")
@@ -237,6 +247,9 @@ class LlamaForCausalLM(nn.Module):
     native_stack_gap: ClassVar[str] = ""
     # The attention module of every layer: a family that changes q and k subclasses it (``before_rotary``).
     attention_type: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # The decoder stack and its layers, for a family that changes the embeddings or the residual branches.
+    model_type: ClassVar[type[LlamaModel]] = LlamaModel
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     # The functions a forward pass runs between attention calls, which an executor may compile.
     regions_type: ClassVar[type[Regions]] = Regions
     # Checkpoint projections that live packed in one layer here: name -> (layer, shard id).
@@ -309,8 +322,16 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = "none"  # what the plan chose, for reports ("int4+int8" when mixed)
         self.plan: LoadPlan | None = None  # the plan it was built from (models/builder.py)
         head_quant = quant("lm_head")
-        self.model = LlamaModel(
-            config, ops, quant, act_dtype, embed_dtype or act_dtype, head_quant.act_dtype, tp, self.attention_type
+        self.model = self.model_type(
+            config,
+            ops,
+            quant,
+            act_dtype,
+            embed_dtype or act_dtype,
+            head_quant.act_dtype,
+            tp,
+            self.attention_type,
+            self.layer_type,
         )
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, head_quant, tp)
 

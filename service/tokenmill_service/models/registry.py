@@ -41,6 +41,7 @@ _GGUF_NAMES: dict[str, str] = {}
 BUILTIN_FAMILIES = (
     "tokenmill_service.models.llama",
     "tokenmill_service.models.qwen3",
+    "tokenmill_service.models.granite",
 )
 
 
