@@ -4,6 +4,7 @@ included), q/k row order end to end, and a Q4_K_M-style file loaded and served."
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -241,8 +242,17 @@ def llama_cpp_rope_factors(rope: dict[str, float], head_dim: int) -> torch.Tenso
     return torch.tensor(factors, dtype=torch.float32)
 
 
-def convert_hf_to_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
-    """A float32 GGUF of a transformers model, with llama.cpp's metadata keys and q/k permutation."""
+def convert_hf_to_gguf(
+    model: torch.nn.Module,
+    arch: str,
+    path: Path,
+    permute: bool | None = None,
+    metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> None:
+    """A float32 GGUF of a transformers model, with llama.cpp's metadata keys and q/k permutation
+    (``permute``: as its converter does for ``arch``, by default only llama); ``metadata`` adds a
+    family's own keys."""
+    permute = arch == "llama" if permute is None else permute
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -262,14 +272,16 @@ def convert_hf_to_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     writer.add_vocab_size(cfg.vocab_size)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg.rope_parameters, head_dim).numpy())
+    if metadata is not None:
+        metadata(writer)
     tied = cfg.tie_word_embeddings
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
         data = tensor.detach().float()
-        if arch == "llama" and ".q_proj." in name:
+        if permute and ".q_proj." in name:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif permute and ".k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         writer.add_tensor(_gguf_name(name), data.numpy())
     writer.write_header_to_file()

@@ -140,12 +140,12 @@ def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -
     assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
 
 
-def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("ops", ["native", "torch"])
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any], ops: str) -> None:
     """Prefill and the next decode step, alone and between two other sequences (block tables out of
-    order), as served (native ops): the per-head norms, like every other op, compute each row on its own.
-    The torch reference ops are left out: their decode attention differs in the last bits between one
-    sequence and three here, for a Llama of these sizes as much as for Qwen3."""
-    model = load(checkpoint[0], "native")
+    order), on the native ops as served and on the torch reference: the per-head norms, like every
+    other op, compute each row on its own."""
+    model = load(checkpoint[0], ops)
     a, p, b = PROMPT[20:29], PROMPT[:13], PROMPT[30:35]
     next_token = 7
 

@@ -57,7 +57,7 @@ class NativeStackExecutor:
         self.stack = build_decoder_stack(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.stack(self.model.model.embed_tokens(input_ids), positions, meta)
+        return self.stack(self.model.model.embed(input_ids), positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)  # type: ignore[no-any-return]

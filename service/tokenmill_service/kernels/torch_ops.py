@@ -5,10 +5,14 @@ batch and whether it arrives in a prefill chunk or as a decode token:
 
 - keys are visited in chunks at fixed absolute positions (``KEY_CHUNK``), with an online
   softmax across chunks; a chunk with no visible key leaves the running state unchanged;
-- within a chunk, the only reductions are matrix products (whose rows do not depend on how
-  many other rows there are, from two rows up, nor on trailing zero-weight keys) and ``amax``
-  (exact in any order); the softmax denominator is one more column of the ``p @ v`` product
-  rather than a ``sum`` (whose vectorized order changes with the row length).
+- within a chunk, the only reductions are matrix products and ``amax`` (exact in any order); the
+  softmax denominator is one more column of the ``p @ v`` product rather than a ``sum`` (whose
+  vectorized order changes with the row length);
+- those products have shapes the batch does not choose: every chunk is a whole ``KEY_CHUNK`` of keys
+  (the tail masked), the operands are contiguous, and each (sequence, kv head) holds its query rows
+  padded to a multiple of ``ROW_MULTIPLE``. With MKL a row's sums then depend neither on the other
+  sequences nor on how many rows it shares its product with: a measured property of that library (as
+  for the linear layers, README.md), which tests/kernels/test_torch_ops.py holds to account.
 
 tests/kernels/test_paged_attention.py (in process, per model configuration) and tests/service/test_batching_service.py
 (through the RPC) hold these properties to account.
@@ -21,6 +25,9 @@ import torch.nn.functional as F
 
 from tokenmill_service.kernels.attention_metadata import KEY_CHUNK, AttentionGroup, AttentionMetadata
 from tokenmill_service.kernels.interface import Ops, register_ops
+
+# The query rows of each (sequence, kv head) product are padded to a multiple of this (see below).
+ROW_MULTIPLE = 4
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,17 +47,30 @@ def _group_attention(
     qg = q.float()[group.token_index].view(num_seqs, max_q, kv_heads, g, head_dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, g * max_q, head_dim)
     rows = g * max_q
-    if rows == 1:  # a one-row product takes another kernel (gemv) with another summation order
-        qg = torch.cat((qg, torch.zeros_like(qg)), dim=2)
+    # Zero rows up to a multiple of ROW_MULTIPLE: one row takes another kernel (gemv), and MKL's batched
+    # products of 1-3 or 5-11 rows group neighbouring sequences, so a row's sums follow its neighbours.
+    if rows % ROW_MULTIPLE:
+        pad = ROW_MULTIPLE - rows % ROW_MULTIPLE
+        qg = torch.cat((qg, qg.new_zeros(num_seqs, kv_heads, pad, head_dim)), dim=2)
     m = torch.full((num_seqs, kv_heads, qg.shape[2], 1), float("-inf"), device=q.device)
     acc = torch.zeros((num_seqs, kv_heads, qg.shape[2], head_dim + 1), device=q.device)
     blocks_per_chunk = KEY_CHUNK // block_size
+    length = KEY_CHUNK
     for c, invisible in enumerate(group.chunk_masks):
         blocks = group.block_ids[:, c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
-        length = blocks.shape[1] * block_size
+        if blocks.shape[1] < blocks_per_chunk:
+            # Every chunk is a whole KEY_CHUNK of keys (the tail masked): the products' shapes, and so
+            # their summation orders, must not follow the longest context in the batch.
+            pad = blocks_per_chunk - blocks.shape[1]
+            blocks = torch.cat((blocks, blocks.new_zeros(num_seqs, pad)), dim=1)
+            hidden = invisible.new_ones(*invisible.shape[:-1], pad * block_size)
+            invisible = torch.cat((invisible, hidden), dim=-1)
         # index_select gathers whole blocks two to three times faster than advanced indexing.
         flat = blocks.reshape(-1)
-        k = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
+        # Contiguous: a strided k (heads moved ahead of the keys) is viewed by matmul for a batch
+        # of one sequence but copied for more, two paths that sum in different orders.
+        k = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).contiguous()
+        k = k.float()
         v = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
         ones = torch.ones((num_seqs, kv_heads, length, 1), device=q.device)
         v1 = torch.cat((v, ones), dim=-1)  # the last column of p @ v1 is the softmax denominator

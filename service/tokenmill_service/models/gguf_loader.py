@@ -25,34 +25,12 @@ from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, FLOAT_TYPE
 from tokenmill_service.layers.rotary import rope_inv_freq
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.gguf_reader import open_gguf
+from tokenmill_service.models.registry import gguf_architectures, model_class, unfused
 
 log = structlog.get_logger(__name__)
 
-# general.architecture values we can run; "mistral" is an alias some tools write for Mistral's
-# llama-shaped models (llama.cpp itself converts them as "llama"). Only llama-arch q/k are permuted.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
-
 SUPPORTED_TENSOR_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms, [head_dim] each
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -79,10 +57,9 @@ def _required(reader: gguf.GGUFReader, key: str) -> Any:
 def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     """The model hyper-parameters from the GGUF metadata (and the tensor list, for ties and biases)."""
     arch = _required(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    supported = gguf_architectures()
+    if arch not in supported:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(supported))})")
     names = {t.name for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise GGUFError("GGUF file has no token_embd.weight tensor")
@@ -122,13 +99,17 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        architecture="llama" if arch in _PERMUTED_ARCHITECTURES else arch,
+        architecture=supported[arch],
         name=str(name) if name else path.stem,
         extra={"format": "gguf", "gguf_architecture": arch, "general.name": name},
     )
     if _ROPE_FREQS in names:
         factors = dequantize_tensor(next(t for t in reader.tensors if t.name == _ROPE_FREQS))
         config.rope_scaling = _llama3_scaling_from_factors(factors, config)
+    try:  # what only this family reads (Granite's multipliers, ...)
+        model_class(config.architecture).read_gguf_config(lambda key: _field(reader, key), arch, config)
+    except ValueError as e:
+        raise GGUFError(f"{path}: {e}") from None
     return config
 
 
@@ -212,37 +193,42 @@ def unpermute_qk(weight: CheckpointTensor, num_heads: int) -> CheckpointTensor:
 # --- the whole checkpoint -----------------------------------------------------------------------
 
 
-def hf_name(gguf_name: str) -> str:
-    """The ``llama.py`` parameter name of a GGUF tensor; unknown tensors are an error, not skipped."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, family: Any) -> str:
+    """The model's (Hugging Face) name of a GGUF tensor, by the family's map of llama.cpp's names;
+    unknown tensors are an error, not skipped."""
+    if gguf_name in family.gguf_global_names:
+        return str(family.gguf_global_names[gguf_name])
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    if match and match.group(2) in family.gguf_layer_names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama model")
+        return f"model.layers.{layer}.{family.gguf_layer_names[part]}.{kind}"
+    raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the {family.__name__} model")
 
 
 def iter_gguf(path: Path) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, CheckpointTensor]]]:
-    """Config, each tensor's GGUF type (by ``llama.py`` name), and the tensors themselves, lazily:
-    block-quantized ones stay memory-mapped blocks until a layer takes its slice."""
+    """Config, each tensor's GGUF type (by the model's name; a fused tensor's type under each layer it
+    packs), and the tensors themselves, lazily: block-quantized ones stay memory-mapped blocks until a
+    layer takes its slice."""
     reader = open_gguf(path)
     config = read_config(reader, path)
-    permuted = config.extra["gguf_architecture"] in _PERMUTED_ARCHITECTURES
+    family = model_class(config.architecture)
+    permuted = config.extra["gguf_architecture"] in family.gguf_permuted
     tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]  # rope_freqs is folded into the config
     for t in tensors:
         _check_type(QType(t.tensor_type))
-    types = {hf_name(t.name): QType(t.tensor_type) for t in tensors}
+    names = {t.name: hf_name(t.name, family) for t in tensors}
+    types = {piece: QType(t.tensor_type) for t in tensors for piece, _, _ in unfused(family, names[t.name], config)}
 
     def items() -> Iterator[tuple[str, CheckpointTensor]]:
         for t in tensors:
-            name = hf_name(t.name)
-            weight = checkpoint_tensor(t.data, QType(t.tensor_type), tensor_shape(t))
-            if permuted and ".self_attn.q_proj." in name:
-                weight = unpermute_qk(weight, config.num_heads)
-            elif permuted and ".self_attn.k_proj." in name:
-                weight = unpermute_qk(weight, config.num_kv_heads)
-            yield name, weight
+            whole = checkpoint_tensor(t.data, QType(t.tensor_type), tensor_shape(t))
+            for name, start, rows in unfused(family, names[t.name], config):
+                weight = whole if rows < 0 else whole.narrow(0, start, rows)
+                if permuted and ".self_attn.q_proj." in name:
+                    weight = unpermute_qk(weight, config.num_heads)
+                elif permuted and ".self_attn.k_proj." in name:
+                    weight = unpermute_qk(weight, config.num_kv_heads)
+                yield name, weight
 
     return config, types, items()
 
@@ -258,7 +244,6 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
 
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
     "GGUFError",
     "dequantize",

@@ -11,22 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 from safetensors import safe_open
 
 from tokenmill_service.models.config import ModelConfig, RopeScaling
-
-log = structlog.get_logger(__name__)
-
-# Hugging Face architecture -> the registered family (models/registry.py) that runs it.
-_ARCH_NAMES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-SUPPORTED_HF_ARCHITECTURES = tuple(_ARCH_NAMES)
+from tokenmill_service.models.registry import hf_architectures, model_class, unfused
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -71,51 +60,43 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return float(params.get("rope_theta", 10000.0))
 
 
-def _max_positions(raw: dict[str, Any], arch: str) -> int:
-    max_positions = int(raw.get("max_position_embeddings", 4096))
-    # Sliding-window attention is not implemented; within one window it is plain causal attention,
-    # so cap the context there rather than silently diverge past it.
-    window = raw.get("sliding_window")
-    windowed = arch == "MistralForCausalLM" or raw.get("use_sliding_window", False)
-    if windowed and window and int(window) < max_positions:
-        log.info("context_capped_to_sliding_window", sliding_window=int(window), max_positions=max_positions)
-        return int(window)
-    return max_positions
-
-
 def read_hf_config(directory: Path) -> ModelConfig:
     raw: dict[str, Any] = json.loads((directory / "config.json").read_text())
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_HF_ARCHITECTURES), None)
+    supported = hf_architectures()
+    arch = next((a for a in archs if a in supported), None)
     if arch is None:
         raise HFCheckpointError(
-            f"{directory / 'config.json'}: architectures {archs} not supported "
-            f"(supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)})"
+            f"{directory / 'config.json'}: architectures {archs} not supported (supported: {', '.join(sorted(supported))})"
         )
     if raw.get("hidden_act", "silu") != "silu":
         raise HFCheckpointError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     if raw.get("mlp_bias", False):
         raise HFCheckpointError("mlp_bias is not supported")
     num_heads = int(raw["num_attention_heads"])
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        max_position_embeddings=_max_positions(raw, arch),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         head_dim=int(raw.get("head_dim") or 0),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(raw),
         rope_scaling=_rope_scaling(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama and Qwen3 declare them with attention_bias.
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-        architecture=_ARCH_NAMES[arch],
+        attention_bias=bool(raw.get("attention_bias", False)),
+        architecture=supported[arch],
         name=directory.name,
         extra={"format": "safetensors", "hf_architecture": arch, "model_type": raw.get("model_type")},
     )
+    try:  # what only this family reads (Qwen2's biases, Mistral's window, ...)
+        model_class(config.architecture).read_hf_config(raw, arch, config)
+    except ValueError as e:
+        raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
+    return config
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -132,10 +113,11 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """Config and the checkpoint's tensors (as stored), read one at a time. A tied checkpoint's
-    ``lm_head.weight`` copy is skipped: the head is loaded from the embedding."""
+    """Config and the checkpoint's tensors (as stored; a fused one as the layers it packs), read one at
+    a time. A tied checkpoint's ``lm_head.weight`` copy is skipped: the head is loaded from the embedding."""
     config = read_hf_config(directory)
     files = _weight_files(directory)
+    family = model_class(config.architecture)
 
     def items() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -145,7 +127,10 @@ def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Ten
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
-                    yield name, f.get_tensor(name)
+                    pieces = unfused(family, name, config)
+                    tensor = f.get_tensor(name)
+                    for piece, start, rows in pieces:
+                        yield piece, tensor if rows < 0 else tensor.narrow(0, start, rows)
 
     return config, items()
 
@@ -160,7 +145,6 @@ def load_hf(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelC
 
 
 __all__ = [
-    "SUPPORTED_HF_ARCHITECTURES",
     "HFCheckpointError",
     "is_hf_checkpoint",
     "iter_hf",

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3 in qwen3.py) as a plain ``nn.Module``.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3 and Granite in their own files)
+as a plain ``nn.Module``.
 
 Built from ``layers/`` (linear layers with their quantization method, vocabulary-parallel
 embedding and head, norms, rotary tables) and ``kernels/`` (the hot arithmetic, by the backend the plan picked),
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import structlog
 import torch
 from torch import nn
 
@@ -38,6 +40,26 @@ from tokenmill_service.models.registry import register_model
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.plan import LoadPlan
+
+log = structlog.get_logger(__name__)
+
+# llama.cpp's names (convert_hf_to_gguf.py) of the tensors outside the layers, and of a layer's parts.
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 class LlamaAttention(nn.Module):
@@ -129,6 +151,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
         self.mlp = LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
 
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """A family's seam on each sub-layer's output before its residual add (Granite scales it); Llama has none."""
+        return x
+
 
 # A decoder layer runs as two regions around attention: each is a plain function of the layer and
 # flat [T, ...] tensors (no metadata, no Python lists), which is what the compiled executor hands
@@ -148,8 +174,8 @@ def post_attention(
     layer: LlamaDecoderLayer, attn: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output projection, residual add, post-attention norm, MLP: (x, residual)."""
-    h, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(attn), residual)
-    return layer.mlp(h), residual
+    h, residual = layer.post_attention_layernorm(layer.branch(layer.self_attn.o_proj(attn)), residual)
+    return layer.branch(layer.mlp(h)), residual
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -184,6 +210,7 @@ class LlamaModel(nn.Module):
         head_dtype: torch.dtype,
         tp: TensorParallel,
         attention_type: type[LlamaAttention] = LlamaAttention,
+        layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, embed_dtype, tp)
@@ -191,7 +218,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp, attention_type)
+            layer_type(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp, attention_type)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, head_dtype)
@@ -199,13 +226,17 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = EAGER
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             q, k, v, residual = run.pre_attention(layer, positions, x, residual)
             x, residual = run.post_attention(layer, layer.self_attn.attend(q, k, v, meta), residual)
         assert residual is not None
         return run.final_norm(self.norm, x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A family's seam on the token embeddings (Granite scales them); Llama's are the table's rows."""
+        return self.embed_tokens(input_ids)
 
 
 @register_model("llama", "mistral", "qwen2")
@@ -216,6 +247,9 @@ class LlamaForCausalLM(nn.Module):
     native_stack_gap: ClassVar[str] = ""
     # The attention module of every layer: a family that changes q and k subclasses it (``before_rotary``).
     attention_type: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # The decoder stack and its layers, for a family that changes the embeddings or the residual branches.
+    model_type: ClassVar[type[LlamaModel]] = LlamaModel
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     # The functions a forward pass runs between attention calls, which an executor may compile.
     regions_type: ClassVar[type[Regions]] = Regions
     # Checkpoint projections that live packed in one layer here: name -> (layer, shard id).
@@ -226,6 +260,48 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    # -- what the loaders ask of a family (models/registry.py) -------------------------------
+    # Hugging Face ``architectures`` and GGUF ``general.architecture`` names -> the registered name they
+    # run as. Each family declares its own (a subclass does not inherit these). Tools write "mistral"
+    # for Mistral's llama-shaped GGUFs (llama.cpp itself converts them as "llama").
+    hf_architectures: ClassVar[dict[str, str]] = {
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2",
+    }
+    gguf_architectures: ClassVar[dict[str, str]] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+    # GGUF architectures whose q/k rows llama.cpp's converter permuted for ggml's pairwise RoPE.
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset({"llama", "mistral"})
+    # llama.cpp's tensor names -> the model's: outside the layers, and a layer's part (``blk.N.<part>``).
+    gguf_global_names: ClassVar[dict[str, str]] = GGUF_GLOBAL_NAMES
+    gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        """Set what this family reads from ``config.json`` beyond the common keys (ValueError: refused)."""
+        if hf_architecture == "Qwen2ForCausalLM":
+            config.attention_bias = True  # always there, never declared
+        # Sliding-window attention is not implemented; within one window it is plain causal attention,
+        # so cap the context there rather than silently diverge past it.
+        window = raw.get("sliding_window")
+        windowed = hf_architecture == "MistralForCausalLM" or raw.get("use_sliding_window", False)
+        if windowed and window and int(window) < config.max_position_embeddings:
+            log.info(
+                "context_capped_to_sliding_window",
+                sliding_window=int(window),
+                max_positions=config.max_position_embeddings,
+            )
+            config.max_position_embeddings = int(window)
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        """Set what this family reads from GGUF metadata (``field(key)``, None if absent) beyond the common keys."""
+
+    @classmethod
+    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+        """The layers a fused checkpoint tensor packs, as (name, first row, rows); None: not fused."""
+        return None
 
     def __init__(
         self,
@@ -246,8 +322,16 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = "none"  # what the plan chose, for reports ("int4+int8" when mixed)
         self.plan: LoadPlan | None = None  # the plan it was built from (models/builder.py)
         head_quant = quant("lm_head")
-        self.model = LlamaModel(
-            config, ops, quant, act_dtype, embed_dtype or act_dtype, head_quant.act_dtype, tp, self.attention_type
+        self.model = self.model_type(
+            config,
+            ops,
+            quant,
+            act_dtype,
+            embed_dtype or act_dtype,
+            head_quant.act_dtype,
+            tp,
+            self.attention_type,
+            self.layer_type,
         )
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, head_quant, tp)
 

@@ -22,7 +22,7 @@ from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
 from tokenmill_service.models.registry import register_model
 
 
@@ -60,3 +60,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = "the C++ decoder layers have no per-head q/k norm"
     attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
+    hf_architectures: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"qwen3": "qwen3"}
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        **GGUF_LAYER_NAMES,
+        "attn_q_norm": "self_attn.q_norm",  # [head_dim] each
+        "attn_k_norm": "self_attn.k_norm",
+    }

@@ -1,0 +1,114 @@
+"""Granite 3 (dense): a Llama-family decoder with four scalars of its own (transformers' modeling_granite.py).
+
+- ``embedding_multiplier`` scales the token embeddings (``LlamaModel.embed``);
+- ``attention_multiplier`` is the attention scale, in place of 1/sqrt(head_dim);
+- ``residual_multiplier`` scales each sub-layer's output, attention's and the MLP's, before its
+  residual add (``LlamaDecoderLayer.branch``);
+- ``logits_scaling`` divides the logits.
+
+Everything else is llama.py's. They are read from config.json, or from a GGUF's ``granite.*`` keys
+(llama.cpp's converter writes ``embedding_scale``, ``attention.scale``, ``residual_scale`` and
+``logit_scale``, and permutes q/k as for Llama), into ``ModelConfig.extra``. The native decoder stack
+has no residual multiplier (it cannot be folded into the weights bit for bit), so the family declares
+none and the load plan says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.linear import QuantFactory
+from tokenmill_service.layers.rotary import RotaryEmbedding
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.llama import (
+    EAGER,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    Regions,
+)
+from tokenmill_service.models.registry import register_model
+
+# ModelConfig.extra key -> (config.json key, GGUF key after "granite.")
+MULTIPLIERS = {
+    "embedding_multiplier": ("embedding_multiplier", "embedding_scale"),
+    "attention_multiplier": ("attention_multiplier", "attention.scale"),
+    "residual_multiplier": ("residual_multiplier", "residual_scale"),
+    "logits_scaling": ("logits_scaling", "logit_scale"),
+}
+
+
+def _multiplier(config: ModelConfig, key: str) -> float:
+    return float(config.extra[key])  # type: ignore[arg-type]
+
+
+class GraniteAttention(LlamaAttention):
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: Ops,
+        quant: QuantFactory,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
+        self.scale = _multiplier(config, "attention_multiplier")
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: ModelConfig, *args: Any) -> None:
+        super().__init__(config, *args)
+        self.residual_multiplier = _multiplier(config, "residual_multiplier")
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.residual_multiplier
+
+
+class GraniteModel(LlamaModel):
+    def __init__(self, config: ModelConfig, *args: Any) -> None:
+        super().__init__(config, *args)
+        self.embedding_multiplier = _multiplier(config, "embedding_multiplier")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+
+@register_model("granite")
+class GraniteForCausalLM(LlamaForCausalLM):
+    native_stack: ClassVar[bool] = False
+    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no residual multiplier"
+    attention_type: ClassVar[type[LlamaAttention]] = GraniteAttention
+    model_type: ClassVar[type[LlamaModel]] = GraniteModel
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = GraniteDecoderLayer
+    hf_architectures: ClassVar[dict[str, str]] = {"GraniteForCausalLM": "granite"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"granite": "granite"}
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset({"granite"})
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        for key, (hf_key, _) in MULTIPLIERS.items():
+            config.extra[key] = float(raw.get(hf_key, 1.0))  # transformers' defaults: all 1
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        for key, (_, gguf_key) in MULTIPLIERS.items():
+            value = field(f"{gguf_architecture}.{gguf_key}")
+            # llama.cpp leaves out a scale that is not there (0 is "absent" to it as well).
+            config.extra[key] = float(value) if value else 1.0
+        if not field(f"{gguf_architecture}.attention.scale"):
+            config.extra["attention_multiplier"] = config.head_dim**-0.5  # llama.cpp's default
+
+    def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.logits_scaling = _multiplier(config, "logits_scaling")
+
+    def compute_logits(self, hidden: torch.Tensor, run: Regions = EAGER) -> torch.Tensor:
+        return super().compute_logits(hidden, run) / self.logits_scaling

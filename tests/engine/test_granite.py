@@ -1,0 +1,193 @@
+"""Granite 3 (dense): tiny random transformers checkpoints, tied and untied, with Granite's four
+multipliers away from 1 (and the attention scale away from 1/sqrt(head_dim)), served as transformers
+computes them: logits and prompt logprobs within 1e-4 (float32, dense) on the native CPU ops and the
+torch reference, the same greedy tokens, the same logits from a GGUF of the model (llama.cpp's
+``granite.*`` keys) and from two tensor-parallel ranks, a prompt bitwise the same alone and in a
+batch, and each multiplier shown to matter.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
+from tests.engine.test_qwen3 import greedy, hf_logits, load
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.engine.executor import make_executor
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(  # noqa: C408 - keyword names as in the transformers config
+    vocab_size=96,
+    hidden_size=256,  # 4 heads of 64: a head the native attention kernel takes
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+# Granite 3.0 2B's embedding, residual and logits values; an attention scale that is not 1/8.
+MULTIPLIERS = dict(  # noqa: C408
+    embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=8.0
+)
+PROMPT = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def granite(tied: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GraniteConfig(**TINY, **MULTIPLIERS, tie_word_embeddings=tied)
+    model = transformers.GraniteForCausalLM(config)
+    _randomize(model, seed=1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A saved tiny Granite and the transformers model it was saved from."""
+    hf_model = granite(tied=request.param)
+    directory = tmp_path_factory.mktemp("tiny-granite")
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return directory, hf_model
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+@torch.inference_mode()
+def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
+    directory, hf_model = checkpoint
+    model = load(directory, ops)
+    assert model.config.architecture == "granite"
+    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
+    expected = hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def test_the_config_carries_the_multipliers(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    config = read_hf_config(directory)
+    assert config.architecture == "granite" and config.tie_word_embeddings is hf_model.config.tie_word_embeddings
+    assert {key: config.extra[key] for key in MULTIPLIERS} == MULTIPLIERS
+
+
+@pytest.mark.parametrize(
+    ("multiplier", "where"),
+    [
+        ("embedding_multiplier", lambda m: m.model),
+        ("attention_multiplier", lambda m: m.model.layers[0].self_attn),
+        ("residual_multiplier", lambda m: m.model.layers[1]),
+        ("logits_scaling", lambda m: m),
+    ],
+)
+@torch.inference_mode()
+def test_each_multiplier_counts(checkpoint: tuple[Path, Any], multiplier: str, where: Any) -> None:
+    """Guards the comparison above: without any one of them the logits are far from transformers'."""
+    directory, hf_model = checkpoint
+    model = load_model(directory)
+    module = where(model)
+    attribute = "scale" if multiplier == "attention_multiplier" else multiplier
+    setattr(module, attribute, 1.0 if attribute != "scale" else model.config.head_dim**-0.5)
+    actual = model.compute_logits(forward_prompt(model, PROMPT))
+    assert (actual - hf_logits(hf_model, PROMPT)).abs().max() > 1e-2
+
+
+def test_the_plan_says_the_native_stack_has_no_residual_multiplier(checkpoint: tuple[Path, Any]) -> None:
+    model = load(checkpoint[0], "native")
+    executor = model.plan.executor
+    assert executor.value == "eager"
+    assert "the granite family has no native stack" in executor.reason and "residual multiplier" in executor.reason
+    with pytest.raises(ValueError, match="GraniteForCausalLM has no native stack"):
+        make_executor(model, "native-stack")
+
+
+def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(10):  # transformers' own greedy choice, one full forward per token
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any], ops: str) -> None:
+    """Prefill and the next decode step, alone and between two other sequences (block tables out of order)."""
+    model = load(checkpoint[0], ops)
+    a, p, b = PROMPT[20:29], PROMPT[:13], PROMPT[30:35]
+    next_token = 7
+
+    alone = ModelRunner(model, block_size=4, num_blocks=16)
+    table = [9, 3, 12, 5]
+    _, (prefill,) = alone.execute(StepPlan(p, [13], [0], [table], [12], [(0, 13)]))
+    decode, _ = alone.execute(StepPlan([next_token], [1], [13], [table], [0], []))
+
+    crowd = ModelRunner(model, block_size=4, num_blocks=16)
+    tables = [[0, 7, 2], [11, 4, 15, 6], [14, 1]]
+    _, (crowd_prefill,) = crowd.execute(StepPlan(a + p + b, [9, 13, 5], [0, 0, 0], tables, [8, 21, 26], [(9, 13)]))
+    crowd_decode, _ = crowd.execute(StepPlan([3, next_token, 4], [1, 1, 1], [9, 13, 5], tables, [0, 1, 2], []))
+    assert torch.equal(crowd_prefill, prefill)
+    assert torch.equal(crowd_decode[1], decode[0])
+
+
+def _granite_keys(writer: gguf.GGUFWriter) -> None:
+    """What llama.cpp's converter (GraniteModel) writes besides Llama's keys."""
+    writer.add_embedding_scale(MULTIPLIERS["embedding_multiplier"])
+    writer.add_attention_scale(MULTIPLIERS["attention_multiplier"])
+    writer.add_residual_scale(MULTIPLIERS["residual_multiplier"])
+    writer.add_logit_scale(MULTIPLIERS["logits_scaling"])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path, tied: bool) -> None:
+    hf_model = granite(tied)
+    path = tmp_path / "tiny-granite.gguf"
+    # llama.cpp's GraniteModel is its LlamaModel: q and k rows permuted for ggml's RoPE.
+    convert_hf_to_gguf(hf_model, "granite", path, permute=True, metadata=_granite_keys)
+    model = load_model(path)
+    assert model.config.architecture == "granite" and model.config.tie_word_embeddings is tied
+    with torch.inference_mode():
+        actual = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(actual, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+
+
+# -- tensor parallel (gloo on CPU, real processes; as tests/engine/test_tensor_parallel.py) -----------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_logits(rank: int, size: int, port: int, path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        model = load_model(Path(path), tp=TensorParallel(rank, size))
+        logits = model.compute_logits(forward_prompt(model, PROMPT))
+        if rank == 0:
+            torch.save({"logits": logits, "heads": model.model.layers[0].self_attn.num_heads}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_tensor_parallel_ranks_give_the_whole_models_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+    directory, _ = checkpoint
+    out = tmp_path / "logits.pt"
+    mp.spawn(_rank_logits, args=(2, _free_port(), str(directory), str(out)), nprocs=2)
+    sharded = torch.load(out)
+    assert sharded["heads"] == 2
+    model = load_model(directory)
+    with torch.inference_mode():
+        whole = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(sharded["logits"], whole, atol=1e-4, rtol=0)
