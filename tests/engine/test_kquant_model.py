@@ -89,3 +89,16 @@ def test_a_sequence_is_bitwise_the_same_alone_and_in_a_batch_prefilled_or_decode
     for i, token in enumerate(p):
         logits, _ = stepwise.execute(StepPlan([token], [1], [i], [table], [0], []))
     assert torch.equal(logits[0], prefill[-1])
+
+
+@torch.inference_mode()
+def test_the_embedding_table_stays_as_the_file_stores_it(served: Any, q4_k_m_files: tuple[Path, Path]) -> None:  # noqa: F811
+    """No float32 copy of the table (a Llama-3 vocabulary's is 1 to 2 GB): the looked-up rows are
+    dequantized from the file's blocks, to exactly the values of the dense table."""
+    assert served.plan.embed_dtype == "gguf-blocks"
+    embedding = served.model.embed_tokens
+    assert embedding.weight.numel() == 0 and embedding.blocks is not None
+    dense = load(LoadOptions(model=str(q4_k_m_files[0]), quantization="none", dtype="float32")).model.embed_tokens
+    assert dense.blocks is None and dense.weight.shape == (KQ_VOCAB, 256)
+    ids = torch.tensor(PROMPT)
+    assert torch.equal(embedding(ids), dense(ids))

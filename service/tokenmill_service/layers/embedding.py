@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill_service.distributed.parallel import TensorParallel, all_gather_last_dim, all_reduce
 from tokenmill_service.layers.linear import ColumnParallelLinear
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,16 +24,31 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_local = tp.split(vocab_size, "vocabulary size")
         self.start = tp.rank * self.vocab_local
         self.weight = empty_param(self.vocab_local, hidden, dtype=dtype)
+        # Set by the builder where the plan keeps a GGUF's table as stored ("gguf-blocks"): the file's
+        # rows (a view of the memory-mapped file, never copied), only the looked-up rows dequantized,
+        # exactly as gguf does, so the values are those of the float32 table at the file's size.
+        self.keep_blocks = False
+        self.blocks: GGUFBlocks | None = None
 
     def load_weight(self, tensor: CheckpointTensor, shard_id: None = None) -> None:
-        self.weight.data.copy_(dense(tensor.narrow(0, self.start, self.vocab_local)).to(self.weight.dtype))
+        local = tensor.narrow(0, self.start, self.vocab_local)
+        if self.keep_blocks and isinstance(local, GGUFBlocks):
+            self.blocks = local
+            self.weight = empty_param(0, self.weight.shape[1], dtype=torch.float32)
+            return
+        self.weight.data.copy_(dense(local).to(self.weight.dtype))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        return self.blocks.rows(ids.cpu()).dequantize().to(ids.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.vocab_local)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        x = self._rows(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
         return all_reduce(x, self.tp)
 
 

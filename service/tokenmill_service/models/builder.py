@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels import get_ops
+from tokenmill_service.layers.embedding import VocabParallelEmbedding
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.paths import ModelLoadError
@@ -35,9 +36,13 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
             get_ops(plan.ops.value),
             quant,
             act_dtype=act_dtype,
-            embed_dtype=DTYPES[plan.embed_dtype],
+            # "gguf-blocks": rows of float32, looked up from the file's blocks (layers/embedding.py).
+            embed_dtype=DTYPES.get(plan.embed_dtype, torch.float32),
             tp=tp or TensorParallel(),
         )
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.keep_blocks = plan.embed_dtype == "gguf-blocks"
     try:
         model.load_weights(checkpoint.tensors)
     except (ValueError, RuntimeError) as e:

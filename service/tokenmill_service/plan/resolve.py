@@ -67,8 +67,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         device=facts.device,
         architecture=config.architecture,
         act_dtype=act,
-        # Quantized weights keep the embedding table exact (float32); only looked-up rows are read.
-        embed_dtype="float32" if quantized else act.value,
+        embed_dtype=_embedding(quantized, act.value, types, facts),
         ops=ops,
         kv_cache_dtype=kv,
         kv_cache_layout=ops_cls.kv_cache_layout.name,
@@ -78,6 +77,17 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         tensor_parallel=options.tensor_parallel,
         skipped=skipped,
     )
+
+
+def _embedding(quantized: bool, act: str, types: dict[str, QType], facts: DeviceFacts) -> str:
+    """How the embedding table is kept. With quantized weights its rows stay exact (float32): on a CPU,
+    a GGUF's block-quantized table as the file stores it, only the looked-up rows dequantized exactly
+    ("gguf-blocks": the values of a float32 table at the file's size, the file's pages never copied)."""
+    if not quantized:
+        return act
+    if facts.kind == "cpu" and types.get("model.embed_tokens.weight") in BLOCK_WEIGHTS:
+        return "gguf-blocks"
+    return "float32"
 
 
 def _activations(options: LoadOptions, gguf: bool, facts: DeviceFacts) -> Decision:
