@@ -151,12 +151,16 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         raise InvalidRequest(
             f"the prompt has {len(ids)} tokens but the context holds {ctx}: no room to generate; shorten the prompt"
         )
-    # The server's default may run into the context's end (finish reason CONTEXT_LIMIT); an explicit ask may not.
-    if request.stopping.max_new_tokens and len(ids) + stopping.max_new_tokens > ctx:
+    room = ctx - len(ids)
+    if request.stopping.max_new_tokens and stopping.max_new_tokens > room:
         raise InvalidRequest(
             f"prompt tokens + stopping.max_new_tokens must be <= {ctx} (the context length); "
             f"given {len(ids)} prompt tokens and max_new_tokens {stopping.max_new_tokens}"
         )
+    if stopping.max_new_tokens > room:
+        # The server's default, not the caller's ask: the request gets the room that is left, as OpenAI's
+        # and vLLM's servers do, and ends with CONTEXT_LIMIT (0 = until the end of the context).
+        stopping.max_new_tokens = 0
     return GenerationRequest(
         request_id=request.request_id,
         prompt_ids=ids,
