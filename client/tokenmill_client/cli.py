@@ -141,6 +141,12 @@ class GenSettings:
         ]
         if o.repetition_penalty not in (0.0, 1.0):
             parts.append(f"repetition_penalty={_fmt_num(o.repetition_penalty)}")
+        if o.presence_penalty:
+            parts.append(f"presence_penalty={_fmt_num(o.presence_penalty)}")
+        if o.frequency_penalty:
+            parts.append(f"frequency_penalty={_fmt_num(o.frequency_penalty)}")
+        if o.logit_bias:
+            parts.append("logit_bias=" + ",".join(f"{t}={_fmt_num(b)}" for t, b in sorted(o.logit_bias.items())))
         parts.append(f"limit={o.max_new_tokens or 'server default'}")
         parts.append(f"seed={'random' if o.seed is None else o.seed}")
         if o.stop:
@@ -165,6 +171,9 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias),
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
@@ -735,6 +744,16 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
     )
 
 
+def _logit_bias_arg(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100; given {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill-client",
@@ -761,6 +780,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, 1 = off")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
+    gen.add_argument(
+        "--presence-penalty", type=float, default=0.0, metavar="P", help="OpenAI's, in [-2, 2]; 0 = off (default)"
+    )
+    gen.add_argument(
+        "--frequency-penalty", type=float, default=0.0, metavar="F", help="OpenAI's, in [-2, 2]; 0 = off (default)"
+    )
+    gen.add_argument(
+        "--logit-bias",
+        type=_logit_bias_arg,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 about bans the token)",
+    )
     gen.add_argument("--seed", type=int, default=None, help="random seed (same seed, same answer)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(

@@ -24,17 +24,23 @@ class BadRequest(ValueError):
         self.param = param
 
 
-# OpenAI's parameters tokenmill cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "tools": None,
-    "functions": None,
-    "response_format": None,
-    "echo": False,
-    "suffix": None,
-    "best_of": 1,
+# OpenAI's parameters tokenmill cannot honour: refused when set to anything but a value that asks for
+# nothing (what SDKs and frameworks send by default). Parameters not listed here and not read below
+# (user, metadata, parallel_tool_calls, service_tier, ...) change nothing a server does and are ignored.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "functions": ([],),
+    # Without tools, "auto" and "none" both mean plain text.
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "store": (False,),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
 }
 
 _FINISH = {
@@ -85,6 +91,26 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to numbers."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"'logit_bias' keys must be token ids; given {key!r}", "logit_bias") from None
+        if token < 0:
+            raise BadRequest(f"'logit_bias' keys must be token ids >= 0; given {key!r}", "logit_bias")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise BadRequest(f"'logit_bias' values must be numbers; given {number!r} for {key}", "logit_bias")
+        bias[token] = float(number)
+    return bias
+
+
 def _content(value: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (the only part type a text model takes)."""
     if isinstance(value, str):
@@ -129,8 +155,10 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name, neutral in _UNSUPPORTED.items():
-        if body.get(name) not in (None, neutral):
-            raise BadRequest(f"'{name}' is not supported by tokenmill", name)
+        value = body.get(name)
+        # Compared with their types too: True == 1 and 0 == False, but neither is the neutral value.
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+            raise BadRequest(f"'{name}' is not supported by tokenmill; given {value!r}", name)
     n = _integer(body, "n", minimum=1)
     if n not in (None, 1):
         raise BadRequest(f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n")
@@ -155,6 +183,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     seed = _integer(body, "seed", minimum=0)
     if seed is not None:
         sampling.seed = seed
+    sampling.presence_penalty = _number(body, "presence_penalty") or 0.0
+    sampling.frequency_penalty = _number(body, "frequency_penalty") or 0.0
+    sampling.logit_bias.update(_logit_bias(body.get("logit_bias")))
 
     stopping = request.stopping
     max_tokens = _integer(body, "max_completion_tokens", minimum=1)

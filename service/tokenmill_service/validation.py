@@ -20,6 +20,11 @@ MAX_REQUEST_ID_LENGTH = 128
 # Matching a stop string costs its length per generated token: bounded.
 MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
+# Biasing a token costs a logit write per step: bounded (OpenAI allows as many).
+MAX_LOGIT_BIAS = 1024
+# OpenAI's ranges for its penalties and biases.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 class InvalidRequest(ValueError):
@@ -89,7 +94,7 @@ def check_token_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> Non
             raise InvalidRequest(f"{field_name}[{i}] = {t} is outside the vocabulary (ids are 0..{vocab_size - 1})")
 
 
-def sampling_params(s: pb.SamplingParams) -> SamplingParams:
+def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy); given {s.temperature}")
     if s.top_k < 0:
@@ -98,6 +103,26 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 or 1 = off); given {s.top_p}")
     if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
         raise InvalidRequest(f"sampling.repetition_penalty must be >= 0 (0 or 1 = off); given {s.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(
+                f"sampling.{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off); given {value}"
+            )
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"sampling.logit_bias holds {len(s.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed"
+        )
+    for token, bias in s.logit_bias.items():
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"sampling.logit_bias names token {token}, outside the vocabulary (ids are 0..{vocab_size - 1})"
+            )
+        if not math.isfinite(bias) or not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]; "
+                f"given {bias}"
+            )
     return SamplingParams(
         # Too small to divide by: greedy, which is what such a temperature means anyway.
         temperature=s.temperature if s.temperature >= MIN_TEMPERATURE else 0.0,
@@ -105,6 +130,9 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         top_p=s.top_p if 0.0 < s.top_p < 1.0 else 1.0,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (0.0, 1.0) else 1.0,
         seed=s.seed if s.HasField("seed") else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias={int(t): float(b) for t, b in s.logit_bias.items() if b != 0.0},
     )
 
 
@@ -139,7 +167,7 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
 
 def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
     check_request_id(request.request_id)
-    sampling = sampling_params(request.sampling)
+    sampling = sampling_params(request.sampling, limits.vocab_size)
     stopping = stopping_params(request.stopping, limits)
     if request.top_logprobs > limits.max_top_logprobs:
         raise InvalidRequest(

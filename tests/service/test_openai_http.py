@@ -150,6 +150,120 @@ def test_completion_streamed_and_not_with_logprobs_in_the_completions_shape(clie
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+# -- neutral values, penalties and logit bias ---------------------------------------------------
+
+
+def test_parameters_at_their_neutral_values_are_accepted_as_no_ops(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    neutral = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        parallel_tool_calls=False,
+        logit_bias={},
+        presence_penalty=0,
+        frequency_penalty=0,
+        n=1,
+        user="someone",
+        store=False,
+        metadata={"team": "search"},
+        seed=5,
+        stream_options=None,
+        extra_body={"modalities": ["text"]},
+    )
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    completion = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=False, best_of=1, suffix="", user="x"
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
+def greedy_tokens(stub: pb_grpc.GenerationStub, prompt: str, n: int, **sampling: Any) -> list[pb.Token]:
+    request = pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(**sampling),
+        stopping=pb.StoppingParams(max_new_tokens=n, ignore_eos=True),
+    )
+    return [t for r in stub.Generate(request, timeout=600) for t in r.tokens]
+
+
+def greedy_ids(stub: pb_grpc.GenerationStub, prompt: str, n: int, **sampling: Any) -> list[int]:
+    return [t.id for t in greedy_tokens(stub, prompt, n, **sampling)]
+
+
+def test_logit_bias_bans_a_token_the_same_over_http_and_grpc(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompt = "The capital of France is"
+    first = greedy_ids(stub, prompt, 1)[0]
+    banned = greedy_tokens(stub, prompt, 4, logit_bias={first: -100.0})
+    assert first not in [t.id for t in banned]
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(first): -100},
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens == [t.text for t in banned]
+
+
+def test_frequency_and_presence_penalties_steer_away_from_repeats_over_http_and_grpc(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompt = "1 1 1 1 1 1 1 1 1 1 1 1"
+    plain = greedy_ids(stub, prompt, 16)
+    penalized = greedy_ids(stub, prompt, 16, frequency_penalty=2.0, presence_penalty=2.0)
+    assert len(set(penalized)) > len(set(plain))
+    only_frequency = greedy_ids(stub, prompt, 16, frequency_penalty=2.0)
+    assert only_frequency != penalized
+
+    def http_text(**penalties: float) -> str:
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}, **penalties
+        )
+        return reply.choices[0].text
+
+    def grpc_text(**penalties: float) -> str:
+        request = pb.GenerateRequest(
+            prompt=prompt,
+            sampling=pb.SamplingParams(**penalties),
+            stopping=pb.StoppingParams(max_new_tokens=16, ignore_eos=True),
+        )
+        return "".join(r.text for r in stub.Generate(request, timeout=600))
+
+    both = {"frequency_penalty": 2.0, "presence_penalty": 2.0}
+    assert http_text(**both) == grpc_text(**both) != grpc_text()
+
+
+@pytest.mark.parametrize(
+    ("params", "names"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias names token 49152, outside the vocabulary"),
+        ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
+        ({"logit_bias": {"five": 1}}, "'logit_bias' keys must be token ids"),
+        ({"response_format": {"type": "json_object"}}, "'response_format' is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
+        ({"tool_choice": "required"}, "'tool_choice' is not supported"),
+    ],
+)
+def test_a_value_out_of_range_or_not_neutral_is_a_400_naming_it(
+    client: openai.OpenAI, params: dict[str, Any], names: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, **params)  # type: ignore[arg-type]
+    assert names in err.value.message
+
+
 # -- a prompt near the end of the context -------------------------------------------------------
 
 
@@ -189,7 +303,7 @@ def test_a_long_prompt_without_a_limit_gets_the_room_left_and_a_limit_too_large_
         ({"n": 2}, "'n' must be 1"),
         ({"max_tokens": 100000}, "max_tokens must be <= 4096"),
         ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'"),
-        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ({"response_format": {"type": "json_schema"}}, "'response_format' is not supported"),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, params: dict[str, Any], names: str) -> None:
