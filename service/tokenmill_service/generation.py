@@ -68,6 +68,11 @@ class GenerationService:
         info = next((w.info for w in self.router.workers if w.info is not None), None)
         return info.model_name if info is not None else ""
 
+    def context_length(self) -> int | None:
+        """The most tokens one request may hold; None while no worker has loaded the model."""
+        info = next((w.info for w in self.router.workers if w.info is not None), None)
+        return info.context_length if info is not None else None
+
     def limits(self) -> Limits:
         info = next((w.info for w in self.router.workers if w.info is not None), None)
         if info is None:

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
     GET  /v1/models, GET /health (200 ready, 503 not), GET /metrics (Prometheus)
+    POST /tokenize, POST /detokenize                 (vLLM's shapes)
 
 Every generation goes through the same GenerationService as gRPC (auth, validation, limits,
 admission, metrics, the request_finished log line). A response's status is only sent once the
@@ -32,8 +33,17 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from tokenmill_service.generation import GenerationService, ServiceError
-from tokenmill_service.openai_protocol import BadRequest, ParsedRequest, ResponseBuilder, error_json, parse_request
+from tokenmill_service.openai_protocol import (
+    BadRequest,
+    ParsedRequest,
+    ResponseBuilder,
+    error_json,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+)
 from tokenmill_service.proto import pb
+from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids
 
 log = structlog.get_logger("tokenmill.http")
 
@@ -56,7 +66,9 @@ class Disconnected(Exception):
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_json(message, kind, param), status_code=status)
+    # RFC 9110: a 401 names the scheme the caller must use.
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_json(message, kind, param), status_code=status, headers=headers)
 
 
 # validation.py names the fields of the gRPC request; an HTTP caller knows them by OpenAI's names.
@@ -188,6 +200,8 @@ class HttpApi:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -231,6 +245,51 @@ class HttpApi:
         name = self.service.model_name()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenmill"}] if name else []
         return JSONResponse({"object": "list", "data": data})
+
+    async def _json_body(self, request: Request) -> Any:
+        """The body as JSON, after the caller's token is checked (ServiceError or BadRequest otherwise)."""
+        self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        try:
+            return json.loads(await request.body() or b"null")
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+    async def tokenize(self, request: Request) -> Response:
+        tokenizer = self.service.tokenizer
+        try:
+            body = parse_tokenize(await self._json_body(request))
+            if body.chat is not None:
+                ids = tokenizer.encode_chat(chat_messages(body.chat, tokenizer), body.add_generation_prompt)
+            else:
+                ids = tokenizer.encode(body.prompt or "")
+                if body.add_special_tokens and tokenizer.add_bos and tokenizer.bos_token_id is not None:
+                    ids = [tokenizer.bos_token_id, *ids]
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), exc.param)
+        except ValueError as exc:  # InvalidRequest, or a chat the template refuses
+            return error_response(400, "invalid_request_error", _openai_names(str(exc)), "messages")
+        reply: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.service.context_length() or 0,
+            "tokens": ids,
+            "token_strs": [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None,
+        }
+        return JSONResponse(reply)
+
+    async def detokenize(self, request: Request) -> Response:
+        tokenizer = self.service.tokenizer
+        try:
+            ids = parse_detokenize(await self._json_body(request))
+            check_token_ids("tokens", ids, tokenizer.vocab_size)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), exc.param)
+        except InvalidRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
 
     async def health(self, request: Request) -> Response:
         if self.service.router.ready:

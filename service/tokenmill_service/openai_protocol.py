@@ -226,6 +226,53 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     return ParsedRequest(request, chat, stream, include_usage, model if isinstance(model, str) else "")
 
 
+# -- vLLM's /tokenize and /detokenize ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TokenizeBody:
+    """A /tokenize body: text (with BOS when the model adds one and add_special_tokens) or a chat."""
+
+    prompt: str | None
+    chat: pb.Messages | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeBody:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise BadRequest("give exactly one of 'prompt' (a string) and 'messages' (a chat)", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise BadRequest("'prompt' must be a string", "prompt")
+
+    def flag(name: str, default: bool) -> bool:
+        return default if body.get(name) is None else _boolean(body, name)
+
+    return TokenizeBody(
+        prompt=prompt,
+        chat=None if messages is None else _messages(messages),
+        # vLLM's defaults: special tokens for text, none beyond the template's for a chat.
+        add_special_tokens=flag("add_special_tokens", prompt is not None),
+        add_generation_prompt=flag("add_generation_prompt", True),
+        return_token_strs=flag("return_token_strs", False),
+    )
+
+
+def parse_detokenize(body: Any) -> list[int]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest("'tokens' must be a list of token ids", "tokens")
+    if tokens and min(tokens) < 0:
+        raise BadRequest("'tokens' must be token ids >= 0", "tokens")
+    return tokens
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 

@@ -410,6 +410,45 @@ def test_health_models_and_metrics_share_the_http_port(server: ServerProcess, cl
     assert status == 200 and 'tokenmill_requests_total{code="OK"}' in metrics
 
 
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_answer_in_vllms_shapes(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
+    text = "The sky is blue."
+    status, body = post(server.http_url + "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    expected = stub.Tokenize(pb.TokenizeRequest(text=text), timeout=30)
+    context = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).context_length
+    assert status == 200
+    assert body == {
+        "count": len(expected.ids),
+        "max_model_len": context,
+        "tokens": list(expected.ids),
+        "token_strs": list(expected.pieces),
+    }
+    assert post(server.http_url + "/detokenize", {"model": MODEL, "tokens": body["tokens"]}) == (200, {"prompt": text})
+
+    status, chat = post(server.http_url + "/tokenize", {"messages": FRANCE})
+    rendered = stub.Tokenize(pb.TokenizeRequest(chat=pb.Messages(messages=[pb.ChatMessage(**FRANCE[0])])), timeout=30)
+    assert status == 200 and chat["tokens"] == list(rendered.ids) and chat["token_strs"] is None
+    _, unopened = post(server.http_url + "/tokenize", {"messages": FRANCE, "add_generation_prompt": False})
+    assert chat["tokens"][: unopened["count"]] == unopened["tokens"] and unopened["count"] < chat["count"]
+
+    for route, bad, param in (
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "hello"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"content": "no role"}]}, "messages"),
+    ):
+        status, error = post(server.http_url + route, bad)
+        assert status == 400 and error["error"]["param"] == param, (route, bad, error)
+
+
 def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
