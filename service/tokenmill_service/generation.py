@@ -65,6 +65,9 @@ class GenerationService:
         self._tokens = [f"Bearer {t}".encode() for t in settings.auth_tokens()]
 
     def model_name(self) -> str:
+        """What callers know the model as: --served-model-name, else the checkpoint's name ("" while loading)."""
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
         info = next((w.info for w in self.router.workers if w.info is not None), None)
         return info.model_name if info is not None else ""
 

@@ -331,7 +331,8 @@ class ResponseBuilder:
         self.chat = parsed.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.created = int(time.time())
-        self.model = parsed.model or model
+        # The server's name for its model (what /v1/models lists), whatever name the request used.
+        self.model = model or parsed.model
         self.text_offset = 0
 
     def _envelope(self, obj: str) -> dict[str, Any]:

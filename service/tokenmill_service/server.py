@@ -125,7 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ),
         )
         if info is not None:
-            reply.name, reply.context_length, reply.device = info.model_name, info.context_length, info.device
+            reply.name, reply.context_length, reply.device = self.service.model_name(), info.context_length, info.device
             reply.dtype, reply.quantization, reply.weight_bytes = info.dtype, info.quantization, info.weight_bytes
             reply.load_plan.update(info.plan)
         for w in self.router.workers:
