@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -75,6 +76,27 @@ def _error_line(message: str) -> None:
 _CONNECTION_FAILURES = ("failed to connect", "connection refused", "errors resolving", "dns resolution failed")
 
 
+# The server names the GenerateRequest's fields; a CLI user set them with these flags.
+_FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "sampling.temperature": "--temperature",
+    "sampling.top_k": "--top-k",
+    "sampling.top_p": "--top-p",
+    "sampling.repetition_penalty": "--repetition-penalty",
+    "sampling.presence_penalty": "--presence-penalty",
+    "sampling.frequency_penalty": "--frequency-penalty",
+    "sampling.logit_bias": "--logit-bias",
+    "sampling.seed": "--seed",
+    "stopping.stop": "--stop",
+}
+_FIELD = re.compile(r"(?<![\w.])(?:stopping\.)?max_new_tokens\b|(?<![\w.])(?:sampling\.\w+|stopping\.stop)\b")
+
+
+def flag_names(message: str) -> str:
+    """The server's message with each request field it names written as the flag that sets it."""
+    return _FIELD.sub(lambda m: _FLAGS.get(m.group(), _FLAGS.get(m.group().rpartition(".")[2], m.group())), message)
+
+
 def describe_error(err: TokenmillError) -> str:
     """One line for a failed call, naming the server for connection problems."""
     if isinstance(err, UnavailableError):
@@ -82,7 +104,7 @@ def describe_error(err: TokenmillError) -> str:
             return f"cannot reach the server at {err.target}: {err.message}"
         return f"the server at {err.target} is unavailable: {err.message}"
     if isinstance(err, InvalidRequestError):
-        return f"invalid request: {err.message}"
+        return f"invalid request: {flag_names(err.message)}"
     if isinstance(err, OverloadedError):
         return f"server overloaded: {err.message}"
     if isinstance(err, DeadlineExceededError):
@@ -775,7 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--input-file", metavar="FILE", help="one prompt per line ('-' = stdin), run concurrently")
     gen.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default)")
     gen.add_argument(
-        "-l", "--limit", type=int, default=0, metavar="N", help="max new tokens (default: 0, the server's default)"
+        "-l",
+        "--limit",
+        "--max-new-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="max new tokens (default: 0, the server's default)",
     )
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, 1 = off")

@@ -38,6 +38,7 @@ from tokenmill_service.openai_protocol import (
     ParsedRequest,
     ResponseBuilder,
     error_json,
+    openai_error,
     parse_detokenize,
     parse_request,
     parse_tokenize,
@@ -49,14 +50,15 @@ log = structlog.get_logger("tokenmill.http")
 
 AUTH_WHERE = "the Authorization header"
 
-# gRPC status -> (HTTP status, OpenAI error type)
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code unless the error says a closer one)
 _HTTP_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
 }
+_SERVER_ERROR = (500, "server_error", "internal_error")
 
 T = TypeVar("T")
 
@@ -65,31 +67,30 @@ class Disconnected(Exception):
     pass
 
 
-def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, kind: str, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     # RFC 9110: a 401 names the scheme the caller must use.
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_json(message, kind, param), status_code=status, headers=headers)
+    return JSONResponse(error_json(message, kind, param, code), status_code=status, headers=headers)
 
 
-# validation.py names the fields of the gRPC request; an HTTP caller knows them by OpenAI's names.
-_FIELD_NAMES = {
-    "sampling.": "",
-    "stopping.max_new_tokens": "max_tokens",
-    "stopping.": "",
-    "chat.messages": "messages",
-    "token_ids.ids": "prompt",
-}
+def bad_request(exc: BadRequest) -> JSONResponse:
+    return error_response(400, "invalid_request_error", str(exc), exc.param, exc.code)
 
 
-def _openai_names(message: str) -> str:
-    for ours, theirs in _FIELD_NAMES.items():
-        message = message.replace(ours, theirs)
-    return message
+def service_error_json(exc: ServiceError, names: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error of a failed call. validation.py names the gRPC request's fields;
+    the caller is told them by the names it used (``names``: ParsedRequest.field_names)."""
+    status, kind, code = _HTTP_ERRORS.get(exc.code, _SERVER_ERROR)
+    message, param = openai_error(exc.message, exc.field, names)
+    return status, error_json(message, kind, param, exc.reason or code)
 
 
-def service_error_response(exc: ServiceError) -> JSONResponse:
-    status, kind = _HTTP_ERRORS.get(exc.code, (500, "server_error"))
-    return error_response(status, kind, _openai_names(exc.message))
+def service_error_response(exc: ServiceError, names: dict[str, str] | None = None) -> JSONResponse:
+    status, body = service_error_json(exc, names)
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -147,7 +148,7 @@ class GenerationResponse(Response):
             await JSONResponse(self.builder.whole([first, *rest]), headers=self.headers_)(scope, receive, send)
 
     def _error(self, exc: ServiceError) -> Response:
-        response = service_error_response(exc)
+        response = service_error_response(exc, self.builder.parsed.field_names)
         response.headers.update(self.headers_)
         return response
 
@@ -170,8 +171,8 @@ class GenerationResponse(Response):
                 last = response
         except ServiceError as exc:
             # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
-            status, kind = _HTTP_ERRORS.get(exc.code, (500, "server_error"))
-            await _send_event(send, error_json(_openai_names(exc.message), kind, code=str(status)))
+            _, body = service_error_json(exc, self.builder.parsed.field_names)
+            await _send_event(send, body)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if self.builder.parsed.include_usage:
@@ -209,10 +210,13 @@ class HttpApi:
         )
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
-        return error_response(404, "not_found_error", f"no route {request.method} {request.url.path}")
+        return error_response(
+            404, "not_found_error", f"no route {request.method} {request.url.path}", code="unknown_url"
+        )
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        return error_response(405, "invalid_request_error", f"{request.method} is not allowed on {request.url.path}")
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(405, "invalid_request_error", message, code="method_not_allowed")
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
@@ -225,11 +229,13 @@ class HttpApi:
         try:
             parsed: ParsedRequest = parse_request(json.loads(await request.body() or b"null"), chat)
         except json.JSONDecodeError as exc:
-            return error_response(400, "invalid_request_error", f"the body is not valid JSON: {exc}")
+            return error_response(
+                400, "invalid_request_error", f"the body is not valid JSON: {exc}", code="invalid_json"
+            )
         except BadRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), exc.param)
+            return bad_request(exc)
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
-            return error_response(400, "invalid_request_error", str(exc))
+            return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
         parsed.request.request_id = request_id
         responses = self.service.generate(
             parsed.request, request_id, request.headers.get("authorization"), AUTH_WHERE, api="http"
@@ -252,7 +258,7 @@ class HttpApi:
         try:
             return json.loads(await request.body() or b"null")
         except json.JSONDecodeError as exc:
-            raise BadRequest(f"the body is not valid JSON: {exc}") from None
+            raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
     async def tokenize(self, request: Request) -> Response:
         tokenizer = self.service.tokenizer
@@ -267,9 +273,12 @@ class HttpApi:
         except ServiceError as exc:
             return service_error_response(exc)
         except BadRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), exc.param)
-        except ValueError as exc:  # InvalidRequest, or a chat the template refuses
-            return error_response(400, "invalid_request_error", _openai_names(str(exc)), "messages")
+            return bad_request(exc)
+        except InvalidRequest as exc:
+            message, param = openai_error(str(exc), exc.field)
+            return error_response(400, "invalid_request_error", message, param, exc.code)
+        except ValueError as exc:  # a chat the template refuses
+            return error_response(400, "invalid_request_error", str(exc), "messages", "invalid_value")
         reply: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": self.service.context_length() or 0,
@@ -286,9 +295,9 @@ class HttpApi:
         except ServiceError as exc:
             return service_error_response(exc)
         except BadRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), exc.param)
+            return bad_request(exc)
         except InvalidRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), "tokens")
+            return error_response(400, "invalid_request_error", str(exc), "tokens", exc.code)
         return JSONResponse({"prompt": tokenizer.decode(ids)})
 
     async def health(self, request: Request) -> Response:

@@ -8,20 +8,22 @@ tokenmill has no equivalent for). Responses are built from `GenerateResponse` me
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill_service.proto import pb
 
 
 class BadRequest(ValueError):
-    """A body that is not a valid OpenAI request; the message names the parameter."""
+    """A body that is not a valid OpenAI request; the message names the parameter, `code` says what is wrong."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 # OpenAI's parameters tokenmill cannot honour: refused when set to anything but a value that asks for
@@ -60,6 +62,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    # The GenerateRequest's field paths this request sets under another name than usual (see openai_error).
+    field_names: dict[str, str] = field(default_factory=dict)
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -158,10 +162,12 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         value = body.get(name)
         # Compared with their types too: True == 1 and 0 == False, but neither is the neutral value.
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            raise BadRequest(f"'{name}' is not supported by tokenmill; given {value!r}", name)
+            raise BadRequest(f"'{name}' is not supported by tokenmill; given {value!r}", name, "unsupported_parameter")
     n = _integer(body, "n", minimum=1)
     if n not in (None, 1):
-        raise BadRequest(f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n")
+        raise BadRequest(
+            f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n", "unsupported_value"
+        )
 
     request = pb.GenerateRequest()
     if chat:
@@ -188,9 +194,12 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     sampling.logit_bias.update(_logit_bias(body.get("logit_bias")))
 
     stopping = request.stopping
+    names: dict[str, str] = {}
     max_tokens = _integer(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", minimum=1)
+    else:
+        names["stopping.max_new_tokens"] = "max_completion_tokens"
     stopping.max_new_tokens = max_tokens or 0
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -216,6 +225,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         logprobs = _integer(body, "logprobs")
         request.logprobs = logprobs is not None
         request.top_logprobs = logprobs or 0
+        names["top_logprobs"] = "logprobs"
 
     stream = _boolean(body, "stream")
     options = body.get("stream_options") or {}
@@ -223,7 +233,38 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise BadRequest("'stream_options' must be an object", "stream_options")
     include_usage = _boolean(options, "include_usage")
     model = body.get("model")
-    return ParsedRequest(request, chat, stream, include_usage, model if isinstance(model, str) else "")
+    return ParsedRequest(request, chat, stream, include_usage, model if isinstance(model, str) else "", names)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+# The GenerateRequest's field paths (what validation's messages name) as OpenAI's API names them;
+# any other sampling.* or stopping.* field is one of tokenmill's extras, named by its last part.
+_OPENAI_FIELDS = {
+    "prompt": "prompt",
+    "token_ids.ids": "prompt",
+    "chat.messages": "messages",
+    "stopping.max_new_tokens": "max_tokens",
+    "max_new_tokens": "max_tokens",  # the engine's own messages leave out the "stopping."
+    "stopping.stop": "stop",
+    "top_logprobs": "top_logprobs",
+}
+_FIELD_PATH = re.compile(
+    r"(?<![\w.'])(?:sampling\.\w+|stopping\.\w+|chat\.messages|token_ids\.ids|top_logprobs|max_new_tokens)\b"
+)
+
+
+def openai_error(message: str, field: str | None, names: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """A validation message with each field path it names in the words of the request the caller sent
+    (``names``: ParsedRequest.field_names), and the OpenAI ``param`` of the field it is about."""
+    known = {**_OPENAI_FIELDS, **(names or {})}
+    if "stopping.max_new_tokens" in known:
+        known["max_new_tokens"] = known["stopping.max_new_tokens"]
+
+    def name(path: str) -> str:
+        return known.get(path) or path.rpartition(".")[2]
+
+    return _FIELD_PATH.sub(lambda m: name(m.group()), message), (name(field) if field else None)
 
 
 # -- vLLM's /tokenize and /detokenize ------------------------------------------------------------

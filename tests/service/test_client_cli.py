@@ -217,6 +217,20 @@ def test_penalty_and_logit_bias_flags_give_what_the_client_gives_with_the_same_o
     assert [t["id"] for e in events for t in e["tokens"]] == [t.id for t in expected.tokens]
 
 
+def test_an_invalid_value_is_named_by_the_flag_that_set_it(server_address: str) -> None:
+    with Client(server_address) as client, pytest.raises(InvalidRequestError) as info:
+        client.generate_text(QUESTION, max_new_tokens=5000)
+    assert "max_new_tokens must be <= 4096" in info.value.message  # the gRPC field, for the client's caller
+    for flag in ("-l", "--max-new-tokens"):
+        proc = run_cli("--server", server_address, "generate", "-p", QUESTION, flag, "5000")
+        assert proc.returncode == 1
+        (line,) = error_lines(proc.stderr)
+        assert "--max-new-tokens must be <= 4096" in line and "stopping." not in line, line
+    proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "--presence-penalty", "3")
+    (line,) = error_lines(proc.stderr)
+    assert "--presence-penalty must be in [-2, 2]" in line, line
+
+
 def test_invalid_argument_shows_the_servers_message_and_exits_nonzero(server_address: str) -> None:
     with Client(server_address) as client, pytest.raises(InvalidRequestError) as info:
         client.generate_text(messages=[("user", QUESTION)], top_p=2.0)
@@ -224,7 +238,7 @@ def test_invalid_argument_shows_the_servers_message_and_exits_nonzero(server_add
     assert proc.returncode == 1
     errors = error_lines(proc.stderr)
     assert len(errors) == 1
-    assert info.value.message in errors[0]
+    assert info.value.message.replace("sampling.top_p", "--top-p") in errors[0]
     assert "Traceback" not in proc.stderr
 
 

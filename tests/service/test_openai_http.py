@@ -286,6 +286,9 @@ def test_a_long_prompt_without_a_limit_gets_the_room_left_and_a_limit_too_large_
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=left + 1)
     assert f"must be <= {context}" in err.value.message and "max_tokens" in err.value.message
+    assert "max_new_tokens" not in err.value.message
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_tokens"
+    assert err.value.body["code"] == "context_length_exceeded"
     request.stopping.max_new_tokens = left + 1
     with pytest.raises(grpc.RpcError) as rpc_err:
         list(stub.Generate(request, timeout=600))
@@ -296,23 +299,53 @@ def test_a_long_prompt_without_a_limit_gets_the_room_left_and_a_limit_too_large_
 # -- errors -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize(
-    ("params", "names"),
+    ("params", "names", "param", "code"),
     [
-        ({"temperature": -1}, "temperature"),
-        ({"n": 2}, "'n' must be 1"),
-        ({"max_tokens": 100000}, "max_tokens must be <= 4096"),
-        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'"),
-        ({"response_format": {"type": "json_schema"}}, "'response_format' is not supported"),
+        ({"temperature": -1}, "temperature must be >= 0", "temperature", "invalid_value"),
+        ({"n": 2}, "'n' must be 1", "n", "unsupported_value"),
+        ({"max_tokens": 100000}, "max_tokens must be <= 4096", "max_tokens", "integer_above_max_value"),
+        (
+            {"max_completion_tokens": 100000},
+            "max_completion_tokens must be <= 4096",
+            "max_completion_tokens",
+            "integer_above_max_value",
+        ),
+        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'", "top_logprobs", "invalid_value"),
+        (
+            {"logprobs": True, "top_logprobs": 50},
+            "top_logprobs must be <= 20",
+            "top_logprobs",
+            "integer_above_max_value",
+        ),
+        ({"stop": ["x", ""]}, "stop[1] is empty", "stop", "invalid_value"),
+        ({"extra_body": {"top_k": -1}}, "top_k must be >= 0", "top_k", "invalid_value"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "'response_format' is not supported",
+            "response_format",
+            "unsupported_parameter",
+        ),
     ],
 )
-def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, params: dict[str, Any], names: str) -> None:
+def test_a_bad_parameter_is_a_400_naming_it_as_the_caller_did_with_param_and_code(
+    client: openai.OpenAI, params: dict[str, Any], names: str, param: str, code: str, stream: bool
+) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=FRANCE, **params)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=FRANCE, stream=stream, **params)  # type: ignore[arg-type,call-overload]
     assert err.value.status_code == 400
     body = err.value.body
     assert isinstance(body, dict) and body["type"] == "invalid_request_error"
-    assert names in body["message"]
+    assert names in body["message"] and "sampling." not in body["message"] and "stopping." not in body["message"]
+    assert (body["param"], body["code"]) == (param, code)
+
+
+def test_the_completions_logprobs_count_is_named_logprobs(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logprobs=50)
+    assert "logprobs must be <= 20" in err.value.message and "top_logprobs" not in err.value.message
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "logprobs"
 
 
 def test_an_unknown_route_is_a_404_in_openai_error_json(server: ServerProcess) -> None:
