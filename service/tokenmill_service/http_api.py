@@ -19,7 +19,7 @@ import json
 import logging
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -117,10 +117,13 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class GenerationResponse(Response):
-    """Runs one generation while it answers: the status waits for the first output (see module doc)."""
+    """Runs a request's generation (one per prompt of a completions list) while it answers: the status
+    waits for the first output (see module doc)."""
 
-    def __init__(self, responses: AsyncIterator[pb.GenerateResponse], builder: ResponseBuilder, request_id: str):
-        self.responses = responses
+    def __init__(
+        self, responses: Sequence[AsyncIterator[pb.GenerateResponse]], builder: ResponseBuilder, request_id: str
+    ):
+        self.all_responses = responses
         self.builder = builder
         self.headers_ = {"x-request-id": request_id}
         self.background = None
@@ -131,7 +134,10 @@ class GenerationResponse(Response):
             await until_disconnect(receive, self._respond(scope, receive, send))
 
     async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with contextlib.aclosing(self.responses) as responses:  # type: ignore[type-var]
+        if len(self.all_responses) > 1:
+            await self._respond_many(scope, receive, send)
+            return
+        async with contextlib.aclosing(self.all_responses[0]) as responses:  # type: ignore[type-var]
             try:
                 first = await anext(responses)
             except ServiceError as exc:
@@ -145,7 +151,31 @@ class GenerationResponse(Response):
             except ServiceError as exc:
                 await self._error(exc)(scope, receive, send)
                 return
-            await JSONResponse(self.builder.whole([first, *rest]), headers=self.headers_)(scope, receive, send)
+            await JSONResponse(self.builder.whole([[first, *rest]]), headers=self.headers_)(scope, receive, send)
+
+    async def _respond_many(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Several prompts, run side by side (the router batches them); the first failure fails them all."""
+
+        async def collect(stream: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+            async with contextlib.aclosing(stream) as responses:  # type: ignore[type-var]
+                return [r async for r in responses]
+
+        tasks = [asyncio.ensure_future(collect(r)) for r in self.all_responses]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:  # a failure (or this handler's cancellation) ends the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            error = failed.exception()
+            if not isinstance(error, ServiceError):
+                raise error  # type: ignore[misc]
+            await self._error(error)(scope, receive, send)
+            return
+        whole = self.builder.whole([t.result() for t in tasks])
+        await JSONResponse(whole, headers=self.headers_)(scope, receive, send)
 
     def _error(self, exc: ServiceError) -> Response:
         response = service_error_response(exc, self.builder.parsed.field_names)
@@ -236,12 +266,23 @@ class HttpApi:
             return bad_request(exc)
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
             return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
-        parsed.request.request_id = request_id
-        responses = self.service.generate(
-            parsed.request, request_id, request.headers.get("authorization"), AUTH_WHERE, api="http"
-        )
-        builder = ResponseBuilder(parsed, request_id, self.service.model_name())
-        return GenerationResponse(responses, builder, request_id)
+        many = len(parsed.requests) > 1
+        streams = []
+        for i, one in enumerate(parsed.requests):
+            # Each prompt is its own sequence, under its own id (the engine refuses two alike).
+            one.request_id = f"{request_id}-{i}" if many else request_id
+            streams.append(
+                self.service.generate(one, one.request_id, request.headers.get("authorization"), AUTH_WHERE, api="http")
+            )
+        echo_texts = [self._prompt_text(one) for one in parsed.requests] if parsed.echo else []
+        builder = ResponseBuilder(parsed, request_id, self.service.model_name(), echo_texts)
+        return GenerationResponse(streams, builder, request_id)
+
+    def _prompt_text(self, request: pb.GenerateRequest) -> str:
+        """What echo repeats: the prompt as given, or its token ids' text."""
+        if request.WhichOneof("input") == "token_ids":
+            return self.service.tokenizer.decode(request.token_ids.ids)
+        return request.prompt
 
     async def models(self, request: Request) -> Response:
         try:

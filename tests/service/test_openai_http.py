@@ -296,6 +296,75 @@ def test_a_long_prompt_without_a_limit_gets_the_room_left_and_a_limit_too_large_
     assert f"given {context - left} prompt tokens and max_new_tokens {left + 1}" in rpc_err.value.details()
 
 
+# -- echo, prompt logprobs and lists of prompts (what lm-evaluation-harness sends) -----------------
+
+
+def grpc_prompt_tokens(stub: pb_grpc.GenerationStub, prompt: str) -> list[pb.Token]:
+    request = pb.GenerateRequest(
+        prompt=prompt, stopping=pb.StoppingParams(max_new_tokens=1), prompt_logprobs=True, top_logprobs=1
+    )
+    return list(next(iter(stub.Generate(request, timeout=600))).prompt_tokens)
+
+
+def test_echo_with_logprobs_scores_the_prompt_in_the_legacy_shape_as_grpc_does(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompt = "The capital of France is Paris."
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    (choice,) = reply.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 0
+    expected = grpc_prompt_tokens(stub, prompt)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens == [t.text for t in expected]
+    assert lp.token_logprobs == [None, *[t.logprob for t in expected[1:]]]
+    assert lp.top_logprobs == [None, *[{a.text: a.logprob for a in t.top_logprobs} for t in expected[1:]]]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    # One token more: the prompt's, then the generated one's (lm-eval asks for max_tokens 1 and drops it).
+    more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    more_lp = more.choices[0].logprobs
+    assert more.choices[0].text.startswith(prompt) and more_lp is not None and more_lp.token_logprobs is not None
+    assert more_lp.token_logprobs[:-1] == lp.token_logprobs and len(more_lp.token_logprobs) == len(expected) + 1
+
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed).startswith(prompt)
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_tokens"
+
+
+def test_a_list_of_prompts_is_answered_with_one_choice_each(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompts = ["The capital of France is Paris.", "Hello there, how are you?"]
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=0, echo=True, logprobs=1).choices[0]
+        for p in prompts
+    ]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == prompts
+    for single, choice in zip(singles, batch.choices):
+        assert choice.logprobs == single.logprobs  # each prompt scored as alone: batch invariance
+    ids = [list(stub.Tokenize(pb.TokenizeRequest(text=p), timeout=30).ids) for p in prompts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert [c.text for c in by_ids.choices] == prompts
+    assert [c.logprobs for c in by_ids.choices] == [c.logprobs for c in singles]
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+
+    generated = client.completions.create(model=MODEL, prompt=["The sky is", "Paris is"], max_tokens=4, temperature=0)
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
+        for p in ["The sky is", "Paris is"]
+    ]
+    assert [c.text for c in generated.choices] == [a.choices[0].text for a in alone]
+    assert generated.usage is not None and generated.usage.completion_tokens == 8
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 

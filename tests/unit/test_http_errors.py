@@ -36,7 +36,7 @@ def stream_events(error: ServiceError, body: dict[str, Any]) -> list[Any]:
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
-        response = GenerationResponse(responses(), ResponseBuilder(parsed, "r1", "smol"), "r1")
+        response = GenerationResponse([responses()], ResponseBuilder(parsed, "r1", "smol"), "r1")
         await response({"type": "http"}, receive, send)
 
     asyncio.run(run())
