@@ -154,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON here")
     out.add_argument("--plot", type=Path, metavar="PNG", help="also draw throughput/latency vs concurrency here")
-    out.add_argument("--server-log", type=Path, metavar="PATH", help="keep the started server's log here")
+    out.add_argument(
+        "--server-log",
+        type=Path,
+        metavar="PATH",
+        help="write the started server's log here (default: a temporary file)",
+    )
     out.add_argument("--quiet", action="store_true", help="no progress log on stderr")
     return parser
 
@@ -357,12 +362,12 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             server_args += ["--model", args.model]
         server_args += args.server_arg
-        server = ManagedServer(server_args)
+        server = ManagedServer(server_args, args.server_log)
         log.info("server_starting", args=" ".join(server_args) or "(defaults)", log=server.log_path)
         try:
             server.start()
         except (RuntimeError, FileNotFoundError) as exc:
-            sys.stderr.write(f"tokenmill-bench: error: could not start the server: {exc}\n")
+            sys.stderr.write(f"tokenmill-bench: error: could not start the server (log: {server.log_path}): {exc}\n")
             server.close()
             pool.shutdown()
             return 2
@@ -394,8 +399,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server_exit = server.stop()
-            if args.server_log is not None:
-                args.server_log.write_text(server.tail(chars=-1))
             server.close()
     model_info = measured.model_info
     ours = measured.sides["tokenmill"]
@@ -488,7 +491,12 @@ def run(args: argparse.Namespace) -> int:
 
         plot_result(result, args.plot)
         log.info("plot_written", path=str(args.plot))
-    log.info("done", seconds=round(result["duration_s"], 1), failed_requests=result["failed_requests"])
+    log.info(
+        "done",
+        seconds=round(result["duration_s"], 1),
+        failed_requests=result["failed_requests"],
+        server_log=server.log_path if server is not None else None,
+    )
     return 0 if result["failed_requests"] == 0 else 1
 
 

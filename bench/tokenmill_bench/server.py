@@ -39,15 +39,29 @@ def server_executable() -> str:
 
 
 class ManagedServer:
-    """Starts ``tokenmill-server`` and waits for grpc.health SERVING; ``stop()`` sends SIGTERM (a clean drain)."""
+    """Starts ``tokenmill-server`` and waits for grpc.health SERVING; ``stop()`` sends SIGTERM (a clean drain).
 
-    def __init__(self, extra_args: Sequence[str] = ()) -> None:
+    Its gRPC and HTTP ports are free ones (the HTTP default, 8000, is often a developer's own server's),
+    unless ``extra_args`` names them. Its log is kept at ``log_path`` (a new temporary file when None)
+    after the run, since that is where the benchmark's own log line points."""
+
+    def __init__(self, extra_args: Sequence[str] = (), log_path: Path | None = None) -> None:
+        extra = list(extra_args)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = [server_executable(), "--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json"]
-        self.args += list(extra_args)
+        self.http_port: int | None = None  # as the server's flags have it when extra_args name it
+        if not any(a == "--http-port" or a.startswith("--http-port=") for a in extra):
+            self.http_port = free_port()
+            self.args += ["--http-port", str(self.http_port)]
+        self.args += extra
         # The server's own logs go to a file: they would interleave with the table otherwise.
-        self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="tokenmill-bench-server-")  # noqa: SIM115
+        if log_path is None:
+            self.log: IO[str] = tempfile.NamedTemporaryFile(  # noqa: SIM115
+                "w+", suffix=".log", prefix="tokenmill-bench-server-", delete=False
+            )
+        else:
+            self.log = open(log_path, "w+")  # noqa: SIM115 - closed by close()
         self.proc: subprocess.Popen[str] | None = None
         self.startup_s: float | None = None
 

@@ -59,6 +59,9 @@ def build_generate_request(
         top_k=options.top_k,
         top_p=options.top_p,
         repetition_penalty=options.repetition_penalty,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        logit_bias=dict(options.logit_bias),
     )
     if options.seed is not None:
         sampling.seed = options.seed

@@ -97,7 +97,13 @@ class GenerateOptions:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches p; 0 or 1 = off."""
     repetition_penalty: float = 1.0
-    """Makes tokens already seen less likely; 0 or 1 = off."""
+    """Makes tokens already seen (the prompt's too) less likely; 0 or 1 = off."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token generated so far; in [-2, 2], 0 = off."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time it was generated so far; in [-2, 2], 0 = off."""
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)
+    """Token id -> number added to its logit before sampling, in [-100, 100] (-100 about bans it)."""
     seed: int | None = None
     """The same seed and request give the same tokens; None = a fresh random seed."""
     stop: Sequence[str] = ()
@@ -122,6 +128,8 @@ class GenerateOptions:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # A copy: a caller's dict changing later changes nothing (it is left out of the hash, as a dict is).
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
 
 
 class GenerateOverrides(TypedDict, total=False):
@@ -136,6 +144,9 @@ class GenerateOverrides(TypedDict, total=False):
     top_k: int
     top_p: float
     repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int, float]
     seed: int | None
     stop: Sequence[str]
     stop_token_ids: Sequence[int]

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -75,6 +76,27 @@ def _error_line(message: str) -> None:
 _CONNECTION_FAILURES = ("failed to connect", "connection refused", "errors resolving", "dns resolution failed")
 
 
+# The server names the GenerateRequest's fields; a CLI user set them with these flags.
+_FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "sampling.temperature": "--temperature",
+    "sampling.top_k": "--top-k",
+    "sampling.top_p": "--top-p",
+    "sampling.repetition_penalty": "--repetition-penalty",
+    "sampling.presence_penalty": "--presence-penalty",
+    "sampling.frequency_penalty": "--frequency-penalty",
+    "sampling.logit_bias": "--logit-bias",
+    "sampling.seed": "--seed",
+    "stopping.stop": "--stop",
+}
+_FIELD = re.compile(r"(?<![\w.])(?:stopping\.)?max_new_tokens\b|(?<![\w.])(?:sampling\.\w+|stopping\.stop)\b")
+
+
+def flag_names(message: str) -> str:
+    """The server's message with each request field it names written as the flag that sets it."""
+    return _FIELD.sub(lambda m: _FLAGS.get(m.group(), _FLAGS.get(m.group().rpartition(".")[2], m.group())), message)
+
+
 def describe_error(err: TokenmillError) -> str:
     """One line for a failed call, naming the server for connection problems."""
     if isinstance(err, UnavailableError):
@@ -82,7 +104,7 @@ def describe_error(err: TokenmillError) -> str:
             return f"cannot reach the server at {err.target}: {err.message}"
         return f"the server at {err.target} is unavailable: {err.message}"
     if isinstance(err, InvalidRequestError):
-        return f"invalid request: {err.message}"
+        return f"invalid request: {flag_names(err.message)}"
     if isinstance(err, OverloadedError):
         return f"server overloaded: {err.message}"
     if isinstance(err, DeadlineExceededError):
@@ -141,6 +163,12 @@ class GenSettings:
         ]
         if o.repetition_penalty not in (0.0, 1.0):
             parts.append(f"repetition_penalty={_fmt_num(o.repetition_penalty)}")
+        if o.presence_penalty:
+            parts.append(f"presence_penalty={_fmt_num(o.presence_penalty)}")
+        if o.frequency_penalty:
+            parts.append(f"frequency_penalty={_fmt_num(o.frequency_penalty)}")
+        if o.logit_bias:
+            parts.append("logit_bias=" + ",".join(f"{t}={_fmt_num(b)}" for t, b in sorted(o.logit_bias.items())))
         parts.append(f"limit={o.max_new_tokens or 'server default'}")
         parts.append(f"seed={'random' if o.seed is None else o.seed}")
         if o.stop:
@@ -165,6 +193,9 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias),
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
@@ -735,6 +766,16 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
     )
 
 
+def _logit_bias_arg(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100; given {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenmill-client",
@@ -756,11 +797,31 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--input-file", metavar="FILE", help="one prompt per line ('-' = stdin), run concurrently")
     gen.add_argument("-t", "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default)")
     gen.add_argument(
-        "-l", "--limit", type=int, default=0, metavar="N", help="max new tokens (default: 0, the server's default)"
+        "-l",
+        "--limit",
+        "--max-new-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="max new tokens (default: 0, the server's default)",
     )
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, 1 = off")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
+    gen.add_argument(
+        "--presence-penalty", type=float, default=0.0, metavar="P", help="OpenAI's, in [-2, 2]; 0 = off (default)"
+    )
+    gen.add_argument(
+        "--frequency-penalty", type=float, default=0.0, metavar="F", help="OpenAI's, in [-2, 2]; 0 = off (default)"
+    )
+    gen.add_argument(
+        "--logit-bias",
+        type=_logit_bias_arg,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 about bans the token)",
+    )
     gen.add_argument("--seed", type=int, default=None, help="random seed (same seed, same answer)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(

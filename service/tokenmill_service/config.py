@@ -104,6 +104,22 @@ class Settings:
     )
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs a request may ask"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings in one request"})
+    max_model_len: int = field(
+        default=0,
+        metadata={
+            "help": "the most tokens (prompt and generated) one request may hold: caps the model's context "
+            "(0: the model's own, within the KV cache pool)"
+        },
+    )
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "the model's name in /v1/models, HTTP responses and GetModelInfo (default: the checkpoint's)"
+        },
+    )
+    chat_template: str = field(
+        default="", metadata={"help": "a Jinja chat template file, used instead of the checkpoint's (default: none)"}
+    )
     kv_cache_memory: str = field(default="", metadata={"help": "KV cache pool per worker, e.g. 2GiB (default: auto)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     log_format: str = field(default="", metadata={"help": "json or console (default: console on a terminal)"})
@@ -113,7 +129,15 @@ class Settings:
     http_port: int = field(
         default=8000, metadata={"help": "OpenAI-compatible HTTP API port, with /health and /metrics (0: off)"}
     )
-    auth_token: str = field(default="", metadata={"help": "if set, calls must send 'authorization: Bearer TOKEN'"})
+    auth_token: str = field(
+        default="",
+        metadata={
+            "help": "if set, calls must send 'authorization: Bearer TOKEN'",
+            # vLLM's and llama.cpp's name for it, flag and variable.
+            "aliases": ["--api-key"],
+            "env_aliases": ["TOKENMILL_API_KEY"],
+        },
+    )
     master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
     auth_token_file: str = field(
         default="", metadata={"help": "file of accepted bearer tokens, one per line (with --auth-token: both)"}
@@ -166,6 +190,9 @@ class Settings:
             raise ValueError(
                 "--workers, --threads, --drain-seconds, --max-top-logprobs and --http-port must not be negative"
             )
+        if self.max_model_len < 0:
+            raise ValueError("--max-model-len must not be negative (0: the model's own context)")
+        self.chat_template_source()  # an unreadable or broken template stops the server at start
         parse_size(self.kv_cache_memory)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both to serve over TLS")
@@ -190,6 +217,25 @@ class Settings:
             if not tokens:
                 raise ValueError(f"--auth-token-file {self.auth_token_file} holds no token")
         return tokens
+
+    def chat_template_source(self) -> str | None:
+        """The text of --chat-template, checked to compile; None without the flag (the checkpoint's)."""
+        if not self.chat_template:
+            return None
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as exc:
+            raise ValueError(f"--chat-template {self.chat_template}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--chat-template {self.chat_template} is not UTF-8 text: {exc.reason}") from None
+        from tokenmill_service.chat_template import ChatTemplate, ChatTemplateError
+
+        try:
+            ChatTemplate(source)
+        except ChatTemplateError as exc:
+            raise ValueError(f"--chat-template {self.chat_template}: {exc}") from None
+        return source
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -222,6 +268,11 @@ def env_name(name: str) -> str:
     return "TOKENMILL_" + name.upper()
 
 
+def env_names(f: Any) -> list[str]:
+    """A setting's environment variables: its own name first, then any alias."""
+    return [env_name(f.name), *f.metadata.get("env_aliases", [])]
+
+
 def _version() -> str:
     from tokenmill_service import __version__
 
@@ -239,11 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         text = f.metadata["help"]
         # The default is shown unless the help already says it.
         shown = "" if "default" in text else f"default: {f.default if f.default != '' else 'none'}, "
-        kw: dict[str, Any] = {"help": f"{text} [{shown}env {env_name(f.name)}]", "default": None}
+        kw: dict[str, Any] = {"help": f"{text} [{shown}env {' or '.join(env_names(f))}]", "default": None}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+        parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", []), dest=f.name, **kw)
     return parser
 
 
@@ -253,12 +304,13 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
     values: dict[str, Any] = {}
     for f in fields(Settings):
         value = getattr(args, f.name)
-        if value is None and env_name(f.name) in env:
-            raw = env[env_name(f.name)]
+        given = next((name for name in env_names(f) if name in env), None)
+        if value is None and given is not None:
+            raw = env[given]
             try:
                 value = {"int": int, "float": float}.get(str(f.type), str)(raw)
             except ValueError:
-                raise ValueError(f"{env_name(f.name)}={raw!r} is not a valid {f.type}") from None
+                raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if value is not None:
             values[f.name] = value
     settings = Settings(**values)

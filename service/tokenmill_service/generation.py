@@ -36,12 +36,19 @@ FINISH_REASONS = {
 
 
 class ServiceError(Exception):
-    """A call that ends with a non-OK status; `message` names the field or the cause."""
+    """A call that ends with a non-OK status; `message` names the field or the cause.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    An invalid field also comes as `field` (its path in the GenerateRequest, as the message names it) and
+    `reason` (the kind of problem), for a front-end that names fields its own way (see InvalidRequest)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, field: str | None = None, reason: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.field = field
+        self.reason = reason
 
 
 def token_proto(t: TokenOutput) -> pb.Token:
@@ -65,8 +72,16 @@ class GenerationService:
         self._tokens = [f"Bearer {t}".encode() for t in settings.auth_tokens()]
 
     def model_name(self) -> str:
+        """What callers know the model as: --served-model-name, else the checkpoint's name ("" while loading)."""
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
         info = next((w.info for w in self.router.workers if w.info is not None), None)
         return info.model_name if info is not None else ""
+
+    def context_length(self) -> int | None:
+        """The most tokens one request may hold; None while no worker has loaded the model."""
+        info = next((w.info for w in self.router.workers if w.info is not None), None)
+        return info.context_length if info is not None else None
 
     def limits(self) -> Limits:
         info = next((w.info for w in self.router.workers if w.info is not None), None)
@@ -112,6 +127,8 @@ class GenerationService:
         first_token_at: float | None = None
         finish: FinishReason | None = None
         error = ""
+        field: str | None = None
+        reason: str | None = None
         try:
             try:
                 self.authorize(authorization, auth_where)
@@ -123,7 +140,7 @@ class GenerationService:
                     raise Unavailable("the server is shutting down; retry on another replica")
                 engine_request = build_request(request, self.tokenizer, self.limits())
             except InvalidRequest as exc:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
             prompt_len = len(engine_request.prompt_ids)
             stream = self.router.submit(engine_request)
             structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
@@ -165,7 +182,7 @@ class GenerationService:
             finally:
                 stream.close()
         except ServiceError as exc:
-            code, error = exc.code, exc.message
+            code, error, field, reason = exc.code, exc.message, exc.field, exc.reason
         except DeadlineExceeded as exc:
             code, error = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
         except Rejected as exc:
@@ -181,7 +198,7 @@ class GenerationService:
         finally:
             self._finished(code, error, prompt_len, completion_len, first_token_at, arrival, finish)
         if code is not grpc.StatusCode.OK:
-            raise ServiceError(code, error)
+            raise ServiceError(code, error, field, reason)
 
     def _finished(
         self,

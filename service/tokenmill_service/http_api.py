@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
     GET  /v1/models, GET /health (200 ready, 503 not), GET /metrics (Prometheus)
+    POST /tokenize, POST /detokenize                 (vLLM's shapes)
 
 Every generation goes through the same GenerationService as gRPC (auth, validation, limits,
 admission, metrics, the request_finished log line). A response's status is only sent once the
@@ -18,7 +19,7 @@ import json
 import logging
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -32,21 +33,32 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from tokenmill_service.generation import GenerationService, ServiceError
-from tokenmill_service.openai_protocol import BadRequest, ParsedRequest, ResponseBuilder, error_json, parse_request
+from tokenmill_service.openai_protocol import (
+    BadRequest,
+    ParsedRequest,
+    ResponseBuilder,
+    error_json,
+    openai_error,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+)
 from tokenmill_service.proto import pb
+from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids
 
 log = structlog.get_logger("tokenmill.http")
 
 AUTH_WHERE = "the Authorization header"
 
-# gRPC status -> (HTTP status, OpenAI error type)
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code unless the error says a closer one)
 _HTTP_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
 }
+_SERVER_ERROR = (500, "server_error", "internal_error")
 
 T = TypeVar("T")
 
@@ -55,29 +67,30 @@ class Disconnected(Exception):
     pass
 
 
-def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_json(message, kind, param), status_code=status)
+def error_response(
+    status: int, kind: str, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    # RFC 9110: a 401 names the scheme the caller must use.
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_json(message, kind, param, code), status_code=status, headers=headers)
 
 
-# validation.py names the fields of the gRPC request; an HTTP caller knows them by OpenAI's names.
-_FIELD_NAMES = {
-    "sampling.": "",
-    "stopping.max_new_tokens": "max_tokens",
-    "stopping.": "",
-    "chat.messages": "messages",
-    "token_ids.ids": "prompt",
-}
+def bad_request(exc: BadRequest) -> JSONResponse:
+    return error_response(400, "invalid_request_error", str(exc), exc.param, exc.code)
 
 
-def _openai_names(message: str) -> str:
-    for ours, theirs in _FIELD_NAMES.items():
-        message = message.replace(ours, theirs)
-    return message
+def service_error_json(exc: ServiceError, names: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error of a failed call. validation.py names the gRPC request's fields;
+    the caller is told them by the names it used (``names``: ParsedRequest.field_names)."""
+    status, kind, code = _HTTP_ERRORS.get(exc.code, _SERVER_ERROR)
+    message, param = openai_error(exc.message, exc.field, names)
+    return status, error_json(message, kind, param, exc.reason or code)
 
 
-def service_error_response(exc: ServiceError) -> JSONResponse:
-    status, kind = _HTTP_ERRORS.get(exc.code, (500, "server_error"))
-    return error_response(status, kind, _openai_names(exc.message))
+def service_error_response(exc: ServiceError, names: dict[str, str] | None = None) -> JSONResponse:
+    status, body = service_error_json(exc, names)
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -104,10 +117,13 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class GenerationResponse(Response):
-    """Runs one generation while it answers: the status waits for the first output (see module doc)."""
+    """Runs a request's generation (one per prompt of a completions list) while it answers: the status
+    waits for the first output (see module doc)."""
 
-    def __init__(self, responses: AsyncIterator[pb.GenerateResponse], builder: ResponseBuilder, request_id: str):
-        self.responses = responses
+    def __init__(
+        self, responses: Sequence[AsyncIterator[pb.GenerateResponse]], builder: ResponseBuilder, request_id: str
+    ):
+        self.all_responses = responses
         self.builder = builder
         self.headers_ = {"x-request-id": request_id}
         self.background = None
@@ -118,7 +134,10 @@ class GenerationResponse(Response):
             await until_disconnect(receive, self._respond(scope, receive, send))
 
     async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with contextlib.aclosing(self.responses) as responses:  # type: ignore[type-var]
+        if len(self.all_responses) > 1:
+            await self._respond_many(scope, receive, send)
+            return
+        async with contextlib.aclosing(self.all_responses[0]) as responses:  # type: ignore[type-var]
             try:
                 first = await anext(responses)
             except ServiceError as exc:
@@ -132,10 +151,34 @@ class GenerationResponse(Response):
             except ServiceError as exc:
                 await self._error(exc)(scope, receive, send)
                 return
-            await JSONResponse(self.builder.whole([first, *rest]), headers=self.headers_)(scope, receive, send)
+            await JSONResponse(self.builder.whole([[first, *rest]]), headers=self.headers_)(scope, receive, send)
+
+    async def _respond_many(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Several prompts, run side by side (the router batches them); the first failure fails them all."""
+
+        async def collect(stream: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+            async with contextlib.aclosing(stream) as responses:  # type: ignore[type-var]
+                return [r async for r in responses]
+
+        tasks = [asyncio.ensure_future(collect(r)) for r in self.all_responses]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:  # a failure (or this handler's cancellation) ends the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            error = failed.exception()
+            if not isinstance(error, ServiceError):
+                raise error  # type: ignore[misc]
+            await self._error(error)(scope, receive, send)
+            return
+        whole = self.builder.whole([t.result() for t in tasks])
+        await JSONResponse(whole, headers=self.headers_)(scope, receive, send)
 
     def _error(self, exc: ServiceError) -> Response:
-        response = service_error_response(exc)
+        response = service_error_response(exc, self.builder.parsed.field_names)
         response.headers.update(self.headers_)
         return response
 
@@ -158,8 +201,8 @@ class GenerationResponse(Response):
                 last = response
         except ServiceError as exc:
             # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
-            status, kind = _HTTP_ERRORS.get(exc.code, (500, "server_error"))
-            await _send_event(send, error_json(_openai_names(exc.message), kind, code=str(status)))
+            _, body = service_error_json(exc, self.builder.parsed.field_names)
+            await _send_event(send, body)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if self.builder.parsed.include_usage:
@@ -188,6 +231,8 @@ class HttpApi:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -195,10 +240,13 @@ class HttpApi:
         )
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
-        return error_response(404, "not_found_error", f"no route {request.method} {request.url.path}")
+        return error_response(
+            404, "not_found_error", f"no route {request.method} {request.url.path}", code="unknown_url"
+        )
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        return error_response(405, "invalid_request_error", f"{request.method} is not allowed on {request.url.path}")
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(405, "invalid_request_error", message, code="method_not_allowed")
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
@@ -211,17 +259,30 @@ class HttpApi:
         try:
             parsed: ParsedRequest = parse_request(json.loads(await request.body() or b"null"), chat)
         except json.JSONDecodeError as exc:
-            return error_response(400, "invalid_request_error", f"the body is not valid JSON: {exc}")
+            return error_response(
+                400, "invalid_request_error", f"the body is not valid JSON: {exc}", code="invalid_json"
+            )
         except BadRequest as exc:
-            return error_response(400, "invalid_request_error", str(exc), exc.param)
+            return bad_request(exc)
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
-            return error_response(400, "invalid_request_error", str(exc))
-        parsed.request.request_id = request_id
-        responses = self.service.generate(
-            parsed.request, request_id, request.headers.get("authorization"), AUTH_WHERE, api="http"
-        )
-        builder = ResponseBuilder(parsed, request_id, self.service.model_name())
-        return GenerationResponse(responses, builder, request_id)
+            return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
+        many = len(parsed.requests) > 1
+        streams = []
+        for i, one in enumerate(parsed.requests):
+            # Each prompt is its own sequence, under its own id (the engine refuses two alike).
+            one.request_id = f"{request_id}-{i}" if many else request_id
+            streams.append(
+                self.service.generate(one, one.request_id, request.headers.get("authorization"), AUTH_WHERE, api="http")
+            )
+        echo_texts = [self._prompt_text(one) for one in parsed.requests] if parsed.echo else []
+        builder = ResponseBuilder(parsed, request_id, self.service.model_name(), echo_texts)
+        return GenerationResponse(streams, builder, request_id)
+
+    def _prompt_text(self, request: pb.GenerateRequest) -> str:
+        """What echo repeats: the prompt as given, or its token ids' text."""
+        if request.WhichOneof("input") == "token_ids":
+            return self.service.tokenizer.decode(request.token_ids.ids)
+        return request.prompt
 
     async def models(self, request: Request) -> Response:
         try:
@@ -231,6 +292,54 @@ class HttpApi:
         name = self.service.model_name()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenmill"}] if name else []
         return JSONResponse({"object": "list", "data": data})
+
+    async def _json_body(self, request: Request) -> Any:
+        """The body as JSON, after the caller's token is checked (ServiceError or BadRequest otherwise)."""
+        self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        try:
+            return json.loads(await request.body() or b"null")
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+    async def tokenize(self, request: Request) -> Response:
+        tokenizer = self.service.tokenizer
+        try:
+            body = parse_tokenize(await self._json_body(request))
+            if body.chat is not None:
+                ids = tokenizer.encode_chat(chat_messages(body.chat, tokenizer), body.add_generation_prompt)
+            else:
+                ids = tokenizer.encode(body.prompt or "")
+                if body.add_special_tokens and tokenizer.add_bos and tokenizer.bos_token_id is not None:
+                    ids = [tokenizer.bos_token_id, *ids]
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return bad_request(exc)
+        except InvalidRequest as exc:
+            message, param = openai_error(str(exc), exc.field)
+            return error_response(400, "invalid_request_error", message, param, exc.code)
+        except ValueError as exc:  # a chat the template refuses
+            return error_response(400, "invalid_request_error", str(exc), "messages", "invalid_value")
+        reply: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.service.context_length() or 0,
+            "tokens": ids,
+            "token_strs": [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None,
+        }
+        return JSONResponse(reply)
+
+    async def detokenize(self, request: Request) -> Response:
+        tokenizer = self.service.tokenizer
+        try:
+            ids = parse_detokenize(await self._json_body(request))
+            check_token_ids("tokens", ids, tokenizer.vocab_size)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return bad_request(exc)
+        except InvalidRequest as exc:
+            return error_response(400, "invalid_request_error", str(exc), "tokens", exc.code)
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
 
     async def health(self, request: Request) -> Response:
         if self.service.router.ready:

@@ -34,6 +34,10 @@ async def serve(settings: Settings) -> int:
     try:
         model_path = resolve_model_path(settings.model or None)
         tokenizer = load_tokenizer(model_path)
+        template = settings.chat_template_source()
+        if template is not None:
+            # Chats are rendered here, in the server process; the workers never render one.
+            tokenizer.chat_template = template
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
         log.error("model_unavailable", error=str(exc))
         return 1

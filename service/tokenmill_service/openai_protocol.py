@@ -8,33 +8,40 @@ tokenmill has no equivalent for). Responses are built from `GenerateResponse` me
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill_service.proto import pb
 
 
 class BadRequest(ValueError):
-    """A body that is not a valid OpenAI request; the message names the parameter."""
+    """A body that is not a valid OpenAI request; the message names the parameter, `code` says what is wrong."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
-# OpenAI's parameters tokenmill cannot honour: refused when set to anything but their neutral value.
-_UNSUPPORTED = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "tools": None,
-    "functions": None,
-    "response_format": None,
-    "echo": False,
-    "suffix": None,
-    "best_of": 1,
+# OpenAI's parameters tokenmill cannot honour: refused when set to anything but a value that asks for
+# nothing (what SDKs and frameworks send by default). Parameters not listed here and not read below
+# (user, metadata, parallel_tool_calls, service_tier, ...) change nothing a server does and are ignored.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "functions": ([],),
+    # Without tools, "auto" and "none" both mean plain text.
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "suffix": ("",),
+    "best_of": (1,),
+    "store": (False,),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
 }
 
 _FINISH = {
@@ -54,6 +61,14 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    # The GenerateRequest's field paths this request sets under another name than usual (see openai_error).
+    field_names: dict[str, str] = field(default_factory=dict)
+    # Completions: one request per prompt of a list (`request` is the first), each answered as a choice.
+    requests: list[pb.GenerateRequest] = field(default_factory=list)
+    # Completions' echo: the prompt (and its tokens' logprobs, with logprobs) come before the completion.
+    echo: bool = False
+    # echo with max_tokens 0: one token is generated (the engine always makes one) and left out.
+    echo_only: bool = False
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -85,6 +100,26 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to numbers."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"'logit_bias' keys must be token ids; given {key!r}", "logit_bias") from None
+        if token < 0:
+            raise BadRequest(f"'logit_bias' keys must be token ids >= 0; given {key!r}", "logit_bias")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise BadRequest(f"'logit_bias' values must be numbers; given {number!r} for {key}", "logit_bias")
+        bias[token] = float(number)
+    return bias
+
+
 def _content(value: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (the only part type a text model takes)."""
     if isinstance(value, str):
@@ -110,18 +145,29 @@ def _messages(value: Any) -> pb.Messages:
     return chat
 
 
-def _prompt(request: pb.GenerateRequest, value: Any) -> None:
-    # A list of one string, or of token ids, is how the completions API batches; only one prompt is taken.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        request.prompt = value
-    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        if min(value) < 0:
-            raise BadRequest("'prompt' token ids must be >= 0", "prompt")
-        request.token_ids.ids.extend(value)
+# Prompts of one completions request (each its own sequence, answered as one choice), at most.
+MAX_PROMPTS = 64
+
+
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """The completions API's prompt: a string, token ids, or a list of either (a batch)."""
+    if isinstance(value, str) or _is_ids(value):
+        prompts: list[Any] = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or _is_ids(p) for p in value):
+        prompts = value
     else:
-        raise BadRequest("'prompt' must be a string, a list of token ids, or a list holding one of them", "prompt")
+        raise BadRequest("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+    if any(isinstance(p, list) and min(p) < 0 for p in prompts):
+        raise BadRequest("'prompt' token ids must be >= 0", "prompt")
+    return prompts
 
 
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
@@ -129,21 +175,29 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name, neutral in _UNSUPPORTED.items():
-        if body.get(name) not in (None, neutral):
-            raise BadRequest(f"'{name}' is not supported by tokenmill", name)
+        value = body.get(name)
+        # Compared with their types too: True == 1 and 0 == False, but neither is the neutral value.
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+            raise BadRequest(f"'{name}' is not supported by tokenmill; given {value!r}", name, "unsupported_parameter")
     n = _integer(body, "n", minimum=1)
     if n not in (None, 1):
-        raise BadRequest(f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n")
+        raise BadRequest(
+            f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n", "unsupported_value"
+        )
 
     request = pb.GenerateRequest()
+    prompts: list[str | list[int]] = []
+    echo = _boolean(body, "echo")
     if chat:
+        if echo:
+            raise BadRequest("'echo' is a completions parameter", "echo", "unsupported_parameter")
         if "messages" not in body:
             raise BadRequest("'messages' is required", "messages")
         request.chat.CopyFrom(_messages(body["messages"]))
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", "prompt")
-        _prompt(request, body["prompt"])
+        prompts = _prompts(body["prompt"])
 
     sampling = request.sampling
     # OpenAI's default temperature is 1 (sampling); 0 asks for greedy decoding.
@@ -155,12 +209,20 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     seed = _integer(body, "seed", minimum=0)
     if seed is not None:
         sampling.seed = seed
+    sampling.presence_penalty = _number(body, "presence_penalty") or 0.0
+    sampling.frequency_penalty = _number(body, "frequency_penalty") or 0.0
+    sampling.logit_bias.update(_logit_bias(body.get("logit_bias")))
 
     stopping = request.stopping
+    names: dict[str, str] = {}
     max_tokens = _integer(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", minimum=1)
-    stopping.max_new_tokens = max_tokens or 0
+        # Scoring a prompt (lm-evaluation-harness) asks for its echo and no completion.
+        max_tokens = _integer(body, "max_tokens", minimum=0 if echo else 1)
+    else:
+        names["stopping.max_new_tokens"] = "max_completion_tokens"
+    echo_only = echo and max_tokens == 0
+    stopping.max_new_tokens = 1 if echo_only else max_tokens or 0
     stop = body.get("stop")
     if isinstance(stop, str):
         stopping.stop.append(stop)
@@ -185,14 +247,115 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         logprobs = _integer(body, "logprobs")
         request.logprobs = logprobs is not None
         request.top_logprobs = logprobs or 0
+        request.prompt_logprobs = echo and logprobs is not None
+        names["top_logprobs"] = "logprobs"
 
     stream = _boolean(body, "stream")
+    if stream and len(prompts) > 1:
+        raise BadRequest("'stream' takes one prompt; send a list of prompts without it", "stream", "unsupported_value")
+    requests = []
+    for prompt in prompts or [None]:
+        one = pb.GenerateRequest()
+        one.CopyFrom(request)
+        if isinstance(prompt, str):
+            one.prompt = prompt
+        elif prompt is not None:
+            one.token_ids.ids.extend(prompt)
+        requests.append(one)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     include_usage = _boolean(options, "include_usage")
     model = body.get("model")
-    return ParsedRequest(request, chat, stream, include_usage, model if isinstance(model, str) else "")
+    return ParsedRequest(
+        requests[0],
+        chat,
+        stream,
+        include_usage,
+        model if isinstance(model, str) else "",
+        names,
+        requests,
+        echo,
+        echo_only,
+    )
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+# The GenerateRequest's field paths (what validation's messages name) as OpenAI's API names them;
+# any other sampling.* or stopping.* field is one of tokenmill's extras, named by its last part.
+_OPENAI_FIELDS = {
+    "prompt": "prompt",
+    "token_ids.ids": "prompt",
+    "chat.messages": "messages",
+    "stopping.max_new_tokens": "max_tokens",
+    "max_new_tokens": "max_tokens",  # the engine's own messages leave out the "stopping."
+    "stopping.stop": "stop",
+    "top_logprobs": "top_logprobs",
+}
+_FIELD_PATH = re.compile(
+    r"(?<![\w.'])(?:sampling\.\w+|stopping\.\w+|chat\.messages|token_ids\.ids|top_logprobs|max_new_tokens)\b"
+)
+
+
+def openai_error(message: str, field: str | None, names: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """A validation message with each field path it names in the words of the request the caller sent
+    (``names``: ParsedRequest.field_names), and the OpenAI ``param`` of the field it is about."""
+    known = {**_OPENAI_FIELDS, **(names or {})}
+    if "stopping.max_new_tokens" in known:
+        known["max_new_tokens"] = known["stopping.max_new_tokens"]
+
+    def name(path: str) -> str:
+        return known.get(path) or path.rpartition(".")[2]
+
+    return _FIELD_PATH.sub(lambda m: name(m.group()), message), (name(field) if field else None)
+
+
+# -- vLLM's /tokenize and /detokenize ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TokenizeBody:
+    """A /tokenize body: text (with BOS when the model adds one and add_special_tokens) or a chat."""
+
+    prompt: str | None
+    chat: pb.Messages | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeBody:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise BadRequest("give exactly one of 'prompt' (a string) and 'messages' (a chat)", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise BadRequest("'prompt' must be a string", "prompt")
+
+    def flag(name: str, default: bool) -> bool:
+        return default if body.get(name) is None else _boolean(body, name)
+
+    return TokenizeBody(
+        prompt=prompt,
+        chat=None if messages is None else _messages(messages),
+        # vLLM's defaults: special tokens for text, none beyond the template's for a chat.
+        add_special_tokens=flag("add_special_tokens", prompt is not None),
+        add_generation_prompt=flag("add_generation_prompt", True),
+        return_token_strs=flag("return_token_strs", False),
+    )
+
+
+def parse_detokenize(body: Any) -> list[int]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest("'tokens' must be a list of token ids", "tokens")
+    if tokens and min(tokens) < 0:
+        raise BadRequest("'tokens' must be token ids >= 0", "tokens")
+    return tokens
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -231,41 +394,50 @@ def chat_logprobs(tokens: Sequence[pb.Token]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(tokens: Sequence[pb.Token], text_offset: int) -> dict[str, Any]:
-    shown = _visible(tokens)
+def completion_logprobs(
+    tokens: Sequence[pb.Token], text_offset: int, prompt_tokens: Sequence[pb.Token] = ()
+) -> dict[str, Any]:
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, all of them (the first has no
+    logprob: null, as OpenAI's), so that position i is the prompt's token i."""
+    shown = [*prompt_tokens, *_visible(tokens)]
     offsets = []
     for t in shown:
         offsets.append(text_offset)
         text_offset += len(t.text)
     return {
         "tokens": [t.text for t in shown],
-        "token_logprobs": [t.logprob for t in shown],
-        "top_logprobs": [{a.text: a.logprob for a in t.top_logprobs} for t in shown],
+        "token_logprobs": [t.logprob if t.HasField("logprob") else None for t in shown],
+        "top_logprobs": [{a.text: a.logprob for a in t.top_logprobs} if t.HasField("logprob") else None for t in shown],
         "text_offset": offsets,
     }
 
 
 class ResponseBuilder:
-    """Shapes one request's GenerateResponse messages into OpenAI chunks or a whole response."""
+    """Shapes one request's GenerateResponse messages into OpenAI chunks or a whole response.
 
-    def __init__(self, parsed: ParsedRequest, request_id: str, model: str) -> None:
+    ``echo_texts``: with echo, each prompt's text (what the answer starts with), one per request."""
+
+    def __init__(self, parsed: ParsedRequest, request_id: str, model: str, echo_texts: Sequence[str] = ()) -> None:
         self.parsed = parsed
         self.chat = parsed.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.created = int(time.time())
-        self.model = parsed.model or model
+        # The server's name for its model (what /v1/models lists), whatever name the request used.
+        self.model = model or parsed.model
+        self.echo_texts = list(echo_texts) if parsed.echo else []
         self.text_offset = 0
+        self.echoed = False  # a stream's prompt went out (in its first chunk)
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, tokens: Sequence[pb.Token]) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: Sequence[pb.Token], prompt_tokens: Sequence[pb.Token] = ()) -> dict[str, Any] | None:
         if not self.parsed.request.logprobs:
             return None
         if self.chat:
             return chat_logprobs(tokens)
-        shaped = completion_logprobs(tokens, self.text_offset)
-        self.text_offset += sum(len(t.text) for t in _visible(tokens))
+        shaped = completion_logprobs(tokens, self.text_offset, prompt_tokens)
+        self.text_offset += sum(len(t) for t in shaped["tokens"])
         return shaped
 
     def first_chunk(self) -> dict[str, Any] | None:
@@ -281,41 +453,69 @@ class ResponseBuilder:
             chunk["usage"] = None
         return chunk
 
+    def _shown(self, response: pb.GenerateResponse) -> tuple[str, Sequence[pb.Token]]:
+        """What of a response the caller sees: nothing generated when echo asked for none."""
+        return ("", ()) if self.parsed.echo_only else (response.text, response.tokens)
+
     def chunk(self, response: pb.GenerateResponse) -> dict[str, Any] | None:
         """One streamed chunk, or None when the response adds nothing a client would see."""
         reason = finish_reason(response)
-        if not response.text and not response.tokens and reason is None:
+        text, tokens = self._shown(response)
+        prompt_tokens: Sequence[pb.Token] = ()
+        if self.echo_texts and not self.echoed:
+            self.echoed = True
+            text, prompt_tokens = self.echo_texts[0] + text, response.prompt_tokens
+        if not text and not tokens and not prompt_tokens and reason is None:
             return None
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["delta"] = {"content": response.text} if response.text or reason is None else {}
+            choice["delta"] = {"content": text} if text or reason is None else {}
         else:
-            choice["text"] = response.text
-        choice["logprobs"] = self._logprobs(response.tokens)
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(tokens, prompt_tokens)
         choice["finish_reason"] = reason
         return self._chunk(choice)
+
+    def _usage(self, last: pb.GenerateResponse) -> pb.Usage:
+        # The token generated for echo alone is not part of the answer.
+        return (
+            pb.Usage(prompt_tokens=last.usage.prompt_tokens, completion_tokens=0)
+            if self.parsed.echo_only
+            else last.usage
+        )
 
     def usage_chunk(self, last: pb.GenerateResponse) -> dict[str, Any]:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = []
-        chunk["usage"] = usage_json(last.usage)
+        chunk["usage"] = usage_json(self._usage(last))
         return chunk
 
-    def whole(self, responses: Sequence[pb.GenerateResponse]) -> dict[str, Any]:
-        """The non-streaming answer: every response's text and tokens joined."""
-        text = "".join(r.text for r in responses)
-        tokens = [t for r in responses for t in r.tokens]
-        last = responses[-1]
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(tokens)
-        choice["finish_reason"] = finish_reason(last)
+    def whole(self, results: Sequence[Sequence[pb.GenerateResponse]]) -> dict[str, Any]:
+        """The non-streaming answer: per request (prompt), every response's text and tokens joined."""
+        choices, usage = [], pb.Usage()
+        for index, responses in enumerate(results):
+            shown = [self._shown(r) for r in responses]
+            text = "".join(t for t, _ in shown)
+            tokens = [t for _, ts in shown for t in ts]
+            prompt_tokens: Sequence[pb.Token] = ()
+            if self.echo_texts:
+                text, prompt_tokens = self.echo_texts[index] + text, responses[0].prompt_tokens
+            last = responses[-1]
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            self.text_offset = 0
+            choice["logprobs"] = self._logprobs(tokens, prompt_tokens)
+            choice["finish_reason"] = finish_reason(last)
+            choices.append(choice)
+            one = self._usage(last)
+            usage.prompt_tokens += one.prompt_tokens
+            usage.completion_tokens += one.completion_tokens
         answer = self._envelope("chat.completion" if self.chat else "text_completion")
-        answer["choices"] = [choice]
-        answer["usage"] = usage_json(last.usage)
+        answer["choices"] = choices
+        answer["usage"] = usage_json(usage)
         return answer
 
 

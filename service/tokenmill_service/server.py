@@ -22,6 +22,7 @@ from tokenmill_service.proto import pb, pb_grpc
 from tokenmill_service.router import Router
 from tokenmill_service.tokenizer import Tokenizer
 from tokenmill_service.validation import (
+    MAX_LOGIT_BIAS,
     MAX_REQUEST_ID_LENGTH,
     MAX_STOP_STRING_LENGTH,
     MAX_STOP_TOKEN_IDS,
@@ -120,10 +121,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 max_stop_string_length=MAX_STOP_STRING_LENGTH,
                 max_stop_token_ids=MAX_STOP_TOKEN_IDS,
                 max_resumptions=s.max_resumptions,
+                max_logit_bias=MAX_LOGIT_BIAS,
             ),
         )
         if info is not None:
-            reply.name, reply.context_length, reply.device = info.model_name, info.context_length, info.device
+            reply.name, reply.context_length, reply.device = self.service.model_name(), info.context_length, info.device
             reply.dtype, reply.quantization, reply.weight_bytes = info.dtype, info.quantization, info.weight_bytes
             reply.load_plan.update(info.plan)
         for w in self.router.workers:

@@ -20,17 +20,31 @@ MAX_REQUEST_ID_LENGTH = 128
 # Matching a stop string costs its length per generated token: bounded.
 MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
+# Biasing a token costs a logit write per step: bounded (OpenAI allows as many).
+MAX_LOGIT_BIAS = 1024
+# OpenAI's ranges for its penalties and biases.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 class InvalidRequest(ValueError):
-    pass
+    """A request field the server refuses. ``field`` is its path in the GenerateRequest (as the message
+    names it), so a front-end can name it the way its caller does; ``code`` is the kind of problem, in
+    OpenAI's words (what the HTTP API reports as the error's code)."""
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.field = field
+        self.code = code
 
 
 def check_request_id(request_id: str, source: str = "request_id") -> str:
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
-        raise InvalidRequest(f"{source} has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH} are allowed")
+        raise InvalidRequest(
+            f"{source} has {len(request_id)} characters; at most {MAX_REQUEST_ID_LENGTH} are allowed", source
+        )
     if not request_id.isprintable():
-        raise InvalidRequest(f"{source} holds a control character; use printable characters only")
+        raise InvalidRequest(f"{source} holds a control character; use printable characters only", source)
     return request_id
 
 
@@ -45,14 +59,18 @@ class Limits:
     default_max_new_tokens: int = 0
 
 
+# Where each kind of prompt is, as a field path.
+_INPUT_FIELDS = {"prompt": "prompt", "chat": "chat.messages", "token_ids": "token_ids.ids"}
+
+
 def chat_messages(chat: pb.Messages, tokenizer: Tokenizer) -> list[dict[str, str]]:
     if not chat.messages:
-        raise InvalidRequest("chat.messages is empty: give at least one message")
+        raise InvalidRequest("chat.messages is empty: give at least one message", "chat.messages")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     try:
         tokenizer.validate_messages(messages)
     except ValueError as exc:
-        raise InvalidRequest(f"chat.messages: {exc}") from None
+        raise InvalidRequest(f"chat.messages: {exc}", "chat.messages") from None
     return messages
 
 
@@ -60,11 +78,11 @@ def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Toke
     which = request.WhichOneof("input")
     if which is None:
         field_names = "prompt, chat or token_ids" if isinstance(request, pb.GenerateRequest) else "text or chat"
-        raise InvalidRequest(f"input is missing: set one of {field_names}")
+        raise InvalidRequest(f"input is missing: set one of {field_names}", "input")
     if which in ("prompt", "text"):
         text: str = getattr(request, which)
         if not text:
-            raise InvalidRequest(f"{which} is empty")
+            raise InvalidRequest(f"{which} is empty", which)
         ids = tokenizer.encode(text)
         if tokenizer.add_bos and tokenizer.bos_token_id is not None:
             ids = [tokenizer.bos_token_id, *ids]
@@ -75,10 +93,10 @@ def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Toke
         except InvalidRequest:
             raise
         except ValueError as exc:
-            raise InvalidRequest(f"chat: {exc}") from None
+            raise InvalidRequest(f"chat: {exc}", "chat.messages") from None
     ids = list(request.token_ids.ids)  # type: ignore[union-attr]
     if not ids:
-        raise InvalidRequest("token_ids.ids is empty")
+        raise InvalidRequest("token_ids.ids is empty", "token_ids.ids")
     check_token_ids("token_ids.ids", ids, vocab_size)
     return ids
 
@@ -86,18 +104,49 @@ def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Toke
 def check_token_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if t >= vocab_size:
-            raise InvalidRequest(f"{field_name}[{i}] = {t} is outside the vocabulary (ids are 0..{vocab_size - 1})")
+            raise InvalidRequest(
+                f"{field_name}[{i}] = {t} is outside the vocabulary (ids are 0..{vocab_size - 1})", field_name
+            )
 
 
-def sampling_params(s: pb.SamplingParams) -> SamplingParams:
+def sampling_params(s: pb.SamplingParams, vocab_size: int) -> SamplingParams:
     if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy); given {s.temperature}")
+        raise InvalidRequest(
+            f"sampling.temperature must be >= 0 (0 = greedy); given {s.temperature}", "sampling.temperature"
+        )
     if s.top_k < 0:
-        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off); given {s.top_k}")
+        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off); given {s.top_k}", "sampling.top_k")
     if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
-        raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 or 1 = off); given {s.top_p}")
+        raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 or 1 = off); given {s.top_p}", "sampling.top_p")
     if not math.isfinite(s.repetition_penalty) or s.repetition_penalty < 0:
-        raise InvalidRequest(f"sampling.repetition_penalty must be >= 0 (0 or 1 = off); given {s.repetition_penalty}")
+        raise InvalidRequest(
+            f"sampling.repetition_penalty must be >= 0 (0 or 1 = off); given {s.repetition_penalty}",
+            "sampling.repetition_penalty",
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(
+                f"sampling.{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off); given {value}",
+                f"sampling.{name}",
+            )
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"sampling.logit_bias holds {len(s.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed",
+            "sampling.logit_bias",
+        )
+    for token, bias in s.logit_bias.items():
+        if token >= vocab_size:
+            raise InvalidRequest(
+                f"sampling.logit_bias names token {token}, outside the vocabulary (ids are 0..{vocab_size - 1})",
+                "sampling.logit_bias",
+            )
+        if not math.isfinite(bias) or not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]; "
+                f"given {bias}",
+                "sampling.logit_bias",
+            )
     return SamplingParams(
         # Too small to divide by: greedy, which is what such a temperature means anyway.
         temperature=s.temperature if s.temperature >= MIN_TEMPERATURE else 0.0,
@@ -105,28 +154,35 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         top_p=s.top_p if 0.0 < s.top_p < 1.0 else 1.0,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (0.0, 1.0) else 1.0,
         seed=s.seed if s.HasField("seed") else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias={int(t): float(b) for t, b in s.logit_bias.items() if b != 0.0},
     )
 
 
 def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
     if s.max_new_tokens > limits.max_new_tokens:
         raise InvalidRequest(
-            f"stopping.max_new_tokens must be <= {limits.max_new_tokens} (the server's limit); given {s.max_new_tokens}"
+            f"stopping.max_new_tokens must be <= {limits.max_new_tokens} (the server's limit); given {s.max_new_tokens}",
+            "stopping.max_new_tokens",
+            "integer_above_max_value",
         )
     if len(s.stop) > limits.max_stop_strings:
         raise InvalidRequest(
-            f"stopping.stop holds {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed"
+            f"stopping.stop holds {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed", "stopping.stop"
         )
     for i, stop in enumerate(s.stop):
         if not stop:
-            raise InvalidRequest(f"stopping.stop[{i}] is empty")
+            raise InvalidRequest(f"stopping.stop[{i}] is empty", "stopping.stop")
         if len(stop) > MAX_STOP_STRING_LENGTH:
             raise InvalidRequest(
-                f"stopping.stop[{i}] has {len(stop)} characters; at most {MAX_STOP_STRING_LENGTH} are allowed"
+                f"stopping.stop[{i}] has {len(stop)} characters; at most {MAX_STOP_STRING_LENGTH} are allowed",
+                "stopping.stop",
             )
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
-            f"stopping.stop_token_ids holds {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
+            f"stopping.stop_token_ids holds {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+            "stopping.stop_token_ids",
         )
     check_token_ids("stopping.stop_token_ids", s.stop_token_ids, limits.vocab_size)
     return StoppingParams(
@@ -139,24 +195,34 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
 
 def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
     check_request_id(request.request_id)
-    sampling = sampling_params(request.sampling)
+    sampling = sampling_params(request.sampling, limits.vocab_size)
     stopping = stopping_params(request.stopping, limits)
     if request.top_logprobs > limits.max_top_logprobs:
         raise InvalidRequest(
-            f"top_logprobs must be <= {limits.max_top_logprobs} (the server's limit); given {request.top_logprobs}"
+            f"top_logprobs must be <= {limits.max_top_logprobs} (the server's limit); given {request.top_logprobs}",
+            "top_logprobs",
+            "integer_above_max_value",
         )
     ids = prompt_ids(request, tokenizer, limits.vocab_size)
     ctx = limits.context_length
     if len(ids) >= ctx:
         raise InvalidRequest(
-            f"the prompt has {len(ids)} tokens but the context holds {ctx}: no room to generate; shorten the prompt"
+            f"the prompt has {len(ids)} tokens but the context holds {ctx}: no room to generate; shorten the prompt",
+            _INPUT_FIELDS[request.WhichOneof("input") or "prompt"],
+            "context_length_exceeded",
         )
-    # The server's default may run into the context's end (finish reason CONTEXT_LIMIT); an explicit ask may not.
-    if request.stopping.max_new_tokens and len(ids) + stopping.max_new_tokens > ctx:
+    room = ctx - len(ids)
+    if request.stopping.max_new_tokens and stopping.max_new_tokens > room:
         raise InvalidRequest(
             f"prompt tokens + stopping.max_new_tokens must be <= {ctx} (the context length); "
-            f"given {len(ids)} prompt tokens and max_new_tokens {stopping.max_new_tokens}"
+            f"given {len(ids)} prompt tokens and max_new_tokens {stopping.max_new_tokens}",
+            "stopping.max_new_tokens",
+            "context_length_exceeded",
         )
+    if stopping.max_new_tokens > room:
+        # The server's default, not the caller's ask: the request gets the room that is left, as OpenAI's
+        # and vLLM's servers do, and ends with CONTEXT_LIMIT (0 = until the end of the context).
+        stopping.max_new_tokens = 0
     return GenerationRequest(
         request_id=request.request_id,
         prompt_ids=ids,

@@ -111,3 +111,37 @@ def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
     rates = dict(re.findall(r"^(\S+ \S+)\s+([\d.]+) G multiply-adds/s", out, re.MULTILINE))
     assert set(rates) == {"float32 vfmadd231ps", "int8 vpdpbusd", "bf16 vdpbf16ps"}, out
     assert all(float(rate) > 0 for rate in rates.values()), out
+
+
+def test_a_started_server_takes_free_ports_beside_one_on_8000_and_keeps_its_log(tmp_path: Path) -> None:
+    """`make run` holds 8000 for HTTP; the benchmark's own server must not need it."""
+    import socket
+    import urllib.request
+
+    from tokenmill_bench.server import ManagedServer
+
+    squatter = socket.socket()
+    try:
+        squatter.bind(("127.0.0.1", 8000))
+        squatter.listen()
+    except OSError:
+        pass  # already taken (a developer's server): the case itself
+    log_path = tmp_path / "server.log"
+    server = ManagedServer(["--drain-seconds", "1"], log_path)
+    try:
+        assert server.http_port not in (None, 8000)
+        server.start()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/health", timeout=10) as reply:
+            assert reply.status == 200
+    finally:
+        server.close()
+        squatter.close()
+    assert server.log_path == str(log_path)
+    assert '"server_listening"' in log_path.read_text()  # kept after the run, where it said
+    kept = ManagedServer(["--http-port", "0"])
+    try:
+        assert kept.http_port is None and kept.args[-2:] == ["--http-port", "0"]
+    finally:
+        kept.close()
+    assert Path(kept.log_path).exists()
+    Path(kept.log_path).unlink()

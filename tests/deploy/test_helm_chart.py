@@ -157,6 +157,7 @@ def test_helm_lint_passes(helm_env: dict[str, str]) -> None:
         pytest.param(PVC_FLAGS, id="model-from-pvc"),
         pytest.param(("--set", "server.httpPort=8080", "--set", "service.httpPort=80"), id="http-port"),
         pytest.param(("--set", "server.httpPort=0"), id="http-off"),
+        pytest.param(("--set", "server.chatTemplate=hello"), id="chat-template"),
         pytest.param(
             (
                 "--set",
@@ -469,6 +470,37 @@ def test_every_tokenmill_variable_the_chart_sets_is_a_valid_server_setting(
     assert settings.host == "0.0.0.0" and settings.port == 50051
     assert settings.metrics_port == 9090 and settings.log_format == "json"
     assert settings.device == ("cuda" if "gpu=2" in flags else "cpu")
+
+
+def test_context_name_and_chat_template_reach_the_server(helm_env: dict[str, str], tmp_path: Path) -> None:
+    from tokenmill_service.config import load_settings
+
+    defaults = env_of(template(helm_env))
+    assert defaults["TOKENMILL_MAX_MODEL_LEN"] == "0"
+    assert "TOKENMILL_SERVED_MODEL_NAME" not in defaults and "TOKENMILL_CHAT_TEMPLATE" not in defaults
+    chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump({"server": {"maxModelLen": 2048, "servedModelName": "smol", "chatTemplate": chat_template}})
+    )
+    rendered = template(helm_env, "-f", str(values))
+    env = env_of(rendered)
+    assert env["TOKENMILL_MAX_MODEL_LEN"] == "2048" and env["TOKENMILL_SERVED_MODEL_NAME"] == "smol"
+    (config_map,) = [d for d in documents(rendered) if d["kind"] == "ConfigMap"]
+    path = Path(env["TOKENMILL_CHAT_TEMPLATE"])
+    assert config_map["data"] == {path.name: chat_template}
+    pod = deployment(rendered)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap")]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    (mount,) = [m for m in container(rendered)["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["mountPath"] == str(path.parent) and mount["readOnly"] is True
+    assert "checksum/chat-template" in deployment(rendered)["spec"]["template"]["metadata"]["annotations"]
+    # What the server makes of them (the template from a local copy of the file the pod would mount).
+    local = tmp_path / path.name
+    local.write_text(chat_template)
+    settings = load_settings([], environ={**env, "TOKENMILL_CHAT_TEMPLATE": str(local)})
+    assert (settings.max_model_len, settings.served_model_name) == (2048, "smol")
+    assert settings.chat_template_source() == chat_template
 
 
 def test_auth_token_comes_from_an_existing_secret_only_when_named(

@@ -115,6 +115,13 @@ def test_generate_options_are_frozen_slotted_keyword_only_and_hashable() -> None
     assert options == GenerateOptions(max_new_tokens=8, stop=("a", "b"), stop_token_ids=(7,))
     assert hash(options) == hash(GenerateOptions(max_new_tokens=8, stop=("a", "b"), stop_token_ids=(7,)))
     assert GenerateOptions(stop="END").stop == ("END",)  # one string is one stop string, not its characters
+    bias = {5: -100.0}
+    biased = GenerateOptions(logit_bias=bias)
+    bias[6] = 1.0  # the caller's dict changing later changes nothing
+    assert biased.logit_bias == {5: -100.0} and biased == GenerateOptions(logit_bias={5: -100.0})
+    assert hash(biased) == hash(GenerateOptions(logit_bias={5: -100.0})) and biased != GenerateOptions()
+    request = build_generate_request("hi", None, None, GenerateOptions(logit_bias=bias, presence_penalty=0.5))
+    assert dict(request.sampling.logit_bias) == bias and request.sampling.presence_penalty == 0.5
 
 
 def test_dataclasses_replace_makes_a_variant_and_leaves_the_original() -> None:

@@ -116,6 +116,18 @@ def test_generate_flags_map_to_one_generate_options() -> None:
         logprobs=True,  # what --show-tokens prints
     )  # --timeout stays the client's default deadline, for every command
     assert not options_from_args(parser.parse_args(["generate", "hi", "--show-tokens", "--json"])).logprobs
+    penalized = parser.parse_args(
+        ["generate", "hi", "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--logit-bias", "42=-100",
+         "--logit-bias", "7=2.5"]
+    )  # fmt: skip
+    assert options_from_args(penalized) == GenerateOptions(
+        presence_penalty=0.5, frequency_penalty=-1.0, logit_bias={42: -100.0, 7: 2.5}
+    )
+
+
+def test_a_malformed_logit_bias_is_a_usage_error() -> None:
+    proc = run_cli("generate", "hi", "--logit-bias", "42")
+    assert proc.returncode == 2 and "TOKEN_ID=BIAS" in proc.stderr
 
 
 def test_generate_sends_the_options_its_flags_make(capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,6 +199,38 @@ def test_ignore_eos_generates_up_to_the_limit(server_address: str) -> None:
     assert full["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 64
 
 
+def test_penalty_and_logit_bias_flags_give_what_the_client_gives_with_the_same_options(server_address: str) -> None:
+    prompt = "The capital of France is"
+    with Client(server_address) as client:
+        first = client.generate_text(prompt, max_new_tokens=1).tokens[0].id
+        options = GenerateOptions(
+            max_new_tokens=6, ignore_eos=True, logit_bias={first: -100}, presence_penalty=1.5, frequency_penalty=0.5
+        )
+        expected = client.generate_text(prompt, options=options)
+    assert first not in [t.id for t in expected.tokens]
+    proc = run_cli(
+        "--server", server_address, "generate", "-p", prompt, "--raw", "-l", "6", "--ignore-eos", "--json",
+        "--logit-bias", f"{first}=-100", "--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [t["id"] for e in events for t in e["tokens"]] == [t.id for t in expected.tokens]
+
+
+def test_an_invalid_value_is_named_by_the_flag_that_set_it(server_address: str) -> None:
+    with Client(server_address) as client, pytest.raises(InvalidRequestError) as info:
+        client.generate_text(QUESTION, max_new_tokens=5000)
+    assert "max_new_tokens must be <= 4096" in info.value.message  # the gRPC field, for the client's caller
+    for flag in ("-l", "--max-new-tokens"):
+        proc = run_cli("--server", server_address, "generate", "-p", QUESTION, flag, "5000")
+        assert proc.returncode == 1
+        (line,) = error_lines(proc.stderr)
+        assert "--max-new-tokens must be <= 4096" in line and "stopping." not in line, line
+    proc = run_cli("--server", server_address, "generate", "-p", QUESTION, "--presence-penalty", "3")
+    (line,) = error_lines(proc.stderr)
+    assert "--presence-penalty must be in [-2, 2]" in line, line
+
+
 def test_invalid_argument_shows_the_servers_message_and_exits_nonzero(server_address: str) -> None:
     with Client(server_address) as client, pytest.raises(InvalidRequestError) as info:
         client.generate_text(messages=[("user", QUESTION)], top_p=2.0)
@@ -194,7 +238,7 @@ def test_invalid_argument_shows_the_servers_message_and_exits_nonzero(server_add
     assert proc.returncode == 1
     errors = error_lines(proc.stderr)
     assert len(errors) == 1
-    assert info.value.message in errors[0]
+    assert info.value.message.replace("sampling.top_p", "--top-p") in errors[0]
     assert "Traceback" not in proc.stderr
 
 

@@ -150,26 +150,271 @@ def test_completion_streamed_and_not_with_logprobs_in_the_completions_shape(clie
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
-# -- errors -------------------------------------------------------------------------------------
+# -- neutral values, penalties and logit bias ---------------------------------------------------
+
+
+def test_parameters_at_their_neutral_values_are_accepted_as_no_ops(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    neutral = client.chat.completions.create(
+        model=MODEL,
+        messages=FRANCE,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        parallel_tool_calls=False,
+        logit_bias={},
+        presence_penalty=0,
+        frequency_penalty=0,
+        n=1,
+        user="someone",
+        store=False,
+        metadata={"team": "search"},
+        seed=5,
+        stream_options=None,
+        extra_body={"modalities": ["text"]},
+    )
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    completion = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=False, best_of=1, suffix="", user="x"
+    )
+    assert completion.choices[0].finish_reason == "length"
+
+
+def greedy_tokens(stub: pb_grpc.GenerationStub, prompt: str, n: int, **sampling: Any) -> list[pb.Token]:
+    request = pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(**sampling),
+        stopping=pb.StoppingParams(max_new_tokens=n, ignore_eos=True),
+    )
+    return [t for r in stub.Generate(request, timeout=600) for t in r.tokens]
+
+
+def greedy_ids(stub: pb_grpc.GenerationStub, prompt: str, n: int, **sampling: Any) -> list[int]:
+    return [t.id for t in greedy_tokens(stub, prompt, n, **sampling)]
+
+
+def test_logit_bias_bans_a_token_the_same_over_http_and_grpc(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompt = "The capital of France is"
+    first = greedy_ids(stub, prompt, 1)[0]
+    banned = greedy_tokens(stub, prompt, 4, logit_bias={first: -100.0})
+    assert first not in [t.id for t in banned]
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(first): -100},
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens == [t.text for t in banned]
+
+
+def test_frequency_and_presence_penalties_steer_away_from_repeats_over_http_and_grpc(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompt = "1 1 1 1 1 1 1 1 1 1 1 1"
+    plain = greedy_ids(stub, prompt, 16)
+    penalized = greedy_ids(stub, prompt, 16, frequency_penalty=2.0, presence_penalty=2.0)
+    assert len(set(penalized)) > len(set(plain))
+    only_frequency = greedy_ids(stub, prompt, 16, frequency_penalty=2.0)
+    assert only_frequency != penalized
+
+    def http_text(**penalties: float) -> str:
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}, **penalties
+        )
+        return reply.choices[0].text
+
+    def grpc_text(**penalties: float) -> str:
+        request = pb.GenerateRequest(
+            prompt=prompt,
+            sampling=pb.SamplingParams(**penalties),
+            stopping=pb.StoppingParams(max_new_tokens=16, ignore_eos=True),
+        )
+        return "".join(r.text for r in stub.Generate(request, timeout=600))
+
+    both = {"frequency_penalty": 2.0, "presence_penalty": 2.0}
+    assert http_text(**both) == grpc_text(**both) != grpc_text()
 
 
 @pytest.mark.parametrize(
     ("params", "names"),
     [
-        ({"temperature": -1}, "temperature"),
-        ({"n": 2}, "'n' must be 1"),
-        ({"max_tokens": 100000}, "max_tokens must be <= 4096"),
-        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'"),
-        ({"presence_penalty": 0.5}, "'presence_penalty' is not supported"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias names token 49152, outside the vocabulary"),
+        ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
+        ({"logit_bias": {"five": 1}}, "'logit_bias' keys must be token ids"),
+        ({"response_format": {"type": "json_object"}}, "'response_format' is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
+        ({"tool_choice": "required"}, "'tool_choice' is not supported"),
     ],
 )
-def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, params: dict[str, Any], names: str) -> None:
+def test_a_value_out_of_range_or_not_neutral_is_a_400_naming_it(
+    client: openai.OpenAI, params: dict[str, Any], names: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=FRANCE, **params)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, **params)  # type: ignore[arg-type]
+    assert names in err.value.message
+
+
+# -- a prompt near the end of the context -------------------------------------------------------
+
+
+def test_a_long_prompt_without_a_limit_gets_the_room_left_and_a_limit_too_large_is_refused(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    context = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).context_length
+    left = 12  # far below the server's default limit (1024)
+    prompt = [28] * (context - left)
+    reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == left
+    assert reply.usage.total_tokens == context
+
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stopping=pb.StoppingParams(ignore_eos=True))
+    last = list(stub.Generate(request, timeout=600))[-1]
+    assert last.finish_reason == pb.FINISH_REASON_CONTEXT_LIMIT and last.usage.completion_tokens == left
+
+    # A limit the caller set is theirs: too large for the room left is an error, not a shorter answer.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=left + 1)
+    assert f"must be <= {context}" in err.value.message and "max_tokens" in err.value.message
+    assert "max_new_tokens" not in err.value.message
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_tokens"
+    assert err.value.body["code"] == "context_length_exceeded"
+    request.stopping.max_new_tokens = left + 1
+    with pytest.raises(grpc.RpcError) as rpc_err:
+        list(stub.Generate(request, timeout=600))
+    assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"given {context - left} prompt tokens and max_new_tokens {left + 1}" in rpc_err.value.details()
+
+
+# -- echo, prompt logprobs and lists of prompts (what lm-evaluation-harness sends) -----------------
+
+
+def grpc_prompt_tokens(stub: pb_grpc.GenerationStub, prompt: str) -> list[pb.Token]:
+    request = pb.GenerateRequest(
+        prompt=prompt, stopping=pb.StoppingParams(max_new_tokens=1), prompt_logprobs=True, top_logprobs=1
+    )
+    return list(next(iter(stub.Generate(request, timeout=600))).prompt_tokens)
+
+
+def test_echo_with_logprobs_scores_the_prompt_in_the_legacy_shape_as_grpc_does(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompt = "The capital of France is Paris."
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    (choice,) = reply.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 0
+    expected = grpc_prompt_tokens(stub, prompt)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens == [t.text for t in expected]
+    assert lp.token_logprobs == [None, *[t.logprob for t in expected[1:]]]
+    assert lp.top_logprobs == [None, *[{a.text: a.logprob for a in t.top_logprobs} for t in expected[1:]]]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    # One token more: the prompt's, then the generated one's (lm-eval asks for max_tokens 1 and drops it).
+    more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    more_lp = more.choices[0].logprobs
+    assert more.choices[0].text.startswith(prompt) and more_lp is not None and more_lp.token_logprobs is not None
+    assert more_lp.token_logprobs[:-1] == lp.token_logprobs and len(more_lp.token_logprobs) == len(expected) + 1
+
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed).startswith(prompt)
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_tokens"
+
+
+def test_a_list_of_prompts_is_answered_with_one_choice_each(
+    client: openai.OpenAI, stub: pb_grpc.GenerationStub
+) -> None:
+    prompts = ["The capital of France is Paris.", "Hello there, how are you?"]
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=0, echo=True, logprobs=1).choices[0]
+        for p in prompts
+    ]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == prompts
+    for single, choice in zip(singles, batch.choices):
+        assert choice.logprobs == single.logprobs  # each prompt scored as alone: batch invariance
+    ids = [list(stub.Tokenize(pb.TokenizeRequest(text=p), timeout=30).ids) for p in prompts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert [c.text for c in by_ids.choices] == prompts
+    assert [c.logprobs for c in by_ids.choices] == [c.logprobs for c in singles]
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+
+    generated = client.completions.create(model=MODEL, prompt=["The sky is", "Paris is"], max_tokens=4, temperature=0)
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
+        for p in ["The sky is", "Paris is"]
+    ]
+    assert [c.text for c in generated.choices] == [a.choices[0].text for a in alone]
+    assert generated.usage is not None and generated.usage.completion_tokens == 8
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize(
+    ("params", "names", "param", "code"),
+    [
+        ({"temperature": -1}, "temperature must be >= 0", "temperature", "invalid_value"),
+        ({"n": 2}, "'n' must be 1", "n", "unsupported_value"),
+        ({"max_tokens": 100000}, "max_tokens must be <= 4096", "max_tokens", "integer_above_max_value"),
+        (
+            {"max_completion_tokens": 100000},
+            "max_completion_tokens must be <= 4096",
+            "max_completion_tokens",
+            "integer_above_max_value",
+        ),
+        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'", "top_logprobs", "invalid_value"),
+        (
+            {"logprobs": True, "top_logprobs": 50},
+            "top_logprobs must be <= 20",
+            "top_logprobs",
+            "integer_above_max_value",
+        ),
+        ({"stop": ["x", ""]}, "stop[1] is empty", "stop", "invalid_value"),
+        ({"extra_body": {"top_k": -1}}, "top_k must be >= 0", "top_k", "invalid_value"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "'response_format' is not supported",
+            "response_format",
+            "unsupported_parameter",
+        ),
+    ],
+)
+def test_a_bad_parameter_is_a_400_naming_it_as_the_caller_did_with_param_and_code(
+    client: openai.OpenAI, params: dict[str, Any], names: str, param: str, code: str, stream: bool
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, stream=stream, **params)  # type: ignore[arg-type,call-overload]
     assert err.value.status_code == 400
     body = err.value.body
     assert isinstance(body, dict) and body["type"] == "invalid_request_error"
-    assert names in body["message"]
+    assert names in body["message"] and "sampling." not in body["message"] and "stopping." not in body["message"]
+    assert (body["param"], body["code"]) == (param, code)
+
+
+def test_the_completions_logprobs_count_is_named_logprobs(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logprobs=50)
+    assert "logprobs must be <= 20" in err.value.message and "top_logprobs" not in err.value.message
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "logprobs"
 
 
 def test_an_unknown_route_is_a_404_in_openai_error_json(server: ServerProcess) -> None:
@@ -265,6 +510,45 @@ def test_health_models_and_metrics_share_the_http_port(server: ServerProcess, cl
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)  # a call to count, whatever ran before
     status, metrics = get(server.http_url + "/metrics")
     assert status == 200 and 'tokenmill_requests_total{code="OK"}' in metrics
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_answer_in_vllms_shapes(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
+    text = "The sky is blue."
+    status, body = post(server.http_url + "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    expected = stub.Tokenize(pb.TokenizeRequest(text=text), timeout=30)
+    context = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).context_length
+    assert status == 200
+    assert body == {
+        "count": len(expected.ids),
+        "max_model_len": context,
+        "tokens": list(expected.ids),
+        "token_strs": list(expected.pieces),
+    }
+    assert post(server.http_url + "/detokenize", {"model": MODEL, "tokens": body["tokens"]}) == (200, {"prompt": text})
+
+    status, chat = post(server.http_url + "/tokenize", {"messages": FRANCE})
+    rendered = stub.Tokenize(pb.TokenizeRequest(chat=pb.Messages(messages=[pb.ChatMessage(**FRANCE[0])])), timeout=30)
+    assert status == 200 and chat["tokens"] == list(rendered.ids) and chat["token_strs"] is None
+    _, unopened = post(server.http_url + "/tokenize", {"messages": FRANCE, "add_generation_prompt": False})
+    assert chat["tokens"][: unopened["count"]] == unopened["tokens"] and unopened["count"] < chat["count"]
+
+    for route, bad, param in (
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "hello"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"content": "no role"}]}, "messages"),
+    ):
+        status, error = post(server.http_url + route, bad)
+        assert status == 400 and error["error"]["param"] == param, (route, bad, error)
 
 
 def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(

@@ -41,4 +41,6 @@ def test_the_default_may_run_into_the_end_of_the_context(default_tokenizer: Any)
     # A long prompt leaves less room than the default: the request runs until the context is full.
     small = Limits(1100, 49152, 4096, 20, 16, default_max_new_tokens=1024)
     request = build_request(pb.GenerateRequest(prompt="Hello " * 200), default_tokenizer, small)
-    assert request.stopping.max_new_tokens == 1024
+    assert request.stopping.max_new_tokens == 0  # the engine's "until the end of the context"
+    roomy = build_request(pb.GenerateRequest(prompt="Hello " * 20), default_tokenizer, small)
+    assert roomy.stopping.max_new_tokens == 1024

@@ -7,7 +7,14 @@ import math
 import torch
 
 from tokenmill_service.engine.request import SamplingParams
-from tokenmill_service.engine.sampler import apply_repetition_penalty, keyed_uniform, sample, top_k_top_p_mask
+from tokenmill_service.engine.sampler import (
+    apply_frequency_presence_penalties,
+    apply_logit_bias,
+    apply_repetition_penalty,
+    keyed_uniform,
+    sample,
+    top_k_top_p_mask,
+)
 
 
 def test_greedy_picks_the_argmax_and_reports_raw_logprobs() -> None:
@@ -118,3 +125,55 @@ def test_sampling_leaves_the_callers_logits_as_they_were() -> None:
     plain = sample(logits, [SamplingParams(), SamplingParams(temperature=0.7)], [0, 1], [[1, 3], [0]], [1, 1])
     assert torch.equal(logits, before)
     assert penalized.token_ids[0] == 2 and plain.token_ids[0] == 1  # 3.0 / 4 < 1.0: the penalty took effect
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_alone() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    assert sample(logits, [SamplingParams(logit_bias={0: -100.0})], [0], [[]], [0]).token_ids == [1]
+    forced = sample(logits, [SamplingParams(logit_bias={2: 100.0})], [0], [[]], [0])
+    assert forced.token_ids == [2]
+    assert math.isclose(forced.logprobs[0], torch.log_softmax(logits, -1)[0, 2].item(), rel_tol=1e-6)
+    assert apply_logit_bias(logits.clone(), [{1: 0.5}]).tolist() == [[2.0, 1.5, 0.0]]
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
+    logits = torch.tensor([[3.0, 3.0, 3.0, 3.0]])
+    # Token 0 generated twice, token 1 once; token 3 only in the prompt.
+    out = apply_frequency_presence_penalties(logits.clone(), [[0, 1, 0]], [0.5], [0.25])
+    assert out.tolist() == [[3.0 - 2 * 0.5 - 0.25, 3.0 - 0.5 - 0.25, 3.0, 3.0]]
+    params = SamplingParams(frequency_penalty=0.1, presence_penalty=0.1)
+    seen = [3, 3, 0]  # a prompt of [3, 3], then 0 generated
+    assert sample(torch.tensor([[3.0, 0.0, 0.0, 3.05]]), [params], [0], [seen], [0], [2]).token_ids == [3]
+    # Without the prompt length, every seen token counts: 3 (twice) now falls below 0 (once).
+    assert sample(torch.tensor([[3.0, 0.0, 0.0, 3.05]]), [params], [0], [seen], [0]).token_ids == [0]
+
+
+def test_penalties_and_bias_of_one_row_do_not_reach_the_others() -> None:
+    """Batch invariance: a row's tokens depend on its own parameters and history, not on its neighbours'."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 64)
+    params = [
+        SamplingParams(temperature=0.9, presence_penalty=1.5, frequency_penalty=-0.5, logit_bias={3: 5.0}),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=10, logit_bias={int(logits[2].argmax()): -100.0}),
+        SamplingParams(frequency_penalty=2.0, repetition_penalty=1.3),
+    ]
+    seeds, prompt_lens = [11, 12, 13, 14], [3, 0, 1, 2]
+    histories: list[list[int]] = [[5, 6, 7], [], [9], [1, 2]]
+    alone = [list(h) for h in histories]
+    for _ in range(12):
+        step = sample(logits, params, seeds, histories, [2] * 4, prompt_lens)
+        for row in range(4):
+            single = sample(
+                logits[row : row + 1],
+                params[row : row + 1],
+                seeds[row : row + 1],
+                [alone[row]],
+                [2],
+                prompt_lens[row : row + 1],
+            )
+            assert single.token_ids[0] == step.token_ids[row] and single.logprobs[0] == step.logprobs[row]
+            assert single.top_logprobs[0] == step.top_logprobs[row]
+            histories[row].append(step.token_ids[row])
+            alone[row].append(single.token_ids[0])
+    assert histories == alone

@@ -41,18 +41,31 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     repetition_penalty: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class StoppingParams(_message.Message):
     __slots__ = ("max_new_tokens", "stop", "stop_token_ids", "ignore_eos")
@@ -169,7 +182,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions")
+    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +193,7 @@ class Limits(_message.Message):
     MAX_STOP_STRING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESUMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     max_top_logprobs: int
     max_stop_strings: int
@@ -190,7 +204,8 @@ class Limits(_message.Message):
     max_stop_string_length: int
     max_stop_token_ids: int
     max_resumptions: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ...) -> None: ...
+    max_logit_bias: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "draft_tokens_proposed", "draft_tokens_accepted")

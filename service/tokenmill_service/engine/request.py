@@ -33,10 +33,25 @@ class SamplingParams:
     top_p: float = 1.0  # 0 or 1 = off
     repetition_penalty: float = 1.0  # 0 or 1 = off
     seed: int | None = None  # same seed, same tokens
+    # OpenAI's: subtracted once from the logit of every token already generated (presence) and once
+    # per time it was generated (frequency); the prompt's tokens do not count. 0 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether sampling changes this row's logits before choosing (on a copy: see sampler.py)."""
+        return (
+            self.repetition_penalty not in (0.0, 1.0)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
 
 @dataclass(slots=True)

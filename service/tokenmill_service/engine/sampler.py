@@ -1,8 +1,11 @@
 """Batched sampling with per-request parameters, in one pass over the batch's logits.
 
 Reported logprobs are those of the model's own distribution (log-softmax of the raw logits),
-not of the distribution after temperature, top-k, top-p or the repetition penalty: they
+not of the distribution after temperature, top-k, top-p, the penalties or the logit bias: they
 score the text, whatever way it was drawn.
+
+Every edit of a row's logits (logit bias, then the repetition, frequency and presence penalties)
+reads only that row's parameters and tokens, so a sequence's result never depends on its batch.
 
 Each sampled token inverts the CDF at one uniform number that is a pure function of the
 request's seed and the token's position (a counter-based draw, splitmix64): no generator state
@@ -53,6 +56,35 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: Seq[Seq[int]], penaltie
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: Seq[dict[int, float]]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's bias added to its tokens' logits (-100 bans a token, 100 forces it)."""
+    for row, bias in enumerate(biases):
+        if not bias:
+            continue
+        ids = sorted(bias)
+        idx = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        logits[row, idx] += torch.tensor([bias[i] for i in ids], dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def apply_frequency_presence_penalties(
+    logits: torch.Tensor, generated: Seq[Seq[int]], frequency: Seq[float], presence: Seq[float]
+) -> torch.Tensor:
+    """OpenAI's rule: logit -= count * frequency_penalty + (count > 0) * presence_penalty, where count is
+    how often the token was generated so far (the prompt's tokens do not count)."""
+    for row, (ids, freq, pres) in enumerate(zip(generated, frequency, presence)):
+        if (freq == 0.0 and pres == 0.0) or not ids:
+            continue
+        counts: dict[int, int] = {}
+        for t in ids:
+            counts[t] = counts.get(t, 0) + 1
+        tokens = sorted(counts)
+        idx = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        n = torch.tensor([counts[t] for t in tokens], dtype=logits.dtype, device=logits.device)
+        logits[row, idx] -= n * freq + pres
+    return logits
+
+
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k set and outside its top-p nucleus.
 
@@ -78,18 +110,25 @@ def sample(
     seeds: Seq[int],
     seen_tokens: Seq[Seq[int]],
     top_n: Seq[int],
+    prompt_lens: Seq[int] | None = None,
 ) -> SamplerOutput:
     """logits: float32 [B, vocab], one row per sequence that gets a new token this step;
-    ``seen_tokens[i]`` is row i's sequence so far (its length is the position being sampled)."""
+    ``seen_tokens[i]`` is row i's sequence so far (its length is the position being sampled), of which
+    the first ``prompt_lens[i]`` are its prompt (None: no prompt, every seen token was generated)."""
     device = logits.device
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    penalties = [p.repetition_penalty for p in params]
-    # The penalty edits a copy; without one (the usual case) the logits are read as they are.
-    work = (
-        logits
-        if all(p in (0.0, 1.0) for p in penalties)
-        else apply_repetition_penalty(logits.clone(), seen_tokens, penalties)
-    )
+    # The edits work on a copy; without any (the usual case) the logits are read as they are.
+    work = logits
+    if any(p.edits_logits for p in params):
+        work = apply_logit_bias(logits.clone(), [p.logit_bias for p in params])
+        work = apply_repetition_penalty(work, seen_tokens, [p.repetition_penalty for p in params])
+        starts = prompt_lens if prompt_lens is not None else [0] * len(params)
+        work = apply_frequency_presence_penalties(
+            work,
+            [seen[start:] for seen, start in zip(seen_tokens, starts)],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        )
 
     greedy = [p.greedy for p in params]
     chosen = work.argmax(dim=-1)

@@ -31,6 +31,7 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         kv_cache_memory=s.kv_cache_bytes,
         speculative_tokens=s.speculative_tokens,
         speculative_max_batch=s.speculative_max_batch,
+        max_model_len=s.max_model_len,
     )
     return WorkerSpec(
         worker_id=worker_id,
