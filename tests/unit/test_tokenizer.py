@@ -477,11 +477,18 @@ def test_gguf_with_merges_out_of_id_order_is_refused(tmp_path: Path) -> None:
         load_tokenizer(_write_gguf(tmp_path / "toy.gguf", tokens, types, [merges[1], merges[0], merges[2]]))
 
 
-@pytest.mark.parametrize(("field", "value"), [("model", "llama"), ("pre", "mystery")])
+@pytest.mark.parametrize(("field", "value"), [("model", "bert"), ("pre", "mystery")])
 def test_gguf_with_unsupported_tokenizer_is_refused(tmp_path: Path, field: str, value: str) -> None:
     tokens, types, merges = _toy_vocab()
     path = _write_gguf(tmp_path / "toy.gguf", tokens, types, merges, **{field: value})
     with pytest.raises(TokenizerError, match=f"'{value}' is not supported"):
+        load_tokenizer(path)
+
+
+def test_gguf_tokenizer_model_refusal_lists_the_supported_kinds(tmp_path: Path) -> None:
+    tokens, types, merges = _toy_vocab()
+    path = _write_gguf(tmp_path / "toy.gguf", tokens, types, merges, model="t5")
+    with pytest.raises(TokenizerError, match=r"'t5' is not supported \(supported: gpt2, llama\)"):
         load_tokenizer(path)
 
 

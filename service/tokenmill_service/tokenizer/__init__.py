@@ -1,9 +1,11 @@
-"""The tokenizer: byte-level BPE on tiktoken, read from a GGUF file or a Hugging Face tokenizer directory.
+"""The tokenizer: byte-level BPE on tiktoken or SentencePiece on Hugging Face tokenizers, read from a GGUF file
+or a Hugging Face tokenizer directory.
 
 tokenizer.py (the Tokenizer the engine and the service use: encode, decode, chat) · byte_level.py
-(the tiktoken encoding: pre-tokenizer patterns, byte alphabet, rank table) · gguf.py (read from a
-GGUF's metadata, the kind chosen by tokenizer.ggml.model) · hf.py (read from a Hugging Face
-directory) · load.py (which reader for a path).
+(the tiktoken encoding: pre-tokenizer patterns, byte alphabet, rank table) · sentencepiece.py (the
+SentencePiece encoding: a GGUF's "llama" vocabulary as BPE over its scores, or a tokenizer.json as
+written) · gguf.py (read from a GGUF's metadata, the kind chosen by tokenizer.ggml.model) · hf.py
+(read from a Hugging Face directory) · load.py (which reader for a path).
 """
 
 from tokenmill_service.tokenizer.byte_level import (

@@ -17,6 +17,7 @@ from tokenmill_service.tokenizer.byte_level import (
     QWEN2_PATTERN,
     build_bpe_encoding,
 )
+from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_gguf
 from tokenmill_service.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
@@ -53,7 +54,8 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     model = field("tokenizer.ggml.model")
     build = GGUF_TOKENIZER_KINDS.get(model)
     if build is None:
-        raise TokenizerError(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2')")
+        known = ", ".join(sorted(GGUF_TOKENIZER_KINDS))
+        raise TokenizerError(f"GGUF tokenizer model {model!r} is not supported (supported: {known})")
     tokenizer = build(Path(path).stem, field)
     pre = field("tokenizer.ggml.pre") or "default"
     seconds = round(time.perf_counter() - start, 3)
@@ -96,5 +98,8 @@ def _byte_level_bpe(name: str, field: GgufField) -> Tokenizer:
 
 
 # What builds the tokenizer for each `tokenizer.ggml.model`, from the file's name and its metadata:
-# a new kind is one entry here (and its name in tokenizer_from_gguf's refusal message).
-GGUF_TOKENIZER_KINDS: dict[str, Callable[[str, GgufField], Tokenizer]] = {"gpt2": _byte_level_bpe}
+# a new kind is one entry here.
+GGUF_TOKENIZER_KINDS: dict[str, Callable[[str, GgufField], Tokenizer]] = {
+    "gpt2": _byte_level_bpe,
+    "llama": sentencepiece_from_gguf,  # SentencePiece (Llama 2, Mistral, TinyLlama, Phi-3)
+}

@@ -1,8 +1,9 @@
-"""The tokenizer of a Hugging Face directory: a byte-level BPE ``tokenizer.json`` and its config files.
+"""The tokenizer of a Hugging Face directory: ``tokenizer.json`` and its config files.
 
-tokenizer.json describes its pipeline step by step (normalizer, pre-tokenizer, model, post-processor);
-a supported one is read into the one regex and rank table of a byte-level encoding, anything else is
-refused with a TokenizerError naming what is not supported.
+tokenizer.json describes its pipeline step by step (normalizer, pre-tokenizer, model, post-processor).
+Byte-level BPE is read into the one regex and rank table of a tiktoken encoding; a SentencePiece kind
+(BPE with byte fallback, or Unigram) is loaded by ``tokenizers`` itself (sentencepiece.py); anything
+else is refused with a TokenizerError naming what is not supported.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -21,13 +22,25 @@ from tokenmill_service.tokenizer.byte_level import (
     GPT2_PATTERN,
     build_bpe_encoding,
 )
-from tokenmill_service.tokenizer.tokenizer import Tokenizer, TokenizerError
+from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_tokenizer_json
+from tokenmill_service.tokenizer.tokenizer import Encoding, Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
 
 
+class _Vocabulary(NamedTuple):
+    """What a tokenizer.json reader gives the rest of the directory's reading."""
+
+    encoding: Encoding
+    special: dict[str, int]
+    added: dict[str, int]
+    id_of: Mapping[str, int]
+    vocab_size: int
+    nfc: bool
+
+
 def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
-    """A Hugging Face directory with a byte-level BPE ``tokenizer.json`` (and ``tokenizer_config.json``)."""
+    """A Hugging Face directory with a byte-level BPE or SentencePiece ``tokenizer.json`` (and its config)."""
     start = time.perf_counter()
     root = Path(path)
     spec = _read_json(root / "tokenizer.json")
@@ -35,23 +48,22 @@ def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
         raise TokenizerError(f"{root} has no tokenizer.json")
     config = _read_json(root / "tokenizer_config.json") or {}
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise TokenizerError(
-            f"tokenizer model {model.get('type')!r} (byte_fallback={model.get('byte_fallback')}) is not supported; "
-            "only byte-level BPE"
+    kind = model.get("type")
+    if kind == "BPE" and not model.get("byte_fallback") and _uses_byte_level(spec):
+        vocabulary = _byte_level(root.name, spec)
+    elif kind in ("BPE", "Unigram"):
+        encoding = sentencepiece_from_tokenizer_json(root / "tokenizer.json", spec)
+        vocab = encoding.backend.get_vocab(with_added_tokens=True)
+        vocabulary = _Vocabulary(
+            encoding, encoding.special_tokens, encoding.added_tokens, vocab, encoding.num_ids, nfc=False
         )
-    nfc = _normalizer_is_nfc(spec.get("normalizer"))
-    pattern = _pattern(spec.get("pre_tokenizer"))
+    else:
+        raise TokenizerError(
+            f"tokenizer model {kind!r} is not supported; only byte-level BPE, and SentencePiece's BPE with byte "
+            "fallback or Unigram"
+        )
 
-    added_specs = spec.get("added_tokens") or []
-    special = {a["content"]: int(a["id"]) for a in added_specs if a.get("special", True)}
-    added = {a["content"]: int(a["id"]) for a in added_specs if not a.get("special", True)}
-    added_ids = {*special.values(), *added.values()}
-    bpe = {int(i): t for t, i in model["vocab"].items() if int(i) not in added_ids}
-    pairs = (tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in model.get("merges", []))
-    encoding, num_ids = build_bpe_encoding(root.name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
-
-    id_of = {**{t: i for i, t in bpe.items()}, **special, **added}
+    id_of = vocabulary.id_of
     eos_text = _token_text(config.get("eos_token"))
     if eos_text is None or eos_text not in id_of:
         raise TokenizerError(f"{root}: tokenizer_config.json names no eos_token in the vocabulary ({eos_text!r})")
@@ -65,20 +77,45 @@ def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
     extra_eos = [] if extra_eos is None else [extra_eos] if isinstance(extra_eos, int) else list(extra_eos)
 
     tokenizer = Tokenizer(
-        encoding,
-        vocab_size=num_ids,
-        special_tokens=special,
-        added_tokens=added,
+        vocabulary.encoding,
+        vocab_size=vocabulary.vocab_size,
+        special_tokens=vocabulary.special,
+        added_tokens=vocabulary.added,
         eos_token_id=id_of[eos_text],
         bos_token_id=bos_id,
         add_bos=bool(add_bos),
         chat_template=_chat_template(root, config),
-        nfc=nfc,
+        nfc=vocabulary.nfc,
         extra_stop_ids=(int(i) for i in extra_eos),
     )
     seconds = round(time.perf_counter() - start, 3)
-    log.info("tokenizer_loaded", source=str(root), vocab_size=tokenizer.vocab_size, seconds=seconds)
+    log.info("tokenizer_loaded", source=str(root), model=kind, vocab_size=tokenizer.vocab_size, seconds=seconds)
     return tokenizer
+
+
+def _uses_byte_level(spec: Mapping[str, Any]) -> bool:
+    """Whether the pre-tokenizer or the decoder works on GPT-2's byte alphabet."""
+    for step in (spec.get("pre_tokenizer"), spec.get("decoder")):
+        steps = list(step.get("pretokenizers") or step.get("decoders") or [step]) if step else []
+        if any(s.get("type") == "ByteLevel" for s in steps):
+            return True
+    return False
+
+
+def _byte_level(name: str, spec: Mapping[str, Any]) -> _Vocabulary:
+    """A byte-level BPE tokenizer.json as a tiktoken encoding."""
+    model = spec["model"]
+    nfc = _normalizer_is_nfc(spec.get("normalizer"))
+    pattern = _pattern(spec.get("pre_tokenizer"))
+    added_specs = spec.get("added_tokens") or []
+    special = {a["content"]: int(a["id"]) for a in added_specs if a.get("special", True)}
+    added = {a["content"]: int(a["id"]) for a in added_specs if not a.get("special", True)}
+    added_ids = {*special.values(), *added.values()}
+    bpe = {int(i): t for t, i in model["vocab"].items() if int(i) not in added_ids}
+    pairs = (tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in model.get("merges", []))
+    encoding, num_ids = build_bpe_encoding(name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
+    id_of = {**{t: i for i, t in bpe.items()}, **special, **added}
+    return _Vocabulary(encoding, special, added, id_of, num_ids, nfc)
 
 
 def _pattern(pre: Mapping[str, Any] | None) -> str:

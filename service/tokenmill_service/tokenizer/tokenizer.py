@@ -30,7 +30,8 @@ class TokenizerError(ValueError):
 
 
 class Encoding(Protocol):
-    """What the Tokenizer asks of the encoding a reader builds (a tiktoken.Encoding for byte-level BPE)."""
+    """What the Tokenizer asks of the encoding a reader builds (a tiktoken.Encoding for byte-level BPE, a
+    SentencePieceEncoding for SentencePiece)."""
 
     def encode(self, text: str, *, allowed_special: AbstractSet[str], disallowed_special: Collection[str]) -> list[int]:
         """Text to ids, parsing the special tokens in ``allowed_special``; ValueError where the text holds one in
@@ -40,7 +41,8 @@ class Encoding(Protocol):
         """Text to ids, parsing no special token."""
 
     def decode_bytes(self, tokens: Sequence[int]) -> bytes:
-        """The ids' bytes together; KeyError for an id with no token."""
+        """The ids' bytes together (less the space a SentencePiece encoding put in front of the text); KeyError
+        for an id with no token."""
 
     def decode_single_token_bytes(self, token: int) -> bytes:
         """One token's bytes (a special token's are its text's UTF-8); KeyError for an id with no token."""
