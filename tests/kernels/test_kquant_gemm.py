@@ -64,13 +64,17 @@ def test_the_product_is_the_float64_product_with_ggufs_dequantized_weight(qtype:
         torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)
 
 
+# Packed bytes over the file's: the scales of a group of 16 rows are spread out for the kernel, and
+# Q6_K's 6-bit weights take a byte each (unpacking them cost more than reading them).
+PACKED_OVER_FILE = {QType.Q4_K: 1.03, QType.Q5_K: 1.03, QType.Q6_K: 1.31}
+
+
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_a_packed_row_takes_about_the_files_bytes(qtype: QType) -> None:
     blocks = _blocks(qtype, 64, 1024, seed=1)
     layer = _layer(blocks)
     file_bytes = blocks.data.numel()
-    # The scales of a group of 16 rows are spread out for the kernel: at most 3 % more than the file.
-    assert file_bytes <= layer.quant.weight_bytes(layer) <= 1.03 * file_bytes
+    assert file_bytes <= layer.quant.weight_bytes(layer) <= PACKED_OVER_FILE[qtype] * file_bytes
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

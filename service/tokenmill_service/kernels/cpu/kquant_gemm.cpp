@@ -16,18 +16,22 @@
 // result never depends on the other rows, the tiling or the thread count.
 //
 // Layout (tm_kquant_pack): rows in groups of 16 (the 16 int32 lanes of vpdpbusd are 16 outputs);
-// per group and super-block, for each of its 8 blocks of 32 the low four bits of every weight as
-// vnni_gemm.cpp packs Q4_0 (4 x 64 bytes: byte i of part s holds, for row i / 4 and weight i % 4,
-// step 2s's weight in its low nibble and step 2s+1's in its high nibble; step j: weights 4j..4j+3),
-// then the higher bits as one 64-bit mask per step and bit (bit i: row i / 4, weight i % 4 of that
-// step; Q5_K bit 4, Q6_K bits 4 and 5), then the scales:
+// per group and super-block, for each of its 8 blocks of 32:
+//   Q4_K, Q5_K: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes: byte i
+//               of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low nibble
+//               and step 2s+1's in its high nibble; step j: weights 4j..4j+3); Q5_K then its fifth
+//               bits as one 64-bit mask per step (bit i: row i / 4, weight i % 4 of that step);
+//   Q6_K:       each weight in a byte, as vnni_gemm.cpp packs Q8_0 (8 x 64 bytes, step j's weights):
+//               unpacking two high bits costs more than the bytes it saves, the product being bound
+//               by arithmetic, not memory (9.5 against about 20 GB/s on this CPU, measured);
+// then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
-//   Q6_K:       d[16] as float16, sc[16][16] as int8                            (3360 bytes)
+//   Q6_K:       d[16] as float16, sc[16][16] as int8                            (4384 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
-// About as many bytes as the file's blocks (Q4_K 4.63 bits a weight against 4.5, Q5_K 5.63 against
-// 5.5, Q6_K the same 6.56), so a decoding step reads no more than the file holds.
+// Q4_K and Q5_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5, 5.63
+// against 5.5), Q6_K 8.56 against 6.56.
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -61,11 +65,12 @@ int64_t source_block_bytes(int fmt) {
   }
 }
 
-constexpr int64_t NIBBLES = SUBS * 4 * 64;  // the low four bits of a group's super-block
-constexpr int64_t high_bits(int fmt) { return fmt == Q4_K ? 0 : (fmt == Q5_K ? 1 : 2); }
+constexpr int64_t block_quant_bytes(int fmt) { return fmt == Q6_K ? 8 * 64 : 4 * 64; }  // bytes or nibbles
+constexpr int64_t quant_bytes(int fmt) { return SUBS * block_quant_bytes(fmt); }  // a group's super-block
+constexpr int64_t high_bits(int fmt) { return fmt == Q5_K ? 1 : 0; }  // bits kept in masks
 constexpr int64_t mask_bytes(int fmt) { return SUBS * 8 * 8 * high_bits(fmt); }  // 8 steps a block, 8 bytes a mask
 constexpr int64_t scale_bytes(int fmt) { return fmt == Q6_K ? G * 2 + 16 * G : 2 * G * 2 + 2 * SUBS * G; }
-constexpr int64_t group_super_bytes(int fmt) { return NIBBLES + mask_bytes(fmt) + scale_bytes(fmt); }
+constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
 
 // One source super-block: its 256 weights as unsigned q, d, dmin (Q6_K: 0) as float16 bits, and the
 // sub-block scales and minimums (Q6_K: 16 int8 scales, no minimums).
@@ -108,12 +113,12 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint
 
 // Where the parts of group g's super-block sb start.
 struct Packed {
-  const uint8_t* nibbles;  // [8 blocks][4 parts][64]
-  const uint8_t* masks;    // [8 blocks][8 steps][bits][8]
+  const uint8_t* quants;  // [8 blocks][4 parts][64] nibbles, Q6_K [8 blocks][8 steps][64] bytes
+  const uint8_t* masks;   // [8 blocks][8 steps][8] (Q5_K)
   const uint8_t* scales;
   Packed(int fmt, const uint8_t* w, int64_t gstride, int64_t g, int64_t sb) {
-    nibbles = w + g * gstride + sb * group_super_bytes(fmt);
-    masks = nibbles + NIBBLES;
+    quants = w + g * gstride + sb * group_super_bytes(fmt);
+    masks = quants + quant_bytes(fmt);
     scales = masks + mask_bytes(fmt);
   }
 };
@@ -130,12 +135,16 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
       uint16_t d, dmin;
       unpack_source(fmt, src + (r * supers + sb) * sbytes, q, d, dmin, sc, m);
       const Packed p(fmt, out, gstride, g, sb);
-      uint8_t* nib = const_cast<uint8_t*>(p.nibbles);
+      uint8_t* quants = const_cast<uint8_t*>(p.quants);
       uint8_t* masks = const_cast<uint8_t*>(p.masks);
       uint8_t* scales = const_cast<uint8_t*>(p.scales);
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        nib[blk * 256 + (step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
+        if (fmt == Q6_K) {
+          quants[blk * 512 + step * 64 + i] = q[j];
+          continue;
+        }
+        quants[blk * 256 + (step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
         for (int bit = 0; bit < bits; ++bit)
           if ((q[j] >> (4 + bit)) & 1) masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] |= (uint8_t)(1u << (i % 8));
       }
@@ -171,7 +180,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
                  int64_t n_valid) {
   constexpr int BITS = (int)high_bits(F);
   const int64_t blocks = k / QK;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16), b32 = _mm512_set1_epi8(32);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
@@ -191,17 +200,18 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
         __m512i w0[NGT], w1[NGT];
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
-          const __m512i v = _mm512_loadu_si512(p.nibbles + j * 256 + s * 64);
+          if constexpr (F == Q6_K) {
+            w0[g] = _mm512_loadu_si512(p.quants + j * 512 + (2 * s) * 64);
+            w1[g] = _mm512_loadu_si512(p.quants + j * 512 + (2 * s + 1) * 64);
+            continue;
+          }
+          const __m512i v = _mm512_loadu_si512(p.quants + j * 256 + s * 64);
           w0[g] = _mm512_and_si512(v, nibble);
           w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
           if constexpr (BITS > 0) {
-            const uint8_t* mk = p.masks + (j * 8 + 2 * s) * BITS * 8;
+            const uint8_t* mk = p.masks + (j * 8 + 2 * s) * 8;
             w0[g] = _mm512_mask_add_epi8(w0[g], mask_at(mk), w0[g], b16);
-            w1[g] = _mm512_mask_add_epi8(w1[g], mask_at(mk + BITS * 8), w1[g], b16);
-            if constexpr (BITS > 1) {
-              w0[g] = _mm512_mask_add_epi8(w0[g], mask_at(mk + 8), w0[g], b32);
-              w1[g] = _mm512_mask_add_epi8(w1[g], mask_at(mk + BITS * 8 + 8), w1[g], b32);
-            }
+            w1[g] = _mm512_mask_add_epi8(w1[g], mask_at(mk + 8), w1[g], b16);
           }
         }
         for (int i = 0; i < M; ++i) {
@@ -335,7 +345,8 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
       const float d = _cvtsh_ss(half_bits(p.scales + row * 2));
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        int q = (p.nibbles[blk * 256 + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        int q = fmt == Q6_K ? p.quants[blk * 512 + step * 64 + i]
+                            : (p.quants[blk * 256 + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
         for (int bit = 0; bit < bits; ++bit)
           q |= ((p.masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] >> (i % 8)) & 1) << (4 + bit);
         float value;
