@@ -132,7 +132,12 @@ async def serve(settings: Settings) -> int:
     elif starting.done():
         exc = starting.exception()
         log.error("workers_failed_to_start", error=str(exc) if isinstance(exc, WorkerStartError) else repr(exc))
-        exit_code = 1
+        if isinstance(exc, WorkerStartError) and exc.usage:
+            # The model or the flags cannot be served as asked: the same exit code as a bad flag.
+            sys.stderr.write(f"tokenmill-server: error: {exc}\n")
+            exit_code = 2
+        else:
+            exit_code = 1
     else:
         starting.cancel()
 

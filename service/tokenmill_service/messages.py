@@ -96,9 +96,11 @@ class Ready:
 
 @dataclass(slots=True)
 class Failed:
-    """The worker could not start (the process exits after sending it)."""
+    """The worker could not start (the process exits after sending it). ``usage``: the checkpoint or the
+    flags cannot be served as asked (an unsupported architecture, a refused plan), not a fault."""
 
     message: str
+    usage: bool = False
 
 
 @dataclass(slots=True)

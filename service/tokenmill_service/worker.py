@@ -86,8 +86,12 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
     try:
         engine = _start_engine(spec, log)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
-        log.error("worker_start_failed", error=str(exc), traceback=traceback.format_exc())
-        channel.send(Failed(f"{type(exc).__name__}: {exc}"))
+        if _is_usage_error(exc):
+            # What was asked cannot be served: the message says why, a traceback would only hide it.
+            log.error("worker_start_refused", error=str(exc))
+        else:
+            log.error("worker_start_failed", error=str(exc), traceback=traceback.format_exc())
+        channel.send(Failed(f"{type(exc).__name__}: {exc}", usage=_is_usage_error(exc)))
         return
     from tokenmill_service.dtypes import dtype_name
 
@@ -131,6 +135,15 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         log.info("worker_stopped")
+
+
+def _is_usage_error(exc: BaseException) -> bool:
+    """A checkpoint or flags that cannot be served as asked (the loaders' and the plan's refusals)."""
+    from tokenmill_service.models.gguf_loader import GGUFError
+    from tokenmill_service.models.hf_loader import HFCheckpointError
+    from tokenmill_service.models.paths import ModelLoadError
+
+    return isinstance(exc, (ModelLoadError, GGUFError, HFCheckpointError))
 
 
 def _init_distributed(spec: WorkerSpec, log: Any) -> Any:

@@ -24,4 +24,9 @@ class Rejected(RouterError):
 
 
 class WorkerStartError(RuntimeError):
-    """A replica failed to load its model or to run its warm-up step."""
+    """A replica failed to load its model or to run its warm-up step; ``usage`` where the checkpoint or
+    the flags cannot be served as asked (the server then exits as for a bad flag)."""
+
+    def __init__(self, message: str, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage

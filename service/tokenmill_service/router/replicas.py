@@ -229,10 +229,11 @@ class ReplicaPool:
                 if w.ready is not None and not w.ready.done():
                     w.ready.set_result(info)
                 self.listener.on_ready(w)
-            case Failed(message=message):
+            case Failed(message=message, usage=usage):
                 log.error("worker_failed_to_start", worker_id=w.worker_id, error=message)
                 if w.ready is not None and not w.ready.done():
-                    w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} failed to start: {message}"))
+                    why = "cannot serve this" if usage else "failed to start"
+                    w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} {why}: {message}", usage))
 
     def _on_exit(self, w: Replica) -> None:
         if not w.alive:
