@@ -7,7 +7,7 @@ when read, and pickled checkpoints are never opened.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.dims import is_gguf
 from tokenmill_service.models.gguf_loader import iter_gguf
+from tokenmill_service.models.gguf_reader import open_gguf, release_pages
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.paths import ModelLoadError
 
@@ -29,6 +30,8 @@ class Checkpoint:
     tensor_types: dict[str, QType]
     # The tensors as stored (GGUF blocks stay memory-mapped until a layer takes its slice); read once.
     tensors: Iterator[tuple[str, CheckpointTensor]]
+    # Called once the model is built: drops the file's pages the loading read from resident memory.
+    release_pages: Callable[[], None] = lambda: None
 
     @property
     def format(self) -> str:
@@ -39,9 +42,10 @@ def open_checkpoint(path: Path) -> Checkpoint:
     """The checkpoint at ``path``, its tensors not read yet (ModelLoadError if it is not one)."""
     path = Path(path)
     if is_gguf(path):
-        config, types, items = iter_gguf(path)
+        reader = open_gguf(path)
+        config, types, items = iter_gguf(path, reader)
         config.name = path.name.removesuffix(".gguf")
-        return Checkpoint(path, config, types, items)
+        return Checkpoint(path, config, types, items, lambda: release_pages(reader))
     if is_hf_checkpoint(path):
         config, hf_items = iter_hf(path)
         config.name = path.resolve().name

@@ -205,11 +205,13 @@ def hf_name(gguf_name: str, family: Any) -> str:
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the {family.__name__} model")
 
 
-def iter_gguf(path: Path) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, CheckpointTensor]]]:
+def iter_gguf(
+    path: Path, reader: gguf.GGUFReader | None = None
+) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, CheckpointTensor]]]:
     """Config, each tensor's GGUF type (by the model's name; a fused tensor's type under each layer it
     packs), and the tensors themselves, lazily: block-quantized ones stay memory-mapped blocks until a
-    layer takes its slice."""
-    reader = open_gguf(path)
+    layer takes its slice. ``reader``: the file already opened (``open_gguf``)."""
+    reader = reader if reader is not None else open_gguf(path)
     config = read_config(reader, path)
     family = model_class(config.architecture)
     permuted = config.extra["gguf_architecture"] in family.gguf_permuted

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,20 @@ class _PlainArrayReader(gguf.GGUFReader):
     @data.setter
     def data(self, value: npt.NDArray[Any]) -> None:
         self._plain_data = value.view(np.ndarray)
+
+
+def release_pages(reader: gguf.GGUFReader) -> None:
+    """Drop the file's pages from this process's resident memory (``madvise(MADV_DONTNEED)``), once the
+    model holds what it needs: layers that repacked their weights read the file once while loading,
+    and its pages would otherwise stay counted beside the copy. The mapping stays valid: a view still
+    in use (an embedding table kept as stored) faults its pages back in from the page cache."""
+    data = reader.data
+    page = mmap.PAGESIZE
+    start = data.ctypes.data // page * page
+    length = data.ctypes.data + data.nbytes - start
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_DONTNEED)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:

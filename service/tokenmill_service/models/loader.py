@@ -42,6 +42,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
     plan = resolve_plan(options, checkpoint, facts)
     _log_refusals(plan)
     model = build_model(plan, checkpoint, tp)
+    checkpoint.release_pages()
     log.info(
         "model_loaded",
         name=checkpoint.config.name,
