@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4-mini: tiny random transformers checkpoints (fused qkv_proj and gate_up_proj in the
 file) with whole-head rotary untied, partial rotary tied (Phi-4-mini's shape), and partial rotary with
 LongRoPE, served as transformers computes them: logits and prompt logprobs within 1e-4 (float32,
-dense) on the native CPU ops and the torch reference, the same greedy tokens, a prompt bitwise the same
+dense) on each ops backend (native CPU ops, the torch reference, triton), the same greedy tokens, a prompt bitwise the same
 alone and in a batch; the fused split shown to matter, and what is not served refused or capped.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from tests.engine.test_gguf_loader import _randomize
 from tests.engine.test_qwen3 import greedy, hf_logits, load
+from tests.triton_setup import DEVICE  # noqa: F401 - before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
@@ -86,7 +87,7 @@ def test_the_checkpoint_holds_fused_tensors(checkpoint: tuple[Path, Any]) -> Non
     assert not any(name.endswith(("q_proj.weight", "gate_proj.weight")) for name in names)
 
 
-@pytest.mark.parametrize("ops", ["native", "torch"])
+@pytest.mark.parametrize("ops", ["native", "torch", "triton"])
 @torch.inference_mode()
 def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
     directory, hf_model = checkpoint
