@@ -32,16 +32,24 @@ def is_hf_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
-    # transformers 5 writes "rope_parameters" (with rope_theta inside); older versions "rope_scaling".
-    params = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if not params:
-        return None
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
-        raise HFCheckpointError(f"RoPE scaling type {rope_type!r} is not supported (supported: llama3)")
+def rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of a config.json: transformers 5 writes "rope_parameters" (with rope_theta
+    inside); older versions "rope_scaling". Empty where there are none."""
+    params: dict[str, Any] = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    return params
+
+
+def rope_type(params: dict[str, Any]) -> str:
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _rope_scaling(raw: dict[str, Any], family_types: frozenset[str] = frozenset()) -> RopeScaling | None:
+    params = rope_params(raw)
+    kind = rope_type(params)
+    if kind == "default" or kind in family_types:
+        return None  # a family's own type: its read_hf_config reads it
+    if kind != "llama3":
+        raise HFCheckpointError(f"RoPE scaling type {kind!r} is not supported (supported: llama3)")
     defaults = RopeScaling()
     return RopeScaling(
         factor=float(params.get("factor", defaults.factor)),
@@ -74,6 +82,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
     if raw.get("mlp_bias", False):
         raise HFCheckpointError("mlp_bias is not supported")
     num_heads = int(raw["num_attention_heads"])
+    family = model_class(supported[arch])
     config = ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -85,7 +94,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
         head_dim=int(raw.get("head_dim") or 0),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(raw),
-        rope_scaling=_rope_scaling(raw),
+        rope_scaling=_rope_scaling(raw, family.hf_rope_types),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         architecture=supported[arch],
@@ -93,7 +102,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
         extra={"format": "safetensors", "hf_architecture": arch, "model_type": raw.get("model_type")},
     )
     try:  # what only this family reads (Qwen2's biases, Mistral's window, ...)
-        model_class(config.architecture).read_hf_config(raw, arch, config)
+        family.read_hf_config(raw, arch, config)
     except ValueError as e:
         raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
     return config

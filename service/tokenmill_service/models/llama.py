@@ -214,9 +214,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, embed_dtype, tp)
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, ops
-        )
+        rotary = self.make_rotary(config, ops)
         self.layers = nn.ModuleList(
             layer_type(config, f"model.layers.{i}", i, rotary, ops, quant, act_dtype, tp, attention_type)
             for i in range(config.num_layers)
@@ -233,6 +231,12 @@ class LlamaModel(nn.Module):
             x, residual = run.post_attention(layer, layer.self_attn.attend(q, k, v, meta), residual)
         assert residual is not None
         return run.final_norm(self.norm, x, residual)
+
+    def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
+        """A family's seam on the rotary tables every layer shares (Phi-3 rotates part of each head)."""
+        return RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, ops
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A family's seam on the token embeddings (Granite scales them); Llama's are the table's rows."""
@@ -276,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
     # llama.cpp's tensor names -> the model's: outside the layers, and a layer's part (``blk.N.<part>``).
     gguf_global_names: ClassVar[dict[str, str]] = GGUF_GLOBAL_NAMES
     gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+    # ``rope_scaling`` types this family reads itself (``read_hf_config``); the loader reads only llama3's.
+    hf_rope_types: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:

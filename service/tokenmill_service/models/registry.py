@@ -42,6 +42,7 @@ BUILTIN_FAMILIES = (
     "tokenmill_service.models.llama",
     "tokenmill_service.models.qwen3",
     "tokenmill_service.models.granite",
+    "tokenmill_service.models.phi3",
 )
 
 

@@ -1,0 +1,157 @@
+"""Phi-3 / Phi-4-mini (``Phi3ForCausalLM``): a Llama-family decoder with fused checkpoint tensors and,
+where configured, partial rotary and LongRoPE (transformers' modeling_phi3.py).
+
+- The checkpoint holds ``self_attn.qkv_proj`` ([q; k; v] rows) and ``mlp.gate_up_proj`` ([gate; up]
+  rows) whole; ``unfuse`` names the rows of each piece, the loaders cut them and ``load_weights``
+  packs them into the model's own ``qkv_proj`` / ``gate_up_proj`` as for any Llama checkpoint (so
+  tensor parallelism shards q, k, v, gate and up each as usual).
+- ``partial_rotary_factor`` (Phi-4-mini: 0.75) rotates only the first ``head_dim * factor`` dims of
+  each head; the rest pass through (``Phi3RotaryEmbedding``).
+- LongRoPE (``rope_scaling`` type ``longrope``, or the older ``su``): transformers switches *every*
+  position from the short to the long factors once a sequence outgrows
+  ``original_max_position_embeddings``, which re-rotates keys already in a KV cache and cannot be
+  served incrementally. Up to that length it is the short factors with cos/sin scaled by the
+  attention factor, which is what runs here: the context is capped at
+  ``original_max_position_embeddings`` (logged), as llama.py caps a sliding window.
+- ``sliding_window`` (Phi-3-mini-4k: 2047) caps the context the same way: within one window it is
+  plain causal attention.
+
+The native decoder stack rotates whole heads from one table, so the family declares none and the load
+plan says why. GGUF (llama.cpp's ``phi3``) is not read: its file is refused as an unknown architecture.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import structlog
+import torch
+
+from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.rotary import RotaryEmbedding
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.hf_loader import rope_params, rope_type
+from tokenmill_service.models.llama import LlamaForCausalLM, LlamaModel
+from tokenmill_service.models.registry import register_model
+
+log = structlog.get_logger(__name__)
+
+# transformers' Phi3Config reads "su" and "yarn" as LongRoPE (the names earlier Phi-3 configs wrote).
+LONGROPE_TYPES = frozenset({"longrope", "su", "yarn"})
+
+
+class Phi3RotaryEmbedding(RotaryEmbedding):
+    """Rotates the first ``rotary_dim`` dims of each head (two halves, Hugging Face's layout); the rest
+    pass through. ``factors`` (LongRoPE's short factors) divide the frequencies, ``attention_factor``
+    scales cos and sin, as transformers' ``_compute_longrope_parameters`` and Phi3RotaryEmbedding do."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_positions: int,
+        theta: float,
+        factors: list[float] | None,
+        attention_factor: float,
+        ops: Ops,
+    ) -> None:
+        super().__init__(rotary_dim, max_positions, theta, None, ops)
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        if factors is not None:
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+        self.cos, self.sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rotary(q, k, positions, self.cos, self.sin)
+        r = self.rotary_dim
+        # Views of the rotated part; an op may rotate them in place, the pass-through part is untouched.
+        q_rot, k_rot = self.ops.rotary(q[..., :r], k[..., :r], positions, self.cos, self.sin)
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+
+class Phi3Model(LlamaModel):
+    def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
+        factors: list[float] | None = config.extra.get("rope_short_factor")  # type: ignore[assignment]
+        return Phi3RotaryEmbedding(
+            config.head_dim,
+            int(config.extra["rotary_dim"]),  # type: ignore[call-overload]
+            config.max_position_embeddings,
+            config.rope_theta,
+            factors,
+            float(config.extra.get("rope_attention_factor", 1.0)),  # type: ignore[arg-type]
+            ops,
+        )
+
+
+def _cap_context(config: ModelConfig, limit: int, why: str) -> None:
+    if limit < config.max_position_embeddings:
+        log.info("context_capped", reason=why, limit=limit, max_positions=config.max_position_embeddings)
+        config.max_position_embeddings = limit
+
+
+@register_model("phi3")
+class Phi3ForCausalLM(LlamaForCausalLM):
+    native_stack: ClassVar[bool] = False
+    native_stack_gap: ClassVar[str] = "the C++ decoder layers rotate whole heads from one table (no partial rotary)"
+    model_type: ClassVar[type[LlamaModel]] = Phi3Model
+    hf_architectures: ClassVar[dict[str, str]] = {"Phi3ForCausalLM": "phi3"}
+    gguf_architectures: ClassVar[dict[str, str]] = {}
+    hf_rope_types: ClassVar[frozenset[str]] = LONGROPE_TYPES
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        params = rope_params(raw)
+        factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(config.head_dim * factor)
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > config.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of a {config.head_dim} head"
+            )
+        config.extra["rotary_dim"] = rotary_dim
+        if rope_type(params) in LONGROPE_TYPES:
+            cls._read_longrope(raw, params, rotary_dim, config)
+        window = raw.get("sliding_window")
+        if window:
+            _cap_context(config, int(window), "sliding_window")
+
+    @classmethod
+    def _read_longrope(cls, raw: dict[str, Any], params: dict[str, Any], rotary_dim: int, config: ModelConfig) -> None:
+        original = int(
+            params.get("original_max_position_embeddings")
+            or raw.get("original_max_position_embeddings")
+            or config.max_position_embeddings
+        )
+        short = [float(f) for f in params.get("short_factor") or []]
+        if len(short) != rotary_dim // 2:
+            raise ValueError(f"LongRoPE short_factor has {len(short)} values, not {rotary_dim // 2} (rotary dims / 2)")
+        # transformers: the default factor is the ratio of the two lengths, the attention factor from it.
+        factor = params.get("factor") or config.max_position_embeddings / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        config.extra["rope_short_factor"] = short
+        config.extra["rope_attention_factor"] = float(attention_factor)
+        # Past ``original`` transformers re-rotates the whole sequence with the long factors (see above).
+        _cap_context(config, original, "longrope_long_factors_not_served")
+
+    @classmethod
+    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+        parent, _, leaf = name.rpartition(".")  # "model.layers.N.self_attn.qkv_proj", "weight"
+        layer, _, fused = parent.rpartition(".")
+        if leaf != "weight":
+            return None
+        if fused == "qkv_proj":
+            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            return [
+                (f"{layer}.q_proj.weight", 0, q),
+                (f"{layer}.k_proj.weight", q, kv),
+                (f"{layer}.v_proj.weight", q + kv, kv),
+            ]
+        if fused == "gate_up_proj":
+            size = config.intermediate_size
+            return [(f"{layer}.gate_proj.weight", 0, size), (f"{layer}.up_proj.weight", size, size)]
+        return None

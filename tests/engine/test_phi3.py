@@ -1,0 +1,219 @@
+"""Phi-3 / Phi-4-mini: tiny random transformers checkpoints (fused qkv_proj and gate_up_proj in the
+file) with whole-head rotary untied, partial rotary tied (Phi-4-mini's shape), and partial rotary with
+LongRoPE, served as transformers computes them: logits and prompt logprobs within 1e-4 (float32,
+dense) on each ops backend (native CPU ops, the torch reference, triton), the same greedy tokens, a prompt bitwise the same
+alone and in a batch; the fused split shown to matter, and what is not served refused or capped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.engine.test_gguf_loader import _randomize
+from tests.engine.test_qwen3 import greedy, hf_logits, load
+from tests.triton_setup import DEVICE  # noqa: F401 - before anything imports triton: its interpreter without a GPU
+from tokenmill_service.engine.executor import make_executor
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
+from tokenmill_service.models.loader import load_model
+from tokenmill_service.models.phi3 import Phi3ForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(  # noqa: C408 - keyword names as in the transformers config
+    vocab_size=96,
+    hidden_size=256,  # 4 heads of 64: a head the native attention kernel takes
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+)
+ROTARY_DIM = 32  # partial_rotary_factor 0.5 of a 64 head
+# LongRoPE past a 128-token pretraining length; the short factors (which run) away from 1.
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + i / 8 for i in range(ROTARY_DIM // 2)],
+    "long_factor": [4.0 + i for i in range(ROTARY_DIM // 2)],
+    "original_max_position_embeddings": 128,
+}
+VARIANTS = {  # id -> (tied, Phi3Config keywords)
+    "untied": (False, {}),
+    "tied-partial": (True, {"partial_rotary_factor": 0.5}),
+    "untied-partial-longrope": (
+        False,
+        {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 128, "rope_scaling": LONGROPE},
+    ),
+}
+PROMPT = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def phi3(variant: str) -> torch.nn.Module:
+    tied, extra = VARIANTS[variant]
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**TINY, **extra, tie_word_embeddings=tied)
+    model = transformers.Phi3ForCausalLM(config)
+    _randomize(model, seed=1)
+    with torch.no_grad():  # halved: 256-wide sums of _randomize's weights give logits float32 rounds past 1e-4
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A saved tiny Phi-3 and the transformers model it was saved from."""
+    hf_model = phi3(request.param)
+    directory = tmp_path_factory.mktemp("tiny-phi3")
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return directory, hf_model
+
+
+def test_the_checkpoint_holds_fused_tensors(checkpoint: tuple[Path, Any]) -> None:
+    """What the loader is asked to split: transformers saves q/k/v and gate/up each as one tensor."""
+    names = set(checkpoint[1].state_dict())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(name.endswith(("q_proj.weight", "gate_proj.weight")) for name in names)
+
+
+@pytest.mark.parametrize("ops", ["native", "torch", "triton"])
+@torch.inference_mode()
+def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
+    directory, hf_model = checkpoint
+    model = load(directory, ops)
+    assert model.config.architecture == "phi3"
+    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
+    expected = hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def test_the_config_carries_rotary_and_longrope(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    config = read_hf_config(directory)
+    assert config.architecture == "phi3" and config.tie_word_embeddings is hf_model.config.tie_word_embeddings
+    partial = hf_model.config.rope_parameters.get("partial_rotary_factor", 1.0) < 1.0
+    assert config.extra["rotary_dim"] == (ROTARY_DIM if partial else 64)
+    if hf_model.config.rope_parameters.get("rope_type") == "longrope":
+        assert config.extra["rope_short_factor"] == LONGROPE["short_factor"]
+        assert config.extra["rope_attention_factor"] == pytest.approx(math.sqrt(1 + math.log(2) / math.log(128)))
+        assert config.max_position_embeddings == 128  # the long factors are not served: capped
+    else:
+        assert "rope_short_factor" not in config.extra and config.max_position_embeddings == 256
+
+
+def _swap(pieces: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The first two pieces' rows exchanged (q <-> k where they are the same size, gate <-> up)."""
+    (a, a_start, a_rows), (b, b_start, b_rows), *rest = pieces
+    return [(a, b_start, b_rows), (b, a_start, a_rows), *rest]
+
+
+@pytest.mark.parametrize("fused", ["qkv_proj", "gate_up_proj"])
+@torch.inference_mode()
+def test_a_wrong_fused_split_is_far_from_transformers(
+    checkpoint: tuple[Path, Any], fused: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guards the comparison above: rows cut from the fused tensors in another order load (the shapes fit)
+    but give other logits. For q/k/v the k and v pieces swap (same size under grouped-query attention)."""
+    directory, hf_model = checkpoint
+    real = Phi3ForCausalLM.unfuse.__func__  # type: ignore[attr-defined]
+
+    def wrong(cls: type, name: str, config: Any) -> list[tuple[str, int, int]] | None:
+        pieces = real(cls, name, config)
+        if pieces is None or fused not in name:
+            return pieces
+        return [pieces[0], *_swap(pieces[1:])] if fused == "qkv_proj" else _swap(pieces)
+
+    monkeypatch.setattr(Phi3ForCausalLM, "unfuse", classmethod(wrong))
+    model = load_model(directory)
+    actual = model.compute_logits(forward_prompt(model, PROMPT))
+    assert (actual - hf_logits(hf_model, PROMPT)).abs().max() > 1e-2
+
+
+def test_unfuse_names_the_rows_of_each_piece(checkpoint: tuple[Path, Any]) -> None:
+    config = read_hf_config(checkpoint[0])
+    q, kv, inter = 4 * 64, 2 * 64, 128
+    assert Phi3ForCausalLM.unfuse("model.layers.1.self_attn.qkv_proj.weight", config) == [
+        ("model.layers.1.self_attn.q_proj.weight", 0, q),
+        ("model.layers.1.self_attn.k_proj.weight", q, kv),
+        ("model.layers.1.self_attn.v_proj.weight", q + kv, kv),
+    ]
+    assert Phi3ForCausalLM.unfuse("model.layers.0.mlp.gate_up_proj.weight", config) == [
+        ("model.layers.0.mlp.gate_proj.weight", 0, inter),
+        ("model.layers.0.mlp.up_proj.weight", inter, inter),
+    ]
+    assert Phi3ForCausalLM.unfuse("model.layers.0.self_attn.o_proj.weight", config) is None
+
+
+def test_the_plan_says_the_native_stack_has_no_partial_rotary(checkpoint: tuple[Path, Any]) -> None:
+    model = load(checkpoint[0], "native")
+    executor = model.plan.executor
+    assert executor.value == "eager"
+    assert "the phi3 family has no native stack" in executor.reason and "partial rotary" in executor.reason
+    with pytest.raises(ValueError, match="Phi3ForCausalLM has no native stack"):
+        make_executor(model, "native-stack")
+
+
+def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(10):  # transformers' own greedy choice, one full forward per token
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any], ops: str) -> None:
+    """Prefill and the next decode step, alone and between two other sequences (block tables out of order)."""
+    model = load(checkpoint[0], ops)
+    a, p, b = PROMPT[20:29], PROMPT[:13], PROMPT[30:35]
+    next_token = 7
+
+    alone = ModelRunner(model, block_size=4, num_blocks=16)
+    table = [9, 3, 12, 5]
+    _, (prefill,) = alone.execute(StepPlan(p, [13], [0], [table], [12], [(0, 13)]))
+    decode, _ = alone.execute(StepPlan([next_token], [1], [13], [table], [0], []))
+
+    crowd = ModelRunner(model, block_size=4, num_blocks=16)
+    tables = [[0, 7, 2], [11, 4, 15, 6], [14, 1]]
+    _, (crowd_prefill,) = crowd.execute(StepPlan(a + p + b, [9, 13, 5], [0, 0, 0], tables, [8, 21, 26], [(9, 13)]))
+    crowd_decode, _ = crowd.execute(StepPlan([3, next_token, 4], [1, 1, 1], [9, 13, 5], tables, [0, 1, 2], []))
+    assert torch.equal(crowd_prefill, prefill)
+    assert torch.equal(crowd_decode[1], decode[0])
+
+
+def _edited(directory: Path, tmp_path: Path, edit: dict[str, Any]) -> Path:
+    """A copy of the checkpoint's config.json with ``edit`` applied (weights not needed to read it)."""
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_a_sliding_window_caps_the_context(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+    config = read_hf_config(_edited(checkpoint[0], tmp_path, {"sliding_window": 96}))
+    assert config.max_position_embeddings == 96
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling type 'dynamic' is not supported"),
+        ({"rope_parameters": {**LONGROPE, "short_factor": [1.0, 2.0]}}, "short_factor has 2 values"),
+        ({"partial_rotary_factor": 0.3, "rope_parameters": None}, "partial_rotary_factor 0.3 gives 19 rotary dims"),
+    ],
+)
+def test_what_is_not_served_is_refused(checkpoint: tuple[Path, Any], tmp_path: Path, edit: Any, message: str) -> None:
+    with pytest.raises(HFCheckpointError, match=message):
+        read_hf_config(_edited(checkpoint[0], tmp_path, edit))
