@@ -1,14 +1,19 @@
 """Starting and stopping as a person at a terminal expects, against the real server process.
 
-A second Ctrl-C (or SIGTERM) during the drain stops the server at once.
+A second Ctrl-C (or SIGTERM) during the drain stops the server at once; a client started before
+the server waits for it (saying so once) and gets its answer.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,6 +22,8 @@ import pytest
 from tests.server_process import ServerProcess
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+
+CLIENT = Path(sys.executable).parent / "tokenmill-client"
 
 
 def log_events(server: ServerProcess, event: str) -> list[dict[str, Any]]:
@@ -84,3 +91,31 @@ def test_a_second_signal_during_the_drain_stops_at_once(second: signal.Signals) 
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.CANCELLED,
     ), outcome
+
+
+def test_the_cli_started_before_the_server_waits_for_it_saying_so_once_and_gets_its_answer() -> None:
+    server = ServerProcess()
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_SERVER", "TOKENMILL_TOKEN")}
+    # The default --max-retries: a normal start of the embedded model must be covered by it.
+    cli = subprocess.Popen(
+        [str(CLIENT), "--server", server.address, "generate", "-p", "Hello", "-l", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        time.sleep(1.0)
+        assert cli.poll() is None, cli.communicate()
+        server.start()
+        out, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        server.stop()
+    assert cli.returncode == 0, err
+    assert out.strip()
+    waiting = [line for line in err.splitlines() if "waiting for the server" in line]
+    assert len(waiting) == 1 and server.address in waiting[0], err
+    assert "error" not in err
