@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,8 @@ HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # prompt logprobs of a long prompt can pass gRPC's 4 MiB default
 
 ChannelOptions = Sequence[tuple[str, Any]]
+# Called before each retry's wait with the retry number (0-based) and the seconds it will wait.
+RetryHook = Callable[[int, float], None]
 
 
 def default_target() -> str:
@@ -55,6 +57,7 @@ class Settings:
     initial_backoff: float = 0.2
     max_backoff: float = 2.0
     options: tuple[tuple[str, Any], ...] = ()
+    on_retry: RetryHook | None = None
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -94,6 +97,7 @@ def make_settings(
     timeout: float | None,
     max_retries: int,
     options: ChannelOptions,
+    on_retry: RetryHook | None = None,
 ) -> Settings:
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
@@ -108,6 +112,7 @@ def make_settings(
         timeout=timeout,
         max_retries=max_retries,
         options=tuple(options),
+        on_retry=on_retry,
     )
 
 
@@ -115,12 +120,16 @@ def retry_delay(code: grpc.StatusCode | None, settings: Settings, deadline: Dead
     """Seconds to wait before retrying a call that failed with ``code``, or None not to retry.
 
     Only UNAVAILABLE is retried (the server was not reached, or is restarting), ``settings.max_retries``
-    times at most, and only while the deadline leaves room for the wait.
+    times at most, and only while the deadline leaves room for the wait; ``settings.on_retry`` hears of each.
     """
     if code is not grpc.StatusCode.UNAVAILABLE or retry >= settings.max_retries:
         return None
     delay = settings.backoff(retry)
-    return delay if deadline.allows(delay) else None
+    if not deadline.allows(delay):
+        return None
+    if settings.on_retry is not None:
+        settings.on_retry(retry, delay)
+    return delay
 
 
 class Deadline:

@@ -24,6 +24,7 @@ from ._transport import (
     AsyncStubs,
     ChannelOptions,
     Deadline,
+    RetryHook,
     Settings,
     decode_health_response,
     encode_health_request,
@@ -60,7 +61,8 @@ class AsyncClient:
     ``root_certificates``, PEM bytes or a file path) uses TLS; ``token`` is sent as
     ``authorization: Bearer <token>``; ``timeout`` is the default deadline of each call in seconds
     (None = none). UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff, for
-    generate only while no response has arrived yet. Thread-safe; use it as a context manager or call close().
+    generate only while no response has arrived yet; ``on_retry(retry, delay_seconds)`` is called before each
+    retry's wait. Thread-safe; use it as a context manager or call close().
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class AsyncClient:
         timeout: float | None = None,
         max_retries: int = 3,
         options: ChannelOptions = (),
+        on_retry: RetryHook | None = None,
     ) -> None:
         self._settings: Settings = make_settings(
             target,
@@ -82,6 +85,7 @@ class AsyncClient:
             timeout=timeout,
             max_retries=max_retries,
             options=options,
+            on_retry=on_retry,
         )
         self._channel = self._settings.aio_channel()
         self._stubs = AsyncStubs(self._channel)

@@ -207,6 +207,29 @@ def _settings_from_args(args: argparse.Namespace) -> GenSettings:
     return GenSettings(options=options_from_args(args), system=args.system, raw=args.raw)
 
 
+# Enough retries to wait out a normal start of the server (the embedded model: about 10 s warm, 30 s cold):
+# 0.2, 0.4, 0.8, 1.6 s, then 2 s apart (each +-20 %), about 35 s in all.
+DEFAULT_MAX_RETRIES = 20
+# gRPC's own reconnection backoff grows to 120 s; capped so a server that starts listening is reached soon.
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
+
+
+class _WaitingNotice:
+    """Says once, on stderr, that the CLI is waiting for the server (not once per retry)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._lock = threading.Lock()
+        self._said = False
+
+    def __call__(self, retry: int, delay: float) -> None:
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        _err(f"waiting for the server at {self.target} (unavailable; retrying up to --max-retries times)...\n")
+
+
 def _client_from_args(args: argparse.Namespace) -> Client:
     try:
         return Client(
@@ -216,6 +239,8 @@ def _client_from_args(args: argparse.Namespace) -> Client:
             token=args.token,
             timeout=args.timeout,
             max_retries=args.max_retries,
+            options=_CHANNEL_OPTIONS,
+            on_retry=_WaitingNotice(args.server or default_target()),
         )
     except OSError as exc:
         raise UsageError(f"cannot read the root certificates {args.root_certificates}: {exc.strerror}") from exc
@@ -761,8 +786,9 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
         "--max-retries",
         type=int,
         metavar="N",
-        default=default(3),
-        help="retries while the server is unavailable, before any output (default: 3)",
+        default=default(DEFAULT_MAX_RETRIES),
+        help="retries while the server is unavailable (starting, restarting), before any output; "
+        f"about 35 s in all (default: {DEFAULT_MAX_RETRIES})",
     )
 
 

@@ -22,6 +22,7 @@ from ._proto import generate_pb2 as pb
 from ._transport import (
     ChannelOptions,
     Deadline,
+    RetryHook,
     Settings,
     SyncStubs,
     decode_health_response,
@@ -57,7 +58,8 @@ class Client:
     ``root_certificates``, PEM bytes or a file path) uses TLS; ``token`` is sent as
     ``authorization: Bearer <token>``; ``timeout`` is the default deadline of each call in seconds
     (None = none). UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff, for
-    generate only while no response has arrived yet. Thread-safe; use it as a context manager or call close().
+    generate only while no response has arrived yet; ``on_retry(retry, delay_seconds)`` is called before each
+    retry's wait. Thread-safe; use it as a context manager or call close().
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class Client:
         timeout: float | None = None,
         max_retries: int = 3,
         options: ChannelOptions = (),
+        on_retry: RetryHook | None = None,
     ) -> None:
         self._settings: Settings = make_settings(
             target,
@@ -79,6 +82,7 @@ class Client:
             timeout=timeout,
             max_retries=max_retries,
             options=options,
+            on_retry=on_retry,
         )
         self._channel = self._settings.sync_channel()
         self._stubs = SyncStubs(self._channel)

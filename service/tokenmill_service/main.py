@@ -110,10 +110,18 @@ async def serve(settings: Settings) -> int:
         http_port=settings.http_port or None,
     )
 
+    # The first SIGTERM or SIGINT drains; a second one, during the drain, stops at once.
     stop = asyncio.Event()
+    stop_now = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        (stop_now if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     starting = asyncio.ensure_future(router.start())
     stopping = asyncio.ensure_future(stop.wait())
@@ -142,16 +150,43 @@ async def serve(settings: Settings) -> int:
         starting.cancel()
 
     # Drain: refuse new calls, let in-flight ones finish within drain_seconds, then exit.
-    log.info("draining", drain_seconds=settings.drain_seconds, in_flight=router.inflight_count())
-    router.draining = True
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    await router.drain(settings.drain_seconds)
-    await server.stop(grace=1.0)
-    if health_server is not None:
-        await health_server.stop(grace=None)
-    if http_server is not None:
-        await http_server.stop()
-    await router.stop()
+    log.info(
+        "draining",
+        signal=received[0].name if received else None,
+        drain_seconds=settings.drain_seconds,
+        in_flight=router.inflight_count(),
+        hint="send SIGINT (Ctrl-C) or SIGTERM again to stop at once",
+    )
+
+    async def shut_down() -> None:
+        router.draining = True
+        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await router.drain(settings.drain_seconds)
+        await server.stop(grace=1.0)
+        if health_server is not None:
+            await health_server.stop(grace=None)
+        if http_server is not None:
+            await http_server.stop()
+        await router.stop()
+
+    shutting_down = asyncio.ensure_future(shut_down())
+    interrupted = asyncio.ensure_future(stop_now.wait())
+    await asyncio.wait({shutting_down, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    if not shutting_down.done():
+        shutting_down.cancel()
+        # A second signal: no more waiting for calls or workers; kill the workers and go.
+        sig = received[-1]
+        log.warning("stopping_now", signal=sig.name, in_flight=router.inflight_count())
+        router.kill()
+        await server.stop(grace=None)
+        if health_server is not None:
+            await health_server.stop(grace=None)
+        if http_server is not None:
+            await http_server.stop()
+        exit_code = 128 + sig.value
+    else:
+        interrupted.cancel()
+        shutting_down.result()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
 

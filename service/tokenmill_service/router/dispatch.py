@@ -63,11 +63,21 @@ class Router:
         left = self.inflight_count()
         if left:
             log.warning("drain_timeout", abandoned=left)
-            for inflight in list(self.requests.values()):
-                inflight.end(Unavailable("the server is shutting down"))
+            self.abandon()
+
+    def abandon(self) -> None:
+        """End every in-flight request with UNAVAILABLE."""
+        for inflight in list(self.requests.values()):
+            inflight.end(Unavailable("the server is shutting down"))
 
     async def stop(self) -> None:
         await self.pool.stop()
+
+    def kill(self) -> None:
+        """Stop at once: end every in-flight request and kill every worker process, without waiting."""
+        self.draining = True
+        self.abandon()
+        self.pool.kill()
 
     # -- admission ---------------------------------------------------------------------------
 

@@ -146,6 +146,21 @@ class ReplicaPool:
                     p.kill()
             self._forget(w)
 
+    def kill(self) -> None:
+        """Kill every worker process now (SIGKILL), without asking them to stop or waiting."""
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for w in self.replicas:
+            for p in w.processes:
+                if p.is_alive():
+                    p.kill()
+            self._forget(w)
+        for w in self.replicas:
+            for p in w.processes:
+                p.join(timeout=1)
+        log.warning("workers_killed", workers=len(self.replicas))
+
     def serving(self) -> list[Replica]:
         return [w for w in self.replicas if w.serving]
 
