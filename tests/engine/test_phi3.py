@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize
 from tests.engine.test_qwen3 import greedy, hf_logits, load
 from tests.triton_setup import DEVICE  # noqa: F401 - before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.phi3 import Phi3ForCausalLM
@@ -177,20 +178,7 @@ def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -
 def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any], ops: str) -> None:
     """Prefill and the next decode step, alone and between two other sequences (block tables out of order)."""
     model = load(checkpoint[0], ops)
-    a, p, b = PROMPT[20:29], PROMPT[:13], PROMPT[30:35]
-    next_token = 7
-
-    alone = ModelRunner(model, block_size=4, num_blocks=16)
-    table = [9, 3, 12, 5]
-    _, (prefill,) = alone.execute(StepPlan(p, [13], [0], [table], [12], [(0, 13)]))
-    decode, _ = alone.execute(StepPlan([next_token], [1], [13], [table], [0], []))
-
-    crowd = ModelRunner(model, block_size=4, num_blocks=16)
-    tables = [[0, 7, 2], [11, 4, 15, 6], [14, 1]]
-    _, (crowd_prefill,) = crowd.execute(StepPlan(a + p + b, [9, 13, 5], [0, 0, 0], tables, [8, 21, 26], [(9, 13)]))
-    crowd_decode, _ = crowd.execute(StepPlan([3, next_token, 4], [1, 1, 1], [9, 13, 5], tables, [0, 1, 2], []))
-    assert torch.equal(crowd_prefill, prefill)
-    assert torch.equal(crowd_decode[1], decode[0])
+    assert_alone_equals_crowd(model, PROMPT)
 
 
 def _edited(directory: Path, tmp_path: Path, edit: dict[str, Any]) -> Path:

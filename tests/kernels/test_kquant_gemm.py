@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from tests.engine.test_gguf_loader import random_blocks
+from tests.kernels.test_native_block_gemm import _rows_are_independent_of_the_batch_and_the_thread_count
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.cpu import kquant_gemm, vnni_gemm
 from tokenmill_service.layers.linear import QKVParallelLinear, ReplicatedLinear
@@ -81,17 +82,7 @@ def test_a_packed_row_takes_about_the_files_bytes(qtype: QType) -> None:
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_thread_count(qtype: QType) -> None:
     layer = _layer(_blocks(qtype, 200, 768, seed=5))
     x = torch.randn(300, 768, generator=torch.Generator().manual_seed(6))
-    full = layer(x)
-    for m in (1, 2, 3, 4, 5, 6, 7, 13, 64, 200):
-        assert torch.equal(layer(x[:m]), full[:m]), m
-    for row in (0, 41, 299):
-        assert torch.equal(layer(x[row : row + 1]), full[row : row + 1]), row
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), full)
-    finally:
-        torch.set_num_threads(threads)
+    _rows_are_independent_of_the_batch_and_the_thread_count(layer, x)
 
 
 def test_a_layer_whose_inputs_split_a_super_block_is_refused() -> None:
