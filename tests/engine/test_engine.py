@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine
+from tokenmill_service.engine.llm_engine import KVPoolTooSmall, LLMEngine
 from tokenmill_service.engine.request import (
     FinishReason,
     GenerationRequest,
@@ -231,3 +231,13 @@ def test_prefix_caching_shares_the_system_prompt_without_changing_tokens(
     assert seq.num_cached_tokens == (len(ids) - 1) // 8 * 8 > 0
     second = token_ids(early + run_all(engine)["second"])
     assert second == first
+
+
+def test_a_context_the_kv_pool_cannot_hold_is_refused_when_asked_and_capped_otherwise(
+    default_model: Any, default_tokenizer: Any
+) -> None:
+    # 4 blocks of 16 tokens: a pool of 64 tokens.
+    with pytest.raises(KVPoolTooSmall, match=r"--max-model-len 128 needs .*pool holds 64 tokens.*--kv-cache-memory"):
+        make_engine(default_model, default_tokenizer, num_kv_blocks=4, max_model_len=128)
+    assert make_engine(default_model, default_tokenizer, num_kv_blocks=4).max_model_len == 64
+    assert make_engine(default_model, default_tokenizer, num_kv_blocks=4, max_model_len=64).max_model_len == 64

@@ -39,9 +39,45 @@ from tokenmill_service.engine.request import (
 from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
+from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
+
+
+class KVPoolTooSmall(ModelLoadError):
+    """The KV cache pool cannot hold one full context of the length asked for (--max-model-len)."""
+
+
+def _context_within_pool(asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int) -> int:
+    """The context served: ``asked`` (--max-model-len) or the model's own, within what the pool holds,
+    since a sequence can never hold more tokens than the whole pool. A length the caller asked for that
+    the pool cannot hold is refused; the model's own is capped, with the memory a full one would need."""
+    pool_tokens = num_blocks * block_size
+    wanted = min(asked or model_len, model_len)
+    if wanted <= pool_tokens:
+        return wanted
+    needed = -(-wanted // block_size) * block_bytes
+    if asked:
+        raise KVPoolTooSmall(
+            f"--max-model-len {asked} needs a KV cache pool of {_mib(needed)} ({block_bytes // block_size} "
+            f"bytes per token for this model), but the pool holds {pool_tokens} tokens "
+            f"({_mib(num_blocks * block_bytes)}): raise --kv-cache-memory to at least {_mib(needed)} "
+            f"or lower --max-model-len"
+        )
+    log.warning(
+        "context_capped_to_kv_pool",
+        model_context=model_len,
+        context=pool_tokens,
+        kv_bytes_per_token=block_bytes // block_size,
+        full_context_needs=_mib(needed),
+        hint="--kv-cache-memory sets the pool",
+    )
+    return pool_tokens
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // 2**20)} MiB"
 
 
 class LLMEngine:
@@ -53,12 +89,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks
+        block_bytes = kv_bytes_per_block(model, block_size, model.kv_dtype)
         if num_blocks <= 0:
             budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
-            num_blocks = max(1, budget // kv_bytes_per_block(model, block_size, model.kv_dtype))
-        model_len = self.config.max_model_len or model.max_positions
-        # A sequence can never hold more tokens than the whole pool.
-        self.max_model_len = min(model_len, model.max_positions, num_blocks * block_size)
+            num_blocks = max(1, budget // block_bytes)
+        self.max_model_len = _context_within_pool(
+            self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes
+        )
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         # executor: how each forward pass runs (None: as the model's load plan chose).
