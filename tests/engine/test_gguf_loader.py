@@ -17,6 +17,7 @@ from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.quant import gguf_blocks
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
+from tokenmill_service.layers.quant.transcode import TRANSCODED, transcode
 from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.gguf_loader import (
@@ -485,15 +486,25 @@ def test_formats_no_native_kernel_reads_are_dense_and_the_plan_names_them(tmp_pa
     tensors = _kquant_tensors(rng)
     for name, (data, qtype) in list(tensors.items()):
         if name.endswith(("attn_k.weight", "ffn_up.weight")):
-            tensors[name] = (random_blocks(QType.Q3_K, *_shape_of(data, qtype), rng, 0.01), QType.Q3_K)
-    path = tmp_path / "tiny-q3_k.gguf"
+            tensors[name] = (random_blocks(QType.Q2_K, *_shape_of(data, qtype), rng, 0.01), QType.Q2_K)
+    path = tmp_path / "tiny-q2_k.gguf"
     _write_llama(path, tensors)
     plan = resolve_plan(LoadOptions(model=str(path)), open_checkpoint(path), DeviceFacts())
     assert plan.layers["model.layers.1.self_attn.qkv_proj"].method == "none"
     assert plan.layers["model.layers.1.self_attn.o_proj"].method == "gguf-kquant"
     assert (
-        "Q3_K/Q4_K tensors, dense (exactly dequantized): no native kernel reads Q3_K yet" in plan.quant_reasons["none"]
+        "Q2_K/Q4_K tensors, dense (exactly dequantized): no native kernel reads Q2_K yet" in plan.quant_reasons["none"]
     )
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.IQ4_NL, QType.Q3_K], ids=lambda t: t.name)
+def test_formats_rewritten_for_a_native_kernel_dequantize_to_the_files_weights_bit_for_bit(qtype: QType) -> None:
+    rows, cols = 5, 2 * BLOCK_WEIGHTS[qtype]
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    rewritten = transcode(GGUFBlocks.from_raw(raw, qtype, (rows, cols)))
+    assert rewritten.qtype == TRANSCODED[qtype] != qtype and rewritten.shape == (rows, cols)
+    reference = gguf.quants.dequantize(raw, qtype)
+    np.testing.assert_array_equal(rewritten.dequantize().numpy().view(np.uint32), reference.view(np.uint32))
 
 
 def _shape_of(data: np.ndarray, qtype: QType) -> tuple[int, int]:

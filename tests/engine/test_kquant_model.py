@@ -8,10 +8,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
-from tests.engine.test_gguf_loader import KQ_LAYERS, KQ_VOCAB, q4_k_m_files  # noqa: F401 - a fixture
+from tests.engine.test_gguf_loader import (  # noqa: F401 - q4_k_m_files is a fixture
+    KQ_LAYERS,
+    KQ_VOCAB,
+    _kquant_tensors,
+    _shape_of,
+    _write_llama,
+    q4_k_m_files,
+    random_blocks,
+)
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.kernels.cpu import decoder_stack, kquant_gemm
 from tokenmill_service.models.loader import load
@@ -102,3 +113,37 @@ def test_the_embedding_table_stays_as_the_file_stores_it(served: Any, q4_k_m_fil
     assert dense.blocks is None and dense.weight.shape == (KQ_VOCAB, 256)
     ids = torch.tensor(PROMPT)
     assert torch.equal(embedding(ids), dense(ids))
+
+
+def test_a_q3_k_m_style_file_with_q5_0_and_iq4_nl_layers_is_served_natively_within_bounds(tmp_path: Path) -> None:
+    """Q3_K (rewritten exactly as Q6_K), Q5_0 and IQ4_NL (as Q8_0) beside Q4_K and Q6_K: every layer on a native
+    kernel, within the default's bounds of the reference on the file's dequantized weights."""
+    rng = np.random.default_rng(5)
+    tensors = _kquant_tensors(rng)
+    swaps = {"attn_k": (QType.Q3_K, 1e-3), "ffn_gate": (QType.Q3_K, 1e-3), "ffn_up": (QType.Q3_K, 1e-3)}
+    swaps |= {"blk.0.attn_output": (QType.Q5_0, 6e-3), "blk.1.attn_output": (QType.IQ4_NL, 8e-4)}
+    for name, (data, qtype) in list(tensors.items()):
+        for part, (new, scale) in swaps.items():
+            if name.endswith(f"{part}.weight"):
+                tensors[name] = (random_blocks(new, *_shape_of(data, qtype), rng, scale), new)
+    path = tmp_path / "tiny-q3_k_m.gguf"
+    _write_llama(path, tensors)
+    served = load(LoadOptions(model=str(path)))
+    plan = served.plan
+    assert set(plan.method_counts) <= {"gguf-kquant", "gguf-vnni"}, plan.quant_reasons
+    assert plan.method_counts == {"gguf-kquant": KQ_LAYERS * 3 + 1, "gguf-vnni": KQ_LAYERS}
+    assert "Q3_K (as Q6_K)/Q4_K" in plan.quant_reasons["gguf-kquant"]
+    assert "Q5_0 (as Q8_0), IQ4_NL (as Q8_0)" in plan.quant_reasons["gguf-vnni"]
+    dequantized = {
+        name: (data if qtype == QType.F32 else gguf.quants.dequantize(data, qtype), QType.F32)
+        for name, (data, qtype) in tensors.items()
+    }
+    _write_llama(tmp_path / "tiny-f32.gguf", dequantized)
+    reference = load(LoadOptions(model=str(tmp_path / "tiny-f32.gguf"), quantization="none", dtype="float32"))
+    with torch.inference_mode():
+        got = torch.log_softmax(served.compute_logits(forward_prompt(served, PROMPT)), -1)
+        want = torch.log_softmax(reference.compute_logits(forward_prompt(reference, PROMPT)), -1)
+    targets = torch.tensor(PROMPT[1:])[:, None]
+    error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
+    assert want.std() > 0.2
+    assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())

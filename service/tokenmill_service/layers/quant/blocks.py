@@ -1,7 +1,7 @@
 """GGUF's block formats served as stored: ``--quantization gguf`` (the default for a GGUF on a CPU).
 
 The layer keeps the file's own bytes (Q4_0, Q4_1 or Q8_0: a float16 scale, for Q4_1 a float16
-minimum, and 32 quantized weights per block) and multiplies them with tokenmill's native kernel
+minimum, and 32 quantized weights per block; Q5_0 and IQ4_NL rewritten exactly as Q8_0, transcode.py) and multiplies them with tokenmill's native kernel
 (``kernels/cpu/block_gemm.cpp``): float32 activations, each weight dequantized exactly as gguf
 does, float32 sums in an order fixed per output, so a row's result is the same whatever else is in
 its batch. Unlike the int4/int8 methods nothing is rounded to bfloat16 on the way, so the served
@@ -20,11 +20,14 @@ from tokenmill_service.kernels.cpu import block_gemm as native
 from tokenmill_service.kernels.cpu import vnni_gemm as vnni
 from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks
+from tokenmill_service.layers.quant.transcode import TRANSCODED, transcode
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
 
-SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
+_READ_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
+# What the kernels read, and the formats rewritten exactly into one of those at load (transcode.py).
+SERVED_TYPES = _READ_TYPES | {qtype for qtype, target in TRANSCODED.items() if target in _READ_TYPES}
 
 
 @register_quantization("gguf")
@@ -59,6 +62,7 @@ class GGUFBlocksMethod(QuantMethod):
             kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
             names = ", ".join(sorted(t.name for t in self.served_types))
             raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {kind}")
+        tensor = transcode(tensor)
         if layer.qtype is None:
             layer.qtype = tensor.qtype
             shape = (layer.out_features, tensor.data.shape[1], tensor.data.shape[2])
