@@ -10,8 +10,8 @@ at load, weight for weight and bit for bit, into a format a native kernel multip
 
 Every weight dequantizes to exactly what gguf gives for the original block, and the kernels' products
 are exact for the target format, so serving the re-encoded blocks is serving the file's weights. They
-take more memory than the file (Q5_0 34 bytes for 22, IQ4_NL 34 for 18, Q3_K 210 for 110): the price
-of a native kernel over dequantizing to dense floats (32 bits a weight).
+take more memory than the file (per block, Q5_0 34 bytes for 22, IQ4_NL 34 for 18, Q3_K 274 for 110 in
+the k-quant kernel's layout): the price of a native kernel over dense floats (32 bits a weight).
 """
 
 from __future__ import annotations
