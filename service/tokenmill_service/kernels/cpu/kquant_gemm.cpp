@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q4_K, Q5_K, Q6_K: super-blocks of
-// 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
+// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q4_K, Q5_K, Q6_K, and IQ4_XS: super-blocks
+// of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
 // per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd, exact int32 sums.
 //
 // What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
@@ -7,9 +7,13 @@
 //               float16 d and dmin;  w = (d * sc) * q - dmin * m,  q in 0..15 (Q5_K: 0..31, a fifth bit).
 //   Q6_K:       16 sub-blocks of 16, each with an int8 scale sc; float16 d;  w = (d * sc) * (q - 32),
 //               q in 0..63.
+//   IQ4_XS:     8 sub-blocks of 32, each with a 6-bit scale ls; float16 d;  w = (d * (ls - 32)) * level,
+//               level one of IQ4_NL's 16 values in -127..113: served as Q6_K is, with q = level + 128 and
+//               an offset of 128 for 32, the sub-block's scale on both its halves.
 // So per activation block b of 32 (unit dx, integer values a, sx = dx * sum a):
 //   Q4_K, Q5_K: sum w x = (d sc) dx * sum q a  -  (dmin m) * sx           (one sub-block = one block)
-//   Q6_K:       per half block h:  (d sc_h) dx * (sum q a - 32 * sum_h a)   (the integer part exact)
+//   Q6_K:       per half block h:  (d sc_h) dx * (sum q a - 32 * sum_h a)   (the integer part exact;
+//               IQ4_XS: - 128 * sum_h a, whose difference can exceed 2^24 and rounds once to float32)
 //
 // Batch-invariant: the integer sums are exact, every float32 step is done per output in one fixed
 // order (block after block along K), and the activations are quantized row by row, so a row's
@@ -21,17 +25,17 @@
 //               of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low nibble
 //               and step 2s+1's in its high nibble; step j: weights 4j..4j+3); Q5_K then its fifth
 //               bits as one 64-bit mask per step (bit i: row i / 4, weight i % 4 of that step);
-//   Q6_K:       each weight in a byte, as vnni_gemm.cpp packs Q8_0 (8 x 64 bytes, step j's weights):
+//   Q6_K, IQ4_XS: each weight in a byte, as vnni_gemm.cpp packs Q8_0 (8 x 64 bytes, step j's weights):
 //               unpacking two high bits costs more than the bytes it saves, the product being bound
 //               by arithmetic, not memory (9.5 against about 20 GB/s on this CPU, measured);
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
-//   Q6_K:       d[16] as float16, sc[16][16] as int8                            (4384 bytes)
+//   Q6_K, IQ4_XS: d[16] as float16, sc[16][16] as int8                          (4384 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
 // Q4_K and Q5_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5, 5.63
-// against 5.5), Q6_K 8.56 against 6.56.
+// against 5.5), Q6_K 8.56 against 6.56, IQ4_XS 8.56 against 4.25.
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -50,31 +54,55 @@ using vnni::QK;
 
 constexpr int64_t QK_K = TM_BLOCK_WEIGHTS_Q4_K;  // weights per super-block
 constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-block
-static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K, "k-quants: one super-block size");
+static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K,
+              "k-quants: one super-block size");
 constexpr int MT = 3;  // activation rows per register tile
 constexpr int NG = 2;  // groups per register tile
 
-enum Format : int { Q4_K = TM_FORMAT_Q4_K, Q5_K = TM_FORMAT_Q5_K, Q6_K = TM_FORMAT_Q6_K };
+enum Format : int { Q4_K = TM_FORMAT_Q4_K, Q5_K = TM_FORMAT_Q5_K, Q6_K = TM_FORMAT_Q6_K, IQ4_XS = TM_FORMAT_IQ4_XS };
+
+// IQ4_NL's (and IQ4_XS's) 16 levels, ggml's kvalues_iq4nl.
+constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Formats packed a byte a weight with an int8 scale per 16 (Q6_K's way), and the offset of their q.
+constexpr bool byte_weights(int fmt) { return fmt == Q6_K || fmt == IQ4_XS; }
+constexpr int q_offset(int fmt) { return fmt == IQ4_XS ? 128 : 32; }
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
     case Q4_K: return TM_BLOCK_BYTES_Q4_K;
     case Q5_K: return TM_BLOCK_BYTES_Q5_K;
     case Q6_K: return TM_BLOCK_BYTES_Q6_K;
+    case IQ4_XS: return TM_BLOCK_BYTES_IQ4_XS;
     default: return 0;
   }
 }
 
-constexpr int64_t block_quant_bytes(int fmt) { return fmt == Q6_K ? 8 * 64 : 4 * 64; }  // bytes or nibbles
+constexpr int64_t block_quant_bytes(int fmt) { return byte_weights(fmt) ? 8 * 64 : 4 * 64; }  // bytes or nibbles
 constexpr int64_t quant_bytes(int fmt) { return SUBS * block_quant_bytes(fmt); }  // a group's super-block
 constexpr int64_t high_bits(int fmt) { return fmt == Q5_K ? 1 : 0; }  // bits kept in masks
 constexpr int64_t mask_bytes(int fmt) { return SUBS * 8 * 8 * high_bits(fmt); }  // 8 steps a block, 8 bytes a mask
-constexpr int64_t scale_bytes(int fmt) { return fmt == Q6_K ? G * 2 + 16 * G : 2 * G * 2 + 2 * SUBS * G; }
+constexpr int64_t scale_bytes(int fmt) { return byte_weights(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * SUBS * G; }
 constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
 
-// One source super-block: its 256 weights as unsigned q, d, dmin (Q6_K: 0) as float16 bits, and the
-// sub-block scales and minimums (Q6_K: 16 int8 scales, no minimums).
+// One source super-block: its 256 weights as unsigned q, d, dmin (Q6_K, IQ4_XS: 0) as float16 bits, and
+// the sub-block scales and minimums (Q6_K, IQ4_XS: 16 int8 scales, no minimums).
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[8]) {
+  if (fmt == IQ4_XS) {  // d | scales_h u16 | scales_l[4] | qs[128]: sub-block s's byte j holds weights j, j + 16
+    const int scales_h = b[2] | b[3] << 8;
+    for (int s = 0; s < 8; ++s) {
+      const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((scales_h >> (2 * s)) & 3) << 4);
+      sc[2 * s] = sc[2 * s + 1] = ls - 32;
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = b[8 + 16 * s + j];
+        q[32 * s + j] = (uint8_t)(IQ4_LEVELS[byte & 0x0F] + 128);
+        q[32 * s + 16 + j] = (uint8_t)(IQ4_LEVELS[byte >> 4] + 128);
+      }
+    }
+    d = half_bits(b);
+    dmin = 0;
+    return;
+  }
   if (fmt == Q6_K) {  // ql[128] qh[64] scales[16] d
     const uint8_t *ql = b, *qh = b + 128;
     for (int h = 0; h < 2; ++h)
@@ -140,7 +168,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
       uint8_t* scales = const_cast<uint8_t*>(p.scales);
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        if (fmt == Q6_K) {
+        if (byte_weights(fmt)) {
           quants[blk * 512 + step * 64 + i] = q[j];
           continue;
         }
@@ -149,7 +177,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
           if ((q[j] >> (4 + bit)) & 1) masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] |= (uint8_t)(1u << (i % 8));
       }
       memcpy(scales + row * 2, &d, 2);
-      if (fmt == Q6_K) {
+      if (byte_weights(fmt)) {
         for (int j = 0; j < 16; ++j) scales[G * 2 + j * G + row] = (uint8_t)(int8_t)sc[j];
       } else {
         memcpy(scales + G * 2 + row * 2, &dmin, 2);
@@ -189,7 +217,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p.scales));
-      dmin[g] = F == Q6_K ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p.scales + 2 * G)));
+      dmin[g] = byte_weights(F) ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p.scales + 2 * G)));
     }
     for (int64_t j = 0; j < SUBS; ++j) {
       const int64_t b = sb * SUBS + j;
@@ -200,7 +228,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
         __m512i w0[NGT], w1[NGT];
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
-          if constexpr (F == Q6_K) {
+          if constexpr (byte_weights(F)) {
             w0[g] = _mm512_loadu_si512(p.quants + j * 512 + (2 * s) * 64);
             w1[g] = _mm512_loadu_si512(p.quants + j * 512 + (2 * s + 1) * 64);
             continue;
@@ -225,7 +253,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w1[g], l1);
           }
         }
-        if constexpr (F == Q6_K) {
+        if constexpr (byte_weights(F)) {
           if (s % 2 == 0) continue;
           // The end of a half block (16 weights, one scale): fold it in and start the next.
           const int64_t half = 2 * j + s / 2;
@@ -235,7 +263,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             for (int i = 0; i < M; ++i) {
               const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);
               const __m512i centred =
-                  _mm512_sub_epi32(qa, _mm512_set1_epi32(32 * act.s16[i * 2 * blocks + 2 * b + s / 2]));  // exact
+                  _mm512_sub_epi32(qa, _mm512_set1_epi32(q_offset(F) * act.s16[i * 2 * blocks + 2 * b + s / 2]));
               const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
               acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[i][g]);
               hi[i][g] = lo[i][g] = _mm512_setzero_si512();
@@ -243,7 +271,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
           }
         }
       }
-      if constexpr (F != Q6_K) {
+      if constexpr (!byte_weights(F)) {
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
           const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 4 * G + j * G, false));  // exact
@@ -319,7 +347,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   bool half_sums = false;
   for (int s = 0; s < count; ++s) {
     rows[s] = segs[s].rows;
-    half_sums |= segs[s].fmt == Q6_K;
+    half_sums |= byte_weights(segs[s].fmt);
   }
   vnni::drive(x, m, k, y, n, rows, count, half_sums, MT, NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
@@ -329,6 +357,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                 switch (fmt) {
                   case Q4_K: tile_rows<Q4_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   case Q5_K: tile_rows<Q5_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
+                  case IQ4_XS: tile_rows<IQ4_XS>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   default: tile_rows<Q6_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                 }
               });
@@ -345,14 +374,14 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
       const float d = _cvtsh_ss(half_bits(p.scales + row * 2));
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        int q = fmt == Q6_K ? p.quants[blk * 512 + step * 64 + i]
+        int q = byte_weights(fmt) ? p.quants[blk * 512 + step * 64 + i]
                             : (p.quants[blk * 256 + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
         for (int bit = 0; bit < bits; ++bit)
           q |= ((p.masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] >> (i % 8)) & 1) << (4 + bit);
         float value;
-        if (fmt == Q6_K) {
+        if (byte_weights(fmt)) {
           const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
-          value = de * (float)(q - 32);
+          value = de * (float)(q - q_offset(fmt));
         } else {
           const float dmin = _cvtsh_ss(half_bits(p.scales + G * 2 + row * 2));
           const float de = d * (float)p.scales[4 * G + blk * G + row];
