@@ -486,14 +486,14 @@ def test_formats_no_native_kernel_reads_are_dense_and_the_plan_names_them(tmp_pa
     tensors = _kquant_tensors(rng)
     for name, (data, qtype) in list(tensors.items()):
         if name.endswith(("attn_k.weight", "ffn_up.weight")):
-            tensors[name] = (random_blocks(QType.Q2_K, *_shape_of(data, qtype), rng, 0.01), QType.Q2_K)
-    path = tmp_path / "tiny-q2_k.gguf"
+            tensors[name] = (random_blocks(QType.Q5_1, *_shape_of(data, qtype), rng, 0.01), QType.Q5_1)
+    path = tmp_path / "tiny-q5_1.gguf"
     _write_llama(path, tensors)
     plan = resolve_plan(LoadOptions(model=str(path)), open_checkpoint(path), DeviceFacts())
     assert plan.layers["model.layers.1.self_attn.qkv_proj"].method == "none"
     assert plan.layers["model.layers.1.self_attn.o_proj"].method == "gguf-kquant"
     assert (
-        "Q2_K/Q4_K tensors, dense (exactly dequantized): no native kernel reads Q2_K yet" in plan.quant_reasons["none"]
+        "Q4_K/Q5_1 tensors, dense (exactly dequantized): no native kernel reads Q5_1 yet" in plan.quant_reasons["none"]
     )
 
 

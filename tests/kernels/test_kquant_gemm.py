@@ -1,4 +1,4 @@
-"""``--quantization gguf-kquant``: llama.cpp's k-quants (Q4_K, Q5_K, Q6_K, Q3_K, IQ4_XS) multiplied as stored by the native
+"""``--quantization gguf-kquant``: llama.cpp's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) multiplied as stored by the native
 kernel (kernels/cpu/kquant_gemm.cpp: 16-bit fixed-point activations, integer products), checked against
 gguf's own dequantization and the float64 product."""
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     kquant_gemm.unavailable_reason() is not None, reason=f"k-quant kernel: {kquant_gemm.unavailable_reason()}"
 )
 # Q3_K is served rewritten as Q6_K (layers/quant/transcode.py); IQ4_XS is read as Q6_K is, a byte a weight.
-QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q3_K, QType.IQ4_XS]
+QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q3_K, QType.IQ4_XS, QType.Q2_K]
 
 
 def _blocks(qtype: QType, out: int, inp: int, seed: int) -> GGUFBlocks:
@@ -67,8 +67,16 @@ def test_the_product_is_the_float64_product_with_ggufs_dequantized_weight(qtype:
 
 
 # Packed bytes over the file's: the scales of a group of 16 rows are spread out for the kernel, and
-# Q6_K's 6-bit weights take a byte each (unpacking them cost more than reading them), as do Q3_K's and IQ4_XS's.
-PACKED_OVER_FILE = {QType.Q4_K: 1.03, QType.Q5_K: 1.03, QType.Q6_K: 1.31, QType.Q3_K: 2.5, QType.IQ4_XS: 2.02}
+# Q6_K's 6-bit weights take a byte each (unpacking them cost more than reading them), as do Q3_K's and IQ4_XS's;
+# Q2_K's 2-bit weights take a nibble, and its scales per 16 weights are spread out as bytes.
+PACKED_OVER_FILE = {
+    QType.Q4_K: 1.03,
+    QType.Q5_K: 1.03,
+    QType.Q6_K: 1.31,
+    QType.Q3_K: 2.5,
+    QType.IQ4_XS: 2.02,
+    QType.Q2_K: 1.96,
+}
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)

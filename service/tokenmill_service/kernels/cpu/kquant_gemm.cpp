@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q4_K, Q5_K, Q6_K, and IQ4_XS: super-blocks
-// of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
+// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q2_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
+// super-blocks of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
 // per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd, exact int32 sums.
 //
 // What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
@@ -7,11 +7,14 @@
 //               float16 d and dmin;  w = (d * sc) * q - dmin * m,  q in 0..15 (Q5_K: 0..31, a fifth bit).
 //   Q6_K:       16 sub-blocks of 16, each with an int8 scale sc; float16 d;  w = (d * sc) * (q - 32),
 //               q in 0..63.
+//   Q2_K:       16 sub-blocks of 16, each with a 4-bit scale sc and minimum m; float16 d and dmin;
+//               w = (d * sc) * q - dmin * m,  q in 0..3.
 //   IQ4_XS:     8 sub-blocks of 32, each with a 6-bit scale ls; float16 d;  w = (d * (ls - 32)) * level,
 //               level one of IQ4_NL's 16 values in -127..113: served as Q6_K is, with q = level + 128 and
 //               an offset of 128 for 32, the sub-block's scale on both its halves.
 // So per activation block b of 32 (unit dx, integer values a, sx = dx * sum a):
 //   Q4_K, Q5_K: sum w x = (d sc) dx * sum q a  -  (dmin m) * sx           (one sub-block = one block)
+//   Q2_K:       per half block h:  (d sc_h) dx * sum q a  -  (dmin m_h) * (dx * sum_h a)
 //   Q6_K:       per half block h:  (d sc_h) dx * (sum q a - 32 * sum_h a)   (the integer part exact;
 //               IQ4_XS: - 128 * sum_h a, whose difference can exceed 2^24 and rounds once to float32)
 //
@@ -21,7 +24,7 @@
 //
 // Layout (tm_kquant_pack): rows in groups of 16 (the 16 int32 lanes of vpdpbusd are 16 outputs);
 // per group and super-block, for each of its 8 blocks of 32:
-//   Q4_K, Q5_K: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes: byte i
+//   Q2_K, Q4_K, Q5_K: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes: byte i
 //               of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low nibble
 //               and step 2s+1's in its high nibble; step j: weights 4j..4j+3); Q5_K then its fifth
 //               bits as one 64-bit mask per step (bit i: row i / 4, weight i % 4 of that step);
@@ -30,12 +33,13 @@
 //               by arithmetic, not memory (9.5 against about 20 GB/s on this CPU, measured);
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
+//   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (2624 bytes)
 //   Q6_K, IQ4_XS: d[16] as float16, sc[16][16] as int8                          (4384 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
 // Q4_K and Q5_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5, 5.63
-// against 5.5), Q6_K 8.56 against 6.56, IQ4_XS 8.56 against 4.25.
+// against 5.5), Q6_K 8.56 against 6.56, IQ4_XS 8.56 against 4.25, Q2_K 5.13 against 2.63.
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -54,12 +58,19 @@ using vnni::QK;
 
 constexpr int64_t QK_K = TM_BLOCK_WEIGHTS_Q4_K;  // weights per super-block
 constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-block
-static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K,
+static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K &&
+                  TM_BLOCK_WEIGHTS_Q2_K == QK_K,
               "k-quants: one super-block size");
 constexpr int MT = 3;  // activation rows per register tile
 constexpr int NG = 2;  // groups per register tile
 
-enum Format : int { Q4_K = TM_FORMAT_Q4_K, Q5_K = TM_FORMAT_Q5_K, Q6_K = TM_FORMAT_Q6_K, IQ4_XS = TM_FORMAT_IQ4_XS };
+enum Format : int {
+  Q2_K = TM_FORMAT_Q2_K,
+  Q4_K = TM_FORMAT_Q4_K,
+  Q5_K = TM_FORMAT_Q5_K,
+  Q6_K = TM_FORMAT_Q6_K,
+  IQ4_XS = TM_FORMAT_IQ4_XS
+};
 
 // IQ4_NL's (and IQ4_XS's) 16 levels, ggml's kvalues_iq4nl.
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -67,12 +78,15 @@ constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 // Formats packed a byte a weight with an int8 scale per 16 (Q6_K's way), and the offset of their q.
 constexpr bool byte_weights(int fmt) { return fmt == Q6_K || fmt == IQ4_XS; }
 constexpr int q_offset(int fmt) { return fmt == IQ4_XS ? 128 : 32; }
+// Formats with a scale per 16 weights (folded at each half block of 32) rather than per 32.
+constexpr bool half_scales(int fmt) { return byte_weights(fmt) || fmt == Q2_K; }
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
     case Q4_K: return TM_BLOCK_BYTES_Q4_K;
     case Q5_K: return TM_BLOCK_BYTES_Q5_K;
     case Q6_K: return TM_BLOCK_BYTES_Q6_K;
+    case Q2_K: return TM_BLOCK_BYTES_Q2_K;
     case IQ4_XS: return TM_BLOCK_BYTES_IQ4_XS;
     default: return 0;
   }
@@ -82,12 +96,27 @@ constexpr int64_t block_quant_bytes(int fmt) { return byte_weights(fmt) ? 8 * 64
 constexpr int64_t quant_bytes(int fmt) { return SUBS * block_quant_bytes(fmt); }  // a group's super-block
 constexpr int64_t high_bits(int fmt) { return fmt == Q5_K ? 1 : 0; }  // bits kept in masks
 constexpr int64_t mask_bytes(int fmt) { return SUBS * 8 * 8 * high_bits(fmt); }  // 8 steps a block, 8 bytes a mask
-constexpr int64_t scale_bytes(int fmt) { return byte_weights(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * SUBS * G; }
+constexpr int64_t scale_bytes(int fmt) {
+  return byte_weights(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * (fmt == Q2_K ? 16 : SUBS) * G;
+}
 constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
 
 // One source super-block: its 256 weights as unsigned q, d, dmin (Q6_K, IQ4_XS: 0) as float16 bits, and
-// the sub-block scales and minimums (Q6_K, IQ4_XS: 16 int8 scales, no minimums).
-void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[8]) {
+// the sub-block scales and minimums (Q6_K, IQ4_XS: 16 int8 scales, no minimums; Q2_K: 16 of each).
+void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[16]) {
+  if (fmt == Q2_K) {  // scales[16] (low nibble sc, high m) | qs[64] | d | dmin
+    for (int j = 0; j < 16; ++j) {
+      sc[j] = b[j] & 0x0F;
+      m[j] = b[j] >> 4;
+    }
+    // Byte l of each 32-byte half holds weights l, l + 32, l + 64, l + 96 of that half's 128.
+    for (int h = 0; h < 2; ++h)
+      for (int f = 0; f < 4; ++f)
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * f + l] = (b[16 + 32 * h + l] >> (2 * f)) & 3;
+    d = half_bits(b + 80);
+    dmin = half_bits(b + 82);
+    return;
+  }
   if (fmt == IQ4_XS) {  // d | scales_h u16 | scales_l[4] | qs[128]: sub-block s's byte j holds weights j, j + 16
     const int scales_h = b[2] | b[3] << 8;
     for (int s = 0; s < 8; ++s) {
@@ -156,7 +185,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   const int bits = (int)high_bits(fmt);
   memset(out, 0, (n + G - 1) / G * gstride);
   uint8_t q[QK_K];
-  int sc[16], m[8];
+  int sc[16], m[16];
   for (int64_t r = 0; r < n; ++r) {
     const int64_t g = r / G, row = r % G;
     for (int64_t sb = 0; sb < supers; ++sb) {
@@ -181,9 +210,10 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
         for (int j = 0; j < 16; ++j) scales[G * 2 + j * G + row] = (uint8_t)(int8_t)sc[j];
       } else {
         memcpy(scales + G * 2 + row * 2, &dmin, 2);
-        for (int j = 0; j < 8; ++j) {
+        const int subs = fmt == Q2_K ? 16 : 8;
+        for (int j = 0; j < subs; ++j) {
           scales[4 * G + j * G + row] = (uint8_t)sc[j];
-          scales[4 * G + SUBS * G + j * G + row] = (uint8_t)m[j];
+          scales[4 * G + subs * G + j * G + row] = (uint8_t)m[j];
         }
       }
     }
@@ -253,6 +283,24 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w1[g], l1);
           }
         }
+        if constexpr (F == Q2_K) {
+          if (s % 2 == 0) continue;
+          // The end of a half block (16 weights, one scale and minimum): fold it in and start the next.
+          const int64_t half = 2 * j + s / 2;
+          for (int g = 0; g < NGT; ++g) {
+            const Packed p(F, w, gstride, g, sb);
+            const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 4 * G + half * G, false));  // exact
+            const __m512 dm = _mm512_mul_ps(dmin[g], bytes_as_floats(p.scales + 4 * G + 16 * G + half * G, false));
+            for (int i = 0; i < M; ++i) {
+              const float dx = act.dx[i * blocks + b];
+              const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
+              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), _mm512_mul_ps(de, _mm512_set1_ps(dx)), acc[i][g]);
+              const float sxh = dx * (float)act.s16[i * 2 * blocks + 2 * b + s / 2];
+              acc[i][g] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sxh), acc[i][g]);
+              hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+            }
+          }
+        }
         if constexpr (byte_weights(F)) {
           if (s % 2 == 0) continue;
           // The end of a half block (16 weights, one scale): fold it in and start the next.
@@ -271,7 +319,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
           }
         }
       }
-      if constexpr (!byte_weights(F)) {
+      if constexpr (!half_scales(F)) {
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
           const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 4 * G + j * G, false));  // exact
@@ -347,7 +395,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   bool half_sums = false;
   for (int s = 0; s < count; ++s) {
     rows[s] = segs[s].rows;
-    half_sums |= byte_weights(segs[s].fmt);
+    half_sums |= half_scales(segs[s].fmt);
   }
   vnni::drive(x, m, k, y, n, rows, count, half_sums, MT, NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
@@ -357,6 +405,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                 switch (fmt) {
                   case Q4_K: tile_rows<Q4_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   case Q5_K: tile_rows<Q5_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
+                  case Q2_K: tile_rows<Q2_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   case IQ4_XS: tile_rows<IQ4_XS>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   default: tile_rows<Q6_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                 }
@@ -383,9 +432,10 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
           const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
           value = de * (float)(q - q_offset(fmt));
         } else {
+          const int subs = fmt == Q2_K ? 16 : 8, sub = fmt == Q2_K ? j / 16 : blk;
           const float dmin = _cvtsh_ss(half_bits(p.scales + G * 2 + row * 2));
-          const float de = d * (float)p.scales[4 * G + blk * G + row];
-          const float dm = dmin * (float)p.scales[4 * G + SUBS * G + blk * G + row];
+          const float de = d * (float)p.scales[4 * G + sub * G + row];
+          const float dm = dmin * (float)p.scales[4 * G + subs * G + sub * G + row];
           value = de * (float)q - dm;
         }
         out[r * k + sb * QK_K + j] = value;

@@ -1,4 +1,4 @@
-"""``x @ W.T`` for W in llama.cpp's k-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) with 16-bit fixed-point activations and
+"""``x @ W.T`` for W in llama.cpp's k-quants (Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS) with 16-bit fixed-point activations and
 integer products (kquant_gemm.cpp; see there for the numerics and the packed layout). A layer whose
 row ranges are stored in different k-quants (a packed q/k/v with v in Q6_K, as Q4_K_M files have it)
 is packed as segments behind a header (``pack_segments``) and multiplied in one call. Under
