@@ -1,7 +1,7 @@
 """The tokenizers of real models' GGUF files against the token ids their reference tokenizers give.
 
 llama.cpp keeps, for its own tokenizer tests, vocabulary-only GGUFs of real models (Llama 3's
-``llama-bpe``, Qwen2, GPT-2, StarCoder, Refact; Llama 2's and Phi-3's SentencePiece) with a set of
+``llama-bpe``, Qwen2, Qwen3.5, GPT-2, StarCoder, Refact; Llama 2's and Phi-3's SentencePiece) with a set of
 texts (multilingual, whitespace runs, digits, emoji, code) and the ids Hugging Face's tokenizer gives
 for each. ``make tools`` fetches them from the llama-cpp-python sdist on PyPI into .tools/vocab/."""
 
@@ -16,7 +16,7 @@ from tokenmill_service.tokenizer.gguf import tokenizer_from_gguf
 VOCAB = Path(__file__).parents[2] / ".tools" / "vocab"
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # tokenizer.ggml.model gpt2 (byte-level BPE, by pre-tokenizer) and llama (SentencePiece).
-BYTE_LEVEL = ["gpt-2", "llama-bpe", "qwen2", "refact", "starcoder"]
+BYTE_LEVEL = ["gpt-2", "llama-bpe", "qwen2", "qwen35", "refact", "starcoder"]
 VOCABULARIES = [*BYTE_LEVEL, "llama-spm", "phi-3"]
 
 

@@ -15,6 +15,7 @@ from tokenmill_service.tokenizer.byte_level import (
     GPT2_PATTERN,
     LLAMA3_PATTERN,
     QWEN2_PATTERN,
+    QWEN35_PATTERN,
     build_bpe_encoding,
 )
 from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_gguf
@@ -22,16 +23,26 @@ from tokenmill_service.tokenizer.tokenizer import Tokenizer, TokenizerError
 
 log = structlog.get_logger(__name__)
 
-# llama.cpp's `tokenizer.ggml.pre` names whose pre-tokenizer is one of the byte-level patterns.
+# llama.cpp's `tokenizer.ggml.pre` names whose pre-tokenizer is one of the byte-level patterns (its own
+# table, llama-vocab.cpp, groups the names by pre-tokenizer; the names here use the same regex).
 GGUF_PRE_PATTERNS: dict[str, str] = {
-    **dict.fromkeys(("gpt-2", "mpt", "olmo"), GPT2_PATTERN),
     **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), GPT2_INDIVIDUAL_DIGITS_PATTERN
+        ("gpt-2", "mpt", "olmo", "phi-2", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "gigachat", "a.x-4.0"),
+        GPT2_PATTERN,
     ),
-    "llama3": LLAMA3_PATTERN,
-    "llama-v3": LLAMA3_PATTERN,
-    "llama-bpe": LLAMA3_PATTERN,
-    "qwen2": QWEN2_PATTERN,
+    **dict.fromkeys(("mellum", "modern-bert", "exaone4", "jais", "trillion", "granite-docling"), GPT2_PATTERN),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+        GPT2_INDIVIDUAL_DIGITS_PATTERN,
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe"),
+        LLAMA3_PATTERN,
+    ),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan", "megrez", "kormo", "f2llmv2", "solar-open"), QWEN2_PATTERN
+    ),
+    "qwen35": QWEN35_PATTERN,
 }
 
 # GGUF token types (llama.cpp's llama_token_type).
