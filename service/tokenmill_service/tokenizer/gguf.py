@@ -11,11 +11,17 @@ import structlog
 
 from tokenmill_service.models.gguf_reader import open_gguf
 from tokenmill_service.tokenizer.byte_level import (
+    DEEPSEEK_CODER_SPLITS,
+    DEEPSEEK_LLM_SPLITS,
+    DEEPSEEK_V3_SPLITS,
+    FALCON_SPLITS,
     GPT2_INDIVIDUAL_DIGITS_PATTERN,
     GPT2_PATTERN,
     LLAMA3_PATTERN,
     QWEN2_PATTERN,
     QWEN35_PATTERN,
+    WHOLE_PIECE_PATTERN,
+    SplitEncoding,
     build_bpe_encoding,
 )
 from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_gguf
@@ -43,6 +49,13 @@ GGUF_PRE_PATTERNS: dict[str, str] = {
         ("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan", "megrez", "kormo", "f2llmv2", "solar-open"), QWEN2_PATTERN
     ),
     "qwen35": QWEN35_PATTERN,
+}
+# Names whose pre-tokenizer is a list of regexes applied in turn (byte_level.SplitEncoding).
+GGUF_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "deepseek-llm": DEEPSEEK_LLM_SPLITS,
+    "deepseek-coder": DEEPSEEK_CODER_SPLITS,
+    "deepseek-v3": DEEPSEEK_V3_SPLITS,
+    "falcon": FALCON_SPLITS,
 }
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -77,9 +90,10 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
 def _byte_level_bpe(name: str, field: GgufField) -> Tokenizer:
     """``tokenizer.ggml.model == "gpt2"``: byte-level BPE, its pre-tokenizer named by ``tokenizer.ggml.pre``."""
     pre = field("tokenizer.ggml.pre") or "default"
-    pattern = GGUF_PRE_PATTERNS.get(pre)
+    splits = GGUF_PRE_SPLITS.get(pre)
+    pattern = WHOLE_PIECE_PATTERN if splits else GGUF_PRE_PATTERNS.get(pre)
     if pattern is None:
-        known = ", ".join(sorted(GGUF_PRE_PATTERNS))
+        known = ", ".join(sorted([*GGUF_PRE_PATTERNS, *GGUF_PRE_SPLITS]))
         raise TokenizerError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {known})")
     tokens: list[str] = field("tokenizer.ggml.tokens")
     merges: list[str] | None = field("tokenizer.ggml.merges")
@@ -97,7 +111,7 @@ def _byte_level_bpe(name: str, field: GgufField) -> Tokenizer:
     pairs = (tuple(m.split(" ", 1)) for m in merges)
     encoding, num_ids = build_bpe_encoding(name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
     return Tokenizer(
-        encoding,
+        SplitEncoding(encoding, splits) if splits else encoding,
         vocab_size=max(num_ids, len(tokens)),
         special_tokens=special,
         added_tokens=added,
