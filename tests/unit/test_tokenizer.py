@@ -27,6 +27,7 @@ from tokenmill_service.tokenizer import (
     load_tokenizer,
     tokenizer_from_hf_dir,
 )
+from tokenmill_service.tokenizer.byte_level import DEEPSEEK_V3_SPLITS
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "smollm2_reference.json").read_text())
 
@@ -372,6 +373,19 @@ def test_split_regex_pre_tokenizer_encodes_like_hf(hf_dir: Path, tmp_path: Path,
     hf = _hf_oracle(out)
     tok = tokenizer_from_hf_dir(out)
     for text in [*TEXTS, *_random_texts(1000, seed=4)]:
+        assert tok.encode(text) == _hf_ids(hf, text), repr(text)
+
+
+def test_several_split_pre_tokenizers_in_turn_encode_like_hf(hf_dir: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3's kind: isolating Splits one after another, then ByteLevel without its regex."""
+    pre = pt.Sequence(
+        [*(pt.Split(Regex(r), behavior="isolated", invert=False) for r in DEEPSEEK_V3_SPLITS)]
+        + [pt.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    out = _rewrite_tokenizer_json(hf_dir, tmp_path / "splits", pre_tokenizer=json.loads(pre.__getstate__()))
+    hf = _hf_oracle(out)
+    tok = tokenizer_from_hf_dir(out)
+    for text in [*TEXTS, "abc 12345 中文测试 ひらがな hello!  \n\nthe end", *_random_texts(1000, seed=5)]:
         assert tok.encode(text) == _hf_ids(hf, text), repr(text)
 
 

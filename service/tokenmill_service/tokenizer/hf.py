@@ -20,6 +20,8 @@ from tokenmill_service.tokenizer.byte_level import (
     GPT2_DIGIT_RUNS_PATTERN,
     GPT2_INDIVIDUAL_DIGITS_PATTERN,
     GPT2_PATTERN,
+    WHOLE_PIECE_PATTERN,
+    SplitEncoding,
     build_bpe_encoding,
 )
 from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_tokenizer_json
@@ -106,7 +108,7 @@ def _byte_level(name: str, spec: Mapping[str, Any]) -> _Vocabulary:
     """A byte-level BPE tokenizer.json as a tiktoken encoding."""
     model = spec["model"]
     nfc = _normalizer_is_nfc(spec.get("normalizer"))
-    pattern = _pattern(spec.get("pre_tokenizer"))
+    pattern, splits = _pattern(spec.get("pre_tokenizer"))
     added_specs = spec.get("added_tokens") or []
     special = {a["content"]: int(a["id"]) for a in added_specs if a.get("special", True)}
     added = {a["content"]: int(a["id"]) for a in added_specs if not a.get("special", True)}
@@ -115,11 +117,13 @@ def _byte_level(name: str, spec: Mapping[str, Any]) -> _Vocabulary:
     pairs = (tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in model.get("merges", []))
     encoding, num_ids = build_bpe_encoding(name, pattern, bpe, pairs, {**special, **added})  # type: ignore[arg-type]
     id_of = {**{t: i for i, t in bpe.items()}, **special, **added}
-    return _Vocabulary(encoding, special, added, id_of, num_ids, nfc)
+    wrapped: Encoding = SplitEncoding(encoding, splits) if splits else encoding
+    return _Vocabulary(wrapped, special, added, id_of, num_ids, nfc)
 
 
-def _pattern(pre: Mapping[str, Any] | None) -> str:
-    """The one regex equal to a supported tokenizer.json pre_tokenizer; TokenizerError for the rest."""
+def _pattern(pre: Mapping[str, Any] | None) -> tuple[str, list[str]]:
+    """The one regex equal to a supported tokenizer.json pre_tokenizer, or (several isolating Splits in
+    turn, as DeepSeek-V3's) the whole-piece pattern and the Splits' regexes; TokenizerError for the rest."""
     steps = list(pre.get("pretokenizers", [])) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
     kinds = [step.get("type") for step in steps]
     byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" else None
@@ -129,17 +133,24 @@ def _pattern(pre: Mapping[str, Any] | None) -> str:
         )
     uses_regex = byte_level.get("use_regex", True)
     if kinds == ["ByteLevel"] and uses_regex:
-        return GPT2_PATTERN
+        return GPT2_PATTERN, []
     if kinds == ["Digits", "ByteLevel"] and uses_regex:
-        return GPT2_INDIVIDUAL_DIGITS_PATTERN if steps[0].get("individual_digits") else GPT2_DIGIT_RUNS_PATTERN
-    if kinds == ["Split", "ByteLevel"] and not uses_regex:
-        split = steps[0]
-        regex = (split.get("pattern") or {}).get("Regex")
-        if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
-            raise TokenizerError(f"Split pre-tokenizer {split} is not supported: need an isolated, non-inverted Regex")
+        pattern = GPT2_INDIVIDUAL_DIGITS_PATTERN if steps[0].get("individual_digits") else GPT2_DIGIT_RUNS_PATTERN
+        return pattern, []
+    if len(kinds) >= 2 and set(kinds[:-1]) == {"Split"} and not uses_regex:
+        regexes = [_isolated_split_regex(split) for split in steps[:-1]]
+        if len(regexes) > 1:
+            return WHOLE_PIECE_PATTERN, regexes
         # HF keeps the text between matches as pieces; tiktoken drops it, so match that text too.
-        return f"{regex}|(?:(?!(?:{regex}))[\\s\\S])+"
+        return f"{regexes[0]}|(?:(?!(?:{regexes[0]}))[\\s\\S])+", []
     raise TokenizerError(f"pre_tokenizer {kinds} is not supported")
+
+
+def _isolated_split_regex(split: Mapping[str, Any]) -> str:
+    regex = (split.get("pattern") or {}).get("Regex")
+    if regex is None or split.get("behavior") != "Isolated" or split.get("invert"):
+        raise TokenizerError(f"Split pre-tokenizer {split} is not supported: need an isolated, non-inverted Regex")
+    return str(regex)
 
 
 def _normalizer_is_nfc(normalizer: Mapping[str, Any] | None) -> bool:
