@@ -131,6 +131,12 @@ async def serve(settings: Settings) -> int:
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         info = next(w.info for w in router.workers if w.info is not None)
         metrics.set_build_info(__version__, info.model_name, settings.backend, info.dtype, info.quantization)
+        metrics.bind_endpoint_picker(
+            lambda: engine_totals(router),
+            servicer.service.model_name(),
+            info.kv_block_size,
+            sum(w.info.kv_blocks_total for w in router.workers if w.info is not None),
+        )
         watcher = asyncio.ensure_future(follow_workers(router, set_health))
         log.info("server_ready", address=address, http_port=settings.http_port or None)
         # On a terminal, the commands to try, plain and copy-pasteable (not inside a log line).
