@@ -39,6 +39,14 @@ class Settings:
         default=0,
         metadata={"help": "model replicas, each of --tensor-parallel processes (0: 1 on CPU, all GPUs on CUDA)"},
     )
+    routing: str = field(
+        default="prefix",
+        metadata={
+            "help": "how the router picks a worker for a request: prefix = where the prompt's prefix is probably "
+            "cached, balanced against each worker's load; least-load = the worker running the fewest requests",
+            "choices": ["prefix", "least-load"],
+        },
+    )
     tensor_parallel: int = field(
         default=1,
         metadata={

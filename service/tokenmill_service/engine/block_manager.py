@@ -10,9 +10,9 @@ prefix can take it back without recomputing.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from tokenmill_service.engine.block_hash import chain_hash
 from tokenmill_service.engine.sequence import Sequence
 
 
@@ -22,10 +22,6 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
-
-
-def chain_hash(prev: int | None, token_ids: Seq[int]) -> int:
-    return hash((prev, tuple(token_ids)))
 
 
 class BlockManager:
