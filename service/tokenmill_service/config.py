@@ -146,6 +146,17 @@ class Settings:
             "env_aliases": ["TOKENMILL_API_KEY"],
         },
     )
+    kv_events_endpoint: str = field(
+        default="",
+        metadata={
+            "help": "publish KV-cache events (blocks stored in and removed from the prefix cache) on this ZMQ "
+            "endpoint in vLLM's format, e.g. tcp://*:5557 (bound; a host name instead of * connects); worker N "
+            "of --workers uses the port + N (default: off)"
+        },
+    )
+    kv_events_topic: str = field(
+        default="", metadata={"help": "the ZMQ topic of the KV-cache events (default: none, as vLLM's)"}
+    )
     master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
     auth_token_file: str = field(
         default="", metadata={"help": "file of accepted bearer tokens, one per line (with --auth-token: both)"}
@@ -208,6 +219,11 @@ class Settings:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
         if self.heartbeat_timeout <= 0 or self.step_timeout <= 0:
             raise ValueError("--heartbeat-timeout and --step-timeout must be above 0 seconds")
+        if self.kv_events_endpoint and not re.match(r"^(tcp://.+:\d+|ipc://.+|inproc://.+)$", self.kv_events_endpoint):
+            raise ValueError(
+                f"--kv-events-endpoint {self.kv_events_endpoint!r} is not a ZMQ endpoint: "
+                "tcp://HOST:PORT (tcp://*:5557 to bind), ipc://PATH or inproc://NAME"
+            )
         if self.max_resumptions < 0:
             raise ValueError("--max-resumptions must not be negative")
         self.auth_tokens()  # an unreadable or empty token file stops the server at start

@@ -32,6 +32,7 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         speculative_tokens=s.speculative_tokens,
         speculative_max_batch=s.speculative_max_batch,
         max_model_len=s.max_model_len,
+        kv_events=bool(s.kv_events_endpoint),
     )
     return WorkerSpec(
         worker_id=worker_id,
@@ -47,4 +48,6 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         log_level=s.log_level,
         heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),
         collective_timeout=s.step_timeout,
+        kv_events_endpoint=s.kv_events_endpoint,
+        kv_events_topic=s.kv_events_topic,
     )
