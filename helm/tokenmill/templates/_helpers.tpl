@@ -155,6 +155,46 @@ Checks of combinations the schema cannot express; fails the render with a messag
 {{- if and .Values.podDisruptionBudget.enabled (not (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable)) (not (kindIs "invalid" .Values.podDisruptionBudget.minAvailable)) }}
 {{- fail "set only one of podDisruptionBudget.maxUnavailable and podDisruptionBudget.minAvailable" }}
 {{- end }}
+{{- if and .Values.autoscaling.enabled .Values.keda.enabled }}
+{{- fail "set only one of autoscaling.enabled (an HPA on CPU) and keda.enabled (KEDA on queue depth): both would scale the same pods" }}
+{{- end }}
+{{- if and .Values.keda.enabled (lt (int .Values.keda.maxReplicas) (int .Values.keda.minReplicas)) }}
+{{- fail "keda.maxReplicas must be >= keda.minReplicas" }}
+{{- end }}
+{{- if and .Values.keda.enabled (not .Values.keda.prometheus.serverAddress) }}
+{{- fail "keda.enabled needs keda.prometheus.serverAddress (the Prometheus that scrapes the pods)" }}
+{{- end }}
+{{- if and .Values.inferencePool.enabled (eq (int .Values.server.httpPort) 0) }}
+{{- fail "inferencePool.enabled needs server.httpPort > 0: the gateway sends OpenAI-compatible HTTP requests and the endpoint picker scrapes /metrics there" }}
+{{- end }}
+{{- if and .Values.leaderWorkerSet.enabled (ne (int .Values.leaderWorkerSet.size) 1) }}
+{{- fail "leaderWorkerSet.size must be 1: a model replica spanning several pods is not served yet (each pod is one tokenmill-server with its own replicas)" }}
+{{- end }}
+{{- end }}
+
+{{/*
+What an autoscaler scales: the Deployment, or the LeaderWorkerSet (which has a scale subresource).
+*/}}
+{{- define "tokenmill.scaleTarget" -}}
+{{- if .Values.leaderWorkerSet.enabled -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else -}}
+apiVersion: apps/v1
+kind: Deployment
+{{- end }}
+name: {{ include "tokenmill.fullname" . }}
+{{- end }}
+
+{{/*
+KEDA's load query: keda.prometheus.query, else the requests waiting summed over the release's pods.
+*/}}
+{{- define "tokenmill.kedaQuery" -}}
+{{- if .Values.keda.prometheus.query -}}
+{{- .Values.keda.prometheus.query }}
+{{- else -}}
+{{- printf "sum(tokenmill_queue_size{namespace=\"%s\", service=\"%s\"})" .Release.Namespace (include "tokenmill.fullname" .) }}
+{{- end }}
 {{- end }}
 
 {{/*
