@@ -7,6 +7,7 @@ import socket
 from typing import Any
 
 import msgpack
+import pytest
 import zmq
 
 from tokenmill_service.engine.block_hash import chain_hash, full_block_hashes
@@ -129,3 +130,15 @@ def test_worker_n_publishes_on_the_port_plus_n() -> None:
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def test_the_endpoint_flag_takes_zmq_endpoints_only() -> None:
+    from tokenmill_service.config import load_settings
+
+    assert load_settings(["--kv-events-endpoint", "tcp://*:5557"], {}).kv_events_endpoint == "tcp://*:5557"
+    env = {"TOKENMILL_KV_EVENTS_ENDPOINT": "ipc:///tmp/kv", "TOKENMILL_KV_EVENTS_TOPIC": "kv@pod@model"}
+    settings = load_settings([], env)
+    assert (settings.kv_events_endpoint, settings.kv_events_topic) == ("ipc:///tmp/kv", "kv@pod@model")
+    for bad in ("5557", "tcp://*", "http://host:5557"):
+        with pytest.raises(ValueError, match="--kv-events-endpoint"):
+            load_settings(["--kv-events-endpoint", bad], {})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tokenmill_service.engine.block_hash import chain_hash, full_block_hashes
 from tokenmill_service.router.choice import ReplicaChooser
 from tokenmill_service.router.prefix_index import PrefixIndex
@@ -85,3 +87,13 @@ def test_the_index_is_bounded_and_a_restarted_replica_holds_nothing() -> None:
     assert first is not None
     chooser.replica_started(first, 100)
     assert chooser.choose(system, {first: 1, 1 - first: 0}) == 1 - first
+
+
+def test_the_routing_flag() -> None:
+    from tokenmill_service.config import load_settings
+
+    assert load_settings([], {}).routing == "prefix"
+    assert load_settings(["--routing", "least-load"], {}).routing == "least-load"
+    assert load_settings([], {"TOKENMILL_ROUTING": "least-load"}).routing == "least-load"
+    with pytest.raises(SystemExit):
+        load_settings(["--routing", "random"], {})
