@@ -60,8 +60,14 @@ class ServerProcess:
         self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="tokenmill-server-")  # noqa: SIM115
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self, timeout: float = 180.0) -> ServerProcess:
+    def launch(self) -> ServerProcess:
+        """Start the process without waiting for it to serve (a --node-rank above 0 never does)."""
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        self.launch()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -31,6 +31,12 @@ async def serve(settings: Settings) -> int:
     from tokenmill_service.models.paths import ModelNotFoundError, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
+    if settings.node_rank > 0:
+        # A node above 0 of a replica spanning servers runs its ranks only.
+        from tokenmill_service.follower_node import serve_follower_node
+
+        return await serve_follower_node(settings)
+
     try:
         model_path = resolve_model_path(settings.model or None)
         tokenizer = load_tokenizer(model_path)

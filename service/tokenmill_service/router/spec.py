@@ -19,10 +19,11 @@ def free_port() -> int:
 
 def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int, master_port: int) -> WorkerSpec:
     """What one rank of one replica is started with: the user's load options whole, the engine's
-    limits, its threads (the cores shared among every process) and its supervision intervals."""
+    limits, its threads (the cores shared among this node's processes) and its supervision intervals."""
     s = settings
     cores = os.cpu_count() or 1
-    processes = num_workers * s.tensor_parallel
+    local = s.node_ranks()
+    processes = num_workers * len(local)
     threads = s.threads or (max(1, cores // processes) if s.device == "cpu" else 1)
     engine = EngineConfig(
         max_batch_size=s.max_batch_size,
@@ -37,9 +38,10 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
     return WorkerSpec(
         worker_id=worker_id,
         rank=rank,
-        device_index=worker_id * s.tensor_parallel + rank,
+        # This node's devices, one per local rank.
+        device_index=worker_id * len(local) + local.index(rank),
         world_size=s.tensor_parallel,
-        master_addr="127.0.0.1",
+        master_addr=s.master_addr,
         master_port=master_port,
         options=LoadOptions.from_settings(s),
         engine=engine,
