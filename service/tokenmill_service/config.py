@@ -165,13 +165,20 @@ class Settings:
         default=1,
         metadata={
             "help": "servers (pods, machines) one tensor-parallel replica spans: its --tensor-parallel ranks are "
-            "split over them in order; node 0 runs the router and the APIs, the others their ranks only"
+            "split over them in order; node 0 runs the router and the APIs, the others their ranks only",
+            # A LeaderWorkerSet's pods are told their group's size, their index and the leader's address.
+            "env_aliases": ["LWS_GROUP_SIZE"],
         },
     )
-    node_rank: int = field(default=0, metadata={"help": "this server's node among --nnodes, from 0"})
+    node_rank: int = field(
+        default=0, metadata={"help": "this server's node among --nnodes, from 0", "env_aliases": ["LWS_WORKER_INDEX"]}
+    )
     master_addr: str = field(
         default="127.0.0.1",
-        metadata={"help": "the address of node 0, where the replica's ranks meet (with --nnodes above 1)"},
+        metadata={
+            "help": "the address of node 0, where the replica's ranks meet (with --nnodes above 1)",
+            "env_aliases": ["LWS_LEADER_ADDRESS"],
+        },
     )
     auth_token_file: str = field(
         default="", metadata={"help": "file of accepted bearer tokens, one per line (with --auth-token: both)"}

@@ -162,7 +162,12 @@ def test_the_headless_service_resolves_to_every_pod_for_grpc_round_robin(helm_en
         (("--set", "keda.enabled=true", "--set", "autoscaling.enabled=true"), "set only one of autoscaling.enabled"),
         (
             ("--set", "leaderWorkerSet.enabled=true", "--set", "leaderWorkerSet.size=2"),
-            "leaderWorkerSet.size must be 1",
+            "tensorParallel must be at least 2",
+        ),
+        (
+            ("--set", "leaderWorkerSet.enabled=true", "--set", "leaderWorkerSet.size=2", "--set", "gpu=1")
+            + ("--set", "tensorParallel=3"),
+            "size must divide tensorParallel",
         ),
         (("--set", "inferencePool.enabled=true", "--set", "server.httpPort=0"), "inferencePool.enabled needs"),
         (("--set", "inferencePool.endpointPicker.failureMode=Sometimes"), "failureMode"),
@@ -172,3 +177,34 @@ def test_combinations_that_cannot_work_are_refused_with_a_reason(
     helm_env: dict[str, str], flags: tuple[str, ...], message: str
 ) -> None:
     assert message in template_error(helm_env, *flags)
+
+
+def test_a_group_of_pods_runs_one_replica_over_them(helm_env: dict[str, str], tmp_path: Path) -> None:
+    from tokenmill_service.config import load_settings
+
+    flags = ("--set", "leaderWorkerSet.enabled=true", "--set", "leaderWorkerSet.size=2", "--set", "tensorParallel=3")
+    rendered = template(helm_env, *flags, "--set", "inferencePool.enabled=true")
+    assert "LeaderWorkerSet" in assert_valid(rendered, tmp_path)
+    (lws,) = by_kind(rendered, "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2
+    (leader,) = group["leaderTemplate"]["spec"]["containers"]
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    # The leader serves and is probed; the other pod runs its rank only.
+    assert {"startupProbe", "readinessProbe", "livenessProbe", "ports"} <= set(leader)
+    assert not {"startupProbe", "readinessProbe", "livenessProbe", "ports"} & set(worker)
+    assert worker["env"] == leader["env"] and worker["image"] == leader["image"]
+    # What the server makes of each pod's environment once LWS adds its variables.
+    env = {e["name"]: e["value"] for e in leader["env"] if "value" in e and e["name"].startswith("TOKENMILL_")}
+    lws_env = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "tm-tokenmill-0.tm-tokenmill.serving"}
+    node0 = load_settings([], {**env, **lws_env, "LWS_WORKER_INDEX": "0"})
+    node1 = load_settings([], {**env, **lws_env, "LWS_WORKER_INDEX": "1"})
+    assert (node0.nnodes, node0.node_rank, node0.node_ranks()) == (2, 0, [0, 1])
+    assert (node1.node_rank, node1.node_ranks(), node1.master_addr) == (1, [2], "tm-tokenmill-0.tm-tokenmill.serving")
+    assert node0.resolved_workers() == 1 and node0.resolved_master_port() == 29500
+    # Only leaders take traffic.
+    for service in by_kind(rendered, "Service"):
+        if "epp" not in service["metadata"]["name"]:
+            assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    (pool,) = by_kind(rendered, "InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"

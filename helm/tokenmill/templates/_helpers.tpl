@@ -85,7 +85,9 @@ Worker processes: server.workers, or gpu / tensorParallel model replicas when gp
 */}}
 {{- define "tokenmill.workers" -}}
 {{- $workers := int .Values.server.workers }}
-{{- if gt $workers 0 }}
+{{- if and .Values.leaderWorkerSet.enabled (gt (int .Values.leaderWorkerSet.size) 1) }}
+{{- 1 }}
+{{- else if gt $workers 0 }}
 {{- $workers }}
 {{- else if gt (int .Values.gpu) 0 }}
 {{- max 1 (div (int .Values.gpu) (int .Values.tensorParallel)) }}
@@ -167,8 +169,17 @@ Checks of combinations the schema cannot express; fails the render with a messag
 {{- if and .Values.inferencePool.enabled (eq (int .Values.server.httpPort) 0) }}
 {{- fail "inferencePool.enabled needs server.httpPort > 0: the gateway sends OpenAI-compatible HTTP requests and the endpoint picker scrapes /metrics there" }}
 {{- end }}
-{{- if and .Values.leaderWorkerSet.enabled (ne (int .Values.leaderWorkerSet.size) 1) }}
-{{- fail "leaderWorkerSet.size must be 1: a model replica spanning several pods is not served yet (each pod is one tokenmill-server with its own replicas)" }}
+{{- $size := int .Values.leaderWorkerSet.size }}
+{{- if and .Values.leaderWorkerSet.enabled (gt $size 1) }}
+{{- if lt (int .Values.tensorParallel) $size }}
+{{- fail (printf "leaderWorkerSet.size %d spreads one replica's tensorParallel ranks over the group's pods: tensorParallel must be at least %d" $size $size) }}
+{{- end }}
+{{- if gt (int .Values.server.workers) 1 }}
+{{- fail "leaderWorkerSet.size above 1 serves one replica spanning the group's pods: server.workers must be 0 or 1" }}
+{{- end }}
+{{- if and (gt $gpu 0) (ne (mod (int .Values.tensorParallel) $size) 0) }}
+{{- fail "with GPUs, leaderWorkerSet.size must divide tensorParallel (each pod runs tensorParallel / size ranks, one GPU each)" }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -201,7 +212,9 @@ KEDA's load query: keda.prometheus.query, else the requests waiting summed over 
 GPUs the pod requests: one per rank of every replica (workers x tensorParallel); 0 on CPU.
 */}}
 {{- define "tokenmill.gpuRequest" -}}
-{{- if gt (int .Values.gpu) 0 }}
+{{- if and (gt (int .Values.gpu) 0) .Values.leaderWorkerSet.enabled (gt (int .Values.leaderWorkerSet.size) 1) }}
+{{- div (int .Values.tensorParallel) (int .Values.leaderWorkerSet.size) }}
+{{- else if gt (int .Values.gpu) 0 }}
 {{- mul (int (include "tokenmill.workers" .)) (int .Values.tensorParallel) }}
 {{- else }}
 {{- 0 }}
