@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload", choices=["shared", "distinct"], default="shared", help="distinct: no prompt shares a prefix"
     )
+    p.add_argument(
+        "--kv-cache-memory",
+        default="256MiB",
+        help="each worker's KV cache pool (the server's --kv-cache-memory): the default holds about 3.5 of the "
+        "system prompts per worker for the embedded SmolLM2 (46 KB a token at float32), so a worker that sees "
+        "every prompt (least-load) keeps evicting them and one that sees its half (prefix) mostly does not; "
+        "'' = the server's own choice",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--server-arg", action="append", default=[], help="passed to every started server (repeatable)")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -85,7 +93,10 @@ def prefix_counters(metrics_port: int) -> dict[str, float]:
 
 async def measure(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     metrics_port = free_port()
-    extra = ["--workers", str(args.workers), "--routing", mode, "--metrics-port", str(metrics_port), *args.server_arg]
+    extra = ["--workers", str(args.workers), "--routing", mode, "--metrics-port", str(metrics_port)]
+    if args.kv_cache_memory:
+        extra += ["--kv-cache-memory", args.kv_cache_memory]
+    extra += args.server_arg
     with ManagedServer(extra) as server:
         async with AsyncClient(server.address, max_retries=0) as client:
             info = await client.model_info(timeout=30.0)
