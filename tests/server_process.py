@@ -37,14 +37,22 @@ def health_status(address: str, timeout: float = 2.0) -> int | None:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None, metrics: bool = False) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        metrics: bool = False,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port()
+        self.address = f"{host}:{self.port}"
         self.metrics_port = free_port() if metrics else 0
         # The OpenAI-compatible HTTP API is on by default; each server gets its own port (not 8000).
         self.http_port = free_port()
-        self.http_url = f"http://127.0.0.1:{self.http_port}"
-        self.args = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json"]
+        self.http_url = f"http://{host}:{self.http_port}"
+        self.args = [str(SERVER), "--host", host, "--port", str(self.port), "--log-format", "json"]
         self.args += ["--http-port", str(self.http_port), *args]
         if metrics:
             self.args += ["--metrics-port", str(self.metrics_port)]
@@ -52,8 +60,14 @@ class ServerProcess:
         self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="tokenmill-server-")  # noqa: SIM115
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self, timeout: float = 180.0) -> ServerProcess:
+    def launch(self) -> ServerProcess:
+        """Start the process without waiting for it to serve (a --node-rank above 0 never does)."""
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        self.launch()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,7 +80,7 @@ class ServerProcess:
 
     def metric(self, name: str) -> float | None:
         """One sample of ``name`` from the Prometheus endpoint (started with ``metrics=True``); None if absent."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        url = f"http://{self.host}:{self.metrics_port}/metrics"
         body = urllib.request.urlopen(url, timeout=10).read().decode()
         for line in body.splitlines():
             if line.startswith((name + " ", name + "{")):

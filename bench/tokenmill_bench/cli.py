@@ -639,6 +639,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenmill_bench.shaped import shaped_main
 
         return shaped_main(arguments[1:])
+    if arguments[:1] == ["routing"]:
+        from tokenmill_bench.routing import routing_main
+
+        return routing_main(arguments[1:])
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     args = build_parser().parse_args(arguments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -25,6 +26,11 @@ MODEL_INFO_METHOD = _SERVICE + "GetModelInfo"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # prompt logprobs of a long prompt can pass gRPC's 4 MiB default
+
+# gRPC's client-side load-balancing policies: pick_first (gRPC's default: one connection, to the first
+# address that answers) or round_robin (a connection to every address the target resolves to, calls
+# spread over them in turn; with a dns:/// target, a headless Service's pods).
+LOAD_BALANCING_POLICIES = ("pick_first", "round_robin")
 
 ChannelOptions = Sequence[tuple[str, Any]]
 # Called before each retry's wait with the retry number (0-based) and the seconds it will wait.
@@ -58,17 +64,21 @@ class Settings:
     max_backoff: float = 2.0
     options: tuple[tuple[str, Any], ...] = ()
     on_retry: RetryHook | None = None
+    load_balancing: str | None = None
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def channel_options(self) -> list[tuple[str, Any]]:
-        return [
+        options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            *self.options,
         ]
+        if self.load_balancing is not None:
+            config: dict[str, Any] = {"loadBalancingConfig": [{self.load_balancing: {}}]}
+            options.append(("grpc.service_config", json.dumps(config)))
+        return [*options, *self.options]
 
     def backoff(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (0-based): exponential, capped, with jitter."""
@@ -98,11 +108,14 @@ def make_settings(
     max_retries: int,
     options: ChannelOptions,
     on_retry: RetryHook | None = None,
+    load_balancing: str | None = None,
 ) -> Settings:
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if load_balancing is not None and load_balancing not in LOAD_BALANCING_POLICIES:
+        raise ValueError(f"load_balancing must be one of {', '.join(LOAD_BALANCING_POLICIES)}, got {load_balancing!r}")
     roots = read_root_certificates(root_certificates)
     return Settings(
         target=target or default_target(),
@@ -113,6 +126,7 @@ def make_settings(
         max_retries=max_retries,
         options=tuple(options),
         on_retry=on_retry,
+        load_balancing=load_balancing,
     )
 
 

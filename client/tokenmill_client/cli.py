@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ._transport import default_target
+from ._transport import LOAD_BALANCING_POLICIES, default_target
 from ._types import (
     ChatMessage,
     FinishReason,
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # annotations only: typing.Unpack needs Python 3.11
 
 ENV_TOKEN = "TOKENMILL_TOKEN"
+ENV_LOAD_BALANCING = "TOKENMILL_LOAD_BALANCING"
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -241,6 +242,7 @@ def _client_from_args(args: argparse.Namespace) -> Client:
             max_retries=args.max_retries,
             options=_CHANNEL_OPTIONS,
             on_retry=_WaitingNotice(args.server or default_target()),
+            load_balancing=args.load_balancing,
         )
     except OSError as exc:
         raise UsageError(f"cannot read the root certificates {args.root_certificates}: {exc.strerror}") from exc
@@ -354,6 +356,7 @@ def _print_outcome(args: argparse.Namespace, index: int, prompt: str, outcome: _
         record: dict[str, Any] = {"index": index, "prompt": prompt}
         if outcome.result is not None:
             record.update(
+                request_id=outcome.result.request_id,
                 completion=outcome.result.text,
                 finish_reason=outcome.result.finish_reason.value,
                 usage=dataclasses.asdict(outcome.result.usage),
@@ -766,7 +769,17 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
         "--server",
         metavar="ADDRESS",
         default=default(default_target()),
-        help="server address host:port (default: $TOKENMILL_SERVER, else localhost:50051)",
+        help="server address host:port, or any gRPC target: dns:///HOST:PORT (every address the name "
+        "resolves to, with --load-balancing round_robin), ipv4:IP:PORT,IP:PORT "
+        "(default: $TOKENMILL_SERVER, else localhost:50051)",
+    )
+    group.add_argument(
+        "--load-balancing",
+        choices=LOAD_BALANCING_POLICIES,
+        default=default(os.environ.get(ENV_LOAD_BALANCING) or None),
+        help="round_robin: spread calls over every address the server's name resolves to (a headless "
+        "Service's pods); pick_first: one connection, gRPC's default "
+        f"(default: ${ENV_LOAD_BALANCING}, else pick_first)",
     )
     group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
     group.add_argument(

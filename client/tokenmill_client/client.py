@@ -59,7 +59,10 @@ class Client:
     ``authorization: Bearer <token>``; ``timeout`` is the default deadline of each call in seconds
     (None = none). UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff, for
     generate only while no response has arrived yet; ``on_retry(retry, delay_seconds)`` is called before each
-    retry's wait. Thread-safe; use it as a context manager or call close().
+    retry's wait. ``load_balancing="round_robin"`` spreads calls over every address ``target`` resolves to
+    (``dns:///tokenmill-headless.ns.svc:50051``: a headless Service's pods; ``ipv4:10.0.0.1:50051,10.0.0.2:50051``),
+    where gRPC's default (``pick_first``) sends them all down one connection. Thread-safe; use it as a context
+    manager or call close().
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class Client:
         max_retries: int = 3,
         options: ChannelOptions = (),
         on_retry: RetryHook | None = None,
+        load_balancing: str | None = None,
     ) -> None:
         self._settings: Settings = make_settings(
             target,
@@ -83,6 +87,7 @@ class Client:
             max_retries=max_retries,
             options=options,
             on_retry=on_retry,
+            load_balancing=load_balancing,
         )
         self._channel = self._settings.sync_channel()
         self._stubs = SyncStubs(self._channel)

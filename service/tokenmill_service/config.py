@@ -39,6 +39,14 @@ class Settings:
         default=0,
         metadata={"help": "model replicas, each of --tensor-parallel processes (0: 1 on CPU, all GPUs on CUDA)"},
     )
+    routing: str = field(
+        default="prefix",
+        metadata={
+            "help": "how the router picks a worker for a request: prefix = where the prompt's prefix is probably "
+            "cached, balanced against each worker's load; least-load = the worker running the fewest requests",
+            "choices": ["prefix", "least-load"],
+        },
+    )
     tensor_parallel: int = field(
         default=1,
         metadata={
@@ -138,7 +146,40 @@ class Settings:
             "env_aliases": ["TOKENMILL_API_KEY"],
         },
     )
-    master_port: int = field(default=0, metadata={"help": "first torch.distributed port (0: pick free ports)"})
+    kv_events_endpoint: str = field(
+        default="",
+        metadata={
+            "help": "publish KV-cache events (blocks stored in and removed from the prefix cache) on this ZMQ "
+            "endpoint in vLLM's format, e.g. tcp://*:5557 (bound; a host name instead of * connects); worker N "
+            "of --workers uses the port + N (default: off)"
+        },
+    )
+    kv_events_topic: str = field(
+        default="", metadata={"help": "the ZMQ topic of the KV-cache events (default: none, as vLLM's)"}
+    )
+    master_port: int = field(
+        default=0,
+        metadata={"help": "first torch.distributed port (0: pick free ports; 29500 with --nnodes above 1)"},
+    )
+    nnodes: int = field(
+        default=1,
+        metadata={
+            "help": "servers (pods, machines) one tensor-parallel replica spans: its --tensor-parallel ranks are "
+            "split over them in order; node 0 runs the router and the APIs, the others their ranks only",
+            # A LeaderWorkerSet's pods are told their group's size, their index and the leader's address.
+            "env_aliases": ["LWS_GROUP_SIZE"],
+        },
+    )
+    node_rank: int = field(
+        default=0, metadata={"help": "this server's node among --nnodes, from 0", "env_aliases": ["LWS_WORKER_INDEX"]}
+    )
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "the address of node 0, where the replica's ranks meet (with --nnodes above 1)",
+            "env_aliases": ["LWS_LEADER_ADDRESS"],
+        },
+    )
     auth_token_file: str = field(
         default="", metadata={"help": "file of accepted bearer tokens, one per line (with --auth-token: both)"}
     )
@@ -200,6 +241,20 @@ class Settings:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
         if self.heartbeat_timeout <= 0 or self.step_timeout <= 0:
             raise ValueError("--heartbeat-timeout and --step-timeout must be above 0 seconds")
+        if self.kv_events_endpoint and not re.match(r"^(tcp://.+:\d+|ipc://.+|inproc://.+)$", self.kv_events_endpoint):
+            raise ValueError(
+                f"--kv-events-endpoint {self.kv_events_endpoint!r} is not a ZMQ endpoint: "
+                "tcp://HOST:PORT (tcp://*:5557 to bind), ipc://PATH or inproc://NAME"
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--nnodes must be at least 1 and --node-rank between 0 and --nnodes - 1")
+        if self.nnodes > 1 and self.tensor_parallel < self.nnodes:
+            raise ValueError(
+                f"--nnodes {self.nnodes} splits one replica's ranks over servers: --tensor-parallel must be at "
+                f"least {self.nnodes} (given {self.tensor_parallel})"
+            )
+        if self.nnodes > 1 and self.workers > 1:
+            raise ValueError("--nnodes above 1 serves one replica spanning the nodes: --workers must be 1")
         if self.max_resumptions < 0:
             raise ValueError("--max-resumptions must not be negative")
         self.auth_tokens()  # an unreadable or empty token file stops the server at start
@@ -244,7 +299,18 @@ class Settings:
     def resolved_log_format(self) -> str:
         return self.log_format or ("console" if sys.stderr.isatty() else "json")
 
+    def resolved_master_port(self) -> int:
+        """The first torch.distributed port; 0: free ports picked per replica (one node only)."""
+        return self.master_port or (29500 if self.nnodes > 1 else 0)
+
+    def node_ranks(self) -> list[int]:
+        """The ranks of a replica this node runs: --tensor-parallel ranks split over --nnodes in order."""
+        tp, n = self.tensor_parallel, self.nnodes
+        return [rank for rank in range(tp) if rank * n // tp == self.node_rank]
+
     def resolved_workers(self) -> int:
+        if self.nnodes > 1:
+            return 1
         if self.workers:
             return self.workers
         if self.device == "cuda":

@@ -31,6 +31,12 @@ async def serve(settings: Settings) -> int:
     from tokenmill_service.models.paths import ModelNotFoundError, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
+    if settings.node_rank > 0:
+        # A node above 0 of a replica spanning servers runs its ranks only.
+        from tokenmill_service.follower_node import serve_follower_node
+
+        return await serve_follower_node(settings)
+
     try:
         model_path = resolve_model_path(settings.model or None)
         tokenizer = load_tokenizer(model_path)
@@ -131,6 +137,12 @@ async def serve(settings: Settings) -> int:
         await set_health(health_pb2.HealthCheckResponse.SERVING)
         info = next(w.info for w in router.workers if w.info is not None)
         metrics.set_build_info(__version__, info.model_name, settings.backend, info.dtype, info.quantization)
+        metrics.bind_endpoint_picker(
+            lambda: engine_totals(router),
+            servicer.service.model_name(),
+            info.kv_block_size,
+            sum(w.info.kv_blocks_total for w in router.workers if w.info is not None),
+        )
         watcher = asyncio.ensure_future(follow_workers(router, set_health))
         log.info("server_ready", address=address, http_port=settings.http_port or None)
         # On a terminal, the commands to try, plain and copy-pasteable (not inside a log line).

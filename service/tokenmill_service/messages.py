@@ -40,6 +40,9 @@ class WorkerSpec:
     # Seconds a rank waits in one collective (a step broadcast, an all-reduce) before it takes a
     # peer for dead; rank 0 sends an idle tick every quarter of it.
     collective_timeout: float = 120.0
+    # --kv-events-endpoint as given (this worker offsets its port by its id) and --kv-events-topic.
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""
 
 
 @dataclass(slots=True)

@@ -2,6 +2,13 @@
 
 Each server owns its own registry (so tests can run several servers in one process); the
 gauges read the router's live state when scraped.
+
+Beside tokenmill's own names, the gauges the Gateway API Inference Extension's endpoint picker
+scrapes by default are served under vLLM's names and labels (its model-server protocol):
+``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (0 to 1),
+each labelled ``model_name``, and ``vllm:cache_config_info`` (always 1; labels ``block_size`` and
+``num_gpu_blocks``, the pool's blocks over every worker). ``vllm:lora_requests_info`` is not served:
+tokenmill loads no adapters.
 """
 
 from __future__ import annotations
@@ -74,6 +81,26 @@ class Metrics:
             registry=r,
         )
 
+        # The endpoint picker's defaults (vLLM's names; see the module's docstring).
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to run, all workers", ["model_name"], registry=r
+        )
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batches, all workers", ["model_name"], registry=r
+        )
+        self.vllm_kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Share of the KV cache blocks in use, all workers (0 to 1; 1 is 100 percent)",
+            ["model_name"],
+            registry=r,
+        )
+        self.vllm_cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Always 1; the labels describe the KV cache (its blocks over every worker)",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
+        )
+
     def bind_state(self, read: Callable[[], dict[str, int]]) -> None:
         """Let the gauges read live engine state (summed over workers) at scrape time."""
         self.queue_size.set_function(lambda: read()["waiting"])
@@ -91,6 +118,19 @@ class Metrics:
     def set_build_info(self, version: str, model: str, backend: str, dtype: str, quantization: str) -> None:
         self.build_info.clear()
         self.build_info.labels(version, model, backend, dtype, quantization).set(1)
+
+    def bind_endpoint_picker(
+        self, read: Callable[[], dict[str, int]], model_name: str, block_size: int, num_blocks: int
+    ) -> None:
+        """Serve the endpoint picker's gauges (vLLM's names) for `model_name`, the name requests use."""
+        for gauge in (self.vllm_waiting, self.vllm_running, self.vllm_kv_cache_usage, self.vllm_cache_config):
+            gauge.clear()
+        self.vllm_waiting.labels(model_name).set_function(lambda: read()["waiting"])
+        self.vllm_running.labels(model_name).set_function(lambda: read()["running"])
+        self.vllm_kv_cache_usage.labels(model_name).set_function(
+            lambda: _ratio(read(), "kv_blocks_used", "kv_blocks_total")
+        )
+        self.vllm_cache_config.labels(str(block_size), str(num_blocks), "True").set(1)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)

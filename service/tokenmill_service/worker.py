@@ -83,7 +83,10 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         _follower_main(spec, log)
         return
     channel = Channel(conn)
+    publisher = None
     try:
+        # Bound before the model loads, so that subscribers are connected by the time events flow.
+        publisher = _kv_event_publisher(spec)
         engine = _start_engine(spec, log)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
         if _is_usage_error(exc):
@@ -117,11 +120,16 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         )
     )
     log.info("worker_ready", pid=os.getpid(), kv_blocks=stats.kv_blocks_total)
+    if publisher is not None:
+        from tokenmill_service.engine.kv_events import AllBlocksCleared
+
+        # Whatever a subscriber knew of this worker's cache before (a previous process's) is gone.
+        publisher.publish([AllBlocksCleared(), *engine.kv_events.drain()])
     stop = threading.Event()
     beat = threading.Thread(target=channel.heartbeat, args=(spec.heartbeat_interval, stop), daemon=True)
     beat.start()
     try:
-        _serve(engine, channel, log, spec.collective_timeout / 4)
+        _serve(engine, channel, log, spec.collective_timeout / 4, publisher)
     except (EOFError, BrokenPipeError):
         log.warning("router_gone")  # the router died: nothing left to serve
     except Exception:
@@ -130,6 +138,8 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         raise SystemExit(1) from None
     finally:
         stop.set()
+        if publisher is not None:
+            publisher.close()
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -243,7 +253,17 @@ def _follower_main(spec: WorkerSpec, log: Any) -> None:
             dist.destroy_process_group()
 
 
-def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float) -> None:
+def _kv_event_publisher(spec: WorkerSpec) -> Any:
+    """This worker's KV-cache event publisher (--kv-events-endpoint), or None."""
+    if not spec.kv_events_endpoint:
+        return None
+    from tokenmill_service.engine.kv_events import KVEventPublisher
+
+    medium = "GPU" if spec.options.device == "cuda" else "CPU"
+    return KVEventPublisher(spec.kv_events_endpoint, spec.worker_id, spec.kv_events_topic, medium)
+
+
+def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None) -> None:
     from tokenmill_service.distributed.step_broadcast import Idle, Stop
 
     conn = channel.conn
@@ -282,5 +302,7 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float) -> None:
             outputs = engine.step()
             channel.step_started = None
             channel.send(StepOutputs(outputs, engine.stats()))
+            if publisher is not None:
+                publisher.publish(engine.kv_events.drain())
         elif dirty:
             channel.send(Stats(engine.stats()))

@@ -7,7 +7,6 @@ and kubernetes-validate from the virtualenv, both offline.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -33,20 +32,6 @@ def _kubernetes_validate() -> str:
     if found is None:
         pytest.fail("kubernetes-validate is not installed (it is in the dev extra: make install)")
     return found
-
-
-@pytest.fixture(scope="session")
-def helm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    if not (HELM.exists() and os.access(HELM, os.X_OK)):
-        pytest.fail(f"{HELM} is missing: run `make tools` (bash scripts/install_tools.sh)")
-    home = tmp_path_factory.mktemp("helm-home")
-    env = dict(os.environ)
-    env.update(
-        HELM_CACHE_HOME=str(home / "cache"),
-        HELM_CONFIG_HOME=str(home / "config"),
-        HELM_DATA_HOME=str(home / "data"),
-    )
-    return env
 
 
 def helm(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -96,6 +81,12 @@ def by_kind(rendered: str, kind: str) -> list[dict[str, Any]]:
 
 def deployment(rendered: str) -> dict[str, Any]:
     (found,) = by_kind(rendered, "Deployment")
+    return found
+
+
+def cluster_service(rendered: str) -> dict[str, Any]:
+    """The ClusterIP Service (beside it, the headless one)."""
+    (found,) = [s for s in by_kind(rendered, "Service") if s["spec"].get("clusterIP") != "None"]
     return found
 
 
@@ -175,11 +166,12 @@ def test_rendered_manifests_pass_strict_kubernetes_validation(
     assert_valid_kubernetes(template(helm_env, *flags), tmp_path)
 
 
-def test_default_render_has_deployment_service_serviceaccount_and_pdb_only(
+def test_default_render_has_deployment_services_serviceaccount_and_pdb_only(
     helm_env: dict[str, str],
 ) -> None:
     kinds = sorted(doc["kind"] for doc in documents(template(helm_env)))
-    assert kinds == ["Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
+    # Two Services: the ClusterIP one and the headless one (every pod's address, for gRPC round_robin).
+    assert kinds == ["Deployment", "PodDisruptionBudget", "Service", "Service", "ServiceAccount"]
 
 
 def test_default_render_uses_the_cpu_image_tagged_with_the_app_version(
@@ -545,7 +537,7 @@ def test_service_is_cluster_ip_with_grpc_and_metrics_ports(
     helm_env: dict[str, str],
 ) -> None:
     rendered = template(helm_env)
-    (service,) = by_kind(rendered, "Service")
+    service = cluster_service(rendered)
     assert service["spec"]["type"] == "ClusterIP"
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert ports["grpc"]["port"] == 50051 and ports["grpc"]["targetPort"] == "grpc"
@@ -556,7 +548,7 @@ def test_service_is_cluster_ip_with_grpc_and_metrics_ports(
 
 def test_metrics_port_zero_drops_the_metrics_ports(helm_env: dict[str, str]) -> None:
     rendered = template(helm_env, "--set", "server.metricsPort=0")
-    (service,) = by_kind(rendered, "Service")
+    service = cluster_service(rendered)
     assert [p["name"] for p in service["spec"]["ports"]] == ["grpc", "http"]
     assert [p["name"] for p in container(rendered)["ports"]] == ["grpc", "http"]
     assert env_of(rendered)["TOKENMILL_METRICS_PORT"] == "0"
@@ -564,7 +556,7 @@ def test_metrics_port_zero_drops_the_metrics_ports(helm_env: dict[str, str]) -> 
 
 def test_the_openai_http_port_is_a_container_and_service_port(helm_env: dict[str, str]) -> None:
     rendered = template(helm_env, "--set", "server.httpPort=8080", "--set", "service.httpPort=80")
-    (service,) = by_kind(rendered, "Service")
+    service = cluster_service(rendered)
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert ports["http"]["port"] == 80 and ports["http"]["targetPort"] == "http"
     assert {p["name"]: p["containerPort"] for p in container(rendered)["ports"]}["http"] == 8080
@@ -597,8 +589,12 @@ def test_servicemonitor_is_off_by_default_and_renders_when_enabled(
     assert monitor["metadata"]["labels"]["release"] == "prom"
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
-    (service,) = by_kind(rendered, "Service")
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    # It selects both Services, but only the ClusterIP one has the metrics port: each pod is scraped once.
+    services = by_kind(rendered, "Service")
+    assert all(monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items() for s in services)
+    assert [s["metadata"]["name"] for s in services if "metrics" in [p["name"] for p in s["spec"]["ports"]]] == [
+        f"{RELEASE}-tokenmill"
+    ]
 
 
 def test_scheduling_values_reach_the_pod(helm_env: dict[str, str]) -> None:

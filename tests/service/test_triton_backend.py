@@ -4,7 +4,6 @@ through the RPC, on a tiny random Llama checkpoint written here."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -12,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.server_process import SERVER, ServerProcess
+from tests.tiny_checkpoint import write_tiny_llama
 from tokenmill_client import Client
 
 transformers = pytest.importorskip("transformers")
@@ -26,33 +25,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two layers, head_dim 32, two query heads per KV head; a byte-level tokenizer of 256 bytes + EOS."""
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
-    config = transformers.LlamaConfig(
-        vocab_size=257,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper than the default init, so greedy choices are not near-ties
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn_like(param) * 0.1 + 1.0 if "norm" in name else torch.randn_like(param) * 0.2)
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _serve_and_generate(model: Path, backend: str, env: dict[str, str]) -> tuple[list[Any], Any]:

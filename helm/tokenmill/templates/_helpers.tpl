@@ -85,7 +85,9 @@ Worker processes: server.workers, or gpu / tensorParallel model replicas when gp
 */}}
 {{- define "tokenmill.workers" -}}
 {{- $workers := int .Values.server.workers }}
-{{- if gt $workers 0 }}
+{{- if and .Values.leaderWorkerSet.enabled (gt (int .Values.leaderWorkerSet.size) 1) }}
+{{- 1 }}
+{{- else if gt $workers 0 }}
 {{- $workers }}
 {{- else if gt (int .Values.gpu) 0 }}
 {{- max 1 (div (int .Values.gpu) (int .Values.tensorParallel)) }}
@@ -155,13 +157,64 @@ Checks of combinations the schema cannot express; fails the render with a messag
 {{- if and .Values.podDisruptionBudget.enabled (not (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable)) (not (kindIs "invalid" .Values.podDisruptionBudget.minAvailable)) }}
 {{- fail "set only one of podDisruptionBudget.maxUnavailable and podDisruptionBudget.minAvailable" }}
 {{- end }}
+{{- if and .Values.autoscaling.enabled .Values.keda.enabled }}
+{{- fail "set only one of autoscaling.enabled (an HPA on CPU) and keda.enabled (KEDA on queue depth): both would scale the same pods" }}
+{{- end }}
+{{- if and .Values.keda.enabled (lt (int .Values.keda.maxReplicas) (int .Values.keda.minReplicas)) }}
+{{- fail "keda.maxReplicas must be >= keda.minReplicas" }}
+{{- end }}
+{{- if and .Values.keda.enabled (not .Values.keda.prometheus.serverAddress) }}
+{{- fail "keda.enabled needs keda.prometheus.serverAddress (the Prometheus that scrapes the pods)" }}
+{{- end }}
+{{- if and .Values.inferencePool.enabled (eq (int .Values.server.httpPort) 0) }}
+{{- fail "inferencePool.enabled needs server.httpPort > 0: the gateway sends OpenAI-compatible HTTP requests and the endpoint picker scrapes /metrics there" }}
+{{- end }}
+{{- $size := int .Values.leaderWorkerSet.size }}
+{{- if and .Values.leaderWorkerSet.enabled (gt $size 1) }}
+{{- if lt (int .Values.tensorParallel) $size }}
+{{- fail (printf "leaderWorkerSet.size %d spreads one replica's tensorParallel ranks over the group's pods: tensorParallel must be at least %d" $size $size) }}
+{{- end }}
+{{- if gt (int .Values.server.workers) 1 }}
+{{- fail "leaderWorkerSet.size above 1 serves one replica spanning the group's pods: server.workers must be 0 or 1" }}
+{{- end }}
+{{- if and (gt $gpu 0) (ne (mod (int .Values.tensorParallel) $size) 0) }}
+{{- fail "with GPUs, leaderWorkerSet.size must divide tensorParallel (each pod runs tensorParallel / size ranks, one GPU each)" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+What an autoscaler scales: the Deployment, or the LeaderWorkerSet (which has a scale subresource).
+*/}}
+{{- define "tokenmill.scaleTarget" -}}
+{{- if .Values.leaderWorkerSet.enabled -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else -}}
+apiVersion: apps/v1
+kind: Deployment
+{{- end }}
+name: {{ include "tokenmill.fullname" . }}
+{{- end }}
+
+{{/*
+KEDA's load query: keda.prometheus.query, else the requests waiting summed over the release's pods.
+*/}}
+{{- define "tokenmill.kedaQuery" -}}
+{{- if .Values.keda.prometheus.query -}}
+{{- .Values.keda.prometheus.query }}
+{{- else -}}
+{{- printf "sum(tokenmill_queue_size{namespace=\"%s\", service=\"%s\"})" .Release.Namespace (include "tokenmill.fullname" .) }}
+{{- end }}
 {{- end }}
 
 {{/*
 GPUs the pod requests: one per rank of every replica (workers x tensorParallel); 0 on CPU.
 */}}
 {{- define "tokenmill.gpuRequest" -}}
-{{- if gt (int .Values.gpu) 0 }}
+{{- if and (gt (int .Values.gpu) 0) .Values.leaderWorkerSet.enabled (gt (int .Values.leaderWorkerSet.size) 1) }}
+{{- div (int .Values.tensorParallel) (int .Values.leaderWorkerSet.size) }}
+{{- else if gt (int .Values.gpu) 0 }}
 {{- mul (int (include "tokenmill.workers" .)) (int .Values.tensorParallel) }}
 {{- else }}
 {{- 0 }}

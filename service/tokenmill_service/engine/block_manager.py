@@ -5,14 +5,18 @@ sized at start-up. A full block is identified by the hash of its tokens and of e
 before it, so two requests with the same prompt prefix share those blocks (prefix caching).
 A freed block keeps its hash until it is handed out again: a later request with the same
 prefix can take it back without recomputing.
+
+With an event log (``kv_events``), every block that enters the prefix cache (``BlockStored``) and
+every cached block handed out again (``BlockRemoved``) is recorded, for ``--kv-events-endpoint``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from tokenmill_service.engine.block_hash import chain_hash
+from tokenmill_service.engine.kv_events import BlockRemoved, BlockStored, KVEventLog
 from tokenmill_service.engine.sequence import Sequence
 
 
@@ -24,12 +28,14 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(prev: int | None, token_ids: Seq[int]) -> int:
-    return hash((prev, tuple(token_ids)))
-
-
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_events: KVEventLog | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -39,6 +45,7 @@ class BlockManager:
         # Least recently freed first, so cached prefixes survive as long as possible.
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.kv_events = kv_events
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +69,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
+            if self.kv_events is not None:
+                self.kv_events.events.append(BlockRemoved([block.hash]))
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
@@ -107,12 +116,18 @@ class BlockManager:
             return
         full = seq.num_computed_tokens // self.block_size
         prev: int | None = None
+        stored: BlockStored | None = None  # the run of blocks this call adds to the cache, for the event log
         for i in range(full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 block.hash, block.token_ids = chain_hash(prev, tokens), tokens
-                self.hash_to_block.setdefault(block.hash, block.id)
+                if self.hash_to_block.setdefault(block.hash, block.id) == block.id and self.kv_events is not None:
+                    if stored is None or stored.block_hashes[-1] != prev:
+                        stored = BlockStored([], prev, [], self.block_size)
+                        self.kv_events.events.append(stored)
+                    stored.block_hashes.append(block.hash)
+                    stored.token_ids.extend(tokens)
             prev = block.hash
 
     def free(self, seq: Sequence) -> None:

@@ -22,6 +22,8 @@ class EngineConfig:
     max_model_len: int = 0
     # Share the KV blocks of identical prompt prefixes (every chat starts with the same system prompt).
     enable_prefix_caching: bool = True
+    # Record what enters and leaves the prefix cache (engine/kv_events.py), for --kv-events-endpoint.
+    kv_events: bool = False
     # Draft tokens guessed from the sequence's own history and checked in the same step
     # (engine/speculation.py): the same tokens and logprobs, more of them per read of the weights.
     speculative_tokens: int = 6

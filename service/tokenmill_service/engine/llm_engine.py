@@ -21,6 +21,7 @@ from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.config import EngineConfig
+from tokenmill_service.engine.kv_events import KVEventLog
 from tokenmill_service.engine.model_runner import (
     ModelRunner,
     StepLogits,
@@ -96,7 +97,9 @@ class LLMEngine:
         self.max_model_len = _context_within_pool(
             self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes
         )
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        # What enters and leaves the prefix cache, when asked for (the worker publishes it after each step).
+        self.kv_events = KVEventLog() if self.config.kv_events else None
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(self.config, self.block_manager)
         # executor: how each forward pass runs (None: as the model's load plan chose).
         self.runner = ModelRunner(model, block_size, num_blocks, executor)

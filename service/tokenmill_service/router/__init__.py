@@ -1,6 +1,8 @@
 """The router: between the servicer and the worker processes, in the server's (torch-free) process.
 
-- ``dispatch.py``: ``Router``: admission, the least loaded replica, resumption, cancellation
+- ``dispatch.py``: ``Router``: admission, dispatch, resumption, cancellation
+- ``choice.py``: ``ReplicaChooser``: which replica runs a request (prefix-aware or least-load)
+- ``prefix_index.py``: ``PrefixIndex``: the prompt blocks the router sent to each replica (bounded)
 - ``replicas.py``: ``ReplicaPool``: the worker processes, their pipes, supervision and restarts
 - ``spec.py``: what each worker process is started with (the load options whole, limits, threads)
 - ``streams.py``: one admitted request, as kept for resumption and as its caller reads it

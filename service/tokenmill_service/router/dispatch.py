@@ -1,4 +1,5 @@
-"""Dispatch: admitting requests (bounded), sending each to the least loaded replica, handing its
+"""Dispatch: admitting requests (bounded), sending each to a replica (``choice.py``: where its prompt's
+prefix is probably cached, balanced against load, or the least loaded), handing its
 outputs to its stream, resuming the requests of a replica that died on another one (prompt + the
 tokens already sent, same seed), and cancelling what callers abandon.
 
@@ -22,6 +23,7 @@ from tokenmill_service.config import Settings
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput
 from tokenmill_service.messages import AddRequest, Cancel
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.router.choice import ReplicaChooser
 from tokenmill_service.router.errors import Overloaded, Rejected, Unavailable
 from tokenmill_service.router.replicas import Replica, ReplicaPool
 from tokenmill_service.router.streams import InFlight, RequestStream
@@ -40,6 +42,7 @@ class Router:
         # Requests whose replica died while no other could take them; admitted on the next Ready.
         self.parked: list[InFlight] = []
         self.draining = False
+        self.chooser = ReplicaChooser(settings.routing, settings.block_size, settings.max_batch_size)
 
     @property
     def workers(self) -> list[Replica]:
@@ -91,14 +94,15 @@ class Router:
         """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
-        worker = self._pick()
-        if worker is None:
+        if not self.pool.serving():
             raise Unavailable("no worker is ready to serve; retry shortly")
         if self.inflight_count() >= self.capacity():
             raise Overloaded(
                 f"the server is at capacity ({self.capacity()} requests in flight, "
                 f"queue size {self.settings.max_queue}); retry later"
             )
+        worker = self._pick(request.prompt_ids)
+        assert worker is not None
         # The engine's id is ours, unique; the caller's request_id stays in the servicer.
         request.request_id = uuid.uuid4().hex
         if request.sampling.seed is None:
@@ -112,9 +116,15 @@ class Router:
         log.debug("request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight))
         return stream
 
-    def _pick(self) -> Replica | None:
-        candidates = self.pool.serving()
-        return min(candidates, key=lambda w: len(w.inflight)) if candidates else None
+    def _pick(self, prompt_ids: Sequence[int]) -> Replica | None:
+        candidates = {w.worker_id: w for w in self.pool.serving()}
+        chosen = self.chooser.choose(prompt_ids, {i: len(w.inflight) for i, w in candidates.items()})
+        return None if chosen is None else candidates[chosen]
+
+    @staticmethod
+    def _tokens(inflight: InFlight) -> list[int]:
+        """What a (resumed) request's replica will prefill: its prompt and the tokens already sent."""
+        return [*inflight.request.prompt_ids, *inflight.sent_ids]
 
     def _dispatch(self, inflight: InFlight, replica: Replica) -> None:
         request = inflight.request
@@ -154,9 +164,12 @@ class Router:
             inflight.end(Rejected(message))
 
     def on_ready(self, replica: Replica) -> None:
+        # A (re)started replica's cache is empty: so is what the router thinks it holds.
+        info = replica.info
+        self.chooser.replica_started(replica.worker_id, info.kv_blocks_total if info is not None else 0)
         parked, self.parked = self.parked, []
         for inflight in parked:
-            target = self._pick()
+            target = self._pick(self._tokens(inflight))
             if target is None:
                 self.parked.append(inflight)
             else:
@@ -179,7 +192,7 @@ class Router:
             return
         inflight.resumptions += 1
         inflight.replica = None
-        target = self._pick()
+        target = self._pick(self._tokens(inflight))
         log.info(
             "request_resumed",
             request_id=inflight.request.request_id,

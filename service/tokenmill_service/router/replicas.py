@@ -170,9 +170,11 @@ class ReplicaPool:
         assert self._loop is not None
         parent, child = self._ctx.Pipe(duplex=True)
         s = self.settings
-        master_port = (s.master_port + worker_id) if s.master_port else free_port()
+        first_port = s.resolved_master_port()
+        master_port = (first_port + worker_id) if first_port else free_port()
         processes: list[BaseProcess] = []
-        for rank in range(s.tensor_parallel):
+        # With --nnodes above 1, only this node's ranks (rank 0 first); the others run on the other nodes.
+        for rank in s.node_ranks():
             spec = worker_spec(s, self.num_workers, worker_id, rank, master_port)
             proc = self._ctx.Process(
                 target=worker_main,
@@ -184,7 +186,7 @@ class ReplicaPool:
             processes.append(proc)
         child.close()
         devices = [
-            f"cuda:{worker_id * s.tensor_parallel + r}" if s.device == "cuda" else "cpu" for r in range(len(processes))
+            f"cuda:{worker_id * len(processes) + r}" if s.device == "cuda" else "cpu" for r in range(len(processes))
         ]
         replica = Replica(worker_id, processes, parent, restarts=restarts, failures=failures, devices=devices)
         replica.ready = self._loop.create_future()

@@ -19,10 +19,11 @@ def free_port() -> int:
 
 def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int, master_port: int) -> WorkerSpec:
     """What one rank of one replica is started with: the user's load options whole, the engine's
-    limits, its threads (the cores shared among every process) and its supervision intervals."""
+    limits, its threads (the cores shared among this node's processes) and its supervision intervals."""
     s = settings
     cores = os.cpu_count() or 1
-    processes = num_workers * s.tensor_parallel
+    local = s.node_ranks()
+    processes = num_workers * len(local)
     threads = s.threads or (max(1, cores // processes) if s.device == "cpu" else 1)
     engine = EngineConfig(
         max_batch_size=s.max_batch_size,
@@ -32,13 +33,15 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         speculative_tokens=s.speculative_tokens,
         speculative_max_batch=s.speculative_max_batch,
         max_model_len=s.max_model_len,
+        kv_events=bool(s.kv_events_endpoint),
     )
     return WorkerSpec(
         worker_id=worker_id,
         rank=rank,
-        device_index=worker_id * s.tensor_parallel + rank,
+        # This node's devices, one per local rank.
+        device_index=worker_id * len(local) + local.index(rank),
         world_size=s.tensor_parallel,
-        master_addr="127.0.0.1",
+        master_addr=s.master_addr,
         master_port=master_port,
         options=LoadOptions.from_settings(s),
         engine=engine,
@@ -47,4 +50,6 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         log_level=s.log_level,
         heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),
         collective_timeout=s.step_timeout,
+        kv_events_endpoint=s.kv_events_endpoint,
+        kv_events_topic=s.kv_events_topic,
     )

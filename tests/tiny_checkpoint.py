@@ -1,0 +1,40 @@
+"""A tiny random Llama checkpoint (Hugging Face layout) written into a directory, for service tests
+that need a real model but not a good one: two layers, head_dim 32, two query heads per KV head, a
+byte-level tokenizer of 256 bytes + EOS."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_tiny_llama(directory: Path) -> Path:
+    import tokenizers
+    import torch
+    import transformers
+
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|eos|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    config = transformers.LlamaConfig(
+        vocab_size=257,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper than the default init, so greedy choices are not near-ties
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.1 + 1.0 if "norm" in name else torch.randn_like(param) * 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
