@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -71,20 +71,20 @@ class GemmaRMSNorm(RMSNorm):
 
 
 def gemma_norm(config: ModelConfig, dim: int, ops: Ops, out_dtype: torch.dtype) -> GemmaRMSNorm:
-    return GemmaRMSNorm(dim, config.rms_norm_eps, ops, out_dtype, float(config.extra["norm_offset"]))  # type: ignore[arg-type]
+    return GemmaRMSNorm(dim, config.rms_norm_eps, ops, out_dtype, cast(float, config.extra["norm_offset"]))
 
 
 def layer_window(config: ModelConfig, layer_idx: int) -> int | None:
     """The sliding window of layer ``layer_idx`` (None: it attends to the whole context)."""
     window = config.extra.get("sliding_window")
-    layer_types: list[str] = config.extra["layer_types"]  # type: ignore[assignment]
-    if layer_types[layer_idx] != SLIDING or window is None or int(window) >= config.max_position_embeddings:  # type: ignore[call-overload]
-        return None
-    return int(window)  # type: ignore[call-overload]
+    layer_types = cast(list[str], config.extra["layer_types"])
+    if layer_types[layer_idx] != SLIDING or not isinstance(window, int) or window >= config.max_position_embeddings:
+        return None  # a window as long as the context is none
+    return window
 
 
 def _optional(value: object) -> float | None:
-    return float(value) if value else None  # type: ignore[arg-type]
+    return float(cast(float, value)) if value else None
 
 
 class Gemma2Attention(LlamaAttention):
@@ -99,7 +99,7 @@ class Gemma2Attention(LlamaAttention):
         tp: TensorParallel,
     ) -> None:
         super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
-        self.scale = float(config.extra["query_pre_attn_scalar"]) ** -0.5  # type: ignore[arg-type]
+        self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
         self.window = layer_window(config, layer_idx)
         self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
 
@@ -112,7 +112,7 @@ class Gemma2Attention(LlamaAttention):
 
 class GemmaMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return cast(torch.Tensor, self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
@@ -177,7 +177,7 @@ class GemmaModel(LlamaModel):
         self.normalizer = float(torch.tensor(math.sqrt(config.hidden_size), dtype=act_dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids).to(self.act_dtype) * self.normalizer
+        return cast(torch.Tensor, self.embed_tokens(input_ids)).to(self.act_dtype) * self.normalizer
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
@@ -263,7 +263,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, run)
+        return cast(torch.Tensor, self.model(input_ids, positions, meta, run))
 
     def compute_logits(self, hidden: torch.Tensor, run: Regions = GEMMA_EAGER) -> torch.Tensor:
         logits = run.head_logits(self.lm_head, hidden)

@@ -18,7 +18,7 @@ applies them), ``attention.sliding_window`` (none: every layer global) with the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -78,14 +78,13 @@ class Gemma3Model(GemmaModel):
     def __init__(self, config: ModelConfig, ops: Ops, *args: Any) -> None:
         super().__init__(config, ops, *args)
         # Global layers rotate with the tables of make_rotary; local ones share theirs.
-        local = scaled_rotary(config, float(config.extra["rope_local_theta"]), 1.0, ops)  # type: ignore[arg-type]
-        layer_types: list[str] = config.extra["layer_types"]  # type: ignore[assignment]
-        for layer, kind in zip(self.layers, layer_types):
+        local = scaled_rotary(config, cast(float, config.extra["rope_local_theta"]), 1.0, ops)
+        for layer, kind in zip(self.layers, cast(list[str], config.extra["layer_types"])):
             if kind == SLIDING:
-                layer.self_attn.rotary = local
+                cast(LlamaAttention, layer.self_attn).rotary = local
 
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
-        return scaled_rotary(config, config.rope_theta, float(config.extra["rope_linear_factor"]), ops)  # type: ignore[arg-type]
+        return scaled_rotary(config, config.rope_theta, cast(float, config.extra["rope_linear_factor"]), ops)
 
 
 def _global_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
