@@ -102,8 +102,8 @@ def _group_attention(
         s = scores[:, :, :rows].view(num_seqs, kv_heads, g, max_q, length)
         s.masked_fill_(invisible[:, :, None], float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        # A row that has seen no key yet (a window's earlier chunks): its state stays exactly zero.
-        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        # A row that has seen no key yet (only behind a window): its state stays exactly zero.
+        m_safe = m_new if oldest is None else torch.where(m_new == float("-inf"), 0.0, m_new)
         p = torch.exp(scores - m_safe)
         acc = acc * torch.exp(m - m_safe) + torch.matmul(p, v1)
         m = m_new
