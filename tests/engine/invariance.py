@@ -27,3 +27,19 @@ def assert_alone_equals_crowd(model: Any, prompt: Sequence[int]) -> None:
     crowd_decode, _ = crowd.execute(StepPlan([3, next_token, 4], [1, 1, 1], [9, 13, 5], tables, [0, 1, 2], []))
     assert torch.equal(crowd_prefill, prefill)
     assert torch.equal(crowd_decode[1], decode[0])
+
+
+def assert_prefill_equals_decode(model: Any, prompt: Sequence[int], prefilled: int) -> None:
+    """A prompt prefilled whole, and its first ``prefilled`` ids prefilled then the rest decoded one
+    token per step: every position's logits bitwise the same (past sliding windows, where a family has them)."""
+    n = len(prompt)
+    table = list(range(-(-n // 4)))[::-1]  # blocks out of order
+    whole = ModelRunner(model, block_size=4, num_blocks=len(table))
+    _, (prefill,) = whole.execute(StepPlan(list(prompt), [n], [0], [table], [n - 1], [(0, n)]))
+    stepwise = ModelRunner(model, block_size=4, num_blocks=len(table))
+    first = list(prompt[:prefilled])
+    _, (head,) = stepwise.execute(StepPlan(first, [prefilled], [0], [table], [prefilled - 1], [(0, prefilled)]))
+    assert torch.equal(head, prefill[:prefilled])
+    for position in range(prefilled, n):
+        logits, _ = stepwise.execute(StepPlan([prompt[position]], [1], [position], [table], [0], []))
+        assert torch.equal(logits[0], prefill[position]), position

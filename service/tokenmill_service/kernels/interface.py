@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.registry import Registry
@@ -83,6 +84,12 @@ class Ops(ABC):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, 2 * I] (gate, up) -> silu(gate) * up: [T, I], computed in float32, in x's dtype."""
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2 * I] (gate, up) -> gelu(gate, tanh approximation) * up: [T, I], computed in
+        float32, in x's dtype (Gemma's GeGLU). Elementwise plain torch for every backend."""
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
     @abstractmethod
     def store_kv(
         self,
@@ -103,10 +110,14 @@ class Ops(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys and values
         (this step's already stored). q: [T, H, D] -> [T, H, D] in q's dtype; float32 inside.
-        A query at position p sees positions 0..p of its own sequence."""
+        A query at position p sees positions 0..p of its own sequence, or only the last ``window``
+        of them (p - window + 1 .. p: a sliding-window layer). ``softcap``: each scaled score s
+        becomes tanh(s / softcap) * softcap before the softmax (Gemma 2's logit soft-capping)."""
 
 
 _BACKENDS: Registry[type[Ops]] = Registry("backend")

@@ -4,7 +4,8 @@ Attention is written so that a query's result is bit-for-bit the same whatever e
 batch and whether it arrives in a prefill chunk or as a decode token:
 
 - keys are visited in chunks at fixed absolute positions (``KEY_CHUNK``), with an online
-  softmax across chunks; a chunk with no visible key leaves the running state unchanged;
+  softmax across chunks; a chunk with no visible key leaves the running state unchanged (so the
+  chunks wholly before every query's sliding window are skipped, and soft-capping is elementwise);
 - within a chunk, the only reductions are matrix products and ``amax`` (exact in any order); the
   softmax denominator is one more column of the ``p @ v`` product rather than a ``sum`` (whose
   vectorized order changes with the row length);
@@ -35,8 +36,23 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def _first_chunk(group: AttentionGroup, window: int | None) -> int:
+    """The first key chunk any of the group's queries sees: 0, or past the chunks that lie wholly
+    before every query's window (skipping them is exact: such a chunk leaves a query's state as it is)."""
+    if window is None:
+        return 0
+    lowest = int(group.query_positions.view(-1).index_select(0, group.valid_cells).min())
+    return max(0, lowest - window + 1) // KEY_CHUNK
+
+
 def _group_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for one group's queries: [n_valid, H, D] float32, rows in ``group.valid_rows`` order."""
     num_seqs, max_q = group.token_index.shape
@@ -56,7 +72,13 @@ def _group_attention(
     acc = torch.zeros((num_seqs, kv_heads, qg.shape[2], head_dim + 1), device=q.device)
     blocks_per_chunk = KEY_CHUNK // block_size
     length = KEY_CHUNK
-    for c, invisible in enumerate(group.chunk_masks):
+    # A sliding window hides the keys at or below position - window, for each query its own.
+    oldest = None if window is None else (group.query_positions - window)[:, None, :, None]
+    for c in range(_first_chunk(group, window), len(group.chunk_masks)):
+        invisible = group.chunk_masks[c]
+        if oldest is not None:
+            keys = torch.arange(c * KEY_CHUNK, c * KEY_CHUNK + invisible.shape[-1], device=q.device)
+            invisible = invisible | (keys <= oldest)
         blocks = group.block_ids[:, c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
         if blocks.shape[1] < blocks_per_chunk:
             # Every chunk is a whole KEY_CHUNK of keys (the tail masked): the products' shapes, and so
@@ -75,11 +97,15 @@ def _group_attention(
         ones = torch.ones((num_seqs, kv_heads, length, 1), device=q.device)
         v1 = torch.cat((v, ones), dim=-1)  # the last column of p @ v1 is the softmax denominator
         scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, KV, rows, length]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         s = scores[:, :, :rows].view(num_seqs, kv_heads, g, max_q, length)
         s.masked_fill_(invisible[:, :, None], float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
-        p = torch.exp(scores - m_new)
-        acc = acc * torch.exp(m - m_new) + torch.matmul(p, v1)
+        # A row that has seen no key yet (only behind a window): its state stays exactly zero.
+        m_safe = m_new if oldest is None else torch.where(m_new == float("-inf"), 0.0, m_new)
+        p = torch.exp(scores - m_safe)
+        acc = acc * torch.exp(m - m_safe) + torch.matmul(p, v1)
         m = m_new
     out = acc[:, :, :rows, :head_dim] / acc[:, :, :rows, head_dim:]
     # [S, KV, G, Q, D] -> [S * Q, H, D], then the real queries only.
@@ -132,8 +158,10 @@ class TorchOps(Ops):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return _scatter(q, [(g, _group_attention(q, k_cache, v_cache, g, scale)) for g in meta.groups])
+        return _scatter(q, [(g, _group_attention(q, k_cache, v_cache, g, scale, window, softcap)) for g in meta.groups])
 
 
 def _scatter(q: torch.Tensor, parts: list[tuple[AttentionGroup, torch.Tensor]]) -> torch.Tensor:

@@ -82,7 +82,7 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise GGUFError(f"partial rotary embeddings (rope.dimension_count {rope_dims} != head_dim {head_dim})")
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
+    if scaling_type not in (None, "none", *model_class(supported[arch]).gguf_rope_types):
         raise GGUFError(f"RoPE scaling type {scaling_type!r} is not supported")
 
     name = _field(reader, "general.name")

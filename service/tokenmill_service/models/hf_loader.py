@@ -77,12 +77,13 @@ def read_hf_config(directory: Path) -> ModelConfig:
         raise HFCheckpointError(
             f"{directory / 'config.json'}: architectures {archs} not supported (supported: {', '.join(sorted(supported))})"
         )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    family = model_class(supported[arch])
+    act_key, activation = family.hf_activation
+    if raw.get(act_key, activation) != activation:
+        raise HFCheckpointError(f"{act_key} {raw[act_key]!r} is not supported (only {activation})")
     if raw.get("mlp_bias", False):
         raise HFCheckpointError("mlp_bias is not supported")
     num_heads = int(raw["num_attention_heads"])
-    family = model_class(supported[arch])
     config = ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),

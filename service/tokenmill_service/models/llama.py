@@ -132,6 +132,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """A layer's modules; ``LlamaModel.forward`` runs it as ``pre_attention``, attention, ``post_attention``."""
 
+    # The feed-forward block: a family with another activation subclasses LlamaMLP (Gemma's GeGLU).
+    mlp_type: ClassVar[type[LlamaMLP]] = LlamaMLP
+
     def __init__(
         self,
         config: ModelConfig,
@@ -149,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
         self.self_attn = attention_type(config, f"{prefix}.self_attn", layer_idx, rotary, ops, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
+        self.mlp = self.mlp_type(config, f"{prefix}.mlp", ops, quant, tp)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """A family's seam on each sub-layer's output before its residual add (Granite scales it); Llama has none."""
@@ -282,6 +285,10 @@ class LlamaForCausalLM(nn.Module):
     gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
     # ``rope_scaling`` types this family reads itself (``read_hf_config``); the loader reads only llama3's.
     hf_rope_types: ClassVar[frozenset[str]] = frozenset()
+    # GGUF ``rope.scaling.type`` values this family reads itself (``read_gguf_config``); the loader none.
+    gguf_rope_types: ClassVar[frozenset[str]] = frozenset()
+    # The config.json key naming the MLP's activation, and the one activation this family runs.
+    hf_activation: ClassVar[tuple[str, str]] = ("hidden_act", "silu")
 
     @classmethod
     def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:

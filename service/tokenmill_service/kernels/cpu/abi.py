@@ -118,6 +118,12 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
                 "const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
                 "float scale, float* out, int threads)"
             ),
+            (
+                f"int tm_paged_attention_window{suffix}(const float* q, int64_t t, int64_t heads, "
+                f"int64_t kv_heads, int64_t head_dim, const {cache}* k_cache, const {cache}* v_cache, "
+                "int64_t block_size, const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, "
+                "int64_t table_width, float scale, int64_t window, float softcap, float* out, int threads)"
+            ),
         )
     ),
     "decoder_stack": (

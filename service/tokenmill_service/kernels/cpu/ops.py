@@ -94,7 +94,9 @@ class NativeCpuOps(TorchOps):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         return paged_attention.paged_attention(
-            q.float(), k_cache, v_cache, meta.positions, meta.seq_of_token, meta.block_tables, scale
+            q.float(), k_cache, v_cache, meta.positions, meta.seq_of_token, meta.block_tables, scale, window, softcap
         ).to(q.dtype)

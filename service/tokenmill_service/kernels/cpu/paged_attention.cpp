@@ -8,6 +8,11 @@
 // token. What a tile shares is only loads: the query heads that share a key/value head, and up to
 // 48 (token, head) rows of a prefill chunk, are scored together against each 64 keys while those
 // are in L1, and then take their values the same way; no row's arithmetic depends on the others.
+//
+// A sliding-window layer's query at p sees keys p - window + 1 .. p only: the keys below its window
+// get weight exactly 0 (and the tile starts at the 16 keys holding its rows' first visible key), so
+// the extra keys another row brings into a tile add exact zeros. Soft-capping (Gemma 2) turns each
+// score s into tanh(s / cap) * cap, elementwise, before the maximum and the exponentials.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -67,8 +72,16 @@ struct Rows {
   int count = 0;
   const float* q[MAX_ROWS];
   float* out[MAX_ROWS];
-  int64_t keys[MAX_ROWS];  // how many keys each row sees: its position + 1
+  int64_t keys[MAX_ROWS];   // the keys each row sees end before this: its position + 1
+  int64_t first[MAX_ROWS];  // ... and start here: 0, or its window's first key
 };
+
+// Lanes of the 16 keys from j that lie in [lo, hi).
+inline __mmask16 live_keys(int64_t j, int64_t lo, int64_t hi) {
+  const int64_t a = std::max<int64_t>(0, std::min<int64_t>(16, lo - j));
+  const int64_t b = std::max<int64_t>(0, std::min<int64_t>(16, hi - j));
+  return b > a ? (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1)) : (__mmask16)0;
+}
 
 // Keys [j, j + 16) of one key/value head as [D][16] columns: a pointer into the cache when they
 // lie in one block (stride block_size), else gathered into buf (stride 16; keys past n are 0).
@@ -94,8 +107,8 @@ inline const T* key_columns(const T* k_cache, const int64_t* table, int64_t j, i
 // the sum over d of q[d] * k[d] in d order, one multiply-add chain per score, whatever R is. Each row's running
 // maximum over its own keys (j < keys[r]) is kept in mx.
 template <int R, int C, int64_t D, typename T>
-inline void score_rows(const float* qp, const int64_t* keys, const T* const* col, const int64_t* stride,
-                       float* scores, int64_t ld, int64_t j, __m512* mx) {
+inline void score_rows(const float* qp, const int64_t* keys, const int64_t* first, const T* const* col,
+                       const int64_t* stride, float* scores, int64_t ld, int64_t j, __m512* mx) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -112,25 +125,25 @@ inline void score_rows(const float* qp, const int64_t* keys, const T* const* col
     for (int c = 0; c < C; ++c) {
       const __m512 x = acc[r][c];
       _mm512_storeu_ps(s + 16 * c, x);
-      const int64_t live = keys[r] - (j + 16 * c);
-      if (live >= 16) mx[r] = _mm512_max_ps(mx[r], x);
-      else if (live > 0) mx[r] = _mm512_mask_max_ps(mx[r], (__mmask16)((1u << live) - 1), mx[r], x);
+      const __mmask16 live = live_keys(j + 16 * c, first[r], keys[r]);
+      if (live == 0xFFFF) mx[r] = _mm512_max_ps(mx[r], x);
+      else if (live) mx[r] = _mm512_mask_max_ps(mx[r], live, mx[r], x);
     }
   }
 }
 
 template <int R, int C, int64_t D, typename T>
 struct ScoreDispatch {
-  static void run(int count, const float* qp, const int64_t* keys, const T* const* col, const int64_t* stride,
-                  float* scores, int64_t ld, int64_t j, __m512* mx) {
-    if (count == R) score_rows<R, C, D>(qp, keys, col, stride, scores, ld, j, mx);
-    else ScoreDispatch<R - 1, C, D, T>::run(count, qp, keys, col, stride, scores, ld, j, mx);
+  static void run(int count, const float* qp, const int64_t* keys, const int64_t* first, const T* const* col,
+                  const int64_t* stride, float* scores, int64_t ld, int64_t j, __m512* mx) {
+    if (count == R) score_rows<R, C, D>(qp, keys, first, col, stride, scores, ld, j, mx);
+    else ScoreDispatch<R - 1, C, D, T>::run(count, qp, keys, first, col, stride, scores, ld, j, mx);
   }
 };
 template <int C, int64_t D, typename T>
 struct ScoreDispatch<0, C, D, T> {
-  static void run(int, const float*, const int64_t*, const T* const*, const int64_t*, float*, int64_t, int64_t,
-                  __m512*) {}
+  static void run(int, const float*, const int64_t*, const int64_t*, const T* const*, const int64_t*, float*,
+                  int64_t, int64_t, __m512*) {}
 };
 
 // Scores of all rows against the next `cols` (1..SC) columns, SR rows at a time.
@@ -138,8 +151,8 @@ template <int C, int64_t D, typename T>
 inline void score_all(const Rows& rows, const float* qp, const T* const* col, const int64_t* stride, float* scores,
                       int64_t ld, int64_t j, __m512* mx) {
   for (int r0 = 0; r0 < rows.count; r0 += SR)
-    ScoreDispatch<SR, C, D, T>::run(std::min(SR, rows.count - r0), qp + r0 * D, rows.keys + r0, col, stride,
-                                    scores + r0 * ld, ld, j, mx + r0);
+    ScoreDispatch<SR, C, D, T>::run(std::min(SR, rows.count - r0), qp + r0 * D, rows.keys + r0, rows.first + r0,
+                                    col, stride, scores + r0 * ld, ld, j, mx + r0);
 }
 
 // Adds keys [j0, j1) of R rows' softmax(scores) times the values to their sums acc ([R][DV]), the
@@ -199,22 +212,29 @@ struct ValueDispatch<DV, 0, T> {
 // Attention of a tile's rows (one sequence, one key/value head) over that sequence's cache.
 template <int DV, typename T>
 void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_heads, int64_t kvh,
-            const int64_t* table, int64_t block_size, float scale, std::vector<float>& scratch, std::vector<T>& kbuf) {
+            const int64_t* table, int64_t block_size, float scale, float softcap, std::vector<float>& scratch,
+            std::vector<T>& kbuf) {
   constexpr int64_t D = DV * 16;
   constexpr int64_t W = 16 * SC;  // keys scored per pass over the rows
-  int64_t n_max = 0;
-  for (int r = 0; r < rows.count; ++r) n_max = std::max(n_max, rows.keys[r]);
+  int64_t n_max = 0, j_first = INT64_MAX;
+  for (int r = 0; r < rows.count; ++r) {
+    n_max = std::max(n_max, rows.keys[r]);
+    j_first = std::min(j_first, rows.first[r]);
+  }
+  j_first = j_first / 16 * 16;  // whole columns of 16 keys, at the same absolute keys for every tile
   const int64_t ld = (n_max + 15) / 16 * 16;
   scratch.resize(rows.count * ld);
   kbuf.resize(SC * D * 16);
   float* scores = scratch.data();
   alignas(64) float qp[MAX_ROWS * D];
-  const float q_scale = scale * 1.44269504088896341f;  // scores in base 2, scaled as they are summed
+  constexpr float LOG2E = 1.44269504088896341f;
+  // Scores in base 2, scaled as they are summed; soft-capped ones are capped first (below).
+  const float q_scale = softcap > 0.0f ? scale : scale * LOG2E;
   for (int r = 0; r < rows.count; ++r)
     for (int64_t d = 0; d < D; ++d) qp[r * D + d] = rows.q[r][d] * q_scale;
   __m512 mx[MAX_ROWS];
   for (int r = 0; r < rows.count; ++r) mx[r] = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n_max; j += W) {
+  for (int64_t j = j_first; j < n_max; j += W) {
     const T* col[SC];
     int64_t stride[SC];
     for (int c = 0; c < SC && j + 16 * c < n_max; ++c)
@@ -227,6 +247,16 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
       default: score_all<SC, D>(rows, qp, col, stride, scores, ld, j, mx); break;
     }
   }
+  if (softcap > 0.0f)  // each visible score s -> tanh(s / cap) * cap (in base 2), and the rows' maxima again
+    for (int r = 0; r < rows.count; ++r) {
+      float* s = scores + r * ld;
+      float m = -INFINITY;
+      for (int64_t j = rows.first[r]; j < rows.keys[r]; ++j) {
+        s[j] = tanhf(s[j] / softcap) * softcap * LOG2E;
+        m = std::max(m, s[j]);
+      }
+      mx[r] = _mm512_set1_ps(m);
+    }
   // Softmax and values, a chunk of VW keys at a time so that its scores and values stay in L1: the
   // exponentials of a row's scores (the maximum is exact in any order; the exponentials are
   // elementwise; the denominator is summed in 16 lanes by key index, then reduced: all fixed by
@@ -241,7 +271,7 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
     for (int d = 0; d < DV; ++d) acc[r * DV + d] = _mm512_setzero_ps();
   }
   const T* vc = v_cache + kvh * D;
-  for (int64_t j0 = 0; j0 < n_max; j0 += VW)
+  for (int64_t j0 = j_first; j0 < n_max; j0 += VW)
     for (int r0 = 0; r0 < rows.count; r0 += VR) {
       int64_t hi = 0;
       const int count = std::min(VR, rows.count - r0);
@@ -250,10 +280,13 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
         hi = std::max(hi, rows.keys[r]);
         float* s = scores + r * ld;
         for (int64_t j = j0; j < n; j += 16) {
+          // Keys below the row's window (and past its last) weigh exactly 0.
           const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-          const __m512 e = softmax_exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mv[r]));
+          const __mmask16 live = live_keys(j, rows.first[r], n);
+          const __m512 e = _mm512_maskz_mov_ps(
+              live, softmax_exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mv[r])));
           _mm512_mask_storeu_ps(s + j, m, e);
-          sum[r] = _mm512_add_ps(sum[r], _mm512_maskz_mov_ps(m, e));
+          sum[r] = _mm512_add_ps(sum[r], e);
         }
       }
       if (j0 < hi)
@@ -269,7 +302,7 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
 template <int DV, typename T>
 void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const T* k_cache, const T* v_cache,
          int64_t block_size, const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
-         int64_t table_width, float scale, float* out, int threads) {
+         int64_t table_width, float scale, int64_t window, float softcap, float* out, int threads) {
   constexpr int64_t D = DV * 16;
   const int64_t g = heads / kv_heads;
   // Tiles: runs of up to MAX_ROWS / g consecutive tokens of one sequence (a prefill chunk's rows
@@ -295,7 +328,8 @@ void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const T* k_
       // Rows in passes of at most MAX_ROWS (a token's heads never split when g <= MAX_ROWS).
       Rows rows;
       auto flush = [&] {
-        if (rows.count) attend<DV>(rows, k_cache, v_cache, kv_heads, kvh, table, block_size, scale, scratch, kbuf);
+        if (rows.count)
+          attend<DV>(rows, k_cache, v_cache, kv_heads, kvh, table, block_size, scale, softcap, scratch, kbuf);
         rows.count = 0;
       };
       for (int64_t i = starts[tile]; i < starts[tile + 1]; ++i)
@@ -305,6 +339,7 @@ void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const T* k_
           rows.q[rows.count] = q + row;
           rows.out[rows.count] = out + row;
           rows.keys[rows.count] = positions[i] + 1;
+          rows.first[rows.count] = window > 0 ? std::max<int64_t>(0, positions[i] + 1 - window) : 0;
           ++rows.count;
         }
       flush();
@@ -335,16 +370,17 @@ void store_values(const float* v, int64_t v_stride, int64_t t, int64_t row, cons
 template <typename T>
 int attention(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, const T* k_cache,
               const T* v_cache, int64_t block_size, const int64_t* positions, const int64_t* seq_of_token,
-              const int64_t* tables, int64_t table_width, float scale, float* out, int threads) {
+              const int64_t* tables, int64_t table_width, float scale, int64_t window, float softcap, float* out,
+              int threads) {
   if (heads % kv_heads) return -2;
   switch (head_dim) {
     case 64:
       run<4>(q, t, heads, kv_heads, k_cache, v_cache, block_size, positions, seq_of_token, tables, table_width, scale,
-             out, threads);
+             window, softcap, out, threads);
       return 0;
     case 128:
       run<8>(q, t, heads, kv_heads, k_cache, v_cache, block_size, positions, seq_of_token, tables, table_width, scale,
-             out, threads);
+             window, softcap, out, threads);
       return 0;
     default:
       return -1;
@@ -385,13 +421,32 @@ int tm_paged_attention(const float* q, int64_t t, int64_t heads, int64_t kv_head
                        const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale,
                        float* out, int threads) {
   return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
-                   table_width, scale, out, threads);
+                   table_width, scale, 0, 0.0f, out, threads);
 }
 int tm_paged_attention_f16(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
                            const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
                            int64_t table_width, float scale, float* out, int threads) {
   return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
-                   table_width, scale, out, threads);
+                   table_width, scale, 0, 0.0f, out, threads);
+}
+
+// As tm_paged_attention, for a sliding-window layer (window > 0: token i sees keys positions[i] -
+// window + 1 .. positions[i]) and/or with soft-capped scores (softcap > 0; 0: none).
+int tm_paged_attention_window(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              const float* k_cache, const float* v_cache, int64_t block_size,
+                              const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
+                              int64_t table_width, float scale, int64_t window, float softcap, float* out,
+                              int threads) {
+  return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
+                   table_width, scale, window, softcap, out, threads);
+}
+int tm_paged_attention_window_f16(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                  const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
+                                  const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
+                                  int64_t table_width, float scale, int64_t window, float softcap, float* out,
+                                  int threads) {
+  return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
+                   table_width, scale, window, softcap, out, threads);
 }
 }

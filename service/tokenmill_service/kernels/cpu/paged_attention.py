@@ -61,23 +61,34 @@ def paged_attention(
     seq_of_token: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] float32 -> [T, H, D]: token i (at ``positions[i]`` of sequence ``seq_of_token[i]``)
     attends over keys 0..positions[i] of that sequence, found through ``block_tables`` [S, W] in
     the caches (keys [blocks, KV, D, block_size], values [blocks, block_size, KV, D]; float32 or
     float16, contiguous; this step's keys and values already stored by ``store_keys`` and
-    ``store_values``)."""
+    ``store_values``). ``window``: token i sees only keys positions[i] - window + 1 .. positions[i];
+    ``softcap``: each scaled score s becomes tanh(s / softcap) * softcap."""
     t, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = v_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     if t:
-        rc = getattr(_lib(), symbol("tm_paged_attention", k_cache.dtype))(
+        common = (
             q.data_ptr(), t, heads, kv_heads, head_dim,
             k_cache.data_ptr(), v_cache.data_ptr(), block_size,
             positions.data_ptr(), seq_of_token.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            scale, out.data_ptr(), torch.get_num_threads(),
+            scale,
         )  # fmt: skip
+        if window is None and softcap is None:
+            kernel = getattr(_lib(), symbol("tm_paged_attention", k_cache.dtype))
+            rc = kernel(*common, out.data_ptr(), torch.get_num_threads())
+        else:
+            if window is not None and window < 1 or softcap is not None and softcap <= 0:
+                raise ValueError(f"a window is at least 1 key and a soft cap above 0, not {window} and {softcap}")
+            kernel = getattr(_lib(), symbol("tm_paged_attention_window", k_cache.dtype))
+            rc = kernel(*common, window or 0, softcap or 0.0, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native attention takes head_dim in {HEAD_DIMS} and whole groups of query heads")
     return out

@@ -79,5 +79,7 @@ class TritonOps(Ops):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)

@@ -12,7 +12,8 @@ tiles of ``BLOCK_N`` keys inside each split. For each split it computes a partia
 - Prefill chunks: one program folds all its splits itself; no partial states in memory.
 
 Both do exactly the same arithmetic per query row, in the same order, with the same tile
-shapes, and a split or tile beyond a query's position adds exact zeros: a query's result depends
+shapes, and a split or tile beyond a query's position, or wholly before its sliding window (which
+is why such splits are skipped), adds exact zeros: a query's result depends
 only on its sequence, its position and the constants here, never on the batch around it or on
 whether its prefix was prefilled or decoded.
 
@@ -31,6 +32,7 @@ from tokenmill_service.kernels.attention_metadata import AttentionGroup, Attenti
 SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 64  # keys per tile inside a split
 MIN_ROWS = 16  # a tile's query rows; tl.dot needs at least 16 on a GPU
+NO_WINDOW = 1 << 30  # the window of a global layer: beyond any position
 
 
 @triton.jit
@@ -40,6 +42,8 @@ def _split_partial(
     lo,
     hi,
     scale,
+    window,
+    softcap,
     k_cache_ptr,
     v_cache_ptr,
     table_ptr,
@@ -52,8 +56,11 @@ def _split_partial(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Softmax state of rows q [BLOCK_M, D_PAD] (positions pos) over keys lo..hi-1, from scratch."""
+    """Softmax state of rows q [BLOCK_M, D_PAD] (positions pos) over keys lo..hi-1, from scratch:
+    a row sees the keys at most its position and above its position - window; with ``SOFTCAP``,
+    its scores s become tanh(s / softcap) * softcap."""
     d = tl.arange(0, D_PAD)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -67,7 +74,12 @@ def _split_partial(
         k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        visible = in_range[None, :] & (keys[None, :] <= pos[:, None])
+        if SOFTCAP:
+            x = scores / softcap
+            e = tl.exp(-2.0 * tl.abs(x))  # tanh from exp (triton has no tanh): odd, no overflow
+            t = (1.0 - e) / (1.0 + e)
+            scores = tl.where(x < 0, -t, t) * softcap
+        visible = in_range[None, :] & (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -101,6 +113,8 @@ def _attention_kernel(
     positions_ptr,
     block_ids_ptr,
     scale,
+    window,
+    softcap,
     max_q,
     num_q_tiles,
     table_width,
@@ -122,6 +136,7 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     TWO_STAGE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     seq = tl.program_id(0) // num_q_tiles
@@ -142,14 +157,16 @@ def _attention_kernel(
     q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=real[:, None] & d_ok, other=0.0).to(tl.float32)
     keys_end = tl.max(pos, axis=0) + 1
+    # The splits wholly below every row's window add exact zeros: they are skipped (left empty).
+    first_visible = tl.maximum(tl.min(tl.where(real, pos, keys_end), axis=0) - window + 1, 0)
     table_ptr = block_ids_ptr + seq.to(tl.int64) * table_width
     if TWO_STAGE:
         split = tl.program_id(2)
         lo = split * SPLIT
-        hi = tl.minimum(lo + SPLIT, keys_end)
+        hi = tl.where(lo + SPLIT <= first_visible, lo, tl.minimum(lo + SPLIT, keys_end))
         m, l, acc = _split_partial(
-            q, pos, lo, hi, scale, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-            stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N,
+            q, pos, lo, hi, scale, window, softcap, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+            stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N, SOFTCAP,
         )  # fmt: skip
         part = (cell * num_heads + head) * num_splits + split
         tl.store(part_ml_ptr + 2 * part, m, mask=real)
@@ -159,10 +176,11 @@ def _attention_kernel(
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_M], tl.float32)
         acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for lo in range(0, keys_end, SPLIT):
+        for lo in range(first_visible // SPLIT * SPLIT, keys_end, SPLIT):
             m, l, acc = _split_partial(
-                q, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, k_cache_ptr, v_cache_ptr, table_ptr,
-                kv_head, stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N,
+                q, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, window, softcap, k_cache_ptr, v_cache_ptr,
+                table_ptr, kv_head, stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N,
+                SOFTCAP,
             )  # fmt: skip
             m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
         out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
@@ -218,6 +236,8 @@ def _group_attention(
     scale: float,
     out: torch.Tensor,
     split_keys: int,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     num_seqs, max_q = group.token_index.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
@@ -240,11 +260,12 @@ def _group_attention(
     _attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml,
         group.token_index, group.query_positions, group.block_ids,
-        scale, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
+        scale, NO_WINDOW if window is None else window, softcap or 1.0, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=min(BLOCK_N, split_keys), SPLIT=split_keys, TWO_STAGE=two_stage,
+        SOFTCAP=softcap is not None,
     )  # fmt: skip
     if two_stage:
         _reduce_splits_kernel[(cells, kv_heads)](
@@ -260,6 +281,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     split_keys: int = SPLIT_KEYS,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """As ``Ops.attention``: q [T, H, D] -> [T, H, D] in q's dtype; caches [blocks, block_size, KV, D]."""
     if split_keys < 16 or split_keys & (split_keys - 1):
@@ -268,5 +291,5 @@ def paged_attention(
         raise ValueError("the triton attention kernel needs q and the caches contiguous in their last dim")
     out = torch.empty_like(q)
     for group in meta.groups:
-        _group_attention(q, k_cache, v_cache, group, scale, out, split_keys)
+        _group_attention(q, k_cache, v_cache, group, scale, out, split_keys, window, softcap)
     return out

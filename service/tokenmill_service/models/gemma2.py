@@ -1,0 +1,272 @@
+"""Gemma 2: a Llama-family decoder with Gemma's norms, GeGLU, soft-capping and sliding-window layers
+(transformers' modeling_gemma2.py is the reference).
+
+- Token embeddings are scaled by sqrt(hidden), the factor rounded to the activations' dtype first,
+  as transformers does (``GemmaModel.embed``).
+- RMSNorm multiplies by (1 + w), in float32 (``GemmaRMSNorm``, which keeps 1 + w). llama.cpp's
+  converter writes the norms with the 1 already added, so a GGUF's are taken as they are.
+- Each layer norms its input, attention's output, the MLP's input and the MLP's output; the residual
+  adds come after the post-norms (``gemma_post_attention``, the family's ``Regions``).
+- The MLP is GeGLU: gelu(gate, tanh approximation) * up (``Ops.gelu_tanh_and_mul``).
+- Attention scales by query_pre_attn_scalar ** -0.5, soft-caps its scores (tanh(s / cap) * cap), and
+  every even layer (0, 2, ...) attends within a sliding window (``layer_types`` where the config says);
+  the ops backend's attention takes both (kernels/interface.py). The logits are soft-capped too.
+
+GGUF (llama.cpp's ``gemma2``): ``attn_logit_softcapping``, ``final_logit_softcapping``,
+``attention.sliding_window`` (and ``sliding_window_pattern``) with llama.cpp's defaults where absent;
+the tensors ``post_attention_norm``, ``ffn_norm`` (before the MLP) and ``post_ffw_norm``. llama.cpp
+keeps no query_pre_attn_scalar: it scales by head_dim ** -0.5, or (hidden / heads) ** -0.5 for the
+27B (46 layers), and so does this reader. The native decoder stack has none of this, so the family
+declares none and the load plan says why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
+
+import torch
+
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.linear import QuantFactory
+from tokenmill_service.layers.norm import RMSNorm
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.layers.rotary import RotaryEmbedding
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.llama import (
+    GGUF_LAYER_NAMES,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    Regions,
+)
+from tokenmill_service.models.registry import register_model
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+GEMMA_GGUF_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm times (1 + w): keeps 1 + w as its weight, adding ``offset`` (1, or 0 for a GGUF, whose
+    converter added it) to the checkpoint's tensor in float32, as transformers computes it."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops, out_dtype: torch.dtype, offset: float) -> None:
+        super().__init__(dim, eps, ops, out_dtype)
+        self.offset = offset
+
+    def load_weight(self, tensor: CheckpointTensor, shard_id: None = None) -> None:
+        self.weight.data.copy_(dense(tensor).float() + self.offset)
+
+
+def gemma_norm(config: ModelConfig, dim: int, ops: Ops, out_dtype: torch.dtype) -> GemmaRMSNorm:
+    return GemmaRMSNorm(dim, config.rms_norm_eps, ops, out_dtype, cast(float, config.extra["norm_offset"]))
+
+
+def layer_window(config: ModelConfig, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` (None: it attends to the whole context)."""
+    window = config.extra.get("sliding_window")
+    layer_types = cast(list[str], config.extra["layer_types"])
+    if layer_types[layer_idx] != SLIDING or not isinstance(window, int) or window >= config.max_position_embeddings:
+        return None  # a window as long as the context is none
+    return window
+
+
+def _optional(value: object) -> float | None:
+    return float(cast(float, value)) if value else None
+
+
+class Gemma2Attention(LlamaAttention):
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: Ops,
+        quant: QuantFactory,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
+        self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
+        self.window = layer_window(config, layer_idx)
+        self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+        return out.flatten(1)
+
+
+class GemmaMLP(LlamaMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    mlp_type: ClassVar[type[LlamaMLP]] = GemmaMLP
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: Ops,
+        quant: QuantFactory,
+        act_dtype: torch.dtype,
+        tp: TensorParallel,
+        attention_type: type[LlamaAttention] = Gemma2Attention,
+    ) -> None:
+        super().__init__(config, prefix, layer_idx, rotary, ops, quant, act_dtype, tp, attention_type)
+        hidden = config.hidden_size
+        self.input_layernorm = gemma_norm(config, hidden, ops, act_dtype)
+        self.post_attention_layernorm = gemma_norm(config, hidden, ops, act_dtype)
+        self.pre_feedforward_layernorm = gemma_norm(config, hidden, ops, act_dtype)
+        self.post_feedforward_layernorm = gemma_norm(config, hidden, ops, act_dtype)
+
+
+def gemma_post_attention(
+    layer: GemmaDecoderLayer, attn: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection and its norm, residual add, pre-MLP norm, MLP and its norm: (x, residual);
+    the next layer's input norm (or the final norm) adds x to the residual."""
+    h, _ = layer.post_attention_layernorm(layer.self_attn.o_proj(attn))
+    h, residual = layer.pre_feedforward_layernorm(h, residual)
+    x, _ = layer.post_feedforward_layernorm(layer.mlp(h))
+    return x, residual
+
+
+@dataclass(slots=True)
+class GemmaRegions(Regions):
+    post_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gemma_post_attention
+
+
+GEMMA_EAGER = GemmaRegions()
+
+
+class GemmaModel(LlamaModel):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        quant: QuantFactory,
+        act_dtype: torch.dtype,
+        embed_dtype: torch.dtype,
+        head_dtype: torch.dtype,
+        tp: TensorParallel,
+        attention_type: type[LlamaAttention] = Gemma2Attention,
+        layer_type: type[LlamaDecoderLayer] = GemmaDecoderLayer,
+    ) -> None:
+        super().__init__(config, ops, quant, act_dtype, embed_dtype, head_dtype, tp, attention_type, layer_type)
+        self.norm = gemma_norm(config, config.hidden_size, ops, head_dtype)
+        self.act_dtype = act_dtype
+        # sqrt(hidden) as a number of the activations' dtype (transformers: a tensor cast to it).
+        self.normalizer = float(torch.tensor(math.sqrt(config.hidden_size), dtype=act_dtype))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.embed_tokens(input_ids)).to(self.act_dtype) * self.normalizer
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
+    ) -> torch.Tensor:
+        return super().forward(input_ids, positions, meta, run)
+
+
+def read_gemma_hf_config(raw: dict[str, Any], config: ModelConfig, defaults: dict[str, Any], pattern: int) -> None:
+    """What Gemma 2 and 3 read from config.json: transformers' defaults (``defaults``) where a key is
+    absent, and ``layer_types``, or every ``pattern``-th layer global where there are none."""
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not served")
+    extra = config.extra
+    for key, default in defaults.items():
+        extra[key] = raw.get(key, default)
+    extra["norm_offset"] = 1.0
+    types = raw.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_layers)]
+    if len(types) != config.num_layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types {types} are not {config.num_layers} of {SLIDING!r} / {FULL!r}")
+    extra["layer_types"] = list(types)
+
+
+def read_gemma_gguf_config(
+    field: Callable[[str], Any], arch: str, config: ModelConfig, window: int | None, pattern: int, big: int
+) -> None:
+    """What Gemma 2 and 3 GGUFs say, as llama.cpp reads them: the window (``window`` where absent;
+    None: no sliding layers), the local layers (``sliding_window_pattern``: every ``pattern``-th
+    layer global, or one flag per layer), and the attention scale (head_dim, or hidden / heads for
+    a ``big`` layer count: the 27B)."""
+    extra = config.extra
+    extra["norm_offset"] = 0.0  # llama.cpp's converter added the 1
+    found = field(f"{arch}.attention.sliding_window")
+    window = int(found) if found else window
+    extra["sliding_window"] = window
+    flags = field(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(flags, list):
+        local = [bool(f) for f in flags][: config.num_layers]
+    else:
+        n = int(flags) if flags else pattern
+        local = [n == 0 or i % n < n - 1 for i in range(config.num_layers)]
+    extra["layer_types"] = [SLIDING if window and is_local else FULL for is_local in local]
+    per_head = config.hidden_size // config.num_heads if config.num_layers == big else config.head_dim
+    extra["query_pre_attn_scalar"] = float(per_head)
+
+
+@register_model("gemma2")
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    native_stack: ClassVar[bool] = False
+    native_stack_gap: ClassVar[str] = (
+        "the C++ decoder layers have no sliding window, soft-capping, GeGLU or Gemma's (1 + w) norms"
+    )
+    attention_type: ClassVar[type[LlamaAttention]] = Gemma2Attention
+    model_type: ClassVar[type[LlamaModel]] = GemmaModel
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = GemmaDecoderLayer
+    regions_type: ClassVar[type[Regions]] = GemmaRegions
+    hf_architectures: ClassVar[dict[str, str]] = {"Gemma2ForCausalLM": "gemma2"}
+    gguf_architectures: ClassVar[dict[str, str]] = {"gemma2": "gemma2"}
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset()
+    gguf_layer_names: ClassVar[dict[str, str]] = GEMMA_GGUF_LAYER_NAMES
+    hf_activation: ClassVar[tuple[str, str]] = ("hidden_activation", "gelu_pytorch_tanh")
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        defaults = {
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        }
+        read_gemma_hf_config(raw, config, defaults, pattern=2)
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        read_gemma_gguf_config(field, gguf_architecture, config, window=4096, pattern=2, big=46)
+        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            value = field(f"{gguf_architecture}.{key}")
+            config.extra[key] = default if value is None else float(value)
+
+    def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.final_softcap = _optional(config.extra.get("final_logit_softcapping"))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
+    ) -> torch.Tensor:
+        return cast(torch.Tensor, self.model(input_ids, positions, meta, run))
+
+    def compute_logits(self, hidden: torch.Tensor, run: Regions = GEMMA_EAGER) -> torch.Tensor:
+        logits = run.head_logits(self.lm_head, hidden)
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -1,0 +1,121 @@
+"""Gemma 3 (text): a tiny random transformers checkpoint of six layers (five local with a window of 8
+tokens, one global; q/k norms; local rotary base 10^4, global 10^6 linearly scaled) served as
+transformers computes it over a prompt of five windows: logits and prompt logprobs within 1e-4
+(float32, dense) on the native ops and the torch reference, the same greedy tokens, the same
+logits from a GGUF of it and from two tensor-parallel ranks, the default configuration within the
+default's bounds, and a prompt's logits bitwise the same alone and in a crowd, prefilled or decoded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.engine.gemma_checkpoints import PROMPT, WINDOW, convert_gemma_to_gguf, gemma3
+from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
+from tests.engine.test_gemma2 import _free_port, _rank_logits, hf_logits, load
+from tests.engine.test_qwen3 import greedy
+from tokenmill_service.engine.executor import make_executor
+from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    hf_model = gemma3()
+    directory = tmp_path_factory.mktemp("tiny-gemma3")
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return directory, hf_model
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+@torch.inference_mode()
+def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
+    directory, hf_model = checkpoint
+    model = load(directory, ops)
+    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
+    expected = hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def test_the_config_is_gemma3s(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    config = read_hf_config(directory)
+    assert config.architecture == "gemma3" and config.extra["model_type"] == "gemma3_text"
+    assert config.rope_theta == 1e6 and config.extra["rope_local_theta"] == 1e4
+    assert config.extra["rope_linear_factor"] == 4.0
+    model = load(directory, "native")
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert [a.window for a in attns] == [WINDOW] * 5 + [None]
+    assert {a.softcap for a in attns} == {None} and model.final_softcap is None
+    local, global_ = attns[0].rotary, attns[5].rotary
+    assert all(a.rotary is local for a in attns[:5]) and global_ is not local
+    assert torch.equal(attns[2].q_norm.weight, 1.0 + hf_model.model.layers[2].self_attn.q_norm.weight.float())
+
+
+def test_the_plan_says_the_native_stack_has_no_windows(checkpoint: tuple[Path, Any]) -> None:
+    model = load(checkpoint[0], "native")
+    assert (
+        model.plan.executor.value == "eager" and "the gemma3 family has no native stack" in model.plan.executor.reason
+    )
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM has no native stack"):
+        make_executor(model, "native-stack")
+
+
+def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(12):  # to position 24, three windows
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(load(directory, "native"), PROMPT[:12], 12) == ids[12:]
+
+
+@pytest.mark.parametrize("ops", ["native", "torch"])
+def test_a_prompt_is_bitwise_the_same_alone_in_a_crowd_and_prefilled_or_decoded(
+    checkpoint: tuple[Path, Any], ops: str
+) -> None:
+    """Alone and between two other sequences; and a 26-token prompt (three windows and more) prefilled
+    whole or its first 5 prefilled and the rest decoded, every position's logits the same bits."""
+    model = load(checkpoint[0], ops)
+    assert_alone_equals_crowd(model, PROMPT)
+    assert_prefill_equals_decode(model, PROMPT[:26], prefilled=5)
+
+
+def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path) -> None:
+    hf_model = gemma3()
+    path = tmp_path / "tiny-gemma3.gguf"
+    convert_gemma_to_gguf(hf_model, path)  # no pattern key: llama.cpp's five local to one global
+    model = load_model(path, dtype=torch.float32, quantization="none")
+    assert model.config.architecture == "gemma3"
+    assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW] * 5 + [None]
+    with torch.inference_mode():
+        actual = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(actual, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_the_default_configuration_is_within_the_defaults_bounds(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    model = load_model(directory)
+    got = torch.log_softmax(make_executor(model).compute_logits(forward_prompt(model, PROMPT)).double(), -1)
+    want = torch.log_softmax(hf_logits(hf_model, PROMPT).double(), -1)
+    targets = torch.tensor(PROMPT[1:])[:, None]
+    error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
+    assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())
+
+
+def test_two_tensor_parallel_ranks_give_transformers_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+    directory, hf_model = checkpoint
+    out = tmp_path / "logits.pt"
+    mp.spawn(_rank_logits, args=(2, _free_port(), str(directory), str(out)), nprocs=2)
+    sharded = torch.load(out)
+    assert sharded["heads"] == 2
+    torch.testing.assert_close(sharded["logits"], hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
