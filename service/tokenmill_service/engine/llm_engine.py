@@ -40,14 +40,14 @@ from tokenmill_service.engine.request import (
 from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
-from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
 
-class KVPoolTooSmall(ModelLoadError):
-    """The KV cache pool cannot hold one full context of the length asked for (--max-model-len)."""
+class KVPoolTooSmall(ValueError):
+    """The KV cache pool cannot hold one full context of the length asked for (--max-model-len): what was
+    asked cannot be served (the worker reports it as a refusal, not a failure)."""
 
 
 def _context_within_pool(asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int) -> int:
