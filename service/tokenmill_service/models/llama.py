@@ -347,6 +347,15 @@ class LlamaForCausalLM(nn.Module):
         leaves = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
         return [f"model.layers.{i}.{leaf}" for i in range(config.num_layers) for leaf in leaves] + ["lm_head"]
 
+    @classmethod
+    def kv_cache_values_per_token(cls, config: ModelConfig, tensor_parallel: int = 1) -> tuple[int, int]:
+        """Values one token of context caches on a rank (a key and a value per layer for each of its
+        key/value heads), and those of a per-head cache, for comparison with families that cache
+        less (the same here)."""
+        kv_heads = max(1, config.num_kv_heads // tensor_parallel)
+        values = config.num_layers * 2 * kv_heads * config.head_dim
+        return values, values
+
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device

@@ -43,6 +43,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
     config, types = checkpoint.config, checkpoint.tensor_types
     family = model_class(config.architecture)
+    unserved = getattr(family, "unserved_reason", None)
+    if unserved is not None and (why := unserved(config)) is not None:
+        raise PlanRefused(why)
     if options.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise PlanRefused(
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache_dtype!r}"
@@ -61,6 +64,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
     ops_cls = ops_class(ops.value)
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
+    layout = _kv_cache_layout(family, ops_cls, config)
     executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
     quantized = any(c.method != "none" for c in layers.values())
     return LoadPlan(
@@ -71,13 +75,41 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         embed_dtype=_embedding(quantized, act.value, types, facts),
         ops=ops,
         kv_cache_dtype=kv,
-        kv_cache_layout=ops_cls.kv_cache_layout.name,
+        kv_cache_layout=layout,
         executor=executor,
         layers=layers,
         quant_reasons=quant_reasons,
         tensor_parallel=options.tensor_parallel,
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token(family, config, kv.value, options.tensor_parallel),
         skipped=skipped,
     )
+
+
+def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
+    """The backend's cache layout for this family: keys and values per head, or a latent per token."""
+    if not getattr(family, "latent_cache", False):
+        return ops.kv_cache_layout.name
+    if ops.latent_cache_layout is None:
+        raise PlanRefused(
+            f"--backend {ops.name} has no multi-head latent attention, which the {config.architecture} family needs "
+            "(the torch backend has it)"
+        )
+    return ops.latent_cache_layout.name
+
+
+def kv_cache_bytes_per_token(family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int) -> Decision:
+    """Bytes of cache a token of context takes on a rank, with what they are and, for a family that
+    caches less than keys and values per head, its saving against such a cache."""
+    values, per_head = family.kv_cache_values_per_token(config, tensor_parallel)  # type: ignore[attr-defined]
+    elem = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
+    if values == per_head:
+        reason = f"{values} {kv_dtype} values: a key and a value per layer and key/value head"
+    else:
+        reason = (
+            f"{values} {kv_dtype} values: one latent and one rotary key per layer, shared by the heads; "
+            f"a per-head cache would take {per_head * elem} bytes ({per_head / values:.1f}x)"
+        )
+    return Decision(str(values * elem), reason)
 
 
 def _embedding(quantized: bool, act: str, types: dict[str, QType], facts: DeviceFacts) -> str:
