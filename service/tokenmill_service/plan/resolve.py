@@ -32,6 +32,8 @@ COMPILE_SETTINGS = ("auto", "off")
 # (each serves its own formats: a layer gets the first available one that serves how it is stored).
 NATIVE_METHODS = ("gguf-vnni", "gguf-kquant", "gguf")
 _INT4_TYPES = {QType.Q4_0, QType.Q4_1}
+# The method that serves FP8 block-scaled safetensors as stored (layers/quant/fp8_block.py).
+FP8_METHOD = "fp8-block"
 # Checkpoint projections each packed layer is made of.
 _PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -55,7 +57,10 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     if options.quantization != "auto":
         quant_method_class(options.quantization)  # an unknown name fails here, before anything else
     ops_cls = ops_class("native" if options.backend == "torch" else options.backend)
-    act = _activations(options, bool(types), facts)
+    fp8: frozenset[str] = config.extra.get("fp8_weights", frozenset())  # type: ignore[assignment]
+    if options.quantization == FP8_METHOD and not fp8:
+        raise PlanRefused(f"--quantization {FP8_METHOD} serves FP8 block-scaled weights; {checkpoint.path} has none")
+    act = _activations(options, bool(types) or bool(fp8), facts)
     act_dtype = DTYPES[act.value]
     layers, quant_reasons, skipped = _linear_layers(
         options, family.linear_prefixes(config), checkpoint, facts, act_dtype
@@ -124,13 +129,15 @@ def _embedding(quantized: bool, act: str, types: dict[str, QType], facts: Device
 
 
 def _activations(options: LoadOptions, gguf: bool, facts: DeviceFacts) -> Decision:
+    """``gguf``: the checkpoint's weights are quantized as stored (GGUF blocks, FP8 blocks)."""
     if options.dtype not in ("auto", *DTYPES):
         raise PlanRefused(f"--dtype must be auto, float32 or bfloat16, not {options.dtype!r}")
     if options.backend == "triton" and facts.triton_interpreter and options.dtype == "bfloat16":
         return Decision("float32", "Triton's interpreter has no bfloat16")
     if options.dtype != "auto":
         return Decision(options.dtype, "asked (--dtype)")
-    quantized = gguf if options.quantization in ("auto", *NATIVE_METHODS) else options.quantization != "none"
+    stored = ("auto", *NATIVE_METHODS, FP8_METHOD)
+    quantized = gguf if options.quantization in stored else options.quantization != "none"
     if quantized:
         return Decision("float32", "quantized weights: their kernels take float32 activations")
     if facts.native_bf16 and not (options.backend == "triton" and facts.triton_interpreter):
@@ -164,9 +171,13 @@ def _linear_layers(
     layers: dict[str, LayerChoice] = {}
     reasons: dict[str, list[str]] = {}
     stored: dict[str, list[str]] = {}  # a native method's formats, as the layers it multiplies hold them
+    fp8: frozenset[str] = checkpoint.config.extra.get("fp8_weights", frozenset())  # type: ignore[assignment]
     for prefix in prefixes:
         kinds = _stored_types(prefix, checkpoint.config, types)
-        method, reason = _layer_method(setting, native, kinds, prefix)
+        if fp8 and setting in ("auto", FP8_METHOD):
+            method, reason = _fp8_layer_method(_sources(prefix, checkpoint.config), fp8, checkpoint.config)
+        else:
+            method, reason = _layer_method(setting, native, kinds, prefix)
         cls = quant_method_class(method)
         layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
         if method in native:
@@ -187,14 +198,31 @@ def _served_as(qtype: QType) -> str:
     return qtype.name if target is None else f"{qtype.name} (as {target.name})"
 
 
+def _sources(prefix: str, config: ModelConfig) -> list[str]:
+    """The checkpoint tensors a layer is made of."""
+    if prefix == "lm_head":
+        return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    parent, _, leaf = prefix.rpartition(".")
+    return [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
+
+
 def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> set[QType | None]:
     """How the checkpoint stores the tensors a layer is made of (None: not a GGUF tensor)."""
-    if prefix == "lm_head":
-        sources = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    else:
-        parent, _, leaf = prefix.rpartition(".")
-        sources = [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
-    return {types.get(name) for name in sources}
+    return {types.get(name) for name in _sources(prefix, config)}
+
+
+def _fp8_layer_method(sources: list[str], fp8: frozenset[str], config: ModelConfig) -> tuple[str, str]:
+    """A layer of a checkpoint with FP8 block-scaled weights, under --quantization auto or fp8-block."""
+    stored = {name in fp8 for name in sources}
+    if stored == {True}:
+        rows, cols = config.extra["fp8_block"]  # type: ignore[misc]
+        return FP8_METHOD, (
+            f"the checkpoint's FP8 blocks (e4m3, a float32 scale per {rows}x{cols}), multiplied as stored "
+            "a dequantized tile at a time"
+        )
+    if stored == {False}:
+        return "none", "float tensors, dense"
+    return "none", "FP8 and float tensors packed together, dense (exactly dequantized)"
 
 
 def _layer_method(setting: str, native: list[str], kinds: set[QType | None], prefix: str) -> tuple[str, str]:
