@@ -7,8 +7,9 @@ tensor-parallel row shards need not fall on block rows; a column shard must hold
 ``apply`` multiplies one column block at a time: the tile is dequantized exactly (value * scale, as
 ``Fp8Blocks.dequantize`` and the reference do), its product taken in float32, and the tiles' products
 added in column order. Each tile's product is tokenmill's native float32 kernel where it runs (each
-row summed on its own in a fixed order: batch-invariant by construction) or the sliced torch product
-(dense.py's ``batch_invariant_matmul``) elsewhere, so a row's result never depends on the batch.
+row summed on its own in a fixed order: batch-invariant by construction), elsewhere the sliced torch
+product (dense.py's ``batch_invariant_matmul``), whose rows are independent only where MKL makes them
+so (Intel CPUs; not on an AMD EPYC), as for dense float32 layers without the native kernel.
 Activations are float32 inside whatever their dtype; the output is in the activations' dtype.
 """
 
