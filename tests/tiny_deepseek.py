@@ -43,12 +43,13 @@ YARN = {
 }
 
 
-def deepseek_v3(q_lora: bool, vocab_size: int = 96, seed: int = 0) -> Any:
-    """A random transformers DeepseekV3ForCausalLM (float32, eval), every weight away from its init."""
+def deepseek_v3(q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[str, Any] | None = None) -> Any:
+    """A random transformers DeepseekV3ForCausalLM (float32, eval), every weight away from its init
+    (``yarn``: other YaRN parameters for the q_lora model)."""
     import transformers
 
     if q_lora:
-        extra: dict[str, Any] = {"q_lora_rank": 32, "rope_parameters": YARN, "rope_interleave": True}
+        extra: dict[str, Any] = {"q_lora_rank": 32, "rope_parameters": yarn or YARN, "rope_interleave": True}
     else:
         extra = {"q_lora_rank": None, "rope_interleave": False}
     config = transformers.DeepseekV3Config(vocab_size=vocab_size, **MLA, **extra)
@@ -110,3 +111,82 @@ def save_fp8(model: Any, directory: Path, block: int) -> dict[str, torch.Tensor]
     }
     (directory / "config.json").write_text(json.dumps(config))
     return dequantized
+
+
+# llama.cpp's deepseek2 tensor names of a layer's parts (convert_hf_to_gguf.py, gguf's TENSOR_NAMES).
+GGUF_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def write_deepseek2_gguf(model: Any, path: Path) -> None:
+    """A float32 GGUF of ``model`` as llama.cpp's converter (DeepseekV2Model) writes it: MLA as one
+    key/value head of kv_lora_rank + rope dims, the per-head sizes as the *_mla keys, YaRN's
+    mscale_all_dim as 0.1 x it, and kv_b_proj split into k_b (each head transposed) and v_b."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_name("tiny-deepseek")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float()
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", data.numpy())
+            continue
+        if name in GGUF_GLOBALS:
+            w.add_tensor(GGUF_GLOBALS[name], data.numpy())
+            continue
+        _, _, layer, rest = name.split(".", 3)  # model.layers.N.<part>.weight
+        part = rest.removesuffix(".weight")
+        if part == "self_attn.kv_b_proj":
+            k_b, v_b = data.view(heads, nope + v, -1).split([nope, v], dim=1)
+            w.add_tensor(f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())
+            w.add_tensor(f"blk.{layer}.attn_v_b.weight", v_b.contiguous().numpy())
+            continue
+        w.add_tensor(f"blk.{layer}.{GGUF_PARTS[part]}.weight", data.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.engine.invariance import assert_alone_equals_crowd
-from tests.tiny_deepseek import deepseek_v3, save_fp8
+from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
 from tokenmill_service.models.hf_loader import read_hf_config
@@ -117,6 +117,18 @@ def test_positions_decoded_one_by_one_give_the_prefills_logits_bitwise(checkpoin
     whole = run([14])
     assert torch.equal(run([9, 5]), whole)
     assert torch.equal(run([1] * 14), whole)
+
+
+@torch.inference_mode()
+def test_a_gguf_as_llama_cpp_converts_it_gives_the_same_logits(tmp_path: Path) -> None:
+    """llama.cpp's deepseek2: k_b / v_b joined back into kv_b_proj, YaRN from its keys (DeepSeek's
+    configs have mscale equal to mscale_all_dim, which is all the file keeps)."""
+    hf_model = deepseek_v3(q_lora=True, yarn={**YARN, "mscale": 0.8, "mscale_all_dim": 0.8})
+    path = tmp_path / "tiny-deepseek.gguf"
+    write_deepseek2_gguf(hf_model, path)
+    model = load_model(path)
+    assert model.config.architecture == "deepseek_v3" and model.config.extra["gguf_architecture"] == "deepseek2"
+    torch.testing.assert_close(logits(model, PROMPT), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
 
 
 def test_fp8_block_weights_are_served_as_stored_and_exactly_dequantized(

@@ -21,12 +21,14 @@ feed-forward block is chosen by ``DeepseekV3DecoderLayer.make_mlp``, the one pla
 
 Under tensor parallelism each rank holds its share of the heads (``q_b_proj`` / ``q_proj``,
 ``kv_b_proj``, ``o_proj``) and all of the latent path (``q_a_proj``, ``kv_a_proj_with_mqa``, their
-norms), whose cache every rank keeps whole. GGUF (llama.cpp's ``deepseek2``) is not read yet.
+norms), whose cache every rank keeps whole. GGUF files are llama.cpp's ``deepseek2`` (its tensor names,
+``kv_b`` whole or split into ``k_b`` / ``v_b``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +40,7 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.linear import ColumnParallelLinear, QuantFactory, ReplicatedLinear, RowParallelLinear
 from tokenmill_service.layers.norm import RMSNorm
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.hf_loader import rope_params, rope_type
@@ -270,7 +273,27 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
     hf_architectures: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "deepseek_v3"}
-    gguf_architectures: ClassVar[dict[str, str]] = {}
+    # llama.cpp converts DeepSeek-V2/V3 as "deepseek2" (convert_hf_to_gguf.py's DeepseekV2Model).
+    gguf_architectures: ClassVar[dict[str, str]] = {"deepseek2": "deepseek_v3"}
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        # Newer converters split kv_b into its key half (each head's transposed) and its value half.
+        "attn_k_b": "self_attn.k_b_proj",
+        "attn_v_b": "self_attn.v_b_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    gguf_reads_attention: ClassVar[bool] = True
     hf_rope_types: ClassVar[frozenset[str]] = YARN_TYPES
     # Its cache is the backend's latent layout (``LatentCacheLayout``), not keys and values per head.
     latent_cache: ClassVar[bool] = True
@@ -317,6 +340,46 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         config.extra["n_routed_experts"] = routed
 
     @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        """llama.cpp's deepseek2 keys: it writes MLA as one key/value head of kv_lora_rank + rope dims
+        (``key_length``), the per-head sizes as ``key_length_mla`` / ``value_length_mla`` (older files:
+        ``key_length`` / ``value_length`` are the per-head ones), and DeepSeek's rope always interleaved."""
+
+        def key(name: str) -> Any:
+            return field(f"{gguf_architecture}.{name}")
+
+        kv_lora, rope = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
+        if key("attention.key_length_mla") is not None:
+            qk_head, v_head = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
+        else:
+            qk_head, v_head = config.head_dim, int(key("attention.value_length"))
+        config.extra["mla"] = MLADims(
+            int(key("attention.q_lora_rank") or 0), kv_lora, qk_head - rope, rope, v_head, True
+        )
+        config.head_dim = rope
+        config.num_kv_heads = config.num_heads
+        scaling = key("rope.scaling.type")
+        if scaling == "yarn":
+            # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's configs have mscale equal to it.
+            mscale = float(key("rope.scaling.yarn_log_multiplier") or 0) / 0.1
+            attention_factor = key("rope.scaling.yarn_attn_factor")
+            config.extra["yarn"] = Yarn(
+                factor=float(key("rope.scaling.factor")),
+                original_max_positions=int(key("rope.scaling.original_context_length")),
+                beta_fast=float(key("rope.scaling.yarn_beta_fast") or 32),
+                beta_slow=float(key("rope.scaling.yarn_beta_slow") or 1),
+                mscale=mscale,
+                mscale_all_dim=mscale,
+                attention_factor=None if attention_factor is None else float(attention_factor),
+            )
+        elif scaling not in (None, "none"):
+            raise ValueError(f"RoPE scaling type {scaling!r} is not supported (supported: yarn)")
+        experts = int(key("expert_count") or 0)
+        dense = key("leading_dense_block_count")
+        config.extra["first_k_dense_replace"] = config.num_layers if not experts else int(dense or 0)
+        config.extra["n_routed_experts"] = experts
+
+    @classmethod
     def unserved_reason(cls, config: ModelConfig) -> str | None:
         """Why this checkpoint cannot be served (the plan refuses it), or None."""
         first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
@@ -354,7 +417,27 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         d = mla_dims(self.config)
         return layout.shapes(len(self.model.layers), num_blocks, block_size, d.kv_lora_rank, d.qk_rope_head_dim)
 
-    def load_weights(self, tensors: Any) -> None:
-        super().load_weights(tensors)
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        super().load_weights(self._join_kv_b(tensors))
         for layer in self.model.layers:
             layer.self_attn.absorb()
+
+    def _join_kv_b(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] joined
+        back into ``kv_b_proj`` [H * (nope + V), L] as the Hugging Face checkpoint holds it (dequantized:
+        the absorbed attention multiplies it in float32 whatever it was)."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors:
+            parent, _, leaf = name.rpartition(".")
+            attn, _, proj = parent.rpartition(".")
+            if proj not in ("k_b_proj", "v_b_proj") or leaf != "weight":
+                yield name, tensor
+                continue
+            halves.setdefault(attn, {})[proj] = dense(tensor).float()
+            if len(halves[attn]) == 2:
+                pair = halves.pop(attn)
+                k_b, v_b = pair["k_b_proj"].transpose(1, 2), pair["v_b_proj"]
+                joined = torch.cat((k_b, v_b), dim=1)
+                yield f"{attn}.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
+        if halves:
+            raise ValueError(f"the checkpoint holds one half of kv_b_proj only in {', '.join(sorted(halves))}")

@@ -280,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
     # llama.cpp's tensor names -> the model's: outside the layers, and a layer's part (``blk.N.<part>``).
     gguf_global_names: ClassVar[dict[str, str]] = GGUF_GLOBAL_NAMES
     gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+    # A family that reads its GGUF head sizes and RoPE scaling itself (``read_gguf_config``; DeepSeek's MLA).
+    gguf_reads_attention: ClassVar[bool] = False
     # ``rope_scaling`` types this family reads itself (``read_hf_config``); the loader reads only llama3's.
     hf_rope_types: ClassVar[frozenset[str]] = frozenset()
 
