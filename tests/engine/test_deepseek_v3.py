@@ -177,6 +177,23 @@ def test_deepseek_v3s_real_config_caches_70272_bytes_a_token_against_4997120(tmp
     assert family.unserved_reason(config) is not None
 
 
+def test_the_multi_token_prediction_layer_after_the_decoders_is_left_aside(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's files keep their MTP layer as model.layers.<num_hidden_layers>: not a decoder layer."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "with-mtp"
+    shutil.copytree(checkpoint[0], directory)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.2.self_attn.kv_a_layernorm.weight"] = torch.ones(64)
+    tensors["model.layers.2.eh_proj.weight"] = torch.ones(64, 128)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(directory)
+    assert len(model.model.layers) == 2
+    torch.testing.assert_close(logits(model, PROMPT[:8]), hf_logits(checkpoint[1], PROMPT[:8]), atol=1e-4, rtol=0)
+
+
 def test_a_checkpoint_with_routed_expert_layers_is_refused_naming_them(
     checkpoint: tuple[Path, Any], tmp_path: Path
 ) -> None:

@@ -28,10 +28,12 @@ norms), whose cache every rank keeps whole. GGUF files are llama.cpp's ``deepsee
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import structlog
 import torch
 from torch import nn
 
@@ -47,6 +49,9 @@ from tokenmill_service.models.hf_loader import rope_params, rope_type
 from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from tokenmill_service.models.registry import register_model
 
+log = structlog.get_logger(__name__)
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # transformers' DeepseekV3RMSNorm default: the latent norms do not take the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 YARN_TYPES = frozenset({"yarn", "deepseek_yarn"})
@@ -418,9 +423,22 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return layout.shapes(len(self.model.layers), num_blocks, block_size, d.kv_lora_rank, d.qk_rope_head_dim)
 
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
-        super().load_weights(self._join_kv_b(tensors))
+        super().load_weights(self._join_kv_b(self._without_mtp(tensors)))
         for layer in self.model.layers:
             layer.self_attn.absorb()
+
+    def _without_mtp(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The tensors less those of the multi-token-prediction layers DeepSeek-V3's files keep after the
+        decoder's (``model.layers.<num_hidden_layers>...``): not used (transformers skips them too)."""
+        skipped = 0
+        for name, tensor in tensors:
+            match = _LAYER_INDEX.match(name)
+            if match and int(match.group(1)) >= self.config.num_layers:
+                skipped += 1
+                continue
+            yield name, tensor
+        if skipped:
+            log.info("mtp_layers_skipped", tensors=skipped, layers_from=self.config.num_layers)
 
     def _join_kv_b(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] joined
