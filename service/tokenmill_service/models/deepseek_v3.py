@@ -129,6 +129,8 @@ class DeepseekRotaryEmbedding(RotaryEmbedding):
     """The rotary dims of q and k, YaRN-scaled where configured; interleaved pairs are de-interleaved
     first (even dims, then odd ones), after which the halves rotation is transformers' interleaved one."""
 
+    deinterleave: torch.Tensor
+
     def __init__(
         self, dim: int, max_positions: int, theta: float, yarn: Yarn | None, interleave: bool, ops: Ops
     ) -> None:
@@ -149,6 +151,9 @@ class DeepseekRotaryEmbedding(RotaryEmbedding):
 
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention for one tensor-parallel rank (its share of the heads)."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
 
     def __init__(
         self,
@@ -243,7 +248,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         attention_type: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__(config, prefix, layer_idx, rotary, ops, quant, act_dtype, tp, attention_type)
-        self.mlp = self.make_mlp(config, prefix, layer_idx, ops, quant, tp)
+        self.mlp = self.make_mlp(config, prefix, layer_idx, ops, quant, tp)  # type: ignore[assignment]
 
     @staticmethod
     def make_mlp(
@@ -424,8 +429,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         super().load_weights(self._join_kv_b(self._without_mtp(tensors)))
-        for layer in self.model.layers:
-            layer.self_attn.absorb()
+        for module in self.modules():
+            if isinstance(module, DeepseekV3Attention):
+                module.absorb()
 
     def _without_mtp(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         """The tensors less those of the multi-token-prediction layers DeepSeek-V3's files keep after the

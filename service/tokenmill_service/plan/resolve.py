@@ -215,7 +215,9 @@ def _fp8_layer_method(sources: list[str], fp8: frozenset[str], config: ModelConf
     """A layer of a checkpoint with FP8 block-scaled weights, under --quantization auto or fp8-block."""
     stored = {name in fp8 for name in sources}
     if stored == {True}:
-        rows, cols = config.extra["fp8_block"]  # type: ignore[misc]
+        block = config.extra["fp8_block"]
+        assert isinstance(block, tuple)
+        rows, cols = block
         return FP8_METHOD, (
             f"the checkpoint's FP8 blocks (e4m3, a float32 scale per {rows}x{cols}), multiplied as stored "
             "a dequantized tile at a time"
