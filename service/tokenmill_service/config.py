@@ -70,8 +70,9 @@ class Settings:
             "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built: "
             "gguf-vnni, integer products on 16-bit fixed-point activations, on CPUs with AVX-512 VNNI, "
             "else gguf, float32 products; a GGUF's k-quants Q4_K/Q5_K/Q6_K by gguf-kquant; else Q4_0/Q4_1 "
-            "as int4), gguf-vnni / gguf-kquant / gguf = that kernel or fail, none = dense",
-            "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "none", "int8", "int4"],
+            "as int4; FP8 block-scaled safetensors, DeepSeek-V3's, by fp8-block), gguf-vnni / gguf-kquant / "
+            "gguf / fp8-block = that method or fail, none = dense",
+            "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "fp8-block", "none", "int8", "int4"],
         },
     )
     kv_cache_dtype: str = field(

@@ -94,7 +94,7 @@ class ModelRunner:
             "kv_cache_allocated",
             blocks=num_blocks,
             block_size=block_size,
-            mib=round(2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20, 1),
+            mib=round(sum(c.numel() * c.element_size() for c in (self.k_cache, self.v_cache)) / 2**20, 1),
             executor=self.executor.kind,
         )
 

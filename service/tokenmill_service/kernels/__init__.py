@@ -15,6 +15,7 @@ from tokenmill_service.kernels import torch_ops  # noqa: F401 - registers "torch
 from tokenmill_service.kernels.cpu import ops as cpu_ops  # noqa: F401 - registers "native"
 from tokenmill_service.kernels.interface import (
     KVCacheLayout,
+    LatentCacheLayout,
     Ops,
     available_backends,
     get_ops,
@@ -22,4 +23,4 @@ from tokenmill_service.kernels.interface import (
     register_ops,
 )
 
-__all__ = ["KVCacheLayout", "Ops", "available_backends", "get_ops", "ops_class", "register_ops"]
+__all__ = ["KVCacheLayout", "LatentCacheLayout", "Ops", "available_backends", "get_ops", "ops_class", "register_ops"]

@@ -41,6 +41,23 @@ class KVCacheLayout:
         return keys, values
 
 
+@dataclass(frozen=True, slots=True)
+class LatentCacheLayout:
+    """How a backend lays out one layer's cache for multi-head latent attention (DeepSeek-V2/V3), where a
+    token caches one compressed latent shared by every head and one rotary key, not keys and values
+    per head: the "key" tensor holds the latents [blocks, block_size, 1, latent_dim], the "value"
+    tensor the rotary keys [blocks, block_size, 1, rope_dim] (so ``AttentionMetadata`` and the
+    runner carry them as they carry any cache)."""
+
+    name: str = "latent blocks"
+
+    def shapes(
+        self, layers: int, blocks: int, block_size: int, latent_dim: int, rope_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (latent, rotary key) cache shapes of a model: [layers, blocks, ...] each."""
+        return (layers, blocks, block_size, 1, latent_dim), (layers, blocks, block_size, 1, rope_dim)
+
+
 class Ops(ABC):
     name: ClassVar[str]
     # What the KV cache may store besides the activations' dtype (the native kernel reads float16).
@@ -48,6 +65,8 @@ class Ops(ABC):
     # Plain torch operations that torch.compile can trace (the reference and what derives from it).
     compilable: ClassVar[bool] = False
     kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout()
+    # The latent cache of multi-head latent attention, where the backend serves it (None: it does not).
+    latent_cache_layout: ClassVar[LatentCacheLayout | None] = None
 
     @classmethod
     def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:
@@ -118,6 +137,37 @@ class Ops(ABC):
         A query at position p sees positions 0..p of its own sequence, or only the last ``window``
         of them (p - window + 1 .. p: a sliding-window layer). ``softcap``: each scaled score s
         becomes tanh(s / softcap) * softcap before the softmax (Gemma 2's logit soft-capping)."""
+
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write this step's latents [T, L] and rotary keys [T, R] into their slots of one layer's
+        latent cache (``latent_cache_layout``); cast to the cache's dtype."""
+        raise NotImplementedError(f"the {self.name} ops have no latent attention")
+
+    def latent_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Multi-head latent attention in the absorbed form, causal over each sequence's cached latents
+        (this step's already stored). q_nope: [T, H, N], q_rope: [T, H, R] (rotated); w_uk: [H, N, L]
+        (the key up-projection, folded into the query), w_uv: [H, L, V] (the value up-projection,
+        applied after attention), float32. Head h of a query scores the key at position j as
+        ``(q_nope[h] @ w_uk[h]) . latent[j] + q_rope[h] . k_rope[j]`` times ``scale``, and returns
+        ``(softmax-weighted latents) @ w_uv[h]``: [T, H, V] in q_nope's dtype; float32 inside."""
+        raise NotImplementedError(f"the {self.name} ops have no latent attention")
 
 
 _BACKENDS: Registry[type[Ops]] = Registry("backend")

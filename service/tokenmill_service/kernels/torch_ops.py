@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill_service.kernels.attention_metadata import KEY_CHUNK, AttentionGroup, AttentionMetadata
-from tokenmill_service.kernels.interface import Ops, register_ops
+from tokenmill_service.kernels.interface import LatentCacheLayout, Ops, register_ops
 
 # The query rows of each (sequence, kv head) product are padded to a multiple of this (see below).
 ROW_MULTIPLE = 4
@@ -116,6 +116,7 @@ def _group_attention(
 @register_ops("torch")
 class TorchOps(Ops):
     compilable = True
+    latent_cache_layout = LatentCacheLayout()
 
     def rms_norm(
         self,
@@ -162,6 +163,37 @@ class TorchOps(Ops):
         softcap: float | None = None,
     ) -> torch.Tensor:
         return _scatter(q, [(g, _group_attention(q, k_cache, v_cache, g, scale, window, softcap)) for g in meta.groups])
+
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        from tokenmill_service.kernels import latent_attention
+
+        latent_attention.store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
+
+    def latent_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        from tokenmill_service.kernels.latent_attention import group_latent_attention
+
+        out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+        for g in meta.groups:
+            rows = group_latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, g, scale)
+            out.index_copy_(0, g.valid_rows, rows.to(out.dtype))
+        return out
 
 
 def _scatter(q: torch.Tensor, parts: list[tuple[AttentionGroup, torch.Tensor]]) -> torch.Tensor:

@@ -78,12 +78,14 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     num_heads = int(_required(reader, f"{arch}.attention.head_count"))
     key_length = _field(reader, f"{arch}.attention.key_length")
     head_dim = int(key_length) if key_length is not None else hidden // num_heads
-    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise GGUFError(f"partial rotary embeddings (rope.dimension_count {rope_dims} != head_dim {head_dim})")
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none", *model_class(supported[arch]).gguf_rope_types):
-        raise GGUFError(f"RoPE scaling type {scaling_type!r} is not supported")
+    family = model_class(supported[arch])
+    if not family.gguf_reads_attention:  # else the family reads its own head sizes and RoPE scaling
+        rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            raise GGUFError(f"partial rotary embeddings (rope.dimension_count {rope_dims} != head_dim {head_dim})")
+        scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+        if scaling_type not in (None, "none", *family.gguf_rope_types):
+            raise GGUFError(f"RoPE scaling type {scaling_type!r} is not supported")
 
     name = _field(reader, "general.name")
     config = ModelConfig(

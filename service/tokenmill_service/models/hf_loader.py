@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.registry import hf_architectures, model_class, unfused
 
@@ -22,6 +24,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # Buffers some older checkpoints saved; llama.py recomputes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# FP8 block-scaled weights: the scales of ``<name>.weight`` are ``<name>.weight_scale_inv`` (read with it).
+FP8_SCALE_SUFFIX = ".weight_scale_inv"
 
 
 class HFCheckpointError(ValueError):
@@ -102,11 +106,31 @@ def read_hf_config(directory: Path) -> ModelConfig:
         name=directory.name,
         extra={"format": "safetensors", "hf_architecture": arch, "model_type": raw.get("model_type")},
     )
+    _read_quantization(raw, config)
     try:  # what only this family reads (Qwen2's biases, Mistral's window, ...)
         family.read_hf_config(raw, arch, config)
     except ValueError as e:
         raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
     return config
+
+
+def _read_quantization(raw: dict[str, Any], config: ModelConfig) -> None:
+    """The checkpoint's own quantization: FP8 block-scaled weights (``config.extra["fp8_block"]``, the
+    block's rows and columns), or none; any other ``quantization_config`` is refused."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise HFCheckpointError(
+            f"quantization_config quant_method {method!r} is not supported (supported: fp8 with weight_block_size)"
+        )
+    block = qc.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise HFCheckpointError("FP8 checkpoints without weight_block_size (per-tensor scales) are not supported")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise HFCheckpointError(f"FP8 format {qc['fmt']!r} is not supported (supported: e4m3)")
+    config.extra["fp8_block"] = (int(block[0]), int(block[1]))
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -122,27 +146,48 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
-def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, CheckpointTensor]]]:
     """Config and the checkpoint's tensors (as stored; a fused one as the layers it packs), read one at
     a time. A tied checkpoint's ``lm_head.weight`` copy is skipped: the head is loaded from the embedding."""
     config = read_hf_config(directory)
     files = _weight_files(directory)
     family = model_class(config.architecture)
+    scales: dict[str, Path] = {}  # FP8 weight name -> the file holding its weight_scale_inv
+    if "fp8_block" in config.extra:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    if name.endswith(FP8_SCALE_SUFFIX):
+                        scales[name.removesuffix("_scale_inv")] = file
+        config.extra["fp8_weights"] = frozenset(scales)
 
-    def items() -> Iterator[tuple[str, torch.Tensor]]:
+    def items() -> Iterator[tuple[str, CheckpointTensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
-                    if name.endswith(_IGNORED_SUFFIXES):
+                    if name.endswith(_IGNORED_SUFFIXES) or name.endswith(FP8_SCALE_SUFFIX):
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
                     pieces = unfused(family, name, config)
-                    tensor = f.get_tensor(name)
+                    tensor: CheckpointTensor = f.get_tensor(name)
+                    if name in scales:
+                        tensor = _fp8_blocks(tensor, scales[name], name, config)
                     for piece, start, rows in pieces:
                         yield piece, tensor if rows < 0 else tensor.narrow(0, start, rows)
 
     return config, items()
+
+
+def _fp8_blocks(values: CheckpointTensor, file: Path, name: str, config: ModelConfig) -> Fp8Blocks:
+    with safe_open(str(file), framework="pt") as f:
+        scale_inv = f.get_tensor(name + "_scale_inv")
+    assert isinstance(values, torch.Tensor)
+    block: tuple[int, int] = config.extra["fp8_block"]  # type: ignore[assignment]
+    try:
+        return Fp8Blocks(values, scale_inv.float(), block)
+    except ValueError as e:
+        raise HFCheckpointError(f"{name}: {e}") from None
 
 
 def load_hf(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -151,7 +196,7 @@ def load_hf(directory: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelC
     Tied checkpoints get no ``lm_head.weight`` entry even where the file carries a copy.
     """
     config, items = iter_hf(directory)
-    return config, {name: t.to(dtype) for name, t in items}
+    return config, {name: dense(t).to(dtype) for name, t in items}
 
 
 __all__ = [

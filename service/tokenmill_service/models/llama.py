@@ -283,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
     # llama.cpp's tensor names -> the model's: outside the layers, and a layer's part (``blk.N.<part>``).
     gguf_global_names: ClassVar[dict[str, str]] = GGUF_GLOBAL_NAMES
     gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+    # A family that reads its GGUF head sizes and RoPE scaling itself (``read_gguf_config``; DeepSeek's MLA).
+    gguf_reads_attention: ClassVar[bool] = False
     # ``rope_scaling`` types this family reads itself (``read_hf_config``); the loader reads only llama3's.
     hf_rope_types: ClassVar[frozenset[str]] = frozenset()
     # GGUF ``rope.scaling.type`` values this family reads itself (``read_gguf_config``); the loader none.
@@ -353,6 +355,15 @@ class LlamaForCausalLM(nn.Module):
         """Every linear layer, as ``quant`` is asked for them (packed q/k/v and gate/up)."""
         leaves = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
         return [f"model.layers.{i}.{leaf}" for i in range(config.num_layers) for leaf in leaves] + ["lm_head"]
+
+    @classmethod
+    def kv_cache_values_per_token(cls, config: ModelConfig, tensor_parallel: int = 1) -> tuple[int, int]:
+        """Values one token of context caches on a rank (a key and a value per layer for each of its
+        key/value heads), and those of a per-head cache, for comparison with families that cache
+        less (the same here)."""
+        kv_heads = max(1, config.num_kv_heads // tensor_parallel)
+        values = config.num_layers * 2 * kv_heads * config.head_dim
+        return values, values
 
     @property
     def device(self) -> torch.device:

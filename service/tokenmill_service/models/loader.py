@@ -56,6 +56,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
         kv_cache_dtype=plan.kv_cache_dtype.value,
         quantization=options.quantization,
         linear_layers=plan.method_counts,
+        kv_cache_bytes_per_token=int(plan.kv_cache_bytes_per_token.value),
         weight_bytes=model.weight_bytes(),
         weight_mib=round(model.weight_bytes() / 2**20, 1),
         seconds=round(time.perf_counter() - start, 3),

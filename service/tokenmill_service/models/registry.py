@@ -45,6 +45,7 @@ BUILTIN_FAMILIES = (
     "tokenmill_service.models.phi3",
     "tokenmill_service.models.gemma2",
     "tokenmill_service.models.gemma3",
+    "tokenmill_service.models.deepseek_v3",
 )
 
 

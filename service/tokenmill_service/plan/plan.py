@@ -54,6 +54,8 @@ class LoadPlan:
     # Why each method in ``layers`` serves the layers it does.
     quant_reasons: Mapping[str, str]
     tensor_parallel: int = 1
+    # Bytes of KV cache one token of context takes on a rank, and how that figure is made up.
+    kv_cache_bytes_per_token: Decision = Decision("0", "")
     # Faster choices this device could not take, and why (what ``native_kernel_skipped`` logged).
     skipped: Mapping[str, str] = field(default_factory=dict)
 
@@ -85,6 +87,7 @@ class LoadPlan:
             "ops": _shown(self.ops),
             "kv_cache_dtype": _shown(self.kv_cache_dtype),
             "kv_cache_layout": self.kv_cache_layout,
+            "kv_cache_bytes_per_token": _shown(self.kv_cache_bytes_per_token),
             "executor": _shown(self.executor),
             "tensor_parallel": str(self.tensor_parallel),
             "linear_layers": ", ".join(f"{k}: {n}" for k, n in sorted(kernels.items())),

@@ -32,6 +32,8 @@ COMPILE_SETTINGS = ("auto", "off")
 # (each serves its own formats: a layer gets the first available one that serves how it is stored).
 NATIVE_METHODS = ("gguf-vnni", "gguf-kquant", "gguf")
 _INT4_TYPES = {QType.Q4_0, QType.Q4_1}
+# The method that serves FP8 block-scaled safetensors as stored (layers/quant/fp8_block.py).
+FP8_METHOD = "fp8-block"
 # Checkpoint projections each packed layer is made of.
 _PACKED_SOURCES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -43,6 +45,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
     config, types = checkpoint.config, checkpoint.tensor_types
     family = model_class(config.architecture)
+    unserved = getattr(family, "unserved_reason", None)
+    if unserved is not None and (why := unserved(config)) is not None:
+        raise PlanRefused(why)
     if options.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise PlanRefused(
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache_dtype!r}"
@@ -52,7 +57,10 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     if options.quantization != "auto":
         quant_method_class(options.quantization)  # an unknown name fails here, before anything else
     ops_cls = ops_class("native" if options.backend == "torch" else options.backend)
-    act = _activations(options, bool(types), facts)
+    fp8: frozenset[str] = config.extra.get("fp8_weights", frozenset())  # type: ignore[assignment]
+    if options.quantization == FP8_METHOD and not fp8:
+        raise PlanRefused(f"--quantization {FP8_METHOD} serves FP8 block-scaled weights; {checkpoint.path} has none")
+    act = _activations(options, bool(types) or bool(fp8), facts)
     act_dtype = DTYPES[act.value]
     layers, quant_reasons, skipped = _linear_layers(
         options, family.linear_prefixes(config), checkpoint, facts, act_dtype
@@ -61,6 +69,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
     ops_cls = ops_class(ops.value)
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
+    layout = _kv_cache_layout(family, ops_cls, config)
     executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
     quantized = any(c.method != "none" for c in layers.values())
     return LoadPlan(
@@ -71,13 +80,41 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         embed_dtype=_embedding(quantized, act.value, types, facts),
         ops=ops,
         kv_cache_dtype=kv,
-        kv_cache_layout=ops_cls.kv_cache_layout.name,
+        kv_cache_layout=layout,
         executor=executor,
         layers=layers,
         quant_reasons=quant_reasons,
         tensor_parallel=options.tensor_parallel,
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token(family, config, kv.value, options.tensor_parallel),
         skipped=skipped,
     )
+
+
+def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
+    """The backend's cache layout for this family: keys and values per head, or a latent per token."""
+    if not getattr(family, "latent_cache", False):
+        return ops.kv_cache_layout.name
+    if ops.latent_cache_layout is None:
+        raise PlanRefused(
+            f"--backend {ops.name} has no multi-head latent attention, which the {config.architecture} family needs "
+            "(the torch backend has it)"
+        )
+    return ops.latent_cache_layout.name
+
+
+def kv_cache_bytes_per_token(family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int) -> Decision:
+    """Bytes of cache a token of context takes on a rank, with what they are and, for a family that
+    caches less than keys and values per head, its saving against such a cache."""
+    values, per_head = family.kv_cache_values_per_token(config, tensor_parallel)  # type: ignore[attr-defined]
+    elem = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
+    if values == per_head:
+        reason = f"{values} {kv_dtype} values: a key and a value per layer and key/value head"
+    else:
+        reason = (
+            f"{values} {kv_dtype} values: one latent and one rotary key per layer, shared by the heads; "
+            f"a per-head cache would take {per_head * elem} bytes ({per_head / values:.1f}x)"
+        )
+    return Decision(str(values * elem), reason)
 
 
 def _embedding(quantized: bool, act: str, types: dict[str, QType], facts: DeviceFacts) -> str:
@@ -92,13 +129,15 @@ def _embedding(quantized: bool, act: str, types: dict[str, QType], facts: Device
 
 
 def _activations(options: LoadOptions, gguf: bool, facts: DeviceFacts) -> Decision:
+    """``gguf``: the checkpoint's weights are quantized as stored (GGUF blocks, FP8 blocks)."""
     if options.dtype not in ("auto", *DTYPES):
         raise PlanRefused(f"--dtype must be auto, float32 or bfloat16, not {options.dtype!r}")
     if options.backend == "triton" and facts.triton_interpreter and options.dtype == "bfloat16":
         return Decision("float32", "Triton's interpreter has no bfloat16")
     if options.dtype != "auto":
         return Decision(options.dtype, "asked (--dtype)")
-    quantized = gguf if options.quantization in ("auto", *NATIVE_METHODS) else options.quantization != "none"
+    stored = ("auto", *NATIVE_METHODS, FP8_METHOD)
+    quantized = gguf if options.quantization in stored else options.quantization != "none"
     if quantized:
         return Decision("float32", "quantized weights: their kernels take float32 activations")
     if facts.native_bf16 and not (options.backend == "triton" and facts.triton_interpreter):
@@ -132,9 +171,13 @@ def _linear_layers(
     layers: dict[str, LayerChoice] = {}
     reasons: dict[str, list[str]] = {}
     stored: dict[str, list[str]] = {}  # a native method's formats, as the layers it multiplies hold them
+    fp8: frozenset[str] = checkpoint.config.extra.get("fp8_weights", frozenset())  # type: ignore[assignment]
     for prefix in prefixes:
         kinds = _stored_types(prefix, checkpoint.config, types)
-        method, reason = _layer_method(setting, native, kinds, prefix)
+        if fp8 and setting in ("auto", FP8_METHOD):
+            method, reason = _fp8_layer_method(_sources(prefix, checkpoint.config), fp8, checkpoint.config)
+        else:
+            method, reason = _layer_method(setting, native, kinds, prefix)
         cls = quant_method_class(method)
         layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
         if method in native:
@@ -155,14 +198,33 @@ def _served_as(qtype: QType) -> str:
     return qtype.name if target is None else f"{qtype.name} (as {target.name})"
 
 
+def _sources(prefix: str, config: ModelConfig) -> list[str]:
+    """The checkpoint tensors a layer is made of."""
+    if prefix == "lm_head":
+        return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    parent, _, leaf = prefix.rpartition(".")
+    return [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
+
+
 def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> set[QType | None]:
     """How the checkpoint stores the tensors a layer is made of (None: not a GGUF tensor)."""
-    if prefix == "lm_head":
-        sources = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    else:
-        parent, _, leaf = prefix.rpartition(".")
-        sources = [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
-    return {types.get(name) for name in sources}
+    return {types.get(name) for name in _sources(prefix, config)}
+
+
+def _fp8_layer_method(sources: list[str], fp8: frozenset[str], config: ModelConfig) -> tuple[str, str]:
+    """A layer of a checkpoint with FP8 block-scaled weights, under --quantization auto or fp8-block."""
+    stored = {name in fp8 for name in sources}
+    if stored == {True}:
+        block = config.extra["fp8_block"]
+        assert isinstance(block, tuple)
+        rows, cols = block
+        return FP8_METHOD, (
+            f"the checkpoint's FP8 blocks (e4m3, a float32 scale per {rows}x{cols}), multiplied as stored "
+            "a dequantized tile at a time"
+        )
+    if stored == {False}:
+        return "none", "float tensors, dense"
+    return "none", "FP8 and float tensors packed together, dense (exactly dequantized)"
 
 
 def _layer_method(setting: str, native: list[str], kinds: set[QType | None], prefix: str) -> tuple[str, str]:

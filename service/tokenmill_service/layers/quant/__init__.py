@@ -1,6 +1,6 @@
 """Weight-only quantization methods behind the linear layers (see base.py)."""
 
-from tokenmill_service.layers.quant import blocks, dense, int4, int8, kquant  # noqa: F401 - registers the methods
+from tokenmill_service.layers.quant import blocks, dense, fp8_block, int4, int8, kquant  # noqa: F401 - registers the methods
 from tokenmill_service.layers.quant.base import (
     QuantMethod,
     available_quantizations,

@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.kernels.cpu.abi import BLOCK_FORMATS, QUANT_BLOCK
+from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
 
 # The quantized formats, from the one table the C++ shares (F32 there is tokenmill's own float32 rows).
 _FORMATS = {QType[f.name]: f for f in BLOCK_FORMATS if f.name != "F32"}
@@ -263,12 +264,12 @@ class GGUFBlocks:
         return out
 
 
-CheckpointTensor = torch.Tensor | GGUFBlocks
+CheckpointTensor = torch.Tensor | GGUFBlocks | Fp8Blocks
 
 
 def dense(t: CheckpointTensor) -> torch.Tensor:
-    """A checkpoint tensor as float (dequantized when block-quantized)."""
-    return t.dequantize() if isinstance(t, GGUFBlocks) else t
+    """A checkpoint tensor as float (dequantized when block-quantized: GGUF blocks, FP8 block-scaled)."""
+    return t if isinstance(t, torch.Tensor) else t.dequantize()
 
 
 __all__ = [

@@ -1,0 +1,467 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``; Kimi K2 and DeepSeek-R1 checkpoints declare it too): a decoder
+whose attention is multi-head latent attention (MLA), as transformers' modeling_deepseek_v3.py computes it.
+
+- Queries: ``q_proj``, or the low-rank path ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (``q_lora_rank``);
+  each head is ``qk_nope_head_dim`` plain dims and ``qk_rope_head_dim`` rotated ones.
+- Keys and values: ``kv_a_proj_with_mqa`` gives one latent (``kv_lora_rank``, normed by
+  ``kv_a_layernorm``) and one rotary key (``qk_rope_head_dim``) per token, shared by every head; these
+  two are all a token caches (the backend's ``LatentCacheLayout``), a fraction of a per-head cache
+  (``kv_cache_values_per_token``). ``kv_b_proj`` expands a latent into each head's key (nope part)
+  and value: here it is never applied to the cache; its two halves are folded in instead
+  (``w_uk`` into the query, ``w_uv`` after attention: the absorbed form, kernels/latent_attention.py),
+  for prefill chunks and decode tokens alike, which is what keeps prefill = decode bitwise.
+- Rotary: YaRN (``rope_type`` yarn) with DeepSeek's attention-scale correction (``mscale_all_dim``
+  squared on the softmax scale, ``mscale / mscale_all_dim`` on cos and sin), over DeepSeek's
+  interleaved pairs (``rope_interleave``: the rotary dims are de-interleaved, then rotated as halves,
+  which is transformers' ``apply_rotary_pos_emb_interleave`` exactly).
+
+Layers from ``first_k_dense_replace`` on are mixture-of-experts layers in DeepSeek-V3's checkpoints;
+they are not served yet: ``unserved_reason`` refuses such a checkpoint in the load plan. A layer's
+feed-forward block is chosen by ``DeepseekV3DecoderLayer.make_mlp``, the one place the MoE block plugs in.
+
+Under tensor parallelism each rank holds its share of the heads (``q_b_proj`` / ``q_proj``,
+``kv_b_proj``, ``o_proj``) and all of the latent path (``q_a_proj``, ``kv_a_proj_with_mqa``, their
+norms), whose cache every rank keeps whole. GGUF files are llama.cpp's ``deepseek2`` (its tensor names,
+``kv_b`` whole or split into ``k_b`` / ``v_b``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import structlog
+import torch
+from torch import nn
+
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.linear import ColumnParallelLinear, QuantFactory, ReplicatedLinear, RowParallelLinear
+from tokenmill_service.layers.norm import RMSNorm
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.layers.rotary import RotaryEmbedding
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.hf_loader import rope_params, rope_type
+from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from tokenmill_service.models.registry import register_model
+
+log = structlog.get_logger(__name__)
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+# transformers' DeepseekV3RMSNorm default: the latent norms do not take the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+YARN_TYPES = frozenset({"yarn", "deepseek_yarn"})
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    """The attention sizes of a DeepSeek config (``ModelConfig.extra["mla"]``)."""
+
+    q_lora_rank: int  # 0: queries straight from q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def mla_dims(config: ModelConfig) -> MLADims:
+    dims = config.extra["mla"]
+    assert isinstance(dims, MLADims)
+    return dims
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Yarn:
+    """YaRN's parameters as transformers' ``_compute_yarn_parameters`` reads them."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_positions / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        extrapolation = 1 - ramp
+        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    @property
+    def cos_sin_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """DeepSeek's correction of the softmax scale (transformers' ``yarn_apply_mscale``)."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+class DeepseekRotaryEmbedding(RotaryEmbedding):
+    """The rotary dims of q and k, YaRN-scaled where configured; interleaved pairs are de-interleaved
+    first (even dims, then odd ones), after which the halves rotation is transformers' interleaved one."""
+
+    deinterleave: torch.Tensor
+
+    def __init__(
+        self, dim: int, max_positions: int, theta: float, yarn: Yarn | None, interleave: bool, ops: Ops
+    ) -> None:
+        super().__init__(dim, max_positions, theta, None, ops)
+        if yarn is not None:
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), yarn.inv_freq(dim, theta))
+            self.cos, self.sin = freqs.cos() * yarn.cos_sin_factor, freqs.sin() * yarn.cos_sin_factor
+        self.register_buffer(
+            "deinterleave", torch.cat((torch.arange(0, dim, 2), torch.arange(1, dim, 2))), persistent=False
+        )
+        self.interleave = interleave
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.interleave:
+            q, k = q.index_select(-1, self.deinterleave), k.index_select(-1, self.deinterleave)
+        return self.ops.rotary(q, k, positions, self.cos, self.sin)
+
+
+class DeepseekV3Attention(nn.Module):
+    """Multi-head latent attention for one tensor-parallel rank (its share of the heads)."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: Ops,
+        quant: QuantFactory,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.ops = ops
+        self.rotary = rotary
+        self.dims = d = mla_dims(config)
+        hidden, heads, bias = config.hidden_size, config.num_heads, config.attention_bias
+        self.num_heads = tp.split(heads, "attention heads")
+        if d.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, d.q_lora_rank, bias, quant(f"{prefix}.q_a_proj"))
+            act = self.q_a_proj.quant.act_dtype
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, LATENT_NORM_EPS, ops, act)
+            self.q_b_proj = ColumnParallelLinear(
+                d.q_lora_rank, heads * d.qk_head_dim, False, quant(f"{prefix}.q_b_proj"), tp
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, heads * d.qk_head_dim, False, quant(f"{prefix}.q_proj"), tp)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, d.kv_lora_rank + d.qk_rope_head_dim, bias, quant(f"{prefix}.kv_a_proj_with_mqa")
+        )
+        act = self.kv_a_proj_with_mqa.quant.act_dtype
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, LATENT_NORM_EPS, ops, act)
+        self.kv_b_proj = ColumnParallelLinear(
+            d.kv_lora_rank, heads * (d.qk_nope_head_dim + d.v_head_dim), False, quant(f"{prefix}.kv_b_proj"), tp
+        )
+        self.o_proj = RowParallelLinear(heads * d.v_head_dim, hidden, bias, quant(f"{prefix}.o_proj"), tp)
+        yarn: Yarn | None = config.extra.get("yarn")  # type: ignore[assignment]
+        self.scale = d.qk_head_dim**-0.5 * (yarn.softmax_factor if yarn is not None else 1.0)
+        # kv_b_proj's halves in the absorbed form (``absorb``, once the weights are loaded), float32.
+        self.register_buffer("w_uk", torch.empty(0), persistent=False)
+        self.register_buffer("w_uv", torch.empty(0), persistent=False)
+
+    def absorb(self) -> None:
+        """w_uk [H, nope, L] (folded into the query) and w_uv [H, L, V] (applied after attention) from
+        ``kv_b_proj``'s weight [H * (nope + V), L] as its method dequantizes it."""
+        d = self.dims
+        w = self.kv_b_proj.quant.dequantized(self.kv_b_proj).float()
+        w = w.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        self.w_uk = w[:, : d.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, d.qk_nope_head_dim :].transpose(1, 2).contiguous()
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries [T, H, nope + rope] (rope part rotated), the normed latents [T, L] and the
+        rotated keys [T, rope]: what ``attend`` takes (as a Llama's q, k and v)."""
+        d, t = self.dims, x.shape[0]
+        if d.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(t, self.num_heads, d.qk_head_dim).split([d.qk_nope_head_dim, d.qk_rope_head_dim], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], -1)
+        latent = self.kv_a_layernorm(latent)[0]
+        q_rope, k_rope = self.rotary(positions, q_rope, k_rope.reshape(t, 1, d.qk_rope_head_dim))
+        return torch.cat((q_nope, q_rope), dim=-1), latent, k_rope.reshape(t, d.qk_rope_head_dim)
+
+    def attend(
+        self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Store the new latents and rotary keys in the latent cache, attend over it: [T, heads * v_head_dim]."""
+        latent_cache, rope_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
+        self.ops.store_latent(latent, k_rope, latent_cache, rope_cache, meta.slot_mapping)
+        q_nope, q_rope = q.split([self.dims.qk_nope_head_dim, self.dims.qk_rope_head_dim], -1)
+        out = self.ops.latent_attention(
+            q_nope, q_rope, latent_cache, rope_cache, self.w_uk, self.w_uv, meta, self.scale
+        )
+        return out.flatten(1)
+
+
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """A Llama layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        ops: Ops,
+        quant: QuantFactory,
+        act_dtype: torch.dtype,
+        tp: TensorParallel,
+        attention_type: type[LlamaAttention] = LlamaAttention,
+    ) -> None:
+        super().__init__(config, prefix, layer_idx, rotary, ops, quant, act_dtype, tp, attention_type)
+        self.mlp = self.make_mlp(config, prefix, layer_idx, ops, quant, tp)  # type: ignore[assignment]
+
+    @staticmethod
+    def make_mlp(
+        config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
+    ) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``;
+        the mixture-of-experts block after it plugs in here (refused by the plan until then)."""
+        if layer_idx >= int(config.extra["first_k_dense_replace"]):  # type: ignore[call-overload]
+            raise ValueError(f"layer {layer_idx} is a mixture-of-experts layer, which is not served yet")
+        return LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
+
+
+class DeepseekV3Model(LlamaModel):
+    def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
+        d = mla_dims(config)
+        yarn: Yarn | None = config.extra.get("yarn")  # type: ignore[assignment]
+        return DeepseekRotaryEmbedding(
+            d.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta, yarn, d.rope_interleave, ops
+        )
+
+
+@register_model("deepseek_v3")
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    native_stack: ClassVar[bool] = False
+    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no latent attention"
+    attention_type: ClassVar[type[LlamaAttention]] = DeepseekV3Attention  # type: ignore[assignment]
+    model_type: ClassVar[type[LlamaModel]] = DeepseekV3Model
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = DeepseekV3DecoderLayer
+    # The attention's projections keep their own names; only the dense MLP packs gate/up.
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    hf_architectures: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "deepseek_v3"}
+    # llama.cpp converts DeepSeek-V2/V3 as "deepseek2" (convert_hf_to_gguf.py's DeepseekV2Model).
+    gguf_architectures: ClassVar[dict[str, str]] = {"deepseek2": "deepseek_v3"}
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        # Newer converters split kv_b into its key half (each head's transposed) and its value half.
+        "attn_k_b": "self_attn.k_b_proj",
+        "attn_v_b": "self_attn.v_b_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    gguf_reads_attention: ClassVar[bool] = True
+    hf_rope_types: ClassVar[frozenset[str]] = YARN_TYPES
+    # Its cache is the backend's latent layout (``LatentCacheLayout``), not keys and values per head.
+    latent_cache: ClassVar[bool] = True
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        q_lora = raw.get("q_lora_rank")
+        dims = MLADims(
+            q_lora_rank=int(q_lora or 0),
+            kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+            qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)),
+            v_head_dim=int(raw.get("v_head_dim", 128)),
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+        )
+        if dims.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim {dims.qk_rope_head_dim} is odd: rotary rotates pairs")
+        config.extra["mla"] = dims
+        config.head_dim = dims.qk_rope_head_dim  # as transformers' config: the rotated part of a head
+        params = rope_params(raw)
+        if rope_type(params) in YARN_TYPES:
+            factor = params.get("factor")
+            original = int(
+                params.get("original_max_position_embeddings")
+                or raw.get("original_max_position_embeddings")
+                or config.max_position_embeddings
+            )
+            attention_factor = params.get("attention_factor")
+            config.extra["yarn"] = Yarn(
+                factor=float(factor) if factor is not None else config.max_position_embeddings / original,
+                original_max_positions=original,
+                beta_fast=float(params.get("beta_fast") or 32),
+                beta_slow=float(params.get("beta_slow") or 1),
+                mscale=float(params.get("mscale") or 0),
+                mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                attention_factor=None if attention_factor is None else float(attention_factor),
+                truncate=bool(params.get("truncate", True)),
+            )
+        routed = int(raw.get("n_routed_experts") or 0)
+        first_dense = raw.get("first_k_dense_replace")
+        config.extra["first_k_dense_replace"] = (
+            config.num_layers if not routed or first_dense is None else int(first_dense)
+        )
+        config.extra["n_routed_experts"] = routed
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        """llama.cpp's deepseek2 keys: it writes MLA as one key/value head of kv_lora_rank + rope dims
+        (``key_length``), the per-head sizes as ``key_length_mla`` / ``value_length_mla`` (older files:
+        ``key_length`` / ``value_length`` are the per-head ones), and DeepSeek's rope always interleaved."""
+
+        def key(name: str) -> Any:
+            return field(f"{gguf_architecture}.{name}")
+
+        kv_lora, rope = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
+        if key("attention.key_length_mla") is not None:
+            qk_head, v_head = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
+        else:
+            qk_head, v_head = config.head_dim, int(key("attention.value_length"))
+        config.extra["mla"] = MLADims(
+            int(key("attention.q_lora_rank") or 0), kv_lora, qk_head - rope, rope, v_head, True
+        )
+        config.head_dim = rope
+        config.num_kv_heads = config.num_heads
+        scaling = key("rope.scaling.type")
+        if scaling == "yarn":
+            # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's configs have mscale equal to it.
+            mscale = float(key("rope.scaling.yarn_log_multiplier") or 0) / 0.1
+            attention_factor = key("rope.scaling.yarn_attn_factor")
+            config.extra["yarn"] = Yarn(
+                factor=float(key("rope.scaling.factor")),
+                original_max_positions=int(key("rope.scaling.original_context_length")),
+                beta_fast=float(key("rope.scaling.yarn_beta_fast") or 32),
+                beta_slow=float(key("rope.scaling.yarn_beta_slow") or 1),
+                mscale=mscale,
+                mscale_all_dim=mscale,
+                attention_factor=None if attention_factor is None else float(attention_factor),
+            )
+        elif scaling not in (None, "none"):
+            raise ValueError(f"RoPE scaling type {scaling!r} is not supported (supported: yarn)")
+        experts = int(key("expert_count") or 0)
+        dense = key("leading_dense_block_count")
+        config.extra["first_k_dense_replace"] = config.num_layers if not experts else int(dense or 0)
+        config.extra["n_routed_experts"] = experts
+
+    @classmethod
+    def unserved_reason(cls, config: ModelConfig) -> str | None:
+        """Why this checkpoint cannot be served (the plan refuses it), or None."""
+        first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
+        if first_moe < config.num_layers:
+            return (
+                f"layers {first_moe}..{config.num_layers - 1} of this DeepSeek-V3 checkpoint are mixture-of-experts "
+                f"layers ({config.extra['n_routed_experts']} routed experts), which are not served yet: only "
+                "checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers) are"
+            )
+        return None
+
+    @classmethod
+    def kv_cache_values_per_token(cls, config: ModelConfig, tensor_parallel: int = 1) -> tuple[int, int]:
+        """Values one token of context caches on a rank: the latent layout's (latent + rotary key per
+        layer, every rank all of it), and an equivalent per-head cache's (each of the rank's heads a
+        key of qk_nope + qk_rope dims and a value of v_head_dim), for comparison."""
+        d = mla_dims(config)
+        heads = config.num_heads // tensor_parallel
+        latent = config.num_layers * (d.kv_lora_rank + d.qk_rope_head_dim)
+        per_head = config.num_layers * heads * (d.qk_head_dim + d.v_head_dim)
+        return latent, per_head
+
+    @classmethod
+    def linear_prefixes(cls, config: ModelConfig) -> list[str]:
+        q = ("q_a_proj", "q_b_proj") if mla_dims(config).q_lora_rank else ("q_proj",)
+        attn = [f"self_attn.{leaf}" for leaf in (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+        leaves = (*attn, "mlp.gate_up_proj", "mlp.down_proj")
+        return [f"model.layers.{i}.{leaf}" for i in range(config.num_layers) for leaf in leaves] + ["lm_head"]
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (latent, rotary key) cache shapes, in its ops backend's latent layout."""
+        layout = self.ops.latent_cache_layout
+        if layout is None:
+            raise ValueError(f"the {self.ops.name} ops have no latent attention")
+        d = mla_dims(self.config)
+        return layout.shapes(len(self.model.layers), num_blocks, block_size, d.kv_lora_rank, d.qk_rope_head_dim)
+
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        super().load_weights(self._join_kv_b(self._without_mtp(tensors)))
+        for module in self.modules():
+            if isinstance(module, DeepseekV3Attention):
+                module.absorb()
+
+    def _without_mtp(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The tensors less those of the multi-token-prediction layers DeepSeek-V3's files keep after the
+        decoder's (``model.layers.<num_hidden_layers>...``): not used (transformers skips them too)."""
+        skipped = 0
+        for name, tensor in tensors:
+            match = _LAYER_INDEX.match(name)
+            if match and int(match.group(1)) >= self.config.num_layers:
+                skipped += 1
+                continue
+            yield name, tensor
+        if skipped:
+            log.info("mtp_layers_skipped", tensors=skipped, layers_from=self.config.num_layers)
+
+    def _join_kv_b(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] joined
+        back into ``kv_b_proj`` [H * (nope + V), L] as the Hugging Face checkpoint holds it (dequantized:
+        the absorbed attention multiplies it in float32 whatever it was)."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors:
+            parent, _, leaf = name.rpartition(".")
+            attn, _, proj = parent.rpartition(".")
+            if proj not in ("k_b_proj", "v_b_proj") or leaf != "weight":
+                yield name, tensor
+                continue
+            halves.setdefault(attn, {})[proj] = dense(tensor).float()
+            if len(halves[attn]) == 2:
+                pair = halves.pop(attn)
+                k_b, v_b = pair["k_b_proj"].transpose(1, 2), pair["v_b_proj"]
+                joined = torch.cat((k_b, v_b), dim=1)
+                yield f"{attn}.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
+        if halves:
+            raise ValueError(f"the checkpoint holds one half of kv_b_proj only in {', '.join(sorted(halves))}")

@@ -1,0 +1,245 @@
+"""DeepSeek-V3 (dense layers): tiny random transformers checkpoints, with and without the low-rank query
+path, served through multi-head latent attention over a latent cache: logits and prompt logprobs
+within 1e-4 of transformers (float32, dense), the same greedy tokens, a prompt's logits bitwise the
+same alone and in a batch and whether its positions were prefilled or decoded, FP8 block-scaled
+weights multiplied as stored (exactly the reference's dequantized weights), two tensor-parallel ranks
+equal to one, the cache's bytes per token (DeepSeek-V3's real figure), and routed-expert layers refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.engine.invariance import assert_alone_equals_crowd
+from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
+from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.models.loader import load_model
+from tokenmill_service.models.registry import model_class
+from tokenmill_service.plan.plan import PlanRefused
+from tokenmill_service.plan.resolve import kv_cache_bytes_per_token
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+FP8_BLOCK = 32  # DeepSeek-V3's files use 128; 32 gives the tiny layers several blocks each way
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["q_lora", "no_q_lora"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    hf_model = deepseek_v3(q_lora=request.param)
+    directory = tmp_path_factory.mktemp("tiny-deepseek")
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return directory, hf_model
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[str, torch.Tensor]]:
+    """The q_lora model FP8 block-quantized, and transformers' model on the weights the file stands for."""
+    hf_model = deepseek_v3(q_lora=True)
+    directory = tmp_path_factory.mktemp("tiny-deepseek-fp8")
+    dequantized = save_fp8(hf_model, directory, FP8_BLOCK)
+    hf_model.load_state_dict(dequantized)
+    return directory, hf_model, dequantized
+
+
+def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0]
+
+
+def logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(forward_prompt(model, ids))
+
+
+@torch.inference_mode()
+def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    model = load_model(directory, dtype=torch.float32, quantization="none")
+    plan = model.plan.summary()
+    assert plan["architecture"] == "deepseek_v3" and plan["kv_cache_layout"] == "latent blocks"
+    actual, expected = logits(model, PROMPT), hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens through the runner's paged latent cache: a prefill, then one decode step per token."""
+    runner = ModelRunner(model, block_size=16, num_blocks=8)
+    ids, start, table = list(prompt), 0, list(range(8))
+    for _ in range(new_tokens):
+        new = ids[start:]
+        out, _ = runner.execute(StepPlan(new, [len(new)], [start], [table], [len(new) - 1], []))
+        start = len(ids)
+        ids.append(int(out[0].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(10):
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(load_model(directory), PROMPT[:12], 10) == ids[12:]
+
+
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any]) -> None:
+    assert_alone_equals_crowd(load_model(checkpoint[0]), PROMPT)
+
+
+@torch.inference_mode()
+def test_positions_decoded_one_by_one_give_the_prefills_logits_bitwise(checkpoint: tuple[Path, Any]) -> None:
+    """The absorbed attention serves prefill chunks and decode tokens alike: a prompt prefilled whole,
+    in two chunks, or token by token gives each position bitwise the same logits."""
+    model = load_model(checkpoint[0])
+    ids, table = PROMPT[:14], [5, 2, 7, 0]
+
+    def run(chunks: list[int]) -> torch.Tensor:
+        runner = ModelRunner(model, block_size=4, num_blocks=8)
+        rows, start = [], 0
+        for n in chunks:
+            _, (out,) = runner.execute(StepPlan(ids[start : start + n], [n], [start], [table], [n - 1], [(0, n)]))
+            rows.append(out)
+            start += n
+        return torch.cat(rows)
+
+    whole = run([14])
+    assert torch.equal(run([9, 5]), whole)
+    assert torch.equal(run([1] * 14), whole)
+
+
+@torch.inference_mode()
+def test_a_gguf_as_llama_cpp_converts_it_gives_the_same_logits(tmp_path: Path) -> None:
+    """llama.cpp's deepseek2: k_b / v_b joined back into kv_b_proj, YaRN from its keys (DeepSeek's
+    configs have mscale equal to mscale_all_dim, which is all the file keeps)."""
+    hf_model = deepseek_v3(q_lora=True, yarn={**YARN, "mscale": 0.8, "mscale_all_dim": 0.8})
+    path = tmp_path / "tiny-deepseek.gguf"
+    write_deepseek2_gguf(hf_model, path)
+    model = load_model(path)
+    assert model.config.architecture == "deepseek_v3" and model.config.extra["gguf_architecture"] == "deepseek2"
+    torch.testing.assert_close(logits(model, PROMPT), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_fp8_block_weights_are_served_as_stored_and_exactly_dequantized(
+    fp8_checkpoint: tuple[Path, Any, dict[str, torch.Tensor]],
+) -> None:
+    directory, hf_model, dequantized = fp8_checkpoint
+    model = load_model(directory, quantization="auto")
+    assert model.plan.method_counts == {"fp8-block": 14, "none": 1}  # every projection; the head is float
+    assert "FP8 blocks (e4m3, a float32 scale per 32x32)" in model.plan.quant_reasons["fp8-block"]
+    attn = model.model.layers[1].self_attn
+    assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn  # one byte a weight, as the file stores it
+    for name in ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        layer = getattr(attn, name)
+        assert torch.equal(layer.quant.dequantized(layer), dequantized[f"model.layers.1.self_attn.{name}.weight"])
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    reference = torch.cat([dequantized[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(gate_up.quant.dequantized(gate_up), reference)
+    torch.testing.assert_close(logits(model, PROMPT), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+    assert_alone_equals_crowd(model, PROMPT)
+
+
+def test_the_cache_holds_a_latent_and_a_rotary_key_per_token_and_layer(checkpoint: tuple[Path, Any]) -> None:
+    model = load_model(checkpoint[0])
+    latent, rope = model.kv_cache_shapes(num_blocks=3, block_size=16)
+    assert latent == (2, 3, 16, 1, 64) and rope == (2, 3, 16, 1, 64)  # kv_lora_rank, qk_rope_head_dim
+    per_token = kv_bytes_per_block(model, 16, torch.float32) // 16
+    assert per_token == 2 * (64 + 64) * 4 == int(model.plan.kv_cache_bytes_per_token.value)
+    # Against 4 heads x (a 96-dim key + a 32-dim value) per layer.
+    assert "a per-head cache would take 4096 bytes (4.0x)" in model.plan.kv_cache_bytes_per_token.reason
+
+
+def test_deepseek_v3s_real_config_caches_70272_bytes_a_token_against_4997120(tmp_path: Path) -> None:
+    """DeepSeek-V3 (transformers' DeepseekV3Config defaults are its published config): 61 layers of a
+    512-value latent and a 64-value rotary key, bfloat16, against 128 heads x (192 + 128) per layer."""
+    real = transformers.DeepseekV3Config()
+    (tmp_path / "config.json").write_text(json.dumps({**real.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}))
+    config = read_hf_config(tmp_path)
+    family = model_class(config.architecture)
+    latent, per_head = family.kv_cache_values_per_token(config)
+    assert latent == 61 * (512 + 64) == 35136
+    assert per_head == 61 * 128 * ((128 + 64) + 128) == 2498560
+    figure = kv_cache_bytes_per_token(family, config, "bfloat16", tensor_parallel=1)
+    assert figure.value == str(35136 * 2) == "70272"
+    assert "a per-head cache would take 4997120 bytes (71.1x)" in figure.reason
+    # Its layers after the first three are mixture-of-experts layers: refused, not served wrong.
+    assert family.unserved_reason(config) is not None
+
+
+def test_the_multi_token_prediction_layer_after_the_decoders_is_left_aside(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's files keep their MTP layer as model.layers.<num_hidden_layers>: not a decoder layer."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "with-mtp"
+    shutil.copytree(checkpoint[0], directory)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.2.self_attn.kv_a_layernorm.weight"] = torch.ones(64)
+    tensors["model.layers.2.eh_proj.weight"] = torch.ones(64, 128)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(directory)
+    assert len(model.model.layers) == 2
+    torch.testing.assert_close(logits(model, PROMPT[:8]), hf_logits(checkpoint[1], PROMPT[:8]), atol=1e-4, rtol=0)
+
+
+def test_a_checkpoint_with_routed_expert_layers_is_refused_naming_them(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    directory = tmp_path / "moe"
+    shutil.copytree(checkpoint[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
+    with pytest.raises(PlanRefused, match=r"layers 1\.\.1 of this DeepSeek-V3 checkpoint are mixture-of-experts"):
+        load_model(directory)
+
+
+# -- tensor parallel (gloo on CPU, real processes; as tests/engine/test_tensor_parallel.py) -----------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_logits(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        results = {}
+        for path in paths:
+            model = load_model(Path(path), quantization="auto", tp=TensorParallel(rank, size))
+            results[path] = (model.model.layers[0].self_attn.num_heads, logits(model, PROMPT))
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_tensor_parallel_ranks_give_the_whole_models_logits(
+    fp8_checkpoint: tuple[Path, Any, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Each rank holds half the heads (q, kv_b and o projections) and the whole latent path and cache:
+    float32 checkpoints with and without q_lora, and the FP8 one, in one spawn (a spawn costs seconds)."""
+    paths = [str(fp8_checkpoint[0])]
+    for q_lora in (True, False):
+        paths.append(str(tmp_path / f"q_lora-{q_lora}"))
+        deepseek_v3(q_lora=q_lora).save_pretrained(paths[-1], safe_serialization=True)
+    out = tmp_path / "logits.pt"
+    mp.spawn(_rank_logits, args=(2, _free_port(), paths, str(out)), nprocs=2)
+    for path, (heads, sharded) in torch.load(out).items():
+        assert heads == 2
+        whole = logits(load_model(Path(path), quantization="auto"), PROMPT)
+        torch.testing.assert_close(sharded, whole, atol=1e-4, rtol=0)

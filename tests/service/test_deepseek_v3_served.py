@@ -1,0 +1,86 @@
+"""`tokenmill-server --model` a DeepSeek-V3 Hugging Face directory (dense layers): through the RPC,
+transformers' greedy tokens and prompt logprobs, GetModelInfo's latent cache and its bytes per token;
+and a checkpoint with routed-expert layers stops the server with exit code 2, saying why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.server_process import SERVER, ServerProcess, free_port
+from tests.tiny_deepseek import deepseek_v3
+from tokenmill_client import Client
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """Two dense layers with q_lora, YaRN and interleaved rope; a byte-level tokenizer of 256 bytes + EOS."""
+    directory = tmp_path_factory.mktemp("tiny-deepseek")
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|eos|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    model = deepseek_v3(q_lora=True, vocab_size=257)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory, model
+
+
+@torch.inference_mode()
+def test_a_served_deepseek_v3_gives_transformers_tokens_and_prompt_logprobs(
+    tiny_deepseek: tuple[Path, torch.nn.Module],
+) -> None:
+    directory, hf_model = tiny_deepseek
+    args = ("--model", str(directory), "--dtype", "float32", "--quantization", "none", "--drain-seconds", "1")
+    server = ServerProcess(*args).start()
+    try:
+        with Client(server.address, timeout=120) as client:
+            events = list(
+                client.generate("Hello, DeepSeek!", max_new_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=True)
+            )
+            plan = dict(client.model_info().load_plan)
+    finally:
+        server.stop()
+    assert plan["architecture"] == "deepseek_v3" and plan["kv_cache_layout"] == "latent blocks"
+    # 2 layers x (64 latent + 64 rotary key) float32 values, against 4 heads x (96 + 32) per layer.
+    assert plan["kv_cache_bytes_per_token"].startswith("1024 (") and "(4.0x)" in plan["kv_cache_bytes_per_token"]
+
+    prompt = events[0].prompt_tokens
+    ids = [t.id for t in prompt]
+    expected = list(ids)
+    for _ in range(NEW_TOKENS):
+        expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
+    assert [t.id for e in events for t in e.tokens] == expected[len(ids) :]
+    logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
+    for row, token in enumerate(prompt[1:]):
+        assert token.logprob is not None and abs(token.logprob - logprobs[row, token.id].item()) < 1e-4
+
+
+def test_routed_expert_layers_stop_the_server_with_exit_code_2(
+    tiny_deepseek: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    directory = tmp_path / "moe"
+    directory.mkdir()
+    for file in tiny_deepseek[0].iterdir():
+        (directory / file.name).symlink_to(file)
+    (directory / "config.json").unlink()
+    config = json.loads((tiny_deepseek[0] / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
+    command = [str(SERVER), "--model", str(directory), "--port", str(free_port()), "--http-port", str(free_port())]
+    result = subprocess.run(
+        [*command, "--log-format", "json"], check=False, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "tokenmill-server: error:" in result.stderr
+    assert "mixture-of-experts layers (8 routed experts), which are not served yet" in result.stderr
