@@ -46,6 +46,14 @@ class Settings:
             "and vocabulary, and divide or be a multiple of its key/value heads"
         },
     )
+    expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "mixture-of-experts models: each of a replica's --tensor-parallel ranks holds whole experts "
+            "(experts / ranks of them; the degree must divide the experts) instead of a slice of every expert; "
+            "attention stays tensor-parallel",
+        },
+    )
     backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
     dtype: str = field(
         default="auto",
@@ -273,6 +281,16 @@ def env_names(f: Any) -> list[str]:
     return [env_name(f.name), *f.metadata.get("env_aliases", [])]
 
 
+def _switch(text: str) -> bool:
+    """A switch's environment value: 1/true/yes/on or 0/false/no/off (any case)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
 def _version() -> str:
     from tokenmill_service import __version__
 
@@ -293,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
         kw: dict[str, Any] = {"help": f"{text} [{shown}env {' or '.join(env_names(f))}]", "default": None}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
+        if str(f.type) == "bool":  # a switch: present or not
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=True, **kw)
+            continue
         kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
         parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", []), dest=f.name, **kw)
     return parser
@@ -308,7 +329,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         if value is None and given is not None:
             raw = env[given]
             try:
-                value = {"int": int, "float": float}.get(str(f.type), str)(raw)
+                value = {"int": int, "float": float, "bool": _switch}.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if value is not None:

@@ -43,6 +43,8 @@ BUILTIN_FAMILIES = (
     "tokenmill_service.models.qwen3",
     "tokenmill_service.models.granite",
     "tokenmill_service.models.phi3",
+    "tokenmill_service.models.mixtral",
+    "tokenmill_service.models.qwen3_moe",
 )
 
 
