@@ -284,6 +284,8 @@ def convert_hf_to_gguf(
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "norm_topk_prob", None) is not None:
+            writer.add_expert_weights_norm(cfg.norm_topk_prob)
     if metadata is not None:
         metadata(writer)
     tied = cfg.tie_word_embeddings
