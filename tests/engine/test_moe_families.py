@@ -1,5 +1,5 @@
-"""Mixture-of-experts families (Mixtral, Qwen3-MoE): tiny random transformers checkpoints (2 layers, 4 or 8
-experts, top-2; Qwen3-MoE with a dense layer among its MoE ones) served as transformers computes them:
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE): tiny random transformers checkpoints (2 layers,
+4 or 8 experts, top-2; Qwen3-MoE with a dense layer among its MoE ones) served as transformers computes them:
 logits and prompt logprobs within 1e-4 at float32 with dense weights, the same greedy tokens, the same
 logits from a GGUF of the model (llama.cpp's stacked expert tensors), a GGUF with Q8_0 experts in the
 default configuration within its bounds of the float32 reference, a prompt's logits bitwise the same
@@ -42,9 +42,10 @@ COMMON = dict(  # noqa: C408 - keyword names as in the transformers configs
     num_experts_per_tok=2,
 )
 PROMPT = torch.randint(0, COMMON["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
-FAMILIES = ["mixtral", "qwen3_moe"]
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 # llama.cpp writes Mixtral as a "llama" GGUF (q/k permuted) with expert counts.
-GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+EXPERTS = {"mixtral": 4, "qwen3_moe": 8, "olmoe": 4}
 
 
 def hf_model(family: str, dense_layer: bool = True) -> Any:
@@ -53,6 +54,9 @@ def hf_model(family: str, dense_layer: bool = True) -> Any:
     torch.manual_seed(0)
     if family == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, num_local_experts=4))
+    elif family == "olmoe":  # its q/k norms are hidden wide: heads * head_dim must be the hidden size
+        shape = {k: v for k, v in COMMON.items() if k != "head_dim"} | {"hidden_size": 256}
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**shape, num_experts=4, norm_topk_prob=False))
     else:
         config = transformers.Qwen3MoeConfig(
             **COMMON,
@@ -87,6 +91,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     assert model.config.architecture == family and model.plan.ops.value == "native"
     moe_layers = [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers]
     assert moe_layers == ([True, False] if family == "qwen3_moe" else [True, True])
+    assert model.config.extra["norm_topk_prob"] is (family == "mixtral")
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
@@ -131,7 +136,7 @@ def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path, family: str) 
     torch.testing.assert_close(actual, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def q8_experts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A GGUF whose stacked experts are Q8_0 (the rest float32)."""
     path = tmp_path_factory.mktemp("moe-q8") / f"{request.param}.gguf"
@@ -157,7 +162,7 @@ def test_q8_0_experts_in_the_default_configuration_are_within_bounds_and_batch_i
 
 def test_expert_parallel_degrees_that_do_not_divide_the_experts_are_refused(checkpoint: tuple[str, Path, Any]) -> None:
     family, directory, _ = checkpoint
-    experts = 4 if family == "mixtral" else 8
+    experts = EXPERTS[family]
     options = LoadOptions(model=str(directory), tensor_parallel=3, expert_parallel=True)
     with pytest.raises(PlanRefused, match=f"{experts} experts \\(--expert-parallel gives each rank whole experts\\)"):
         resolve_plan(options, open_checkpoint(directory), probe_device("cpu"))

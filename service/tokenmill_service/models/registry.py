@@ -45,6 +45,7 @@ BUILTIN_FAMILIES = (
     "tokenmill_service.models.phi3",
     "tokenmill_service.models.mixtral",
     "tokenmill_service.models.qwen3_moe",
+    "tokenmill_service.models.olmoe",
 )
 
 
