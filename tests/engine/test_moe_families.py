@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QType
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.moe_ranks import rank_logits
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
+from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.models.checkpoint import open_checkpoint
@@ -97,6 +98,17 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
     assert "mixture-of-experts" in model.plan.executor.reason
+
+
+@torch.inference_mode()
+def test_the_triton_backend_gives_the_transformers_logits(tmp_path: Path) -> None:
+    """The experts' SiLU-and-mul and every other op of the model as triton kernels (the interpreter on a CPU)."""
+    hf = hf_model("qwen3_moe")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(tmp_path, dtype=torch.float32, quantization="none", backend="triton", device=DEVICE.type)
+    assert model.plan.ops.value == "triton"
+    actual = model.compute_logits(forward_prompt(model, PROMPT[:16])).cpu()
+    torch.testing.assert_close(actual, hf_logits(hf, PROMPT[:16]), atol=1e-4, rtol=0)
 
 
 def greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
@@ -218,3 +230,14 @@ def test_several_ranks_give_the_whole_models_logits(tmp_path: Path, ranks: int, 
             expected = whole.compute_logits(forward_prompt(whole, PROMPT))
         for result in results:
             torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=0)
+
+
+def test_the_plan_runs_a_mixture_of_experts_eager_and_says_why(checkpoint: tuple[str, Path, Any]) -> None:
+    family, directory, _ = checkpoint
+    options = LoadOptions(model=str(directory), dtype="float32", compile="auto")
+    plan = resolve_plan(options, open_checkpoint(directory), probe_device("cpu"))
+    assert plan.executor.value == "eager"
+    assert "groups each step's tokens by expert" in plan.skipped["compile"]
+    assert "mixture-of-experts" in plan.executor.reason
+    experts = [p for p in plan.layers if ".mlp.experts." in p]
+    assert len(experts) == 2 * EXPERTS[family] * (1 if family == "qwen3_moe" else 2)  # gate/up and down each

@@ -83,6 +83,9 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = "the C++ decoder layers have no mixture-of-experts MLP"
+    # Why ``--compile auto`` leaves the family eager (read by the plan): each step's grouping of tokens
+    # by expert is data-dependent, which a compiled graph would guard on and rebuild for.
+    compile_gap: ClassVar[str] = "a mixture of experts groups each step's tokens by expert, which graphs cannot hold"
     layer_type: ClassVar[type[LlamaDecoderLayer]] = MoEDecoderLayer
     gguf_layer_names: ClassVar[dict[str, str]] = {**GGUF_LAYER_NAMES, **GGUF_MOE_NAMES}
 

@@ -258,7 +258,8 @@ def _executor(
     skipped: dict[str, str],
 ) -> Decision:
     if options.compile == "auto":
-        why = compile_missing(options, facts, ops)
+        family = model_class(config.architecture)
+        why = getattr(family, "compile_gap", "") or compile_missing(options, facts, ops)
         if why is None:
             return Decision("compiled", "asked (--compile auto)")
         skipped["compile"] = why
