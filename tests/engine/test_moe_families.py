@@ -22,6 +22,7 @@ from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
+from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
@@ -93,6 +94,8 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     moe_layers = [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers]
     assert moe_layers == ([True, False] if family == "qwen3_moe" else [True, True])
     assert model.config.extra["norm_topk_prob"] is (family == "mixtral")
+    stored = sum(m.quant.weight_bytes(m) for m in model.modules() if isinstance(m, LinearBase))
+    assert model.weight_bytes() < stored  # a token reads 2 of the experts' weights, not all of them
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)

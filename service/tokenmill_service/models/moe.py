@@ -26,7 +26,7 @@ from torch import nn
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.layers.linear import QuantFactory
+from tokenmill_service.layers.linear import LinearBase, QuantFactory
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -114,6 +114,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         experts, _, width, _, _ = moe_settings(config)
         rows = config.hidden_size if projection == "down_proj" else width
         return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", e * rows, rows) for e in range(experts)]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one token's forward pass reads: every layer's, but of each layer's experts
+        the share one token runs (``experts_per_token / experts``), which is what a decode step's
+        bandwidth counts; the memory the weights hold is larger (every expert)."""
+        total = super().weight_bytes()
+        for layer in self.model.layers:
+            moe = layer.mlp
+            if isinstance(moe, FusedMoE):
+                held = sum(m.quant.weight_bytes(m) for m in moe.experts.modules() if isinstance(m, LinearBase))
+                total -= held - held * moe.top_k // moe.num_experts
+        return total
 
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         super().load_weights((name, t) for name, t in tensors if self._holds(name))
