@@ -9,7 +9,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -329,7 +329,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         if value is None and given is not None:
             raw = env[given]
             try:
-                value = {"int": int, "float": float, "bool": _switch}.get(str(f.type), str)(raw)
+                parsers: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": _switch}
+                value = parsers.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if value is not None:

@@ -89,7 +89,8 @@ class ExpertMLP(nn.Module):
         self.down_proj = ExpertDownLinear(width, hidden, False, quant(f"{prefix}.down_proj"), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class FusedMoE(nn.Module):
@@ -140,6 +141,3 @@ class FusedMoE(nn.Module):
         for rank in range(1, self.top_k):  # the token's own ranks' order, whatever the groups were
             combined = combined + out[:, rank] * weights[:, rank : rank + 1]
         return all_reduce(combined, self.tp).to(x.dtype)
-
-    def expert_prefixes(self) -> list[str]:
-        return list(self.experts)
