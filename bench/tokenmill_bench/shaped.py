@@ -6,6 +6,13 @@ ones do (not quality). The file carries the shape's metadata under llama.cpp's k
 (normal, 0.02) and unit norms, and the embedded default model's byte-level BPE tokenizer padded with
 unused tokens to the shape's vocabulary, so tokenmill and llama.cpp both load it. ``--type`` then
 quantizes it with llama.cpp's own ``llama-quantize`` (the same program people's files come from).
+
+A mixture-of-experts shape is written as llama.cpp writes Mixtral: a "llama" GGUF with
+``expert_count`` and ``expert_used_count``, each layer's router (``ffn_gate_inp``, float32 as
+llama.cpp keeps it) and its experts stacked in 3-D tensors (``ffn_gate_exps``, ``ffn_up_exps``,
+``ffn_down_exps``). ``olmoe-1b-7b`` has OLMoE-1B-7B's sizes (16 layers, 64 experts of width 1024,
+8 per token, hidden 2048) in that layout, without OLMoE's q/k norms: the experts, which a decode
+step reads, are the same bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class Shape:
     tied: bool
     qkv_bias: bool = False
     context: int = 131072
+    experts: int = 0  # a mixture of experts: this many per layer, each ``intermediate`` wide
+    experts_used: int = 0  # experts per token
 
 
 SHAPES = {
@@ -44,6 +53,9 @@ SHAPES = {
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 128256, 500000.0, tied=True),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, tied=False),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, context=32768),
+    "olmoe-1b-7b": Shape(
+        "llama", 2048, 16, 16, 16, 1024, 50304, 10000.0, tied=False, context=4096, experts=64, experts_used=8
+    ),
 }
 # llama.cpp's token type for a token no text maps to.
 UNUSED_TOKEN = 5
@@ -62,10 +74,21 @@ def _tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
             (f"blk.{i}.attn_v.weight", (kv, shape.hidden)),
             (f"blk.{i}.attn_output.weight", (shape.hidden, shape.hidden)),
             (f"blk.{i}.ffn_norm.weight", (shape.hidden,)),
-            (f"blk.{i}.ffn_gate.weight", (shape.intermediate, shape.hidden)),
-            (f"blk.{i}.ffn_up.weight", (shape.intermediate, shape.hidden)),
-            (f"blk.{i}.ffn_down.weight", (shape.hidden, shape.intermediate)),
         ]
+        if shape.experts:
+            e = shape.experts
+            names += [
+                (f"blk.{i}.ffn_gate_inp.weight", (e, shape.hidden)),
+                (f"blk.{i}.ffn_gate_exps.weight", (e, shape.intermediate, shape.hidden)),
+                (f"blk.{i}.ffn_up_exps.weight", (e, shape.intermediate, shape.hidden)),
+                (f"blk.{i}.ffn_down_exps.weight", (e, shape.hidden, shape.intermediate)),
+            ]
+        else:
+            names += [
+                (f"blk.{i}.ffn_gate.weight", (shape.intermediate, shape.hidden)),
+                (f"blk.{i}.ffn_up.weight", (shape.intermediate, shape.hidden)),
+                (f"blk.{i}.ffn_down.weight", (shape.hidden, shape.intermediate)),
+            ]
         if shape.qkv_bias:
             names += [(f"blk.{i}.attn_{p}.bias", (n,)) for p, n in (("q", shape.hidden), ("k", kv), ("v", kv))]
     names.append(("output_norm.weight", (shape.hidden,)))
@@ -103,6 +126,11 @@ def _tokenizer_fields(vocab: int) -> dict[str, object]:
     }
 
 
+def _dtype(name: str, dims: tuple[int, ...]) -> np.dtype[np.floating]:
+    """float32 for vectors and the routers (as llama.cpp's converter and quantizer keep them), else float16."""
+    return np.dtype(np.float32 if len(dims) == 1 or ".ffn_gate_inp." in name else np.float16)
+
+
 def write_shaped_gguf(name: str, path: Path, seed: int = 0) -> Path:
     """A float16 GGUF of ``name``'s shape (a key of SHAPES) with random weights, at ``path``."""
     import gguf
@@ -122,6 +150,9 @@ def write_shaped_gguf(name: str, path: Path, seed: int = 0) -> Path:
     writer.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
     writer.add_rope_dimension_count(shape.hidden // shape.heads)
     writer.add_vocab_size(shape.vocab)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     tok = _tokenizer_fields(shape.vocab)
     writer.add_tokenizer_model("gpt2")
@@ -135,16 +166,17 @@ def write_shaped_gguf(name: str, path: Path, seed: int = 0) -> Path:
         writer.add_chat_template(str(tok["chat_template"]))
     tensors = _tensors(shape)
     for tensor_name, dims in tensors:
-        dtype = np.dtype(np.float32 if len(dims) == 1 else np.float16)
-        writer.add_tensor_info(tensor_name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
+        writer.add_tensor_info(
+            tensor_name, dims, _dtype(tensor_name, dims), int(np.prod(dims)) * _dtype(tensor_name, dims).itemsize
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for _, dims in tensors:
+    for tensor_name, dims in tensors:
         if len(dims) == 1:  # norms at one, biases small
             data = np.ones(dims, dtype=np.float32)
         else:
-            data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+            data = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(_dtype(tensor_name, dims))
         writer.write_tensor_data(data)
     writer.close()
     return path

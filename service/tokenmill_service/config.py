@@ -9,7 +9,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -52,6 +52,14 @@ class Settings:
         metadata={
             "help": "ranks (processes, devices) per replica; must divide the model's query heads, MLP width "
             "and vocabulary, and divide or be a multiple of its key/value heads"
+        },
+    )
+    expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "mixture-of-experts models: each of a replica's --tensor-parallel ranks holds whole experts "
+            "(experts / ranks of them; the degree must divide the experts) instead of a slice of every expert; "
+            "attention stays tensor-parallel",
         },
     )
     backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
@@ -340,6 +348,16 @@ def env_names(f: Any) -> list[str]:
     return [env_name(f.name), *f.metadata.get("env_aliases", [])]
 
 
+def _switch(text: str) -> bool:
+    """A switch's environment value: 1/true/yes/on or 0/false/no/off (any case)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
 def _version() -> str:
     from tokenmill_service import __version__
 
@@ -360,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
         kw: dict[str, Any] = {"help": f"{text} [{shown}env {' or '.join(env_names(f))}]", "default": None}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
+        if str(f.type) == "bool":  # a switch: present or not
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=True, **kw)
+            continue
         kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
         parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", []), dest=f.name, **kw)
     return parser
@@ -375,7 +396,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         if value is None and given is not None:
             raw = env[given]
             try:
-                value = {"int": int, "float": float}.get(str(f.type), str)(raw)
+                parsers: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": _switch}
+                value = parsers.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if value is not None:

@@ -47,7 +47,7 @@ async def serve(settings: Settings) -> int:
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
         log.error("model_unavailable", error=str(exc))
         return 1
-    if settings.tensor_parallel > 1:
+    if settings.tensor_parallel > 1 or settings.expert_parallel:
         try:
             check_tensor_parallel(settings, model_path)
         except ValueError as exc:
@@ -204,12 +204,18 @@ async def serve(settings: Settings) -> int:
 
 
 def check_tensor_parallel(settings: Settings, model_path: Path) -> None:
-    """Refuse a --tensor-parallel degree that does not split the model (ValueError naming the ones that do)."""
+    """Refuse a --tensor-parallel degree that does not split the model, or --expert-parallel on a model
+    without experts or experts the degree does not divide (ValueError naming the degrees that do)."""
     from tokenmill_service.distributed.degree import check_degree
     from tokenmill_service.models.dims import read_dims
 
     # GGUF tensors are split in whole blocks (read_dims finds the largest); int4 quantizes in groups of 32.
-    check_degree(read_dims(model_path), settings.tensor_parallel, int4_groups=settings.quantization == "int4")
+    check_degree(
+        read_dims(model_path),
+        settings.tensor_parallel,
+        int4_groups=settings.quantization == "int4",
+        expert_parallel=settings.expert_parallel,
+    )
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:

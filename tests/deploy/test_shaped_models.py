@@ -17,12 +17,14 @@ from tokenmill_service.plan import LoadOptions
 from tokenmill_service.tokenizer import load_tokenizer
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mixtral"])
 def test_a_shaped_gguf_loads_with_its_tokenizer_and_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, architecture: str
 ) -> None:
     # The real shapes are gigabytes: the same writer, at a shape of a few megabytes.
-    tiny = shaped.Shape(architecture, 256, 2, 4, 2, 512, 50000, 10000.0, tied=architecture == "qwen2")
+    experts = {"experts": 4, "experts_used": 2} if architecture == "mixtral" else {}
+    gguf_arch = "llama" if architecture == "mixtral" else architecture  # Mixtral-style: llama with experts
+    tiny = shaped.Shape(gguf_arch, 256, 2, 4, 2, 512, 50000, 10000.0, tied=architecture == "qwen2", **experts)
     monkeypatch.setitem(shaped.SHAPES, "tiny", dataclass_replace(tiny, qkv_bias=architecture == "qwen2"))
     path = shaped.write_shaped_gguf("tiny", tmp_path / "tiny.gguf")
     tokenizer = load_tokenizer(path)

@@ -211,6 +211,9 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # A mixture of experts (transformers 5 holds each layer's experts stacked, gate and up together).
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
 
 
@@ -249,10 +252,13 @@ def convert_hf_to_gguf(
     path: Path,
     permute: bool | None = None,
     metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+    quantize: Callable[[str], QType] | None = None,
 ) -> None:
     """A float32 GGUF of a transformers model, with llama.cpp's metadata keys and q/k permutation
     (``permute``: as its converter does for ``arch``, by default only llama); ``metadata`` adds a
-    family's own keys."""
+    family's own keys. A mixture of experts gets llama.cpp's expert counts and its stacked expert
+    tensors (``ffn_gate_exps`` / ``ffn_up_exps`` [experts, width, hidden], ``ffn_down_exps``
+    [experts, hidden, width]). ``quantize(gguf name)``: the type a matrix is written in (F32 if None)."""
     permute = arch == "llama" if permute is None else permute
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -273,9 +279,18 @@ def convert_hf_to_gguf(
     writer.add_vocab_size(cfg.vocab_size)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg.rope_parameters, head_dim).numpy())
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "norm_topk_prob", None) is not None:
+            writer.add_expert_weights_norm(cfg.norm_topk_prob)
     if metadata is not None:
         metadata(writer)
     tied = cfg.tie_word_embeddings
+    tensors: list[tuple[str, torch.Tensor]] = []
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
@@ -284,7 +299,18 @@ def convert_hf_to_gguf(
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif permute and ".k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), data.numpy())
+        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * width, hidden]: gate rows, then up
+            gate, up = data.chunk(2, dim=1)
+            layer = name.split(".")[2]
+            tensors += [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+        else:
+            tensors.append((_gguf_name(name), data))
+    for gguf_name, data in tensors:
+        qtype = quantize(gguf_name) if quantize is not None and data.dim() > 1 else QType.F32
+        if qtype == QType.F32:
+            writer.add_tensor(gguf_name, data.contiguous().numpy())
+        else:
+            writer.add_tensor(gguf_name, _encode(data.contiguous().numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

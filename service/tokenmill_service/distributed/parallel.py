@@ -17,6 +17,9 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # Mixture-of-experts layers give each rank whole experts (experts / size of them) instead of a
+    # slice of every expert (layers/fused_moe/layer.py); attention and dense layers split as ever.
+    expert_parallel: bool = False
 
     @classmethod
     def current(cls) -> TensorParallel:

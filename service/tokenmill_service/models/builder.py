@@ -6,6 +6,8 @@ Nothing here decides anything: the plan (plan/resolve.py) has, and this carries 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
     """A ready-to-run model (eval mode, no gradients): the plan carried out on the checkpoint."""
     config = checkpoint.config
     act_dtype = DTYPES[plan.act_dtype.value]
+    tp = dataclasses.replace(tp or TensorParallel(), expert_parallel=plan.options.expert_parallel)
 
     def quant(prefix: str) -> QuantMethod:
         choice = plan.quant_method(prefix)
@@ -38,7 +41,7 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
             act_dtype=act_dtype,
             # "gguf-blocks": rows of float32, looked up from the file's blocks (layers/embedding.py).
             embed_dtype=DTYPES.get(plan.embed_dtype, torch.float32),
-            tp=tp or TensorParallel(),
+            tp=tp,
         )
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):

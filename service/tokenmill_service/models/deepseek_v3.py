@@ -235,30 +235,14 @@ class DeepseekV3Attention(nn.Module):
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     """A Llama layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        act_dtype: torch.dtype,
-        tp: TensorParallel,
-        attention_type: type[LlamaAttention] = LlamaAttention,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, act_dtype, tp, attention_type)
-        self.mlp = self.make_mlp(config, prefix, layer_idx, ops, quant, tp)  # type: ignore[assignment]
-
-    @staticmethod
     def make_mlp(
-        config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
+        self, config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
     ) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``;
         the mixture-of-experts block after it plugs in here (refused by the plan until then)."""
         if layer_idx >= int(config.extra["first_k_dense_replace"]):  # type: ignore[call-overload]
             raise ValueError(f"layer {layer_idx} is a mixture-of-experts layer, which is not served yet")
-        return LlamaMLP(config, f"{prefix}.mlp", ops, quant, tp)
+        return LlamaMLP(config, prefix, ops, quant, tp)
 
 
 class DeepseekV3Model(LlamaModel):

@@ -26,6 +26,9 @@ class ModelDims:
     # of a row-parallel layer's inputs holds whole blocks.
     block: int = 1
     block_format: str = ""
+    # A mixture of experts: how many experts its layers hold and each one's width (0: a dense model).
+    num_experts: int = 0
+    expert_width: int = 0
 
 
 def is_gguf(path: Path) -> bool:
@@ -44,12 +47,15 @@ def read_dims(path: Path) -> ModelDims:
         raise ValueError(f"{path}: neither a GGUF file nor a directory with config.json")
     raw: dict[str, Any] = json.loads(config.read_text())
     heads = int(raw["num_attention_heads"])
+    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     return ModelDims(
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
         intermediate_size=int(raw["intermediate_size"]),
         vocab_size=int(raw["vocab_size"]),
+        num_experts=experts,
+        expert_width=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]) if experts else 0,
     )
 
 
@@ -80,6 +86,8 @@ def _gguf_dims(path: Path) -> ModelDims:
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     key_length = field(f"{arch}.attention.key_length")
     block, block_format = largest_block(int(t.tensor_type) for t in reader.tensors)
+    experts = int(field(f"{arch}.expert_count") or 0)
+    width = field(f"{arch}.expert_feed_forward_length") or field(f"{arch}.feed_forward_length")
     return ModelDims(
         num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv") or heads),
@@ -88,4 +96,6 @@ def _gguf_dims(path: Path) -> ModelDims:
         vocab_size=int(embd.shape[1]),  # GGUF lists dims innermost first: [hidden, vocab]
         block=block,
         block_format=block_format,
+        num_experts=experts,
+        expert_width=int(width) if experts else 0,
     )

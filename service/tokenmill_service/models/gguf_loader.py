@@ -143,6 +143,8 @@ def _check_type(qtype: QType) -> None:
 def checkpoint_tensor(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> CheckpointTensor:
     """A float tensor (F32/F16/BF16, converted to float32) or the still-quantized blocks (any block format)."""
     _check_type(qtype)
+    if len(shape) == 3:  # a stack of matrices (a layer's experts): one matrix of all their rows
+        shape = (shape[0] * shape[1], shape[2])
     if qtype not in FLOAT_TYPES:
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         blocks = GGUFBlocks.from_raw(raw, qtype, (rows, shape[-1]))

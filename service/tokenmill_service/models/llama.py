@@ -152,7 +152,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
         self.self_attn = attention_type(config, f"{prefix}.self_attn", layer_idx, rotary, ops, quant, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops, act_dtype)
-        self.mlp = self.mlp_type(config, f"{prefix}.mlp", ops, quant, tp)
+        self.mlp = self.make_mlp(config, f"{prefix}.mlp", layer_idx, ops, quant, tp)
+
+    def make_mlp(
+        self, config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
+    ) -> nn.Module:
+        """A family's seam on the layer's MLP: one of ``mlp_type`` (mixture-of-experts families put their
+        experts here)."""
+        return self.mlp_type(config, prefix, ops, quant, tp)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """A family's seam on each sub-layer's output before its residual add (Granite scales it); Llama has none."""
@@ -312,6 +319,12 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
         """Set what this family reads from GGUF metadata (``field(key)``, None if absent) beyond the common keys."""
+        if cls is LlamaForCausalLM and gguf_architecture == "llama" and field("llama.expert_count"):
+            # llama.cpp writes Mixtral as a "llama" GGUF with experts: it runs as the mixtral family.
+            from tokenmill_service.models.registry import model_class
+
+            config.architecture = "mixtral"
+            model_class("mixtral").read_gguf_config(field, gguf_architecture, config)
 
     @classmethod
     def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:

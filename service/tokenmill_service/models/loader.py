@@ -89,7 +89,7 @@ def load_model(
     compile: str = "off",
 ) -> nn.Module:
     """``load`` with the options as arguments; the defaults are the reference configuration
-    (float32 activations, dense weights)."""
+    (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``."""
     options = LoadOptions(
         model=str(path),
         device=device.split(":")[0],
@@ -99,6 +99,7 @@ def load_model(
         kv_cache_dtype=kv_cache_dtype,
         compile=compile,
         tensor_parallel=tp.size if tp is not None else 1,
+        expert_parallel=tp.expert_parallel if tp is not None else False,
     )
     return load(options, device, tp)
 

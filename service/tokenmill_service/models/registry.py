@@ -46,6 +46,9 @@ BUILTIN_FAMILIES = (
     "tokenmill_service.models.gemma2",
     "tokenmill_service.models.gemma3",
     "tokenmill_service.models.deepseek_v3",
+    "tokenmill_service.models.mixtral",
+    "tokenmill_service.models.qwen3_moe",
+    "tokenmill_service.models.olmoe",
 )
 
 

@@ -32,6 +32,8 @@ class LoadOptions:
     compile: str = "off"
     # Ranks one replica spans.
     tensor_parallel: int = 1
+    # Mixture-of-experts layers: each rank holds whole experts (experts / ranks) instead of a slice of each.
+    expert_parallel: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LoadOptions:
@@ -44,4 +46,5 @@ class LoadOptions:
             kv_cache_dtype=settings.kv_cache_dtype,
             compile=settings.compile,
             tensor_parallel=settings.tensor_parallel,
+            expert_parallel=bool(settings.expert_parallel),
         )

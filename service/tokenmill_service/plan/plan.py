@@ -90,6 +90,7 @@ class LoadPlan:
             "kv_cache_bytes_per_token": _shown(self.kv_cache_bytes_per_token),
             "executor": _shown(self.executor),
             "tensor_parallel": str(self.tensor_parallel),
+            "expert_parallel": str(self.options.expert_parallel).lower(),
             "linear_layers": ", ".join(f"{k}: {n}" for k, n in sorted(kernels.items())),
         }
         out |= {f"quantization.{m}": reason for m, reason in sorted(self.quant_reasons.items())}

@@ -254,6 +254,9 @@ def _layer_method(setting: str, native: list[str], kinds: set[QType | None], pre
 
 
 def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dict[str, QType]) -> None:
+    experts = int(config.extra.get("num_experts", 0))  # type: ignore[call-overload]
+    if options.expert_parallel and not experts:
+        raise PlanRefused(f"--expert-parallel needs a mixture-of-experts model; {config.architecture} has no experts")
     if options.tensor_parallel <= 1:
         return
     # Shards hold whole blocks: the checkpoint's largest (a k-quant's 256 weights), or int4's groups of 32.
@@ -266,9 +269,16 @@ def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dic
         config.vocab_size,
         block=block,
         block_format=block_format,
+        num_experts=experts,
+        expert_width=int(config.extra.get("expert_width", 0)),  # type: ignore[call-overload]
     )
     try:
-        check_degree(dims, options.tensor_parallel, int4_groups=options.quantization == "int4")
+        check_degree(
+            dims,
+            options.tensor_parallel,
+            int4_groups=options.quantization == "int4",
+            expert_parallel=options.expert_parallel,
+        )
     except ValueError as e:
         raise PlanRefused(str(e)) from None
 
@@ -317,7 +327,8 @@ def _executor(
     skipped: dict[str, str],
 ) -> Decision:
     if options.compile == "auto":
-        why = compile_missing(options, facts, ops)
+        family = model_class(config.architecture)
+        why = getattr(family, "compile_gap", "") or compile_missing(options, facts, ops)
         if why is None:
             return Decision("compiled", "asked (--compile auto)")
         skipped["compile"] = why

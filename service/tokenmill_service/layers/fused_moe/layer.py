@@ -1,0 +1,143 @@
+"""``FusedMoE``: a mixture-of-experts MLP for one rank, batch-invariant by construction.
+
+The layer holds the router (``gate``: a linear layer [experts, hidden], as the checkpoint names it)
+and, stacked per projection, the experts this rank owns: ``experts.<id>.gate_up_proj`` (gate and up
+packed, as a dense MLP's) and ``experts.<id>.down_proj``. Each expert's projection is a linear
+layer with the quantization method the load plan chose for its prefix, so every format and native
+kernel the dense layers serve (float32 rows, Q4_0/Q4_1/Q8_0 blocks, their VNNI form, the k-quants,
+int8, int4) serves the experts unchanged; checkpoint tensors reach them by expert id through the
+linear layers' ``load_weight``.
+
+A step:
+
+1. the router picks each token's ``top_k`` experts and weights (router.py);
+2. the (token, rank) pairs are grouped by expert (a stable sort of the expert ids), and each expert
+   this rank holds runs gate/up, SiLU-and-mul and down on its group's rows;
+3. each token's output is ``sum_r weight_r * out_r`` over its ranks r = 0 .. top_k - 1, in that
+   order, in float32.
+
+Why a token's result does not depend on the other tokens of the step: the router is per row; each
+expert's kernels compute a row independently of the rows beside it (the dense layers' promise, and
+the reason the same kernels are used here); and the combine is an elementwise sum in an order fixed
+by the token's own ranks, not by which expert or group came first.
+
+Parallelism over a replica's ranks (one all-reduce of the combined output per layer either way):
+
+- tensor parallel (the default): every rank holds every expert, a slice of each one's width, as a
+  dense MLP is split; the partial sums are all-reduced;
+- expert parallel (``TensorParallel.expert_parallel``): each rank holds ``experts / ranks`` whole
+  experts; a rank adds the terms of the experts it holds (zero for the others) and the all-reduce
+  completes each token's sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
+from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.fused_moe.router import select_experts
+from tokenmill_service.layers.linear import (
+    MergedColumnParallelLinear,
+    QuantFactory,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlacement:
+    """Which experts a rank holds, and how each is split."""
+
+    first: int  # the first expert id held here
+    count: int  # consecutive experts held here
+    expert_tp: TensorParallel  # how each held expert's width is split (size 1: whole)
+
+    @classmethod
+    def for_rank(cls, num_experts: int, tp: TensorParallel) -> ExpertPlacement:
+        if not tp.expert_parallel or tp.size == 1:
+            return cls(0, num_experts, tp)
+        if num_experts % tp.size:
+            raise ValueError(f"--expert-parallel needs the experts ({num_experts}) divisible by the ranks ({tp.size})")
+        count = num_experts // tp.size
+        return cls(tp.rank * count, count, TensorParallel())
+
+    @property
+    def ids(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+class ExpertDownLinear(RowParallelLinear):
+    """An expert's down projection: row-parallel, its partial sums left for the layer's one all-reduce."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant.apply(self, x)
+
+
+class ExpertMLP(nn.Module):
+    """One expert: gate/up packed, SiLU-and-mul, down (no bias, no reduction)."""
+
+    def __init__(self, hidden: int, width: int, prefix: str, ops: Ops, quant: QuantFactory, tp: TensorParallel) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [width, width], False, quant(f"{prefix}.gate_up_proj"), tp
+        )
+        self.down_proj = ExpertDownLinear(width, hidden, False, quant(f"{prefix}.down_proj"), tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        width: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        prefix: str,
+        ops: Ops,
+        quant: QuantFactory,
+        tp: TensorParallel,
+    ) -> None:
+        """``width``: each expert's intermediate size; ``prefix``: the layer's ("model.layers.0.mlp")."""
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"experts per token ({top_k}) must be between 1 and the experts ({num_experts})")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp = tp
+        self.placement = ExpertPlacement.for_rank(num_experts, tp)
+        self.gate = ReplicatedLinear(hidden, num_experts, False, quant(f"{prefix}.gate"))
+        # Held experts by id (a ModuleDict: the checkpoint's "experts.<id>" names land on them).
+        self.experts = nn.ModuleDict(
+            {
+                str(e): ExpertMLP(hidden, width, f"{prefix}.experts.{e}", ops, quant, self.placement.expert_tp)
+                for e in self.placement.ids
+            }
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden] in x's dtype."""
+        tokens, hidden = x.shape
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = torch.zeros(tokens, self.top_k, hidden, dtype=torch.float32, device=x.device)
+        flat = ids.flatten()  # (token, rank) pairs, token-major
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat_out = out.view(tokens * self.top_k, hidden)
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if count and expert_id in self.placement.ids:
+                pairs = order[start : start + count]
+                flat_out[pairs] = self.experts[str(expert_id)](x[pairs // self.top_k]).float()
+            start += count
+        combined = out[:, 0] * weights[:, 0:1]
+        for rank in range(1, self.top_k):  # the token's own ranks' order, whatever the groups were
+            combined = combined + out[:, rank] * weights[:, rank : rank + 1]
+        return all_reduce(combined, self.tp).to(x.dtype)

@@ -1,0 +1,59 @@
+"""Mixtral (transformers' modeling_mixtral.py): Llama attention, every layer's MLP a mixture of
+experts, the top ``num_experts_per_tok`` of ``num_local_experts`` by softmax, renormalized.
+
+Hugging Face checkpoints name the layer ``block_sparse_moe`` and each expert's projections ``w1``
+(gate), ``w3`` (up) and ``w2`` (down); they are read under models/moe.py's names. llama.cpp writes
+Mixtral as a "llama" GGUF with ``llama.expert_count`` (llama.py sends it here), q/k permuted as
+for Llama, ``feed_forward_length`` the experts' width.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import structlog
+
+from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.moe import MoEForCausalLM, set_moe
+from tokenmill_service.models.registry import register_model
+
+log = structlog.get_logger(__name__)
+
+_HF_NAME = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.weight")
+_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+@register_model("mixtral")
+class MixtralForCausalLM(MoEForCausalLM):
+    hf_architectures: ClassVar[dict[str, str]] = {"MixtralForCausalLM": "mixtral"}
+    gguf_architectures: ClassVar[dict[str, str]] = {}  # "llama" with experts (llama.py's read_gguf_config)
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset({"llama"})
+
+    @classmethod
+    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+        experts = int(raw["num_local_experts"])
+        set_moe(
+            config, experts, int(raw["num_experts_per_tok"]), config.intermediate_size, True, range(config.num_layers)
+        )
+        window = raw.get("sliding_window")
+        if window and int(window) < config.max_position_embeddings:
+            # Within one window, sliding-window attention is plain causal attention: cap the context there.
+            log.info("context_capped_to_sliding_window", sliding_window=int(window))
+            config.max_position_embeddings = int(window)
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        experts, per_token = int(field("llama.expert_count")), int(field("llama.expert_used_count") or 0)
+        set_moe(config, experts, per_token, config.intermediate_size, True, range(config.num_layers))
+
+    @classmethod
+    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+        match = _HF_NAME.fullmatch(name)
+        if match is None:
+            return super().unfuse(name, config)
+        layer, part, projection = match.groups()
+        if projection is not None:
+            part = part.removesuffix(projection) + _EXPERT_PROJECTIONS[projection]
+        return [(f"{layer}mlp.{part}.weight", 0, -1)]

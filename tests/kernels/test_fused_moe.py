@@ -1,0 +1,124 @@
+"""The mixture-of-experts layer against its plain-torch definition (layers/fused_moe/reference.py), for
+each way its experts can be stored: float32 rows and GGUF blocks multiplied by tokenmill's native
+kernels (float32, VNNI, k-quants), as the dense layers multiply them; the router's choice and
+renormalization; and a token's output bitwise the same whatever other tokens share its step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
+
+from tests.engine.test_gguf_loader import random_blocks
+from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.kernels import get_ops
+from tokenmill_service.layers.fused_moe import FusedMoE, select_experts
+from tokenmill_service.layers.fused_moe.reference import moe_reference
+from tokenmill_service.layers.linear import LinearBase
+from tokenmill_service.layers.quant import QuantMethod, quant_method_class
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
+from tokenmill_service.plan.device import probe_device
+
+EXPERTS, TOP_K = 8, 2
+
+# (method, how the experts are stored, hidden, width): the k-quants need whole super-blocks of 256.
+CASES = [
+    ("none", QType.F32, 64, 96),
+    ("gguf", QType.Q8_0, 64, 96),
+    ("gguf", QType.Q4_0, 64, 96),
+    ("gguf-vnni", QType.Q4_1, 64, 96),
+    ("gguf-kquant", QType.Q4_K, 256, 256),
+]
+
+
+def _stored(weight: torch.Tensor, qtype: QType) -> CheckpointTensor:
+    if qtype == QType.F32:
+        return weight
+    if qtype == QType.Q4_K:  # gguf cannot quantize to k-quants: random valid super-blocks, small scales
+        seed = int(weight.abs().sum() * 1000) % 2**31
+        raw = random_blocks(qtype, weight.shape[0], weight.shape[1], np.random.default_rng(seed), scale=0.01)
+    else:
+        raw = quants.quantize(weight.numpy(), qtype)
+    return GGUFBlocks.from_raw(raw, qtype, (weight.shape[0], weight.shape[1]))
+
+
+def _moe(method: str, qtype: QType, hidden: int, width: int, renormalize: bool = True) -> FusedMoE:
+    facts = probe_device("cpu")
+    if (why := quant_method_class(method).unavailable_reason(facts, torch.float32)) is not None:
+        pytest.skip(f"{method}: {why}")
+
+    def quant(prefix: str) -> QuantMethod:
+        name = "none" if prefix.endswith(".gate") else method  # the router: float32 rows
+        return quant_method_class(name)(torch.float32)
+
+    ops = get_ops("native" if facts.native("elementwise") is None else "torch")
+    moe = FusedMoE(hidden, width, EXPERTS, TOP_K, renormalize, "mlp", ops, quant, TensorParallel())
+    gen = torch.Generator().manual_seed(hidden + width)
+    moe.gate.load_weight(torch.randn(EXPERTS, hidden, generator=gen))
+    for expert in moe.experts.values():
+        expert.gate_up_proj.load_weight(_stored(torch.randn(width, hidden, generator=gen) * 0.1, qtype), 0)
+        expert.gate_up_proj.load_weight(_stored(torch.randn(width, hidden, generator=gen) * 0.1, qtype), 1)
+        expert.down_proj.load_weight(_stored(torch.randn(hidden, width, generator=gen) * 0.1, qtype))
+    for module in moe.modules():
+        if isinstance(module, LinearBase):
+            module.finalize()
+    return moe
+
+
+def _reference(moe: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """The definition, on the weights as the layer's kernels see them (dequantized)."""
+    experts = [moe.experts[str(e)] for e in range(EXPERTS)]
+    gate_up = torch.stack([e.gate_up_proj.quant.dequantized(e.gate_up_proj) for e in experts])
+    down = torch.stack([e.down_proj.quant.dequantized(e.down_proj) for e in experts])
+    return moe_reference(x, moe.gate.quant.dequantized(moe.gate), gate_up, down, TOP_K, moe.renormalize)
+
+
+@pytest.mark.parametrize(("method", "qtype", "hidden", "width"), CASES, ids=lambda v: getattr(v, "name", str(v)))
+@torch.inference_mode()
+def test_the_layer_is_its_definition_on_the_weights_its_kernels_see(
+    method: str, qtype: QType, hidden: int, width: int
+) -> None:
+    moe = _moe(method, qtype, hidden, width)
+    x = torch.randn(37, hidden, generator=torch.Generator().manual_seed(1))
+    got, want = moe(x), _reference(moe, x)
+    # float32 products in another order; the VNNI and k-quant kernels' 16-bit fixed-point activations.
+    tol = 1e-5 if method in ("none", "gguf") else 2e-3
+    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(("method", "qtype", "hidden", "width"), CASES, ids=lambda v: getattr(v, "name", str(v)))
+@torch.inference_mode()
+def test_a_tokens_output_is_bitwise_the_same_alone_and_among_others(
+    method: str, qtype: QType, hidden: int, width: int
+) -> None:
+    """Alone, a token's experts see one row; among 40 tokens their groups are larger and ordered otherwise."""
+    moe = _moe(method, qtype, hidden, width)
+    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(2))
+    crowd = moe(x)
+    for i in (0, 17, 39):
+        assert torch.equal(moe(x[i : i + 1])[0], crowd[i])
+    assert torch.equal(moe(x[10:13]), crowd[10:13])
+
+
+def test_the_router_takes_the_top_k_by_softmax_largest_first_renormalized_or_not() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.5, -2.0, 0.5]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2], [1, 0]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    renormalized, same_ids = select_experts(logits, 2, renormalize=True)
+    assert torch.equal(same_ids, ids)
+    torch.testing.assert_close(renormalized, weights / weights.sum(-1, keepdim=True))
+    torch.testing.assert_close(renormalized.sum(-1), torch.ones(2))
+
+
+@torch.inference_mode()
+def test_without_renormalization_the_outputs_are_the_smaller_weights_ones() -> None:
+    normed, plain = _moe("none", QType.F32, 64, 96, True), _moe("none", QType.F32, 64, 96, False)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    weights, _ = select_experts(x @ normed.gate.weight.t(), TOP_K, renormalize=False)
+    total = weights.sum(-1, keepdim=True)  # < 1: what renormalizing divides by
+    torch.testing.assert_close(plain(x), normed(x) * total, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(plain(x), _reference(plain, x), atol=1e-5, rtol=1e-4)
