@@ -41,7 +41,9 @@ BLOCK_FORMATS = (
     BlockFormat("Q5_0", 6, QUANT_BLOCK, 22),  # float16 scale, 32 high bits, 16 bytes of low nibbles
     BlockFormat("Q5_1", 7, QUANT_BLOCK, 24),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
     BlockFormat("Q8_0", 8, QUANT_BLOCK, 34, kernel="blocks"),  # float16 scale, 32 int8 weights
-    BlockFormat("Q2_K", 10, SUPER_BLOCK, 84, kernel="kquant"),  # 16 sub-blocks of 16: 4-bit scale and minimum each, 2-bit weights
+    BlockFormat(
+        "Q2_K", 10, SUPER_BLOCK, 84, kernel="kquant"
+    ),  # 16 sub-blocks of 16: 4-bit scale and minimum each, 2-bit weights
     BlockFormat("Q3_K", 11, SUPER_BLOCK, 110),  # 16 sub-blocks of 16: 6-bit scales, 3-bit weights
     BlockFormat(
         "Q4_K", 12, SUPER_BLOCK, 144, kernel="kquant"
