@@ -10,7 +10,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill_service.engine.request import MIN_TEMPERATURE, GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.engine.request import (
+    MIN_TEMPERATURE,
+    Constraint,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
 
@@ -193,6 +199,40 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
     )
 
 
+# The grammar notations GrammarSyntax names, as the grammar engine calls them.
+_GRAMMAR_SYNTAXES = {
+    pb.GRAMMAR_SYNTAX_UNSPECIFIED: "lark",
+    pb.GRAMMAR_SYNTAX_LARK: "lark",
+    pb.GRAMMAR_SYNTAX_GBNF: "gbnf",
+}
+# Where each kind of constraint is, as a field path.
+CONSTRAINT_FIELDS = {
+    "json_schema": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "grammar": "grammar.text",
+}
+
+
+def constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint, its form checked (whether it compiles is the grammar compiler's to say)."""
+    which = request.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "json_object":
+        return Constraint("json_object")
+    if which == "grammar":
+        syntax = _GRAMMAR_SYNTAXES.get(request.grammar.syntax)
+        if syntax is None:
+            raise InvalidRequest(f"grammar.syntax {request.grammar.syntax} is not a GrammarSyntax", "grammar.syntax")
+        text = request.grammar.text
+    else:
+        syntax, text = "", getattr(request, which)
+    if not text.strip():
+        raise InvalidRequest(f"{CONSTRAINT_FIELDS[which]} is empty", CONSTRAINT_FIELDS[which])
+    return Constraint(which, text, syntax)
+
+
 def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
     check_request_id(request.request_id)
     sampling = sampling_params(request.sampling, limits.vocab_size)
@@ -231,4 +271,5 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         logprobs=request.logprobs or request.top_logprobs > 0,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        constraint=constraint(request),
     )
