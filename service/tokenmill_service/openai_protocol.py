@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill_service.openai_constraint import ConstraintParamError, apply_constraint
 from tokenmill_service.proto import pb
+from tokenmill_service.validation import CONSTRAINT_FIELDS
 
 
 class BadRequest(ValueError):
@@ -35,7 +37,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # Without tools, "auto" and "none" both mean plain text.
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "suffix": ("",),
     "best_of": (1,),
     "store": (False,),
@@ -249,6 +250,13 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         request.top_logprobs = logprobs or 0
         request.prompt_logprobs = echo and logprobs is not None
         names["top_logprobs"] = "logprobs"
+
+    try:
+        param = apply_constraint(body, request)
+    except ConstraintParamError as exc:
+        raise BadRequest(str(exc), exc.param) from None
+    if param is not None:
+        names.update(dict.fromkeys(CONSTRAINT_FIELDS.values(), param))
 
     stream = _boolean(body, "stream")
     if stream and len(prompts) > 1:

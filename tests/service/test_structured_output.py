@@ -68,14 +68,21 @@ def test_json_object_regex_and_grammars_constrain_the_text(stub: pb_grpc.Generat
     )
     assert obj.startswith("{")
     pattern = r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]"
-    date, _ = generate(stub, pb.GenerateRequest(chat=chat("When was the moon landing?"), regex=pattern))
+    date, _ = generate(
+        stub,
+        pb.GenerateRequest(
+            chat=chat("When was the moon landing?"), regex=pattern, stopping=pb.StoppingParams(max_new_tokens=12)
+        ),
+    )
     assert re.fullmatch(pattern, date), date
     lark = pb.Grammar(text='start: answer "."\nanswer: "yes" | "no" | "maybe"', syntax=pb.GRAMMAR_SYNTAX_LARK)
     answer, replies = generate(stub, pb.GenerateRequest(chat=chat("Is the sky blue?"), grammar=lark))
     assert answer in ("yes.", "no.", "maybe.") and replies[-1].finish_reason == pb.FINISH_REASON_EOS
-    gbnf = pb.Grammar(text='root ::= [a-z]+ " " [0-9]+', syntax=pb.GRAMMAR_SYNTAX_GBNF)
-    words, _ = generate(stub, pb.GenerateRequest(prompt="Name and number:", grammar=gbnf))
-    assert re.fullmatch(r"[a-z]+ [0-9]+", words), words
+    gbnf = pb.Grammar(text='root ::= [a-z]{1,12} " " [0-9]{1,3}', syntax=pb.GRAMMAR_SYNTAX_GBNF)
+    words, _ = generate(
+        stub, pb.GenerateRequest(prompt="Name and number:", grammar=gbnf, stopping=pb.StoppingParams(max_new_tokens=12))
+    )
+    assert re.fullmatch(r"[a-z]{1,12} [0-9]{1,3}", words), words
 
 
 def test_a_grammar_that_cannot_end_in_time_ends_with_length(stub: pb_grpc.GenerationStub) -> None:
@@ -120,8 +127,8 @@ def crowd() -> list[pb.GenerateRequest]:
     (prefilled in chunks while the others decode)."""
     out = []
     for i in range(15):
-        r = pb.GenerateRequest(stopping=pb.StoppingParams(max_new_tokens=24 + i), logprobs=True)
-        r.prompt = f"Note {i}: " + " ".join(f"item {j} is fine;" for j in range(150 if i % 4 == 0 else 3))
+        r = pb.GenerateRequest(stopping=pb.StoppingParams(max_new_tokens=8 + i), logprobs=True)
+        r.prompt = f"Note {i}: " + " ".join(f"item {j} is fine;" for j in range(120 if i % 7 == 0 else 3))
         if i % 3 == 0:
             r.json_object.SetInParent()
         elif i % 3 == 1:
@@ -135,13 +142,17 @@ def crowd() -> list[pb.GenerateRequest]:
 def test_constrained_requests_give_the_same_tokens_and_logprobs_alone_and_in_a_crowd(server: ServerProcess) -> None:
     targets = [
         pb.GenerateRequest(
-            chat=chat("Describe a person as JSON."), json_schema=json.dumps(PERSON), logprobs=True, top_logprobs=3
+            chat=chat("Describe a person as JSON."),
+            json_schema=json.dumps(PERSON),
+            logprobs=True,
+            top_logprobs=3,
+            stopping=pb.StoppingParams(max_new_tokens=40),
         ),
         pb.GenerateRequest(
             chat=chat("Write a date."),
             regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}( and [0-9]{4}-[0-9]{2}-[0-9]{2})*",
             sampling=pb.SamplingParams(temperature=1.0, seed=7),
-            stopping=pb.StoppingParams(max_new_tokens=40),
+            stopping=pb.StoppingParams(max_new_tokens=24),
             logprobs=True,
         ),
     ]
