@@ -24,6 +24,8 @@ from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
 from tokenmill_service.router import DeadlineExceeded, Overloaded, Rejected, Router, Unavailable
 from tokenmill_service.tokenizer import Tokenizer
+from tokenmill_service.tool_calls import parse_calls
+from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import (
     CONSTRAINT_FIELDS,
     MAX_REQUEST_ID_LENGTH,
@@ -170,6 +172,9 @@ class GenerationService:
             except InvalidRequest as exc:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
             prompt_len = len(engine_request.prompt_ids)
+            # Calls are read from the whole answer when it ends (the text itself streams as it comes).
+            tool_family = family(self.tokenizer) if tools_in_use(request) else None
+            answer = ""
             stream = self.router.submit(engine_request)
             structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
             last_at = arrival
@@ -198,9 +203,18 @@ class GenerationService:
                     )
                     if out.prompt_tokens:
                         response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
+                    answer += out.text if tool_family is not None else ""
                     if out.finish_reason is not None:
                         finish = out.finish_reason
                         response.finish_reason = FINISH_REASONS[out.finish_reason]
+                        if tool_family is not None:
+                            # Calls completed before a length limit are kept, under the finish reason LENGTH.
+                            _, calls = parse_calls(answer, tool_family)
+                            response.tool_calls.extend(
+                                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+                            )
+                            if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
+                                response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
                         response.usage.prompt_tokens = prompt_len
                         response.usage.completion_tokens = completion_len
                         response.timing.queue_ms = queue_s * 1000

@@ -167,3 +167,27 @@ def test_constrained_requests_give_the_same_tokens_and_logprobs_alone_and_in_a_c
     alone, together = asyncio.run(run())
     for i, (a, b) in enumerate(zip(alone, together)):
         assert a and a == b, f"target {i}: the crowd changed its tokens or logprobs"
+
+
+def test_grpc_tools_a_forced_call_comes_back_parsed_with_finish_reason_tool_calls(stub: pb_grpc.GenerationStub) -> None:
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    request = pb.GenerateRequest(
+        chat=chat("Weather in Rome?"),
+        tools=[pb.Tool(name="get_weather", description="The weather in a city.", parameters=json.dumps(params))],
+        tool_choice=pb.TOOL_CHOICE_FUNCTION,
+        tool_choice_function="get_weather",
+        parallel_tool_calls=False,
+        stopping=pb.StoppingParams(max_new_tokens=40),
+    )
+    text, replies = generate(stub, request)
+    last = replies[-1]
+    assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS and len(last.tool_calls) == 1
+    call = last.tool_calls[0]
+    assert call.name == "get_weather" and text.startswith("<tool_call>")
+    jsonschema.validate(json.loads(call.arguments), params)
+    bad = pb.GenerateRequest(prompt="x", tools=[pb.Tool(name="f")])
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools need chat input" in (
+        err.value.details() or ""
+    )
