@@ -101,8 +101,10 @@ def call_grammar(tools: list[Tool], family: ToolFamily, parallel: bool) -> str:
         for t in tools
     ]
     schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": _X_GUIDANCE}
-    call = f"{json.dumps(family.start)} %json {json.dumps(schema)} {json.dumps(family.end)}"
-    call = call.replace('"" ', "").replace(' ""', "")
+    parts = [json.dumps(family.start)] if family.start else []
+    parts.append(f"%json {json.dumps(schema)}")
+    parts += [json.dumps(family.end)] if family.end else []
+    call = " ".join(parts)
     if parallel:
         return f"start: call ({json.dumps(family.separator)} call)*\ncall: {call}\n"
     return f"start: call\ncall: {call}\n"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from tokenmill_service.openai_tools import HeldText
-from tokenmill_service.tool_calls import FAMILIES, call_text, family_for, parse_calls, start_marker
+from tokenmill_service.tool_calls import FAMILIES, Tool, call_grammar, call_text, family_for, parse_calls, start_marker
 
 HERMES = FAMILIES["hermes"]
 LLAMA = FAMILIES["llama3_json"]
@@ -46,3 +47,20 @@ def test_a_stream_holds_back_text_that_may_open_a_call() -> None:
     assert held.flush() == "<tool_call>\n{"
     held = HeldText("<tool_call>")
     assert held.add("a <to") == "a " and held.add("o much") == "<too much"
+
+
+def test_the_call_grammar_admits_only_calls_whose_arguments_validate(default_tokenizer: Any) -> None:
+    from tokenmill_service.engine.grammar import GrammarCompiler
+    from tokenmill_service.engine.request import Constraint
+
+    add = Tool("add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    compiler = GrammarCompiler(default_tokenizer)
+    for family, parallel in ((HERMES, True), (LLAMA, False)):
+        grammar = Constraint("grammar", call_grammar([add], family, parallel), "lark")
+        good = call_text("add", '{"a": 1}', family)
+        text = good + family.separator + good if parallel else good
+        matcher = compiler.matcher(grammar)
+        assert matcher.consume_tokens(default_tokenizer.encode(text)) and matcher.is_accepting()
+        for bad in (call_text("add", '{"a": "x"}', family), call_text("sub", '{"a": 1}', family)):
+            ids = default_tokenizer.encode(bad)
+            assert compiler.matcher(grammar).validate_tokens(ids) < len(ids), bad
