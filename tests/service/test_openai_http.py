@@ -252,8 +252,9 @@ def test_frequency_and_presence_penalties_steer_away_from_repeats_over_http_and_
         ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
         ({"logit_bias": {"five": 1}}, "'logit_bias' keys must be token ids"),
         ({"response_format": {"type": "xml"}}, "'response_format.type' must be 'text', 'json_object' or 'json_schema'"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
-        ({"tool_choice": "required"}, "'tool_choice' is not supported"),
+        ({"tools": [{"type": "function"}]}, "tools[0] must be {'type': 'function', 'function': {'name': ...}}"),
+        ({"tool_choice": "required"}, "'tool_choice' asks for a call but no 'tools' are given"),
+        ({"functions": [{"name": "f"}]}, "'functions' is not supported"),
     ],
 )
 def test_a_value_out_of_range_or_not_neutral_is_a_400_naming_it(
