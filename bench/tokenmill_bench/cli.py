@@ -124,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
         "equal-length requests then keep arriving in bursts, one per round)",
     )
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    constrained = load.add_mutually_exclusive_group()
+    constrained.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="constrain every tokenmill request to the JSON Schema in FILE (a request whose schema is complete "
+        "ends early with eos; its tokens still count), to compare with an unconstrained run",
+    )
+    constrained.add_argument("--regex", metavar="REGEX", help="constrain every tokenmill request to REGEX")
     out = parser.add_argument_group("results")
     out.add_argument("--weight-bytes", type=int, help="model weight bytes (default: counted from the model file)")
     out.add_argument(
@@ -240,7 +249,7 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
     # No retries: a refused request is a failure to count, not one to hide.
     async with AsyncClient(address, max_retries=0) as client, _open_peer(args.peer) as peer:
         info = await client.model_info(timeout=30.0)
-        tokenmill = TokenmillTarget(client)
+        tokenmill = TokenmillTarget(client, constraint=_constraint(args))
         targets: list[Target] = [tokenmill]
         peer_props = None
         if peer is not None:
@@ -467,6 +476,7 @@ def run(args: argparse.Namespace) -> int:
             "long_prompt_seed": args.long_prompt_seed,
             "request_timeout_s": args.request_timeout,
             "sampling": "greedy (temperature 0), ignore_eos",
+            "constraint": _constraint(args),
             "single_stream_from": "the concurrency-1 level",
         },
         "single_stream": single_summary,
@@ -627,6 +637,15 @@ def table_main(argv: Sequence[str]) -> int:
         sys.stderr.write(f"tokenmill-bench table: error: {exc}\n")
         return 2
     return 0
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, str] | None:
+    """--json-schema / --regex as the client's options; None: free text."""
+    if getattr(args, "json_schema", None) is not None:
+        return {"json_schema": args.json_schema.read_text(encoding="utf-8")}
+    if getattr(args, "regex", None) is not None:
+        return {"regex": args.regex}
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -94,9 +94,18 @@ class RequestRecord:
 
 
 async def run_request(
-    client: AsyncClient, index: int, token_ids: list[int], output_tokens: int, timeout: float | None, label: str
+    client: AsyncClient,
+    index: int,
+    token_ids: list[int],
+    output_tokens: int,
+    timeout: float | None,
+    label: str,
+    constraint: Mapping[str, str] | None = None,
 ) -> RequestRecord:
-    """Sends one request and records its timeline; failures are recorded, never raised."""
+    """Sends one request and records its timeline; failures are recorded, never raised.
+
+    ``constraint``: {"json_schema": TEXT} or {"regex": TEXT}, on every request; such a request may end early
+    (its grammar complete: EOS whatever ignore_eos says), which is then not counted as short."""
     record = RequestRecord(index=index, sent=time.perf_counter())
     try:
         stream = client.generate(
@@ -105,6 +114,8 @@ async def run_request(
             ignore_eos=True,
             timeout=timeout,
             request_id=f"bench-{label}-{index}",
+            json_schema=(constraint or {}).get("json_schema"),
+            regex=(constraint or {}).get("regex"),
         )
         async with contextlib.aclosing(stream):
             async for event in stream:
@@ -123,7 +134,8 @@ async def run_request(
         record.error = f"{code}: {exc.message}"
     except grpc.RpcError as exc:  # the client wraps these, but a benchmark must count, not die
         record.error = f"{type(exc).__name__}: {exc}"
-    if record.error is None and record.completion_tokens != output_tokens:
+    ended = constraint and record.finish_reason == "eos"
+    if record.error is None and record.completion_tokens != output_tokens and not ended:
         record.error = (
             f"SHORT: {record.completion_tokens} of {output_tokens} tokens (finish_reason={record.finish_reason})"
         )
@@ -148,11 +160,13 @@ class TokenmillTarget:
 
     client: AsyncClient
     name: str = "tokenmill"
+    # Every request's output constraint ({"json_schema": TEXT} or {"regex": TEXT}); None = free text.
+    constraint: Mapping[str, str] | None = None
 
     async def request(
         self, index: int, token_ids: list[int], output_tokens: int, timeout: float | None, label: str
     ) -> RequestRecord:
-        return await run_request(self.client, index, token_ids, output_tokens, timeout, label)
+        return await run_request(self.client, index, token_ids, output_tokens, timeout, label, self.constraint)
 
 
 @dataclass(slots=True)

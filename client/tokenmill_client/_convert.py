@@ -29,6 +29,7 @@ _FINISH_REASONS: dict[int, FinishReason] = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
     pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
     pb.FINISH_REASON_CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
+    pb.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
 }
 
 
@@ -78,6 +79,27 @@ def build_generate_request(
         prompt_logprobs=options.prompt_logprobs,
         request_id=options.request_id or "",
     )
+    given_constraints = [
+        name
+        for name, value in (
+            ("json_schema", options.json_schema),
+            ("json_object", options.json_object or None),
+            ("regex", options.regex),
+            ("grammar", options.grammar),
+        )
+        if value is not None
+    ]
+    if len(given_constraints) > 1:
+        raise ValueError(f"give at most one of json_schema, json_object, regex or grammar (got {given_constraints})")
+    if isinstance(options.json_schema, str):
+        request.json_schema = options.json_schema
+    elif options.json_object:
+        request.json_object.SetInParent()
+    elif options.regex is not None:
+        request.regex = options.regex
+    elif options.grammar is not None:
+        syntax = pb.GRAMMAR_SYNTAX_GBNF if options.grammar_syntax == "gbnf" else pb.GRAMMAR_SYNTAX_LARK
+        request.grammar.CopyFrom(pb.Grammar(text=options.grammar, syntax=syntax))
     if prompt is not None:
         request.prompt = prompt
     elif messages is not None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias, TypedDict
+from typing import Any, Literal, TypeAlias, TypedDict
 
 
 class FinishReason(str, enum.Enum):
@@ -21,6 +22,8 @@ class FinishReason(str, enum.Enum):
     """A stop string matched (it is not part of the text)."""
     CONTEXT_LIMIT = "context_limit"
     """The model's context is full."""
+    TOOL_CALLS = "tool_calls"
+    """The answer is calls of tools (see ``tool_calls``)."""
 
     def __str__(self) -> str:
         return self.value
@@ -122,8 +125,20 @@ class GenerateOptions:
     """Echoed in every event and in the server's logs; None = the server makes one."""
     timeout: float | None = None
     """Deadline of the whole call in seconds, retries included; None = the client's default."""
+    json_schema: str | Mapping[str, Any] | None = field(default=None, hash=False)
+    """The output is JSON valid against this JSON Schema (a mapping, or its JSON text); at most one constraint."""
+    json_object: bool = False
+    """The output is one JSON object."""
+    regex: str | None = None
+    """The whole output matches this regular expression."""
+    grammar: str | None = None
+    """The output matches this grammar (in ``grammar_syntax``)."""
+    grammar_syntax: Literal["lark", "gbnf"] = "lark"
+    """How ``grammar`` is written: Lark (start rule ``start``) or llama.cpp's GBNF (start rule ``root``)."""
 
     def __post_init__(self) -> None:
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         # Tuples, so that options stay immutable (and hashable) whatever sequence was given.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
@@ -156,6 +171,11 @@ class GenerateOverrides(TypedDict, total=False):
     prompt_logprobs: bool
     request_id: str | None
     timeout: float | None
+    json_schema: str | Mapping[str, Any] | None
+    json_object: bool
+    regex: str | None
+    grammar: str | None
+    grammar_syntax: Literal["lark", "gbnf"]
 
 
 _DEFAULT_OPTIONS = GenerateOptions()

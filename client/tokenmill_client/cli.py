@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ._transport import LOAD_BALANCING_POLICIES, default_target
@@ -89,8 +90,14 @@ _FLAGS = {
     "sampling.logit_bias": "--logit-bias",
     "sampling.seed": "--seed",
     "stopping.stop": "--stop",
+    "json_schema": "--json-schema",
+    "regex": "--regex",
+    "grammar.text": "--grammar",
 }
-_FIELD = re.compile(r"(?<![\w.])(?:stopping\.)?max_new_tokens\b|(?<![\w.])(?:sampling\.\w+|stopping\.stop)\b")
+_FIELD = re.compile(
+    r"(?<![\w.])(?:stopping\.)?max_new_tokens\b|(?<![\w.])(?:sampling\.\w+|stopping\.stop)\b"
+    r"|(?<![\w.])(?:json_schema|regex|grammar\.text)(?=:)"
+)
 
 
 def flag_names(message: str) -> str:
@@ -188,6 +195,7 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
 
     --timeout is not among them: it is the client's default deadline, for every command.
     """
+    grammar = _read_file(args.grammar) if args.grammar else None
     return GenerateOptions(
         max_new_tokens=args.limit,
         temperature=args.temperature,
@@ -201,7 +209,20 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         logprobs=_output_mode(args) == "tokens",  # --show-tokens prints each token's logprob
+        json_schema=_read_file(args.json_schema) if args.json_schema else None,
+        json_object=args.json_object,
+        regex=args.regex,
+        grammar=grammar,
+        grammar_syntax="gbnf" if grammar is not None and "::=" in grammar else "lark",
     )
+
+
+def _read_file(path: str) -> str:
+    """A constraint flag's file ("-": standard input is not allowed, it holds the prompts)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SystemExit(f"tokenmill-client: cannot read {path}: {exc.strerror}") from None
 
 
 def _settings_from_args(args: argparse.Namespace) -> GenSettings:
@@ -865,6 +886,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence, up to the limit (benchmarks)"
+    )
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid against the JSON Schema in FILE"
+    )
+    constraint.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    constraint.add_argument("--regex", metavar="REGEX", help="the whole output matches REGEX")
+    constraint.add_argument(
+        "--grammar", metavar="FILE", help="the output matches the grammar in FILE (Lark, or GBNF when it uses ::=)"
     )
     gen.add_argument("--system", metavar="TEXT", help="system message of the chat")
     gen.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")

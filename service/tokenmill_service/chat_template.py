@@ -97,7 +97,7 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
 
-    def validate_messages(self, messages: Sequence[Mapping[str, str]]) -> None:
+    def validate_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """Raise ``ChatTemplateError`` for a message without string role/content or with a role the template refuses."""
         for i, message in enumerate(messages):
             role = message.get("role")
@@ -111,14 +111,31 @@ class ChatTemplate:
             if not isinstance(message.get("content"), str):
                 raise ChatTemplateError(f"message {i} ({role}) has no string 'content'")
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list (else the caller offers tools some other way)."""
+        return "tools" in self.source
+
+    @property
+    def renders_tool_calls(self) -> bool:
+        """Whether the template renders assistant messages' ``tool_calls`` (else they go in the content)."""
+        return "tool_calls" in self.source
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         self.validate_messages(messages)
+        extra: dict[str, Any] = {} if tools is None else {"tools": [dict(t) for t in tools]}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             # raise_exception() lands here too: its message is the template's own explanation.

@@ -18,12 +18,22 @@ import grpc
 import structlog
 
 from tokenmill_service.config import Settings
-from tokenmill_service.engine.request import FinishReason, TokenOutput
+from tokenmill_service.engine.grammar import COMPILE_TIMEOUT_S, ConstraintError, GrammarCompiler
+from tokenmill_service.engine.request import Constraint, FinishReason, TokenOutput
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
 from tokenmill_service.router import DeadlineExceeded, Overloaded, Rejected, Router, Unavailable
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.validation import MAX_REQUEST_ID_LENGTH, InvalidRequest, Limits, build_request, check_request_id
+from tokenmill_service.tool_calls import parse_calls
+from tokenmill_service.tool_validation import family, tools_in_use
+from tokenmill_service.validation import (
+    CONSTRAINT_FIELDS,
+    MAX_REQUEST_ID_LENGTH,
+    InvalidRequest,
+    Limits,
+    build_request,
+    check_request_id,
+)
 
 log = structlog.get_logger("tokenmill.server")
 
@@ -68,6 +78,9 @@ class GenerationService:
         self.router = router
         self.tokenizer = tokenizer
         self.metrics = metrics
+        # Constraints are compiled here first, so one that cannot be used is refused before it reaches a
+        # worker (which compiles it again from its own cache): the engine loop never stalls on a bad one.
+        self.grammars = GrammarCompiler(tokenizer)
         # Compared in constant time, each of them, so the time taken tells nothing about any token.
         self._tokens = [f"Bearer {t}".encode() for t in settings.auth_tokens()]
 
@@ -96,6 +109,21 @@ class GenerationService:
             max_stop_strings=s.max_stop_strings,
             default_max_new_tokens=s.default_max_new_tokens,
         )
+
+    async def check_constraint(self, constraint: Constraint) -> None:
+        """Compile the constraint (off the event loop; llguidance releases the GIL), or InvalidRequest naming
+        the problem; a compile running past COMPILE_TIMEOUT_S is refused (it finishes in the background)."""
+        await asyncio.to_thread(lambda: self.grammars.lltok)  # built once; not part of the time limit
+        field_path = CONSTRAINT_FIELDS[constraint.kind]
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.grammars.matcher, constraint), COMPILE_TIMEOUT_S)
+        except ConstraintError as exc:
+            raise InvalidRequest(f"{field_path}: {exc}", field_path) from None
+        except TimeoutError:
+            raise InvalidRequest(
+                f"{field_path}: compiling it took longer than {COMPILE_TIMEOUT_S:g} s (the server's limit); simplify it",
+                field_path,
+            ) from None
 
     def authorize(self, authorization: str | None, where: str) -> None:
         """`authorization` is the caller's 'Bearer TOKEN' value; `where` says where it belongs."""
@@ -139,9 +167,14 @@ class GenerationService:
                 if self.router.draining:
                     raise Unavailable("the server is shutting down; retry on another replica")
                 engine_request = build_request(request, self.tokenizer, self.limits())
+                if engine_request.constraint is not None:
+                    await self.check_constraint(engine_request.constraint)
             except InvalidRequest as exc:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
             prompt_len = len(engine_request.prompt_ids)
+            # Calls are read from the whole answer when it ends (the text itself streams as it comes).
+            tool_family = family(self.tokenizer) if tools_in_use(request) else None
+            answer = ""
             stream = self.router.submit(engine_request)
             structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
             last_at = arrival
@@ -170,9 +203,18 @@ class GenerationService:
                     )
                     if out.prompt_tokens:
                         response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
+                    answer += out.text if tool_family is not None else ""
                     if out.finish_reason is not None:
                         finish = out.finish_reason
                         response.finish_reason = FINISH_REASONS[out.finish_reason]
+                        if tool_family is not None:
+                            # Calls completed before a length limit are kept, under the finish reason LENGTH.
+                            _, calls = parse_calls(answer, tool_family)
+                            response.tool_calls.extend(
+                                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+                            )
+                            if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
+                                response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
                         response.usage.prompt_tokens = prompt_len
                         response.usage.completion_tokens = completion_len
                         response.timing.queue_ms = queue_s * 1000

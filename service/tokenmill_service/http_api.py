@@ -44,6 +44,8 @@ from tokenmill_service.openai_protocol import (
     parse_tokenize,
 )
 from tokenmill_service.proto import pb
+from tokenmill_service.tool_calls import start_marker
+from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids
 
 log = structlog.get_logger("tokenmill.http")
@@ -266,6 +268,8 @@ class HttpApi:
             return bad_request(exc)
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
             return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
+        if parsed.chat and tools_in_use(parsed.request):
+            parsed.tool_marker = start_marker(family(self.service.tokenizer))
         many = len(parsed.requests) > 1
         streams = []
         for i, one in enumerate(parsed.requests):
@@ -306,7 +310,7 @@ class HttpApi:
         try:
             body = parse_tokenize(await self._json_body(request))
             if body.chat is not None:
-                ids = tokenizer.encode_chat(chat_messages(body.chat, tokenizer), body.add_generation_prompt)
+                ids = tokenizer.encode_chat(chat_messages(body.chat, tokenizer)[0], body.add_generation_prompt)
             else:
                 ids = tokenizer.encode(body.prompt or "")
                 if body.add_special_tokens and tokenizer.add_bos and tokenizer.bos_token_id is not None:

@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill_service.openai_constraint import ConstraintParamError, apply_constraint
+from tokenmill_service.openai_tools import HeldText, ToolParamError, apply_tools, message_tool_fields, tool_calls_json
 from tokenmill_service.proto import pb
+from tokenmill_service.validation import CONSTRAINT_FIELDS
 
 
 class BadRequest(ValueError):
@@ -30,12 +33,8 @@ class BadRequest(ValueError):
 # nothing (what SDKs and frameworks send by default). Parameters not listed here and not read below
 # (user, metadata, parallel_tool_calls, service_tier, ...) change nothing a server does and are ignored.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
     "functions": ([],),
-    # Without tools, "auto" and "none" both mean plain text.
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "suffix": ("",),
     "best_of": (1,),
     "store": (False,),
@@ -49,6 +48,7 @@ _FINISH = {
     pb.FINISH_REASON_CONTEXT_LIMIT: "length",
     pb.FINISH_REASON_EOS: "stop",
     pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -69,6 +69,8 @@ class ParsedRequest:
     echo: bool = False
     # echo with max_tokens 0: one token is generated (the engine always makes one) and left out.
     echo_only: bool = False
+    # With tools: the text that opens a call in this model's syntax (a stream holds text back from it).
+    tool_marker: str | None = None
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -141,7 +143,11 @@ def _messages(value: Any) -> pb.Messages:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role' string", "messages")
-        chat.messages.add(role=m["role"], content=_content(m.get("content") or "", f"messages[{i}].content"))
+        message = chat.messages.add(role=m["role"], content=_content(m.get("content") or "", f"messages[{i}].content"))
+        try:
+            message_tool_fields(m, message, f"messages[{i}]")
+        except ToolParamError as exc:
+            raise BadRequest(str(exc), exc.param) from None
     return chat
 
 
@@ -249,6 +255,20 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         request.top_logprobs = logprobs or 0
         request.prompt_logprobs = echo and logprobs is not None
         names["top_logprobs"] = "logprobs"
+
+    if chat:
+        try:
+            apply_tools(body, request)
+        except ToolParamError as exc:
+            raise BadRequest(str(exc), exc.param) from None
+    elif body.get("tools"):
+        raise BadRequest("'tools' is a chat completions parameter", "tools", "unsupported_parameter")
+    try:
+        param = apply_constraint(body, request)
+    except ConstraintParamError as exc:
+        raise BadRequest(str(exc), exc.param) from None
+    if param is not None:
+        names.update(dict.fromkeys(CONSTRAINT_FIELDS.values(), param))
 
     stream = _boolean(body, "stream")
     if stream and len(prompts) > 1:
@@ -427,6 +447,7 @@ class ResponseBuilder:
         self.echo_texts = list(echo_texts) if parsed.echo else []
         self.text_offset = 0
         self.echoed = False  # a stream's prompt went out (in its first chunk)
+        self.held = HeldText(parsed.tool_marker) if parsed.tool_marker else None
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -465,11 +486,20 @@ class ResponseBuilder:
         if self.echo_texts and not self.echoed:
             self.echoed = True
             text, prompt_tokens = self.echo_texts[0] + text, response.prompt_tokens
+        calls: list[dict[str, Any]] = []
+        if self.held is not None:
+            text = self.held.add(text)
+            if reason is not None:
+                calls = tool_calls_json(response.tool_calls, delta=True)
+                if not calls:
+                    text += self.held.flush()
         if not text and not tokens and not prompt_tokens and reason is None:
             return None
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = {"content": text} if text or reason is None else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(tokens, prompt_tokens)
@@ -504,6 +534,14 @@ class ResponseBuilder:
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if last.tool_calls:
+                    held = HeldText(self.parsed.tool_marker or "")
+                    content = held.add(text)
+                    choice["message"] = {
+                        "role": "assistant",
+                        "content": content.strip() or None,
+                        "tool_calls": tool_calls_json(last.tool_calls),
+                    }
             else:
                 choice["text"] = text
             self.text_offset = 0

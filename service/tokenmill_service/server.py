@@ -15,6 +15,7 @@ import grpc
 import structlog
 
 from tokenmill_service.config import Settings
+from tokenmill_service.engine.grammar import COMPILE_TIMEOUT_S, MAX_CONSTRAINT_LENGTH
 from tokenmill_service.engine.request import MIN_TEMPERATURE
 from tokenmill_service.generation import GenerationService, ServiceError
 from tokenmill_service.metrics import Metrics
@@ -122,6 +123,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 max_stop_token_ids=MAX_STOP_TOKEN_IDS,
                 max_resumptions=s.max_resumptions,
                 max_logit_bias=MAX_LOGIT_BIAS,
+                max_constraint_length=MAX_CONSTRAINT_LENGTH,
+                constraint_compile_timeout_s=COMPILE_TIMEOUT_S,
             ),
         )
         if info is not None:

@@ -9,10 +9,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from tokenmill_service.engine.request import MIN_TEMPERATURE, GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.engine.request import (
+    MIN_TEMPERATURE,
+    Constraint,
+    GenerationRequest,
+    SamplingParams,
+    StoppingParams,
+)
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
+from tokenmill_service.tool_calls import Tool
+from tokenmill_service.tool_validation import ToolError, chat_with_tools, parse_tools, tool_constraint, tools_in_use
 
 # Fixed limits (the configurable ones are in Limits); all are reported by GetModelInfo.
 # A request id is echoed in every response and log line: bounded, and printable.
@@ -63,15 +72,28 @@ class Limits:
 _INPUT_FIELDS = {"prompt": "prompt", "chat": "chat.messages", "token_ids": "token_ids.ids"}
 
 
-def chat_messages(chat: pb.Messages, tokenizer: Tokenizer) -> list[dict[str, str]]:
+def chat_messages(
+    chat: pb.Messages, tokenizer: Tokenizer, tools: Sequence[Tool] = ()
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages for the chat template, and the tools to pass it (None: none, or offered in a message)."""
     if not chat.messages:
         raise InvalidRequest("chat.messages is empty: give at least one message", "chat.messages")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages, template_tools = chat_with_tools(chat, tools, tokenizer)
     try:
         tokenizer.validate_messages(messages)
     except ValueError as exc:
         raise InvalidRequest(f"chat.messages: {exc}", "chat.messages") from None
-    return messages
+    return messages, template_tools
+
+
+def offered_tools(request: pb.GenerateRequest | pb.TokenizeRequest) -> list[Tool]:
+    """The tools the prompt offers (none with TOOL_CHOICE_NONE)."""
+    if not isinstance(request, pb.GenerateRequest) or not tools_in_use(request):
+        return []
+    try:
+        return parse_tools(request)
+    except ToolError as exc:
+        raise InvalidRequest(str(exc), exc.field) from None
 
 
 def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -89,7 +111,8 @@ def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Toke
         return ids
     if which == "chat":
         try:
-            return tokenizer.encode_chat(chat_messages(request.chat, tokenizer))  # type: ignore[union-attr]
+            messages, template_tools = chat_messages(request.chat, tokenizer, offered_tools(request))
+            return tokenizer.encode_chat(messages, tools=template_tools)
         except InvalidRequest:
             raise
         except ValueError as exc:
@@ -193,6 +216,40 @@ def stopping_params(s: pb.StoppingParams, limits: Limits) -> StoppingParams:
     )
 
 
+# The grammar notations GrammarSyntax names, as the grammar engine calls them.
+_GRAMMAR_SYNTAXES = {
+    pb.GRAMMAR_SYNTAX_UNSPECIFIED: "lark",
+    pb.GRAMMAR_SYNTAX_LARK: "lark",
+    pb.GRAMMAR_SYNTAX_GBNF: "gbnf",
+}
+# Where each kind of constraint is, as a field path.
+CONSTRAINT_FIELDS = {
+    "json_schema": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "grammar": "grammar.text",
+}
+
+
+def constraint(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint, its form checked (whether it compiles is the grammar compiler's to say)."""
+    which = request.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "json_object":
+        return Constraint("json_object")
+    if which == "grammar":
+        syntax = _GRAMMAR_SYNTAXES.get(request.grammar.syntax)
+        if syntax is None:
+            raise InvalidRequest(f"grammar.syntax {request.grammar.syntax} is not a GrammarSyntax", "grammar.syntax")
+        text = request.grammar.text
+    else:
+        syntax, text = "", getattr(request, which)
+    if not text.strip():
+        raise InvalidRequest(f"{CONSTRAINT_FIELDS[which]} is empty", CONSTRAINT_FIELDS[which])
+    return Constraint(which, text, syntax)
+
+
 def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
     check_request_id(request.request_id)
     sampling = sampling_params(request.sampling, limits.vocab_size)
@@ -231,4 +288,17 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         logprobs=request.logprobs or request.top_logprobs > 0,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        constraint=_constraint_or_tool_call(request, tokenizer),
     )
+
+
+def _constraint_or_tool_call(request: pb.GenerateRequest, tokenizer: Tokenizer) -> Constraint | None:
+    """The request's own constraint, or the grammar its tool_choice asks for (not both)."""
+    own = constraint(request)
+    tools = offered_tools(request)
+    forced = tool_constraint(request, tools, tokenizer) if tools else None
+    if own is not None and forced is not None:
+        raise InvalidRequest(
+            f"{CONSTRAINT_FIELDS[own.kind]} cannot be combined with a tool_choice that forces a call", "tool_choice"
+        )
+    return own or forced

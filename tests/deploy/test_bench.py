@@ -145,3 +145,22 @@ def test_a_started_server_takes_free_ports_beside_one_on_8000_and_keeps_its_log(
         kept.close()
     assert Path(kept.log_path).exists()
     Path(kept.log_path).unlink()
+
+
+def test_bench_constrains_every_request_with_json_schema(server_address: str, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}}))
+    results = tmp_path / "results.json"
+    args = ["--server", server_address, "--concurrency", "2", "--output-tokens", "8", "--prompt-tokens", "8"]
+    args += ["--rounds", "1", "--min-requests", "1", "--warmup", "0", "--copy-buffer-mib", "32"]
+    proc = subprocess.run(
+        [str(BENCH), *args, "--json-schema", str(schema), "--json", str(results), "--quiet"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(results.read_text())
+    assert data["failed_requests"] == 0 and data["throughput_tok_s"]["2"] > 0
+    assert '"constraint": {"json_schema": ' in json.dumps(data)

@@ -590,3 +590,33 @@ def test_the_progress_bar_shows_on_a_terminal_but_not_with_quiet(server_address:
             assert ("2/2" in session.output) is not quiet, session.output
         finally:
             session.close()
+
+
+def test_constraint_flags_and_options_shape_the_answer(server_address: str, tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    with Client(server_address) as client:
+        text = client.generate_text(messages=[("user", QUESTION)], json_schema=schema, max_new_tokens=20).text
+        assert set(json.loads(text)) == {"capital"}
+        with pytest.raises(ValueError, match="at most one of"):
+            client.generate_text(QUESTION, regex="a", json_object=True)
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    proc = run_cli(
+        "--server", server_address, "generate", "-q", "-p", QUESTION, "-l", "20", "--json-schema", str(schema_file)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(text)
+    proc = run_cli("--server", server_address, "generate", "-q", "-p", QUESTION, "-l", "8", "--regex", "[A-Z][a-z]+")
+    assert proc.returncode == 0 and re.fullmatch(r"[A-Z][a-z]+\n?", proc.stdout), proc.stdout
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    proc = run_cli("--server", server_address, "generate", "-q", "-p", QUESTION, "-l", "4", "--grammar", str(grammar))
+    assert proc.returncode == 0 and proc.stdout.strip() in ("yes", "no"), proc.stdout
+    proc = run_cli("--server", server_address, "generate", "-q", "-p", QUESTION, "--regex", "(")
+    (line,) = error_lines(proc.stderr)
+    assert "--regex: the regex cannot be used" in line, line

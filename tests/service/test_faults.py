@@ -287,6 +287,32 @@ def test_streams_of_the_only_worker_wait_for_its_restart_and_complete_unchanged(
     compare(expected, got, n_greedy=8)
 
 
+def test_constrained_streams_of_a_killed_worker_replay_their_grammar_and_complete_unchanged(
+    two_workers: ServerProcess,
+) -> None:
+    wait_serving(two_workers, 2)
+    item = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    schema = json.dumps({"type": "array", "items": item, "minItems": 5, "maxItems": 8})
+    reqs = streams(4, 4, max_new_tokens=48)
+    for r in reqs:
+        r.json_schema = schema
+        r.stopping.ignore_eos = False
+    expected = asyncio.run(run_streams(two_workers.address, reqs))
+    resumed_before = two_workers.logs().count('"request_resumed"')
+
+    async def fault() -> None:
+        os.kill(worker_pids(two_workers)[0], signal.SIGKILL)
+
+    got = asyncio.run(run_streams(two_workers.address, reqs, fault))
+    assert two_workers.logs().count('"request_resumed"') > resumed_before
+    compare(expected, got, n_greedy=4)
+
+
 def test_256_streams_survive_two_worker_kills(two_workers: ServerProcess) -> None:
     wait_serving(two_workers, 2)
     reqs = streams(256, 0, max_new_tokens=8)

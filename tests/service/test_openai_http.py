@@ -251,9 +251,10 @@ def test_frequency_and_presence_penalties_steer_away_from_repeats_over_http_and_
         ({"logit_bias": {"49152": 1}}, "logit_bias names token 49152, outside the vocabulary"),
         ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),
         ({"logit_bias": {"five": 1}}, "'logit_bias' keys must be token ids"),
-        ({"response_format": {"type": "json_object"}}, "'response_format' is not supported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
-        ({"tool_choice": "required"}, "'tool_choice' is not supported"),
+        ({"response_format": {"type": "xml"}}, "'response_format.type' must be 'text', 'json_object' or 'json_schema'"),
+        ({"tools": [{"type": "function"}]}, "tools[0] must be {'type': 'function', 'function': {'name': ...}}"),
+        ({"tool_choice": "required"}, "'tool_choice' asks for a call but no 'tools' are given"),
+        ({"functions": [{"name": "f"}]}, "'functions' is not supported"),
     ],
 )
 def test_a_value_out_of_range_or_not_neutral_is_a_400_naming_it(
@@ -392,9 +393,15 @@ def test_a_list_of_prompts_is_answered_with_one_choice_each(
         ({"extra_body": {"top_k": -1}}, "top_k must be >= 0", "top_k", "invalid_value"),
         (
             {"response_format": {"type": "json_schema"}},
-            "'response_format' is not supported",
+            "'response_format.json_schema' must be an object with a 'schema'",
             "response_format",
-            "unsupported_parameter",
+            "invalid_value",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "json_schema: the json_schema cannot be used",
+            "response_format",
+            "invalid_value",
         ),
     ],
 )

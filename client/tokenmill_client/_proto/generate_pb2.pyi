@@ -7,6 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
+    TOOL_CHOICE_NONE: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_FUNCTION: _ClassVar[ToolChoice]
+
+class GrammarSyntax(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_SYNTAX_UNSPECIFIED: _ClassVar[GrammarSyntax]
+    GRAMMAR_SYNTAX_LARK: _ClassVar[GrammarSyntax]
+    GRAMMAR_SYNTAX_GBNF: _ClassVar[GrammarSyntax]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -14,19 +27,54 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT_LIMIT: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+TOOL_CHOICE_AUTO: ToolChoice
+TOOL_CHOICE_NONE: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
+TOOL_CHOICE_FUNCTION: ToolChoice
+GRAMMAR_SYNTAX_UNSPECIFIED: GrammarSyntax
+GRAMMAR_SYNTAX_LARK: GrammarSyntax
+GRAMMAR_SYNTAX_GBNF: GrammarSyntax
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 FINISH_REASON_CONTEXT_LIMIT: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Messages(_message.Message):
     __slots__ = ("messages",)
@@ -80,7 +128,7 @@ class StoppingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id")
+    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +138,14 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: Messages
     token_ids: TokenIds
@@ -99,7 +155,27 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     prompt_logprobs: bool
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    json_schema: str
+    json_object: JsonObject
+    regex: str
+    grammar: Grammar
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    tool_choice_function: str
+    parallel_tool_calls: bool
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+
+class JsonObject(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("text", "syntax")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SYNTAX_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    syntax: GrammarSyntax
+    def __init__(self, text: _Optional[str] = ..., syntax: _Optional[_Union[GrammarSyntax, str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("id", "text", "logprob")
@@ -144,7 +220,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "tokens", "text", "prompt_tokens", "finish_reason", "usage", "timing")
+    __slots__ = ("request_id", "tokens", "text", "prompt_tokens", "finish_reason", "usage", "timing", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +228,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
     text: str
@@ -159,7 +236,8 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     usage: Usage
     timing: Timing
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")
@@ -182,7 +260,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias")
+    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias", "max_constraint_length", "constraint_compile_timeout_s")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +272,8 @@ class Limits(_message.Message):
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESUMPTIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONSTRAINT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_COMPILE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     max_top_logprobs: int
     max_stop_strings: int
@@ -205,7 +285,9 @@ class Limits(_message.Message):
     max_stop_token_ids: int
     max_resumptions: int
     max_logit_bias: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ...) -> None: ...
+    max_constraint_length: int
+    constraint_compile_timeout_s: float
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_constraint_length: _Optional[int] = ..., constraint_compile_timeout_s: _Optional[float] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "draft_tokens_proposed", "draft_tokens_accepted")

@@ -13,6 +13,7 @@ batch of one.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import structlog
 import torch
@@ -21,6 +22,7 @@ from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.config import EngineConfig
+from tokenmill_service.engine.grammar import ConstraintError, GrammarCompiler
 from tokenmill_service.engine.kv_events import KVEventLog
 from tokenmill_service.engine.model_runner import (
     ModelRunner,
@@ -40,6 +42,7 @@ from tokenmill_service.engine.request import (
 from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
+from tokenmill_service.engine.token_masks import MaskFiller, MaskJob, allowed_tokens
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -106,6 +109,9 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         # Draft tokens checked and kept (speculation.py), since start.
         self.drafts_proposed = self.drafts_accepted = 0
+        # Constrained decoding: compiled grammars (cached) and the thread filling their masks.
+        self.grammars = GrammarCompiler(tokenizer)
+        self.masks = MaskFiller(tokenizer.vocab_size)
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -144,6 +150,14 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         self.validate(request)
         seq = Sequence(request, self.tokenizer)
+        if request.constraint is not None:
+            try:
+                seq.matcher = self.grammars.matcher(request.constraint)
+            except ConstraintError as exc:
+                raise RequestError(str(exc)) from None
+            # A resumed request: the grammar's state after the tokens already sent.
+            if request.resume_ids and not seq.matcher.consume_tokens(request.resume_ids):
+                raise RequestError(f"the resumed tokens do not match the {request.constraint.kind}")
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
 
@@ -183,6 +197,7 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         for seq in batch.preempted:
             log.info("sequence_preempted", request_id=seq.request_id, tokens=seq.num_tokens)
+        masks = self._submit_masks(batch)
         logits = self.runner.run(batch)
         outputs: dict[int, RequestOutput] = {}
         self._collect_prompt_logprobs(batch, logits)
@@ -191,7 +206,7 @@ class LLMEngine:
             seq.num_computed_tokens += n - len(seq.drafts)
             if not seq.drafts:
                 self.block_manager.register_computed_blocks(seq)
-        self._sample(batch, logits, outputs)
+        self._sample(batch, logits, outputs, masks)
         return [outputs[i] for i in sorted(outputs)]
 
     # -- internals -------------------------------------------------------------------------
@@ -227,7 +242,35 @@ class LLMEngine:
             for r in range(upto):
                 seq.prompt_tokens.append(self._token(int(targets[r]), chosen[r], tops[r]))
 
-    def _sample(self, batch: ScheduledBatch, logits: StepLogits, outputs: dict[int, RequestOutput]) -> None:
+    def _submit_masks(self, batch: ScheduledBatch) -> tuple[list[int], Future[torch.Tensor]] | None:
+        """Start filling the masks of the constrained sequences that sample this step (while the
+        forward pass runs): the sampled rows they cover, and the future bitmask of every sampled row."""
+        jobs: list[MaskJob] = []
+        rows: list[int] = []
+        num_rows = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + n != seq.num_tokens + len(seq.drafts):
+                continue  # a prompt chunk that samples nothing (the order is ModelRunner.plan's)
+            if seq.matcher is not None:
+                jobs.append(MaskJob(num_rows, seq.matcher, list(seq.drafts), sorted(seq.stop_token_ids)))
+                rows.extend(range(num_rows, num_rows + 1 + len(seq.drafts)))
+            num_rows += 1 + len(seq.drafts)
+        if not jobs:
+            return None
+        return rows, self.masks.submit(jobs, num_rows)
+
+    def _sample(
+        self,
+        batch: ScheduledBatch,
+        logits: StepLogits,
+        outputs: dict[int, RequestOutput],
+        masks: tuple[list[int], Future[torch.Tensor]] | None = None,
+    ) -> None:
+        allowed = None
+        if masks is not None:
+            rows, pending = masks
+            bitmask = pending.result()
+            allowed = (rows, allowed_tokens(bitmask[rows], logits.sample_logits.shape[-1], logits.sample_logits.device))
         if not logits.sample_seq_indices:
             return
         # Row r samples the position after seen[r]: a draft's row sees the drafts before it.
@@ -243,6 +286,7 @@ class LLMEngine:
             seen,
             [s.request.top_logprobs if s.request.logprobs or s.request.top_logprobs else 0 for s in seqs],
             [s.num_prompt_tokens for s in seqs],
+            allowed,
         )
         row = 0
         while row < len(seqs):
@@ -264,6 +308,8 @@ class LLMEngine:
                     self._token(token_id, result.logprobs[row + j] if wants_lp else None, result.top_logprobs[row + j])
                 )
                 out.text += seq.detokenizer.add(token_id)
+                if seq.matcher is not None and not seq.matcher.consume_token(token_id):
+                    log.warning("grammar_refused_token", request_id=seq.request_id, token_id=token_id)
                 reason = self._finish_reason(seq, token_id)
                 if reason is not None or j == rows - 1 or token_id != seq.drafts[j]:
                     break
@@ -287,6 +333,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if token_id in seq.stop_token_ids:
             return FinishReason.EOS
+        if seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+            return FinishReason.EOS  # the grammar is complete: nothing may follow
         if seq.detokenizer.stopped:
             return FinishReason.STOP_SEQUENCE
         max_new = seq.request.stopping.max_new_tokens

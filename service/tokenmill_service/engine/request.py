@@ -62,6 +62,18 @@ class StoppingParams:
     ignore_eos: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class Constraint:
+    """What the generated text must match (engine/grammar.py compiles it).
+
+    kind: "json_schema" (text: the schema as JSON), "json_object" (any JSON object; text unused),
+    "regex" (text: the pattern, matched whole) or "grammar" (text in ``syntax``: "lark" or "gbnf")."""
+
+    kind: str
+    text: str = ""
+    syntax: str = ""
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     request_id: str
@@ -75,6 +87,8 @@ class GenerationRequest:
     # The engine prefills prompt + these, counts them as generated (toward max_new_tokens and usage)
     # and emits only what follows them.
     resume_ids: list[int] = field(default_factory=list)
+    # Generated text must match this (None: free text). A resumed request replays it over resume_ids.
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """Batched sampling with per-request parameters, in one pass over the batch's logits.
 
 Reported logprobs are those of the model's own distribution (log-softmax of the raw logits),
-not of the distribution after temperature, top-k, top-p, the penalties or the logit bias: they
-score the text, whatever way it was drawn.
+not of the distribution after temperature, top-k, top-p, the penalties, the logit bias or a
+constraint's token mask: they score the text, whatever way it was drawn.
 
 Every edit of a row's logits (logit bias, then the repetition, frequency and presence penalties)
 reads only that row's parameters and tokens, so a sequence's result never depends on its batch.
@@ -111,10 +111,13 @@ def sample(
     seen_tokens: Seq[Seq[int]],
     top_n: Seq[int],
     prompt_lens: Seq[int] | None = None,
+    allowed: tuple[Seq[int], torch.Tensor] | None = None,
 ) -> SamplerOutput:
     """logits: float32 [B, vocab], one row per sequence that gets a new token this step;
     ``seen_tokens[i]`` is row i's sequence so far (its length is the position being sampled), of which
-    the first ``prompt_lens[i]`` are its prompt (None: no prompt, every seen token was generated)."""
+    the first ``prompt_lens[i]`` are its prompt (None: no prompt, every seen token was generated).
+    ``allowed``: (rows, bool [len(rows), vocab]) the only tokens those rows may choose (a constraint's mask),
+    applied after the penalties and before temperature, top-k and top-p."""
     device = logits.device
     logprobs_all = torch.log_softmax(logits, dim=-1)
     # The edits work on a copy; without any (the usual case) the logits are read as they are.
@@ -129,6 +132,10 @@ def sample(
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
         )
+    if allowed is not None and len(allowed[0]):
+        rows_t = torch.tensor(list(allowed[0]), dtype=torch.long, device=device)
+        work = work.clone() if work is logits else work
+        work[rows_t] = work[rows_t].masked_fill(~allowed[1], float("-inf"))
 
     greedy = [p.greedy for p in params]
     chosen = work.argmax(dim=-1)

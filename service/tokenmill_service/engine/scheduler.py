@@ -61,7 +61,11 @@ class Scheduler:
         max_new = seq.request.stopping.max_new_tokens
         if max_new:
             room = min(room, max_new - seq.num_completion_tokens - 1)
-        return propose_drafts(seq.token_ids, room)
+        drafts = propose_drafts(seq.token_ids, room)
+        if drafts and seq.matcher is not None:
+            # Guesses the grammar refuses would be refused after the forward pass anyway.
+            drafts = drafts[: seq.matcher.validate_tokens(drafts)]
+        return drafts
 
     def schedule(self, max_model_len: int = 1 << 62) -> ScheduledBatch:
         batch = ScheduledBatch()

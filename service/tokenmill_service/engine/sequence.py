@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import secrets
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill_service.detokenizer import IncrementalDetokenizer
 from tokenmill_service.engine.request import FinishReason, GenerationRequest, TokenOutput
 from tokenmill_service.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +52,8 @@ class Sequence:
         self.prompt_logprobs_sent = False
         # Tokens guessed for the positions after the last one, checked this step (speculation.py).
         self.drafts: list[int] = []
+        # A constrained sequence's grammar state, after its generated tokens (the engine sets it).
+        self.matcher: LLMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

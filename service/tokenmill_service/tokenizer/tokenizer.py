@@ -12,7 +12,7 @@ import unicodedata
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenmill_service.chat_template import ChatTemplate
 
@@ -147,10 +147,20 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         return self._chat.render(messages, add_generation_prompt)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt ids: the template's special tokens as special ids, message text always as text."""
+    @property
+    def chat(self) -> ChatTemplate:
+        return self._chat
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt ids: the template's special tokens as special ids, message text always as text
+        (``tools``: OpenAI-shaped tool definitions, for templates that render them)."""
         self._chat.validate_messages(messages)
-        rendered = self._chat.render([self._mark_message(m) for m in messages], add_generation_prompt)
+        rendered = self._chat.render([self._mark_message(m) for m in messages], add_generation_prompt, tools)
         ids: list[int] = []
         pos = 0
         if self._special_re is not None:
@@ -163,7 +173,7 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def _mark_message(self, message: Mapping[str, str]) -> dict[str, str]:
+    def _mark_message(self, message: Mapping[str, Any]) -> dict[str, Any]:
         return {key: self._mark(value) if isinstance(value, str) else value for key, value in message.items()}
 
     def _mark(self, text: str) -> str:

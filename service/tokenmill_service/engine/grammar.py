@@ -1,0 +1,159 @@
+"""Constraints compiled into grammar matchers: a JSON schema, any JSON object, a regex, a Lark or GBNF grammar.
+
+The grammar engine is llguidance (its Rust matcher computes a sequence's allowed-token bitmask and
+releases the GIL while it does). Measured against xgrammar on this project's tokenizer (SmolLM2's 49k
+byte-level BPE) and a typical nested schema: llguidance compiles it cold in about 1.5 ms against
+xgrammar's 480 ms, and fills a mask in about 0.05 ms against xgrammar's 0.01 ms. Both masks are far
+below a decode step, and the cold compile is what a caller waits for before the first token (and what
+must stay under the time limit for a new schema), so llguidance wins. It also reads Lark and GBNF, and
+refuses schema keywords it cannot enforce instead of ignoring them.
+
+JSON comes out the way ``json.dumps`` writes it (``", "`` and ``": "`` separators, no other
+whitespace): flexible whitespace lets a small model pad forever with spaces and newlines.
+
+Torch-free: the API process uses it to refuse a bad constraint before any token is generated, the
+engine to drive each constrained sequence. Both keep compiled grammars in a bounded LRU keyed by the
+constraint's canonical text; each sequence gets a cheap copy of the compiled matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import llguidance as llg
+import structlog
+
+from tokenmill_service.engine.request import Constraint
+from tokenmill_service.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+# Compiled grammars kept per process.
+CACHE_SIZE = 256
+# The longest constraint text accepted (a schema, a regex, a grammar), in characters.
+MAX_CONSTRAINT_LENGTH = 64 * 1024
+# How long compiling one constraint (building its matcher and its first mask) may take.
+COMPILE_TIMEOUT_S = 2.0
+# Schema -> grammar: the separators json.dumps writes, and no other whitespace.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Bounds on the work one grammar may cost: llguidance's defaults (lexer fuel, Earley items per step,
+# grammar size), which refuse a pathological grammar rather than stall the engine.
+LIMITS = llg.LLParserLimits(verbose_errors=False)
+
+GRAMMAR_SYNTAXES = ("lark", "gbnf")
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled; the message names the problem."""
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The constraint as llguidance's grammar text: its canonical form (the cache key). Raises
+    ConstraintError for text that does not parse as its kind (a schema that is not JSON)."""
+    if len(constraint.text) > MAX_CONSTRAINT_LENGTH:
+        raise ConstraintError(
+            f"the {constraint.kind} has {len(constraint.text)} characters; at most {MAX_CONSTRAINT_LENGTH} are allowed"
+        )
+    match constraint.kind:
+        case "json_object":
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        case "json_schema":
+            try:
+                schema = json.loads(constraint.text)
+            except json.JSONDecodeError as exc:
+                raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise ConstraintError("the JSON schema must be a JSON object (or true/false)")
+            return llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema, separators=(",", ":"), ensure_ascii=False), defaults=JSON_OPTIONS
+            )
+        case "regex":
+            if not constraint.text:
+                raise ConstraintError("the regex is empty")
+            return llg.LLMatcher.grammar_from_regex(constraint.text)
+        case "grammar":
+            if constraint.syntax not in GRAMMAR_SYNTAXES:
+                raise ConstraintError(
+                    f"grammar syntax {constraint.syntax!r} is not one of {', '.join(GRAMMAR_SYNTAXES)}"
+                )
+            if not constraint.text.strip():
+                raise ConstraintError("the grammar is empty")
+            try:
+                return llg.grammar_from(constraint.syntax, constraint.text)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise ConstraintError(f"the {constraint.syntax} grammar does not parse: {exc}") from None
+    raise ConstraintError(f"unknown constraint kind {constraint.kind!r}")
+
+
+def lltokenizer(tokenizer: Tokenizer) -> llg.LLTokenizer:
+    """llguidance's view of the tokenizer: every token's bytes, and the tokens that end generation
+    (allowed by a mask once the grammar accepts). Takes a few hundred ms: build once per process."""
+
+    class _Tokens:
+        def __init__(self) -> None:
+            self.eos_token_id = tokenizer.eos_token_id
+            self.bos_token_id = tokenizer.bos_token_id
+            self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+            self.special_token_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)]
+
+        def __call__(self, text: bytes | str) -> list[int]:
+            return tokenizer.encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+    return llg.LLTokenizer(
+        llg.TokenizerWrapper(_Tokens()), n_vocab=tokenizer.vocab_size, eos_token=sorted(tokenizer.stop_token_ids)
+    )
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, keeping the last ``cache_size`` compiled (thread-safe)."""
+
+    def __init__(self, tokenizer: Tokenizer, cache_size: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._lltok: llg.LLTokenizer | None = None
+        self._cache: OrderedDict[str, llg.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def lltok(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:
+                start = time.perf_counter()
+                self._lltok = lltokenizer(self.tokenizer)
+                log.info("grammar_tokenizer_built", seconds=round(time.perf_counter() - start, 3))
+            return self._lltok
+
+    def matcher(self, constraint: Constraint) -> llg.LLMatcher:
+        """A fresh matcher at the start of the constraint's grammar; ConstraintError naming the problem."""
+        key = grammar_text(constraint)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return compiled.deep_copy()
+        lltok = self.lltok
+        start = time.perf_counter()
+        compiled = llg.LLMatcher(lltok, key, log_level=0, limits=LIMITS)
+        if not compiled.is_error():
+            # Matchers build their lexer lazily: the first mask is part of compiling.
+            compiled.deep_copy().compute_bitmask()
+        if compiled.is_error():
+            raise ConstraintError(f"the {constraint.kind} cannot be used: {_first_line(compiled.get_error())}")
+        log.debug("grammar_compiled", kind=constraint.kind, ms=round((time.perf_counter() - start) * 1000, 2))
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it may append."""
+    return error.split("\n<state>")[0].strip()

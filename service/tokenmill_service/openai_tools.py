@@ -1,0 +1,125 @@
+"""The OpenAI API's tool calling, both ways: ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and the
+history's assistant ``tool_calls`` and ``tool`` messages into a GenerateRequest, and the calls read from the
+answer back into OpenAI's shapes (a whole message's ``tool_calls``, or a stream's deltas)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill_service.proto import pb
+
+
+class ToolParamError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def apply_tools(body: dict[str, Any], request: pb.GenerateRequest) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ToolParamError("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ToolParamError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+            parameters = fn.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise ToolParamError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            request.tools.add(
+                name=fn["name"],
+                description=fn.get("description") or "",
+                parameters=json.dumps(parameters) if parameters is not None else "",
+            )
+    choice = body.get("tool_choice")
+    if choice in (None, "auto"):
+        request.tool_choice = pb.TOOL_CHOICE_AUTO
+    elif choice == "none":
+        request.tool_choice = pb.TOOL_CHOICE_NONE
+    elif choice == "required":
+        request.tool_choice = pb.TOOL_CHOICE_REQUIRED
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        request.tool_choice = pb.TOOL_CHOICE_FUNCTION
+        request.tool_choice_function = choice["function"]["name"]
+    else:
+        raise ToolParamError(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    if request.tool_choice != pb.TOOL_CHOICE_AUTO and not request.tools and choice != "none":
+        raise ToolParamError("'tool_choice' asks for a call but no 'tools' are given", "tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise ToolParamError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+        request.parallel_tool_calls = parallel
+
+
+def message_tool_fields(m: dict[str, Any], message: pb.ChatMessage, where: str) -> None:
+    """An assistant message's ``tool_calls``, a tool message's ``tool_call_id`` and ``name``."""
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ToolParamError(f"{where}.tool_calls must be a list", "messages")
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ToolParamError(f"{where}.tool_calls[{j}] must have a 'function' with a 'name'", "messages")
+            arguments = fn.get("arguments") or "{}"
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            message.tool_calls.add(id=str(call.get("id") or ""), name=fn["name"], arguments=arguments)
+    if isinstance(m.get("tool_call_id"), str):
+        message.tool_call_id = m["tool_call_id"]
+    if isinstance(m.get("name"), str):
+        message.name = m["name"]
+
+
+def tool_calls_json(calls: Sequence[pb.ToolCall], delta: bool = False) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(calls):
+        one: dict[str, Any] = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        if delta:
+            one = {"index": i, **one}
+        out.append(one)
+    return out
+
+
+class HeldText:
+    """A stream's text, held back from where a tool call may begin (its family's opening ``marker``), so a
+    call never reaches the caller as content: what is held goes out as the call, or as text at the end."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.pending = ""
+        self.in_call = False
+
+    def add(self, text: str) -> str:
+        """What of the text so far can be shown now."""
+        if self.in_call:
+            self.pending += text
+            return ""
+        self.pending += text
+        at = self.pending.find(self.marker)
+        if at >= 0:
+            shown, self.pending, self.in_call = self.pending[:at], self.pending[at:], True
+            return shown
+        # Keep back the longest tail that could still grow into the marker.
+        keep = next(
+            (
+                k
+                for k in range(min(len(self.marker) - 1, len(self.pending)), 0, -1)
+                if self.marker.startswith(self.pending[-k:])
+            ),
+            0,
+        )
+        shown = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return shown
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text

@@ -1,0 +1,153 @@
+"""Tool calling: how a model family writes a call, the prompt that offers tools, the grammar that forces a
+call, and the parser that reads calls back out of the generated text.
+
+A family is a row of ``FAMILIES``: the text around one call and how calls are separated. A call's body is
+always ``{"name": ..., "arguments": {...}}`` (Llama 3 names the arguments "parameters"). Adding a family
+is adding a row (and, when its template says so, a clause in ``family_for``).
+
+When the chat template renders ``tools`` itself it gets them; otherwise (the embedded SmolLM2's) the tools
+are offered in a system message in Hermes' words, which is also the format SmolLM2 was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+# Tool-call JSON written the way the JSON schema constraint writes it (engine/grammar.py).
+_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFamily:
+    name: str
+    start: str  # text before one call (where a parser starts looking; "" = the text is the call)
+    end: str  # text after one call
+    separator: str  # between two calls
+    arguments_key: str = "arguments"
+
+
+FAMILIES = {
+    # Hermes, Qwen 2/2.5/3, SmolLM2 and SmolLM3: <tool_call>{json}</tool_call>, one per call.
+    "hermes": ToolFamily("hermes", "<tool_call>\n", "\n</tool_call>", "\n"),
+    # Llama 3.1-3.3's JSON tool calling: the answer is the call; several are joined by "; ".
+    "llama3_json": ToolFamily("llama3_json", "", "", "; ", "parameters"),
+}
+
+
+def family_for(template: str | None) -> ToolFamily:
+    """The family a chat template writes calls in (Hermes' when it does not say)."""
+    if template and ("<|python_tag|>" in template or "<|eom_id|>" in template):
+        return FAMILIES["llama3_json"]
+    return FAMILIES["hermes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON schema for the arguments object
+
+    def openai_json(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def tools_prompt(tools: list[Tool], family: ToolFamily) -> str:
+    """A system message offering the tools, for templates that do not render them."""
+    listing = "\n".join(json.dumps(t.openai_json(), ensure_ascii=False) for t in tools)
+    example = call_text("function_name", "{...}", family)
+    return (
+        "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+        "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+        "about what values to plug into functions.\n"
+        f"<tools>\n{listing}\n</tools>\n"
+        f"For each function call, return a JSON object with the function name and arguments:\n{example}"
+    )
+
+
+def call_text(name: str, arguments: str, family: ToolFamily) -> str:
+    """One call as the family writes it (for assistant messages in the history)."""
+    body = f'{{"name": {json.dumps(name)}, "{family.arguments_key}": {arguments}}}'
+    return family.start + body + family.end
+
+
+def call_grammar(tools: list[Tool], family: ToolFamily, parallel: bool) -> str:
+    """A Lark grammar (llguidance's, with %json) that only admits calls of ``tools`` whose arguments are
+    valid against their schemas: one call, or with ``parallel`` one or more."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, family.arguments_key: t.parameters or {"type": "object"}},
+            "required": ["name", family.arguments_key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": _X_GUIDANCE}
+    parts = [json.dumps(family.start)] if family.start else []
+    parts.append(f"%json {json.dumps(schema)}")
+    parts += [json.dumps(family.end)] if family.end else []
+    call = " ".join(parts)
+    if parallel:
+        return f"start: call ({json.dumps(family.separator)} call)*\ncall: {call}\n"
+    return f"start: call\ncall: {call}\n"
+
+
+def start_marker(family: ToolFamily) -> str:
+    """What opens the first call in the output ("{" for families whose whole answer is the call)."""
+    return family.start.strip() or "{"
+
+
+def parse_calls(text: str, family: ToolFamily) -> tuple[str, list[ToolCall]]:
+    """(content before the calls, the calls) read from generated text; no calls: (text, [])."""
+    marker = start_marker(family)
+    at = text.find(marker)
+    if at < 0 or (not family.start and text[:at].strip()):
+        return text, []
+    content, rest = text[:at], text[at:]
+    calls: list[ToolCall] = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while True:
+        if family.start:
+            found = rest.find(family.start.strip(), pos)
+            if found < 0:
+                break
+            pos = found + len(family.start.strip())
+        pos = len(rest) - len(rest[pos:].lstrip())
+        try:
+            obj, end = decoder.raw_decode(rest, pos)
+        except json.JSONDecodeError:
+            break
+        args = obj.get(family.arguments_key, obj.get("arguments")) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            break
+        calls.append(ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False)))
+        pos = end
+        if family.end:
+            pos = len(rest) - len(rest[pos:].lstrip())
+            if rest.startswith(family.end.strip(), pos):
+                pos += len(family.end.strip())
+        if not family.start:
+            sep = re.match(r"\s*;\s*", rest[pos:])
+            if sep is None:
+                break
+            pos += sep.end()
+    return (content.strip(), calls) if calls else (text, [])
