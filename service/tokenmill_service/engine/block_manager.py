@@ -2,7 +2,7 @@
 
 A sequence owns a block table (the ids of its blocks, in order). Blocks come from one pool
 sized at start-up. A full block is identified by the hash of its tokens and of everything
-before it, so two requests with the same prompt prefix share those blocks (prefix caching).
+before it (from the sequence's LoRA adapter on), so two requests with the same prompt prefix share those blocks (prefix caching).
 A freed block keeps its hash until it is handed out again: a later request with the same
 prefix can take it back without recomputing.
 """
@@ -26,6 +26,13 @@ class Block:
 
 def chain_hash(prev: int | None, token_ids: Seq[int]) -> int:
     return hash((prev, tuple(token_ids)))
+
+
+def root_hash(seq: Sequence) -> int | None:
+    """What a sequence's first block chains from: its LoRA adapter, so that keys and values computed
+    under one adapter are never reused for another or for the base."""
+    adapter = seq.request.adapter
+    return hash(("adapter", adapter)) if adapter else None
 
 
 class BlockManager:
@@ -74,7 +81,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or seq.collecting_prompt_logprobs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        prev: int | None = None
+        prev = root_hash(seq)
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             h = chain_hash(prev, tokens)
@@ -106,7 +113,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        prev: int | None = None
+        prev = root_hash(seq)
         for i in range(full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

@@ -75,6 +75,8 @@ class GenerationRequest:
     # The engine prefills prompt + these, counts them as generated (toward max_new_tokens and usage)
     # and emits only what follows them.
     resume_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with, by name ("": the base model).
+    adapter: str = ""
 
 
 @dataclass(slots=True)
@@ -126,3 +128,7 @@ class EngineStats:
     compiled_graphs: int = 0  # graphs torch.compile built in the worker (constant once it is ready)
     draft_tokens_proposed: int = 0  # speculation's guesses checked, since start
     draft_tokens_accepted: int = 0  # of those, the ones kept
+    # LoRA adapters: those of the running and of the waiting sequences, and every one served.
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)

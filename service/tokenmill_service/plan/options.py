@@ -32,6 +32,9 @@ class LoadOptions:
     compile: str = "off"
     # Ranks one replica spans.
     tensor_parallel: int = 1
+    # LoRA adapter slots resident at once (0: adapters off) and the largest rank they take.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LoadOptions:
@@ -44,4 +47,6 @@ class LoadOptions:
             kv_cache_dtype=settings.kv_cache_dtype,
             compile=settings.compile,
             tensor_parallel=settings.tensor_parallel,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
         )
