@@ -231,4 +231,5 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         logprobs=request.logprobs or request.top_logprobs > 0,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        adapter=request.adapter,
     )

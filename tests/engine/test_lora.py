@@ -1,20 +1,17 @@
 """LoRA adapters on the linear layers: PEFT adapters (ranks 8 and 64, rsLoRA) on a tiny random Llama give
 transformers + PEFT's prompt logprobs within 1e-4 at float32 dense, the merged weights' logits, a
 sequence's bits whatever adapters its neighbours use, the grouped product as its per-token definition,
-both tensor-parallel ranks' shards summing to the whole, and adapters that do not fit refused by name.
+two tensor-parallel ranks' shards making up the whole, and adapters that do not fit refused by name.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.lora_adapters import make_adapter, peft_model, tiny_llama
 from tokenmill_service.distributed.parallel import TensorParallel
@@ -60,7 +57,9 @@ def run_prompt(runner: ModelRunner, ids: list[int], slot: int, table: list[int])
 
 
 @pytest.mark.parametrize("name", ["r8", "r64"])
-def test_prompt_logprobs_are_transformers_plus_peft(model: Any, base: tuple[Path, Any], adapters: dict[str, Path], name: str) -> None:
+def test_prompt_logprobs_are_transformers_plus_peft(
+    model: Any, base: tuple[Path, Any], adapters: dict[str, Path], name: str
+) -> None:
     assert model.plan.executor.value == "eager" and "lora" in model.plan.summary()
     model.lora.load(0, name, str(adapters[name]))
     runner = ModelRunner(model, block_size=16, num_blocks=8)
@@ -75,7 +74,9 @@ def test_prompt_logprobs_are_transformers_plus_peft(model: Any, base: tuple[Path
     torch.testing.assert_close(base_logits, plain, atol=1e-4, rtol=0)
 
 
-def test_the_adapter_gives_the_merged_weights_logits(model: Any, base: tuple[Path, Any], adapters: dict[str, Path], tmp_path: Path) -> None:
+def test_the_adapter_gives_the_merged_weights_logits(
+    model: Any, base: tuple[Path, Any], adapters: dict[str, Path], tmp_path: Path
+) -> None:
     merged = peft_model(base[1], adapters["r64"]).merge_and_unload()
     merged.save_pretrained(tmp_path, safe_serialization=True)
     merged_model = load_model(tmp_path)
@@ -86,7 +87,9 @@ def test_the_adapter_gives_the_merged_weights_logits(model: Any, base: tuple[Pat
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 
 
-def test_a_sequence_is_bitwise_the_same_whatever_adapters_its_neighbours_use(model: Any, adapters: dict[str, Path]) -> None:
+def test_a_sequence_is_bitwise_the_same_whatever_adapters_its_neighbours_use(
+    model: Any, adapters: dict[str, Path]
+) -> None:
     for slot, name in enumerate(["r8", "r64", "qv", "mlp", "o"]):
         model.lora.load(slot, name, str(adapters[name]))
     p, a, b, c = PROMPT[:13], PROMPT[20:29], PROMPT[30:35], PROMPT[5:16]
@@ -132,7 +135,10 @@ def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
         read_adapter("big", adapters["r64"], config, max_rank=16)
     other = tiny_llama(tmp_path / "wide", intermediate_size=192)
     wide = make_adapter(other, tmp_path / "wide-adapter", 8, seed=1, targets=["up_proj"])
-    with pytest.raises(AdapterError, match=r"does not fit the base at model.layers.0.mlp.up_proj: lora_A is \[8, 128\] and lora_B \[192, 8\]"):
+    with pytest.raises(
+        AdapterError,
+        match=r"does not fit the base at model.layers.0.mlp.up_proj: lora_A is \[8, 128\] and lora_B \[192, 8\]",
+    ):
         read_adapter("wide", wide, config, max_rank=64)
     head = make_adapter(base[1], tmp_path / "head", 8, seed=1, targets=["lm_head"])
     with pytest.raises(AdapterError, match="targets no servable projection"):
@@ -140,7 +146,9 @@ def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
     cfg = json.loads((adapters["r8"] / "adapter_config.json").read_text())
     (tmp_path / "dora").mkdir()
     (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    (tmp_path / "dora" / "adapter_model.safetensors").write_bytes((adapters["r8"] / "adapter_model.safetensors").read_bytes())
+    (tmp_path / "dora" / "adapter_model.safetensors").write_bytes(
+        (adapters["r8"] / "adapter_model.safetensors").read_bytes()
+    )
     with pytest.raises(AdapterError, match="DoRA"):
         read_adapter("dora", tmp_path / "dora", config, max_rank=64)
     with pytest.raises(AdapterError, match="is not a PEFT LoRA adapter"):
@@ -150,30 +158,36 @@ def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
 # -- tensor parallel: each rank its slice of B (column-parallel) or A (row-parallel) -------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _delta(layer: Any, lora: Any, x: torch.Tensor) -> torch.Tensor:
+    ((_, delta),) = lora_delta(x, lora.a, lora.b, [(0, torch.arange(x.shape[0]))])
+    return delta
 
 
-def _rank_logits(rank: int, size: int, port: int, path: str, adapter: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        model = load_model(Path(path), tp=TensorParallel(rank, size), max_loras=1, max_lora_rank=8)
-        model.lora.load(0, "r8", adapter)
-        logits = run_prompt(ModelRunner(model, block_size=16, num_blocks=8), PROMPT, 0, [0, 1, 2])
-        if rank == 0:
-            torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_two_tensor_parallel_ranks_give_the_whole_adapted_models_logits(
-    model: Any, base: tuple[Path, Any], adapters: dict[str, Path], tmp_path: Path
+def test_tensor_parallel_shards_of_an_adapter_make_up_the_whole(
+    base: tuple[Path, Any], adapters: dict[str, Path]
 ) -> None:
-    out = tmp_path / "logits.pt"
-    mp.spawn(_rank_logits, args=(2, _free_port(), str(base[0]), str(adapters["r8"]), str(out)), nprocs=2)
-    model.lora.load(0, "r8", str(adapters["r8"]))
-    whole = run_prompt(ModelRunner(model, block_size=16, num_blocks=8), PROMPT, 0, [0, 1, 2])
-    torch.testing.assert_close(torch.load(out), whole, atol=1e-4, rtol=0)
+    """Two ranks' shards (loaded as each rank loads them): column-parallel deltas side by side, packed
+    projections each in its place, row-parallel partial deltas summing to the whole (the all-reduce)."""
+    models = [load_model(base[0], tp=TensorParallel(r, 2), max_loras=1, max_lora_rank=8) for r in range(2)]
+    whole = load_model(base[0], max_loras=1, max_lora_rank=8)
+    for m in (*models, whole):
+        m.lora.load(0, "r8", str(adapters["r8"]))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    for name, (layer, lora) in whole.lora.layers.items():
+        expected = _delta(layer, lora, x[:, : layer.in_features])
+        shards = [m.lora.layers[name] for m in models]
+        if name.endswith(("o_proj", "down_proj")):
+            parts = [
+                _delta(ly, lo, x[:, r * ly.in_features : (r + 1) * ly.in_features]) for r, (ly, lo) in enumerate(shards)
+            ]
+            torch.testing.assert_close(parts[0] + parts[1], expected, atol=1e-5, rtol=1e-5)
+            continue
+        assembled = torch.full_like(expected, float("nan"))
+        for _, shard in lora.projections:
+            place = layer._pieces(shard)[0][2]
+            for ly, lo in shards:
+                ((start, count, local),) = ly._pieces(shard)
+                assembled[:, place + start : place + start + count] = _delta(ly, lo, x[:, : layer.in_features])[
+                    :, local : local + count
+                ]
+        torch.testing.assert_close(assembled, expected, atol=1e-5, rtol=1e-5)

@@ -106,10 +106,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_batch_size:
                 break
             seq = self.waiting[0]
-            adapter = seq.request.adapter
-            if adapter and self.adapters is not None:
-                if not self.adapters.acquire(adapter, {s.request.adapter for s in self.running}):
-                    break  # every slot holds an adapter of a running sequence
+            adapter, adapters = seq.request.adapter, self.adapters
+            if (
+                adapter
+                and adapters is not None
+                and not adapters.acquire(adapter, {s.request.adapter for s in self.running})
+            ):
+                break  # every slot holds an adapter of a running sequence
             self.block_manager.reuse_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):

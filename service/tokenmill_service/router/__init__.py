@@ -9,6 +9,9 @@
 
 from tokenmill_service.router.dispatch import Router
 from tokenmill_service.router.errors import (
+    AdapterInUse,
+    AdapterNotFound,
+    AdapterRefused,
     DeadlineExceeded,
     Overloaded,
     Rejected,
@@ -19,6 +22,9 @@ from tokenmill_service.router.errors import (
 from tokenmill_service.router.streams import RequestStream
 
 __all__ = [
+    "AdapterInUse",
+    "AdapterNotFound",
+    "AdapterRefused",
     "DeadlineExceeded",
     "Overloaded",
     "Rejected",

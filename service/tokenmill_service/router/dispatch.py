@@ -20,8 +20,9 @@ import structlog
 
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput
-from tokenmill_service.messages import AddRequest, Cancel
+from tokenmill_service.messages import AdapterResult, AddRequest, Cancel
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.router.adapters import Adapters
 from tokenmill_service.router.errors import Overloaded, Rejected, Unavailable
 from tokenmill_service.router.replicas import Replica, ReplicaPool
 from tokenmill_service.router.streams import InFlight, RequestStream
@@ -40,6 +41,12 @@ class Router:
         # Requests whose replica died while no other could take them; admitted on the next Ready.
         self.parked: list[InFlight] = []
         self.draining = False
+        # LoRA adapters: loaded and unloaded on every replica; a request's adapter checked on admission.
+        self.adapters = Adapters(self.pool, self.adapter_users)
+
+    def adapter_users(self, name: str) -> int:
+        """Requests in flight (running, queued or parked) with the LoRA adapter ``name``."""
+        return sum(inflight.request.adapter == name for inflight in self.requests.values())
 
     @property
     def workers(self) -> list[Replica]:
@@ -91,6 +98,7 @@ class Router:
         """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
+        self.adapters.check(request.adapter)
         worker = self._pick()
         if worker is None:
             raise Unavailable("no worker is ready to serve; retry shortly")
@@ -153,7 +161,11 @@ class Router:
         if inflight is not None:
             inflight.end(Rejected(message))
 
+    def on_adapter_result(self, replica: Replica, result: AdapterResult) -> None:
+        self.adapters.on_result(replica, result)
+
     def on_ready(self, replica: Replica) -> None:
+        self.adapters.on_ready(replica)
         parked, self.parked = self.parked, []
         for inflight in parked:
             target = self._pick()

@@ -17,9 +17,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int, master_port: int) -> WorkerSpec:
+def worker_spec(
+    settings: Settings,
+    num_workers: int,
+    worker_id: int,
+    rank: int,
+    master_port: int,
+    adapters: dict[str, str] | None = None,
+) -> WorkerSpec:
     """What one rank of one replica is started with: the user's load options whole, the engine's
-    limits, its threads (the cores shared among every process) and its supervision intervals."""
+    limits, its threads (the cores shared among every process), its supervision intervals and the LoRA
+    adapters served now (``adapters``, name -> path; None: those of --lora-modules)."""
     s = settings
     cores = os.cpu_count() or 1
     processes = num_workers * s.tensor_parallel
@@ -47,4 +55,5 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         log_level=s.log_level,
         heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),
         collective_timeout=s.step_timeout,
+        lora_modules=list((s.lora_module_paths() if adapters is None else adapters).items()),
     )

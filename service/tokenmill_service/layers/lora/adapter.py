@@ -22,7 +22,9 @@ from tokenmill_service.models.config import ModelConfig
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The projections an adapter may target, by the name PEFT gives them (Hugging Face's).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.\w+)?\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.\w+)?\.weight$"
+)
 
 
 class AdapterError(ValueError):
@@ -80,13 +82,19 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         raise AdapterError(f"{directory / CONFIG_FILE} cannot be read: {e}") from None
     if str(raw.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"adapter {name!r} is a {raw.get('peft_type')} adapter; only LoRA is served")
-    for key, what in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
+    for key, what in (
+        ("use_dora", "DoRA"),
+        ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"),
+    ):
         if raw.get(key):
             raise AdapterError(f"adapter {name!r} uses {what} ({key}), which is not served")
     if raw.get("bias", "none") != "none":
         raise AdapterError(f"adapter {name!r} trains biases (bias={raw['bias']!r}); only bias='none' is served")
     if raw.get("modules_to_save"):
-        raise AdapterError(f"adapter {name!r} saves whole modules ({raw['modules_to_save']}); only LoRA pairs are served")
+        raise AdapterError(
+            f"adapter {name!r} saves whole modules ({raw['modules_to_save']}); only LoRA pairs are served"
+        )
     rank, alpha = int(raw.get("r", 8)), float(raw.get("lora_alpha", 8))
     if rank > max_rank:
         raise AdapterError(f"adapter {name!r} has rank {rank}, above the served --max-lora-rank {max_rank}")

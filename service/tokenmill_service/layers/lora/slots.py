@@ -43,7 +43,9 @@ class LoRALayer:
     """One linear layer's adapter slots: ``a`` [slots, P * R, in], ``b`` [slots, out, P * R] for its
     P projections (3 for q/k/v, 2 for gate/up, else 1), ranks padded to R."""
 
-    def __init__(self, layer: Any, projections: list[tuple[str, str | int | None]], slots: int, rank: int, batch: LoRABatch) -> None:
+    def __init__(
+        self, layer: Any, projections: list[tuple[str, str | int | None]], slots: int, rank: int, batch: LoRABatch
+    ) -> None:
         self.projections = projections  # (checkpoint leaf, the layer's shard id) per block of rank
         self.rank = rank
         self.batch = batch
@@ -56,7 +58,14 @@ class LoRALayer:
         self.a[slot].zero_()
         self.b[slot].zero_()
 
-    def load(self, layer: Any, slot: int, prefix: str, adapter: LoRAAdapter, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load(
+        self,
+        layer: Any,
+        slot: int,
+        prefix: str,
+        adapter: LoRAAdapter,
+        tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
         """Write this rank's part of the adapter's pairs for this layer (``prefix``: its parent module)."""
         self.clear(slot)
         r = adapter.rank
@@ -93,7 +102,7 @@ class LoRASlots:
         self.layers: dict[str, tuple[Any, LoRALayer]] = {}  # parent prefix -> (linear layer, its slots)
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and name.startswith("model.layers."):
-                parent, _, leaf = name.rpartition(".")
+                leaf = name.rpartition(".")[2]
                 lora = LoRALayer(module, sources.get(leaf, [(leaf, None)]), max_loras, rank, self.batch)
                 module.lora = lora
                 self.layers[name] = (module, lora)
