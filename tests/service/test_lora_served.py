@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -103,7 +102,7 @@ def test_an_adapters_prompt_logprobs_are_transformers_plus_peft(server: ServerPr
 async def _generate(server: ServerProcess, prompt: str, adapter: str) -> list[tuple[int, float | None]]:
     async with AsyncClient(server.address, timeout=120, token=TOKEN) as c:
         events = [
-            e async for e in c.generate(prompt, max_new_tokens=12, ignore_eos=True, logprobs=True, adapter=adapter)
+            e async for e in c.generate(prompt, max_new_tokens=6, ignore_eos=True, logprobs=True, adapter=adapter)
         ]
     return [(t.id, t.logprob) for e in events for t in e.tokens]
 
@@ -173,12 +172,12 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_the_mismatch(
 
 def test_an_adapter_in_use_is_not_unloaded_and_its_request_is_unbroken(server: ServerProcess) -> None:
     with client(server) as c:
-        stream = c.generate("Keep going", max_new_tokens=60, ignore_eos=True, adapter="b")
+        stream = c.generate("Keep going", max_new_tokens=30, ignore_eos=True, adapter="b")
         first = next(stream)
         status, reply = http(server, "/v1/unload_lora_adapter", {"lora_name": "b"})
         assert status == 409 and "in use by 1 request" in reply["error"]["message"]
         rest = list(stream)
-    assert len(first.tokens) + sum(len(e.tokens) for e in rest) == 60
+    assert len(first.tokens) + sum(len(e.tokens) for e in rest) == 30
     assert rest[-1].finish_reason is not None
     assert server.metric("tokenmill_lora_adapters_loaded") == len(NAMES)
     assert server.metric("vllm:lora_requests_info") is not None

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from itertools import count
 
-from tokenmill_service.layers.lora.adapter import AdapterError, LoRAAdapter, read_adapter
-from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.layers.lora.adapter import AdapterError, BaseDims, LoRAAdapter, read_adapter
 
 
 class AdapterManager:
-    def __init__(self, max_loras: int, max_rank: int, config: ModelConfig) -> None:
+    def __init__(self, max_loras: int, max_rank: int, config: BaseDims) -> None:
         self.max_loras, self.max_rank, self.config = max_loras, max_rank, config
         self.registered: dict[str, LoRAAdapter] = {}
         self.slots: list[str | None] = [None] * max_loras

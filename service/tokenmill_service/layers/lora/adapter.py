@@ -14,10 +14,9 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
-
-from tokenmill_service.models.config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The projections an adapter may target, by the name PEFT gives them (Hugging Face's).
@@ -25,6 +24,17 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.\w+)?\.weight$"
 )
+
+
+class BaseDims(Protocol):
+    """What an adapter is checked against: the base model's dimensions (its ModelConfig)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class AdapterError(ValueError):
@@ -61,7 +71,7 @@ class LoRAAdapter:
         return {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}
 
 
-def expected_shape(config: ModelConfig, leaf: str) -> tuple[int, int]:
+def expected_shape(config: BaseDims, leaf: str) -> tuple[int, int]:
     """The (out, in) of a base projection, whole (before any tensor-parallel split)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
@@ -71,7 +81,7 @@ def expected_shape(config: ModelConfig, leaf: str) -> tuple[int, int]:
     }[leaf]  # fmt: skip
 
 
-def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+def read_adapter(name: str, path: str | Path, config: BaseDims, max_rank: int) -> LoRAAdapter:
     """The adapter at ``path``, checked against the base ``config`` and the served ``max_rank``."""
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
