@@ -155,6 +155,46 @@ def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
         read_adapter("none", tmp_path, config, max_rank=64)
 
 
+def write_gguf_lora(adapter: Path, out: Path, num_heads: int, num_kv_heads: int, kind: str = "lora") -> Path:
+    """A GGUF LoRA file as llama.cpp's convert_lora_to_gguf.py writes one for a Llama: its metadata, its tensor
+    names, and the rows of q's and k's B permuted as its converter permutes the base weights."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.engine.test_gguf_loader import llama_cpp_permute
+
+    parts = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    parts |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", kind)
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for key, tensor in sorted(load_file(str(adapter / "adapter_model.safetensors")).items()):
+        module = key.removeprefix("base_model.model.").rsplit(".", 2)[0]
+        layer, leaf = int(module.split(".")[2]), module.rpartition(".")[2]
+        which = "lora_a" if ".lora_A." in key else "lora_b"
+        if which == "lora_b" and leaf in ("q_proj", "k_proj"):
+            tensor = llama_cpp_permute(tensor, num_heads, num_kv_heads if leaf == "k_proj" else None)
+        writer.add_tensor(f"blk.{layer}.{parts[leaf]}.weight.{which}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_gguf_lora_file_gives_the_peft_adapters_logits(model: Any, adapters: dict[str, Path], tmp_path: Path) -> None:
+    path = write_gguf_lora(adapters["r8"], tmp_path / "r8.gguf", 2, 2)
+    model.lora.load(0, "r8", str(adapters["r8"]))
+    model.lora.load(1, "r8-gguf", str(path))
+    runner = ModelRunner(model, block_size=16, num_blocks=8)
+    assert torch.equal(run_prompt(runner, PROMPT, 1, [0, 1, 2]), run_prompt(runner, PROMPT, 0, [3, 4, 5]))
+    bad = write_gguf_lora(adapters["r8"], tmp_path / "other.gguf", 2, 2, kind="control_vector")
+    with pytest.raises(AdapterError, match="not a LoRA adapter"):
+        read_adapter("bad", bad, model.config, max_rank=64)
+
+
 # -- tensor parallel: each rank its slice of B (column-parallel) or A (row-parallel) -------------------
 
 

@@ -50,6 +50,10 @@ class LoRAAdapter:
     rslora: bool
     # The projections it changes, by checkpoint name ("model.layers.0.self_attn.q_proj").
     modules: tuple[str, ...] = field(default_factory=tuple)
+    # A GGUF LoRA file (llama.cpp's): the q/k heads whose B rows are put back in Hugging Face's order
+    # (None: a PEFT directory, or nothing to put back).
+    gguf_heads: tuple[int, int] | None = None
+    gguf: bool = False
 
     @property
     def scale(self) -> float:
@@ -61,6 +65,16 @@ class LoRAAdapter:
 
     def tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each module's (A [r, in], B [out, r]) as float32."""
+        if self.gguf:
+            from tokenmill_service.layers.lora.gguf import read_gguf, unpermute
+
+            _, found = read_gguf(self.path)
+            if self.gguf_heads is not None:
+                for name, (a, b) in found.items():
+                    if name.endswith(("q_proj", "k_proj")):
+                        heads = self.gguf_heads[0 if name.endswith("q_proj") else 1]
+                        found[name] = (a, unpermute(b, heads))
+            return found
         from safetensors.torch import load_file
 
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -83,9 +97,16 @@ def expected_shape(config: BaseDims, leaf: str) -> tuple[int, int]:
 
 def read_adapter(name: str, path: str | Path, config: BaseDims, max_rank: int) -> LoRAAdapter:
     """The adapter at ``path``, checked against the base ``config`` and the served ``max_rank``."""
+    from tokenmill_service.layers.lora.gguf import is_gguf
+
+    if is_gguf(path):
+        return _read_gguf_adapter(name, Path(path), config, max_rank)
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"{path} is not a PEFT LoRA adapter: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise AdapterError(
+            f"{path} is not a LoRA adapter: a PEFT directory needs {CONFIG_FILE} and {WEIGHTS_FILE}, "
+            "or give a GGUF LoRA file"
+        )
     try:
         raw = json.loads((directory / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -118,21 +139,53 @@ def read_adapter(name: str, path: str | Path, config: BaseDims, max_rank: int) -
             m = _KEY.match(key)
             if m is None:
                 raise AdapterError(f"adapter {name!r} has a tensor {key!r} that targets no servable projection")
-            module, layer, leaf, which = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            module, leaf, which = m.group(1), m.group(3), m.group(4)
             if leaf not in TARGETS:
                 raise AdapterError(f"adapter {name!r} targets {leaf}, which is not one of {', '.join(TARGETS)}")
-            if layer >= config.num_layers:
-                raise AdapterError(f"adapter {name!r} targets layer {layer}; the base has {config.num_layers} layers")
             shapes.setdefault(module, {})[which] = tuple(f.get_slice(key).get_shape())
+    _check_shapes(name, shapes, config, rank)
+    return LoRAAdapter(name, str(directory), rank, alpha, bool(raw.get("use_rslora", False)), tuple(sorted(shapes)))
+
+
+def _check_shapes(name: str, shapes: dict[str, dict[str, tuple[int, ...]]], config: BaseDims, rank: int) -> None:
     if not shapes:
         raise AdapterError(f"adapter {name!r} holds no LoRA tensors")
     for module, ab in sorted(shapes.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r} has lora_A without lora_B (or the reverse) for {module}")
+        layer = int(module.split(".")[2])
+        if layer >= config.num_layers:
+            raise AdapterError(f"adapter {name!r} targets layer {layer}; the base has {config.num_layers} layers")
         out, inp = expected_shape(config, module.rpartition(".")[2])
         if ab["A"] != (rank, inp) or ab["B"] != (out, rank):
             raise AdapterError(
                 f"adapter {name!r} does not fit the base at {module}: lora_A is {list(ab['A'])} and lora_B "
                 f"{list(ab['B'])}; rank {rank} on this base needs [{rank}, {inp}] and [{out}, {rank}]"
             )
-    return LoRAAdapter(name, str(directory), rank, alpha, bool(raw.get("use_rslora", False)), tuple(sorted(shapes)))
+
+
+def _read_gguf_adapter(name: str, path: Path, config: BaseDims, max_rank: int) -> LoRAAdapter:
+    """A llama.cpp GGUF LoRA file (layers/lora/gguf.py), checked as a PEFT adapter is."""
+    from tokenmill_service.layers.lora.gguf import PERMUTED, read_gguf
+
+    try:
+        meta, pairs = read_gguf(path)
+    except (ValueError, KeyError) as e:
+        raise AdapterError(f"adapter {name!r} ({path}): {e}") from None
+    if meta["type"] != "adapter" or meta["adapter_type"] != "lora":
+        raise AdapterError(
+            f"{path} is a GGUF file but not a LoRA adapter (general.type {meta['type']!r}, "
+            f"adapter.type {meta['adapter_type']!r})"
+        )
+    ranks = {a.shape[0] for a, _ in pairs.values()}
+    if len(ranks) > 1:
+        raise AdapterError(f"adapter {name!r} has several ranks ({sorted(ranks)}), which is not served")
+    rank = ranks.pop() if ranks else 0
+    if rank > max_rank:
+        raise AdapterError(f"adapter {name!r} has rank {rank}, above the served --max-lora-rank {max_rank}")
+    shapes = {m: {"A": tuple(a.shape), "B": tuple(b.shape)} for m, (a, b) in pairs.items()}
+    _check_shapes(name, shapes, config, rank)
+    # llama.cpp: scale alpha / r, and 1 when the file has no alpha.
+    alpha = float(meta["alpha"]) if meta["alpha"] else float(rank)
+    heads = (config.num_heads, config.num_kv_heads) if meta["architecture"] in PERMUTED else None
+    return LoRAAdapter(name, str(path), rank, alpha, False, tuple(sorted(shapes)), heads, gguf=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill_service.layers.lora.adapter import LoRAAdapter, read_adapter
+from tokenmill_service.layers.lora.adapter import BaseDims, LoRAAdapter, read_adapter
 from tokenmill_service.layers.lora.sgmv import lora_delta
 
 RANK_ALIGN = 32  # ranks are padded to whole blocks of the native float32 kernel
@@ -93,7 +93,7 @@ class LoRASlots:
         from tokenmill_service.layers.linear import LinearBase
 
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.config = model.config
+        self.config: BaseDims = model.config  # type: ignore[assignment]
         self.batch = LoRABatch()
         rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
         sources: dict[str, list[tuple[str, str | int | None]]] = {}
@@ -127,5 +127,5 @@ class LoRASlots:
 def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRASlots:
     """Give the model's linear layers ``max_loras`` adapter slots of rank up to ``max_rank``."""
     slots = LoRASlots(model, max_loras, max_rank)
-    model.lora = slots
+    model.lora = slots  # type: ignore[assignment]
     return slots
