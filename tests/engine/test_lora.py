@@ -1,7 +1,8 @@
 """LoRA adapters on the linear layers: PEFT adapters (ranks 8 and 64, rsLoRA) on a tiny random Llama give
 transformers + PEFT's prompt logprobs within 1e-4 at float32 dense, the merged weights' logits, a
 sequence's bits whatever adapters its neighbours use, the grouped product as its per-token definition,
-two tensor-parallel ranks' shards making up the whole, and adapters that do not fit refused by name.
+two tensor-parallel ranks' shards making up the whole, a GGUF LoRA file (llama.cpp's layout) giving its PEFT
+adapter's logits, and adapters that do not fit refused by name.
 """
 
 from __future__ import annotations

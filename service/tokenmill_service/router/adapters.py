@@ -75,6 +75,10 @@ class Adapters:
             results = await self._ask(replicas, UnloadAdapter(name))
             busy = next((r for r in results if r.kind == "in_use"), None)
             if busy is not None:
+                # A request reached a replica meanwhile: the replicas that let it go take it back.
+                done = [w for w, r in zip(replicas, results) if not r.error]
+                if done:
+                    await self._ask(done, LoadAdapter(name, self.served[name]))
                 raise AdapterInUse(busy.error)
             del self.served[name]
             log.info("lora_adapter_unloaded", name=name)
