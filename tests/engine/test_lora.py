@@ -152,7 +152,7 @@ def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
     )
     with pytest.raises(AdapterError, match="DoRA"):
         read_adapter("dora", tmp_path / "dora", config, max_rank=64)
-    with pytest.raises(AdapterError, match="is not a PEFT LoRA adapter"):
+    with pytest.raises(AdapterError, match="is not a LoRA adapter"):
         read_adapter("none", tmp_path, config, max_rank=64)
 
 

@@ -166,7 +166,7 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_the_mismatch(
         in reply["error"]["message"]
     )
     status, reply = http(server, "/v1/load_lora_adapter", {"lora_name": "nothing", "lora_path": str(made["root"])})
-    assert status == 400 and "is not a PEFT LoRA adapter" in reply["error"]["message"]
+    assert status == 400 and "is not a LoRA adapter" in reply["error"]["message"]
     assert "misfit" not in http(server, "/v1/models")[1]["data"]
 
 
