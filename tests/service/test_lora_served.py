@@ -3,7 +3,8 @@
 a request with adapter X gives bitwise the same tokens and logprobs alone and among 15 others using four
 other adapters and none; over HTTP, /v1/models lists the adapters with their parent, adapters load and
 unload at run time behind the auth token, one that does not fit is refused naming the mismatch, one in use
-is not unloaded, and a request for one that is not loaded is not found."""
+is not unloaded, a request for one that is not loaded is not found, and a stream whose worker died resumes on
+the restarted worker with its (run-time loaded) adapter."""
 
 from __future__ import annotations
 
@@ -181,3 +182,27 @@ def test_an_adapter_in_use_is_not_unloaded_and_its_request_is_unbroken(server: S
     assert rest[-1].finish_reason is not None
     assert server.metric("tokenmill_lora_adapters_loaded") == len(NAMES)
     assert server.metric("vllm:lora_requests_info") is not None
+
+
+def test_a_stream_resumed_after_its_worker_died_keeps_its_adapter(server: ServerProcess, made: dict[str, Any]) -> None:
+    """The adapter is loaded at run time, so the restarted worker has it only because the router gave it."""
+    import os
+    import signal
+
+    from tests.service.test_faults import worker_pids
+
+    path = str(made["adapters"]["late"])
+    assert http(server, "/v1/load_lora_adapter", {"lora_name": "runtime", "lora_path": path})[0] == 200
+    with client(server) as c:
+        expected = [
+            t.id
+            for e in c.generate("Resume me", max_new_tokens=24, ignore_eos=True, adapter="runtime")
+            for t in e.tokens
+        ]
+        stream = c.generate("Resume me", max_new_tokens=24, ignore_eos=True, adapter="runtime")
+        got = [t.id for t in next(stream).tokens]
+        os.kill(worker_pids(server)[0], signal.SIGKILL)
+        got += [t.id for e in stream for t in e.tokens]
+        assert got == expected
+        assert "runtime" in c.model_info().adapters
+    assert '"request_resumed"' in server.logs()
