@@ -51,7 +51,7 @@ def test_the_least_recently_used_adapter_no_running_sequence_holds_makes_room() 
 
 
 def seq(tokenizer: Any, ids: list[int], rid: str, adapter: str) -> Sequence:
-    return Sequence(GenerationRequest(rid, ids, adapter=adapter), tokenizer)
+    return Sequence(GenerationRequest(rid, ids, adapter=adapter), tokenizer)  # keyed by the name alone
 
 
 def test_prefix_cache_blocks_are_reused_only_under_the_same_adapter(default_tokenizer: Any) -> None:
@@ -67,3 +67,8 @@ def test_prefix_cache_blocks_are_reused_only_under_the_same_adapter(default_toke
         bm.reuse_cached_prefix(other)
         hits[adapter] = other.num_cached_tokens
     assert hits == {"y": 0, "": 0, "x": 8}
+    # The same name loaded again (the engine keys a sequence by its registration) finds nothing.
+    again = seq(default_tokenizer, ids, "r4", "x")
+    again.adapter_key = "x#2"
+    bm.reuse_cached_prefix(again)
+    assert again.num_cached_tokens == 0

@@ -22,6 +22,10 @@ class AdapterManager:
         self._clock = count()
         self._last_used: dict[str, int] = {}
         self._loads: list[tuple[int, str, str]] = []
+        # Each registration's number: what the prefix cache keys blocks by (a name loaded again, maybe
+        # from other files, never finds the blocks of its earlier self).
+        self._registrations = count(1)
+        self.keys: dict[str, str] = {}
 
     def register(self, name: str, path: str) -> LoRAAdapter:
         """Check the adapter at ``path`` against the base and serve it as ``name`` (AdapterError: refused)."""
@@ -31,11 +35,13 @@ class AdapterManager:
             raise AdapterError(f"an adapter named {name!r} is already loaded (from {self.registered[name].path})")
         adapter = read_adapter(name, path, self.config, self.max_rank)
         self.registered[name] = adapter
+        self.keys[name] = f"{name}#{next(self._registrations)}"
         return adapter
 
     def unregister(self, name: str) -> None:
         """Stop serving ``name`` (the caller has checked that no request uses it)."""
         del self.registered[name]
+        self.keys.pop(name, None)
         if name in self.slots:
             self.slots[self.slots.index(name)] = None  # the stale weights stay until a new adapter takes it
 

@@ -31,8 +31,8 @@ def chain_hash(prev: int | None, token_ids: Seq[int]) -> int:
 def root_hash(seq: Sequence) -> int | None:
     """What a sequence's first block chains from: its LoRA adapter, so that keys and values computed
     under one adapter are never reused for another or for the base."""
-    adapter = seq.request.adapter
-    return hash(("adapter", adapter)) if adapter else None
+    key = seq.adapter_key
+    return hash(("adapter", key)) if key else None
 
 
 class BlockManager:

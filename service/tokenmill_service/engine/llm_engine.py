@@ -130,6 +130,8 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         self.validate(request)
         seq = Sequence(request, self.tokenizer)
+        if request.adapter and self.adapters is not None:
+            seq.adapter_key = self.adapters.keys[request.adapter]
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
 

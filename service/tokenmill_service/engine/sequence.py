@@ -48,6 +48,8 @@ class Sequence:
         self.prompt_logprobs_sent = False
         # Tokens guessed for the positions after the last one, checked this step (speculation.py).
         self.drafts: list[int] = []
+        # What its KV blocks are keyed by besides tokens: its LoRA adapter as registered ("" : the base).
+        self.adapter_key = request.adapter
 
     @property
     def num_tokens(self) -> int:
