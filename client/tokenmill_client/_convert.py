@@ -78,6 +78,7 @@ def build_generate_request(
         top_logprobs=options.top_logprobs,
         prompt_logprobs=options.prompt_logprobs,
         request_id=options.request_id or "",
+        adapter=options.adapter,
     )
     given_constraints = [
         name
@@ -199,12 +200,15 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
         weight_bytes=info.weight_bytes,
         tensor_parallel=info.tensor_parallel or 1,
         load_plan=dict(info.load_plan),
+        adapters={a.name: a.path for a in info.adapters},
         limits=Limits(
             max_new_tokens=lim.max_new_tokens,
             max_top_logprobs=lim.max_top_logprobs,
             max_stop_strings=lim.max_stop_strings,
             max_queue=lim.max_queue,
             max_batch_size=lim.max_batch_size,
+            max_loras=lim.max_loras,
+            max_lora_rank=lim.max_lora_rank,
         ),
         engine=EngineState(
             running=e.running,

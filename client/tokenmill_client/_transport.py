@@ -23,6 +23,8 @@ _SERVICE = "/tokenmill.v1.Generation/"
 GENERATE_METHOD = _SERVICE + "Generate"
 TOKENIZE_METHOD = _SERVICE + "Tokenize"
 MODEL_INFO_METHOD = _SERVICE + "GetModelInfo"
+LOAD_ADAPTER_METHOD = _SERVICE + "LoadLoRAAdapter"
+UNLOAD_ADAPTER_METHOD = _SERVICE + "UnloadLoRAAdapter"
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # prompt logprobs of a long prompt can pass gRPC's 4 MiB default
@@ -245,6 +247,20 @@ class SyncStubs:
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
             response_deserializer=pb.ModelInfo.FromString,
         )
+        self.load_adapter: grpc.UnaryUnaryMultiCallable[pb.LoadLoRAAdapterRequest, pb.LoadLoRAAdapterResponse] = (
+            channel.unary_unary(
+                LOAD_ADAPTER_METHOD,
+                request_serializer=pb.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pb.LoadLoRAAdapterResponse.FromString,
+            )
+        )
+        self.unload_adapter: grpc.UnaryUnaryMultiCallable[pb.UnloadLoRAAdapterRequest, pb.UnloadLoRAAdapterResponse] = (
+            channel.unary_unary(
+                UNLOAD_ADAPTER_METHOD,
+                request_serializer=pb.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pb.UnloadLoRAAdapterResponse.FromString,
+            )
+        )
         self.health: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
             HEALTH_CHECK_METHOD, request_serializer=_identity, response_deserializer=_identity
         )
@@ -270,6 +286,20 @@ class AsyncStubs:
             MODEL_INFO_METHOD,
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
             response_deserializer=pb.ModelInfo.FromString,
+        )
+        self.load_adapter: grpc.aio.UnaryUnaryMultiCallable[pb.LoadLoRAAdapterRequest, pb.LoadLoRAAdapterResponse] = (
+            channel.unary_unary(
+                LOAD_ADAPTER_METHOD,
+                request_serializer=pb.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pb.LoadLoRAAdapterResponse.FromString,
+            )
+        )
+        self.unload_adapter: grpc.aio.UnaryUnaryMultiCallable[
+            pb.UnloadLoRAAdapterRequest, pb.UnloadLoRAAdapterResponse
+        ] = channel.unary_unary(
+            UNLOAD_ADAPTER_METHOD,
+            request_serializer=pb.UnloadLoRAAdapterRequest.SerializeToString,
+            response_deserializer=pb.UnloadLoRAAdapterResponse.FromString,
         )
         self.health: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
             HEALTH_CHECK_METHOD, request_serializer=_identity, response_deserializer=_identity

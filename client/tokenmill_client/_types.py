@@ -123,6 +123,8 @@ class GenerateOptions:
     """Return the prompt's tokens with their log-probabilities in the first event."""
     request_id: str | None = None
     """Echoed in every event and in the server's logs; None = the server makes one."""
+    adapter: str = ""
+    """The LoRA adapter to generate with, by the name the server loaded it as; "" = the base model."""
     timeout: float | None = None
     """Deadline of the whole call in seconds, retries included; None = the client's default."""
     json_schema: str | Mapping[str, Any] | None = field(default=None, hash=False)
@@ -170,6 +172,7 @@ class GenerateOverrides(TypedDict, total=False):
     top_logprobs: int
     prompt_logprobs: bool
     request_id: str | None
+    adapter: str
     timeout: float | None
     json_schema: str | Mapping[str, Any] | None
     json_object: bool
@@ -301,6 +304,8 @@ class Limits:
     max_stop_strings: int
     max_queue: int
     max_batch_size: int
+    max_loras: int = 0  # LoRA adapters resident at once; 0 = adapters off
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,3 +364,5 @@ class ModelInfo:
     tensor_parallel: int = 1  # ranks (processes, devices) per replica
     # How the worker runs the model, each decision "value (reason)": "executor", "ops", "dtype", ...
     load_plan: Mapping[str, str] = field(default_factory=dict)
+    # The LoRA adapters served (usable as GenerateOptions.adapter): name -> where the server read it.
+    adapters: Mapping[str, str] = field(default_factory=dict)

@@ -180,6 +180,16 @@ class AsyncClient:
         """The loaded model, the server's limits and its engines' state."""
         return model_info_from_proto(await self._unary(self._stubs.model_info, pb.GetModelInfoRequest(), timeout))
 
+    async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> None:
+        """Serve the LoRA adapter at ``path`` (a PEFT directory on the server's disk) as ``name``, on every
+        worker; InvalidArgumentError names what does not fit the base model."""
+        request = pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+        await self._unary(self._stubs.load_adapter, request, timeout)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Stop serving the LoRA adapter ``name``; refused while requests use it (nothing is broken)."""
+        await self._unary(self._stubs.unload_adapter, pb.UnloadLoRAAdapterRequest(lora_name=name), timeout)
+
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """The grpc.health.v1 status of ``service`` ("" = the whole server)."""
         return decode_health_response(await self._unary(self._stubs.health, encode_health_request(service), timeout))

@@ -214,6 +214,7 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         regex=args.regex,
         grammar=grammar,
         grammar_syntax="gbnf" if grammar is not None and "::=" in grammar else "lark",
+        adapter=args.adapter,
     )
 
 
@@ -883,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 about bans the token)",
     )
     gen.add_argument("--seed", type=int, default=None, help="random seed (same seed, same answer)")
+    gen.add_argument(
+        "--adapter", default="", metavar="NAME", help="generate with the server's LoRA adapter NAME (default: the base)"
+    )
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-sequence, up to the limit (benchmarks)"

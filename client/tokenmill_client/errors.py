@@ -43,12 +43,17 @@ class AuthenticationError(TokenmillError):
     """The server refused the credentials (UNAUTHENTICATED)."""
 
 
+class NotFoundError(TokenmillError):
+    """What the call names does not exist on the server (NOT_FOUND): a LoRA adapter that is not loaded."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TokenmillError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
 }
 
 

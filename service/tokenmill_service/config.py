@@ -210,6 +210,22 @@ class Settings:
             "its worker is declared hung and replaced"
         },
     )
+    lora_modules: str = field(
+        default="",
+        metadata={
+            "help": "LoRA adapters (PEFT directories) served from the start, as name=path, several separated by "
+            "spaces; a request names one as its model (OpenAI) or adapter (gRPC); needs --max-loras",
+            "nargs": "*",
+        },
+    )
+    max_loras: int = field(
+        default=0,
+        metadata={
+            "help": "LoRA adapters resident at once (slots; the least recently used one makes room); "
+            "0: adapters off, and the model runs without their side path"
+        },
+    )
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
     max_resumptions: int = field(
         default=2,
         metadata={"help": "times one stream may move to another worker after its worker failed (0: fail it instead)"},
@@ -267,6 +283,22 @@ class Settings:
         if self.max_resumptions < 0:
             raise ValueError("--max-resumptions must not be negative")
         self.auth_tokens()  # an unreadable or empty token file stops the server at start
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras must not be negative and --max-lora-rank must be at least 1")
+        if self.lora_module_paths() and not self.max_loras:
+            raise ValueError("--lora-modules needs adapter slots: give --max-loras 1 or more")
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> path."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules.split():
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path, not {item!r}")
+            if name in out:
+                raise ValueError(f"--lora-modules names {name!r} twice")
+            out[name] = path
+        return out
 
     def auth_tokens(self) -> list[str]:
         """Every accepted bearer token: --auth-token and the lines of --auth-token-file (read now, so a
@@ -382,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=True, **kw)
             continue
         kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
+        if "nargs" in f.metadata:
+            kw["nargs"] = f.metadata["nargs"]
         parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", []), dest=f.name, **kw)
     return parser
 
@@ -400,6 +434,8 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
                 value = parsers.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
+        if isinstance(value, list):
+            value = " ".join(value)
         if value is not None:
             values[f.name] = value
     settings = Settings(**values)

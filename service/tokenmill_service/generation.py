@@ -22,7 +22,17 @@ from tokenmill_service.engine.grammar import COMPILE_TIMEOUT_S, ConstraintError,
 from tokenmill_service.engine.request import Constraint, FinishReason, TokenOutput
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
-from tokenmill_service.router import DeadlineExceeded, Overloaded, Rejected, Router, Unavailable
+from tokenmill_service.router import (
+    AdapterInUse,
+    AdapterNotFound,
+    AdapterRefused,
+    DeadlineExceeded,
+    Overloaded,
+    Rejected,
+    Router,
+    RouterError,
+    Unavailable,
+)
 from tokenmill_service.tokenizer import Tokenizer
 from tokenmill_service.tool_calls import parse_calls
 from tokenmill_service.tool_validation import family, tools_in_use
@@ -229,6 +239,8 @@ class GenerationService:
             code, error = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
         except Rejected as exc:
             code, error = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except AdapterNotFound as exc:
+            code, error, field, reason = grpc.StatusCode.NOT_FOUND, str(exc), "adapter", "model_not_found"
         except Overloaded as exc:
             code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except Unavailable as exc:
@@ -241,6 +253,15 @@ class GenerationService:
             self._finished(code, error, prompt_len, completion_len, first_token_at, arrival, finish)
         if code is not grpc.StatusCode.OK:
             raise ServiceError(code, error, field, reason)
+
+    async def load_adapter(self, name: str, path: str, authorization: str | None, where: str) -> None:
+        """Serve the LoRA adapter at ``path`` as ``name`` on every worker (ServiceError when not)."""
+        self.authorize(authorization, where)
+        await _adapter_call(self.router.adapters.load(name, path))
+
+    async def unload_adapter(self, name: str, authorization: str | None, where: str) -> None:
+        self.authorize(authorization, where)
+        await _adapter_call(self.router.adapters.unload(name))
 
     def _finished(
         self,
@@ -271,3 +292,20 @@ class GenerationService:
             fields["error"] = error
         log.info("request_finished", **fields)
         structlog.contextvars.unbind_contextvars("request_id", "worker_id", "api")
+
+
+# What a LoRA adapter's load or unload ends with, as a status.
+_ADAPTER_CODES: dict[type[RouterError], grpc.StatusCode] = {
+    AdapterRefused: grpc.StatusCode.INVALID_ARGUMENT,
+    AdapterNotFound: grpc.StatusCode.NOT_FOUND,
+    AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def _adapter_call(call: Any) -> None:
+    try:
+        await call
+    except RouterError as exc:
+        code = _ADAPTER_CODES.get(type(exc), grpc.StatusCode.INTERNAL)
+        raise ServiceError(code, str(exc), "lora_name" if code is not grpc.StatusCode.UNAVAILABLE else None) from None

@@ -59,6 +59,8 @@ _HTTP_ERRORS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error", "model_not_found"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "invalid_request_error", "adapter_in_use"),
 }
 _SERVER_ERROR = (500, "server_error", "internal_error")
 
@@ -212,6 +214,13 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
+def _string_field(body: Any, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"'{name}' is required: a non-empty string", name, "missing_required_parameter")
+    return value
+
+
 async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
     yield first
     async for item in rest:
@@ -233,6 +242,8 @@ class HttpApi:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -270,17 +281,29 @@ class HttpApi:
             return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
         if parsed.chat and tools_in_use(parsed.request):
             parsed.tool_marker = start_marker(family(self.service.tokenizer))
+        adapter = self._adapter(parsed.model)
         many = len(parsed.requests) > 1
         streams = []
         for i, one in enumerate(parsed.requests):
             # Each prompt is its own sequence, under its own id (the engine refuses two alike).
             one.request_id = f"{request_id}-{i}" if many else request_id
+            one.adapter = adapter
             streams.append(
                 self.service.generate(one, one.request_id, request.headers.get("authorization"), AUTH_WHERE, api="http")
             )
         echo_texts = [self._prompt_text(one) for one in parsed.requests] if parsed.echo else []
-        builder = ResponseBuilder(parsed, request_id, self.service.model_name(), echo_texts)
+        builder = ResponseBuilder(parsed, request_id, adapter or self.service.model_name(), echo_texts)
         return GenerationResponse(streams, builder, request_id)
+
+    def _adapter(self, model: str) -> str:
+        """The LoRA adapter a request's ``model`` names ("": the base). With adapters on (--max-loras), a
+        name that is neither the base model's nor a loaded adapter's is passed on, to be refused as
+        not found; with them off, any name means the one model served."""
+        if model in self.service.router.adapters.served:
+            return model
+        if self.service.settings.max_loras and model and model != self.service.model_name():
+            return model
+        return ""
 
     def _prompt_text(self, request: pb.GenerateRequest) -> str:
         """What echo repeats: the prompt as given, or its token ids' text."""
@@ -294,8 +317,35 @@ class HttpApi:
         except ServiceError as exc:
             return service_error_response(exc)
         name = self.service.model_name()
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenmill"}] if name else []
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenmill", "parent": None}] if name else []
+        for adapter, path in sorted(self.service.router.adapters.served.items()):
+            data.append(
+                {"id": adapter, "object": "model", "created": 0, "owned_by": "tokenmill", "root": path, "parent": name}
+            )
         return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's shape: {"lora_name": ..., "lora_path": ...}; every worker loads it."""
+        try:
+            body = await self._json_body(request)
+            name, path = _string_field(body, "lora_name"), _string_field(body, "lora_path")
+            await self.service.load_adapter(name, path, request.headers.get("authorization"), AUTH_WHERE)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return bad_request(exc)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's shape: {"lora_name": ...}; refused (409) while requests use it."""
+        try:
+            name = _string_field(await self._json_body(request), "lora_name")
+            await self.service.unload_adapter(name, request.headers.get("authorization"), AUTH_WHERE)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return bad_request(exc)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def _json_body(self, request: Request) -> Any:
         """The body as JSON, after the caller's token is checked (ServiceError or BadRequest otherwise)."""

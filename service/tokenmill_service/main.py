@@ -20,7 +20,7 @@ from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
 from tokenmill_service.reflection import enable_reflection
 from tokenmill_service.router import Router, WorkerStartError
-from tokenmill_service.server import GenerationServicer, add_generation_servicer, engine_totals
+from tokenmill_service.server import GenerationServicer, adapter_state, add_generation_servicer, engine_totals
 
 log = structlog.get_logger("tokenmill.main")
 
@@ -59,6 +59,7 @@ async def serve(settings: Settings) -> int:
     metrics = Metrics()
     router = Router(settings, metrics)
     metrics.bind_state(lambda: engine_totals(router))
+    metrics.bind_adapters(lambda: adapter_state(router, settings.max_loras))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = GenerationServicer(settings, router, tokenizer, metrics)
     add_generation_servicer(servicer, server)

@@ -5,8 +5,8 @@ The router imports this module and never torch; each side dispatches on the mess
 gathered in one loop turn as one list; the worker answers each engine step with one
 `StepOutputs` holding every request's outputs of that step (never one message per token).
 
-    router -> worker: list[AddRequest | Cancel | Shutdown]
-    worker -> router: Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat
+    router -> worker: list[AddRequest | Cancel | LoadAdapter | UnloadAdapter | Shutdown]
+    worker -> router: Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat | AdapterResult
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class WorkerSpec:
     # --kv-events-endpoint as given (this worker offsets its port by its id) and --kv-events-topic.
     kv_events_endpoint: str = ""
     kv_events_topic: str = ""
+    # LoRA adapters to serve from the start, (name, path): --lora-modules and those loaded since.
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -62,6 +64,8 @@ class WorkerInfo:
     backend: str = "torch"
     # The load plan's decisions, each "value (reason)" (LoadPlan.summary()), for GetModelInfo.
     plan: dict[str, str] = field(default_factory=dict)
+    # The LoRA adapters it serves, by name.
+    adapters: list[str] = field(default_factory=list)
 
 
 # -- router -> worker ---------------------------------------------------------------------------
@@ -80,11 +84,26 @@ class Cancel:
 
 
 @dataclass(slots=True)
+class LoadAdapter:
+    """Serve the LoRA adapter at ``path`` as ``name`` (answered by ``AdapterResult``)."""
+
+    name: str
+    path: str
+
+
+@dataclass(slots=True)
+class UnloadAdapter:
+    """Stop serving the LoRA adapter ``name`` (answered by ``AdapterResult``)."""
+
+    name: str
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Cancel everything and exit."""
 
 
-Command = AddRequest | Cancel | Shutdown
+Command = AddRequest | Cancel | LoadAdapter | UnloadAdapter | Shutdown
 
 
 # -- worker -> router ---------------------------------------------------------------------------
@@ -140,4 +159,15 @@ class Heartbeat:
     step_tokens: int = 0
 
 
-Event = Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat
+@dataclass(slots=True)
+class AdapterResult:
+    """The answer to ``LoadAdapter`` / ``UnloadAdapter`` (``load``: which): ``error`` empty when done, else
+    why not, of ``kind`` "invalid" (the adapter does not fit), "not_found" or "in_use"."""
+
+    name: str
+    load: bool
+    error: str = ""
+    kind: str = ""
+
+
+Event = Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat | AdapterResult

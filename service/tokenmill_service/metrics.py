@@ -13,9 +13,13 @@ tokenmill loads no adapters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 # The *_created series (a timestamp per counter and histogram) only add noise to every scrape.
 disable_created_metrics()
@@ -115,6 +119,11 @@ class Metrics:
             lambda: _ratio(read(), "draft_tokens_accepted", "draft_tokens_proposed")
         )
 
+    def bind_adapters(self, read: Callable[[], AdapterState]) -> None:
+        """LoRA adapter series, read at scrape time: vLLM's ``vllm:lora_requests_info`` (its labels name the
+        adapters of running and waiting requests) and ``tokenmill_lora_adapters_loaded``."""
+        self.registry.register(_AdapterCollector(read))
+
     def set_build_info(self, version: str, model: str, backend: str, dtype: str, quantization: str) -> None:
         self.build_info.clear()
         self.build_info.labels(version, model, backend, dtype, quantization).set(1)
@@ -134,6 +143,31 @@ class Metrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+# The adapters of the running and the waiting requests, the slots per worker and the adapters loaded.
+AdapterState = tuple[list[str], list[str], int, int]
+
+
+class _AdapterCollector(Collector):
+    def __init__(self, read: Callable[[], AdapterState]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        running, waiting, max_loras, loaded = self.read()
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (as vLLM's: the labels name the adapters; the value is when read)",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric([",".join(running), ",".join(waiting), str(max_loras)], time.time())
+        yield info
+        yield GaugeMetricFamily("tokenmill_lora_adapters_loaded", "LoRA adapters served (loaded and usable)", loaded)
+        yield GaugeMetricFamily(
+            "tokenmill_lora_adapters_running",
+            "Distinct LoRA adapters of the running requests, all workers",
+            len(running),
+        )
 
 
 def _ratio(state: dict[str, int], part: str, whole: str) -> float:

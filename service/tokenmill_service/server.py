@@ -125,8 +125,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 max_logit_bias=MAX_LOGIT_BIAS,
                 max_constraint_length=MAX_CONSTRAINT_LENGTH,
                 constraint_compile_timeout_s=COMPILE_TIMEOUT_S,
+                max_loras=s.max_loras,
+                max_lora_rank=s.max_lora_rank,
             ),
         )
+        for name, path in sorted(self.router.adapters.served.items()):
+            reply.adapters.add(name=name, path=path)
         if info is not None:
             reply.name, reply.context_length, reply.device = self.service.model_name(), info.context_length, info.device
             reply.dtype, reply.quantization, reply.weight_bytes = info.dtype, info.quantization, info.weight_bytes
@@ -148,6 +152,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 reply.engine.draft_tokens_accepted += w.stats.draft_tokens_accepted
             reply.engine.kv_block_size = state.kv_block_size or reply.engine.kv_block_size
         return reply
+
+    async def LoadLoRAAdapter(
+        self, request: pb.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.LoadLoRAAdapterResponse:
+        try:
+            await self.service.load_adapter(
+                request.lora_name, request.lora_path, self._authorization(context), AUTH_WHERE
+            )
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(
+        self, request: pb.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.UnloadLoRAAdapterResponse:
+        try:
+            await self.service.unload_adapter(request.lora_name, self._authorization(context), AUTH_WHERE)
+        except ServiceError as exc:
+            await context.abort(exc.code, exc.message)
+        return pb.UnloadLoRAAdapterResponse()
+
+
+def adapter_state(router: Router, max_loras: int) -> tuple[list[str], list[str], int, int]:
+    """The adapters of the running and the waiting requests (all workers), the slots, the adapters loaded."""
+    running: set[str] = set()
+    waiting: set[str] = set()
+    for w in router.workers:
+        if w.serving and w.stats is not None:
+            running.update(w.stats.running_adapters)
+            waiting.update(w.stats.waiting_adapters)
+    return sorted(running), sorted(waiting), max_loras, len(router.adapters.served)
 
 
 def engine_totals(router: Router) -> dict[str, int]:
@@ -220,6 +255,14 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             parsing(pb.GetModelInfoRequest, servicer.GetModelInfo),
             response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "LoadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            parsing(pb.LoadLoRAAdapterRequest, servicer.LoadLoRAAdapter),
+            response_serializer=pb.LoadLoRAAdapterResponse.SerializeToString,
+        ),
+        "UnloadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            parsing(pb.UnloadLoRAAdapterRequest, servicer.UnloadLoRAAdapter),
+            response_serializer=pb.UnloadLoRAAdapterResponse.SerializeToString,
         ),
     }
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -289,6 +289,7 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
         constraint=_constraint_or_tool_call(request, tokenizer),
+        adapter=request.adapter,
     )
 
 

@@ -23,16 +23,19 @@ import structlog
 from tokenmill_service.engine.request import GenerationRequest, RequestError, StoppingParams
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.messages import (
+    AdapterResult,
     AddRequest,
     Cancel,
     Event,
     Failed,
     Heartbeat,
+    LoadAdapter,
     Ready,
     Rejected,
     Shutdown,
     Stats,
     StepOutputs,
+    UnloadAdapter,
     WorkerInfo,
     WorkerSpec,
 )
@@ -116,6 +119,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                 compiled_graphs=stats.compiled_graphs,
                 backend=spec.options.backend,
                 plan=engine.model.plan.summary(),
+                adapters=stats.adapters,
             ),
         )
     )
@@ -199,6 +203,7 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     model = load(spec.options, device, tp)
     tokenizer = load_tokenizer(resolve_model_path(spec.options.model or None))
     engine = LLMEngine(model, tokenizer, spec.engine)
+    _load_adapters(engine, spec.lora_modules)
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.
         broadcast_from_rank0(engine.block_manager.num_blocks, tp)
@@ -213,10 +218,40 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
         log.warning("compile_failed", error=str(exc).splitlines()[0] if str(exc) else repr(exc), running="eager")
         del engine
         engine = LLMEngine(model, tokenizer, spec.engine, executor="eager")
+        _load_adapters(engine, spec.lora_modules)
         _warm_up(engine)
         return engine
     log.info("compiled", graphs=compiled_graphs(), seconds=round(time.monotonic() - started, 1))
     return engine
+
+
+def _load_adapters(engine: Any, modules: list[tuple[str, str]]) -> None:
+    """Serve the adapters the worker starts with; one that does not fit stops it as a bad flag would."""
+    from tokenmill_service.layers.lora import AdapterError
+    from tokenmill_service.models.paths import ModelLoadError
+
+    for name, path in modules:
+        try:
+            engine.load_adapter(name, path)
+        except AdapterError as exc:
+            raise ModelLoadError(f"--lora-modules {name}={path}: {exc}") from None
+
+
+def _adapter_command(engine: Any, cmd: LoadAdapter | UnloadAdapter) -> AdapterResult:
+    """Carry out a load or an unload; what went wrong as the result's error and its kind."""
+    from tokenmill_service.layers.lora import AdapterError
+
+    load = isinstance(cmd, LoadAdapter)
+    try:
+        if isinstance(cmd, LoadAdapter):
+            engine.load_adapter(cmd.name, cmd.path)
+        else:
+            engine.unload_adapter(cmd.name)
+    except KeyError:
+        return AdapterResult(cmd.name, load, f"the LoRA adapter {cmd.name!r} is not loaded", "not_found")
+    except AdapterError as exc:
+        return AdapterResult(cmd.name, load, str(exc), "invalid" if load else "in_use")
+    return AdapterResult(cmd.name, load)
 
 
 def _warm_up(engine: Any) -> None:
@@ -289,6 +324,9 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
                             channel.send(Rejected(request.request_id, str(exc)))
                     case Cancel(request_id=request_id):
                         dirty |= engine.cancel(request_id)
+                    case LoadAdapter() | UnloadAdapter():
+                        channel.send(_adapter_command(engine, cmd))
+                        dirty = True
                     case Shutdown():
                         for rid in list(engine.sequences):
                             engine.cancel(rid)

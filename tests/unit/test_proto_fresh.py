@@ -28,4 +28,10 @@ def test_generated_code_imports_as_part_of_the_client_package() -> None:
     assert generate_pb2_grpc.tokenmill_dot_v1_dot_generate__pb2 is generate_pb2
     assert "tokenmill.v1" not in sys.modules
     service = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
-    assert [m.name for m in service.methods] == ["Generate", "Tokenize", "GetModelInfo"]
+    assert [m.name for m in service.methods] == [
+        "Generate",
+        "Tokenize",
+        "GetModelInfo",
+        "LoadLoRAAdapter",
+        "UnloadLoRAAdapter",
+    ]

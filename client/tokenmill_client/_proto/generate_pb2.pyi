@@ -128,7 +128,7 @@ class StoppingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls")
+    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "adapter")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: Messages
     token_ids: TokenIds
@@ -163,7 +164,8 @@ class GenerateRequest(_message.Message):
     tool_choice: ToolChoice
     tool_choice_function: str
     parallel_tool_calls: bool
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class JsonObject(_message.Message):
     __slots__ = ()
@@ -260,7 +262,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias", "max_constraint_length", "constraint_compile_timeout_s")
+    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias", "max_constraint_length", "constraint_compile_timeout_s", "max_loras", "max_lora_rank")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +276,8 @@ class Limits(_message.Message):
     MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONSTRAINT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_COMPILE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     max_top_logprobs: int
     max_stop_strings: int
@@ -287,7 +291,9 @@ class Limits(_message.Message):
     max_logit_bias: int
     max_constraint_length: int
     constraint_compile_timeout_s: float
-    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_constraint_length: _Optional[int] = ..., constraint_compile_timeout_s: _Optional[float] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_constraint_length: _Optional[int] = ..., constraint_compile_timeout_s: _Optional[float] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "draft_tokens_proposed", "draft_tokens_accepted")
@@ -340,7 +346,7 @@ class RankState(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes", "tensor_parallel", "load_plan")
+    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes", "tensor_parallel", "load_plan", "adapters")
     class LoadPlanEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +368,7 @@ class ModelInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_PLAN_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     vocab_size: int
@@ -376,4 +383,35 @@ class ModelInfo(_message.Message):
     weight_bytes: int
     tensor_parallel: int
     load_plan: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., load_plan: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., load_plan: _Optional[_Mapping[str, str]] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -50,6 +50,16 @@ class GenerationStub:
                 request_serializer=tokenmill_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tokenmill_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tokenmill.v1.Generation/LoadLoRAAdapter',
+                request_serializer=tokenmill_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tokenmill_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tokenmill.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=tokenmill_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=tokenmill_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -84,6 +94,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Serves a LoRA adapter (a PEFT directory on the server's disk) on every worker, as a name requests
+        can give in GenerateRequest.adapter. Errors: INVALID_ARGUMENT (the adapter does not fit the base
+        model, the name is taken, or adapters are off: the message says which), UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Stops serving a LoRA adapter. Errors: NOT_FOUND (not loaded), FAILED_PRECONDITION (requests in flight
+        use it: nothing is broken; retry when they finish), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +128,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tokenmill_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tokenmill_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=tokenmill_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=tokenmill_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=tokenmill_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=tokenmill_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +222,60 @@ class Generation:
             '/tokenmill.v1.Generation/GetModelInfo',
             tokenmill_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             tokenmill_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmill.v1.Generation/LoadLoRAAdapter',
+            tokenmill_dot_v1_dot_generate__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            tokenmill_dot_v1_dot_generate__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmill.v1.Generation/UnloadLoRAAdapter',
+            tokenmill_dot_v1_dot_generate__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            tokenmill_dot_v1_dot_generate__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ where its prefix is cached) and the KV events' subscribers all see the same numb
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 # The parent of a sequence's first block. A fixed integer rather than None, whose hash varies from
@@ -17,6 +18,15 @@ ROOT = 0x746F6B656E6D696C
 def chain_hash(prev: int | None, token_ids: Sequence[int]) -> int:
     """The hash of one full block of `token_ids` after the block hashed `prev` (None: the first)."""
     return hash((ROOT if prev is None else prev, tuple(token_ids)))
+
+
+def adapter_root(adapter_key: str) -> int | None:
+    """What the first block of a sequence run with a LoRA adapter chains from (None: the base model's
+    root), so that keys and values computed under one adapter are never reused for another or for the
+    base. From the adapter's registration key by SHA-256: the same in every process."""
+    if not adapter_key:
+        return None
+    return int.from_bytes(hashlib.sha256(adapter_key.encode()).digest()[:8], "little") >> 1
 
 
 def full_block_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:

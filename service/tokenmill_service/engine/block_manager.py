@@ -2,7 +2,7 @@
 
 A sequence owns a block table (the ids of its blocks, in order). Blocks come from one pool
 sized at start-up. A full block is identified by the hash of its tokens and of everything
-before it, so two requests with the same prompt prefix share those blocks (prefix caching).
+before it (from the sequence's LoRA adapter on), so two requests with the same prompt prefix share those blocks (prefix caching).
 A freed block keeps its hash until it is handed out again: a later request with the same
 prefix can take it back without recomputing.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tokenmill_service.engine.block_hash import chain_hash
+from tokenmill_service.engine.block_hash import adapter_root, chain_hash
 from tokenmill_service.engine.kv_events import BlockRemoved, BlockStored, KVEventLog
 from tokenmill_service.engine.sequence import Sequence
 
@@ -83,7 +83,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or seq.collecting_prompt_logprobs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        prev: int | None = None
+        prev = adapter_root(seq.adapter_key)
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             h = chain_hash(prev, tokens)
@@ -115,7 +115,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        prev: int | None = None
+        prev = adapter_root(seq.adapter_key)
         stored: BlockStored | None = None  # the run of blocks this call adds to the cache, for the event log
         for i in range(full):
             block = self.blocks[seq.block_table[i]]

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import structlog
 import torch
 
+from tokenmill_service.engine.adapters import AdapterError, AdapterManager
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.compile import compiled_graphs
@@ -103,9 +104,13 @@ class LLMEngine:
         # What enters and leaves the prefix cache, when asked for (the worker publishes it after each step).
         self.kv_events = KVEventLog() if self.config.kv_events else None
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching, self.kv_events)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        # LoRA adapters, where the model has slots for them (--max-loras).
+        slots = getattr(model, "lora", None)
+        self.adapters = None if slots is None else AdapterManager(slots.max_loras, slots.max_rank, model.config)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         # executor: how each forward pass runs (None: as the model's load plan chose).
         self.runner = ModelRunner(model, block_size, num_blocks, executor)
+        self.runner.adapters = self.adapters
         self.sequences: dict[str, Sequence] = {}
         # Draft tokens checked and kept (speculation.py), since start.
         self.drafts_proposed = self.drafts_accepted = 0
@@ -146,6 +151,27 @@ class LLMEngine:
             raise RequestError(f"resumed token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if request.request_id in self.sequences:
             raise RequestError(f"request id {request.request_id!r} is already running")
+        if request.adapter and (self.adapters is None or request.adapter not in self.adapters.registered):
+            raise RequestError(f"the LoRA adapter {request.adapter!r} is not loaded")
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as ``name`` (AdapterError: it does not fit, or adapters are off)."""
+        if self.adapters is None:
+            raise AdapterError("LoRA adapters are off: start the server with --max-loras 1 or more")
+        adapter = self.adapters.register(name, path)
+        log.info("lora_adapter_loaded", name=name, path=path, rank=adapter.rank, targets=adapter.targets)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving ``name``; refused (AdapterError) while a request uses it, never breaking one."""
+        if self.adapters is None or name not in self.adapters.registered:
+            raise KeyError(name)
+        users = sum(seq.request.adapter == name for seq in self.sequences.values())
+        if users:
+            raise AdapterError(f"the LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
+        self.adapters.unregister(name)
+        log.info("lora_adapter_unloaded", name=name)
 
     def add_request(self, request: GenerationRequest) -> None:
         self.validate(request)
@@ -158,6 +184,8 @@ class LLMEngine:
             # A resumed request: the grammar's state after the tokens already sent.
             if request.resume_ids and not seq.matcher.consume_tokens(request.resume_ids):
                 raise RequestError(f"the resumed tokens do not match the {request.constraint.kind}")
+        if request.adapter and self.adapters is not None:
+            seq.adapter_key = self.adapters.keys[request.adapter]
         self.sequences[request.request_id] = seq
         self.scheduler.add(seq)
 
@@ -185,6 +213,9 @@ class LLMEngine:
             compiled_graphs=compiled_graphs(),
             draft_tokens_proposed=self.drafts_proposed,
             draft_tokens_accepted=self.drafts_accepted,
+            running_adapters=sorted({s.request.adapter for s in self.scheduler.running if s.request.adapter}),
+            waiting_adapters=sorted({s.request.adapter for s in self.scheduler.waiting if s.request.adapter}),
+            adapters=sorted(self.adapters.registered) if self.adapters is not None else [],
         )
 
     def step(self) -> list[RequestOutput]:

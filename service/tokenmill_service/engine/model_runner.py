@@ -9,12 +9,13 @@ of a prompt whose logprobs were asked for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 import torch
 
+from tokenmill_service.engine.adapters import AdapterManager
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.executor import Executor, make_executor
 from tokenmill_service.engine.scheduler import ScheduledBatch
@@ -73,6 +74,10 @@ class StepPlan:
     block_tables: list[list[int]]
     sample_rows: list[int]
     prompt_rows: list[tuple[int, int]]
+    # The LoRA adapter slot of each sequence (-1: the base), and the adapters to write into slots
+    # before running, as (slot, name, path): every rank loads its own shard of them.
+    adapter_slots: list[int] = field(default_factory=list)
+    adapter_loads: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 class PlanSink(Protocol):
@@ -86,6 +91,8 @@ class ModelRunner:
         self.executor: Executor = make_executor(model, executor)
         # Tensor parallelism: where rank 0 sends each step's plan before running it (None: one rank).
         self.broadcast: PlanSink | None = None
+        # LoRA adapters: which slot each sequence's adapter holds (None: the model has no slots).
+        self.adapters: AdapterManager | None = None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device, self.dtype = model.device, model.kv_dtype
@@ -123,6 +130,9 @@ class ModelRunner:
                     plan.sample_rows.append(row)
                     sample_seq_indices.append(i)
             offset += n
+        if self.adapters is not None:
+            plan.adapter_slots = [self.adapters.slot_of(seq.request.adapter) for seq in batch.seqs]
+            plan.adapter_loads = self.adapters.take_loads()
         return plan, sample_seq_indices, prompt_seq_indices
 
     @torch.inference_mode()
@@ -132,6 +142,7 @@ class ModelRunner:
         Every rank of a tensor-parallel group runs this with the same plan (rank 0 broadcasts it);
         the collectives inside the model pair up because the plan is the same everywhere."""
         device = self.device
+        self._set_adapters(plan)
         positions = [s + j for s, n in zip(plan.starts, plan.query_lens) for j in range(n)]
         meta = build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
@@ -140,6 +151,18 @@ class ModelRunner:
         logits = self.executor.compute_logits(hidden.index_select(0, rows))
         prompt_logits = [self.executor.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]
         return logits, prompt_logits
+
+    def _set_adapters(self, plan: StepPlan) -> None:
+        """Write the step's new adapters into their slots; say which tokens use which slot."""
+        slots = getattr(self.model, "lora", None)
+        if slots is None:
+            if any(s >= 0 for s in plan.adapter_slots):
+                raise ValueError("this model has no LoRA adapter slots (--max-loras 0)")
+            return
+        for slot, name, path in plan.adapter_loads:
+            slots.load(slot, name, path)
+        token_slots = [s for s, n in zip(plan.adapter_slots, plan.query_lens) for _ in range(n)]
+        slots.batch.set(token_slots, self.device)
 
     def run(self, batch: ScheduledBatch) -> StepLogits:
         plan, sample_seq_indices, prompt_seq_indices = self.plan(batch)

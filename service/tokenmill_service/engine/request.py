@@ -89,6 +89,8 @@ class GenerationRequest:
     resume_ids: list[int] = field(default_factory=list)
     # Generated text must match this (None: free text). A resumed request replays it over resume_ids.
     constraint: Constraint | None = None
+    # The LoRA adapter it runs with, by name ("": the base model).
+    adapter: str = ""
 
 
 @dataclass(slots=True)
@@ -140,3 +142,7 @@ class EngineStats:
     compiled_graphs: int = 0  # graphs torch.compile built in the worker (constant once it is ready)
     draft_tokens_proposed: int = 0  # speculation's guesses checked, since start
     draft_tokens_accepted: int = 0  # of those, the ones kept
+    # LoRA adapters: those of the running and of the waiting sequences, and every one served.
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenmill_service.engine.adapters import AdapterManager
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.sequence import Sequence, SequenceStatus
@@ -34,9 +35,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterManager | None = None
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        # LoRA adapters: a sequence is admitted only once its adapter holds a slot.
+        self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; the last is the newest
 
@@ -105,6 +110,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_batch_size:
                 break
             seq = self.waiting[0]
+            adapter, adapters = seq.request.adapter, self.adapters
+            if (
+                adapter
+                and adapters is not None
+                and not adapters.acquire(adapter, {s.request.adapter for s in self.running})
+            ):
+                break  # every slot holds an adapter of a running sequence
             self.block_manager.reuse_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):

@@ -54,6 +54,8 @@ class Sequence:
         self.drafts: list[int] = []
         # A constrained sequence's grammar state, after its generated tokens (the engine sets it).
         self.matcher: LLMatcher | None = None
+        # What its KV blocks are keyed by besides tokens: its LoRA adapter as registered ("" : the base).
+        self.adapter_key = request.adapter
 
     @property
     def num_tokens(self) -> int:

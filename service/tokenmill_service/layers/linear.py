@@ -10,11 +10,16 @@ memory-mapped), cuts this rank's part, and hands it to the layer's quantization 
 - ``QKVParallelLinear``: q, k and v heads in one product; k/v heads are repeated over ranks
   when there are fewer of them than ranks;
 - ``RowParallelLinear``: input columns split over ranks, partial sums all-reduced.
+
+A layer may carry LoRA adapter slots (``lora``, set by ``layers/lora/slots.py: attach_lora``): a side
+path that adds each adapter token's delta to what the quantization method returned, the base
+product untouched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,11 +28,17 @@ from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 
+if TYPE_CHECKING:
+    from tokenmill_service.layers.lora.slots import LoRALayer
+
 # Builds the quantization method of the layer named by its prefix ("model.layers.0.mlp.down_proj").
 QuantFactory = Callable[[str], QuantMethod]
 
 
 class LinearBase(nn.Module):
+    # Adapter slots beside the weight (None: this layer serves the base only).
+    lora: LoRALayer | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantMethod, tp: TensorParallel) -> None:
         """``in_features`` and ``out_features`` are this rank's."""
         super().__init__()
@@ -37,8 +48,15 @@ class LinearBase(nn.Module):
         quant.create_weights(self, out_features, in_features)
         self.bias = empty_param(out_features, dtype=quant.act_dtype) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` by the layer's method, plus the adapters' deltas where the step uses any."""
         y = self.quant.apply(self, x)
+        if self.lora is not None and self.lora.batch.groups:
+            y = self.lora.add(x, y)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x)
         return y if self.bias is None else y + self.bias
 
     # -- loading ---------------------------------------------------------------------------
@@ -140,5 +158,5 @@ class RowParallelLinear(LinearBase):
         return tensor.narrow(1, self.tp.rank * self.in_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.quant.apply(self, x), self.tp)
+        y = all_reduce(self.product(x), self.tp)
         return y if self.bias is None else y + self.bias

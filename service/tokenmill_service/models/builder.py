@@ -53,6 +53,11 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
     model.kv_dtype = getattr(torch, plan.kv_cache_dtype.value)
     model.quantization = plan.quantization
     model.plan = plan
+    if plan.options.max_loras > 0:
+        from tokenmill_service.layers.lora import attach_lora
+
+        with torch.device(plan.device):
+            attach_lora(model, plan.options.max_loras, plan.options.max_lora_rank)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -87,6 +87,8 @@ def load_model(
     tp: TensorParallel | None = None,
     kv_cache_dtype: str = "auto",
     compile: str = "off",
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> nn.Module:
     """``load`` with the options as arguments; the defaults are the reference configuration
     (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``."""
@@ -100,6 +102,8 @@ def load_model(
         compile=compile,
         tensor_parallel=tp.size if tp is not None else 1,
         expert_parallel=tp.expert_parallel if tp is not None else False,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )
     return load(options, device, tp)
 

@@ -34,6 +34,9 @@ class LoadOptions:
     tensor_parallel: int = 1
     # Mixture-of-experts layers: each rank holds whole experts (experts / ranks) instead of a slice of each.
     expert_parallel: bool = False
+    # LoRA adapter slots resident at once (0: adapters off) and the largest rank they take.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LoadOptions:
@@ -47,4 +50,6 @@ class LoadOptions:
             compile=settings.compile,
             tensor_parallel=settings.tensor_parallel,
             expert_parallel=bool(settings.expert_parallel),
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
         )

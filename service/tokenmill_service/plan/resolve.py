@@ -326,6 +326,10 @@ def _executor(
     config: ModelConfig,
     skipped: dict[str, str],
 ) -> Decision:
+    if options.max_loras > 0:
+        # The native stack and compiled regions run the linear layers without their adapter side path.
+        skipped["native-stack"] = "LoRA adapters run beside the linear layers, from Python"
+        return Decision("eager", "the model's layers one by one: LoRA adapters (--max-loras) run beside them")
     if options.compile == "auto":
         family = model_class(config.architecture)
         why = getattr(family, "compile_gap", "") or compile_missing(options, facts, ops)

@@ -11,6 +11,9 @@
 
 from tokenmill_service.router.dispatch import Router
 from tokenmill_service.router.errors import (
+    AdapterInUse,
+    AdapterNotFound,
+    AdapterRefused,
     DeadlineExceeded,
     Overloaded,
     Rejected,
@@ -21,6 +24,9 @@ from tokenmill_service.router.errors import (
 from tokenmill_service.router.streams import RequestStream
 
 __all__ = [
+    "AdapterInUse",
+    "AdapterNotFound",
+    "AdapterRefused",
     "DeadlineExceeded",
     "Overloaded",
     "Rejected",

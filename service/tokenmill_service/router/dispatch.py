@@ -21,8 +21,9 @@ import structlog
 
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput
-from tokenmill_service.messages import AddRequest, Cancel
+from tokenmill_service.messages import AdapterResult, AddRequest, Cancel
 from tokenmill_service.metrics import Metrics
+from tokenmill_service.router.adapters import Adapters
 from tokenmill_service.router.choice import ReplicaChooser
 from tokenmill_service.router.errors import Overloaded, Rejected, Unavailable
 from tokenmill_service.router.replicas import Replica, ReplicaPool
@@ -43,6 +44,12 @@ class Router:
         self.parked: list[InFlight] = []
         self.draining = False
         self.chooser = ReplicaChooser(settings.routing, settings.block_size, settings.max_batch_size)
+        # LoRA adapters: loaded and unloaded on every replica; a request's adapter checked on admission.
+        self.adapters = Adapters(self.pool, self.adapter_users)
+
+    def adapter_users(self, name: str) -> int:
+        """Requests in flight (running, queued or parked) with the LoRA adapter ``name``."""
+        return sum(inflight.request.adapter == name for inflight in self.requests.values())
 
     @property
     def workers(self) -> list[Replica]:
@@ -94,6 +101,7 @@ class Router:
         """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
+        self.adapters.check(request.adapter)
         if not self.pool.serving():
             raise Unavailable("no worker is ready to serve; retry shortly")
         if self.inflight_count() >= self.capacity():
@@ -163,10 +171,14 @@ class Router:
         if inflight is not None:
             inflight.end(Rejected(message))
 
+    def on_adapter_result(self, replica: Replica, result: AdapterResult) -> None:
+        self.adapters.on_result(replica, result)
+
     def on_ready(self, replica: Replica) -> None:
         # A (re)started replica's cache is empty: so is what the router thinks it holds.
         info = replica.info
         self.chooser.replica_started(replica.worker_id, info.kv_blocks_total if info is not None else 0)
+        self.adapters.on_ready(replica)
         parked, self.parked = self.parked, []
         for inflight in parked:
             target = self._pick(self._tokens(inflight))

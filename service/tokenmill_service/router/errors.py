@@ -23,6 +23,18 @@ class Rejected(RouterError):
     """The worker's engine refused the request (a limit the servicer could not check)."""
 
 
+class AdapterNotFound(RouterError):
+    """A request or an unload names a LoRA adapter that is not loaded: NOT_FOUND / 404."""
+
+
+class AdapterRefused(RouterError):
+    """A LoRA adapter that cannot be loaded on this base (the message names the mismatch): INVALID_ARGUMENT / 400."""
+
+
+class AdapterInUse(RouterError):
+    """An unload of a LoRA adapter that requests still use: FAILED_PRECONDITION / 409."""
+
+
 class WorkerStartError(RuntimeError):
     """A replica failed to load its model or to run its warm-up step; ``usage`` where the checkpoint or
     the flags cannot be served as asked (the server then exits as for a bad flag)."""

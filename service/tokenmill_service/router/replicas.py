@@ -29,6 +29,7 @@ import structlog
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.request import EngineStats, RequestOutput
 from tokenmill_service.messages import (
+    AdapterResult,
     Command,
     Event,
     Failed,
@@ -97,6 +98,8 @@ class ReplicaListener(Protocol):
 
     def on_ready(self, replica: Replica) -> None: ...
 
+    def on_adapter_result(self, replica: Replica, result: AdapterResult) -> None: ...
+
     def on_lost(self, lost: list[InFlight], reason: str) -> None:
         """A replica died with these requests (to resume, unless the pool is stopping)."""
         ...
@@ -117,6 +120,8 @@ class ReplicaPool:
         self._ctx = mp.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # The LoRA adapters served (name -> path): what a replica starts (or restarts) with.
+        self.adapters: dict[str, str] = settings.lora_module_paths()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -175,7 +180,7 @@ class ReplicaPool:
         processes: list[BaseProcess] = []
         # With --nnodes above 1, only this node's ranks (rank 0 first); the others run on the other nodes.
         for rank in s.node_ranks():
-            spec = worker_spec(s, self.num_workers, worker_id, rank, master_port)
+            spec = worker_spec(s, self.num_workers, worker_id, rank, master_port, dict(self.adapters))
             proc = self._ctx.Process(
                 target=worker_main,
                 args=(spec, child if rank == 0 else None),
@@ -239,6 +244,8 @@ class ReplicaPool:
                 w.stats = stats
             case Rejected(request_id=request_id, message=message):
                 self.listener.on_rejected(w, request_id, message)
+            case AdapterResult():
+                self.listener.on_adapter_result(w, event)
             case Ready(info=info):
                 w.info, w.ready_at = info, time.monotonic()
                 self.state_changed.set()

@@ -17,9 +17,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int, master_port: int) -> WorkerSpec:
+def worker_spec(
+    settings: Settings,
+    num_workers: int,
+    worker_id: int,
+    rank: int,
+    master_port: int,
+    adapters: dict[str, str] | None = None,
+) -> WorkerSpec:
     """What one rank of one replica is started with: the user's load options whole, the engine's
-    limits, its threads (the cores shared among this node's processes) and its supervision intervals."""
+    limits, its threads (the cores shared among this node's processes), its supervision intervals and the
+    LoRA adapters served now (``adapters``, name -> path; None: those of --lora-modules)."""
     s = settings
     cores = os.cpu_count() or 1
     local = s.node_ranks()
@@ -52,4 +60,5 @@ def worker_spec(settings: Settings, num_workers: int, worker_id: int, rank: int,
         collective_timeout=s.step_timeout,
         kv_events_endpoint=s.kv_events_endpoint,
         kv_events_topic=s.kv_events_topic,
+        lora_modules=list((s.lora_module_paths() if adapters is None else adapters).items()),
     )
