@@ -1,4 +1,5 @@
-"""Tiny random DeepSeek-V3 checkpoints made from a transformers config (all layers dense), as safetensors
+"""Tiny random DeepSeek-V3 checkpoints made from a transformers config (all layers dense, or the first
+dense and the others routed and shared experts), as safetensors
 in float32 and FP8 block-quantized the way DeepSeek-V3's own files are (``weight`` e4m3 +
 ``weight_scale_inv``, a float32 scale per block), with the dequantized weights the FP8 file holds."""
 
@@ -43,16 +44,30 @@ YARN = {
 }
 
 
-def deepseek_v3(q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[str, Any] | None = None) -> Any:
+# The mixture-of-experts model: 3 layers, the first dense; 8 routed experts in 2 groups (the tokens'
+# experts from 1 of them), 2 a token, renormalized and scaled; 1 shared expert.
+MOE = dict(  # noqa: C408 - keyword names as in the transformers config
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+
+
+def deepseek_v3(
+    q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[str, Any] | None = None, moe: bool = False
+) -> Any:
     """A random transformers DeepseekV3ForCausalLM (float32, eval), every weight away from its init
-    (``yarn``: other YaRN parameters for the q_lora model)."""
+    (``yarn``: other YaRN parameters for the q_lora model; ``moe``: with expert layers, ``MOE``)."""
     import transformers
 
     if q_lora:
         extra: dict[str, Any] = {"q_lora_rank": 32, "rope_parameters": yarn or YARN, "rope_interleave": True}
     else:
         extra = {"q_lora_rank": None, "rope_interleave": False}
-    config = transformers.DeepseekV3Config(vocab_size=vocab_size, **MLA, **extra)
+    config = transformers.DeepseekV3Config(vocab_size=vocab_size, **(MLA | (MOE if moe else {})), **extra)
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -60,6 +75,9 @@ def deepseek_v3(q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[st
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.1
             param.copy_(noise + 1.0 if "norm" in name else noise * 2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the choice shifted: some experts favoured
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
     return model.eval()
 
 
