@@ -167,11 +167,12 @@ def test_grouped_routing_is_refused_where_the_groups_cannot_hold_the_experts() -
 def test_with_grouped_routing_a_tokens_output_is_its_definition_and_bitwise_the_same_alone() -> None:
     routing = GroupedTopK(2, 1, 2.5)
     moe = _moe("none", QType.F32, 64, 96, True, routing)
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(27, 64, generator=torch.Generator().manual_seed(4))
     crowd = moe(x)
-    for i in (0, 17, 39):
+    for i in (0, 17, 26):
         assert torch.equal(moe(x[i : i + 1])[0], crowd[i])
-    assert torch.equal(moe(x[10:13]), crowd[10:13])
+    # 13 tokens' 104 scores: torch.sigmoid would leave the last 8 to its scalar tail, another exp.
+    assert torch.equal(moe(x[9:22]), crowd[9:22])
     # The definition: every expert on every token, each token's chosen ones weighted.
     assert moe.score_bias is not None
     weights, ids = select_experts_grouped(x @ moe.gate.weight.t(), moe.score_bias, TOP_K, True, routing)

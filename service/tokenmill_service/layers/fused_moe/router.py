@@ -7,9 +7,9 @@ not depend on the others in its batch:
 - ``select_experts`` (Mixtral, Qwen3-MoE, OLMoE): softmax over the router's logits in float32, the
   ``top_k`` largest, renormalized to sum to 1 where the family does it (Mixtral always; Qwen3-MoE when
   ``norm_topk_prob``; OLMoE not).
-- ``select_experts_grouped`` (DeepSeek-V3, ``GroupedTopK``): sigmoid scores in float32; the
-  score-correction bias added for choosing only; the experts split into ``n_group`` equal groups, each
-  scored by the sum of its two best corrected scores, the ``topk_group`` best groups kept; the
+- ``select_experts_grouped`` (DeepSeek-V3, ``GroupedTopK``): sigmoid scores in float32 (``row_sigmoid``);
+  the score-correction bias added for choosing only; the experts split into ``n_group`` equal groups,
+  each scored by the sum of its two best corrected scores, the ``topk_group`` best groups kept; the
   ``top_k`` best corrected scores among their experts; the weights are those experts' uncorrected
   scores, renormalized when ``renormalize``, times ``scaling`` (``routed_scaling_factor``).
 """
@@ -51,12 +51,22 @@ class GroupedTopK:
             )
 
 
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) = softmax((x, 0))[0], elementwise, computed the same whatever the batch.
+
+    ``torch.sigmoid`` is elementwise over the whole flattened tensor: the elements a vectorized pass
+    leaves over at its end go through a scalar exp whose last bit differs, so a token's scores
+    would depend on how many tokens came before it. Softmax over a last dim of 2 computes each pair
+    on its own, the same way wherever it sits (as the softmax router's rows)."""
+    return torch.softmax(torch.stack((x, torch.zeros_like(x)), dim=-1), dim=-1)[..., 0]
+
+
 def select_experts_grouped(
     logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, experts], score_bias [experts] -> (weights float32 [T, top_k], expert ids int64
     [T, top_k]), by rank of the corrected score."""
-    scores = torch.sigmoid(logits.float())
+    scores = row_sigmoid(logits.float())
     choice = scores + score_bias.float()
     tokens, experts = choice.shape
     grouped = choice.view(tokens, routing.n_group, experts // routing.n_group)
