@@ -145,6 +145,10 @@ GGUF_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
@@ -152,7 +156,9 @@ GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
 def write_deepseek2_gguf(model: Any, path: Path) -> None:
     """A float32 GGUF of ``model`` as llama.cpp's converter (DeepseekV2Model) writes it: MLA as one
     key/value head of kv_lora_rank + rope dims, the per-head sizes as the *_mla keys, YaRN's
-    mscale_all_dim as 0.1 x it, and kv_b_proj split into k_b (each head transposed) and v_b."""
+    mscale_all_dim as 0.1 x it, kv_b_proj split into k_b (each head transposed) and v_b; the routing's
+    keys (expert_used/group counts, weights scale and norm, sigmoid gating), the experts stacked
+    (``ffn_{gate,up,down}_exps``) and the score-correction bias as ``exp_probs_b.bias``."""
     import gguf
 
     cfg = model.config
@@ -178,6 +184,13 @@ def write_deepseek2_gguf(model: Any, path: Path) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_count(cfg.n_routed_experts)
     w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "yarn":
@@ -198,6 +211,17 @@ def write_deepseek2_gguf(model: Any, path: Path) -> None:
             continue
         _, _, layer, rest = name.split(".", 3)  # model.layers.N.<part>.weight
         part = rest.removesuffix(".weight")
+        if part == "mlp.experts.gate_up_proj":  # [experts, 2 * width, hidden]: gate rows, then up
+            gate, up = data.chunk(2, dim=1)
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        if part == "mlp.experts.down_proj":
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data.contiguous().numpy())
+            continue
+        if part == "mlp.gate.e_score_correction_bias":
+            w.add_tensor(f"blk.{layer}.exp_probs_b.bias", data.numpy())
+            continue
         if part == "self_attn.kv_b_proj":
             k_b, v_b = data.view(heads, nope + v, -1).split([nope, v], dim=1)
             w.add_tensor(f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())

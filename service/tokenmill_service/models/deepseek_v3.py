@@ -578,9 +578,9 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             log.info("mtp_layers_skipped", tensors=skipped, layers_from=self.config.num_layers)
 
     def _join_kv_b(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
-        """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] joined
-        back into ``kv_b_proj`` [H * (nope + V), L] as the Hugging Face checkpoint holds it (dequantized:
-        the absorbed attention multiplies it in float32 whatever it was)."""
+        """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] (each read
+        as the matrix of its rows) joined back into ``kv_b_proj`` [H * (nope + V), L] as the Hugging Face
+        checkpoint holds it (dequantized: the absorbed attention multiplies it in float32 whatever it was)."""
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors:
             parent, _, leaf = name.rpartition(".")
@@ -591,7 +591,10 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             halves.setdefault(attn, {})[proj] = dense(tensor).float()
             if len(halves[attn]) == 2:
                 pair = halves.pop(attn)
-                k_b, v_b = pair["k_b_proj"].transpose(1, 2), pair["v_b_proj"]
+                # The GGUF loader reads a 3-D tensor as one matrix of its rows: the heads put back.
+                d, heads = mla_dims(self.config), self.config.num_heads
+                k_b = pair["k_b_proj"].reshape(heads, d.kv_lora_rank, d.qk_nope_head_dim).transpose(1, 2)
+                v_b = pair["v_b_proj"].reshape(heads, d.v_head_dim, d.kv_lora_rank)
                 joined = torch.cat((k_b, v_b), dim=1)
                 yield f"{attn}.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
         if halves:
