@@ -106,13 +106,13 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torc
 
 
 def save_fp8(model: Any, directory: Path, block: int) -> dict[str, torch.Tensor]:
-    """Save ``model`` FP8 block-quantized as DeepSeek-V3 does; returns the state dict it stands for
-    (the projections dequantized, the rest as they are)."""
-    from safetensors.torch import save_file
+    """Save ``model`` FP8 block-quantized as DeepSeek-V3 does; returns the tensors it stands for, by
+    the file's names (the projections dequantized, the rest as they are; each expert on its own)."""
+    from safetensors.torch import load_file, save_file
 
     model.save_pretrained(directory, safe_serialization=True)
     tensors, dequantized = {}, {}
-    for name, w in model.state_dict().items():
+    for name, w in load_file(directory / "model.safetensors").items():
         if is_fp8_target(name, w):
             q, scale_inv = fp8_block_quantize(w, block)
             tensors[name], tensors[name + "_scale_inv"] = q, scale_inv

@@ -260,6 +260,27 @@ def test_a_gguf_with_expert_layers_gives_the_same_logits(tmp_path: Path) -> None
     torch.testing.assert_close(logits(model, PROMPT), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
 
 
+@torch.inference_mode()
+def test_fp8_expert_layers_are_multiplied_as_stored(tmp_path: Path) -> None:
+    """Every routed and shared expert FP8 block-scaled (the routers float, as DeepSeek stores them): the
+    logits of the float32 checkpoint of the weights the file stands for, and batch invariance."""
+    from safetensors.torch import save_file
+
+    hf_model = deepseek_v3(q_lora=True, moe=True)
+    dequantized = save_fp8(hf_model, tmp_path / "fp8", FP8_BLOCK)
+    hf_model.save_pretrained(tmp_path / "float", safe_serialization=True)
+    save_file(dequantized, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path / "fp8", quantization="auto")
+    # 3 layers' attention (5 each), the dense MLP (2), 2 layers' experts (8 x 2 + shared 2); the head and routers float.
+    assert model.plan.method_counts == {"fp8-block": 53, "none": 3}
+    expert = model.model.layers[2].mlp.experts["5"].down_proj
+    assert expert.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(expert.quant.dequantized(expert), dequantized["model.layers.2.mlp.experts.5.down_proj.weight"])
+    reference = load_model(tmp_path / "float")
+    torch.testing.assert_close(logits(model, PROMPT), logits(reference, PROMPT), atol=1e-4, rtol=0)
+    assert_alone_equals_crowd(model, PROMPT)
+
+
 def test_softmax_routing_and_groups_that_cannot_hold_the_experts_are_refused(
     moe_checkpoint: tuple[Path, Any], tmp_path: Path
 ) -> None:
