@@ -27,6 +27,7 @@ from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
 from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
 from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
+from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.hf_loader import read_hf_config
 from tokenmill_service.models.llama import LlamaMLP
 from tokenmill_service.models.loader import load_model
@@ -279,6 +280,15 @@ def test_fp8_expert_layers_are_multiplied_as_stored(tmp_path: Path) -> None:
     reference = load_model(tmp_path / "float")
     torch.testing.assert_close(logits(model, PROMPT), logits(reference, PROMPT), atol=1e-4, rtol=0)
     assert_alone_equals_crowd(model, PROMPT)
+
+
+def test_the_sizes_read_before_loading_count_the_routed_experts_where_layers_have_them(
+    checkpoint: tuple[Path, Any], moe_checkpoint: tuple[Path, Any]
+) -> None:
+    """What the server checks --tensor-parallel / --expert-parallel degrees against (models/dims.py)."""
+    dims = read_dims(moe_checkpoint[0])
+    assert (dims.num_experts, dims.expert_width) == (8, 32)
+    assert read_dims(checkpoint[0]).num_experts == 0  # n_routed_experts 8, but every layer dense
 
 
 def test_softmax_routing_and_groups_that_cannot_hold_the_experts_are_refused(
