@@ -1,4 +1,5 @@
-"""Tiny random DeepSeek-V3 checkpoints made from a transformers config (all layers dense), as safetensors
+"""Tiny random DeepSeek-V3 checkpoints made from a transformers config (all layers dense, or the first
+dense and the others routed and shared experts), as safetensors
 in float32 and FP8 block-quantized the way DeepSeek-V3's own files are (``weight`` e4m3 +
 ``weight_scale_inv``, a float32 scale per block), with the dequantized weights the FP8 file holds."""
 
@@ -43,16 +44,30 @@ YARN = {
 }
 
 
-def deepseek_v3(q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[str, Any] | None = None) -> Any:
+# The mixture-of-experts model: 3 layers, the first dense; 8 routed experts in 2 groups (the tokens'
+# experts from 1 of them), 2 a token, renormalized and scaled; 1 shared expert.
+MOE = dict(  # noqa: C408 - keyword names as in the transformers config
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+
+
+def deepseek_v3(
+    q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[str, Any] | None = None, moe: bool = False
+) -> Any:
     """A random transformers DeepseekV3ForCausalLM (float32, eval), every weight away from its init
-    (``yarn``: other YaRN parameters for the q_lora model)."""
+    (``yarn``: other YaRN parameters for the q_lora model; ``moe``: with expert layers, ``MOE``)."""
     import transformers
 
     if q_lora:
         extra: dict[str, Any] = {"q_lora_rank": 32, "rope_parameters": yarn or YARN, "rope_interleave": True}
     else:
         extra = {"q_lora_rank": None, "rope_interleave": False}
-    config = transformers.DeepseekV3Config(vocab_size=vocab_size, **MLA, **extra)
+    config = transformers.DeepseekV3Config(vocab_size=vocab_size, **(MLA | (MOE if moe else {})), **extra)
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -60,6 +75,9 @@ def deepseek_v3(q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[st
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.1
             param.copy_(noise + 1.0 if "norm" in name else noise * 2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the choice shifted: some experts favoured
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
     return model.eval()
 
 
@@ -88,13 +106,13 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torc
 
 
 def save_fp8(model: Any, directory: Path, block: int) -> dict[str, torch.Tensor]:
-    """Save ``model`` FP8 block-quantized as DeepSeek-V3 does; returns the state dict it stands for
-    (the projections dequantized, the rest as they are)."""
-    from safetensors.torch import save_file
+    """Save ``model`` FP8 block-quantized as DeepSeek-V3 does; returns the tensors it stands for, by
+    the file's names (the projections dequantized, the rest as they are; each expert on its own)."""
+    from safetensors.torch import load_file, save_file
 
     model.save_pretrained(directory, safe_serialization=True)
     tensors, dequantized = {}, {}
-    for name, w in model.state_dict().items():
+    for name, w in load_file(directory / "model.safetensors").items():
         if is_fp8_target(name, w):
             q, scale_inv = fp8_block_quantize(w, block)
             tensors[name], tensors[name + "_scale_inv"] = q, scale_inv
@@ -127,6 +145,10 @@ GGUF_PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
@@ -134,7 +156,9 @@ GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
 def write_deepseek2_gguf(model: Any, path: Path) -> None:
     """A float32 GGUF of ``model`` as llama.cpp's converter (DeepseekV2Model) writes it: MLA as one
     key/value head of kv_lora_rank + rope dims, the per-head sizes as the *_mla keys, YaRN's
-    mscale_all_dim as 0.1 x it, and kv_b_proj split into k_b (each head transposed) and v_b."""
+    mscale_all_dim as 0.1 x it, kv_b_proj split into k_b (each head transposed) and v_b; the routing's
+    keys (expert_used/group counts, weights scale and norm, sigmoid gating), the experts stacked
+    (``ffn_{gate,up,down}_exps``) and the score-correction bias as ``exp_probs_b.bias``."""
     import gguf
 
     cfg = model.config
@@ -160,6 +184,13 @@ def write_deepseek2_gguf(model: Any, path: Path) -> None:
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_count(cfg.n_routed_experts)
     w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "yarn":
@@ -180,6 +211,17 @@ def write_deepseek2_gguf(model: Any, path: Path) -> None:
             continue
         _, _, layer, rest = name.split(".", 3)  # model.layers.N.<part>.weight
         part = rest.removesuffix(".weight")
+        if part == "mlp.experts.gate_up_proj":  # [experts, 2 * width, hidden]: gate rows, then up
+            gate, up = data.chunk(2, dim=1)
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        if part == "mlp.experts.down_proj":
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data.contiguous().numpy())
+            continue
+        if part == "mlp.gate.e_score_correction_bias":
+            w.add_tensor(f"blk.{layer}.exp_probs_b.bias", data.numpy())
+            continue
         if part == "self_attn.kv_b_proj":
             k_b, v_b = data.view(heads, nope + v, -1).split([nope, v], dim=1)
             w.add_tensor(f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())

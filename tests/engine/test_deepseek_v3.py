@@ -1,10 +1,12 @@
-"""DeepSeek-V3 (dense layers): tiny random transformers checkpoints, with and without the low-rank query
-path, served through multi-head latent attention over a latent cache: logits and prompt logprobs
-within 1e-4 of transformers (float32, dense), the same greedy tokens, a prompt's logits bitwise the
-same alone and in a batch and whether its positions were prefilled or decoded, FP8 block-scaled
-weights multiplied as stored (exactly the reference's dequantized weights), two tensor-parallel ranks
-equal to one, the cache's bytes per token (DeepSeek-V3's real figure), and routed-expert layers refused.
-"""
+"""DeepSeek-V3: tiny random transformers checkpoints, with and without the low-rank query path, served
+through multi-head latent attention over a latent cache: logits and prompt logprobs within 1e-4 of
+transformers (float32, dense), the same greedy tokens, a prompt's logits bitwise the same alone and in
+a batch and whether its positions were prefilled or decoded, FP8 block-scaled weights multiplied as
+stored (exactly the reference's dequantized weights), two tensor-parallel ranks equal to one, the
+cache's bytes per token (DeepSeek-V3's real figure). With expert layers (a dense first layer, 8 routed
+experts in 2 groups, grouped sigmoid routing, a shared expert): transformers' logits, greedy tokens,
+batch invariance, the GGUF as llama.cpp writes it, two expert- or tensor-parallel ranks equal to one;
+softmax routing refused."""
 
 from __future__ import annotations
 
@@ -23,7 +25,11 @@ from tests.engine.invariance import assert_alone_equals_crowd
 from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
+from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
+from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
+from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.models.llama import LlamaMLP
 from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.plan import PlanRefused
@@ -39,6 +45,15 @@ FP8_BLOCK = 32  # DeepSeek-V3's files use 128; 32 gives the tiny layers several 
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     hf_model = deepseek_v3(q_lora=request.param)
     directory = tmp_path_factory.mktemp("tiny-deepseek")
+    hf_model.save_pretrained(directory, safe_serialization=True)
+    return directory, hf_model
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """3 layers, the first dense; q_lora on."""
+    hf_model = deepseek_v3(q_lora=True, moe=True)
+    directory = tmp_path_factory.mktemp("tiny-deepseek-moe")
     hf_model.save_pretrained(directory, safe_serialization=True)
     return directory, hf_model
 
@@ -173,8 +188,12 @@ def test_deepseek_v3s_real_config_caches_70272_bytes_a_token_against_4997120(tmp
     figure = kv_cache_bytes_per_token(family, config, "bfloat16", tensor_parallel=1)
     assert figure.value == str(35136 * 2) == "70272"
     assert "a per-head cache would take 4997120 bytes (71.1x)" in figure.reason
-    # Its layers after the first three are mixture-of-experts layers: refused, not served wrong.
-    assert family.unserved_reason(config) is not None
+    # Its layers after the first three are mixture-of-experts layers, served with its routing.
+    assert family.unserved_reason(config) is None
+    extra = config.extra
+    assert (extra["num_experts"], extra["experts_per_token"], extra["expert_width"]) == (256, 8, 2048)
+    assert extra["moe_layers"] == list(range(3, 61)) and extra["shared_expert_width"] == 2048
+    assert extra["moe_routing"] == GroupedTopK(n_group=8, topk_group=4, scaling=2.5)
 
 
 def test_the_multi_token_prediction_layer_after_the_decoders_is_left_aside(
@@ -194,15 +213,96 @@ def test_the_multi_token_prediction_layer_after_the_decoders_is_left_aside(
     torch.testing.assert_close(logits(model, PROMPT[:8]), hf_logits(checkpoint[1], PROMPT[:8]), atol=1e-4, rtol=0)
 
 
-def test_a_checkpoint_with_routed_expert_layers_is_refused_naming_them(
-    checkpoint: tuple[Path, Any], tmp_path: Path
+# -- mixture-of-experts layers -------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_expert_layers_give_the_transformers_logits_and_prompt_logprobs(moe_checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = moe_checkpoint
+    model = load_model(directory, dtype=torch.float32, quantization="none")
+    kinds = [type(layer.mlp) for layer in model.model.layers]
+    assert kinds == [LlamaMLP, DeepseekV3MoE, DeepseekV3MoE]
+    moe = model.model.layers[1].mlp
+    assert moe.grouped == GroupedTopK(n_group=2, topk_group=1, scaling=2.5) and moe.top_k == 2 and moe.renormalize
+    assert moe.shared_experts is not None  # moe_intermediate_size x 1 shared expert wide
+    down = moe.shared_experts.down_proj
+    assert down.quant.dequantized(down).shape == (64, 32)
+    hf_bias = hf_model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(moe.score_bias, hf_bias)
+    actual, expected = logits(model, PROMPT), hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def test_expert_layers_give_the_transformers_greedy_tokens(moe_checkpoint: tuple[Path, Any]) -> None:
+    directory, hf_model = moe_checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(10):
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(load_model(directory), PROMPT[:12], 10) == ids[12:]
+
+
+def test_with_expert_layers_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(
+    moe_checkpoint: tuple[Path, Any],
 ) -> None:
-    directory = tmp_path / "moe"
-    shutil.copytree(checkpoint[0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
-    with pytest.raises(PlanRefused, match=r"layers 1\.\.1 of this DeepSeek-V3 checkpoint are mixture-of-experts"):
-        load_model(directory)
+    assert_alone_equals_crowd(load_model(moe_checkpoint[0]), PROMPT)
+
+
+@torch.inference_mode()
+def test_a_gguf_with_expert_layers_gives_the_same_logits(tmp_path: Path) -> None:
+    """llama.cpp's deepseek2 with experts: stacked ffn_*_exps, ffn_*_shexp, exp_probs_b, the expert_* keys
+    (YaRN's mscale equal to mscale_all_dim, as the file keeps only one)."""
+    hf_model = deepseek_v3(q_lora=True, yarn={**YARN, "mscale": 0.8, "mscale_all_dim": 0.8}, moe=True)
+    path = tmp_path / "tiny-deepseek-moe.gguf"
+    write_deepseek2_gguf(hf_model, path)
+    model = load_model(path)
+    moe = model.model.layers[2].mlp
+    assert isinstance(moe, DeepseekV3MoE) and moe.grouped == GroupedTopK(2, 1, 2.5) and moe.renormalize
+    torch.testing.assert_close(logits(model, PROMPT), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_fp8_expert_layers_are_multiplied_as_stored(tmp_path: Path) -> None:
+    """Every routed and shared expert FP8 block-scaled (the routers float, as DeepSeek stores them): the
+    logits of the float32 checkpoint of the weights the file stands for, and batch invariance."""
+    from safetensors.torch import save_file
+
+    hf_model = deepseek_v3(q_lora=True, moe=True)
+    dequantized = save_fp8(hf_model, tmp_path / "fp8", FP8_BLOCK)
+    hf_model.save_pretrained(tmp_path / "float", safe_serialization=True)
+    save_file(dequantized, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path / "fp8", quantization="auto")
+    # 3 layers' attention (5 each), the dense MLP (2), 2 layers' experts (8 x 2 + shared 2); the head and routers float.
+    assert model.plan.method_counts == {"fp8-block": 53, "none": 3}
+    expert = model.model.layers[2].mlp.experts["5"].down_proj
+    assert expert.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(expert.quant.dequantized(expert), dequantized["model.layers.2.mlp.experts.5.down_proj.weight"])
+    reference = load_model(tmp_path / "float")
+    torch.testing.assert_close(logits(model, PROMPT), logits(reference, PROMPT), atol=1e-4, rtol=0)
+    assert_alone_equals_crowd(model, PROMPT)
+
+
+def test_the_sizes_read_before_loading_count_the_routed_experts_where_layers_have_them(
+    checkpoint: tuple[Path, Any], moe_checkpoint: tuple[Path, Any]
+) -> None:
+    """What the server checks --tensor-parallel / --expert-parallel degrees against (models/dims.py)."""
+    dims = read_dims(moe_checkpoint[0])
+    assert (dims.num_experts, dims.expert_width) == (8, 32)
+    assert read_dims(checkpoint[0]).num_experts == 0  # n_routed_experts 8, but every layer dense
+
+
+def test_softmax_routing_and_groups_that_cannot_hold_the_experts_are_refused(
+    moe_checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    config = json.loads((moe_checkpoint[0] / "config.json").read_text())
+    for name, change, refusal in [
+        ("softmax", {"scoring_func": "softmax"}, "routes its experts by softmax scores; only DeepSeek-V3's sigmoid"),
+        ("groups", {"n_group": 3}, "8 routed experts do not split into 3 equal groups"),
+    ]:
+        shutil.copytree(moe_checkpoint[0], tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(PlanRefused, match=refusal):
+            load_model(tmp_path / name)
 
 
 # -- tensor parallel (gloo on CPU, real processes; as tests/engine/test_tensor_parallel.py) -----------
@@ -214,32 +314,45 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_logits(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
+def _rank_logits(rank: int, size: int, port: int, runs: list[tuple[str, bool]], out: str) -> None:
+    """Each (checkpoint, expert parallel) of ``runs``: this rank's heads, routed experts held (of the
+    first expert layer, if any) and logits, saved to ``out.<rank>``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        results = {}
-        for path in paths:
-            model = load_model(Path(path), quantization="auto", tp=TensorParallel(rank, size))
-            results[path] = (model.model.layers[0].self_attn.num_heads, logits(model, PROMPT))
-        if rank == 0:
-            torch.save(results, out)
+        results = []
+        for path, expert_parallel in runs:
+            model = load_model(Path(path), quantization="auto", tp=TensorParallel(rank, size, expert_parallel))
+            moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, FusedMoE)]
+            held = list(moe[0].experts) if moe else []
+            results.append((model.model.layers[0].self_attn.num_heads, held, logits(model, PROMPT)))
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_tensor_parallel_ranks_give_the_whole_models_logits(
-    fp8_checkpoint: tuple[Path, Any, dict[str, torch.Tensor]], tmp_path: Path
+def test_two_tensor_or_expert_parallel_ranks_give_the_whole_models_logits(
+    fp8_checkpoint: tuple[Path, Any, dict[str, torch.Tensor]], moe_checkpoint: tuple[Path, Any], tmp_path: Path
 ) -> None:
     """Each rank holds half the heads (q, kv_b and o projections) and the whole latent path and cache:
-    float32 checkpoints with and without q_lora, and the FP8 one, in one spawn (a spawn costs seconds)."""
-    paths = [str(fp8_checkpoint[0])]
+    float32 checkpoints with and without q_lora, and the FP8 one; the expert layers' checkpoint with
+    every routed expert split (tensor parallel) and with half the experts whole on each rank (expert
+    parallel), the shared expert split either way; in one spawn (a spawn costs seconds)."""
+    runs = [(str(fp8_checkpoint[0]), False)]
     for q_lora in (True, False):
-        paths.append(str(tmp_path / f"q_lora-{q_lora}"))
-        deepseek_v3(q_lora=q_lora).save_pretrained(paths[-1], safe_serialization=True)
-    out = tmp_path / "logits.pt"
-    mp.spawn(_rank_logits, args=(2, _free_port(), paths, str(out)), nprocs=2)
-    for path, (heads, sharded) in torch.load(out).items():
-        assert heads == 2
+        runs.append((str(tmp_path / f"q_lora-{q_lora}"), False))
+        deepseek_v3(q_lora=q_lora).save_pretrained(runs[-1][0], safe_serialization=True)
+    runs += [(str(moe_checkpoint[0]), False), (str(moe_checkpoint[0]), True)]
+    out = tmp_path / "logits"
+    mp.spawn(_rank_logits, args=(2, _free_port(), runs, str(out)), nprocs=2)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    for run, (path, expert_parallel) in enumerate(runs):
         whole = logits(load_model(Path(path), quantization="auto"), PROMPT)
-        torch.testing.assert_close(sharded, whole, atol=1e-4, rtol=0)
+        for rank, results in enumerate(ranks):
+            heads, held, sharded = results[run]
+            assert heads == 2
+            if expert_parallel:
+                assert held == [str(e) for e in range(4 * rank, 4 * rank + 4)]
+            elif path == str(moe_checkpoint[0]):
+                assert held == [str(e) for e in range(8)]
+            torch.testing.assert_close(sharded, whole, atol=1e-4, rtol=0)

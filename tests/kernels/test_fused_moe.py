@@ -1,7 +1,8 @@
 """The mixture-of-experts layer against its plain-torch definition (layers/fused_moe/reference.py), for
 each way its experts can be stored: float32 rows and GGUF blocks multiplied by tokenmill's native
 kernels (float32, VNNI, k-quants), as the dense layers multiply them; the router's choice and
-renormalization; and a token's output bitwise the same whatever other tokens share its step."""
+renormalization; DeepSeek-V3's grouped sigmoid routing against transformers' router; and a token's
+output bitwise the same whatever other tokens share its step, with either routing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from gguf import quants
 from tests.engine.test_gguf_loader import random_blocks
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels import get_ops
-from tokenmill_service.layers.fused_moe import FusedMoE, select_experts
+from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK, select_experts, select_experts_grouped
 from tokenmill_service.layers.fused_moe.reference import moe_reference
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
@@ -44,7 +45,9 @@ def _stored(weight: torch.Tensor, qtype: QType) -> CheckpointTensor:
     return GGUFBlocks.from_raw(raw, qtype, (weight.shape[0], weight.shape[1]))
 
 
-def _moe(method: str, qtype: QType, hidden: int, width: int, renormalize: bool = True) -> FusedMoE:
+def _moe(
+    method: str, qtype: QType, hidden: int, width: int, renormalize: bool = True, grouped: GroupedTopK | None = None
+) -> FusedMoE:
     facts = probe_device("cpu")
     if (why := quant_method_class(method).unavailable_reason(facts, torch.float32)) is not None:
         pytest.skip(f"{method}: {why}")
@@ -54,9 +57,11 @@ def _moe(method: str, qtype: QType, hidden: int, width: int, renormalize: bool =
         return quant_method_class(name)(torch.float32)
 
     ops = get_ops("native" if facts.native("elementwise") is None else "torch")
-    moe = FusedMoE(hidden, width, EXPERTS, TOP_K, renormalize, "mlp", ops, quant, TensorParallel())
+    moe = FusedMoE(hidden, width, EXPERTS, TOP_K, renormalize, "mlp", ops, quant, TensorParallel(), grouped)
     gen = torch.Generator().manual_seed(hidden + width)
     moe.gate.load_weight(torch.randn(EXPERTS, hidden, generator=gen))
+    if moe.score_bias is not None:
+        moe.score_bias.copy_(torch.randn(EXPERTS, generator=gen) * 0.1)
     for expert in moe.experts.values():
         expert.gate_up_proj.load_weight(_stored(torch.randn(width, hidden, generator=gen) * 0.1, qtype), 0)
         expert.gate_up_proj.load_weight(_stored(torch.randn(width, hidden, generator=gen) * 0.1, qtype), 1)
@@ -122,3 +127,55 @@ def test_without_renormalization_the_outputs_are_the_smaller_weights_ones() -> N
     total = weights.sum(-1, keepdim=True)  # < 1: what renormalizing divides by
     torch.testing.assert_close(plain(x), normed(x) * total, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(plain(x), _reference(plain, x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("groups", "kept", "top_k", "norm"), [(2, 1, 2, True), (4, 2, 3, False), (1, 1, 4, True)])
+@torch.inference_mode()
+def test_the_grouped_router_is_transformers_deepseek_v3_router(groups: int, kept: int, top_k: int, norm: bool) -> None:
+    """Sigmoid scores, the correction bias for choosing only, the best groups by their two best, the top-k
+    among them, weights from the uncorrected scores (renormalized or not) times the scaling factor."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, n_routed_experts=8, n_group=groups, topk_group=kept, num_experts_per_tok=top_k,
+        norm_topk_prob=norm, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    router = DeepseekV3TopkRouter(config)
+    gen = torch.Generator().manual_seed(groups)
+    router.weight.copy_(torch.randn(8, 32, generator=gen))
+    router.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.3)
+    x = torch.randn(50, 32, generator=gen)
+    _, want_weights, want_ids = router(x)
+    routing = GroupedTopK(groups, kept, 2.5)
+    weights, ids = select_experts_grouped(x @ router.weight.t(), router.e_score_correction_bias, top_k, norm, routing)
+    # transformers leaves its top-k unsorted: compare each token's experts as a set, weights by expert.
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), want_weights.gather(1, want_ids.argsort(-1)))
+    kept_groups = (ids // (8 // groups)).tolist()
+    assert all(len(set(row)) <= kept for row in kept_groups)
+
+
+def test_grouped_routing_is_refused_where_the_groups_cannot_hold_the_experts() -> None:
+    with pytest.raises(ValueError, match="do not split into 3 equal groups"):
+        GroupedTopK(3, 1, 1.0).check(8, 2)
+    with pytest.raises(ValueError, match="1 of 4 groups of 2 experts cannot hold 3 experts a token"):
+        GroupedTopK(4, 1, 1.0).check(8, 3)
+
+
+@torch.inference_mode()
+def test_with_grouped_routing_a_tokens_output_is_its_definition_and_bitwise_the_same_alone() -> None:
+    routing = GroupedTopK(2, 1, 2.5)
+    moe = _moe("none", QType.F32, 64, 96, True, routing)
+    x = torch.randn(27, 64, generator=torch.Generator().manual_seed(4))
+    crowd = moe(x)
+    for i in (0, 17, 26):
+        assert torch.equal(moe(x[i : i + 1])[0], crowd[i])
+    # 13 tokens' 104 scores: torch.sigmoid would leave the last 8 to its scalar tail, another exp.
+    assert torch.equal(moe(x[9:22]), crowd[9:22])
+    # The definition: every expert on every token, each token's chosen ones weighted.
+    assert moe.score_bias is not None
+    weights, ids = select_experts_grouped(x @ moe.gate.weight.t(), moe.score_bias, TOP_K, True, routing)
+    every = torch.stack([moe.experts[str(e)](x) for e in range(EXPERTS)], 1)  # [T, E, H]
+    want = (every.gather(1, ids[..., None].expand(-1, -1, 64)) * weights[..., None]).sum(1)
+    torch.testing.assert_close(crowd, want, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
-"""`tokenmill-server --model` a DeepSeek-V3 Hugging Face directory (dense layers): through the RPC,
-transformers' greedy tokens and prompt logprobs, GetModelInfo's latent cache and its bytes per token;
-and a checkpoint with routed-expert layers stops the server with exit code 2, saying why."""
+"""`tokenmill-server --model` a DeepSeek-V3 Hugging Face directory (a dense first layer, then routed and
+shared experts): through the RPC, transformers' greedy tokens and prompt logprobs, GetModelInfo's latent
+cache and its bytes per token; and a checkpoint routing by softmax (DeepSeek-V2's way) stops the server
+with exit code 2, saying why."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    """Two dense layers with q_lora, YaRN and interleaved rope; a byte-level tokenizer of 256 bytes + EOS."""
+    """Three layers (the first dense, then 8 routed experts and a shared one) with q_lora, YaRN and
+    interleaved rope; a byte-level tokenizer of 256 bytes + EOS."""
     directory = tmp_path_factory.mktemp("tiny-deepseek")
     alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -32,7 +34,7 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch
     tok.add_special_tokens(["<|eos|>"])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
-    model = deepseek_v3(q_lora=True, vocab_size=257)
+    model = deepseek_v3(q_lora=True, vocab_size=257, moe=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory, model
 
@@ -53,8 +55,9 @@ def test_a_served_deepseek_v3_gives_transformers_tokens_and_prompt_logprobs(
     finally:
         server.stop()
     assert plan["architecture"] == "deepseek_v3" and plan["kv_cache_layout"] == "latent blocks"
-    # 2 layers x (64 latent + 64 rotary key) float32 values, against 4 heads x (96 + 32) per layer.
-    assert plan["kv_cache_bytes_per_token"].startswith("1024 (") and "(4.0x)" in plan["kv_cache_bytes_per_token"]
+    # 3 layers x (64 latent + 64 rotary key) float32 values, against 4 heads x (96 + 32) per layer.
+    assert plan["kv_cache_bytes_per_token"].startswith("1536 (") and "(4.0x)" in plan["kv_cache_bytes_per_token"]
+    assert plan["linear_layers"] == "none/block_gemm-f32: 56"  # the experts' projections among the layers
 
     prompt = events[0].prompt_tokens
     ids = [t.id for t in prompt]
@@ -67,7 +70,7 @@ def test_a_served_deepseek_v3_gives_transformers_tokens_and_prompt_logprobs(
         assert token.logprob is not None and abs(token.logprob - logprobs[row, token.id].item()) < 1e-4
 
 
-def test_routed_expert_layers_stop_the_server_with_exit_code_2(
+def test_softmax_routing_stops_the_server_with_exit_code_2(
     tiny_deepseek: tuple[Path, torch.nn.Module], tmp_path: Path
 ) -> None:
     directory = tmp_path / "moe"
@@ -76,11 +79,11 @@ def test_routed_expert_layers_stop_the_server_with_exit_code_2(
         (directory / file.name).symlink_to(file)
     (directory / "config.json").unlink()
     config = json.loads((tiny_deepseek[0] / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
+    (directory / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax"}))
     command = [str(SERVER), "--model", str(directory), "--port", str(free_port()), "--http-port", str(free_port())]
     result = subprocess.run(
         [*command, "--log-format", "json"], check=False, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "tokenmill-server: error:" in result.stderr
-    assert "mixture-of-experts layers (8 routed experts), which are not served yet" in result.stderr
+    assert "routes its experts by softmax scores; only DeepSeek-V3's sigmoid routing" in result.stderr

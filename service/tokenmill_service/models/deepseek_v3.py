@@ -15,18 +15,34 @@ whose attention is multi-head latent attention (MLA), as transformers' modeling_
   interleaved pairs (``rope_interleave``: the rotary dims are de-interleaved, then rotated as halves,
   which is transformers' ``apply_rotary_pos_emb_interleave`` exactly).
 
-Layers from ``first_k_dense_replace`` on are mixture-of-experts layers in DeepSeek-V3's checkpoints;
-they are not served yet: ``unserved_reason`` refuses such a checkpoint in the load plan. A layer's
-feed-forward block is chosen by ``DeepseekV3DecoderLayer.make_mlp``, the one place the MoE block plugs in.
+The first ``first_k_dense_replace`` layers have a dense MLP; the others a mixture of experts
+(``DeepseekV3MoE``: the fused MoE layer with DeepSeek-V3's routing, plus shared experts), as
+transformers' ``DeepseekV3MoE`` computes it:
+
+- routing (layers/fused_moe/router.py, ``GroupedTopK``): sigmoid scores of the router (``mlp.gate``)
+  in float32, the score-correction bias (``mlp.gate.e_score_correction_bias``) added for choosing only,
+  the ``n_routed_experts`` split into ``n_group`` groups scored by the sum of their two best corrected
+  scores, the ``topk_group`` best groups kept, the ``num_experts_per_tok`` best experts among theirs;
+  weights from the uncorrected scores, renormalized when ``norm_topk_prob``, times
+  ``routed_scaling_factor``;
+- each routed expert ``moe_intermediate_size`` wide; ``n_shared_experts`` shared experts as one dense
+  MLP ``moe_intermediate_size * n_shared_experts`` wide, run on every token and added to the routed sum.
+
+Softmax routing (DeepSeek-V2's, a GGUF whose ``expert_gating_func`` says softmax or nothing) is
+refused by ``unserved_reason``, as are groups that cannot hold a token's experts.
 
 Under tensor parallelism each rank holds its share of the heads (``q_b_proj`` / ``q_proj``,
 ``kv_b_proj``, ``o_proj``) and all of the latent path (``q_a_proj``, ``kv_a_proj_with_mqa``, their
 norms), whose cache every rank keeps whole. GGUF files are llama.cpp's ``deepseek2`` (its tensor names,
-``kv_b`` whole or split into ``k_b`` / ``v_b``).
+``kv_b`` whole or split into ``k_b`` / ``v_b``; experts stacked as ``ffn_{gate,up,down}_exps``, the shared
+ones ``ffn_{gate,up,down}_shexp``, the correction bias ``exp_probs_b``; routing from its ``expert_*``
+keys). Under ``--expert-parallel`` each rank holds its share of the routed experts whole and the shared
+experts split as a dense MLP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -40,18 +56,24 @@ from torch import nn
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
 from tokenmill_service.layers.linear import ColumnParallelLinear, QuantFactory, ReplicatedLinear, RowParallelLinear
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from tokenmill_service.models.moe import GGUF_MOE_NAMES, MoEForCausalLM, moe_settings, set_moe
 from tokenmill_service.models.registry import register_model
 
 log = structlog.get_logger(__name__)
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+# The router's score-correction bias: transformers' name, and llama.cpp's ("exp_probs_b.bias") mapped.
+_SCORE_BIAS = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction(?:_bias|\.bias)")
+# llama.cpp's expert_gating_func values (gguf's ExpertGatingFuncType).
+GGUF_GATING = {1: "softmax", 2: "sigmoid", 3: "sqrtsoftplus"}
 # transformers' DeepseekV3RMSNorm default: the latent norms do not take the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 YARN_TYPES = frozenset({"yarn", "deepseek_yarn"})
@@ -232,16 +254,35 @@ class DeepseekV3Attention(nn.Module):
         return out.flatten(1)
 
 
+class DeepseekV3MoE(FusedMoE):
+    """The routed experts (the fused MoE layer, grouped sigmoid routing) and the shared experts: a dense
+    MLP on every token, added to the routed sum (each all-reduced on its own under parallelism)."""
+
+    def __init__(self, config: ModelConfig, prefix: str, ops: Ops, quant: QuantFactory, tp: TensorParallel) -> None:
+        experts, per_token, width, renormalize, _ = moe_settings(config)
+        routing: GroupedTopK = config.extra["moe_routing"]  # type: ignore[assignment]
+        super().__init__(config.hidden_size, width, experts, per_token, renormalize, prefix, ops, quant, tp, routing)
+        shared = int(config.extra["shared_expert_width"])  # type: ignore[call-overload]
+        self.shared_experts: LlamaMLP | None = None
+        if shared:
+            shape = dataclasses.replace(config, intermediate_size=shared)
+            self.shared_experts = LlamaMLP(shape, f"{prefix}.shared_experts", ops, quant, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     """A Llama layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
 
     def make_mlp(
         self, config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
     ) -> nn.Module:
-        """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``;
-        the mixture-of-experts block after it plugs in here (refused by the plan until then)."""
+        """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``,
+        routed and shared experts from it on."""
         if layer_idx >= int(config.extra["first_k_dense_replace"]):  # type: ignore[call-overload]
-            raise ValueError(f"layer {layer_idx} is a mixture-of-experts layer, which is not served yet")
+            return DeepseekV3MoE(config, prefix, ops, quant, tp)
         return LlamaMLP(config, prefix, ops, quant, tp)
 
 
@@ -255,7 +296,7 @@ class DeepseekV3Model(LlamaModel):
 
 
 @register_model("deepseek_v3")
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
+class DeepseekV3ForCausalLM(MoEForCausalLM):
     native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = "the C++ decoder layers have no latent attention"
     attention_type: ClassVar[type[LlamaAttention]] = DeepseekV3Attention  # type: ignore[assignment]
@@ -286,6 +327,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+        **GGUF_MOE_NAMES,
+        "exp_probs_b": "mlp.gate.e_score_correction",  # its ".bias": transformers' e_score_correction_bias
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
     }
     gguf_reads_attention: ClassVar[bool] = True
     hf_rope_types: ClassVar[frozenset[str]] = YARN_TYPES
@@ -328,10 +374,48 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             )
         routed = int(raw.get("n_routed_experts") or 0)
         first_dense = raw.get("first_k_dense_replace")
-        config.extra["first_k_dense_replace"] = (
-            config.num_layers if not routed or first_dense is None else int(first_dense)
+        # transformers' DeepseekV3Config defaults (DeepSeek-V3's own values) where the file says nothing.
+        cls._set_experts(
+            config,
+            routed=routed,
+            first_dense=config.num_layers if not routed or first_dense is None else int(first_dense),
+            per_token=int(raw.get("num_experts_per_tok") or 8),
+            width=int(raw.get("moe_intermediate_size") or 2048),
+            shared=int(raw.get("n_shared_experts") or 0),
+            renormalize=bool(raw.get("norm_topk_prob", True)),
+            routing=GroupedTopK(
+                int(raw.get("n_group") or 1),
+                int(raw.get("topk_group") or 1),
+                float(raw.get("routed_scaling_factor", 2.5)),
+            ),
+            scoring=str(raw.get("scoring_func") or "sigmoid"),
         )
-        config.extra["n_routed_experts"] = routed
+
+    @classmethod
+    def _set_experts(
+        cls,
+        config: ModelConfig,
+        routed: int,
+        first_dense: int,
+        per_token: int,
+        width: int,
+        shared: int,
+        renormalize: bool,
+        routing: GroupedTopK,
+        scoring: str,
+    ) -> None:
+        """The routed experts' settings (``set_moe``'s, where any layer has experts) and DeepSeek's own:
+        ``moe_routing``, ``shared_expert_width``, ``moe_scoring`` (the score function, only sigmoid served)."""
+        first_dense = min(first_dense, config.num_layers)
+        config.extra |= {
+            "first_k_dense_replace": first_dense,
+            "n_routed_experts": routed,
+            "moe_routing": routing,
+            "shared_expert_width": width * shared,
+            "moe_scoring": scoring,
+        }
+        if first_dense < config.num_layers:
+            set_moe(config, routed, per_token, width, renormalize, range(first_dense, config.num_layers))
 
     @classmethod
     def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
@@ -370,19 +454,43 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"RoPE scaling type {scaling!r} is not supported (supported: yarn)")
         experts = int(key("expert_count") or 0)
         dense = key("leading_dense_block_count")
-        config.extra["first_k_dense_replace"] = config.num_layers if not experts else int(dense or 0)
-        config.extra["n_routed_experts"] = experts
+        norm, scale, gating = key("expert_weights_norm"), key("expert_weights_scale"), key("expert_gating_func")
+        # As llama.cpp reads deepseek2: no gating function written is softmax (DeepSeek-V2's), no
+        # scale 1, no norm false, no groups one group.
+        cls._set_experts(
+            config,
+            routed=experts,
+            first_dense=config.num_layers if not experts else int(dense or 0),
+            per_token=int(key("expert_used_count") or 0),
+            width=int(key("expert_feed_forward_length") or 0),
+            shared=int(key("expert_shared_count") or 0),
+            renormalize=bool(norm) if norm is not None else False,
+            routing=GroupedTopK(
+                int(key("expert_group_count") or 1),
+                int(key("expert_group_used_count") or 1),
+                float(scale) if scale is not None else 1.0,
+            ),
+            scoring=GGUF_GATING.get(int(gating), f"gating function {gating}") if gating is not None else "softmax",
+        )
 
     @classmethod
     def unserved_reason(cls, config: ModelConfig) -> str | None:
-        """Why this checkpoint cannot be served (the plan refuses it), or None."""
-        first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
-        if first_moe < config.num_layers:
+        """Why this checkpoint cannot be served (the plan refuses it), or None: routing other than
+        DeepSeek-V3's sigmoid one, or groups that cannot hold a token's experts."""
+        if "num_experts" not in config.extra:
+            return None  # every layer dense
+        scoring = config.extra["moe_scoring"]
+        if scoring != "sigmoid":
             return (
-                f"layers {first_moe}..{config.num_layers - 1} of this DeepSeek-V3 checkpoint are mixture-of-experts "
-                f"layers ({config.extra['n_routed_experts']} routed experts), which are not served yet: only "
-                "checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers) are"
+                f"this DeepSeek checkpoint routes its experts by {scoring} scores; only DeepSeek-V3's sigmoid "
+                "routing (with its score-correction bias and expert groups) is served"
             )
+        experts, per_token, _, _, _ = moe_settings(config)
+        routing: GroupedTopK = config.extra["moe_routing"]  # type: ignore[assignment]
+        try:
+            routing.check(experts, per_token)
+        except ValueError as e:
+            return f"this DeepSeek-V3 checkpoint's routing cannot be served: {e}"
         return None
 
     @classmethod
@@ -400,8 +508,22 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def linear_prefixes(cls, config: ModelConfig) -> list[str]:
         q = ("q_a_proj", "q_b_proj") if mla_dims(config).q_lora_rank else ("q_proj",)
         attn = [f"self_attn.{leaf}" for leaf in (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
-        leaves = (*attn, "mlp.gate_up_proj", "mlp.down_proj")
-        return [f"model.layers.{i}.{leaf}" for i in range(config.num_layers) for leaf in leaves] + ["lm_head"]
+        first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
+        experts = int(config.extra.get("num_experts", 0))  # type: ignore[call-overload]
+        shared = int(config.extra["shared_expert_width"])  # type: ignore[call-overload]
+        prefixes = []
+        for i in range(config.num_layers):
+            layer = f"model.layers.{i}"
+            prefixes += [f"{layer}.{leaf}" for leaf in attn]
+            if i < first_moe:
+                prefixes += [f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
+                continue
+            prefixes.append(f"{layer}.mlp.gate")
+            for e in range(experts):
+                prefixes += [f"{layer}.mlp.experts.{e}.gate_up_proj", f"{layer}.mlp.experts.{e}.down_proj"]
+            if shared:
+                prefixes += [f"{layer}.mlp.shared_experts.gate_up_proj", f"{layer}.mlp.shared_experts.down_proj"]
+        return [*prefixes, "lm_head"]
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (latent, rotary key) cache shapes, in its ops backend's latent layout."""
@@ -412,10 +534,35 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return layout.shapes(len(self.model.layers), num_blocks, block_size, d.kv_lora_rank, d.qk_rope_head_dim)
 
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
-        super().load_weights(self._join_kv_b(self._without_mtp(tensors)))
+        biased: set[int] = set()
+        super().load_weights(self._score_biases(self._join_kv_b(self._without_mtp(tensors)), biased))
+        moe_layers = {i for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, FusedMoE)}
+        if missing := sorted(moe_layers - biased):
+            names = ", ".join(f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in missing[:4])
+            raise ValueError(f"the checkpoint lacks the routers' score-correction bias: {names}")
         for module in self.modules():
             if isinstance(module, DeepseekV3Attention):
                 module.absorb()
+
+    def _score_biases(
+        self, tensors: Iterable[tuple[str, CheckpointTensor]], loaded: set[int]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The tensors less the routers' score-correction biases, which go to their layers' ``score_bias``
+        (float32, whole on every rank); ``loaded`` gets the layers that had one."""
+        for name, tensor in tensors:
+            match = _SCORE_BIAS.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            layer = int(match.group(1))
+            mlp = self.model.layers[layer].mlp
+            if not isinstance(mlp, FusedMoE) or mlp.score_bias is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the model")
+            bias = dense(tensor).float().reshape(-1)
+            if bias.shape != mlp.score_bias.shape:
+                raise ValueError(f"{name} holds {bias.numel()} values for {mlp.num_experts} experts")
+            mlp.score_bias.copy_(bias)
+            loaded.add(layer)
 
     def _without_mtp(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         """The tensors less those of the multi-token-prediction layers DeepSeek-V3's files keep after the
@@ -431,9 +578,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             log.info("mtp_layers_skipped", tensors=skipped, layers_from=self.config.num_layers)
 
     def _join_kv_b(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
-        """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] joined
-        back into ``kv_b_proj`` [H * (nope + V), L] as the Hugging Face checkpoint holds it (dequantized:
-        the absorbed attention multiplies it in float32 whatever it was)."""
+        """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] (each read
+        as the matrix of its rows) joined back into ``kv_b_proj`` [H * (nope + V), L] as the Hugging Face
+        checkpoint holds it (dequantized: the absorbed attention multiplies it in float32 whatever it was)."""
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors:
             parent, _, leaf = name.rpartition(".")
@@ -444,7 +591,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             halves.setdefault(attn, {})[proj] = dense(tensor).float()
             if len(halves[attn]) == 2:
                 pair = halves.pop(attn)
-                k_b, v_b = pair["k_b_proj"].transpose(1, 2), pair["v_b_proj"]
+                # The GGUF loader reads a 3-D tensor as one matrix of its rows: the heads put back.
+                d, heads = mla_dims(self.config), self.config.num_heads
+                k_b = pair["k_b_proj"].reshape(heads, d.kv_lora_rank, d.qk_nope_head_dim).transpose(1, 2)
+                v_b = pair["v_b_proj"].reshape(heads, d.v_head_dim, d.kv_lora_rank)
                 joined = torch.cat((k_b, v_b), dim=1)
                 yield f"{attn}.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
         if halves:

@@ -48,6 +48,9 @@ def read_dims(path: Path) -> ModelDims:
     raw: dict[str, Any] = json.loads(config.read_text())
     heads = int(raw["num_attention_heads"])
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    first_dense = raw.get("first_k_dense_replace")  # DeepSeek-V3: experts from that layer on, if any
+    if raw.get("n_routed_experts") and first_dense is not None and int(first_dense) < int(raw["num_hidden_layers"]):
+        experts = int(raw["n_routed_experts"])
     return ModelDims(
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),

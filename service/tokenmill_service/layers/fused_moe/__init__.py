@@ -1,8 +1,8 @@
-"""A mixture-of-experts MLP: the router, the experts (each through its quantization method) and the
-combine in a fixed order per token (layer.py); the plain-torch definition it is tested against
-(reference.py)."""
+"""A mixture-of-experts MLP: the router (softmax, or DeepSeek-V3's grouped sigmoid: router.py), the
+experts (each through its quantization method) and the combine in a fixed order per token (layer.py);
+the plain-torch definition it is tested against (reference.py)."""
 
 from tokenmill_service.layers.fused_moe.layer import ExpertPlacement, FusedMoE
-from tokenmill_service.layers.fused_moe.router import select_experts
+from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts, select_experts_grouped
 
-__all__ = ["ExpertPlacement", "FusedMoE", "select_experts"]
+__all__ = ["ExpertPlacement", "FusedMoE", "GroupedTopK", "select_experts", "select_experts_grouped"]

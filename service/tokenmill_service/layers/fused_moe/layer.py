@@ -10,7 +10,9 @@ linear layers' ``load_weight``.
 
 A step:
 
-1. the router picks each token's ``top_k`` experts and weights (router.py);
+1. the router picks each token's ``top_k`` experts and weights (router.py): softmax top-k, or, given a
+   ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
+   (``gate.e_score_correction_bias`` in the checkpoint; ``score_bias`` here, float32);
 2. the (token, rank) pairs are grouped by expert (a stable sort of the expert ids), and each expert
    this rank holds runs gate/up, SiLU-and-mul and down on its group's rows;
 3. each token's output is ``sum_r weight_r * out_r`` over its ranks r = 0 .. top_k - 1, in that
@@ -39,7 +41,7 @@ from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
 from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.fused_moe.router import select_experts
+from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts, select_experts_grouped
 from tokenmill_service.layers.linear import (
     MergedColumnParallelLinear,
     QuantFactory,
@@ -94,6 +96,8 @@ class ExpertMLP(nn.Module):
 
 
 class FusedMoE(nn.Module):
+    score_bias: torch.Tensor | None
+
     def __init__(
         self,
         hidden: int,
@@ -105,12 +109,20 @@ class FusedMoE(nn.Module):
         ops: Ops,
         quant: QuantFactory,
         tp: TensorParallel,
+        grouped: GroupedTopK | None = None,
     ) -> None:
-        """``width``: each expert's intermediate size; ``prefix``: the layer's ("model.layers.0.mlp")."""
+        """``width``: each expert's intermediate size; ``prefix``: the layer's ("model.layers.0.mlp");
+        ``grouped``: DeepSeek-V3's routing instead of softmax top-k."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"experts per token ({top_k}) must be between 1 and the experts ({num_experts})")
+        if grouped is not None:
+            grouped.check(num_experts, top_k)
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.grouped = grouped
+        # The score-correction bias of grouped routing (every rank all of it; loaded by the family).
+        bias = None if grouped is None else torch.zeros(num_experts, dtype=torch.float32)
+        self.register_buffer("score_bias", bias, persistent=False)
         self.tp = tp
         self.placement = ExpertPlacement.for_rank(num_experts, tp)
         self.gate = ReplicatedLinear(hidden, num_experts, False, quant(f"{prefix}.gate"))
@@ -122,10 +134,17 @@ class FusedMoE(nn.Module):
             }
         )
 
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits [T, experts] -> (weights float32, expert ids) [T, top_k], by rank."""
+        if self.grouped is None:
+            return select_experts(logits, self.top_k, self.renormalize)
+        assert self.score_bias is not None
+        return select_experts_grouped(logits, self.score_bias, self.top_k, self.renormalize, self.grouped)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] in x's dtype."""
         tokens, hidden = x.shape
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.route(self.gate(x))
         out = torch.zeros(tokens, self.top_k, hidden, dtype=torch.float32, device=x.device)
         flat = ids.flatten()  # (token, rank) pairs, token-major
         order = torch.argsort(flat, stable=True)
