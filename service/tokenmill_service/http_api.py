@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
     GET  /v1/models, GET /health (200 ready, 503 not), GET /metrics (Prometheus)
-    POST /tokenize, POST /detokenize                 (vLLM's shapes)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
+                                                            tokenizes through them)
 
 Every generation goes through the same GenerationService as gRPC (auth, validation, limits,
 admission, metrics, the request_finished log line). A response's status is only sent once the
@@ -233,6 +234,7 @@ class HttpApi:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -340,6 +342,28 @@ class HttpApi:
         except InvalidRequest as exc:
             return error_response(400, "invalid_request_error", str(exc), "tokens", exc.code)
         return JSONResponse({"prompt": tokenizer.decode(ids)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """What a client needs to tokenize as the server does (vLLM's route): the special tokens' text
+        and the chat template. lm-evaluation-harness finds it and then sends token ids."""
+        try:
+            self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        tokenizer = self.service.tokenizer
+        bos = tokenizer.bos_token_id
+        return JSONResponse(
+            {
+                "tokenizer_class": "tokenmill",
+                "eos_token": tokenizer.token_text(tokenizer.eos_token_id),
+                "bos_token": None if bos is None else tokenizer.token_text(bos),
+                "pad_token": None,
+                "add_bos_token": tokenizer.add_bos,
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": self.service.context_length() or 0,
+                "vocab_size": tokenizer.vocab_size,
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         if self.service.router.ready:

@@ -395,11 +395,13 @@ def chat_logprobs(tokens: Sequence[pb.Token]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    tokens: Sequence[pb.Token], text_offset: int, prompt_tokens: Sequence[pb.Token] = ()
+    tokens: Sequence[pb.Token], text_offset: int, prompt_tokens: Sequence[pb.Token] = (), echo: bool = False
 ) -> dict[str, Any]:
     """OpenAI's legacy shape; with echo the prompt's tokens come first, all of them (the first has no
-    logprob: null, as OpenAI's), so that position i is the prompt's token i."""
-    shown = [*prompt_tokens, *_visible(tokens)]
+    logprob: null, as OpenAI's), so that position i is the prompt's token i, and every generated token
+    follows, special ones (EOS) included: a scorer (lm-evaluation-harness) asks for one token more than
+    the prompt and drops the last position, whatever that token is."""
+    shown = [*prompt_tokens, *(tokens if echo else _visible(tokens))]
     offsets = []
     for t in shown:
         offsets.append(text_offset)
@@ -436,7 +438,7 @@ class ResponseBuilder:
             return None
         if self.chat:
             return chat_logprobs(tokens)
-        shaped = completion_logprobs(tokens, self.text_offset, prompt_tokens)
+        shaped = completion_logprobs(tokens, self.text_offset, prompt_tokens, self.parsed.echo)
         self.text_offset += sum(len(t) for t in shaped["tokens"])
         return shaped
 

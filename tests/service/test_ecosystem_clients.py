@@ -1,0 +1,189 @@
+"""Clients no one here wrote, against the default server: lm-evaluation-harness's `local-completions`
+(as its own command), LangChain's `ChatOpenAI`, LiteLLM, and the `openai` SDK's less common
+parameters. Each answer is checked against the same request made through gRPC.
+
+Their imports are slow, so they share this one module and the session's default server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.server_process import ServerProcess
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+
+LM_EVAL = Path(sys.executable).parent / "lm_eval"
+
+# A multiple-choice task (scored by loglikelihood) and a generation task, each read from a local file.
+MULTIPLE_CHOICE = [
+    {"question": "The capital of France is", "choices": ["Paris", "Berlin", "Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "five", "seven"], "answer": 0},
+    {"question": "The sky on a clear day is", "choices": ["green", "blue"], "answer": 1},
+]
+GENERATION = [
+    {"question": "Q: What is the capital of France?\nA:", "answer": " Paris"},
+    {"question": "Q: What color is the sky?\nA:", "answer": " Blue"},
+    {"question": "Q: How many legs does a dog have?\nA:", "answer": " Four"},
+]
+GEN_TOKENS = 8
+TASKS = {
+    "tiny_choice": """
+task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""",
+    "tiny_generate": """
+task: tiny_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: {tokens}
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerProcess) -> Iterator[pb_grpc.GenerationStub]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def tokenize(stub: pb_grpc.GenerationStub, text: str) -> list[int]:
+    return list(stub.Tokenize(pb.TokenizeRequest(text=text), timeout=30).ids)
+
+
+# -- lm-evaluation-harness ----------------------------------------------------------------------
+
+
+def grpc_loglikelihood(stub: pb_grpc.GenerationStub, context: str, continuation: str) -> tuple[float, bool]:
+    """The score lm-eval computes, through gRPC: the continuation's tokens' logprobs given the context
+    (the pair tokenized together, split where the context's own tokens end), and whether each is the
+    most likely token."""
+    context_ids, whole = tokenize(stub, context), tokenize(stub, context + continuation)
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=whole),
+        stopping=pb.StoppingParams(max_new_tokens=1),
+        prompt_logprobs=True,
+        top_logprobs=1,
+    )
+    scored = list(next(iter(stub.Generate(request, timeout=600))).prompt_tokens)[len(context_ids) :]
+    greedy = all(t.logprob == max(a.logprob for a in t.top_logprobs) for t in scored)
+    return sum(t.logprob for t in scored), greedy
+
+
+def grpc_generation(stub: pb_grpc.GenerationStub, prompt: str, stop: list[str]) -> str:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=tokenize(stub, prompt)),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingParams(max_new_tokens=GEN_TOKENS, stop=stop),
+    )
+    return "".join(r.text for r in stub.Generate(request, timeout=600))
+
+
+def test_lm_eval_local_completions_scores_as_grpc_does(
+    server: ServerProcess, stub: pb_grpc.GenerationStub, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, rows in (("tiny_choice", MULTIPLE_CHOICE), ("tiny_generate", GENERATION)):
+        data = tasks / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (tasks / f"{name}.yaml").write_text(TASKS[name].format(data=data, tokens=GEN_TOKENS))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    # lm-eval's defaults otherwise: it finds /tokenizer_info and sends token ids, batches of 2 prompts.
+    model_args = f"base_url={server.http_url}/v1/completions,model=tokenmill,max_retries=1"
+    command = [str(LM_EVAL), "--model", "local-completions", "--model_args", model_args, "--batch_size", "2"]
+    command += ["--tasks", "tiny_choice,tiny_generate", "--include_path", str(tasks)]
+    command += ["--output_path", str(tmp_path / "out"), "--log_samples"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "Using remote tokenizer" in run.stderr
+
+    def samples(task: str) -> list[dict[str, Any]]:
+        (path,) = (tmp_path / "out").rglob(f"samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return sorted(rows, key=lambda r: r["doc_id"])
+
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]
+
+    correct = 0
+    for row, doc in zip(samples("tiny_choice"), MULTIPLE_CHOICE, strict=True):
+        expected = [grpc_loglikelihood(stub, doc["question"], " " + c) for c in doc["choices"]]
+        got = [(float(score), greedy == "True") for ((score, greedy),) in row["resps"]]
+        assert got == expected, doc["question"]
+        correct += max(range(len(expected)), key=lambda i: expected[i][0]) == doc["answer"]
+    assert results["tiny_choice"]["acc,none"] == pytest.approx(correct / len(MULTIPLE_CHOICE))
+
+    matched = 0
+    for row, doc in zip(samples("tiny_generate"), GENERATION, strict=True):
+        # lm-eval adds the model's end-of-sequence text (from /tokenizer_info) to the stop strings.
+        expected_text = grpc_generation(stub, doc["question"], ["\n", "<|im_end|>"])
+        assert row["resps"] == [[expected_text]], doc["question"]
+        matched += expected_text == doc["answer"]
+    assert results["tiny_generate"]["exact_match,none"] == pytest.approx(matched / len(GENERATION))
+
+
+def test_echo_keeps_a_generated_end_of_turn_so_the_prompts_positions_line_up(
+    server: ServerProcess, stub: pb_grpc.GenerationStub
+) -> None:
+    """lm-eval asks for one token past the prompt and drops the last position: that token must be
+    there even when it is a special one (here the model ends its turn)."""
+    import openai
+
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+    ]
+    body = json.dumps({"messages": messages, "add_generation_prompt": False}).encode()
+    request = urllib.request.Request(server.http_url + "/tokenize", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        ids = json.loads(answer.read())["tokens"]
+    ids = ids[: ids.index(2, len(ids) - 3)]  # up to the answer's end, before its <|im_end|> (id 2)
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0) as client:
+        reply = client.completions.create(
+            model="tokenmill", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0
+        )
+    (choice,) = reply.choices
+    assert choice.finish_reason == "stop"  # the end of turn was generated
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert len(choice.logprobs.token_logprobs) == len(ids) + 1
