@@ -134,7 +134,7 @@ def test_lm_eval_local_completions_scores_as_grpc_does(
     command = [str(LM_EVAL), "--model", "local-completions", "--model_args", model_args, "--batch_size", "2"]
     command += ["--tasks", "tiny_choice,tiny_generate", "--include_path", str(tasks)]
     command += ["--output_path", str(tmp_path / "out"), "--log_samples"]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    run = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "Using remote tokenizer" in run.stderr
 
