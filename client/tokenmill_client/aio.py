@@ -12,6 +12,7 @@ import grpc
 import grpc.aio
 
 from ._convert import (
+    ChoicesBuilder,
     ResultBuilder,
     build_generate_request,
     build_tokenize_request,
@@ -138,8 +139,11 @@ class AsyncClient:
         options: GenerateOptions | None = None,
         **overrides: Unpack[GenerateOverrides],
     ) -> GenerateResult:
-        """Generates to the end and returns the whole result (see generate() for the parameters)."""
+        """Generates to the end and returns the whole result (see generate() for the parameters).
+        One choice only: generate_choices() returns the n of a request with n > 1."""
         resolved = resolve_options("generate_text", options, overrides)
+        if resolved.n > 1:
+            raise ValueError(f"generate_text returns one result; use generate_choices for n={resolved.n}")
         builder = ResultBuilder()
         async for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
             builder.add(event)
@@ -149,6 +153,29 @@ class AsyncClient:
                 "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
             )
         return result
+
+    async def generate_choices(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        options: GenerateOptions | None = None,
+        **overrides: Unpack[GenerateOverrides],
+    ) -> tuple[GenerateResult, ...]:
+        """Generates ``n`` choices of one prompt (``n=3``; see generate() for the parameters) and returns
+        each one's whole result, in choice order. The prompt is computed once for all of them; each has
+        its own random stream (choice 0 the seed's, choice i one derived from (seed, i))."""
+        resolved = resolve_options("generate_choices", options, overrides)
+        builder = ChoicesBuilder(resolved.n)
+        async for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
+            builder.add(event)
+        results = builder.results()
+        if results is None:
+            raise TokenmillError(
+                "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
+            )
+        return results
 
     async def chat(
         self,

@@ -189,17 +189,14 @@ class GenerationResponse(Response):
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         headers += [(k.encode(), v.encode()) for k, v in self.headers_.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        opening = self.builder.first_chunk()
-        if opening is not None:
+        for opening in self.builder.first_chunks():
             await _send_event(send, opening)
-        last = first
         try:
             # Read to the generator's end (not only to the finish reason) so the request ends as completed.
             async for response in _prepend(first, responses):
                 chunk = self.builder.chunk(response)
                 if chunk is not None:
                     await _send_event(send, chunk)
-                last = response
         except ServiceError as exc:
             # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
             _, body = service_error_json(exc, self.builder.parsed.field_names)
@@ -207,7 +204,7 @@ class GenerationResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if self.builder.parsed.include_usage:
-            await _send_event(send, self.builder.usage_chunk(last))
+            await _send_event(send, self.builder.usage_chunk())
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

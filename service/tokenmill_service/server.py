@@ -22,6 +22,7 @@ from tokenmill_service.proto import pb, pb_grpc
 from tokenmill_service.router import Router
 from tokenmill_service.tokenizer import Tokenizer
 from tokenmill_service.validation import (
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_REQUEST_ID_LENGTH,
     MAX_STOP_STRING_LENGTH,
@@ -122,6 +123,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 max_stop_token_ids=MAX_STOP_TOKEN_IDS,
                 max_resumptions=s.max_resumptions,
                 max_logit_bias=MAX_LOGIT_BIAS,
+                max_n=MAX_CHOICES,
             ),
         )
         if info is not None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokenmill/v1/generate.proto\x12\x0ctokenmill.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x08Messages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.tokenmill.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.tokenmill.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"b\n\x0eStoppingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xb6\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tokenmill.v1.MessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.tokenmill.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12.\n\x08stopping\x18\x05 \x01(\x0b\x32\x1c.tokenmill.v1.StoppingParams\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\tB\x07\n\x05input\"7\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x84\x01\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.tokenmill.v1.TopLogprob\x12\x0f\n\x07special\x18\x05 \x01(\x08\x42\n\n\x08_logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x82\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06tokens\x18\x02 \x03(\x0b\x32\x13.tokenmill.v1.Token\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\rprompt_tokens\x18\x04 \x03(\x0b\x32\x13.tokenmill.v1.Token\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12$\n\x06timing\x18\x07 \x01(\x0b\x32\x14.tokenmill.v1.Timing\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tokenmill.v1.MessagesH\x00\x42\x07\n\x05input\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xa4\x02\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x02 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x03 \x01(\r\x12\x11\n\tmax_queue\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x1d\n\x15max_request_id_length\x18\x06 \x01(\r\x12\x17\n\x0fmin_temperature\x18\x07 \x01(\x02\x12\x1e\n\x16max_stop_string_length\x18\x08 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\t \x01(\r\x12\x17\n\x0fmax_resumptions\x18\n \x01(\r\x12\x16\n\x0emax_logit_bias\x18\x0b \x01(\r\"\xb5\x01\n\x0b\x45ngineState\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x06 \x01(\x04\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x07 \x01(\x04\"\xd3\x01\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x10\n\x08restarts\x18\x08 \x01(\r\x12&\n\x05ranks\x18\t \x03(\x0b\x32\x17.tokenmill.v1.RankState\"6\n\tRankState\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"\xb7\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12$\n\x06limits\x18\x08 \x01(\x0b\x32\x14.tokenmill.v1.Limits\x12)\n\x06\x65ngine\x18\t \x01(\x0b\x32\x19.tokenmill.v1.EngineState\x12*\n\x07workers\x18\n \x03(\x0b\x32\x19.tokenmill.v1.WorkerState\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x04\x12\x17\n\x0ftensor_parallel\x18\r \x01(\r\x12\x38\n\tload_plan\x18\x0e \x03(\x0b\x32%.tokenmill.v1.ModelInfo.LoadPlanEntry\x1a/\n\rLoadPlanEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xa0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_CONTEXT_LIMIT\x10\x04\x32\xf0\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tokenmill.v1.TokenizeRequest\x1a\x1e.tokenmill.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.tokenmill.v1.GetModelInfoRequest\x1a\x17.tokenmill.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokenmill/v1/generate.proto\x12\x0ctokenmill.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x08Messages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.tokenmill.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.tokenmill.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"b\n\x0eStoppingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\xc1\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tokenmill.v1.MessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.tokenmill.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12.\n\x08stopping\x18\x05 \x01(\x0b\x32\x1c.tokenmill.v1.StoppingParams\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\t\n\x01n\x18( \x01(\rB\x07\n\x05input\"7\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x84\x01\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.tokenmill.v1.TopLogprob\x12\x0f\n\x07special\x18\x05 \x01(\x08\x42\n\n\x08_logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x91\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06tokens\x18\x02 \x03(\x0b\x32\x13.tokenmill.v1.Token\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\rprompt_tokens\x18\x04 \x03(\x0b\x32\x13.tokenmill.v1.Token\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12$\n\x06timing\x18\x07 \x01(\x0b\x32\x14.tokenmill.v1.Timing\x12\r\n\x05index\x18( \x01(\r\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tokenmill.v1.MessagesH\x00\x42\x07\n\x05input\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xb3\x02\n\x06Limits\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x02 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x03 \x01(\r\x12\x11\n\tmax_queue\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x1d\n\x15max_request_id_length\x18\x06 \x01(\r\x12\x17\n\x0fmin_temperature\x18\x07 \x01(\x02\x12\x1e\n\x16max_stop_string_length\x18\x08 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\t \x01(\r\x12\x17\n\x0fmax_resumptions\x18\n \x01(\r\x12\x16\n\x0emax_logit_bias\x18\x0b \x01(\r\x12\r\n\x05max_n\x18( \x01(\r\"\xb5\x01\n\x0b\x45ngineState\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x06 \x01(\x04\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x07 \x01(\x04\"\xd3\x01\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x10\n\x08restarts\x18\x08 \x01(\r\x12&\n\x05ranks\x18\t \x03(\x0b\x32\x17.tokenmill.v1.RankState\"6\n\tRankState\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"\xb7\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12$\n\x06limits\x18\x08 \x01(\x0b\x32\x14.tokenmill.v1.Limits\x12)\n\x06\x65ngine\x18\t \x01(\x0b\x32\x19.tokenmill.v1.EngineState\x12*\n\x07workers\x18\n \x03(\x0b\x32\x19.tokenmill.v1.WorkerState\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x04\x12\x17\n\x0ftensor_parallel\x18\r \x01(\r\x12\x38\n\tload_plan\x18\x0e \x03(\x0b\x32%.tokenmill.v1.ModelInfo.LoadPlanEntry\x1a/\n\rLoadPlanEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\xa0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1f\n\x1b\x46INISH_REASON_CONTEXT_LIMIT\x10\x04\x32\xf0\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.tokenmill.v1.TokenizeRequest\x1a\x1e.tokenmill.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.tokenmill.v1.GetModelInfoRequest\x1a\x17.tokenmill.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_LOADPLANENTRY']._loaded_options = None
   _globals['_MODELINFO_LOADPLANENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2818
-  _globals['_FINISHREASON']._serialized_end=2978
+  _globals['_FINISHREASON']._serialized_start=2859
+  _globals['_FINISHREASON']._serialized_end=3019
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_MESSAGES']._serialized_start=91
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGPARAMS']._serialized_start=467
   _globals['_STOPPINGPARAMS']._serialized_end=565
   _globals['_GENERATEREQUEST']._serialized_start=568
-  _globals['_GENERATEREQUEST']._serialized_end=878
-  _globals['_TOPLOGPROB']._serialized_start=880
-  _globals['_TOPLOGPROB']._serialized_end=935
-  _globals['_TOKEN']._serialized_start=938
-  _globals['_TOKEN']._serialized_end=1070
-  _globals['_USAGE']._serialized_start=1072
-  _globals['_USAGE']._serialized_end=1129
-  _globals['_TIMING']._serialized_start=1131
-  _globals['_TIMING']._serialized_end=1207
-  _globals['_GENERATERESPONSE']._serialized_start=1210
-  _globals['_GENERATERESPONSE']._serialized_end=1468
-  _globals['_TOKENIZEREQUEST']._serialized_start=1470
-  _globals['_TOKENIZEREQUEST']._serialized_end=1552
-  _globals['_TOKENIZERESPONSE']._serialized_start=1554
-  _globals['_TOKENIZERESPONSE']._serialized_end=1601
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1603
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1624
-  _globals['_LIMITS']._serialized_start=1627
-  _globals['_LIMITS']._serialized_end=1919
-  _globals['_ENGINESTATE']._serialized_start=1922
-  _globals['_ENGINESTATE']._serialized_end=2103
-  _globals['_WORKERSTATE']._serialized_start=2106
-  _globals['_WORKERSTATE']._serialized_end=2317
-  _globals['_RANKSTATE']._serialized_start=2319
-  _globals['_RANKSTATE']._serialized_end=2373
-  _globals['_MODELINFO']._serialized_start=2376
-  _globals['_MODELINFO']._serialized_end=2815
-  _globals['_MODELINFO_LOADPLANENTRY']._serialized_start=2768
-  _globals['_MODELINFO_LOADPLANENTRY']._serialized_end=2815
-  _globals['_GENERATION']._serialized_start=2981
-  _globals['_GENERATION']._serialized_end=3221
+  _globals['_GENERATEREQUEST']._serialized_end=889
+  _globals['_TOPLOGPROB']._serialized_start=891
+  _globals['_TOPLOGPROB']._serialized_end=946
+  _globals['_TOKEN']._serialized_start=949
+  _globals['_TOKEN']._serialized_end=1081
+  _globals['_USAGE']._serialized_start=1083
+  _globals['_USAGE']._serialized_end=1140
+  _globals['_TIMING']._serialized_start=1142
+  _globals['_TIMING']._serialized_end=1218
+  _globals['_GENERATERESPONSE']._serialized_start=1221
+  _globals['_GENERATERESPONSE']._serialized_end=1494
+  _globals['_TOKENIZEREQUEST']._serialized_start=1496
+  _globals['_TOKENIZEREQUEST']._serialized_end=1578
+  _globals['_TOKENIZERESPONSE']._serialized_start=1580
+  _globals['_TOKENIZERESPONSE']._serialized_end=1627
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1629
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1650
+  _globals['_LIMITS']._serialized_start=1653
+  _globals['_LIMITS']._serialized_end=1960
+  _globals['_ENGINESTATE']._serialized_start=1963
+  _globals['_ENGINESTATE']._serialized_end=2144
+  _globals['_WORKERSTATE']._serialized_start=2147
+  _globals['_WORKERSTATE']._serialized_end=2358
+  _globals['_RANKSTATE']._serialized_start=2360
+  _globals['_RANKSTATE']._serialized_end=2414
+  _globals['_MODELINFO']._serialized_start=2417
+  _globals['_MODELINFO']._serialized_end=2856
+  _globals['_MODELINFO_LOADPLANENTRY']._serialized_start=2809
+  _globals['_MODELINFO_LOADPLANENTRY']._serialized_end=2856
+  _globals['_GENERATION']._serialized_start=3022
+  _globals['_GENERATION']._serialized_end=3262
 # @@protoc_insertion_point(module_scope)
