@@ -187,3 +187,83 @@ def test_echo_keeps_a_generated_end_of_turn_so_the_prompts_positions_line_up(
     assert choice.finish_reason == "stop"  # the end of turn was generated
     assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
     assert len(choice.logprobs.token_logprobs) == len(ids) + 1
+
+
+# -- n > 1 ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: ServerProcess) -> Iterator[Any]:
+    import openai
+
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=600) as c:
+        yield c
+
+
+WEEKEND = "The best thing about the weekend is"
+
+
+def grpc_choices(stub: pb_grpc.GenerationStub, n: int, **request: Any) -> list[str]:
+    texts = [""] * n
+    for response in stub.Generate(pb.GenerateRequest(n=n, **request), timeout=600):
+        texts[response.index] += response.text
+    return texts
+
+
+def test_n_choices_of_a_completion_are_grpcs_reproducible_and_the_same_whatever_n(
+    openai_client: Any, stub: pb_grpc.GenerationStub
+) -> None:
+    ask = {"model": "tokenmill", "prompt": WEEKEND, "max_tokens": 8, "temperature": 1.0, "seed": 5}
+    ask["extra_body"] = {"ignore_eos": True}
+    two = openai_client.completions.create(n=2, **ask)
+    assert [c.index for c in two.choices] == [0, 1]
+    texts = [c.text for c in two.choices]
+    assert texts[0] != texts[1]  # each choice draws from its own random stream
+    sampling = pb.SamplingParams(temperature=1.0, seed=5)
+    stopping = pb.StoppingParams(max_new_tokens=8, ignore_eos=True)
+    assert grpc_choices(stub, 2, prompt=WEEKEND, sampling=sampling, stopping=stopping) == texts
+    assert openai_client.completions.create(n=1, **ask).choices[0].text == texts[0]
+    assert [c.text for c in openai_client.completions.create(n=3, **ask).choices][:2] == texts
+
+    # Usage counts the prompt once and every choice's tokens.
+    one = openai_client.completions.create(n=1, **ask)
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (one.usage.prompt_tokens, 16)
+
+    streamed = [""] * 2
+    for chunk in openai_client.completions.create(n=2, stream=True, **ask):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+
+    # Two prompts with n = 2: prompt i's choice j is choice 2 * i + j.
+    batch = openai_client.completions.create(**{**ask, "prompt": [WEEKEND, "Paris is"]}, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices[:2]] == texts
+    other = openai_client.completions.create(**{**ask, "prompt": "Paris is"}, n=2)
+    assert [c.text for c in batch.choices[2:]] == [c.text for c in other.choices]
+
+
+def test_n_chat_choices_streamed_and_whole_agree(openai_client: Any) -> None:
+    ask = {
+        "model": "tokenmill",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+    }
+    whole = openai_client.chat.completions.create(**ask)
+    assert [c.index for c in whole.choices] == [0, 1]
+    roles: dict[int, str] = {}
+    streamed = [""] * 2
+    finished = set()
+    for chunk in openai_client.chat.completions.create(stream=True, **ask):
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles[choice.index] = choice.delta.role
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert roles == {0: "assistant", 1: "assistant"} and finished == {0, 1}
+    assert streamed == [c.message.content for c in whole.choices]
+    assert whole.usage.completion_tokens > 0

@@ -136,7 +136,7 @@ def test_choices_of_one_request_wait_for_their_shared_prompt_then_take_its_block
     assert step() == [("c0", 8)]  # the others of its group wait; "other" waits for budget
     assert step() == [("c0", 6), ("other", 2)]
     assert step() == [("c0", 1), ("other", 1), ("c1", 2), ("c2", 2)]  # 12 of 14 tokens from the cache
-    c0, other, c1, c2 = sched.running
+    c0, _other, c1, c2 = sched.running
     assert c1.num_cached_tokens == c2.num_cached_tokens == 12
     assert c1.block_table[:3] == c2.block_table[:3] == c0.block_table[:3]
     assert c1.block_table[3] != c2.block_table[3] != c0.block_table[3]
