@@ -126,6 +126,13 @@ class Settings:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
+    metrics_without_auth: bool = field(
+        default=False,
+        metadata={
+            "help": "serve /metrics (on --metrics-port and --http-port) without the bearer token even when "
+            "--auth-token is set, for a scraper that sends none"
+        },
+    )
     http_port: int = field(
         default=8000, metadata={"help": "OpenAI-compatible HTTP API port, with /health and /metrics (0: off)"}
     )
@@ -293,9 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
         kw: dict[str, Any] = {"help": f"{text} [{shown}env {' or '.join(env_names(f))}]", "default": None}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
-        kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
+        if str(f.type) == "bool":
+            kw["action"] = "store_true"  # a switch; its variable takes true/false, 1/0, yes/no, on/off
+        else:
+            kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
         parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", []), dest=f.name, **kw)
     return parser
+
+
+def _boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -308,7 +327,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         if value is None and given is not None:
             raw = env[given]
             try:
-                value = {"int": int, "float": float}.get(str(f.type), str)(raw)
+                value = {"int": int, "float": float, "bool": _boolean}.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if value is not None:

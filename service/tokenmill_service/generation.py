@@ -177,6 +177,14 @@ class GenerationService:
         if not matched:
             raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong bearer token in {where}")
 
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an Authorization header value passes (always, when no token is set)."""
+        try:
+            self.authorize(authorization, "")
+        except ServiceError:
+            return False
+        return True
+
     async def generate(
         self,
         request: pb.GenerateRequest,

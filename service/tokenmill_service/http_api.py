@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front-end: Starlette routes served by uvicorn on the server's own loop.
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
-    GET  /v1/models, GET /health (200 ready, 503 not), GET /metrics (Prometheus)
+    GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
+         token like the rest unless --metrics-without-auth)
     POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
                                                             tokenizes through them)
 
@@ -368,6 +369,11 @@ class HttpApi:
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
+        if not self.service.settings.metrics_without_auth:
+            try:
+                self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+            except ServiceError as exc:
+                return service_error_response(exc)
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -6,9 +6,14 @@ gauges read the router's live state when scraped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import WSGIApplication as WSGIApp
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 # The *_created series (a timestamp per counter and histogram) only add noise to every scrape.
 disable_created_metrics()
@@ -92,8 +97,33 @@ class Metrics:
         self.build_info.clear()
         self.build_info.labels(version, model, backend, dtype, quantization).set(1)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0", authorized: Callable[[str | None], bool] | None = None) -> None:
+        """Serve /metrics on its own port, in a thread. ``authorized`` (given the Authorization header)
+        guards it: a scrape it refuses gets 401 with ``WWW-Authenticate: Bearer``."""
+        app = make_wsgi_app(self.registry)
+        if authorized is not None:
+            app = _guarded(app, authorized)
+        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not worth a log line
+
+
+def _guarded(app: WSGIApp, authorized: Callable[[str | None], bool]) -> WSGIApp:
+    def guarded(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if authorized(environ.get("HTTP_AUTHORIZATION")):
+            return app(environ, start_response)
+        body = b"missing or wrong bearer token in the Authorization header\n"
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer"), ("Content-Length", str(len(body)))],
+        )
+        return [body]
+
+    return guarded
 
 
 def _ratio(state: dict[str, int], part: str, whole: str) -> float:

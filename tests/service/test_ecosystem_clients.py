@@ -267,3 +267,49 @@ def test_n_chat_choices_streamed_and_whole_agree(openai_client: Any) -> None:
     assert roles == {0: "assistant", 1: "assistant"} and finished == {0, 1}
     assert streamed == [c.message.content for c in whole.choices]
     assert whole.usage.completion_tokens > 0
+
+
+# -- LangChain and LiteLLM ------------------------------------------------------------------------
+
+COLOUR = [{"role": "user", "content": "Name a colour."}]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def grpc_chat(stub: pb_grpc.GenerationStub, messages: list[dict[str, str]], max_new_tokens: int) -> str:
+    chat = pb.Messages(messages=[pb.ChatMessage(**m) for m in messages])
+    request = pb.GenerateRequest(chat=chat, stopping=pb.StoppingParams(max_new_tokens=max_new_tokens))
+    return "".join(r.text for r in stub.Generate(request, timeout=600))
+
+
+def test_langchain_chat_openai_invokes_streams_and_batches(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=server.http_url + "/v1", api_key="none", model="tokenmill", temperature=0, max_tokens=8, max_retries=0
+    )
+    france, colour = grpc_chat(stub, FRANCE, 8), grpc_chat(stub, COLOUR, 8)
+    answer = llm.invoke(FRANCE[0]["content"])
+    assert answer.content == france and "Paris" in france
+    assert answer.response_metadata["model_name"] and answer.usage_metadata is not None
+    assert answer.usage_metadata["output_tokens"] > 0
+    chunks = list(llm.stream(FRANCE[0]["content"]))
+    assert "".join(str(c.content) for c in chunks) == france
+    assert [m.content for m in llm.batch([FRANCE[0]["content"], COLOUR[0]["content"]])] == [france, colour]
+
+
+def test_litellm_completion_and_text_completion(
+    server: ServerProcess, stub: pb_grpc.GenerationStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # read at import: no download of prices
+    import litellm
+
+    where = {"model": "openai/tokenmill", "api_base": server.http_url + "/v1", "api_key": "none"}
+    reply = litellm.completion(messages=FRANCE, max_tokens=8, temperature=0, **where)
+    assert reply.choices[0].message.content == grpc_chat(stub, FRANCE, 8)
+    assert reply.usage.completion_tokens > 0
+    streamed = litellm.completion(messages=FRANCE, max_tokens=8, temperature=0, stream=True, **where)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == grpc_chat(stub, FRANCE, 8)
+
+    text = litellm.text_completion(prompt=WEEKEND, max_tokens=8, temperature=0, **where)
+    request = pb.GenerateRequest(prompt=WEEKEND, stopping=pb.StoppingParams(max_new_tokens=8))
+    assert text.choices[0].text == "".join(r.text for r in stub.Generate(request, timeout=600))
