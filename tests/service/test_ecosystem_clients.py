@@ -222,11 +222,10 @@ def test_n_choices_of_a_completion_are_grpcs_reproducible_and_the_same_whatever_
     sampling = pb.SamplingParams(temperature=1.0, seed=5)
     stopping = pb.StoppingParams(max_new_tokens=8, ignore_eos=True)
     assert grpc_choices(stub, 2, prompt=WEEKEND, sampling=sampling, stopping=stopping) == texts
-    assert openai_client.completions.create(n=1, **ask).choices[0].text == texts[0]
-    assert [c.text for c in openai_client.completions.create(n=3, **ask).choices][:2] == texts
-
-    # Usage counts the prompt once and every choice's tokens.
     one = openai_client.completions.create(n=1, **ask)
+    assert one.choices[0].text == texts[0]
+    assert [c.text for c in openai_client.completions.create(n=3, **ask).choices][:2] == texts
+    # Usage counts the prompt once and every choice's tokens.
     assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (one.usage.prompt_tokens, 16)
 
     streamed = [""] * 2
