@@ -61,6 +61,10 @@ class Client:
     (None = none). UNAVAILABLE is retried up to ``max_retries`` times with exponential backoff, for
     generate only while no response has arrived yet; ``on_retry(retry, delay_seconds)`` is called before each
     retry's wait. Thread-safe; use it as a context manager or call close().
+
+    The default, 3 retries (about 1.4 s), lets a program learn soon that no server is there; the CLI,
+    often started beside a server that is still loading, waits longer (``--max-retries 20``, about
+    35 s): pass ``max_retries=20`` to wait as it does.
     """
 
     def __init__(
