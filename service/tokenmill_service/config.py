@@ -9,7 +9,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -317,6 +317,9 @@ def _boolean(text: str) -> bool:
     raise ValueError(text)
 
 
+_PARSERS: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": _boolean}
+
+
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
@@ -327,7 +330,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         if value is None and given is not None:
             raw = env[given]
             try:
-                value = {"int": int, "float": float, "bool": _boolean}.get(str(f.type), str)(raw)
+                value = _PARSERS.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if value is not None:

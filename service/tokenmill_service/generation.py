@@ -9,6 +9,7 @@ request was counted and logged; each front-end only translates that code into it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import time
@@ -229,39 +230,40 @@ class GenerationService:
                 for stream in streams:
                     stream.expire_after(timeout_s)
             try:
-                async for index, out in merged(streams):
-                    now = time.monotonic()
-                    if out.queue_s is not None:
-                        queue_s = out.queue_s
-                    if out.tokens:
-                        if first_token_at is None:
-                            first_token_at = now
-                            self.metrics.time_to_first_token.observe(now - arrival)
-                            self.metrics.queue_time.observe(queue_s)
-                        elif last_at[index] != arrival:
-                            per_token = (now - last_at[index]) / len(out.tokens)
-                            for _ in out.tokens:
-                                self.metrics.inter_token_latency.observe(per_token)
-                        last_at[index] = now
-                    completion_lens[index] = out.completion_len or completion_lens[index]
-                    completion_len = sum(completion_lens)
-                    response = pb.GenerateResponse(
-                        request_id=request_id,
-                        text=out.text,
-                        tokens=[token_proto(t) for t in out.tokens],
-                        index=index,
-                    )
-                    if out.prompt_tokens:
-                        response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
-                    if out.finish_reason is not None:
-                        finish = out.finish_reason
-                        response.finish_reason = FINISH_REASONS[out.finish_reason]
-                        response.usage.prompt_tokens = prompt_len
-                        response.usage.completion_tokens = completion_lens[index]
-                        response.timing.queue_ms = queue_s * 1000
-                        response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
-                        response.timing.total_ms = (now - arrival) * 1000
-                    yield response
+                async with contextlib.aclosing(merged(streams)) as outputs:  # type: ignore[type-var]
+                    async for index, out in outputs:
+                        now = time.monotonic()
+                        if out.queue_s is not None:
+                            queue_s = out.queue_s
+                        if out.tokens:
+                            if first_token_at is None:
+                                first_token_at = now
+                                self.metrics.time_to_first_token.observe(now - arrival)
+                                self.metrics.queue_time.observe(queue_s)
+                            elif last_at[index] != arrival:
+                                per_token = (now - last_at[index]) / len(out.tokens)
+                                for _ in out.tokens:
+                                    self.metrics.inter_token_latency.observe(per_token)
+                            last_at[index] = now
+                        completion_lens[index] = out.completion_len or completion_lens[index]
+                        completion_len = sum(completion_lens)
+                        response = pb.GenerateResponse(
+                            request_id=request_id,
+                            text=out.text,
+                            tokens=[token_proto(t) for t in out.tokens],
+                            index=index,
+                        )
+                        if out.prompt_tokens:
+                            response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
+                        if out.finish_reason is not None:
+                            finish = out.finish_reason
+                            response.finish_reason = FINISH_REASONS[out.finish_reason]
+                            response.usage.prompt_tokens = prompt_len
+                            response.usage.completion_tokens = completion_lens[index]
+                            response.timing.queue_ms = queue_s * 1000
+                            response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
+                            response.timing.total_ms = (now - arrival) * 1000
+                        yield response
             finally:
                 for stream in streams:
                     stream.close()

@@ -10,10 +10,12 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
-from wsgiref.types import WSGIApplication as WSGIApp
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+# A WSGI application (wsgiref.types has the precise type from Python 3.11 on).
+WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 # The *_created series (a timestamp per counter and histogram) only add noise to every scrape.
 disable_created_metrics()
