@@ -104,6 +104,8 @@ def test_the_readme_quickstart_runs_line_by_line(make_run: tuple[PtySession, int
     _, port, http_port = make_run
     lines = readme_block("From another terminal", "sh").replace("\\\n", "").splitlines()
     assert len(lines) >= 8
+    # Only the client's commands: nothing here may install or start anything.
+    assert all(line.startswith((".venv/bin/tokenmill-client", "echo ", ".tools/bin/grpcurl")) for line in lines), lines
     ran = 0
     for line in lines:
         if " -i " in line + " ":
@@ -118,15 +120,17 @@ def test_the_readme_quickstart_runs_line_by_line(make_run: tuple[PtySession, int
         ran += 1
     assert ran == len(lines) - 1
 
-    curl = readme_block("OpenAI-compatible HTTP API", "sh").replace("\\\n", "")
+    curl = readme_block("## OpenAI-compatible HTTP API", "sh").replace("\\\n", "")
+    assert curl.startswith("curl -N http://127.0.0.1:8000/"), curl  # never anything else from the README
     done = run_as_pasted(curl.replace("127.0.0.1:8000", f"127.0.0.1:{http_port}"), port)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("data: [DONE]"), done.stderr
 
-    for after, address, real in (
-        ("From Python", "localhost:50051", f"localhost:{port}"),
-        ("OpenAI-compatible HTTP API", "127.0.0.1:8000", f"127.0.0.1:{http_port}"),
+    for after, opening, address, real in (
+        ("From Python", "from tokenmill_client import Client", "localhost:50051", f"localhost:{port}"),
+        ("## OpenAI-compatible HTTP API", "from openai import OpenAI", "127.0.0.1:8000", f"127.0.0.1:{http_port}"),
     ):
         snippet = readme_block(after, "py(?:thon)?").replace(address, real)
+        assert snippet.startswith(opening), snippet
         done = subprocess.run(
             [sys.executable, "-c", snippet], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
         )
