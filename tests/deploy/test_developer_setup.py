@@ -100,41 +100,50 @@ def readme_block(after: str, language: str) -> str:
 @pytest.mark.timeout(600)
 def test_the_readme_quickstart_runs_line_by_line(make_run: tuple[PtySession, int, int]) -> None:
     """The README's quick start against `make run`'s server: the shell lines (but the interactive one),
-    the Python snippets, and the curl line, so that the README and the code cannot drift apart."""
+    the Python snippets, and the curl line, so that the README and the code cannot drift apart. They
+    run side by side, as several people would; the server batches them."""
     _, port, http_port = make_run
     lines = readme_block("From another terminal", "sh").replace("\\\n", "").splitlines()
     assert len(lines) >= 8
     # Only the client's commands: nothing here may install or start anything.
     assert all(line.startswith((".venv/bin/tokenmill-client", "echo ", ".tools/bin/grpcurl")) for line in lines), lines
-    ran = 0
-    for line in lines:
-        if " -i " in line + " ":
-            continue  # the interactive chat: the REPL's own tests drive it through a terminal
-        command = line.replace("localhost:50051", f"localhost:{port}")
-        stdin = "" if "generate" in command and "echo" not in command else None
-        done = subprocess.run(
-            ["bash", "-c", command], cwd=REPO, env={**os.environ, "TOKENMILL_SERVER": f"localhost:{port}"},
-            input=stdin, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0 and done.stdout.strip(), (line, done.stderr[-2000:])
-        ran += 1
-    assert ran == len(lines) - 1
+    commands = [
+        ["bash", "-c", line.replace("localhost:50051", f"localhost:{port}")]
+        for line in lines
+        if " -i " not in line + " "  # the interactive chat: the REPL's own tests drive it through a terminal
+    ]
+    assert len(commands) == len(lines) - 1
 
     curl = readme_block("## OpenAI-compatible HTTP API", "sh").replace("\\\n", "")
     assert curl.startswith("curl -N http://127.0.0.1:8000/"), curl  # never anything else from the README
-    done = run_as_pasted(curl.replace("127.0.0.1:8000", f"127.0.0.1:{http_port}"), port)
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("data: [DONE]"), done.stderr
-
+    commands.append(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{http_port}")])
     for after, opening, address, real in (
         ("From Python", "from tokenmill_client import Client", "localhost:50051", f"localhost:{port}"),
         ("## OpenAI-compatible HTTP API", "from openai import OpenAI", "127.0.0.1:8000", f"127.0.0.1:{http_port}"),
     ):
         snippet = readme_block(after, "py(?:thon)?").replace(address, real)
         assert snippet.startswith(opening), snippet
-        done = subprocess.run(
-            [sys.executable, "-c", snippet], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+        commands.append([sys.executable, "-c", snippet])
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TOKEN"}
+    env["TOKENMILL_SERVER"] = f"localhost:{port}"
+    running = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        assert done.returncode == 0 and done.stdout.strip(), (after, done.stderr[-2000:])
+        for command in commands
+    ]
+    for command, proc in zip(commands, running, strict=True):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip(), (command[-1], err[-2000:])
+        if command[-1].startswith("curl"):
+            assert out.rstrip().endswith("data: [DONE]"), out[-500:]
 
 
 # Found, not imported: that venv has the package's own files only (no grpc, no torch).
