@@ -78,8 +78,9 @@ def build_generate_request(
         top_logprobs=options.top_logprobs,
         prompt_logprobs=options.prompt_logprobs,
         request_id=options.request_id or "",
-        n=options.n,
     )
+    if options.n != 1:  # one choice is the server's default: the request carries no n
+        request.n = options.n
     if prompt is not None:
         request.prompt = prompt
     elif messages is not None:

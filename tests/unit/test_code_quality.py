@@ -52,7 +52,9 @@ def test_the_user_docs_name_no_internal_process_words() -> None:
     a work session, no paths of the machine they were written on."""
     import re
 
-    internal = re.compile(r"\bissue \d+|\bissue's\b|\b[Rr]uns? [A-I]\b(?![-\w])|/work/|\bseams issue\b|\bthis session\b")
+    internal = re.compile(
+        r"\bissue \d+|\bissue's\b|\b[Rr]uns? [A-I]\b(?![-\w])|/work/|\bseams issue\b|\bthis session\b"
+    )
     for doc in ("README.md", "bench/README.md", "bench/RESULTS.md", "helm/tokenmill/README.md"):
         for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
             assert not internal.search(line), f"{doc}:{number}: {line}"
