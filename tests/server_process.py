@@ -57,6 +57,9 @@ class ServerProcess:
         if metrics:
             self.args += ["--metrics-port", str(self.metrics_port)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The bearer token the server wants (its /metrics included), if the flags give one.
+        flags = list(args)
+        self.token = next((flags[i + 1] for i, a in enumerate(flags[:-1]) if a in ("--auth-token", "--api-key")), None)
         self.log: IO[str] = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="tokenmill-server-")  # noqa: SIM115
         self.proc: subprocess.Popen[str] | None = None
 
@@ -80,8 +83,10 @@ class ServerProcess:
 
     def metric(self, name: str) -> float | None:
         """One sample of ``name`` from the Prometheus endpoint (started with ``metrics=True``); None if absent."""
-        url = f"http://{self.host}:{self.metrics_port}/metrics"
-        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        request = urllib.request.Request(f"http://{self.host}:{self.metrics_port}/metrics")
+        if self.token is not None:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        body = urllib.request.urlopen(request, timeout=10).read().decode()
         for line in body.splitlines():
             if line.startswith((name + " ", name + "{")):
                 return float(line.rsplit(" ", 1)[1])

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from tokenmill_bench.load import LevelResult, RequestRecord, Target, TokenmillTarget, random_prompt_ids, run_level
-from tokenmill_bench.machine import copy_bandwidth, loadavg, machine_info, read_bandwidth
+from tokenmill_bench.machine import copy_bandwidth, loadavg, local_server_pids, machine_info, read_bandwidth
 from tokenmill_bench.model import count_parameters, default_model_path, gguf_tensor_bytes, weight_bytes
 from tokenmill_bench.report import format_tables, headline
 
@@ -249,6 +249,15 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
     # No retries: a refused request is a failure to count, not one to hide.
     async with AsyncClient(address, max_retries=0) as client, _open_peer(args.peer) as peer:
         info = await client.model_info(timeout=30.0)
+        if server_pids is None:
+            # A server this run did not start: on this machine, its processes are still known, so other
+            # processes' load on the cores is measured (and warned about) as for a started one.
+            ranks = [r.pid for w in info.workers for r in w.ranks if r.pid]
+            local = local_server_pids(address, ranks)
+            if local is None:
+                log.info("other_load_unmeasured", reason="the server is not a process of this machine")
+            else:
+                server_pids = partial(list, local)
         tokenmill = TokenmillTarget(client, constraint=_constraint(args))
         targets: list[Target] = [tokenmill]
         peer_props = None

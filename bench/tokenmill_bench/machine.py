@@ -193,3 +193,28 @@ def rss_bytes(pids: list[int]) -> int:
         if value:
             total += int(value.split()[0]) * 1024
     return total
+
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "")
+
+
+def local_server_pids(address: str, rank_pids: list[int]) -> list[int] | None:
+    """The processes of a tokenmill server this benchmark did not start, when it runs on this machine:
+    its worker ranks (``rank_pids``, as GetModelInfo reports them) and the server process that spawned
+    them. None when the server is elsewhere (another host, or a container whose pids are not ours), so
+    its CPU cannot be told apart from other processes'."""
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if host not in _LOOPBACK or not rank_pids:
+        return None
+    found = set(rank_pids)
+    for pid in rank_pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            command = Path(f"/proc/{parent}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            return None
+        if b"tokenmill" not in command:
+            return None  # not ours: the same pid in another pid namespace
+        found.add(parent)
+    return sorted(found)

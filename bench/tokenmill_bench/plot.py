@@ -14,10 +14,23 @@ def plot_results(results_path: Path, png_path: Path) -> Path:
 
 def plot_result(result: dict[str, Any], png_path: Path) -> Path:
     """Writes a two-panel PNG: aggregate tok/s, and ITL p50/p99 with TTFT p50, for each concurrency level."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(result)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def draw(result: dict[str, Any]) -> Any:
+    """The figure (a matplotlib Figure): value labels inside their panel, above the lines, and the
+    latency axis labelled in plain numbers, so no two labels overlap."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers; must precede pyplot
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     levels = sorted(result["levels"], key=lambda level: level["concurrency"])
     if not levels:
@@ -54,10 +67,11 @@ def plot_result(result: dict[str, Any], png_path: Path) -> Path:
     ax_tp.set_xticks(conc, [str(c) for c in conc])
     ax_tp.set_xlabel("concurrent streams")
     ax_tp.set_ylabel("generated tokens / s")
-    ax_tp.set_ylim(bottom=0)
+    peak = max([*tok_s, *[level["throughput_tok_s"] for level in peer.get("levels") or []]])
+    ax_tp.set_ylim(0, peak * 1.18 or 1.0)  # room above the highest point for its label
     ax_tp.set_title("Throughput")
     ax_tp.grid(True, alpha=0.3)
-    ax_tp.legend(loc="upper left", fontsize=8)
+    ax_tp.legend(loc="best", fontsize=8)  # where it covers the fewest points
 
     ax_lat.plot(conc, itl_p99, marker="o", color="tab:red", label="inter-token p99")
     ax_lat.plot(conc, itl_p50, marker="o", color="tab:orange", linestyle="--", label="inter-token p50")
@@ -65,6 +79,11 @@ def plot_result(result: dict[str, Any], png_path: Path) -> Path:
     ax_lat.set_xscale("log", base=2)
     ax_lat.set_xticks(conc, [str(c) for c in conc])
     ax_lat.set_yscale("log")
+    # Plain numbers at 1, 2 and 5 of each decade: the log scale's own minor labels (6x10^1, 4x10^1, ...)
+    # run into each other.
+    ax_lat.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax_lat.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax_lat.yaxis.set_minor_formatter(NullFormatter())
     ax_lat.set_xlabel("concurrent streams")
     ax_lat.set_ylabel("ms")
     ax_lat.set_title("Latency")
@@ -79,7 +98,4 @@ def plot_result(result: dict[str, Any], png_path: Path) -> Path:
         f" {settings.get('prompt_tokens', '?')}-token prompts, {settings.get('output_tokens', '?')} output tokens",
         fontsize=10,
     )
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    return fig

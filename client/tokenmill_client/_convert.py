@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 from ._proto import generate_pb2 as pb
@@ -101,6 +102,8 @@ def build_generate_request(
     elif options.grammar is not None:
         syntax = pb.GRAMMAR_SYNTAX_GBNF if options.grammar_syntax == "gbnf" else pb.GRAMMAR_SYNTAX_LARK
         request.grammar.CopyFrom(pb.Grammar(text=options.grammar, syntax=syntax))
+    if options.n != 1:  # one choice is the server's default: the request carries no n
+        request.n = options.n
     if prompt is not None:
         request.prompt = prompt
     elif messages is not None:
@@ -144,6 +147,7 @@ def event_from_proto(response: pb.GenerateResponse) -> GenerateEvent:
             if finish is not None
             else None
         ),
+        index=response.index,
     )
 
 
@@ -180,6 +184,26 @@ class ResultBuilder:
             usage=last.usage,
             timing=last.timing,
         )
+
+
+class ChoicesBuilder:
+    """Accumulates the GenerateEvents of n choices into one GenerateResult per choice, in index order.
+
+    With n > 1 the prompt's tokens (prompt_logprobs) come with choice 0 only; every result gets them."""
+
+    def __init__(self, n: int) -> None:
+        self._builders = [ResultBuilder() for _ in range(max(1, n))]
+
+    def add(self, event: GenerateEvent) -> None:
+        self._builders[event.index].add(event)
+
+    def results(self) -> tuple[GenerateResult, ...] | None:
+        """Every choice's result, or None when one of them never finished."""
+        results = [b.result() for b in self._builders]
+        if any(r is None for r in results):
+            return None
+        shared = results[0].prompt_tokens if results[0] is not None else ()
+        return tuple(dataclasses.replace(r, prompt_tokens=r.prompt_tokens or shared) for r in results if r)
 
 
 def tokenization_from_proto(response: pb.TokenizeResponse) -> Tokenization:

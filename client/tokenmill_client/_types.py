@@ -121,6 +121,10 @@ class GenerateOptions:
     """Also return this many most likely alternatives at each position (implies logprobs)."""
     prompt_logprobs: bool = False
     """Return the prompt's tokens with their log-probabilities in the first event."""
+    n: int = 1
+    """How many choices (completions of the same prompt) to generate; their events carry ``index``.
+    They share the prompt's computation; choice 0 uses ``seed`` and choice i a seed derived from
+    (seed, i), so a seeded choice i is the same whatever n is. generate_choices() collects them."""
     request_id: str | None = None
     """Echoed in every event and in the server's logs; None = the server makes one."""
     adapter: str = ""
@@ -171,6 +175,7 @@ class GenerateOverrides(TypedDict, total=False):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
+    n: int
     request_id: str | None
     adapter: str
     timeout: float | None
@@ -268,6 +273,9 @@ class GenerateEvent:
     """Last event only."""
     timing: Timing | None = None
     """Last event only."""
+    index: int = 0
+    """The choice this event belongs to (0 to n - 1; always 0 unless the request asked for n > 1).
+    With n > 1, is_last marks the end of this choice only."""
 
     @property
     def is_last(self) -> bool:

@@ -215,6 +215,7 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         grammar=grammar,
         grammar_syntax="gbnf" if grammar is not None and "::=" in grammar else "lark",
         adapter=args.adapter,
+        n=args.n,
     )
 
 
@@ -342,6 +343,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--system cannot be used with --raw (a raw prompt is sent as it is)")
     if args.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")
+    if args.n < 1:
+        raise UsageError("-n must be at least 1")
+    if args.n > 1 and (args.interactive or args.input_file is not None):
+        raise UsageError("-n gives several answers to one prompt; it does not go with -i or --input-file")
     if args.interactive:
         with _client_from_args(args) as client:
             return Repl(client, settings, mode=_output_mode(args)).run()
@@ -351,6 +356,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         kind = "raw prompt" if settings.raw else "chat" + (" with system message" if settings.system else "")
         _err(f"[server={args.server} {kind} {settings.summary()}]\n")
+    if args.n > 1 and not args.json:
+        return _print_choices(args, settings, prompt)
     with _client_from_args(args) as client:
         last, _text = _stream_answer(
             client,
@@ -361,6 +368,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     if last is not None and not args.quiet and not args.json:
         _err(_stats_line(last))
+    return 0
+
+
+def _print_choices(args: argparse.Namespace, settings: GenSettings, prompt: str) -> int:
+    """-n N (text or --show-tokens): each answer whole, under a [choice I] line, in order. (With --json
+    the events stream as they come, each with its choice's index.)"""
+    with _client_from_args(args) as client:
+        results = client.generate_choices(
+            prompt if settings.raw else None,
+            messages=None if settings.raw else settings.messages((), prompt),
+            options=settings.options,
+        )
+    for index, result in enumerate(results):
+        _out(f"[choice {index}]\n")
+        if _output_mode(args) == "tokens":
+            _out("".join(_token_line(t) for t in result.tokens))
+        else:
+            _out(result.text if result.text.endswith("\n") else result.text + "\n")
+        if not args.quiet:
+            _err(
+                _stats_line(
+                    GenerateEvent(
+                        result.request_id,
+                        "",
+                        finish_reason=result.finish_reason,
+                        usage=result.usage,
+                        timing=result.timing,
+                        index=index,
+                    )
+                )
+            )
     return 0
 
 
@@ -886,6 +924,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed (same seed, same answer)")
     gen.add_argument(
         "--adapter", default="", metavar="NAME", help="generate with the server's LoRA adapter NAME (default: the base)"
+    )
+    gen.add_argument(
+        "-n", "--choices", dest="n", type=int, default=1, metavar="N", help="N answers to the prompt (default 1)"
     )
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(

@@ -33,21 +33,25 @@ def ready_banner(settings: Settings, model: str) -> str:
     address = f"{host}:{settings.port}"
     client = f"{_client_path()} --server {address}"
     grpcurl = _tool(Path.cwd() / ".tools" / "bin" / "grpcurl", "grpcurl")
+    # Each example asks for a few tokens, not the server's default length.
+    request = '{"prompt": "Hello", "stopping": {"max_new_tokens": 16}}'
     lines = [
         "",
         f"tokenmill is ready: {model}, gRPC on {address}"
         + (f", OpenAI-compatible HTTP on http://{host}:{settings.http_port}/v1" if settings.http_port else ""),
         "",
-        f'  {client} generate "What is the capital of France?"',
+        f'  {client} generate -l 32 "What is the capital of France?"',
         f"  {client} generate -i",
-        f'  {grpcurl} -plaintext -d \'{{"prompt": "Hello"}}\' {address} tokenmill.v1.Generation/Generate',
+        f"  {grpcurl} -plaintext -d '{request}' {address} tokenmill.v1.Generation/Generate",
     ]
     if settings.http_port:
-        body = '{"messages": [{"role": "user", "content": "Hello"}], "stream": true}'
+        body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32, "stream": true}'
         lines.append(
             f"  curl -N http://{host}:{settings.http_port}/v1/chat/completions"
             f" -H 'Content-Type: application/json' -d '{body}'"
         )
+    if grpcurl == "grpcurl":  # not installed under .tools/bin
+        lines.append("  (grpcurl: `make tools` installs it under .tools/bin; or github.com/fullstorydev/grpcurl)")
     lines += ["", "Ctrl-C stops the server.", ""]
     return "\n".join(lines) + "\n"
 

@@ -143,6 +143,13 @@ class Settings:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
+    metrics_without_auth: bool = field(
+        default=False,
+        metadata={
+            "help": "serve /metrics (on --metrics-port and --http-port) without the bearer token even when "
+            "--auth-token is set, for a scraper that sends none"
+        },
+    )
     http_port: int = field(
         default=8000, metadata={"help": "OpenAI-compatible HTTP API port, with /health and /metrics (0: off)"}
     )
@@ -420,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PARSERS: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": _switch}
+
+
 def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
     env = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
@@ -430,8 +440,7 @@ def load_settings(argv: Sequence[str] | None = None, environ: dict[str, str] | N
         if value is None and given is not None:
             raw = env[given]
             try:
-                parsers: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "bool": _switch}
-                value = parsers.get(str(f.type), str)(raw)
+                value = _PARSERS.get(str(f.type), str)(raw)
             except ValueError:
                 raise ValueError(f"{given}={raw!r} is not a valid {f.type}") from None
         if isinstance(value, list):

@@ -9,9 +9,12 @@ request was counted and logged; each front-end only translates that code into it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hmac
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -19,7 +22,14 @@ import structlog
 
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.grammar import COMPILE_TIMEOUT_S, ConstraintError, GrammarCompiler
-from tokenmill_service.engine.request import Constraint, FinishReason, TokenOutput
+from tokenmill_service.engine.request import (
+    Constraint,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    TokenOutput,
+    choice_seed,
+)
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
 from tokenmill_service.router import (
@@ -29,6 +39,7 @@ from tokenmill_service.router import (
     DeadlineExceeded,
     Overloaded,
     Rejected,
+    RequestStream,
     Router,
     RouterError,
     Unavailable,
@@ -78,6 +89,59 @@ def token_proto(t: TokenOutput) -> pb.Token:
     for alt in t.top_logprobs:
         tok.top_logprobs.add(id=alt.id, text=alt.text, logprob=alt.logprob)
     return tok
+
+
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The engine requests of a request's n choices: one per choice, sharing a prefix group (so the
+    engine computes their prompt once) and each with its own seed (choice_seed); the prompt's
+    logprobs, the same for all, only with choice 0."""
+    if n == 1:
+        return [request]
+    group = uuid.uuid4().hex
+    choices = []
+    for index in range(n):
+        seed = request.sampling.seed
+        sampling = dataclasses.replace(request.sampling, seed=None if seed is None else choice_seed(seed, index))
+        choices.append(
+            dataclasses.replace(
+                request, sampling=sampling, prompt_logprobs=request.prompt_logprobs and index == 0, prefix_group=group
+            )
+        )
+    return choices
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, each with its stream's index; the first error ends
+    them all (the caller closes the streams)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | RouterError | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except RouterError as exc:  # handed to the reader, which raises it
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, RouterError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class GenerationService:
@@ -146,6 +210,14 @@ class GenerationService:
         if not matched:
             raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong bearer token in {where}")
 
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an Authorization header value passes (always, when no token is set)."""
+        try:
+            self.authorize(authorization, "")
+        except ServiceError:
+            return False
+        return True
+
     async def generate(
         self,
         request: pb.GenerateRequest,
@@ -182,57 +254,66 @@ class GenerationService:
             except InvalidRequest as exc:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
             prompt_len = len(engine_request.prompt_ids)
-            # Calls are read from the whole answer when it ends (the text itself streams as it comes).
+            # Calls are read from each choice's whole answer when it ends (its text streams as it comes).
             tool_family = family(self.tokenizer) if tools_in_use(request) else None
-            answer = ""
-            stream = self.router.submit(engine_request)
-            structlog.contextvars.bind_contextvars(worker_id=stream.worker_id)
-            last_at = arrival
+            streams = self.router.submit_group(choice_requests(engine_request, max(1, request.n)))
+            structlog.contextvars.bind_contextvars(worker_id=streams[0].worker_id)
+            completion_lens = [0] * len(streams)
+            last_at = [arrival] * len(streams)
+            answers = [""] * len(streams)
             queue_s = 0.0
             if timeout_s is not None:
-                # One timer for the whole call (not a task per message): it ends the stream with an error.
-                stream.expire_after(timeout_s)
+                # One timer per stream (not a task per message): it ends the stream with an error.
+                for stream in streams:
+                    stream.expire_after(timeout_s)
             try:
-                async for out in stream:
-                    now = time.monotonic()
-                    if out.queue_s is not None:
-                        queue_s = out.queue_s
-                    if out.tokens:
-                        if first_token_at is None:
-                            first_token_at = now
-                            self.metrics.time_to_first_token.observe(now - arrival)
-                            self.metrics.queue_time.observe(queue_s)
-                        else:
-                            per_token = (now - last_at) / len(out.tokens)
-                            for _ in out.tokens:
-                                self.metrics.inter_token_latency.observe(per_token)
-                        last_at = now
-                    completion_len = out.completion_len or completion_len
-                    response = pb.GenerateResponse(
-                        request_id=request_id, text=out.text, tokens=[token_proto(t) for t in out.tokens]
-                    )
-                    if out.prompt_tokens:
-                        response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
-                    answer += out.text if tool_family is not None else ""
-                    if out.finish_reason is not None:
-                        finish = out.finish_reason
-                        response.finish_reason = FINISH_REASONS[out.finish_reason]
+                async with contextlib.aclosing(merged(streams)) as outputs:  # type: ignore[type-var]
+                    async for index, out in outputs:
+                        now = time.monotonic()
+                        if out.queue_s is not None:
+                            queue_s = out.queue_s
+                        if out.tokens:
+                            if first_token_at is None:
+                                first_token_at = now
+                                self.metrics.time_to_first_token.observe(now - arrival)
+                                self.metrics.queue_time.observe(queue_s)
+                            elif last_at[index] != arrival:
+                                per_token = (now - last_at[index]) / len(out.tokens)
+                                for _ in out.tokens:
+                                    self.metrics.inter_token_latency.observe(per_token)
+                            last_at[index] = now
+                        completion_lens[index] = out.completion_len or completion_lens[index]
+                        completion_len = sum(completion_lens)
+                        response = pb.GenerateResponse(
+                            request_id=request_id,
+                            text=out.text,
+                            tokens=[token_proto(t) for t in out.tokens],
+                            index=index,
+                        )
+                        if out.prompt_tokens:
+                            response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
                         if tool_family is not None:
-                            # Calls completed before a length limit are kept, under the finish reason LENGTH.
-                            _, calls = parse_calls(answer, tool_family)
-                            response.tool_calls.extend(
-                                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
-                            )
-                            if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
-                                response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-                        response.usage.prompt_tokens = prompt_len
-                        response.usage.completion_tokens = completion_len
-                        response.timing.queue_ms = queue_s * 1000
-                        response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
-                        response.timing.total_ms = (now - arrival) * 1000
-                    yield response
+                            answers[index] += out.text
+                        if out.finish_reason is not None:
+                            finish = out.finish_reason
+                            response.finish_reason = FINISH_REASONS[out.finish_reason]
+                            if tool_family is not None:
+                                # Calls completed before a length limit are kept, under the finish reason LENGTH.
+                                _, calls = parse_calls(answers[index], tool_family)
+                                response.tool_calls.extend(
+                                    pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+                                )
+                                if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
+                                    response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+                            response.usage.prompt_tokens = prompt_len
+                            response.usage.completion_tokens = completion_lens[index]
+                            response.timing.queue_ms = queue_s * 1000
+                            response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
+                            response.timing.total_ms = (now - arrival) * 1000
+                        yield response
             finally:
-                stream.close()
+                for stream in streams:
+                    stream.close()
         except ServiceError as exc:
             code, error, field, reason = exc.code, exc.message, exc.field, exc.reason
         except DeadlineExceeded as exc:

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP front-end: Starlette routes served by uvicorn on the server's own loop.
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
-    GET  /v1/models, GET /health (200 ready, 503 not), GET /metrics (Prometheus)
-    POST /tokenize, POST /detokenize                 (vLLM's shapes)
+    GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
+         token like the rest unless --metrics-without-auth)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
+                                                            tokenizes through them)
 
 Every generation goes through the same GenerationService as gRPC (auth, validation, limits,
 admission, metrics, the request_finished log line). A response's status is only sent once the
@@ -192,17 +194,14 @@ class GenerationResponse(Response):
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         headers += [(k.encode(), v.encode()) for k, v in self.headers_.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        opening = self.builder.first_chunk()
-        if opening is not None:
+        for opening in self.builder.first_chunks():
             await _send_event(send, opening)
-        last = first
         try:
             # Read to the generator's end (not only to the finish reason) so the request ends as completed.
             async for response in _prepend(first, responses):
                 chunk = self.builder.chunk(response)
                 if chunk is not None:
                     await _send_event(send, chunk)
-                last = response
         except ServiceError as exc:
             # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
             _, body = service_error_json(exc, self.builder.parsed.field_names)
@@ -210,7 +209,7 @@ class GenerationResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if self.builder.parsed.include_usage:
-            await _send_event(send, self.builder.usage_chunk(last))
+            await _send_event(send, self.builder.usage_chunk())
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
@@ -246,6 +245,7 @@ class HttpApi:
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
@@ -395,12 +395,39 @@ class HttpApi:
             return error_response(400, "invalid_request_error", str(exc), "tokens", exc.code)
         return JSONResponse({"prompt": tokenizer.decode(ids)})
 
+    async def tokenizer_info(self, request: Request) -> Response:
+        """What a client needs to tokenize as the server does (vLLM's route): the special tokens' text
+        and the chat template. lm-evaluation-harness finds it and then sends token ids."""
+        try:
+            self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        except ServiceError as exc:
+            return service_error_response(exc)
+        tokenizer = self.service.tokenizer
+        bos = tokenizer.bos_token_id
+        return JSONResponse(
+            {
+                "tokenizer_class": "tokenmill",
+                "eos_token": tokenizer.token_text(tokenizer.eos_token_id),
+                "bos_token": None if bos is None else tokenizer.token_text(bos),
+                "pad_token": None,
+                "add_bos_token": tokenizer.add_bos,
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": self.service.context_length() or 0,
+                "vocab_size": tokenizer.vocab_size,
+            }
+        )
+
     async def health(self, request: Request) -> Response:
         if self.service.router.ready:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
+        if not self.service.settings.metrics_without_auth:
+            try:
+                self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+            except ServiceError as exc:
+                return service_error_response(exc)
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -105,7 +105,8 @@ async def serve(settings: Settings) -> int:
     if http_server is not None:
         http_server.start()
     if settings.metrics_port:
-        metrics.serve(settings.metrics_port, settings.host)
+        guard = None if settings.metrics_without_auth else servicer.service.authorized
+        metrics.serve(settings.metrics_port, settings.host, guard)
     log.info(
         "server_listening",
         address=address,

@@ -13,13 +13,20 @@ tokenmill loads no adapters.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+# A WSGI application (wsgiref.types has the precise type from Python 3.11 on).
+WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 # The *_created series (a timestamp per counter and histogram) only add noise to every scrape.
 disable_created_metrics()
@@ -141,8 +148,33 @@ class Metrics:
         )
         self.vllm_cache_config.labels(str(block_size), str(num_blocks), "True").set(1)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0", authorized: Callable[[str | None], bool] | None = None) -> None:
+        """Serve /metrics on its own port, in a thread. ``authorized`` (given the Authorization header)
+        guards it: a scrape it refuses gets 401 with ``WWW-Authenticate: Bearer``."""
+        app = make_wsgi_app(self.registry)
+        if authorized is not None:
+            app = _guarded(app, authorized)
+        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not worth a log line
+
+
+def _guarded(app: WSGIApp, authorized: Callable[[str | None], bool]) -> WSGIApp:
+    def guarded(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if authorized(environ.get("HTTP_AUTHORIZATION")):
+            return app(environ, start_response)
+        body = b"missing or wrong bearer token in the Authorization header\n"
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer"), ("Content-Length", str(len(body)))],
+        )
+        return [body]
+
+    return guarded
 
 
 # The adapters of the running and the waiting requests, the slots per worker and the adapters loaded.

@@ -71,6 +71,8 @@ class ParsedRequest:
     echo_only: bool = False
     # With tools: the text that opens a call in this model's syntax (a stream holds text back from it).
     tool_marker: str | None = None
+    # Choices per prompt (`n`): prompt i's choice j is the answer's choice i * n + j.
+    n: int = 1
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -185,13 +187,10 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         # Compared with their types too: True == 1 and 0 == False, but neither is the neutral value.
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             raise BadRequest(f"'{name}' is not supported by tokenmill; given {value!r}", name, "unsupported_parameter")
-    n = _integer(body, "n", minimum=1)
-    if n not in (None, 1):
-        raise BadRequest(
-            f"'n' must be 1: tokenmill returns one choice per request; given {n}", "n", "unsupported_value"
-        )
-
     request = pb.GenerateRequest()
+    # Choices per prompt; validation.py checks the upper bound (and names it `n`).
+    n = _integer(body, "n", minimum=1) or 1
+    request.n = n
     prompts: list[str | list[int]] = []
     echo = _boolean(body, "echo")
     if chat:
@@ -297,6 +296,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         requests,
         echo,
         echo_only,
+        n,
     )
 
 
@@ -415,11 +415,13 @@ def chat_logprobs(tokens: Sequence[pb.Token]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    tokens: Sequence[pb.Token], text_offset: int, prompt_tokens: Sequence[pb.Token] = ()
+    tokens: Sequence[pb.Token], text_offset: int, prompt_tokens: Sequence[pb.Token] = (), echo: bool = False
 ) -> dict[str, Any]:
     """OpenAI's legacy shape; with echo the prompt's tokens come first, all of them (the first has no
-    logprob: null, as OpenAI's), so that position i is the prompt's token i."""
-    shown = [*prompt_tokens, *_visible(tokens)]
+    logprob: null, as OpenAI's), so that position i is the prompt's token i, and every generated token
+    follows, special ones (EOS) included: a scorer (lm-evaluation-harness) asks for one token more than
+    the prompt and drops the last position, whatever that token is."""
+    shown = [*prompt_tokens, *(tokens if echo else _visible(tokens))]
     offsets = []
     for t in shown:
         offsets.append(text_offset)
@@ -435,7 +437,9 @@ def completion_logprobs(
 class ResponseBuilder:
     """Shapes one request's GenerateResponse messages into OpenAI chunks or a whole response.
 
-    ``echo_texts``: with echo, each prompt's text (what the answer starts with), one per request."""
+    ``echo_texts``: with echo, each prompt's text (what the answer starts with), one per request.
+    With n > 1 a prompt's responses interleave its choices (GenerateResponse.index); prompt i's
+    choice j is the answer's choice i * n + j, as OpenAI numbers them."""
 
     def __init__(self, parsed: ParsedRequest, request_id: str, model: str, echo_texts: Sequence[str] = ()) -> None:
         self.parsed = parsed
@@ -445,27 +449,36 @@ class ResponseBuilder:
         # The server's name for its model (what /v1/models lists), whatever name the request used.
         self.model = model or parsed.model
         self.echo_texts = list(echo_texts) if parsed.echo else []
-        self.text_offset = 0
-        self.echoed = False  # a stream's prompt went out (in its first chunk)
-        self.held = HeldText(parsed.tool_marker) if parsed.tool_marker else None
+        # A stream's state per choice: the text sent so far (for text_offset), its echo sent or not.
+        self.text_offset: dict[int, int] = {}
+        self.echoed: set[int] = set()
+        self.prompt_tokens: Sequence[pb.Token] = ()  # with echo: choice 0's, shown with every choice
+        self.usage = pb.Usage()  # a stream's, summed as its choices finish
+        # With tools: each choice's text held back from where a call may start (its own HeldText).
+        self.held: dict[int, HeldText] = {}
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, tokens: Sequence[pb.Token], prompt_tokens: Sequence[pb.Token] = ()) -> dict[str, Any] | None:
+    def _logprobs(
+        self, index: int, tokens: Sequence[pb.Token], prompt_tokens: Sequence[pb.Token] = ()
+    ) -> dict[str, Any] | None:
         if not self.parsed.request.logprobs:
             return None
         if self.chat:
             return chat_logprobs(tokens)
-        shaped = completion_logprobs(tokens, self.text_offset, prompt_tokens)
-        self.text_offset += sum(len(t) for t in shaped["tokens"])
+        shaped = completion_logprobs(tokens, self.text_offset.get(index, 0), prompt_tokens, self.parsed.echo)
+        self.text_offset[index] = self.text_offset.get(index, 0) + sum(len(t) for t in shaped["tokens"])
         return shaped
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role, one chunk per choice, as OpenAI's do."""
         if not self.chat:
-            return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            return []
+        return [
+            self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            for i in range(self.parsed.n)
+        ]
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
@@ -480,29 +493,37 @@ class ResponseBuilder:
 
     def chunk(self, response: pb.GenerateResponse) -> dict[str, Any] | None:
         """One streamed chunk, or None when the response adds nothing a client would see."""
+        index = response.index
+        if response.prompt_tokens:
+            self.prompt_tokens = response.prompt_tokens
         reason = finish_reason(response)
+        if reason is not None:
+            one = self._usage(response)
+            self.usage.prompt_tokens = one.prompt_tokens  # the same prompt for every choice: once
+            self.usage.completion_tokens += one.completion_tokens
         text, tokens = self._shown(response)
         prompt_tokens: Sequence[pb.Token] = ()
-        if self.echo_texts and not self.echoed:
-            self.echoed = True
-            text, prompt_tokens = self.echo_texts[0] + text, response.prompt_tokens
+        if self.echo_texts and index not in self.echoed:
+            self.echoed.add(index)
+            text, prompt_tokens = self.echo_texts[0] + text, self.prompt_tokens
         calls: list[dict[str, Any]] = []
-        if self.held is not None:
-            text = self.held.add(text)
+        if self.parsed.tool_marker:
+            held = self.held.setdefault(index, HeldText(self.parsed.tool_marker))
+            text = held.add(text)
             if reason is not None:
                 calls = tool_calls_json(response.tool_calls, delta=True)
                 if not calls:
-                    text += self.held.flush()
+                    text += held.flush()
         if not text and not tokens and not prompt_tokens and reason is None:
             return None
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"content": text} if text or reason is None else {}
             if calls:
                 choice["delta"]["tool_calls"] = calls
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(tokens, prompt_tokens)
+        choice["logprobs"] = self._logprobs(index, tokens, prompt_tokens)
         choice["finish_reason"] = reason
         return self._chunk(choice)
 
@@ -514,43 +535,52 @@ class ResponseBuilder:
             else last.usage
         )
 
-    def usage_chunk(self, last: pb.GenerateResponse) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, Any]:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = []
-        chunk["usage"] = usage_json(self._usage(last))
+        chunk["usage"] = usage_json(self.usage)
         return chunk
 
     def whole(self, results: Sequence[Sequence[pb.GenerateResponse]]) -> dict[str, Any]:
-        """The non-streaming answer: per request (prompt), every response's text and tokens joined."""
+        """The non-streaming answer: per request (prompt) and choice, every response's text and tokens
+        joined. Usage counts each prompt once and every choice's tokens."""
         choices, usage = [], pb.Usage()
-        for index, responses in enumerate(results):
-            shown = [self._shown(r) for r in responses]
-            text = "".join(t for t, _ in shown)
-            tokens = [t for _, ts in shown for t in ts]
+        n = self.parsed.n
+        for prompt_index, responses in enumerate(results):
+            by_choice: list[list[pb.GenerateResponse]] = [[] for _ in range(n)]
+            for r in responses:
+                by_choice[r.index].append(r)
             prompt_tokens: Sequence[pb.Token] = ()
-            if self.echo_texts:
-                text, prompt_tokens = self.echo_texts[index] + text, responses[0].prompt_tokens
-            last = responses[-1]
-            choice: dict[str, Any] = {"index": index}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                if last.tool_calls:
-                    held = HeldText(self.parsed.tool_marker or "")
-                    content = held.add(text)
-                    choice["message"] = {
-                        "role": "assistant",
-                        "content": content.strip() or None,
-                        "tool_calls": tool_calls_json(last.tool_calls),
-                    }
-            else:
-                choice["text"] = text
-            self.text_offset = 0
-            choice["logprobs"] = self._logprobs(tokens, prompt_tokens)
-            choice["finish_reason"] = finish_reason(last)
-            choices.append(choice)
-            one = self._usage(last)
-            usage.prompt_tokens += one.prompt_tokens
-            usage.completion_tokens += one.completion_tokens
+            for r in by_choice[0][:1]:
+                prompt_tokens = r.prompt_tokens
+            for j, mine in enumerate(by_choice):
+                index = prompt_index * n + j
+                shown = [self._shown(r) for r in mine]
+                text = "".join(t for t, _ in shown)
+                tokens = [t for _, ts in shown for t in ts]
+                echoed: Sequence[pb.Token] = ()
+                if self.echo_texts:
+                    text, echoed = self.echo_texts[prompt_index] + text, prompt_tokens
+                last = mine[-1]
+                choice: dict[str, Any] = {"index": index}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                    if last.tool_calls:
+                        content = HeldText(self.parsed.tool_marker or "").add(text)
+                        choice["message"] = {
+                            "role": "assistant",
+                            "content": content.strip() or None,
+                            "tool_calls": tool_calls_json(last.tool_calls),
+                        }
+                else:
+                    choice["text"] = text
+                choice["logprobs"] = self._logprobs(index, tokens, echoed)
+                choice["finish_reason"] = finish_reason(last)
+                choices.append(choice)
+                one = self._usage(last)
+                if j == 0:
+                    usage.prompt_tokens += one.prompt_tokens
+                usage.completion_tokens += one.completion_tokens
         answer = self._envelope("chat.completion" if self.chat else "text_completion")
         answer["choices"] = choices
         answer["usage"] = usage_json(usage)

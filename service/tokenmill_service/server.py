@@ -23,6 +23,7 @@ from tokenmill_service.proto import pb, pb_grpc
 from tokenmill_service.router import Router
 from tokenmill_service.tokenizer import Tokenizer
 from tokenmill_service.validation import (
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_REQUEST_ID_LENGTH,
     MAX_STOP_STRING_LENGTH,
@@ -127,6 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 constraint_compile_timeout_s=COMPILE_TIMEOUT_S,
                 max_loras=s.max_loras,
                 max_lora_rank=s.max_lora_rank,
+                max_n=MAX_CHOICES,
             ),
         )
         for name, path in sorted(self.router.adapters.served.items()):

@@ -31,6 +31,8 @@ MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
 # Biasing a token costs a logit write per step: bounded (OpenAI allows as many).
 MAX_LOGIT_BIAS = 1024
+# Each choice of a request (GenerateRequest.n) is a sequence of its own in the engine's batch: bounded.
+MAX_CHOICES = 16
 # OpenAI's ranges for its penalties and biases.
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS_VALUE = 100.0
@@ -259,6 +261,10 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
             f"top_logprobs must be <= {limits.max_top_logprobs} (the server's limit); given {request.top_logprobs}",
             "top_logprobs",
             "integer_above_max_value",
+        )
+    if request.n > MAX_CHOICES:
+        raise InvalidRequest(
+            f"n must be <= {MAX_CHOICES} (choices of one request); given {request.n}", "n", "integer_above_max_value"
         )
     ids = prompt_ids(request, tokenizer, limits.vocab_size)
     ctx = limits.context_length

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,36 +33,117 @@ def test_make_install_keeps_pip_quiet() -> None:
     assert any("editable_mode=strict" in line for line in installs)
 
 
-@pytest.mark.timeout(600)
-def test_make_run_prints_one_copy_pasteable_banner_with_the_real_paths() -> None:
+@pytest.fixture(scope="module")
+def make_run() -> Iterator[tuple[PtySession, int, int]]:
+    """`make run` on free ports, as a person starts it (with the install step counted as done: `make test`
+    has just run it). TOKENMILL_DEFAULT_MAX_NEW_TOKENS=48 keeps the answers of the commands that set
+    no limit short; nothing else differs from a plain `make run`."""
     port, http_port = free_port(), free_port()
-    # -o: the install step counts as done (`make test` has just run it), so this starts the server alone.
     make = shutil.which("make") or "make"
-    session = PtySession(
-        [make, "-C", str(REPO), "-o", STAMP, "-o", LINKED, "run", f"PORT={port}", f"HTTP_PORT={http_port}"]
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TOKENMILL_DEFAULT_MAX_NEW_TOKENS", "48")
+        session = PtySession(
+            [make, "-C", str(REPO), "-o", STAMP, "-o", LINKED, "run", f"PORT={port}", f"HTTP_PORT={http_port}"]
+        )
     try:
         session.expect(r"tokenmill is ready: ", timeout=400)
-        block = session.expect(r"(?s)\n\n(.*?)\n\nCtrl-C stops the server\.", timeout=30).group(1)
-        commands = [line.strip() for line in block.splitlines()]
-        assert len(commands) == 4
-        assert "pip" not in session.output.lower()
-        client = shlex.split(commands[0])
-        exe = Path(client[0]) if Path(client[0]).is_absolute() else REPO / client[0]
-        assert exe.name == "tokenmill-client" and os.access(exe, os.X_OK)
-        assert commands[2].split()[0] in (".tools/bin/grpcurl", "grpcurl")
-        assert commands[3].startswith(f"curl -N http://127.0.0.1:{http_port}/v1/chat/completions")
-        # The first command works as pasted, from the repository's root.
-        answer = subprocess.run(
-            [str(exe), *client[1:], "-l", "8"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
-        )
-        assert answer.returncode == 0 and "Paris" in answer.stdout, answer.stderr
+        yield session, port, http_port
         session.send("\x03")  # Ctrl-C: the server drains and stops
         session.expect("server_stopped", timeout=120)
     finally:
         if session.proc.poll() is None:
             os.killpg(session.proc.pid, signal.SIGTERM)
         session.close()
+
+
+def run_as_pasted(command: str, port: int, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """A shell command run from the repository's root, the CLI pointed at the test's server."""
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TOKEN"}
+    env["TOKENMILL_SERVER"] = f"localhost:{port}"
+    return subprocess.run(
+        ["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.timeout(600)
+def test_make_run_prints_one_copy_pasteable_banner_with_the_real_paths(make_run: tuple[PtySession, int, int]) -> None:
+    session, port, http_port = make_run
+    block = session.expect(r"(?s)\n\n(.*?)\n\nCtrl-C stops the server\.", timeout=30).group(1)
+    commands = [line.strip() for line in block.splitlines() if not line.strip().startswith("(")]
+    assert len(commands) == 4
+    assert "pip" not in session.output.lower()
+    client = shlex.split(commands[0])
+    exe = Path(client[0]) if Path(client[0]).is_absolute() else REPO / client[0]
+    assert exe.name == "tokenmill-client" and os.access(exe, os.X_OK)
+    assert commands[2].split()[0] in (".tools/bin/grpcurl", "grpcurl")
+    assert commands[3].startswith(f"curl -N http://127.0.0.1:{http_port}/v1/chat/completions")
+    # Each example asks for a few tokens, and works as pasted from the repository's root.
+    assert "-l 32" in commands[0] and '"max_new_tokens": 16' in commands[2] and '"max_tokens": 32' in commands[3]
+    answer = run_as_pasted(commands[0], port)
+    assert answer.returncode == 0 and "Paris" in answer.stdout, answer.stderr
+    for command in commands[2:]:
+        if command.startswith("grpcurl") and shutil.which("grpcurl") is None:
+            continue  # the banner says how to get it
+        pasted = run_as_pasted(command, port)
+        assert pasted.returncode == 0 and pasted.stdout.strip(), (command, pasted.stderr)
+
+
+def readme_block(after: str, language: str) -> str:
+    """The first ```language block of the README after the line containing `after`."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index(after)
+    match = re.search(rf"```{language}\n(.*?)```", readme[start:], re.DOTALL)
+    assert match, f"no {language} block after {after!r}"
+    return match.group(1)
+
+
+@pytest.mark.timeout(600)
+def test_the_readme_quickstart_runs_line_by_line(make_run: tuple[PtySession, int, int]) -> None:
+    """The README's quick start against `make run`'s server: the shell lines (but the interactive one),
+    the Python snippets, and the curl line, so that the README and the code cannot drift apart. They
+    run side by side, as several people would; the server batches them."""
+    _, port, http_port = make_run
+    lines = readme_block("From another terminal", "sh").replace("\\\n", "").splitlines()
+    assert len(lines) >= 8
+    # Only the client's commands: nothing here may install or start anything.
+    assert all(line.startswith((".venv/bin/tokenmill-client", "echo ", ".tools/bin/grpcurl")) for line in lines), lines
+    commands = [
+        ["bash", "-c", line.replace("localhost:50051", f"localhost:{port}")]
+        for line in lines
+        if " -i " not in line + " "  # the interactive chat: the REPL's own tests drive it through a terminal
+    ]
+    assert len(commands) == len(lines) - 1
+
+    curl = readme_block("## OpenAI-compatible HTTP API", "sh").replace("\\\n", "")
+    assert curl.startswith("curl -N http://127.0.0.1:8000/"), curl  # never anything else from the README
+    commands.append(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{http_port}")])
+    for after, opening, address, real in (
+        ("From Python", "from tokenmill_client import Client", "localhost:50051", f"localhost:{port}"),
+        ("## OpenAI-compatible HTTP API", "from openai import OpenAI", "127.0.0.1:8000", f"127.0.0.1:{http_port}"),
+    ):
+        snippet = readme_block(after, "py(?:thon)?").replace(address, real)
+        assert snippet.startswith(opening), snippet
+        commands.append([sys.executable, "-c", snippet])
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TOKEN"}
+    env["TOKENMILL_SERVER"] = f"localhost:{port}"
+    running = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for command in commands
+    ]
+    for command, proc in zip(commands, running, strict=True):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip(), (command[-1], err[-2000:])
+        if command[-1].startswith("curl"):
+            assert out.rstrip().endswith("data: [DONE]"), out[-500:]
 
 
 # Found, not imported: that venv has the package's own files only (no grpc, no torch).

@@ -597,6 +597,28 @@ def test_servicemonitor_is_off_by_default_and_renders_when_enabled(
     ]
 
 
+def test_with_an_auth_token_the_service_monitor_sends_it_unless_metrics_are_left_open(
+    helm_env: dict[str, str],
+) -> None:
+    secret = ("--set", "server.authTokenSecret.name=tokenmill-auth", "--set", "serviceMonitor.enabled=true")
+    rendered = template(helm_env, *secret)
+    (monitor,) = by_kind(rendered, "ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "tokenmill-auth", "key": "token"}}
+    assert env_of(rendered)["TOKENMILL_METRICS_WITHOUT_AUTH"] == "false"
+
+    rendered = template(helm_env, *secret, "--set", "server.metricsWithoutAuth=true")
+    (monitor,) = by_kind(rendered, "ServiceMonitor")
+    assert "authorization" not in monitor["spec"]["endpoints"][0]
+    assert env_of(rendered)["TOKENMILL_METRICS_WITHOUT_AUTH"] == "true"
+    from tokenmill_service.config import load_settings
+
+    assert load_settings([], {"TOKENMILL_METRICS_WITHOUT_AUTH": "true"}).metrics_without_auth
+
+    (monitor,) = by_kind(template(helm_env, "--set", "serviceMonitor.enabled=true"), "ServiceMonitor")
+    assert "authorization" not in monitor["spec"]["endpoints"][0]  # no token, nothing to send
+
+
 def test_scheduling_values_reach_the_pod(helm_env: dict[str, str]) -> None:
     rendered = template(
         helm_env,

@@ -241,3 +241,31 @@ def test_a_context_the_kv_pool_cannot_hold_is_refused_when_asked_and_capped_othe
         make_engine(default_model, default_tokenizer, num_kv_blocks=4, max_model_len=128)
     assert make_engine(default_model, default_tokenizer, num_kv_blocks=4).max_model_len == 64
     assert make_engine(default_model, default_tokenizer, num_kv_blocks=4, max_model_len=64).max_model_len == 64
+
+
+def test_choices_of_one_request_share_the_prompts_blocks_and_each_draws_as_alone(
+    default_model: Any, default_tokenizer: Any
+) -> None:
+    """n > 1: the choices (one prefix group, seeds from choice_seed) compute the prompt once; each gives
+    the tokens it gives alone, in a fresh engine, with its own seed."""
+    from tokenmill_service.engine.request import choice_seed
+
+    ids = default_tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
+    stop = StoppingParams(max_new_tokens=6, ignore_eos=True)
+
+    def sampling(i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_k=50, seed=choice_seed(99, i))
+
+    engine = make_engine(default_model, default_tokenizer, block_size=8)
+    for i in range(3):
+        engine.add_request(GenerationRequest(f"c{i}", ids, sampling(i), stop, prefix_group="g"))
+    choices = {k: token_ids(v) for k, v in run_all(engine).items()}
+    shared = (len(ids) - 1) // 8 * 8
+    assert engine.block_manager.prefix_hits == 2 * shared > 0  # choices 1 and 2 took choice 0's blocks
+
+    alone = make_engine(default_model, default_tokenizer, block_size=8)
+    for i in range(3):
+        alone.add_request(GenerationRequest(f"a{i}", ids, sampling(i), stop))
+        assert token_ids(run_all(alone)[f"a{i}"]) == choices[f"c{i}"]
+    assert len({tuple(c) for c in choices.values()}) == 3  # three seeds, three different draws
+    assert choice_seed(99, 0) == 99

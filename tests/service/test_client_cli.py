@@ -217,6 +217,20 @@ def test_penalty_and_logit_bias_flags_give_what_the_client_gives_with_the_same_o
     assert [t["id"] for e in events for t in e["tokens"]] == [t.id for t in expected.tokens]
 
 
+def test_n_prints_each_choice_under_its_index_as_generate_choices_gives_them(server_address: str) -> None:
+    prompt = "The best thing about the weekend is"
+    options = GenerateOptions(max_new_tokens=6, temperature=1.0, seed=3, n=2)
+    with Client(server_address) as client:
+        expected = client.generate_choices(prompt, options=options)
+    assert len(expected) == 2 and expected[0].text != expected[1].text
+    proc = run_cli(
+        "--server", server_address, "generate", "-p", prompt, "--raw", "-l", "6", "-t", "1", "--seed", "3", "-n", "2"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "".join(f"[choice {i}]\n{r.text}\n" for i, r in enumerate(expected))
+    assert proc.stderr.count("[finish=") == 2
+
+
 def test_an_invalid_value_is_named_by_the_flag_that_set_it(server_address: str) -> None:
     with Client(server_address) as client, pytest.raises(InvalidRequestError) as info:
         client.generate_text(QUESTION, max_new_tokens=5000)

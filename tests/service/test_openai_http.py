@@ -374,7 +374,7 @@ def test_a_list_of_prompts_is_answered_with_one_choice_each(
     ("params", "names", "param", "code"),
     [
         ({"temperature": -1}, "temperature must be >= 0", "temperature", "invalid_value"),
-        ({"n": 2}, "'n' must be 1", "n", "unsupported_value"),
+        ({"n": 17}, "n must be <= 16", "n", "integer_above_max_value"),
         ({"max_tokens": 100000}, "max_tokens must be <= 4096", "max_tokens", "integer_above_max_value"),
         (
             {"max_completion_tokens": 100000},

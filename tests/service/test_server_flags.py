@@ -1,5 +1,6 @@
 """The flags people bring from vLLM and llama.cpp, on a real server: --served-model-name,
---chat-template, --max-model-len and --api-key (some given as flags, some as TOKENMILL_* variables),
+--chat-template, --max-model-len, --api-key and --metrics-without-auth (some given as flags, some as
+TOKENMILL_* variables),
 and the 401 that says how to authenticate.
 
 /tokenize and /detokenize in the default configuration are in test_openai_http.py.
@@ -36,7 +37,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     template = tmp_path_factory.mktemp("flags") / "template.jinja"
     template.write_text(TEMPLATE)
     env = {"TOKENMILL_MAX_MODEL_LEN": str(CONTEXT), "TOKENMILL_CHAT_TEMPLATE": str(template)}
-    proc = ServerProcess("--served-model-name", NAME, "--api-key", KEY, env=env).start()
+    env["TOKENMILL_METRICS_WITHOUT_AUTH"] = "true"
+    proc = ServerProcess("--served-model-name", NAME, "--api-key", KEY, env=env, metrics=True).start()
     yield proc
     proc.stop()
 
@@ -108,6 +110,14 @@ def test_api_key_guards_every_route_and_a_401_names_the_bearer_scheme(server: Se
         assert headers["www-authenticate"] == "Bearer"
     with Client(server.address, max_retries=0) as anonymous, pytest.raises(AuthenticationError):
         anonymous.model_info()
+
+
+def test_metrics_without_auth_leaves_metrics_open_on_both_ports_and_nothing_else(server: ServerProcess) -> None:
+    for url in (f"http://127.0.0.1:{server.metrics_port}/metrics", server.http_url + "/metrics"):
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            assert reply.status == 200 and "tokenmill_requests_total" in reply.read().decode(), url
+    status, _, _ = post(server.http_url + "/tokenize", {"prompt": "Hi"}, token=None)
+    assert status == 401
 
 
 def test_every_new_flag_is_also_an_environment_variable(tmp_path: Path) -> None:

@@ -77,6 +77,25 @@ def test_calls_without_the_bearer_token_are_unauthenticated(stub: pb_grpc.Genera
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def scrape(url: str, token: str | None) -> tuple[int, str, str | None]:
+    """A /metrics scrape: status, body, WWW-Authenticate."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, reply.read().decode(), reply.headers.get("www-authenticate")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(), exc.headers.get("www-authenticate")
+
+
+def test_metrics_on_either_port_want_the_bearer_token(server: ServerProcess) -> None:
+    for url in (f"http://127.0.0.1:{server.metrics_port}/metrics", server.http_url + "/metrics"):
+        for token in (None, "wrong"):
+            status, _, scheme = scrape(url, token)
+            assert (status, scheme) == (401, "Bearer"), url
+        status, body, _ = scrape(url, TOKEN)
+        assert status == 200 and "tokenmill_requests_total" in body, url
+
+
 def test_health_needs_no_token(server: ServerProcess) -> None:
     assert health_status(server.address) == 1  # SERVING
 

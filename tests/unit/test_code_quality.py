@@ -45,3 +45,16 @@ def test_the_readme_python_example_passes_mypy_strict(tmp_path: Path) -> None:
         env={**os.environ, "MYPYPATH": str(ROOT / "client")},
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_user_docs_name_no_internal_process_words() -> None:
+    """The README, the chart's and bench/'s docs speak to users: no issue numbers, no lettered runs of
+    a work session, no paths of the machine they were written on."""
+    import re
+
+    internal = re.compile(
+        r"\bissue \d+|\bissue's\b|\b[Rr]uns? [A-I]\b(?![-\w])|/work/|\bseams issue\b|\bthis session\b"
+    )
+    for doc in ("README.md", "bench/README.md", "bench/RESULTS.md", "helm/tokenmill/README.md"):
+        for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
+            assert not internal.search(line), f"{doc}:{number}: {line}"

@@ -114,3 +114,29 @@ def test_drafts_fit_the_token_budget_the_blocks_and_the_batch_limit(default_toke
     sched.schedule()
     s.drafts = []
     assert sched.schedule().num_new_tokens[0] == 1 and s.drafts == []
+
+
+def test_choices_of_one_request_wait_for_their_shared_prompt_then_take_its_blocks(default_tokenizer: Any) -> None:
+    """n > 1: one choice computes the prompt (in chunks here); its siblings start once the prompt's full
+    blocks are cached and compute only the last, partial block. Other requests are not held back."""
+    cfg = EngineConfig(max_batch_size=8, max_batch_tokens=8, enable_prefix_caching=True, speculative_tokens=0)
+    blocks = BlockManager(64, 4, True)
+    sched = Scheduler(cfg, blocks)
+    prompt = list(range(10, 24))  # 14 tokens: 3 full blocks of 4 and 2 tokens more
+    for i in range(3):
+        sched.add(Sequence(GenerationRequest(f"c{i}", prompt, prefix_group="g"), default_tokenizer))
+    sched.add(seq(default_tokenizer, 3, "other"))
+
+    def step() -> list[tuple[str, int]]:
+        scheduled = run_step(sched)
+        for s in sched.running:
+            blocks.register_computed_blocks(s)
+        return scheduled
+
+    assert step() == [("c0", 8)]  # the others of its group wait; "other" waits for budget
+    assert step() == [("c0", 6), ("other", 2)]
+    assert step() == [("c0", 1), ("other", 1), ("c1", 2), ("c2", 2)]  # 12 of 14 tokens from the cache
+    c0, _other, c1, c2 = sched.running
+    assert c1.num_cached_tokens == c2.num_cached_tokens == 12
+    assert c1.block_table[:3] == c2.block_table[:3] == c0.block_table[:3]
+    assert c1.block_table[3] != c2.block_table[3] != c0.block_table[3]

@@ -128,7 +128,7 @@ class StoppingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "adapter")
+    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "adapter", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: Messages
     token_ids: TokenIds
@@ -165,7 +166,8 @@ class GenerateRequest(_message.Message):
     tool_choice_function: str
     parallel_tool_calls: bool
     adapter: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class JsonObject(_message.Message):
     __slots__ = ()
@@ -222,7 +224,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "tokens", "text", "prompt_tokens", "finish_reason", "usage", "timing", "tool_calls")
+    __slots__ = ("request_id", "tokens", "text", "prompt_tokens", "finish_reason", "usage", "timing", "tool_calls", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +233,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
     text: str
@@ -239,7 +242,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timing: Timing
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")
@@ -262,7 +266,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias", "max_constraint_length", "constraint_compile_timeout_s", "max_loras", "max_lora_rank")
+    __slots__ = ("max_new_tokens", "max_top_logprobs", "max_stop_strings", "max_queue", "max_batch_size", "max_request_id_length", "min_temperature", "max_stop_string_length", "max_stop_token_ids", "max_resumptions", "max_logit_bias", "max_constraint_length", "constraint_compile_timeout_s", "max_loras", "max_lora_rank", "max_n")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +282,7 @@ class Limits(_message.Message):
     CONSTRAINT_COMPILE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     max_top_logprobs: int
     max_stop_strings: int
@@ -293,7 +298,8 @@ class Limits(_message.Message):
     constraint_compile_timeout_s: float
     max_loras: int
     max_lora_rank: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_constraint_length: _Optional[int] = ..., constraint_compile_timeout_s: _Optional[float] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    max_n: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., min_temperature: _Optional[float] = ..., max_stop_string_length: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_resumptions: _Optional[int] = ..., max_logit_bias: _Optional[int] = ..., max_constraint_length: _Optional[int] = ..., constraint_compile_timeout_s: _Optional[float] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "draft_tokens_proposed", "draft_tokens_accepted")

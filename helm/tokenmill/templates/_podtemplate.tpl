@@ -111,6 +111,8 @@ spec:
           value: {{ $metricsPort | quote }}
         - name: TOKENMILL_HTTP_PORT
           value: {{ int .Values.server.httpPort | quote }}
+        - name: TOKENMILL_METRICS_WITHOUT_AUTH
+          value: {{ .Values.server.metricsWithoutAuth | quote }}
         {{- with .Values.server.authTokenSecret }}
         {{- if .name }}
         - name: TOKENMILL_AUTH_TOKEN

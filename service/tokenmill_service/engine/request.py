@@ -22,6 +22,22 @@ class FinishReason(enum.Enum):
 MIN_TEMPERATURE = 1e-3
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request asking for several (n > 1) with `seed`: choice 0 keeps
+    the seed itself and choice i > 0 gets splitmix64 of (seed, i). So choice i is the same whatever n
+    (n = 4's first two choices are n = 2's), and, each choice's draws being keyed by its seed and
+    position like any request's, the same in any batch."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class RequestError(ValueError):
     """A request the engine cannot run; the message names the field and the limit."""
 
@@ -91,6 +107,9 @@ class GenerationRequest:
     constraint: Constraint | None = None
     # The LoRA adapter it runs with, by name ("": the base model).
     adapter: str = ""
+    # The choices of one request (n > 1) share this key: the scheduler starts one of them and the
+    # others once its prompt's full blocks are in the prefix cache, so they share those blocks.
+    prefix_group: str = ""
 
 
 @dataclass(slots=True)

@@ -105,11 +105,18 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, in arrival order, while there is room; never after a preemption,
-        #    which means the pool is already too full for what is running.
-        while self.waiting and not batch.preempted and budget > 0:
+        #    which means the pool is already too full for what is running. A choice of a request
+        #    with several (n > 1) waits while a sibling computes their shared prompt, then takes its
+        #    blocks from the prefix cache instead of computing them again.
+        held = {s.request.prefix_group for s in self.running if self._fills_shared_prompt(s)}
+        i = 0
+        while i < len(self.waiting) and not batch.preempted and budget > 0:
             if len(self.running) >= self.config.max_batch_size:
                 break
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.request.prefix_group in held:
+                i += 1
+                continue
             adapter, adapters = seq.request.adapter, self.adapters
             if (
                 adapter
@@ -123,7 +130,9 @@ class Scheduler:
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if self._fills_shared_prompt(seq):
+                held.add(seq.request.prefix_group)
             seq.drafts = []
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -131,6 +140,15 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _fills_shared_prompt(self, seq: Sequence) -> bool:
+        """Whether `seq` is computing prompt blocks its siblings (same prefix_group) can share."""
+        shareable = (seq.num_prompt_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
+        return (
+            bool(seq.request.prefix_group)
+            and self.block_manager.enable_prefix_caching
+            and seq.num_computed_tokens < shareable
+        )
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or cancelled sequence and return its blocks at once."""

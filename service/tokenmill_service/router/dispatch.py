@@ -99,30 +99,39 @@ class Router:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Admit one request (or raise Unavailable / Overloaded at once) and stream its outputs."""
+        return self.submit_group([request])[0]
+
+    def submit_group(self, requests: Sequence[GenerationRequest]) -> list[RequestStream]:
+        """Admit requests that belong together (the choices of one request, n > 1) on one replica, so
+        they can share their prompt's KV blocks; all or none (Unavailable / Overloaded at once)."""
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica")
-        self.adapters.check(request.adapter)
+        for request in requests:
+            self.adapters.check(request.adapter)
         if not self.pool.serving():
             raise Unavailable("no worker is ready to serve; retry shortly")
-        if self.inflight_count() >= self.capacity():
+        if self.inflight_count() + len(requests) > self.capacity():
             raise Overloaded(
                 f"the server is at capacity ({self.capacity()} requests in flight, "
                 f"queue size {self.settings.max_queue}); retry later"
             )
-        worker = self._pick(request.prompt_ids)
+        worker = self._pick(requests[0].prompt_ids)
         assert worker is not None
-        # The engine's id is ours, unique; the caller's request_id stays in the servicer.
-        request.request_id = uuid.uuid4().hex
-        if request.sampling.seed is None:
-            # Fixed now, so that a resumed request continues the same random stream.
-            request.sampling.seed = secrets.randbits(63)
-        stream = RequestStream(self._drop)
-        inflight = InFlight(request, stream)
-        stream.inflight = inflight
-        self.requests[request.request_id] = inflight
-        self._dispatch(inflight, worker)
+        streams = []
+        for request in requests:
+            # The engine's id is ours, unique; the caller's request_id stays in the servicer.
+            request.request_id = uuid.uuid4().hex
+            if request.sampling.seed is None:
+                # Fixed now, so that a resumed request continues the same random stream.
+                request.sampling.seed = secrets.randbits(63)
+            stream = RequestStream(self._drop)
+            inflight = InFlight(request, stream)
+            stream.inflight = inflight
+            self.requests[request.request_id] = inflight
+            self._dispatch(inflight, worker)
+            streams.append(stream)
         log.debug("request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight))
-        return stream
+        return streams
 
     def _pick(self, prompt_ids: Sequence[int]) -> Replica | None:
         candidates = {w.worker_id: w for w in self.pool.serving()}
