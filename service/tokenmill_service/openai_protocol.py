@@ -296,7 +296,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         requests,
         echo,
         echo_only,
-        n,
+        n=n,
     )
 
 
