@@ -7,8 +7,8 @@ Beside tokenmill's own names, the gauges the Gateway API Inference Extension's e
 scrapes by default are served under vLLM's names and labels (its model-server protocol):
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (0 to 1),
 each labelled ``model_name``, and ``vllm:cache_config_info`` (always 1; labels ``block_size`` and
-``num_gpu_blocks``, the pool's blocks over every worker). ``vllm:lora_requests_info`` is not served:
-tokenmill loads no adapters.
+``num_gpu_blocks``, the pool's blocks over every worker), and ``vllm:lora_requests_info`` (the adapters
+of running and waiting requests, and ``--max-loras``).
 """
 
 from __future__ import annotations

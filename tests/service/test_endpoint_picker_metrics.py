@@ -45,4 +45,6 @@ def test_the_endpoint_pickers_gauges_are_served_under_vllms_names_and_labels(ser
         assert int(labels["num_gpu_blocks"]) == families["tokenmill_kv_blocks_total"][0][1] > 0
         # tokenmill's own names are still there beside them.
         assert "tokenmill_queue_size" in families
-        assert "vllm:lora_requests_info" not in families
+        # The adapters' series (none running, adapters off by default), with vLLM's labels.
+        [(labels, _)] = families["vllm:lora_requests_info"]
+        assert labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "0"}
