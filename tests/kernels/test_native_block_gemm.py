@@ -179,7 +179,9 @@ def test_bfloat16_activations_are_multiplied_as_float32_and_returned_in_bfloat16
 @pytest.mark.parametrize("method", METHODS)
 def test_tensors_it_cannot_serve_as_stored_are_refused_clearly(method: str) -> None:
     layer = ReplicatedLinear(64, 32, False, quant_method_class(method)(torch.float32))
-    with pytest.raises(ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q8_0 tensors as stored, not a torch.float32 tensor"):
+    with pytest.raises(
+        ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q8_0 tensors as stored, not a torch.float32 tensor"
+    ):
         layer.load_weight(torch.randn(32, 64))
     mixed = QKVParallelLinear(64, 16, 2, 1, False, quant_method_class(method)(torch.float32), TensorParallel())
     mixed.load_weight(_blocks(torch.randn(32, 64), QType.Q4_1), "q")
