@@ -21,7 +21,6 @@ from tokenmill_service.layers.lora import AdapterError, read_adapter
 from tokenmill_service.layers.lora.sgmv import lora_delta, lora_delta_reference
 from tokenmill_service.models.loader import load_model
 
-pytest.importorskip("peft")
 PROMPT = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 
 

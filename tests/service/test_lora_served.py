@@ -24,7 +24,6 @@ from tests.server_process import ServerProcess
 from tokenmill_client import AsyncClient, Client, NotFoundError
 
 tokenizers = pytest.importorskip("tokenizers")
-pytest.importorskip("peft")
 TOKEN = "lora-secret"
 NAMES = ["x", "a", "b", "c", "d"]
 
