@@ -233,6 +233,9 @@ def model_info_from_proto(info: pb.ModelInfo) -> ModelInfo:
             max_batch_size=lim.max_batch_size,
             max_loras=lim.max_loras,
             max_lora_rank=lim.max_lora_rank,
+            max_n=lim.max_n or 1,
+            max_constraint_length=lim.max_constraint_length,
+            constraint_compile_timeout_s=lim.constraint_compile_timeout_s,
         ),
         engine=EngineState(
             running=e.running,

@@ -314,6 +314,9 @@ class Limits:
     max_batch_size: int
     max_loras: int = 0  # LoRA adapters resident at once; 0 = adapters off
     max_lora_rank: int = 0
+    max_n: int = 1  # the most choices (n) one request may ask
+    max_constraint_length: int = 0  # the longest JSON schema, regex or grammar accepted, in characters
+    constraint_compile_timeout_s: float = 0.0  # how long compiling a new constraint may take
 
 
 @dataclass(frozen=True, slots=True)

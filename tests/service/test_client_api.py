@@ -361,6 +361,8 @@ def test_model_info_is_typed_and_consistent(client: Client) -> None:
     assert info.num_workers == len(info.workers) >= 1
     assert all(w.alive for w in info.workers)
     assert info.limits.max_new_tokens > 0
+    assert info.limits.max_n > 1 and info.limits.max_constraint_length > 0
+    assert info.limits.constraint_compile_timeout_s > 0
     assert info.engine.kv_blocks_total == sum(w.kv_blocks_total for w in info.workers)
     assert info.load_plan["executor"].startswith("native-stack (") and info.load_plan["ops"].startswith("native (")
 
