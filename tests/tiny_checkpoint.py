@@ -8,18 +8,25 @@ import json
 from pathlib import Path
 
 
-def write_tiny_llama(directory: Path) -> Path:
+def write_byte_level_tokenizer(directory: Path, *more_special: str) -> None:
+    """tokenizer.json and tokenizer_config.json: byte-level BPE over the 256 bytes (no merges), EOS as id 256,
+    then ``more_special``."""
     import tokenizers
-    import torch
-    import transformers
 
     alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>"])
+    tok.add_special_tokens(["<|eos|>", *more_special])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+
+
+def write_tiny_llama(directory: Path) -> Path:
+    import torch
+    import transformers
+
+    write_byte_level_tokenizer(directory)
     config = transformers.LlamaConfig(
         vocab_size=257,
         hidden_size=128,

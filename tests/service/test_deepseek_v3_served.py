@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.server_process import SERVER, ServerProcess, free_port
+from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tests.tiny_deepseek import deepseek_v3
 from tokenmill_client import Client
 
@@ -27,13 +28,7 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch
     """Three layers (the first dense, then 8 routed experts and a shared one) with q_lora, YaRN and
     interleaved rope; a byte-level tokenizer of 256 bytes + EOS."""
     directory = tmp_path_factory.mktemp("tiny-deepseek")
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    write_byte_level_tokenizer(directory)
     model = deepseek_v3(q_lora=True, vocab_size=257, moe=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory, model

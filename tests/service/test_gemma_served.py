@@ -4,7 +4,6 @@ served by the native attention kernel), and a load plan that says why the layers
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from tests.engine.gemma_checkpoints import WINDOW
 from tests.server_process import ServerProcess
+from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tokenmill_client import Client
 
 transformers = pytest.importorskip("transformers")
@@ -25,13 +25,7 @@ PROMPT = "Hello, Gemma 2! A window of eight tokens slides."  # one token per byt
 def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     """Two layers (0 local, 1 global), tied head; a byte-level tokenizer of 256 bytes + EOS."""
     directory = tmp_path_factory.mktemp("tiny-gemma2")
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    write_byte_level_tokenizer(directory)
     config = transformers.Gemma2Config(
         vocab_size=257,
         hidden_size=128,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.server_process import ServerProcess
+from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tokenmill_client import Client
 
 transformers = pytest.importorskip("transformers")
@@ -26,13 +27,7 @@ def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.
     """Two layers of 4 experts (top-2), head_dim 64; a byte-level tokenizer of 256 bytes and 2 specials
     (a vocabulary of 258: two ranks split it evenly)."""
     directory = tmp_path_factory.mktemp("tiny-mixtral")
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>", "<|pad|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    write_byte_level_tokenizer(directory, "<|pad|>")
     config = transformers.MixtralConfig(
         vocab_size=258,
         hidden_size=128,

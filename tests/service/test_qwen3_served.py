@@ -3,13 +3,13 @@ tokens and prompt logprobs, and a load plan that says why the layers run one by 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.server_process import ServerProcess
+from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tokenmill_client import Client
 
 transformers = pytest.importorskip("transformers")
@@ -22,13 +22,7 @@ NEW_TOKENS = 8
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     """Two layers, head_dim 64 (hidden / heads is 32), tied head; a byte-level tokenizer of 256 bytes + EOS."""
     directory = tmp_path_factory.mktemp("tiny-qwen3")
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    write_byte_level_tokenizer(directory)
     config = transformers.Qwen3Config(
         vocab_size=257,
         hidden_size=128,
