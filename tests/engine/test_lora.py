@@ -60,7 +60,7 @@ def run_prompt(runner: ModelRunner, ids: list[int], slot: int, table: list[int])
 def test_prompt_logprobs_are_transformers_plus_peft(
     model: Any, base: tuple[Path, Any], adapters: dict[str, Path], name: str
 ) -> None:
-    assert model.plan.executor.value == "eager" and "lora" in model.plan.summary()
+    assert model.plan.executor.value == "native-stack" and "lora" in model.plan.summary()
     model.lora.load(0, name, str(adapters[name]))
     runner = ModelRunner(model, block_size=16, num_blocks=8)
     ours = torch.log_softmax(run_prompt(runner, PROMPT, 0, [0, 1, 2]), -1)
@@ -109,6 +109,28 @@ def test_a_sequence_is_bitwise_the_same_whatever_adapters_its_neighbours_use(
     )
     assert torch.equal(crowd_prefill, prefill)
     assert torch.equal(crowd_decode[1], decode[0])
+
+
+def test_the_native_stack_adds_the_adapters_bit_for_bit_as_the_eager_layers(
+    model: Any, adapters: dict[str, Path]
+) -> None:
+    """Adapters on the default fast path: a mixed step (three adapters and the base, prefill and decode)
+    through the native decoder stack gives the eager layers' bits."""
+    for slot, name in enumerate(["r8", "r64", "qv", "mlp"]):
+        model.lora.load(slot, name, str(adapters[name]))
+    a, b, c = PROMPT[:9], PROMPT[10:23], PROMPT[25:31]
+    tables, slots = [[0, 1, 2], [3, 4, 5, 6], [7, 8]], [3, -1, 1]
+    results = []
+    for executor in ("native-stack", "eager"):
+        runner = ModelRunner(model, block_size=4, num_blocks=12, executor=executor)
+        _, (prefill,) = runner.execute(
+            StepPlan(a + b + c, [9, 13, 6], [0, 0, 0], tables, [8, 21, 27], [(9, 13)], adapter_slots=slots)
+        )
+        decode, _ = runner.execute(
+            StepPlan([5, 6, 7], [1, 1, 1], [9, 13, 6], tables, [0, 1, 2], [], adapter_slots=[0, 2, 1])
+        )
+        results.append((prefill, decode))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_the_grouped_product_is_its_per_token_definition() -> None:

@@ -3,7 +3,8 @@ to ``kernels/cpu/decoder_stack.py`` (its kernels' entry points, weights, norms a
 as one native call a step with the bits of the model's own loop (tests/kernels/test_decoder_stack.py).
 
 The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
-this only describes a model the plan chose it for.
+this only describes a model the plan chose it for. A model with LoRA adapter slots (``--max-loras``)
+hands each linear layer's slots to the stack, and every step the tokens of each slot in use.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         for name, lin in linears.items():
             if lin.quant.native_kernel is None or lin.bias is not None:
                 raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
+            lora = (lin.lora.a, lin.lora.b) if lin.lora is not None else None
             spec[name] = decoder_stack.LinearSpec(
-                lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features
+                lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features, lora
             )
         layers.append(decoder_stack.LayerSpec(ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **spec))
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
@@ -57,7 +59,20 @@ class NativeStackExecutor:
         self.stack = build_decoder_stack(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.stack(self.model.model.embed(input_ids), positions, meta)
+        return self.stack(self.model.model.embed(input_ids), positions, meta, self._lora_rows())
+
+    def _lora_rows(self) -> decoder_stack.LoRARows | None:
+        """The step's tokens by adapter slot, as the model's LoRA batch holds them (None: base only)."""
+        slots = getattr(self.model, "lora", None)
+        if slots is None or not slots.batch.groups:
+            return None
+        groups = slots.batch.groups
+        counts = torch.tensor([0] + [len(rows) for _, rows in groups], dtype=torch.int64)
+        return decoder_stack.LoRARows(
+            torch.tensor([slot for slot, _ in groups], dtype=torch.int64),
+            torch.cumsum(counts, 0),
+            torch.cat([rows for _, rows in groups]),
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)  # type: ignore[no-any-return]

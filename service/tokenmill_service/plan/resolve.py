@@ -326,11 +326,10 @@ def _executor(
     config: ModelConfig,
     skipped: dict[str, str],
 ) -> Decision:
-    if options.max_loras > 0:
-        # The native stack and compiled regions run the linear layers without their adapter side path.
-        skipped["native-stack"] = "LoRA adapters run beside the linear layers, from Python"
-        return Decision("eager", "the model's layers one by one: LoRA adapters (--max-loras) run beside them")
-    if options.compile == "auto":
+    if options.compile == "auto" and options.max_loras > 0:
+        # The adapters' grouped products change shape with the step's adapters: not inside the regions.
+        skipped["compile"] = "LoRA adapters (--max-loras) are not run inside compiled regions"
+    elif options.compile == "auto":
         family = model_class(config.architecture)
         why = getattr(family, "compile_gap", "") or compile_missing(options, facts, ops)
         if why is None:
@@ -378,4 +377,6 @@ def native_stack_missing(
         if prefix != "lm_head" and choice.kernel not in quant_method_class(choice.method).native_entry_points:
             leaf = prefix.rpartition(".")[2].removesuffix("_proj")
             return f"the {leaf} projection is {choice.method}, which has no native kernel to call"
-    return facts.native("decoder_stack", "paged_attention", "elementwise")
+    # LoRA adapters (--max-loras) ride in the stack through block_gemm's float32 kernel.
+    lora = ("block_gemm",) if options.max_loras > 0 else ()
+    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora)

@@ -133,8 +133,8 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         (
             "int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, "
             "const int64_t* slots, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
-            "uint8_t* k_cache, uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, float* workspace, "
-            "float* out, int threads)"
+            "uint8_t* k_cache, uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, "
+            "float* workspace, float* out, int threads)"
         ),
     ),
 }
@@ -160,8 +160,18 @@ FUNCTION_POINTERS = {
 
 # The decoder stack's structs, in declaration order: (C type, field name) each.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
-    # One bias-free linear layer: its product kernel and the weights it reads ([out_features, in_features]).
-    "TmLinear": (("TmGemm", "gemm"), ("const uint8_t*", "weights"), ("int64_t", "fmt"), ("int64_t", "out_features")),
+    # One bias-free linear layer: its product kernel and the weights it reads ([out_features, in_features]),
+    # and its LoRA adapter slots (layers/lora/slots.py; null: none): float32 A [slots, lora_width, in_features]
+    # and B [slots, out_features, lora_width], the scale folded into B.
+    "TmLinear": (
+        ("TmGemm", "gemm"),
+        ("const uint8_t*", "weights"),
+        ("int64_t", "fmt"),
+        ("int64_t", "out_features"),
+        ("const float*", "lora_a"),
+        ("const float*", "lora_b"),
+        ("int64_t", "lora_width"),
+    ),
     "TmLayer": (
         ("const float*", "input_norm"),  # [hidden]
         ("const float*", "post_norm"),  # [hidden]
@@ -184,6 +194,18 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("TmStoreKeys", "store_keys"),
         ("TmStoreValues", "store_values"),
         ("TmAttention", "attention"),
+        # The LoRA products (block_gemm's float32 rows; null when no layer has adapter slots) and the
+        # widest layer's lora_width.
+        ("TmGemm", "lora_gemm"),
+        ("int64_t", "lora_width"),
+    ),
+    # A step's tokens by LoRA adapter slot: group g is slot slots[g], its token rows
+    # rows[offsets[g] .. offsets[g + 1]).
+    "TmLoraBatch": (
+        ("int64_t", "groups"),
+        ("const int64_t*", "slots"),
+        ("const int64_t*", "offsets"),
+        ("const int64_t*", "rows"),
     ),
 }
 

@@ -4,6 +4,10 @@
 // decoder_stack.py), in the same order on the same inputs: so the same bits, without some 15
 // Python-level calls and tensor allocations per layer, which at one decoding sequence cost more
 // than the layer's arithmetic.
+// LoRA adapters ride along as the eager layers add them (layers/lora/slots.py, sgmv.py): after a
+// layer's product, each adapter slot's tokens are gathered, shrunk by A and expanded by B with
+// block_gemm's float32 kernel (each row's bits independent of the rows beside it), and the delta is
+// added to the product's rows: the same kernel on the same rows, so the same bits as the eager path.
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -11,22 +15,56 @@
 
 #include "tm_abi.h"  // TmLinear, TmLayer, TmStack, the kernels' pointer types and this file's prototypes
 
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+// Floats of scratch the LoRA products of t tokens need: the gathered inputs, the shrunk rows, the delta.
+static int64_t lora_scratch(const TmStack* s, int64_t t) {
+  if (!s->lora_gemm) return 0;
+  const int64_t q = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
+  return t * (max3(s->hidden, q, s->intermediate) + s->lora_width + max3(q + 2 * kv, s->hidden, 2 * s->intermediate));
+}
+
+// y [t, L.out_features] += each adapter token's delta (x [t, in] through its slot's A and B).
+static int add_lora(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora, const float* x, int64_t in,
+                    float* y, float* scratch, int threads) {
+  if (!lora || !L.lora_a) return 0;
+  const int64_t W = L.lora_width, out = L.out_features;
+  for (int64_t g = 0; g < lora->groups; ++g) {
+    const int64_t* rows = lora->rows + lora->offsets[g];
+    const int64_t n = lora->offsets[g + 1] - lora->offsets[g], slot = lora->slots[g];
+    float* xs = scratch;
+    float* mid = xs + n * in;
+    float* delta = mid + n * W;
+    for (int64_t i = 0; i < n; ++i) memcpy(xs + i * in, x + rows[i] * in, in * sizeof(float));
+    const uint8_t* a = (const uint8_t*)(L.lora_a + slot * W * in);
+    const uint8_t* b = (const uint8_t*)(L.lora_b + slot * out * W);
+    if (s->lora_gemm(0, xs, n, in, a, W, mid, threads)) return 1;  // format 0: float32 rows
+    if (s->lora_gemm(0, mid, n, W, b, out, delta, threads)) return 1;
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = y + rows[i] * out;
+      const float* d = delta + i * out;
+      for (int64_t j = 0; j < out; ++j) row[j] += d[j];
+    }
+  }
+  return 0;
+}
+
 extern "C" {
 
 // Floats of workspace a step of t tokens needs.
 int64_t tm_stack_workspace(const TmStack* s, int64_t t) {
   const int64_t q = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
-  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate);
+  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate) + lora_scratch(s, t);
 }
 
 // x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, slots,
 // seq_of_token: [t]; tables: [sequences, table_width]; the caches: [layers][layer_bytes] in the
 // layouts paged_attention.cpp reads (keys transposed per block, values as [slot][kv_heads][D]).
 // Returns 0, or the first failing kernel's code: -100 - layer for a product, -200 - layer for
-// attention.
+// attention. lora: the step's tokens by adapter slot (null: the base model's products only).
 int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, const int64_t* slots,
                      const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, uint8_t* k_cache,
-                     uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, float* workspace, float* out,
+                     uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, float* workspace, float* out,
                      int threads) {
   const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
@@ -38,6 +76,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
   float* attn = q + t * q_size;  // [t, heads * D]
   float* gate_up = attn + t * q_size;  // [t, 2 I]
   float* act = gate_up + t * 2 * I;    // [t, I]
+  float* scratch = act + t * I;        // the LoRA products' (lora_scratch)
 
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const TmLayer& L = s->layers[l];
@@ -47,6 +86,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
     if (L.qkv.gemm((int)L.qkv.fmt, normed, t, H, L.qkv.weights, qkv_size, qkv, threads)) return -100 - (int)l;
+    if (add_lora(s, L.qkv, lora, normed, H, qkv, scratch, threads)) return -100 - (int)l;
     s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
     s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
     s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
@@ -56,11 +96,14 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
                      table_width, s->scale, attn, threads))
       return -200 - (int)l;
     if (L.o.gemm((int)L.o.fmt, attn, t, q_size, L.o.weights, H, y, threads)) return -100 - (int)l;
+    if (add_lora(s, L.o, lora, attn, q_size, y, scratch, threads)) return -100 - (int)l;
     s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
     if (L.gate_up.gemm((int)L.gate_up.fmt, normed, t, H, L.gate_up.weights, 2 * I, gate_up, threads))
       return -100 - (int)l;
+    if (add_lora(s, L.gate_up, lora, normed, H, gate_up, scratch, threads)) return -100 - (int)l;
     s->silu_and_mul(gate_up, act, t, I);
     if (L.down.gemm((int)L.down.fmt, act, t, I, L.down.weights, H, y, threads)) return -100 - (int)l;
+    if (add_lora(s, L.down, lora, act, I, y, scratch, threads)) return -100 - (int)l;
   }
   s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
   return 0;

@@ -5,7 +5,9 @@ a dozen ctypes calls) costs more than its arithmetic. ``DecoderStack`` runs the 
 the same inputs in the same order from native code, so its results are those of the Python
 forward bit for bit (tests/kernels/test_decoder_stack.py holds it to that), and the Python per step is
 one call. The model describes itself with ``StackSpec``; models/llama.py builds one where every
-part has a native kernel.
+part has a native kernel. A layer's LoRA adapter slots (``LinearSpec.lora``) ride along: the step's
+tokens by slot (``LoRARows``) are given to each call, and every slot's delta is added after the
+layer's product with block_gemm's float32 kernel, as the eager layers add it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import abi, build, paged_attention
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
-_Linear, _Layer, _Stack = (abi.structure(name) for name in ("TmLinear", "TmLayer", "TmStack"))
+_Linear, _Layer, _Stack, _LoraBatch = (
+    abi.structure(name) for name in ("TmLinear", "TmLayer", "TmStack", "TmLoraBatch")
+)
 
 
 def _lib() -> ctypes.CDLL:
@@ -28,7 +32,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    for name in ("decoder_stack", "elementwise", "paged_attention"):
+    for name in ("decoder_stack", "elementwise", "paged_attention", "block_gemm"):
         if (reason := build.unavailable_reason(name)) is not None:
             return reason
     return None
@@ -42,6 +46,17 @@ class LinearSpec:
     weights: torch.Tensor
     fmt: int
     out_features: int
+    # LoRA adapter slots: float32 A [slots, width, in] and B [slots, out_features, width] (None: none).
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARows:
+    """A step's tokens by LoRA adapter slot: group g is slot ``slots[g]``, rows ``rows[offsets[g]:offsets[g + 1]]``."""
+
+    slots: torch.Tensor  # int64 [groups]
+    offsets: torch.Tensor  # int64 [groups + 1]
+    rows: torch.Tensor  # int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +92,17 @@ class DecoderStack:
         if not spec.layers:
             raise ValueError("a decoder stack needs at least one layer")
         tensors = [spec.cos, spec.sin, spec.final_norm]
+        widths = [0]
         for layer in spec.layers:
             tensors += [layer.input_norm, layer.post_norm]
-            tensors += [lin.weights for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                tensors.append(lin.weights)
+                if lin.lora is not None:
+                    a, b = lin.lora
+                    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape[1] != b.shape[2]:
+                        raise ValueError("a layer's LoRA slots are float32 A [slots, width, in], B [slots, out, width]")
+                    tensors += [a, b]
+                    widths.append(a.shape[1])
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
@@ -91,7 +114,12 @@ class DecoderStack:
         self.spec = spec  # keeps every tensor the native side points into alive
 
         def linear(lin: LinearSpec) -> _Linear:
-            return _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
+            a, b = lin.lora if lin.lora is not None else (None, None)
+            return _Linear(
+                build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features,
+                a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None,
+                a.shape[1] if a is not None else 0,
+            )  # fmt: skip
 
         self._layers = (_Layer * len(spec.layers))(
             *(
@@ -108,11 +136,14 @@ class DecoderStack:
             build.address("elementwise", "tm_silu_and_mul"),
             *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
               for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
+            build.address("block_gemm", "tm_block_gemm") if max(widths) else None, max(widths),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, lora: LoRARows | None = None
+    ) -> torch.Tensor:
         t, hidden = x.shape
         assert x.dtype == torch.float32 and x.device.type == "cpu" and hidden == self.spec.hidden
         k_cache, v_cache = meta.k_cache, meta.v_cache
@@ -122,6 +153,14 @@ class DecoderStack:
         tensors = [positions, meta.slot_mapping, meta.seq_of_token, meta.block_tables]
         positions, slots, seq_of_token, tables = (v.contiguous() for v in tensors)
         out = torch.empty(t, hidden, device=x.device)
+        batch = None
+        if lora is not None and lora.slots.numel():
+            if not self._stack.lora_width:
+                raise ValueError("this decoder stack has no LoRA adapter slots")
+            lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
+            batch = _LoraBatch(
+                lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr()
+            )
         with self._lock:
             need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
             if self._workspace.numel() < need:
@@ -129,7 +168,8 @@ class DecoderStack:
             rc = _lib().tm_decoder_stack(
                 ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
                 seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
-                k_cache[0].numel() * k_cache.element_size(), meta.block_size, self._workspace.data_ptr(), out.data_ptr(),
+                k_cache[0].numel() * k_cache.element_size(), meta.block_size,
+                ctypes.byref(batch) if batch is not None else None, self._workspace.data_ptr(), out.data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
         if rc:
