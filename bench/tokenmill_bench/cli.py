@@ -2,6 +2,7 @@
 
 tokenmill-bench [--server ADDRESS] [--json PATH] [--plot PNG] [options]   # measure
 tokenmill-bench plot RESULTS.json OUT.png                                 # redraw the plot
+tokenmill-bench lora [options]                                            # adapters against the base
 """
 
 from __future__ import annotations
@@ -671,6 +672,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenmill_bench.routing import routing_main
 
         return routing_main(arguments[1:])
+    if arguments[:1] == ["lora"]:
+        from tokenmill_bench.lora import lora_main
+
+        return lora_main(arguments[1:])
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     args = build_parser().parse_args(arguments)

@@ -101,8 +101,10 @@ async def run_request(
     timeout: float | None,
     label: str,
     constraint: Mapping[str, str] | None = None,
+    adapter: str = "",
 ) -> RequestRecord:
-    """Sends one request and records its timeline; failures are recorded, never raised.
+    """Sends one request and records its timeline; failures are recorded, never raised. ``adapter``: the
+    LoRA adapter it runs with, by the name the server serves it as ("": the base model).
 
     ``constraint``: {"json_schema": TEXT} or {"regex": TEXT}, on every request; such a request may end early
     (its grammar complete: EOS whatever ignore_eos says), which is then not counted as short."""
@@ -116,6 +118,7 @@ async def run_request(
             request_id=f"bench-{label}-{index}",
             json_schema=(constraint or {}).get("json_schema"),
             regex=(constraint or {}).get("regex"),
+            adapter=adapter,
         )
         async with contextlib.aclosing(stream):
             async for event in stream:

@@ -131,7 +131,7 @@ def test_models_lists_the_adapters_with_their_parent(server: ServerProcess, made
     with client(server) as c:
         info = c.model_info()
     assert set(info.adapters) == set(NAMES) and info.limits.max_loras == 5 and info.limits.max_lora_rank == 64
-    assert "lora" in info.load_plan and info.load_plan["executor"].startswith("eager")
+    assert "lora" in info.load_plan and info.load_plan["executor"].startswith("native-stack")
 
 
 def test_adapters_load_and_unload_at_run_time_over_http(server: ServerProcess, made: dict[str, Any]) -> None:
