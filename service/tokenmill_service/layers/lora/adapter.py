@@ -4,7 +4,9 @@ Each targeted projection ``W`` [out, in] of the base gets ``y += scale * (x @ A.
 ``A`` [r, in] and ``B`` [out, r]; ``scale`` is ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 rsLoRA. ``read_adapter`` reads the config and checks every tensor against the base's shapes
 without loading them (``AdapterError`` names the mismatch); ``tensors`` loads them when a slot
-takes the adapter.
+takes the adapter. An adapter of a checkpoint with fused projections (Phi-3's ``qkv_proj`` and
+``gate_up_proj``) shares one A among the parts, B's rows part after part: each part gets the A and its
+rows of B, which the packed layer takes as it takes an adapter of the separate projections.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import torch
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # The projections an adapter may target, by the name PEFT gives them (Hugging Face's).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Fused projections of checkpoints that hold them whole (Phi-3's qkv_proj and gate_up_proj): one A for
+# the parts and B's rows part after part, so each part is (A, its slice of B).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])(?:\.\w+)?\.weight$"
 )
@@ -54,6 +59,8 @@ class LoRAAdapter:
     # (None: a PEFT directory, or nothing to put back).
     gguf_heads: tuple[int, int] | None = None
     gguf: bool = False
+    # The rows of each part of a fused projection the adapter targets (FUSED), as (part, rows).
+    part_rows: tuple[tuple[str, int], ...] = ()
 
     @property
     def scale(self) -> float:
@@ -82,7 +89,18 @@ class LoRAAdapter:
             m = _KEY.match(key)
             if m:
                 pairs.setdefault(m.group(1), {})[m.group(4)] = tensor.float()
-        return {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}
+        out = {}
+        for name, ab in pairs.items():
+            parent, _, leaf = name.rpartition(".")
+            if leaf not in FUSED:
+                out[name] = (ab["A"], ab["B"])
+                continue
+            start = 0
+            for part in FUSED[leaf]:
+                rows = dict(self.part_rows)[part]
+                out[f"{parent}.{part}"] = (ab["A"], ab["B"][start : start + rows])
+                start += rows
+        return out
 
 
 def expected_shape(config: BaseDims, leaf: str) -> tuple[int, int]:
@@ -92,6 +110,7 @@ def expected_shape(config: BaseDims, leaf: str) -> tuple[int, int]:
     return {
         "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
         "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+        "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h),
     }[leaf]  # fmt: skip
 
 
@@ -140,11 +159,17 @@ def read_adapter(name: str, path: str | Path, config: BaseDims, max_rank: int) -
             if m is None:
                 raise AdapterError(f"adapter {name!r} has a tensor {key!r} that targets no servable projection")
             module, leaf, which = m.group(1), m.group(3), m.group(4)
-            if leaf not in TARGETS:
-                raise AdapterError(f"adapter {name!r} targets {leaf}, which is not one of {', '.join(TARGETS)}")
+            if leaf not in TARGETS and leaf not in FUSED:
+                raise AdapterError(
+                    f"adapter {name!r} targets {leaf}, which is not one of {', '.join((*TARGETS, *FUSED))}"
+                )
             shapes.setdefault(module, {})[which] = tuple(f.get_slice(key).get_shape())
     _check_shapes(name, shapes, config, rank)
-    return LoRAAdapter(name, str(directory), rank, alpha, bool(raw.get("use_rslora", False)), tuple(sorted(shapes)))
+    fused = {m.rpartition(".")[2] for m in shapes} & set(FUSED)
+    parts = tuple((part, expected_shape(config, part)[0]) for leaf in sorted(fused) for part in FUSED[leaf])
+    return LoRAAdapter(
+        name, str(directory), rank, alpha, bool(raw.get("use_rslora", False)), tuple(sorted(shapes)), part_rows=parts
+    )
 
 
 def _check_shapes(name: str, shapes: dict[str, dict[str, tuple[int, ...]]], config: BaseDims, rank: int) -> None:
