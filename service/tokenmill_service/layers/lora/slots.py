@@ -8,11 +8,14 @@ The base's weights and its quantization method are untouched: the layer adds the
 its method returns (before the all-reduce of a row-parallel layer, whose partial deltas sum there).
 
 ``LoRASlots.load(slot, adapter)`` writes an adapter into a slot on this rank; the runner sets the
-step's ``LoRABatch`` (which tokens use which slot) once, and every layer reads it.
+step's ``LoRABatch`` (which tokens use which slot) once, and every layer reads it. The grouped product
+is sgmv.py's, or under ``--backend triton`` (the model's plan) the Triton kernels of
+kernels/triton/lora.py, with the same signature.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,10 @@ from tokenmill_service.layers.lora.adapter import BaseDims, LoRAAdapter, read_ad
 from tokenmill_service.layers.lora.sgmv import lora_delta
 
 RANK_ALIGN = 32  # ranks are padded to whole blocks of the native float32 kernel
+# lora_delta(x, a, b, groups) -> [(rows, delta)]: layers/lora/sgmv.py's or kernels/triton/lora.py's.
+DeltaFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]
+]
 
 
 @dataclass(slots=True)
@@ -44,11 +51,18 @@ class LoRALayer:
     P projections (3 for q/k/v, 2 for gate/up, else 1), ranks padded to R."""
 
     def __init__(
-        self, layer: Any, projections: list[tuple[str, str | int | None]], slots: int, rank: int, batch: LoRABatch
+        self,
+        layer: Any,
+        projections: list[tuple[str, str | int | None]],
+        slots: int,
+        rank: int,
+        batch: LoRABatch,
+        delta: DeltaFn = lora_delta,
     ) -> None:
         self.projections = projections  # (checkpoint leaf, the layer's shard id) per block of rank
         self.rank = rank
         self.batch = batch
+        self.delta = delta
         width = len(projections) * rank
         # Plain tensors, not buffers: the model's state (and its checkpoint loading) stays the base's.
         self.a = torch.zeros(slots, width, layer.in_features)
@@ -81,7 +95,7 @@ class LoRALayer:
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base's product of ``x``) with each adapter token's delta added."""
-        for rows, delta in lora_delta(x, self.a, self.b, self.batch.groups):
+        for rows, delta in self.delta(x, self.a, self.b, self.batch.groups):
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y
 
@@ -99,11 +113,17 @@ class LoRASlots:
         sources: dict[str, list[tuple[str, str | int | None]]] = {}
         for leaf, (packed, shard) in getattr(type(model), "packed_modules", {}).items():
             sources.setdefault(packed, []).append((leaf, shard))
+        delta = lora_delta
+        plan = getattr(model, "plan", None)
+        if plan is not None and plan.ops.value == "triton":
+            from tokenmill_service.kernels.triton.lora import lora_delta as triton_lora_delta
+
+            delta = triton_lora_delta
         self.layers: dict[str, tuple[Any, LoRALayer]] = {}  # parent prefix -> (linear layer, its slots)
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and name.startswith("model.layers."):
                 leaf = name.rpartition(".")[2]
-                lora = LoRALayer(module, sources.get(leaf, [(leaf, None)]), max_loras, rank, self.batch)
+                lora = LoRALayer(module, sources.get(leaf, [(leaf, None)]), max_loras, rank, self.batch, delta)
                 module.lora = lora
                 self.layers[name] = (module, lora)
         self.resident: list[str | None] = [None] * max_loras  # the adapter path in each slot

@@ -1,0 +1,129 @@
+"""The batched LoRA product as Triton kernels, grouped by adapter (SGMV, as Punica and S-LoRA run it):
+``lora_delta`` with the signature of layers/lora/sgmv.py's, which the layers use under ``--backend triton``.
+
+The step's tokens are taken group by group (one adapter slot each) in tiles of ``BLOCK_M`` rows, so a
+tile reads its adapter's A and B once for all its rows. ``shrink``: mid = x[rows] @ A[slot].T into
+[tokens, W]; ``expand``: delta = mid @ B[slot].T into [tokens, out]. Both accumulate float32 and multiply
+at full float32 precision (``input_precision="ieee"``: no TF32 rounding on a GPU).
+
+Batch invariance: a row's delta is a function of that row alone. Every tile has the same shape whatever
+the group's size, the reduction over K (or W) runs the same blocks in the same order, and the rows
+beside it in a tile (or the masked rows past a group's end, zeros) never enter its sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_K, BLOCK_N = 16, 32, 64
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, mid_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
+    K, W, stride_x, stride_a_slot, stride_a_row, stride_mid,
+    BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile).to(tl.int64)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    row_mask = m < count
+    pos = start + m  # the rows' places in the step's grouped order (mid's rows)
+    rows = tl.load(rows_ptr + pos, mask=row_mask, other=0).to(tl.int64)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    w_mask = w < W
+    acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xk = tl.load(
+            x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(tl.float32)
+        ak = tl.load(
+            a_ptr + slot * stride_a_slot + w[None, :] * stride_a_row + k[:, None],
+            mask=k_mask[:, None] & w_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(xk, ak, input_precision="ieee")
+    tl.store(mid_ptr + pos[:, None] * stride_mid + w[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
+
+
+@triton.jit
+def _expand_kernel(
+    mid_ptr, b_ptr, out_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
+    N, W, stride_mid, stride_b_slot, stride_b_row, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile).to(tl.int64)
+    count = tl.load(tile_count_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    row_mask = m < count
+    pos = start + m
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for w0 in range(0, W, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        w_mask = w < W
+        mk = tl.load(
+            mid_ptr + pos[:, None] * stride_mid + w[None, :], mask=row_mask[:, None] & w_mask[None, :], other=0.0
+        )
+        bk = tl.load(
+            b_ptr + slot * stride_b_slot + n[None, :] * stride_b_row + w[:, None],
+            mask=w_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(mk, bk, input_precision="ieee")
+    tl.store(out_ptr + pos[:, None] * stride_out + n[None, :], acc, mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _tiles(groups: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each tile's (slot, start in the grouped order, rows): groups cut in tiles of BLOCK_M rows."""
+    slots, starts, counts = [], [], []
+    offset = 0
+    for slot, rows in groups:
+        n = rows.shape[0]
+        for begin in range(0, n, BLOCK_M):
+            slots.append(slot)
+            starts.append(offset + begin)
+            counts.append(min(BLOCK_M, n - begin))
+        offset += n
+    table = torch.tensor([slots, starts, counts], dtype=torch.int32).to(device)
+    return table[0], table[1], table[2]
+
+
+def lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]); ``a`` [slots, W, K]
+    and ``b`` [slots, out, W] float32, contiguous."""
+    if not groups:
+        return []
+    rows = torch.cat([r for _, r in groups])
+    total, (k, w, n_out) = rows.shape[0], (x.shape[1], a.shape[1], b.shape[1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tile_slot, tile_start, tile_count = _tiles(groups, x.device)
+    mid = torch.empty(total, w, dtype=torch.float32, device=x.device)
+    out = torch.empty(total, n_out, dtype=torch.float32, device=x.device)
+    tiles = tile_slot.shape[0]
+    block_w = 32
+    _shrink_kernel[(tiles, triton.cdiv(w, block_w))](
+        x, a, mid, rows, tile_slot, tile_start, tile_count, k, w, x.stride(0), a.stride(0), a.stride(1),
+        mid.stride(0), BLOCK_M=BLOCK_M, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    _expand_kernel[(tiles, triton.cdiv(n_out, BLOCK_N))](
+        mid, b, out, tile_slot, tile_start, tile_count, n_out, w, mid.stride(0), b.stride(0), b.stride(1),
+        out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_W=block_w,
+    )  # fmt: skip
+    pieces, offset = [], 0
+    for _, r in groups:
+        pieces.append((r, out[offset : offset + r.shape[0]]))
+        offset += r.shape[0]
+    return pieces

@@ -1,0 +1,59 @@
+"""The triton LoRA kernels (grouped by adapter) give the per-token definition, a row's bits whatever group
+it is in, and under ``--backend triton`` a model's adapter gives transformers + PEFT's logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.triton_setup import DEVICE
+from tokenmill_service.kernels.triton.lora import BLOCK_M, lora_delta
+from tokenmill_service.layers.lora.sgmv import lora_delta_reference
+
+
+def grouped(token_slots: list[int]) -> list[tuple[int, torch.Tensor]]:
+    return [
+        (s, torch.tensor([t for t, x in enumerate(token_slots) if x == s], device=DEVICE))
+        for s in sorted(set(token_slots) - {-1})
+    ]
+
+
+@pytest.mark.parametrize(("tokens", "k", "n"), [(37, 100, 96), (5, 64, 192)])  # tails in K, N and the row tiles
+def test_the_grouped_kernels_are_the_per_token_definition(tokens: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=g)
+    a, b = torch.randn(4, 64, k, generator=g) * 0.1, torch.randn(4, n, 64, generator=g) * 0.1
+    token_slots = torch.randint(-1, 4, (tokens,), generator=g).tolist()
+    token_slots[: BLOCK_M + 2] = [2] * min(tokens, BLOCK_M + 2)  # a group of two tiles (when there are as many)
+    delta = torch.zeros(tokens, n, dtype=torch.float64)
+    groups = grouped(token_slots)
+    for rows, d in lora_delta(x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), groups):
+        delta[rows.cpu()] = d.cpu().double()
+    torch.testing.assert_close(delta, lora_delta_reference(x, a, b, token_slots), atol=1e-5, rtol=1e-5)
+    # A row's bits are the same in a group of one.
+    for slot, rows in groups:
+        (whole,) = [d for r, d in lora_delta(x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), [(slot, rows)])]
+        ((_, alone),) = lora_delta(x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), [(slot, rows[-1:])])
+        assert torch.equal(alone[0], whole[-1])
+
+
+def test_a_model_on_the_triton_backend_serves_an_adapter_as_transformers_plus_peft(tmp_path: Path) -> None:
+    from tests.lora_adapters import make_adapter, peft_model, tiny_llama
+    from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+    from tokenmill_service.kernels.triton import lora
+    from tokenmill_service.models.loader import load_model
+
+    hf = tiny_llama(tmp_path / "base", num_hidden_layers=1)  # one layer: the interpreter is slow
+    adapter = make_adapter(hf, tmp_path / "r8", 8, seed=10)
+    model = load_model(tmp_path / "base", backend="triton", device=DEVICE.type, max_loras=1, max_lora_rank=8)
+    assert all(slots.delta is lora.lora_delta for _, slots in model.lora.layers.values())
+    model.lora.load(0, "r8", str(adapter))
+    prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    n = len(prompt)
+    runner = ModelRunner(model, block_size=16, num_blocks=4)
+    _, (logits,) = runner.execute(StepPlan(prompt, [n], [0], [[0]], [n - 1], [(0, n)], adapter_slots=[0]))
+    with torch.inference_mode():
+        theirs = torch.log_softmax(peft_model(hf, adapter)(torch.tensor([prompt])).logits[0], -1)
+    torch.testing.assert_close(torch.log_softmax(logits.cpu(), -1), theirs, atol=1e-4, rtol=0)
