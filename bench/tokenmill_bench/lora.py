@@ -3,12 +3,13 @@
 The bench makes ``--adapters`` (8) LoRA adapters of rank ``--rank`` (16) for the served model (random A
 and B on every projection, q/k/v/o and gate/up/down, saved in PEFT's format: ``adapter_config.json`` +
 ``adapter_model.safetensors``), starts a server with ``--max-loras`` as many slots and the adapters as
-``--lora-modules``, and warms every adapter with one request. Then, at each ``--concurrency`` level (16
+``--lora-modules``, and warms every adapter with one request (then all of them in one step). Then, at each ``--concurrency`` level (16
 and 64 streams), it measures generated tokens per second twice in a closed loop of ``--rounds`` requests
 per stream of ``--prompt-tokens`` random ids and ``--output-tokens`` greedy tokens: once with every
 request on the base model, once with request i on adapter i mod ``--adapters``; the report gives the
 ratio (the target is at least 0.7). Last, the time to load one adapter through
-``POST /v1/load_lora_adapter`` (and unload it again), ``--load-trials`` (5) times: p50 and max.
+``POST /v1/load_lora_adapter`` (and unload it again), ``--load-trials`` (5) times: p50 and max, and the
+time to first token of the one-token request that then uses it (which writes it into a slot).
 
     tokenmill-bench lora --json bench/results-lora.json
     tokenmill-bench lora --model /models/Llama-3.2-1B-Instruct --concurrency 16,64
@@ -206,21 +207,28 @@ async def measure(args: argparse.Namespace, adapters: dict[str, Path]) -> dict[s
             warm = random_prompt_ids(16, seed=-1, vocab_size=info.vocab_size)
             for name in ["", *names]:  # every adapter in its slot before anything is timed
                 await run_request(client, -1, warm, 2, args.timeout, "warm", adapter=name)
+            # And one mixed step: every adapter and the base together.
+            await asyncio.gather(
+                *(run_request(client, -2, warm, 2, args.timeout, f"warm{n}", adapter=n) for n in ["", *names])
+            )
             for concurrency in sorted({int(c) for c in args.concurrency.split(",") if c.strip()}):
                 base = await _level(client, args, concurrency, [], info.vocab_size)
                 lora = await _level(client, args, concurrency, names, info.vocab_size)
                 levels.append({"concurrency": concurrency, "base": base, "lora": lora, "ratio": ratio(lora, base)})
-        samples = []
-        for trial in range(args.load_trials):
-            name = f"bench-load-{trial}"
-            began = time.perf_counter()
-            _post(
-                f"http://127.0.0.1:{server.http_port}/v1/load_lora_adapter",
-                {"lora_name": name, "lora_path": str(adapters[names[0]])},
-            )
-            samples.append(time.perf_counter() - began)
-            _post(f"http://127.0.0.1:{server.http_port}/v1/unload_lora_adapter", {"lora_name": name})
-    return {"levels": levels, "load": load_times(samples), "server_log": server.log_path}
+            samples, first_use = [], []
+            url = f"http://127.0.0.1:{server.http_port}/v1"
+            for trial in range(args.load_trials):
+                name = f"bench-load-{trial}"
+                began = time.perf_counter()
+                _post(f"{url}/load_lora_adapter", {"lora_name": name, "lora_path": str(adapters[names[0]])})
+                samples.append(time.perf_counter() - began)
+                # Its first request writes it into a slot (evicting the least recently used adapter).
+                first = await run_request(client, -3, warm, 1, args.timeout, f"first{trial}", adapter=name)
+                if first.error is None and first.ttft_s is not None:
+                    first_use.append(first.ttft_s)
+                _post(f"{url}/unload_lora_adapter", {"lora_name": name})
+    load = load_times(samples) | {"first_request_ttft": load_times(first_use)}
+    return {"levels": levels, "load": load, "server_log": server.log_path}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -234,6 +242,11 @@ def format_table(result: dict[str, Any]) -> str:
     load = result["load"]
     if load["trials"]:
         lines.append(f"adapter load (/v1/load_lora_adapter): p50 {load['p50_ms']:.1f} ms, max {load['max_ms']:.1f} ms")
+    first = load.get("first_request_ttft") or {}
+    if first.get("trials"):
+        lines.append(
+            f"its first request's TTFT (slot write): p50 {first['p50_ms']:.1f} ms, max {first['max_ms']:.1f} ms"
+        )
     return "\n".join(lines)
 
 
