@@ -133,6 +133,12 @@ def test_the_native_stack_adds_the_adapters_bit_for_bit_as_the_eager_layers(
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def test_compile_auto_with_adapters_runs_the_native_stack_and_says_why(base: tuple[Path, Any]) -> None:
+    plan = load_model(base[0], compile="auto", max_loras=1).plan
+    assert plan.executor.value == "native-stack"
+    assert plan.summary()["skipped.compile"] == "LoRA adapters (--max-loras) are not run inside compiled regions"
+
+
 def test_the_grouped_product_is_its_per_token_definition() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 128, generator=g)

@@ -158,9 +158,7 @@ class DecoderStack:
             if not self._stack.lora_width:
                 raise ValueError("this decoder stack has no LoRA adapter slots")
             lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
-            batch = _LoraBatch(
-                lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr()
-            )
+            batch = _LoraBatch(lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr())
         with self._lock:
             need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
             if self._workspace.numel() < need:
