@@ -83,6 +83,18 @@ def _expand_kernel(
     tl.store(out_ptr + pos[:, None] * stride_out + n[None, :], acc, mask=row_mask[:, None] & n_mask[None, :])
 
 
+# The last step's groups and what was made of them: every layer of a step gets the same groups list.
+_last: tuple[object, tuple[torch.Tensor, ...]] | None = None
+
+
+def _step_tables(groups: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The grouped rows and the tile table of ``groups``, made once per step (per groups list)."""
+    global _last
+    if _last is None or _last[0] is not groups:
+        _last = (groups, (torch.cat([r for _, r in groups]), *_tiles(groups, device)))
+    return _last[1]
+
+
 def _tiles(groups: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Each tile's (slot, start in the grouped order, rows): groups cut in tiles of BLOCK_M rows."""
     slots, starts, counts = [], [], []
@@ -105,11 +117,10 @@ def lora_delta(
     and ``b`` [slots, out, W] float32, contiguous."""
     if not groups:
         return []
-    rows = torch.cat([r for _, r in groups])
+    rows, tile_slot, tile_start, tile_count = _step_tables(groups, x.device)
     total, (k, w, n_out) = rows.shape[0], (x.shape[1], a.shape[1], b.shape[1])
     if x.stride(-1) != 1:
         x = x.contiguous()
-    tile_slot, tile_start, tile_count = _tiles(groups, x.device)
     mid = torch.empty(total, w, dtype=torch.float32, device=x.device)
     out = torch.empty(total, n_out, dtype=torch.float32, device=x.device)
     tiles = tile_slot.shape[0]
