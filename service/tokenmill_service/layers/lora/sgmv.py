@@ -9,6 +9,9 @@ one whose rows are independent of the row count: tokenmill's native float32 kern
 (kernels/cpu/block_gemm.cpp, each output summed in one fixed order), and elsewhere the dense
 method's sliced product (layers/quant/dense.py, with that method's caveat). Zero-padded ranks
 add exact zeros. ``lora_delta_reference`` is the plain per-token definition the tests hold it to.
+
+The native decoder stack runs these same products inside its one call (kernels/cpu/decoder_stack.cpp,
+the same bits), and under ``--backend triton`` the layers use kernels/triton/lora.py's ``lora_delta``.
 """
 
 from __future__ import annotations
