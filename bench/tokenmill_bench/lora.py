@@ -134,7 +134,7 @@ def ratio(lora: dict[str, Any], base: dict[str, Any]) -> float | None:
     """Adapters' tokens/s over the base model's (None when either is missing or a request failed)."""
     if lora["failed"] or base["failed"] or not lora["tokens_per_s"] or not base["tokens_per_s"]:
         return None
-    return round(lora["tokens_per_s"] / base["tokens_per_s"], 3)
+    return round(float(lora["tokens_per_s"]) / float(base["tokens_per_s"]), 3)
 
 
 def load_times(samples_s: Sequence[float]) -> dict[str, Any]:
