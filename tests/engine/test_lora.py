@@ -139,19 +139,22 @@ def test_compile_auto_with_adapters_runs_the_native_stack_and_says_why(base: tup
     assert plan.summary()["skipped.compile"] == "LoRA adapters (--max-loras) are not run inside compiled regions"
 
 
-def test_the_grouped_product_is_its_per_token_definition() -> None:
+@pytest.mark.parametrize("parts", [None, [(0, 64), (64, 32)]])  # one block of A, or two (a packed layer's)
+def test_the_grouped_product_is_its_per_token_definition(parts: list[tuple[int, int]] | None) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 128, generator=g)
-    a, b = torch.randn(4, 64, 128, generator=g) * 0.1, torch.randn(4, 96, 64, generator=g) * 0.1
+    rank = 64 if parts is None else 32
+    a, b = torch.randn(4, 64, 128, generator=g) * 0.1, torch.randn(4, 96, rank, generator=g) * 0.1
     token_slots = torch.randint(-1, 4, (37,), generator=g).tolist()
     groups = [(s, torch.tensor([t for t, x in enumerate(token_slots) if x == s])) for s in range(4) if s in token_slots]
     delta = torch.zeros(37, 96)
-    for rows, d in lora_delta(x, a, b, groups):
+    for rows, d in lora_delta(x, a, b, groups, parts):
         delta[rows] = d
-    torch.testing.assert_close(delta.double(), lora_delta_reference(x, a, b, token_slots), atol=1e-5, rtol=1e-5)
+    expected = lora_delta_reference(x, a, b, token_slots, parts)
+    torch.testing.assert_close(delta.double(), expected, atol=1e-5, rtol=1e-5)
     # A row's bits are the same in a group of one.
-    for rows, d in lora_delta(x, a, b, groups):
-        (alone,) = lora_delta(x, a, b, [(token_slots[int(rows[0])], rows[:1])])
+    for rows, d in lora_delta(x, a, b, groups, parts):
+        (alone,) = lora_delta(x, a, b, [(token_slots[int(rows[0])], rows[:1])], parts)
         assert torch.equal(alone[1][0], d[0])
 
 
@@ -227,7 +230,7 @@ def test_a_gguf_lora_file_gives_the_peft_adapters_logits(model: Any, adapters: d
 
 
 def _delta(layer: Any, lora: Any, x: torch.Tensor) -> torch.Tensor:
-    ((_, delta),) = lora_delta(x, lora.a, lora.b, [(0, torch.arange(x.shape[0]))])
+    ((_, delta),) = lora_delta(x, lora.a, lora.b, [(0, torch.arange(x.shape[0]))], lora.parts)
     return delta
 
 

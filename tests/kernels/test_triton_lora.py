@@ -20,22 +20,29 @@ def grouped(token_slots: list[int]) -> list[tuple[int, torch.Tensor]]:
     ]
 
 
-@pytest.mark.parametrize(("tokens", "k", "n"), [(37, 100, 96), (5, 64, 192)])  # tails in K, N and the row tiles
-def test_the_grouped_kernels_are_the_per_token_definition(tokens: int, k: int, n: int) -> None:
+# Tails in K, N and the row tiles; (5, 64, 192) as a packed layer: three blocks of A, each its rows of B.
+@pytest.mark.parametrize(
+    ("tokens", "k", "n", "parts"), [(37, 100, 96, None), (5, 64, 192, [(0, 64), (64, 100), (164, 28)])]
+)
+def test_the_grouped_kernels_are_the_per_token_definition(
+    tokens: int, k: int, n: int, parts: list[tuple[int, int]] | None
+) -> None:
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, k, generator=g)
-    a, b = torch.randn(4, 64, k, generator=g) * 0.1, torch.randn(4, n, 64, generator=g) * 0.1
+    rank = 96 // len(parts or [0])
+    a, b = torch.randn(4, 96, k, generator=g) * 0.1, torch.randn(4, n, rank, generator=g) * 0.1
     token_slots = torch.randint(-1, 4, (tokens,), generator=g).tolist()
     token_slots[: BLOCK_M + 2] = [2] * min(tokens, BLOCK_M + 2)  # a group of two tiles (when there are as many)
     delta = torch.zeros(tokens, n, dtype=torch.float64)
     groups = grouped(token_slots)
-    for rows, d in lora_delta(x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), groups):
+    on = (x.to(DEVICE), a.to(DEVICE), b.to(DEVICE))
+    for rows, d in lora_delta(*on, groups, parts):
         delta[rows.cpu()] = d.cpu().double()
-    torch.testing.assert_close(delta, lora_delta_reference(x, a, b, token_slots), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(delta, lora_delta_reference(x, a, b, token_slots, parts), atol=1e-5, rtol=1e-5)
     # A row's bits are the same in a group of one.
     for slot, rows in groups:
-        (whole,) = [d for r, d in lora_delta(x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), [(slot, rows)])]
-        ((_, alone),) = lora_delta(x.to(DEVICE), a.to(DEVICE), b.to(DEVICE), [(slot, rows[-1:])])
+        ((_, whole),) = lora_delta(*on, [(slot, rows)], parts)
+        ((_, alone),) = lora_delta(*on, [(slot, rows[-1:])], parts)
         assert torch.equal(alone[0], whole[-1])
 
 

@@ -33,7 +33,9 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         for name, lin in linears.items():
             if lin.quant.native_kernel is None or lin.bias is not None:
                 raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
-            lora = (lin.lora.a, lin.lora.b) if lin.lora is not None else None
+            lora = None
+            if lin.lora is not None:
+                lora = (lin.lora.a, lin.lora.b, torch.tensor(lin.lora.parts, dtype=torch.int64).reshape(-1, 2))
             spec[name] = decoder_stack.LinearSpec(
                 lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features, lora
             )

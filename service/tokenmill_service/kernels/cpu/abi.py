@@ -161,8 +161,9 @@ FUNCTION_POINTERS = {
 # The decoder stack's structs, in declaration order: (C type, field name) each.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     # One bias-free linear layer: its product kernel and the weights it reads ([out_features, in_features]),
-    # and its LoRA adapter slots (layers/lora/slots.py; null: none): float32 A [slots, lora_width, in_features]
-    # and B [slots, out_features, lora_width], the scale folded into B.
+    # and its LoRA adapter slots (layers/lora/slots.py; null: none): float32 A [slots, parts * lora_rank,
+    # in_features] and B [slots, out_features, lora_rank], the scale folded into B; part p's output rows
+    # (lora_part_rows[2p] on, lora_part_rows[2p + 1] of them) are the product of A's block p.
     "TmLinear": (
         ("TmGemm", "gemm"),
         ("const uint8_t*", "weights"),
@@ -170,7 +171,9 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("int64_t", "out_features"),
         ("const float*", "lora_a"),
         ("const float*", "lora_b"),
-        ("int64_t", "lora_width"),
+        ("int64_t", "lora_rank"),
+        ("int64_t", "lora_parts"),
+        ("const int64_t*", "lora_part_rows"),
     ),
     "TmLayer": (
         ("const float*", "input_norm"),  # [hidden]
@@ -195,9 +198,9 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("TmStoreValues", "store_values"),
         ("TmAttention", "attention"),
         # The LoRA products (block_gemm's float32 rows; null when no layer has adapter slots) and the
-        # widest layer's lora_width.
+        # largest lora_rank.
         ("TmGemm", "lora_gemm"),
-        ("int64_t", "lora_width"),
+        ("int64_t", "lora_rank"),
     ),
     # A step's tokens by LoRA adapter slot: group g is slot slots[g], its token rows
     # rows[offsets[g] .. offsets[g + 1]).

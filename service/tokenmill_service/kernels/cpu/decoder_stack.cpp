@@ -5,9 +5,10 @@
 // Python-level calls and tensor allocations per layer, which at one decoding sequence cost more
 // than the layer's arithmetic.
 // LoRA adapters ride along as the eager layers add them (layers/lora/slots.py, sgmv.py): after a
-// layer's product, each adapter slot's tokens are gathered, shrunk by A and expanded by B with
-// block_gemm's float32 kernel (each row's bits independent of the rows beside it), and the delta is
-// added to the product's rows: the same kernel on the same rows, so the same bits as the eager path.
+// layer's product, each adapter slot's tokens are gathered, shrunk by each projection's block of A and
+// expanded by that projection's rows of B with block_gemm's float32 kernel (each row's bits
+// independent of the rows beside it), and the delta is added to the product's rows: the same kernel
+// on the same rows, so the same bits as the eager path.
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -21,29 +22,32 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
 static int64_t lora_scratch(const TmStack* s, int64_t t) {
   if (!s->lora_gemm) return 0;
   const int64_t q = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
-  return t * (max3(s->hidden, q, s->intermediate) + s->lora_width + max3(q + 2 * kv, s->hidden, 2 * s->intermediate));
+  return t * (max3(s->hidden, q, s->intermediate) + s->lora_rank + max3(q + 2 * kv, s->hidden, 2 * s->intermediate));
 }
 
 // y [t, L.out_features] += each adapter token's delta (x [t, in] through its slot's A and B).
 static int add_lora(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora, const float* x, int64_t in,
                     float* y, float* scratch, int threads) {
   if (!lora || !L.lora_a) return 0;
-  const int64_t W = L.lora_width, out = L.out_features;
+  const int64_t R = L.lora_rank, P = L.lora_parts, out = L.out_features;
   for (int64_t g = 0; g < lora->groups; ++g) {
     const int64_t* rows = lora->rows + lora->offsets[g];
     const int64_t n = lora->offsets[g + 1] - lora->offsets[g], slot = lora->slots[g];
     float* xs = scratch;
     float* mid = xs + n * in;
-    float* delta = mid + n * W;
+    float* delta = mid + n * R;
     for (int64_t i = 0; i < n; ++i) memcpy(xs + i * in, x + rows[i] * in, in * sizeof(float));
-    const uint8_t* a = (const uint8_t*)(L.lora_a + slot * W * in);
-    const uint8_t* b = (const uint8_t*)(L.lora_b + slot * out * W);
-    if (s->lora_gemm(0, xs, n, in, a, W, mid, threads)) return 1;  // format 0: float32 rows
-    if (s->lora_gemm(0, mid, n, W, b, out, delta, threads)) return 1;
-    for (int64_t i = 0; i < n; ++i) {
-      float* row = y + rows[i] * out;
-      const float* d = delta + i * out;
-      for (int64_t j = 0; j < out; ++j) row[j] += d[j];
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t start = L.lora_part_rows[2 * p], count = L.lora_part_rows[2 * p + 1];
+      const uint8_t* a = (const uint8_t*)(L.lora_a + (slot * P + p) * R * in);
+      const uint8_t* b = (const uint8_t*)(L.lora_b + (slot * out + start) * R);
+      if (s->lora_gemm(0, xs, n, in, a, R, mid, threads)) return 1;  // format 0: float32 rows
+      if (s->lora_gemm(0, mid, n, R, b, count, delta, threads)) return 1;
+      for (int64_t i = 0; i < n; ++i) {
+        float* row = y + rows[i] * out + start;
+        const float* d = delta + i * count;
+        for (int64_t j = 0; j < count; ++j) row[j] += d[j];
+      }
     }
   }
   return 0;

@@ -46,8 +46,9 @@ class LinearSpec:
     weights: torch.Tensor
     fmt: int
     out_features: int
-    # LoRA adapter slots: float32 A [slots, width, in] and B [slots, out_features, width] (None: none).
-    lora: tuple[torch.Tensor, torch.Tensor] | None = None
+    # LoRA adapter slots (None: none): float32 A [slots, parts * rank, in], B [slots, out_features, rank] and
+    # int64 [parts, 2]: each part's output rows (start, count), the product of its block of A.
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +99,19 @@ class DecoderStack:
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 tensors.append(lin.weights)
                 if lin.lora is not None:
-                    a, b = lin.lora
-                    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape[1] != b.shape[2]:
-                        raise ValueError("a layer's LoRA slots are float32 A [slots, width, in], B [slots, out, width]")
-                    tensors += [a, b]
-                    widths.append(a.shape[1])
+                    a, b, parts = lin.lora
+                    if (
+                        a.dtype != torch.float32
+                        or b.dtype != torch.float32
+                        or parts.dtype != torch.int64
+                        or a.shape[1] != parts.shape[0] * b.shape[2]
+                    ):
+                        raise ValueError(
+                            "a layer's LoRA slots are float32 A [slots, parts * rank, in], B [slots, out, rank] "
+                            "and int64 part rows [parts, 2]"
+                        )
+                    tensors += [a, b, parts]
+                    widths.append(b.shape[2])
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
@@ -114,11 +123,12 @@ class DecoderStack:
         self.spec = spec  # keeps every tensor the native side points into alive
 
         def linear(lin: LinearSpec) -> _Linear:
-            a, b = lin.lora if lin.lora is not None else (None, None)
+            if lin.lora is None:
+                return _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
+            a, b, parts = lin.lora
             return _Linear(
                 build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features,
-                a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None,
-                a.shape[1] if a is not None else 0,
+                a.data_ptr(), b.data_ptr(), b.shape[2], parts.shape[0], parts.data_ptr(),
             )  # fmt: skip
 
         self._layers = (_Layer * len(spec.layers))(
@@ -155,7 +165,7 @@ class DecoderStack:
         out = torch.empty(t, hidden, device=x.device)
         batch = None
         if lora is not None and lora.slots.numel():
-            if not self._stack.lora_width:
+            if not self._stack.lora_rank:
                 raise ValueError("this decoder stack has no LoRA adapter slots")
             lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
             batch = _LoraBatch(lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr())

@@ -2,8 +2,9 @@
 ``lora_delta`` with the signature of layers/lora/sgmv.py's, which the layers use under ``--backend triton``.
 
 The step's tokens are taken group by group (one adapter slot each) in tiles of ``BLOCK_M`` rows, so a
-tile reads its adapter's A and B once for all its rows. ``shrink``: mid = x[rows] @ A[slot].T into
-[tokens, W]; ``expand``: delta = mid @ B[slot].T into [tokens, out]. Both accumulate float32 and multiply
+tile reads its adapter's A and B once for all its rows. For each projection of the layer (q, k, v of a
+packed layer), ``shrink``: mid = x[rows] @ A_p[slot].T into [tokens, R]; ``expand``: its rows of the delta,
+mid @ B_p[slot].T into [tokens, its outputs]. Both accumulate float32 and multiply
 at full float32 precision (``input_precision="ieee"``: no TF32 rounding on a GPU).
 
 Batch invariance: a row's delta is a function of that row alone. Every tile has the same shape whatever
@@ -111,28 +112,35 @@ def _tiles(groups: list[tuple[int, torch.Tensor]], device: torch.device) -> tupl
 
 
 def lora_delta(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor]],
+    parts: list[tuple[int, int]] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]); ``a`` [slots, W, K]
-    and ``b`` [slots, out, W] float32, contiguous."""
+    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]); ``a`` [slots, P * R, K]
+    and ``b`` [slots, out, R] float32, contiguous; ``parts``: the output rows (start, count) of each of the P
+    blocks of A (None: one block, every row)."""
     if not groups:
         return []
     rows, tile_slot, tile_start, tile_count = _step_tables(groups, x.device)
-    total, (k, w, n_out) = rows.shape[0], (x.shape[1], a.shape[1], b.shape[1])
+    total, k, rank, n_out = rows.shape[0], x.shape[1], b.shape[2], b.shape[1]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    mid = torch.empty(total, w, dtype=torch.float32, device=x.device)
+    mid = torch.empty(total, rank, dtype=torch.float32, device=x.device)
     out = torch.empty(total, n_out, dtype=torch.float32, device=x.device)
     tiles = tile_slot.shape[0]
     block_w = 32
-    _shrink_kernel[(tiles, triton.cdiv(w, block_w))](
-        x, a, mid, rows, tile_slot, tile_start, tile_count, k, w, x.stride(0), a.stride(0), a.stride(1),
-        mid.stride(0), BLOCK_M=BLOCK_M, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
-    _expand_kernel[(tiles, triton.cdiv(n_out, BLOCK_N))](
-        mid, b, out, tile_slot, tile_start, tile_count, n_out, w, mid.stride(0), b.stride(0), b.stride(1),
-        out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_W=block_w,
-    )  # fmt: skip
+    for i, (start, count) in enumerate(parts or [(0, n_out)]):
+        a_part, b_part, out_part = a[:, i * rank : (i + 1) * rank], b[:, start : start + count], out[:, start:]
+        _shrink_kernel[(tiles, triton.cdiv(rank, block_w))](
+            x, a_part, mid, rows, tile_slot, tile_start, tile_count, k, rank, x.stride(0), a_part.stride(0),
+            a_part.stride(1), mid.stride(0), BLOCK_M=BLOCK_M, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
+        _expand_kernel[(tiles, triton.cdiv(count, BLOCK_N))](
+            mid, b_part, out_part, tile_slot, tile_start, tile_count, count, rank, mid.stride(0), b_part.stride(0),
+            b_part.stride(1), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_W=block_w,
+        )  # fmt: skip
     pieces, offset = [], 0
     for _, r in groups:
         pieces.append((r, out[offset : offset + r.shape[0]]))

@@ -26,9 +26,10 @@ from tokenmill_service.layers.lora.adapter import BaseDims, LoRAAdapter, read_ad
 from tokenmill_service.layers.lora.sgmv import lora_delta
 
 RANK_ALIGN = 32  # ranks are padded to whole blocks of the native float32 kernel
-# lora_delta(x, a, b, groups) -> [(rows, delta)]: layers/lora/sgmv.py's or kernels/triton/lora.py's.
+# lora_delta(x, a, b, groups, parts) -> [(rows, delta)]: layers/lora/sgmv.py's or kernels/triton/lora.py's.
 DeltaFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]
+    [torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]], list[tuple[int, int]]],
+    list[tuple[torch.Tensor, torch.Tensor]],
 ]
 
 
@@ -47,8 +48,10 @@ class LoRABatch:
 
 
 class LoRALayer:
-    """One linear layer's adapter slots: ``a`` [slots, P * R, in], ``b`` [slots, out, P * R] for its
-    P projections (3 for q/k/v, 2 for gate/up, else 1), ranks padded to R."""
+    """One linear layer's adapter slots: ``a`` [slots, P * R, in] for its P projections (3 for q/k/v, 2 for
+    gate/up, else 1), ranks padded to R, and ``b`` [slots, out, R]: each output row's B against its own
+    projection's block of A (``parts``: each projection's output rows, as (local start, count)), so no
+    zeros of a block-diagonal B are stored, read or multiplied."""
 
     def __init__(
         self,
@@ -66,7 +69,10 @@ class LoRALayer:
         width = len(projections) * rank
         # Plain tensors, not buffers: the model's state (and its checkpoint loading) stays the base's.
         self.a = torch.zeros(slots, width, layer.in_features)
-        self.b = torch.zeros(slots, layer.out_features, width)
+        self.b = torch.zeros(slots, layer.out_features, rank)
+        pieces = [layer._pieces(shard) for _, shard in projections]
+        assert all(len(p) == 1 for p in pieces), "a projection's rows are one range of the layer's"
+        self.parts = [(local, count) for ((_, count, local),) in pieces]
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -91,11 +97,11 @@ class LoRALayer:
             cols = slice(i * self.rank, i * self.rank + r)
             self.a[slot, cols] = layer._columns(a)
             for start, count, local in layer._pieces(shard):
-                self.b[slot, local : local + count, cols] = b[start : start + count] * adapter.scale
+                self.b[slot, local : local + count, :r] = b[start : start + count] * adapter.scale
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base's product of ``x``) with each adapter token's delta added."""
-        for rows, delta in self.delta(x, self.a, self.b, self.batch.groups):
+        for rows, delta in self.delta(x, self.a, self.b, self.batch.groups, self.parts):
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y
 
