@@ -32,7 +32,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    for name in ("decoder_stack", "elementwise", "paged_attention", "block_gemm"):
+    for name in ("decoder_stack", "elementwise", "paged_attention"):
         if (reason := build.unavailable_reason(name)) is not None:
             return reason
     return None
@@ -93,7 +93,7 @@ class DecoderStack:
         if not spec.layers:
             raise ValueError("a decoder stack needs at least one layer")
         tensors = [spec.cos, spec.sin, spec.final_norm]
-        widths = [0]
+        ranks = [0]  # of the layers' LoRA slots
         for layer in spec.layers:
             tensors += [layer.input_norm, layer.post_norm]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -111,7 +111,7 @@ class DecoderStack:
                             "and int64 part rows [parts, 2]"
                         )
                     tensors += [a, b, parts]
-                    widths.append(b.shape[2])
+                    ranks.append(b.shape[2])
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
@@ -146,7 +146,7 @@ class DecoderStack:
             build.address("elementwise", "tm_silu_and_mul"),
             *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
               for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
-            build.address("block_gemm", "tm_block_gemm") if max(widths) else None, max(widths),
+            build.address("block_gemm", "tm_block_gemm") if max(ranks) else None, max(ranks),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
