@@ -128,6 +128,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             ),
         )
     ),
+    "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "decoder_stack": (
         "int64_t tm_stack_workspace(const TmStack* s, int64_t t)",
         (
