@@ -25,7 +25,7 @@ from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 pytestmark = pytest.mark.skipif(
     block_gemm.unavailable_reason() is not None, reason=f"native kernel unavailable: {block_gemm.unavailable_reason()}"
 )
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_1, QType.Q8_0]
 METHODS = [
     "gguf",
     pytest.param(
@@ -81,9 +81,11 @@ def test_the_product_is_the_float32_product_with_ggufs_dequantized_weight(
         want = (_as_multiplied(x, method) @ weight.double().t()).float()
         # ...with float32 sums (and scales): only their order and rounding differ from float64's.
         torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
-    # Packed or not, a row takes as many bytes as in the file (VNNI: in groups of 16 rows).
+    # Packed or not, a row takes as many bytes as in the file (VNNI: in groups of 16 rows), but VNNI's
+    # Q5_1, a byte a weight (36 bytes a block of 32, not 24).
     rows = out if method == "gguf" else -(-out // 16) * 16
-    assert layer.quant.weight_bytes(layer) == rows * blocks.data[0].numel()
+    row_bytes = inp // 32 * 36 if (method, qtype) == ("gguf-vnni", QType.Q5_1) else blocks.data[0].numel()
+    assert layer.quant.weight_bytes(layer) == rows * row_bytes
 
 
 def test_vnni_activations_are_16_bit_fixed_point_per_block_of_32() -> None:
@@ -180,7 +182,7 @@ def test_bfloat16_activations_are_multiplied_as_float32_and_returned_in_bfloat16
 def test_tensors_it_cannot_serve_as_stored_are_refused_clearly(method: str) -> None:
     layer = ReplicatedLinear(64, 32, False, quant_method_class(method)(torch.float32))
     with pytest.raises(
-        ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q8_0 tensors as stored, not a torch.float32 tensor"
+        ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 tensors as stored, not a torch.float32 tensor"
     ):
         layer.load_weight(torch.randn(32, 64))
     mixed = QKVParallelLinear(64, 16, 2, 1, False, quant_method_class(method)(torch.float32), TensorParallel())

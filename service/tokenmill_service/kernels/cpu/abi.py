@@ -39,7 +39,9 @@ BLOCK_FORMATS = (
     BlockFormat("Q4_0", 2, QUANT_BLOCK, 18, kernel="blocks"),  # float16 scale, 16 bytes of 4-bit weights
     BlockFormat("Q4_1", 3, QUANT_BLOCK, 20, kernel="blocks"),  # float16 scale and minimum, 16 bytes of 4-bit weights
     BlockFormat("Q5_0", 6, QUANT_BLOCK, 22),  # float16 scale, 32 high bits, 16 bytes of low nibbles
-    BlockFormat("Q5_1", 7, QUANT_BLOCK, 24),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
+    BlockFormat(
+        "Q5_1", 7, QUANT_BLOCK, 24, kernel="blocks"
+    ),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
     BlockFormat("Q8_0", 8, QUANT_BLOCK, 34, kernel="blocks"),  # float16 scale, 32 int8 weights
     BlockFormat(
         "Q2_K", 10, SUPER_BLOCK, 84, kernel="kquant"

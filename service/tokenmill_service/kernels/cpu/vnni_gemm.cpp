@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q8_0), with integer
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_1, Q8_0), with integer
 // products (AVX-512 VNNI: vpdpbusd multiplies 64 bytes by 64 bytes and adds them in fours into
 // 16 int32 lanes). 2.1 to 2.7 times the float32 kernel's rate (block_gemm.cpp).
 //
@@ -19,11 +19,13 @@
 //   4-bit formats: 4 x 64 bytes; byte i of part s holds, for row i / 4 and weight i % 4, step 2s's
 //                  weight in its low nibble and step 2s+1's in its high nibble (step j: weights
 //                  4j..4j+3 of the block);
-//   Q8_0:          8 x 64 bytes, step j's weights as unsigned bytes (q + 128);
-//   then the 16 rows' scales d as float16, and for Q4_1 their 16 minimums m.
+//   Q8_0, Q5_1:    8 x 64 bytes, step j's weights as unsigned bytes (Q8_0: q + 128; Q5_1: its 5-bit q,
+//                  whose fifth bit would cost more to unpack in the loop than the byte it saves);
+//   then the 16 rows' scales d as float16, and for Q4_1 and Q5_1 their 16 minimums m.
 // Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q8_0's -128d (both exact
 // in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
-// dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in the file.
+// dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in
+// the file, but Q5_1 (36 bytes a block for the file's 24).
 
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver, shared with kquant_gemm.cpp
@@ -46,27 +48,37 @@ using vnni::quantize_row;
 constexpr int MT = VNNI_MT;  // activation rows per register tile
 constexpr int NG = VNNI_NG;  // groups per register tile
 
-enum Format : int { Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q8_0 = TM_FORMAT_Q8_0 };
+enum Format : int { Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q5_1 = TM_FORMAT_Q5_1, Q8_0 = TM_FORMAT_Q8_0 };
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
     case Q4_0: return TM_BLOCK_BYTES_Q4_0;
     case Q4_1: return TM_BLOCK_BYTES_Q4_1;
+    case Q5_1: return TM_BLOCK_BYTES_Q5_1;
     case Q8_0: return TM_BLOCK_BYTES_Q8_0;
     default: return 0;
   }
 }
 
-constexpr int64_t quant_bytes(int fmt) { return fmt == Q8_0 ? 512 : 256; }
-constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (fmt == Q4_1 ? 2 : 1) * G * 2; }
+constexpr bool byte_weights(int fmt) { return fmt == Q8_0 || fmt == Q5_1; }  // else nibbles
+constexpr bool stored_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
+constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : 256; }
+constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (stored_min(fmt) ? 2 : 1) * G * 2; }
 // What m is in units of d, for the formats whose m follows from d.
 constexpr float implied_min(int fmt) { return fmt == Q8_0 ? -128.0f : -8.0f; }
 
-// One source block's 32 weights as unsigned q, its d and (Q4_1) m, as float16 bits.
+// One source block's 32 weights as unsigned q, its d and (Q4_1, Q5_1) m, as float16 bits.
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16_t& m) {
   d = half_bits(b);
-  m = fmt == Q4_1 ? half_bits(b + 2) : 0;
-  if (fmt == Q8_0) {
+  m = stored_min(fmt) ? half_bits(b + 2) : 0;
+  if (fmt == Q5_1) {  // d | m | qh u32 (bit j: weight j's fifth bit) | qs[16] (weights j and j + 16)
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (uint8_t)((b[8 + j] & 0x0F) | ((qh >> j) & 1) << 4);
+      q[j + 16] = (uint8_t)((b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+  } else if (fmt == Q8_0) {
     for (int j = 0; j < QK; ++j) q[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
   } else {
     const uint8_t* qs = b + (fmt == Q4_1 ? 4 : 2);
@@ -79,7 +91,7 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16
 
 // Packs rows [n] x [k / 32 blocks] of source blocks into groups of 16 (rows past n are zero).
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
-  const bool wide = fmt == Q8_0;
+  const bool wide = byte_weights(fmt);
   const int64_t blocks = k / QK, sbytes = source_block_bytes(fmt), gbb = group_block_bytes(fmt);
   const int64_t groups = (n + G - 1) / G;
   memset(out, 0, groups * blocks * gbb);
@@ -99,7 +111,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
         }
       }
       memcpy(dst + quant_bytes(fmt) + row * 2, &d, 2);
-      if (fmt == Q4_1) memcpy(dst + quant_bytes(fmt) + G * 2 + row * 2, &m, 2);
+      if (stored_min(fmt)) memcpy(dst + quant_bytes(fmt) + G * 2 + row * 2, &m, 2);
     }
   }
   return 0;
@@ -123,7 +135,7 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
       __m512i w0[NGT], w1[NGT];
       for (int g = 0; g < NGT; ++g) {
         const uint8_t* p = wb + g * gstride;
-        if constexpr (F == Q8_0) {
+        if constexpr (byte_weights(F)) {
           w0[g] = _mm512_loadu_si512(p + (2 * s) * 64);
           w1[g] = _mm512_loadu_si512(p + (2 * s + 1) * 64);
         } else {
@@ -147,8 +159,8 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
     for (int g = 0; g < NGT; ++g) {
       const uint8_t* sc = wb + g * gstride + quant_bytes(F);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
-      const __m512 m = F == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 2 * G)))
-                                 : _mm512_mul_ps(d, _mm512_set1_ps(implied_min(F)));
+      const __m512 m = stored_min(F) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 2 * G)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(implied_min(F)));
       for (int i = 0; i < M; ++i) {
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * blocks + b]));
         const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
@@ -222,6 +234,7 @@ int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w
   switch (fmt) {
     case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); break;
     case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); break;
+    case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); break;
     default: gemm<Q8_0>(x, m, k, w, n, y, threads); break;
   }
   return 0;
@@ -237,10 +250,11 @@ int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* o
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* src = w + (g * blocks + b) * gbb;
       const float d = _cvtsh_ss(half_bits(src + quant_bytes(fmt) + row * 2));
-      const float m = fmt == Q4_1 ? _cvtsh_ss(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
+      const float m =
+          stored_min(fmt) ? _cvtsh_ss(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, i = (int)row * 4 + j % 4;
-        const int q = fmt == Q8_0 ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        const int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
         out[r * k + b * QK + j] = d * (float)q + m;
       }
     }
