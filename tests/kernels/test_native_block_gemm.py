@@ -81,11 +81,9 @@ def test_the_product_is_the_float32_product_with_ggufs_dequantized_weight(
         want = (_as_multiplied(x, method) @ weight.double().t()).float()
         # ...with float32 sums (and scales): only their order and rounding differ from float64's.
         torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
-    # Packed or not, a row takes as many bytes as in the file (VNNI: in groups of 16 rows), but VNNI's
-    # Q5_1, a byte a weight (36 bytes a block of 32, not 24).
+    # Packed or not, a row takes as many bytes as in the file (VNNI: in groups of 16 rows).
     rows = out if method == "gguf" else -(-out // 16) * 16
-    row_bytes = inp // 32 * 36 if (method, qtype) == ("gguf-vnni", QType.Q5_1) else blocks.data[0].numel()
-    assert layer.quant.weight_bytes(layer) == rows * row_bytes
+    assert layer.quant.weight_bytes(layer) == rows * blocks.data[0].numel()
 
 
 def test_vnni_activations_are_16_bit_fixed_point_per_block_of_32() -> None:

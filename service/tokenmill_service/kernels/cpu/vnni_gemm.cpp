@@ -19,13 +19,14 @@
 //   4-bit formats: 4 x 64 bytes; byte i of part s holds, for row i / 4 and weight i % 4, step 2s's
 //                  weight in its low nibble and step 2s+1's in its high nibble (step j: weights
 //                  4j..4j+3 of the block);
-//   Q8_0, Q5_1:    8 x 64 bytes, step j's weights as unsigned bytes (Q8_0: q + 128; Q5_1: its 5-bit q,
-//                  whose fifth bit would cost more to unpack in the loop than the byte it saves);
+//   Q5_1:          its low four bits as Q4_0's, then its fifth bits in one 64-byte plane laid out as
+//                  the nibbles are (byte i: bit j for step j), unpacked by a shift and a ternary
+//                  select, as kquant_gemm.cpp reads Q5_K's;
+//   Q8_0:          8 x 64 bytes, step j's weights as unsigned bytes (q + 128);
 //   then the 16 rows' scales d as float16, and for Q4_1 and Q5_1 their 16 minimums m.
 // Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q8_0's -128d (both exact
 // in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
-// dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in
-// the file, but Q5_1 (36 bytes a block for the file's 24).
+// dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in the file.
 
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver, shared with kquant_gemm.cpp
@@ -60,9 +61,9 @@ int64_t source_block_bytes(int fmt) {
   }
 }
 
-constexpr bool byte_weights(int fmt) { return fmt == Q8_0 || fmt == Q5_1; }  // else nibbles
+constexpr bool byte_weights(int fmt) { return fmt == Q8_0; }  // else nibbles (and Q5_1's plane of fifth bits)
 constexpr bool stored_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
-constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : 256; }
+constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : fmt == Q5_1 ? 256 + 64 : 256; }
 constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (stored_min(fmt) ? 2 : 1) * G * 2; }
 // What m is in units of d, for the formats whose m follows from d.
 constexpr float implied_min(int fmt) { return fmt == Q8_0 ? -128.0f : -8.0f; }
@@ -107,7 +108,8 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
         if (wide) {
           dst[step * 64 + i] = q[j];
         } else {
-          dst[(step / 2) * 64 + i] |= (uint8_t)(q[j] << (step % 2 ? 4 : 0));
+          dst[(step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
+          if (fmt == Q5_1) dst[256 + i] |= (uint8_t)((q[j] >> 4) << step);
         }
       }
       memcpy(dst + quant_bytes(fmt) + row * 2, &d, 2);
@@ -115,6 +117,13 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
     }
   }
   return 0;
+}
+
+// Step t's nibbles w with their fifth bits (bit t of each byte of plane) set above them: a 16-bit shift
+// brings bit t to bit 4 within every byte, and 0xF8 selects w | (shifted & 0x10).
+inline __m512i with_fifth_bit(__m512i w, __m512i plane, int t) {
+  const __m512i at4 = t < 4 ? _mm512_slli_epi16(plane, 4 - t) : t > 4 ? _mm512_srli_epi16(plane, t - 4) : plane;
+  return _mm512_ternarylogic_epi32(w, at4, _mm512_set1_epi8(0x10), 0xF8);
 }
 
 // y[i, 16g + l] for M activation rows (a: stride k) and NGT groups starting at w.
@@ -142,6 +151,11 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
           const __m512i v = _mm512_loadu_si512(p + s * 64);
           w0[g] = _mm512_and_si512(v, nibble);
           w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (F == Q5_1) {
+            const __m512i plane = _mm512_loadu_si512(p + 256);
+            w0[g] = with_fifth_bit(w0[g], plane, 2 * s);
+            w1[g] = with_fifth_bit(w1[g], plane, 2 * s + 1);
+          }
         }
       }
       for (int i = 0; i < M; ++i) {
@@ -254,7 +268,8 @@ int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* o
           stored_min(fmt) ? _cvtsh_ss(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, i = (int)row * 4 + j % 4;
-        const int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        if (fmt == Q5_1) q |= ((src[256 + i] >> step) & 1) << 4;
         out[r * k + b * QK + j] = d * (float)q + m;
       }
     }
