@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
+from tests.engine.test_gguf_loader import random_blocks
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
 from tokenmill_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
@@ -25,7 +26,7 @@ from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 pytestmark = pytest.mark.skipif(
     block_gemm.unavailable_reason() is not None, reason=f"native kernel unavailable: {block_gemm.unavailable_reason()}"
 )
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_1, QType.Q8_0]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
 METHODS = [
     "gguf",
     pytest.param(
@@ -38,7 +39,12 @@ METHODS = [
 
 
 def _blocks(weight: torch.Tensor, qtype: QType) -> GGUFBlocks:
-    raw = quants.quantize(weight.numpy(), qtype)
+    if qtype == QType.IQ4_NL:  # gguf cannot quantize to it: random valid blocks of about the weight's size
+        rng = np.random.default_rng(weight.shape[0] * weight.shape[1])
+        scale = weight.abs().max().item() / 127
+        raw = random_blocks(qtype, weight.shape[0], weight.shape[1], rng, scale)
+    else:
+        raw = quants.quantize(weight.numpy(), qtype)
     return GGUFBlocks.from_raw(raw, qtype, (weight.shape[0], weight.shape[1]))
 
 

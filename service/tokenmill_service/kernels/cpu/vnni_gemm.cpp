@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_1, Q8_0), with integer
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), with integer
 // products (AVX-512 VNNI: vpdpbusd multiplies 64 bytes by 64 bytes and adds them in fours into
 // 16 int32 lanes). 2.1 to 2.7 times the float32 kernel's rate (block_gemm.cpp).
 //
@@ -19,13 +19,15 @@
 //   4-bit formats: 4 x 64 bytes; byte i of part s holds, for row i / 4 and weight i % 4, step 2s's
 //                  weight in its low nibble and step 2s+1's in its high nibble (step j: weights
 //                  4j..4j+3 of the block);
-//   Q5_1:          its low four bits as Q4_0's, then its fifth bits in one 64-byte plane laid out as
-//                  the nibbles are (byte i: bit j for step j), unpacked by a shift and a ternary
+//   Q5_0, Q5_1:    their low four bits as Q4_0's, then their fifth bits in one 64-byte plane laid out
+//                  as the nibbles are (byte i: bit j for step j), unpacked by a shift and a ternary
 //                  select, as kquant_gemm.cpp reads Q5_K's;
+//   IQ4_NL:        its 4-bit level indices as Q4_0's nibbles, each turned into level + 128 by one byte
+//                  shuffle over the 16 levels in the loop;
 //   Q8_0:          8 x 64 bytes, step j's weights as unsigned bytes (q + 128);
 //   then the 16 rows' scales d as float16, and for Q4_1 and Q5_1 their 16 minimums m.
-// Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q8_0's -128d (both exact
-// in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
+// Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q5_0's -16d, Q8_0's and
+// IQ4_NL's -128d (exact in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
 // dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in the file.
 
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
@@ -49,35 +51,51 @@ using vnni::quantize_row;
 constexpr int MT = VNNI_MT;  // activation rows per register tile
 constexpr int NG = VNNI_NG;  // groups per register tile
 
-enum Format : int { Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q5_1 = TM_FORMAT_Q5_1, Q8_0 = TM_FORMAT_Q8_0 };
+enum Format : int {
+  Q4_0 = TM_FORMAT_Q4_0,
+  Q4_1 = TM_FORMAT_Q4_1,
+  Q5_0 = TM_FORMAT_Q5_0,
+  Q5_1 = TM_FORMAT_Q5_1,
+  Q8_0 = TM_FORMAT_Q8_0,
+  IQ4_NL = TM_FORMAT_IQ4_NL
+};
+
+// IQ4_NL's 16 levels (ggml's kvalues_iq4nl) + 128: the unsigned q the product takes.
+alignas(16) constexpr uint8_t IQ4_Q[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
     case Q4_0: return TM_BLOCK_BYTES_Q4_0;
     case Q4_1: return TM_BLOCK_BYTES_Q4_1;
+    case Q5_0: return TM_BLOCK_BYTES_Q5_0;
     case Q5_1: return TM_BLOCK_BYTES_Q5_1;
     case Q8_0: return TM_BLOCK_BYTES_Q8_0;
+    case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
     default: return 0;
   }
 }
 
-constexpr bool byte_weights(int fmt) { return fmt == Q8_0; }  // else nibbles (and Q5_1's plane of fifth bits)
+constexpr bool byte_weights(int fmt) { return fmt == Q8_0; }  // else nibbles
+constexpr bool fifth_bit(int fmt) { return fmt == Q5_0 || fmt == Q5_1; }  // and a plane of fifth bits
+constexpr bool level_indices(int fmt) { return fmt == IQ4_NL; }  // nibbles that index IQ4_Q
 constexpr bool stored_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
-constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : fmt == Q5_1 ? 256 + 64 : 256; }
+constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : fifth_bit(fmt) ? 256 + 64 : 256; }
 constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (stored_min(fmt) ? 2 : 1) * G * 2; }
 // What m is in units of d, for the formats whose m follows from d.
-constexpr float implied_min(int fmt) { return fmt == Q8_0 ? -128.0f : -8.0f; }
+constexpr float implied_min(int fmt) { return fmt == Q8_0 || fmt == IQ4_NL ? -128.0f : fmt == Q5_0 ? -16.0f : -8.0f; }
 
-// One source block's 32 weights as unsigned q, its d and (Q4_1, Q5_1) m, as float16 bits.
+// One source block's 32 weights as unsigned q (IQ4_NL: the level's index), its d and (Q4_1, Q5_1) m, as
+// float16 bits.
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16_t& m) {
   d = half_bits(b);
   m = stored_min(fmt) ? half_bits(b + 2) : 0;
-  if (fmt == Q5_1) {  // d | m | qh u32 (bit j: weight j's fifth bit) | qs[16] (weights j and j + 16)
+  if (fifth_bit(fmt)) {  // d | (Q5_1: m) | qh u32 (bit j: weight j's fifth bit) | qs[16] (weights j and j + 16)
+    const uint8_t* h = b + (fmt == Q5_1 ? 4 : 2);
     uint32_t qh;
-    memcpy(&qh, b + 4, 4);
+    memcpy(&qh, h, 4);
     for (int j = 0; j < 16; ++j) {
-      q[j] = (uint8_t)((b[8 + j] & 0x0F) | ((qh >> j) & 1) << 4);
-      q[j + 16] = (uint8_t)((b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+      q[j] = (uint8_t)((h[4 + j] & 0x0F) | ((qh >> j) & 1) << 4);
+      q[j + 16] = (uint8_t)((h[4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
     }
   } else if (fmt == Q8_0) {
     for (int j = 0; j < QK; ++j) q[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
@@ -109,7 +127,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
           dst[step * 64 + i] = q[j];
         } else {
           dst[(step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
-          if (fmt == Q5_1) dst[256 + i] |= (uint8_t)((q[j] >> 4) << step);
+          if (fifth_bit(fmt)) dst[256 + i] |= (uint8_t)((q[j] >> 4) << step);
         }
       }
       memcpy(dst + quant_bytes(fmt) + row * 2, &d, 2);
@@ -132,6 +150,7 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
                  float* y, int64_t ldy, int64_t n_valid) {
   const int64_t blocks = k / QK;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));  // every 16-byte lane
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
@@ -151,10 +170,14 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
           const __m512i v = _mm512_loadu_si512(p + s * 64);
           w0[g] = _mm512_and_si512(v, nibble);
           w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          if constexpr (F == Q5_1) {
+          if constexpr (fifth_bit(F)) {
             const __m512i plane = _mm512_loadu_si512(p + 256);
             w0[g] = with_fifth_bit(w0[g], plane, 2 * s);
             w1[g] = with_fifth_bit(w1[g], plane, 2 * s + 1);
+          }
+          if constexpr (level_indices(F)) {
+            w0[g] = _mm512_shuffle_epi8(levels, w0[g]);
+            w1[g] = _mm512_shuffle_epi8(levels, w1[g]);
           }
         }
       }
@@ -248,7 +271,9 @@ int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w
   switch (fmt) {
     case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); break;
     case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); break;
+    case Q5_0: gemm<Q5_0>(x, m, k, w, n, y, threads); break;
     case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); break;
+    case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); break;
     default: gemm<Q8_0>(x, m, k, w, n, y, threads); break;
   }
   return 0;
@@ -269,7 +294,8 @@ int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* o
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, i = (int)row * 4 + j % 4;
         int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
-        if (fmt == Q5_1) q |= ((src[256 + i] >> step) & 1) << 4;
+        if (fifth_bit(fmt)) q |= ((src[256 + i] >> step) & 1) << 4;
+        if (level_indices(fmt)) q = IQ4_Q[q];
         out[r * k + b * QK + j] = d * (float)q + m;
       }
     }
