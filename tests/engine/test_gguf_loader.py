@@ -507,23 +507,24 @@ def test_a_q4_k_m_file_dequantized_gives_the_logits_of_its_dequantized_weights(q
     assert torch.equal(logits, expected)
 
 
-def test_formats_no_native_kernel_reads_are_dense_and_the_plan_names_them(tmp_path: Path) -> None:
+def test_a_layer_whose_parts_two_kernels_read_is_dense_and_the_plan_says_why(tmp_path: Path) -> None:
+    """Q5_1 (read by the 32-weight block kernels) beside Q4_K (the k-quant kernel) in one packed layer:
+    no one kernel reads both, so that layer is dense; a layer wholly in Q5_1 is served natively."""
     rng = np.random.default_rng(11)
     tensors = _kquant_tensors(rng)
     for name, (data, qtype) in list(tensors.items()):
-        if name.endswith(("attn_k.weight", "ffn_up.weight")):
+        if name.endswith(("attn_k.weight", "attn_output.weight")):
             tensors[name] = (random_blocks(QType.Q5_1, *_shape_of(data, qtype), rng, 0.01), QType.Q5_1)
     path = tmp_path / "tiny-q5_1.gguf"
     _write_llama(path, tensors)
     plan = resolve_plan(LoadOptions(model=str(path)), open_checkpoint(path), DeviceFacts())
     assert plan.layers["model.layers.1.self_attn.qkv_proj"].method == "none"
-    assert plan.layers["model.layers.1.self_attn.o_proj"].method == "gguf-kquant"
-    assert (
-        "Q4_K/Q5_1 tensors, dense (exactly dequantized): no native kernel reads Q5_1 yet" in plan.quant_reasons["none"]
-    )
+    assert plan.layers["model.layers.1.self_attn.o_proj"].method == "gguf-vnni"
+    assert plan.layers["model.layers.1.mlp.down_proj"].method == "gguf-kquant"
+    assert "Q4_K/Q5_1 tensors, dense (exactly dequantized): stored in mixed formats" in plan.quant_reasons["none"]
 
 
-@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.IQ4_NL, QType.Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QType.Q3_K], ids=lambda t: t.name)
 def test_formats_rewritten_for_a_native_kernel_dequantize_to_the_files_weights_bit_for_bit(qtype: QType) -> None:
     rows, cols = 5, 2 * BLOCK_WEIGHTS[qtype]
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))

@@ -116,13 +116,14 @@ def test_the_embedding_table_stays_as_the_file_stores_it(served: Any, q4_k_m_fil
 
 
 def test_a_file_of_the_other_k_quants_and_32_weight_formats_is_served_natively_within_bounds(tmp_path: Path) -> None:
-    """Q3_K (rewritten exactly as Q6_K), Q5_0 and IQ4_NL (as Q8_0), Q2_K and IQ4_XS beside Q4_K and Q6_K: every layer on a native
-    kernel, within the default's bounds of the reference on the file's dequantized weights."""
+    """Q3_K (rewritten exactly as Q6_K), Q5_0, IQ4_NL, Q5_1, Q2_K and IQ4_XS beside Q4_K and Q6_K: every layer on a
+    native kernel, within the default's bounds of the reference on the file's dequantized weights."""
     rng = np.random.default_rng(5)
     tensors = _kquant_tensors(rng)
     swaps = {"attn_k": (QType.Q3_K, 1e-3), "ffn_gate": (QType.Q3_K, 1e-3), "ffn_up": (QType.Q3_K, 1e-3)}
     swaps |= {"blk.0.attn_output": (QType.Q5_0, 6e-3), "blk.1.attn_output": (QType.IQ4_NL, 8e-4)}
     swaps |= {"blk.1.ffn_down": (QType.IQ4_XS, 3e-5), "blk.0.ffn_down": (QType.Q2_K, 2e-3)}
+    swaps |= {"blk.1.ffn_gate": (QType.Q5_1, 1e-3), "blk.1.ffn_up": (QType.Q5_1, 1e-3)}  # after the Q3_K ones
     for name, (data, qtype) in list(tensors.items()):
         for part, (new, scale) in swaps.items():
             if name.endswith(f"{part}.weight"):
@@ -132,10 +133,11 @@ def test_a_file_of_the_other_k_quants_and_32_weight_formats_is_served_natively_w
     served = load(LoadOptions(model=str(path)))
     plan = served.plan
     assert set(plan.method_counts) <= {"gguf-kquant", "gguf-vnni"}, plan.quant_reasons
-    assert plan.method_counts == {"gguf-kquant": KQ_LAYERS * 3 + 1, "gguf-vnni": KQ_LAYERS}
+    assert plan.method_counts == {"gguf-kquant": KQ_LAYERS * 3, "gguf-vnni": KQ_LAYERS + 1}
     assert "Q3_K (as Q6_K)/Q4_K" in plan.quant_reasons["gguf-kquant"] and "IQ4_XS" in plan.quant_reasons["gguf-kquant"]
     assert "Q2_K" in plan.quant_reasons["gguf-kquant"]
-    assert "Q5_0 (as Q8_0), IQ4_NL (as Q8_0)" in plan.quant_reasons["gguf-vnni"]
+    assert all(f in plan.quant_reasons["gguf-vnni"] for f in ("Q5_0", "IQ4_NL", "Q5_1"))
+    assert "as Q8_0" not in plan.quant_reasons["gguf-vnni"]
     dequantized = {
         name: (data if qtype == QType.F32 else gguf.quants.dequantize(data, qtype), QType.F32)
         for name, (data, qtype) in tensors.items()

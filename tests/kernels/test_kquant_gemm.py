@@ -21,7 +21,7 @@ from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 pytestmark = pytest.mark.skipif(
     kquant_gemm.unavailable_reason() is not None, reason=f"k-quant kernel: {kquant_gemm.unavailable_reason()}"
 )
-# Q3_K is served rewritten as Q6_K (layers/quant/transcode.py); IQ4_XS is read as Q6_K is, a byte a weight.
+# Q3_K is served rewritten as Q6_K (layers/quant/transcode.py); IQ4_XS is read as Q6_K is, its indices looked up.
 QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q3_K, QType.IQ4_XS, QType.Q2_K]
 
 
@@ -66,15 +66,16 @@ def test_the_product_is_the_float64_product_with_ggufs_dequantized_weight(qtype:
         torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-5)
 
 
-# Packed bytes over the file's: the scales of a group of 16 rows are spread out for the kernel, and
-# Q6_K's 6-bit weights take a byte each (unpacking them cost more than reading them), as do Q3_K's and IQ4_XS's;
-# Q2_K's 2-bit weights take a nibble, and its scales per 16 weights are spread out as bytes.
+# Packed bytes over the file's: the scales of a group of 16 rows are spread out for the kernel (Q6_K's
+# nibbles and planes of high bits take exactly the file's bytes), IQ4_XS keeps its 4-bit indices (looked
+# up in the loop) but spreads its scales out as bytes, Q3_K takes Q6_K's bytes, and Q2_K's 2-bit weights
+# take a nibble, its scales per 16 weights spread out as bytes.
 PACKED_OVER_FILE = {
     QType.Q4_K: 1.03,
     QType.Q5_K: 1.03,
-    QType.Q6_K: 1.31,
-    QType.Q3_K: 2.5,
-    QType.IQ4_XS: 2.02,
+    QType.Q6_K: 1.0,
+    QType.Q3_K: 1.91,
+    QType.IQ4_XS: 1.08,
     QType.Q2_K: 1.96,
 }
 

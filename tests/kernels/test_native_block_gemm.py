@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
+from tests.engine.test_gguf_loader import random_blocks
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
 from tokenmill_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
@@ -25,7 +26,7 @@ from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 pytestmark = pytest.mark.skipif(
     block_gemm.unavailable_reason() is not None, reason=f"native kernel unavailable: {block_gemm.unavailable_reason()}"
 )
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
 METHODS = [
     "gguf",
     pytest.param(
@@ -38,7 +39,12 @@ METHODS = [
 
 
 def _blocks(weight: torch.Tensor, qtype: QType) -> GGUFBlocks:
-    raw = quants.quantize(weight.numpy(), qtype)
+    if qtype == QType.IQ4_NL:  # gguf cannot quantize to it: random valid blocks of about the weight's size
+        rng = np.random.default_rng(weight.shape[0] * weight.shape[1])
+        scale = weight.abs().max().item() / 127
+        raw = random_blocks(qtype, weight.shape[0], weight.shape[1], rng, scale)
+    else:
+        raw = quants.quantize(weight.numpy(), qtype)
     return GGUFBlocks.from_raw(raw, qtype, (weight.shape[0], weight.shape[1]))
 
 
@@ -180,7 +186,7 @@ def test_bfloat16_activations_are_multiplied_as_float32_and_returned_in_bfloat16
 def test_tensors_it_cannot_serve_as_stored_are_refused_clearly(method: str) -> None:
     layer = ReplicatedLinear(64, 32, False, quant_method_class(method)(torch.float32))
     with pytest.raises(
-        ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q8_0 tensors as stored, not a torch.float32 tensor"
+        ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 tensors as stored, not a torch.float32 tensor"
     ):
         layer.load_weight(torch.randn(32, 64))
     mixed = QKVParallelLinear(64, 16, 2, 1, False, quant_method_class(method)(torch.float32), TensorParallel())

@@ -38,8 +38,10 @@ BLOCK_FORMATS = (
     BlockFormat("F32", 0, QUANT_BLOCK, 4 * QUANT_BLOCK, kernel="blocks"),
     BlockFormat("Q4_0", 2, QUANT_BLOCK, 18, kernel="blocks"),  # float16 scale, 16 bytes of 4-bit weights
     BlockFormat("Q4_1", 3, QUANT_BLOCK, 20, kernel="blocks"),  # float16 scale and minimum, 16 bytes of 4-bit weights
-    BlockFormat("Q5_0", 6, QUANT_BLOCK, 22),  # float16 scale, 32 high bits, 16 bytes of low nibbles
-    BlockFormat("Q5_1", 7, QUANT_BLOCK, 24),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
+    BlockFormat("Q5_0", 6, QUANT_BLOCK, 22, kernel="blocks"),  # float16 scale, 32 high bits, 16 bytes of low nibbles
+    BlockFormat(
+        "Q5_1", 7, QUANT_BLOCK, 24, kernel="blocks"
+    ),  # float16 scale and minimum, 32 high bits, 16 bytes of low nibbles
     BlockFormat("Q8_0", 8, QUANT_BLOCK, 34, kernel="blocks"),  # float16 scale, 32 int8 weights
     BlockFormat(
         "Q2_K", 10, SUPER_BLOCK, 84, kernel="kquant"
@@ -50,7 +52,9 @@ BLOCK_FORMATS = (
     ),  # 8 sub-blocks of 32: 6-bit scale and minimum each, 4-bit weights
     BlockFormat("Q5_K", 13, SUPER_BLOCK, 176, kernel="kquant"),  # as Q4_K, with a fifth bit per weight
     BlockFormat("Q6_K", 14, SUPER_BLOCK, 210, kernel="kquant"),  # 16 sub-blocks of 16: int8 scales, 6-bit weights
-    BlockFormat("IQ4_NL", 20, QUANT_BLOCK, 18),  # float16 scale, 4-bit indices into a fixed non-linear table
+    BlockFormat(
+        "IQ4_NL", 20, QUANT_BLOCK, 18, kernel="blocks"
+    ),  # float16 scale, 4-bit indices into a fixed non-linear table
     BlockFormat("IQ4_XS", 23, SUPER_BLOCK, 136, kernel="kquant"),  # 8 sub-blocks of 32: 6-bit scales, IQ4_NL's table
 )
 # ggml type id -> bytes per block, for the formats each native kernel reads.
@@ -128,6 +132,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             ),
         )
     ),
+    "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "decoder_stack": (
         "int64_t tm_stack_workspace(const TmStack* s, int64_t t)",
         (

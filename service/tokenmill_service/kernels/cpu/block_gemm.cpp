@@ -1,9 +1,10 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q8_0) kept as stored,
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) kept as stored,
 // or plain float32 rows (F32, --quantization none: the same fixed order, nothing to dequantize),
 // float32 activations and output. Built and loaded by native.py (g++ -O3 -march=native -fopenmp).
 //
 // Two promises shape the code:
-// - Faithful: each weight is dequantized exactly as gguf does (q * d, + m for Q4_1; q * d is exact
+// - Faithful: each weight is dequantized exactly as gguf does (q * d, + m for Q4_1 and Q5_1, level[q] * d
+//   for IQ4_NL; q * d is exact
 //   in float32, so the fused multiply-add rounds once, like the multiply-then-add it replaces) and
 //   the products are summed in float32.
 // - Batch-invariant: every output y[i, n] is reduced in one fixed order (16 float32 lanes over K
@@ -34,14 +35,25 @@ constexpr int MT = 6;       // activation rows per register tile
 constexpr int NT = 4;       // weight rows per register tile
 
 // ggml's type ids.
-enum Format : int { F32 = TM_FORMAT_F32, Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q8_0 = TM_FORMAT_Q8_0 };
+enum Format : int {
+  F32 = TM_FORMAT_F32,
+  Q4_0 = TM_FORMAT_Q4_0,
+  Q4_1 = TM_FORMAT_Q4_1,
+  Q5_0 = TM_FORMAT_Q5_0,
+  Q5_1 = TM_FORMAT_Q5_1,
+  Q8_0 = TM_FORMAT_Q8_0,
+  IQ4_NL = TM_FORMAT_IQ4_NL
+};
 
 int64_t block_bytes(int fmt) {
   switch (fmt) {
     case F32: return TM_BLOCK_BYTES_F32;
     case Q4_0: return TM_BLOCK_BYTES_Q4_0;
     case Q4_1: return TM_BLOCK_BYTES_Q4_1;
+    case Q5_0: return TM_BLOCK_BYTES_Q5_0;
+    case Q5_1: return TM_BLOCK_BYTES_Q5_1;
     case Q8_0: return TM_BLOCK_BYTES_Q8_0;
+    case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
     default: return 0;
   }
 }
@@ -65,6 +77,33 @@ inline void dequantize_regs(const uint8_t* b, __m512& lo, __m512& hi) {
   if constexpr (F == Q8_0) {
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), d);
+  } else if constexpr (F == Q5_0 || F == Q5_1) {  // d | (Q5_1: m) | qh u32 (bit j: weight j's fifth bit) | qs[16]
+    const uint8_t* h = b + (F == Q5_1 ? 4 : 2);
+    uint32_t qh;
+    memcpy(&qh, h, 4);
+    const __m128i v = _mm_loadu_si128((const __m128i*)(h + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
+    __m512i qh_ = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    ql = _mm512_mask_add_epi32(ql, (__mmask16)(qh & 0xFFFF), ql, sixteen);
+    qh_ = _mm512_mask_add_epi32(qh_, (__mmask16)(qh >> 16), qh_, sixteen);
+    if constexpr (F == Q5_1) {
+      const __m512 m = half_at(b + 2);
+      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d, m);
+      hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh_), d, m);
+    } else {  // (q - 16) * d
+      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ql, sixteen)), d);
+      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qh_, sixteen)), d);
+    }
+  } else if constexpr (F == IQ4_NL) {  // d | qs[16]: level[index] * d, ggml's kvalues_iq4nl
+    const __m512i table = _mm512_setr_epi32(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
+    const __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(il, table)), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(ih, table)), d);
   } else {
     const uint8_t* qs = b + (F == Q4_1 ? 4 : 2);
     const __m128i v = _mm_loadu_si128((const __m128i*)qs);
@@ -251,6 +290,9 @@ int tm_block_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* 
     case F32: gemm<F32>(x, m, k, w, n, y, threads); return 0;
     case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); return 0;
     case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); return 0;
+    case Q5_0: gemm<Q5_0>(x, m, k, w, n, y, threads); return 0;
+    case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); return 0;
+    case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); return 0;
     case Q8_0: gemm<Q8_0>(x, m, k, w, n, y, threads); return 0;
     default: return -1;
   }
@@ -263,6 +305,9 @@ int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* 
     case F32: dequantize_rows<F32>(w, n, k, out); return 0;
     case Q4_0: dequantize_rows<Q4_0>(w, n, k, out); return 0;
     case Q4_1: dequantize_rows<Q4_1>(w, n, k, out); return 0;
+    case Q5_0: dequantize_rows<Q5_0>(w, n, k, out); return 0;
+    case Q5_1: dequantize_rows<Q5_1>(w, n, k, out); return 0;
+    case IQ4_NL: dequantize_rows<IQ4_NL>(w, n, k, out); return 0;
     case Q8_0: dequantize_rows<Q8_0>(w, n, k, out); return 0;
     default: return -1;
   }

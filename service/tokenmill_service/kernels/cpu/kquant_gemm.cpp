@@ -10,8 +10,9 @@
 //   Q2_K:       16 sub-blocks of 16, each with a 4-bit scale sc and minimum m; float16 d and dmin;
 //               w = (d * sc) * q - dmin * m,  q in 0..3.
 //   IQ4_XS:     8 sub-blocks of 32, each with a 6-bit scale ls; float16 d;  w = (d * (ls - 32)) * level,
-//               level one of IQ4_NL's 16 values in -127..113: served as Q6_K is, with q = level + 128 and
-//               an offset of 128 for 32, the sub-block's scale on both its halves.
+//               level one of IQ4_NL's 16 values in -127..113: served as Q6_K is, with q = level + 128
+//               (looked up from its 4-bit index in the loop) and an offset of 128 for 32, the sub-block's
+//               scale on both its halves.
 // So per activation block b of 32 (unit dx, integer values a, sx = dx * sum a):
 //   Q4_K, Q5_K: sum w x = (d sc) dx * sum q a  -  (dmin m) * sx           (one sub-block = one block)
 //   Q2_K:       per half block h:  (d sc_h) dx * sum q a  -  (dmin m_h) * (dx * sum_h a)
@@ -24,22 +25,28 @@
 //
 // Layout (tm_kquant_pack): rows in groups of 16 (the 16 int32 lanes of vpdpbusd are 16 outputs);
 // per group and super-block, for each of its 8 blocks of 32:
-//   Q2_K, Q4_K, Q5_K: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes: byte i
-//               of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low nibble
-//               and step 2s+1's in its high nibble; step j: weights 4j..4j+3); Q5_K then its fifth
-//               bits as one 64-bit mask per step (bit i: row i / 4, weight i % 4 of that step);
-//   Q6_K, IQ4_XS: each weight in a byte, as vnni_gemm.cpp packs Q8_0 (8 x 64 bytes, step j's weights):
-//               unpacking two high bits costs more than the bytes it saves, the product being bound
-//               by arithmetic, not memory (9.5 against about 20 GB/s on this CPU, measured);
+//   Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes:
+//               byte i of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low
+//               nibble and step 2s+1's in its high nibble; step j: weights 4j..4j+3); Q5_K and Q6_K
+//               then, right after the block's nibbles, their higher bits (q >> 4: one bit, two bits)
+//               in 64-byte planes laid out as the nibbles are, byte i for the same row and weight of
+//               each step: Q5_K one plane, bit t for step t; Q6_K two, plane p's bits 2u, 2u + 1 for
+//               step 4p + u. A step's higher bits are one shift and one bitwise select (vpternlogd)
+//               into its nibbles, and a thread reads its weights as one stream. Measured on an AMD
+//               EPYC, one decoding row: Q5_K as fast a byte as Q4_K, 2.7 times the speed of its bits as
+//               64-bit masks kept after all 8 blocks' nibbles (a second stream 2 KB ahead); Q6_K 1.2-1.3
+//               times its speed a byte a weight, and the file's size instead of 1.31 times it;
+//   IQ4_XS:     its 4-bit indices as the others' nibbles, each turned into level + 128 by one byte
+//               shuffle (vpshufb over the 16 levels) in the loop;
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
 //   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (2624 bytes)
-//   Q6_K, IQ4_XS: d[16] as float16, sc[16][16] as int8                          (4384 bytes)
+//   Q6_K, IQ4_XS: d[16] as float16, sc[16][16] as int8     (Q6_K 3360, IQ4_XS 2336 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
-// Q4_K and Q5_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5, 5.63
-// against 5.5), Q6_K 8.56 against 6.56, IQ4_XS 8.56 against 4.25, Q2_K 5.13 against 2.63.
+// Q4_K, Q5_K and Q6_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5,
+// 5.63 against 5.5, Q6_K exactly its 6.56), IQ4_XS 4.56 against 4.25, Q2_K 5.13 against 2.63.
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -74,12 +81,22 @@ enum Format : int {
 
 // IQ4_NL's (and IQ4_XS's) 16 levels, ggml's kvalues_iq4nl.
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The same as the unsigned q the product takes (level + 128).
+alignas(16) constexpr uint8_t IQ4_Q[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+constexpr bool iq4_q_matches_levels() {
+  for (int i = 0; i < 16; ++i)
+    if (IQ4_Q[i] != IQ4_LEVELS[i] + 128) return false;
+  return true;
+}
+static_assert(iq4_q_matches_levels(), "IQ4_Q: IQ4_NL's levels + 128");
 
-// Formats packed a byte a weight with an int8 scale per 16 (Q6_K's way), and the offset of their q.
-constexpr bool byte_weights(int fmt) { return fmt == Q6_K || fmt == IQ4_XS; }
+// Formats with an int8 scale per 16 and no minimum (Q6_K's way), and the offset of their q.
+constexpr bool signed_scales(int fmt) { return fmt == Q6_K || fmt == IQ4_XS; }
 constexpr int q_offset(int fmt) { return fmt == IQ4_XS ? 128 : 32; }
+// Formats whose nibble is an index into IQ4_NL's levels (q = level + 128) rather than q's low bits.
+constexpr bool level_indices(int fmt) { return fmt == IQ4_XS; }
 // Formats with a scale per 16 weights (folded at each half block of 32) rather than per 32.
-constexpr bool half_scales(int fmt) { return byte_weights(fmt) || fmt == Q2_K; }
+constexpr bool half_scales(int fmt) { return signed_scales(fmt) || fmt == Q2_K; }
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
@@ -92,16 +109,20 @@ int64_t source_block_bytes(int fmt) {
   }
 }
 
-constexpr int64_t block_quant_bytes(int fmt) { return byte_weights(fmt) ? 8 * 64 : 4 * 64; }  // bytes or nibbles
+constexpr int64_t high_bits(int fmt) { return fmt == Q6_K ? 2 : fmt == Q5_K ? 1 : 0; }  // bits above the nibble
+// A block's bytes: its weights' nibbles, then the planes of their higher bits (read in one stream).
+constexpr int64_t block_quant_bytes(int fmt) { return 4 * 64 + 64 * high_bits(fmt); }
 constexpr int64_t quant_bytes(int fmt) { return SUBS * block_quant_bytes(fmt); }  // a group's super-block
-constexpr int64_t high_bits(int fmt) { return fmt == Q5_K ? 1 : 0; }  // bits kept in masks
-constexpr int64_t mask_bytes(int fmt) { return SUBS * 8 * 8 * high_bits(fmt); }  // 8 steps a block, 8 bytes a mask
+constexpr int64_t mask_bytes(int) { return 0; }  // the planes sit with their block's nibbles
+// Where step t's higher bits sit in their plane: plane t / (8 / bits), bits from (t % (8 / bits)) * bits.
+constexpr int plane_of(int bits, int t) { return t / (8 / bits); }
+constexpr int shift_of(int bits, int t) { return (t % (8 / bits)) * bits; }
 constexpr int64_t scale_bytes(int fmt) {
-  return byte_weights(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * (fmt == Q2_K ? 16 : SUBS) * G;
+  return signed_scales(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * (fmt == Q2_K ? 16 : SUBS) * G;
 }
 constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
 
-// One source super-block: its 256 weights as unsigned q, d, dmin (Q6_K, IQ4_XS: 0) as float16 bits, and
+// One source super-block: its 256 weights as unsigned q (IQ4_XS: the level's 4-bit index), d, dmin (Q6_K, IQ4_XS: 0) as float16 bits, and
 // the sub-block scales and minimums (Q6_K, IQ4_XS: 16 int8 scales, no minimums; Q2_K: 16 of each).
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[16]) {
   if (fmt == Q2_K) {  // scales[16] (low nibble sc, high m) | qs[64] | d | dmin
@@ -124,8 +145,8 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint
       sc[2 * s] = sc[2 * s + 1] = ls - 32;
       for (int j = 0; j < 16; ++j) {
         const uint8_t byte = b[8 + 16 * s + j];
-        q[32 * s + j] = (uint8_t)(IQ4_LEVELS[byte & 0x0F] + 128);
-        q[32 * s + 16 + j] = (uint8_t)(IQ4_LEVELS[byte >> 4] + 128);
+        q[32 * s + j] = byte & 0x0F;
+        q[32 * s + 16 + j] = byte >> 4;
       }
     }
     d = half_bits(b);
@@ -170,8 +191,8 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint
 
 // Where the parts of group g's super-block sb start.
 struct Packed {
-  const uint8_t* quants;  // [8 blocks][4 parts][64] nibbles, Q6_K [8 blocks][8 steps][64] bytes
-  const uint8_t* masks;   // [8 blocks][8 steps][8] (Q5_K)
+  const uint8_t* quants;  // [8 blocks]: [4 parts][64] nibbles, then [bits][64] planes
+  const uint8_t* masks;   // [8 blocks][bits][64] planes of the bits above the nibbles (Q5_K: 1, Q6_K: 2)
   const uint8_t* scales;
   Packed(int fmt, const uint8_t* w, int64_t gstride, int64_t g, int64_t sb) {
     quants = w + g * gstride + sb * group_super_bytes(fmt);
@@ -193,20 +214,15 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
       unpack_source(fmt, src + (r * supers + sb) * sbytes, q, d, dmin, sc, m);
       const Packed p(fmt, out, gstride, g, sb);
       uint8_t* quants = const_cast<uint8_t*>(p.quants);
-      uint8_t* masks = const_cast<uint8_t*>(p.masks);
       uint8_t* scales = const_cast<uint8_t*>(p.scales);
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        if (byte_weights(fmt)) {
-          quants[blk * 512 + step * 64 + i] = q[j];
-          continue;
-        }
-        quants[blk * 256 + (step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
-        for (int bit = 0; bit < bits; ++bit)
-          if ((q[j] >> (4 + bit)) & 1) masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] |= (uint8_t)(1u << (i % 8));
+        uint8_t* bq = quants + blk * block_quant_bytes(fmt);
+        bq[(step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
+        if (bits) bq[256 + plane_of(bits, step) * 64 + i] |= (uint8_t)((q[j] >> 4) << shift_of(bits, step));
       }
       memcpy(scales + row * 2, &d, 2);
-      if (byte_weights(fmt)) {
+      if (signed_scales(fmt)) {
         for (int j = 0; j < 16; ++j) scales[G * 2 + j * G + row] = (uint8_t)(int8_t)sc[j];
       } else {
         memcpy(scales + G * 2 + row * 2, &dmin, 2);
@@ -226,10 +242,14 @@ inline __m512 bytes_as_floats(const uint8_t* p, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-inline __mmask64 mask_at(const uint8_t* p) {
-  uint64_t v;
-  memcpy(&v, p, 8);
-  return (__mmask64)v;
+// Step t's nibbles w with their higher bits (the planes of its block) set above them.
+template <int BITS>
+inline __m512i with_high_bits(__m512i w, const __m512i planes[2], int t) {
+  const __m512i plane = planes[plane_of(BITS, t)];
+  const int shift = 4 - shift_of(BITS, t);  // the step's bits to bit 4 (16-bit shifts: bytes keep theirs)
+  const __m512i high = shift > 0 ? _mm512_slli_epi16(plane, shift) : shift < 0 ? _mm512_srli_epi16(plane, -shift) : plane;
+  // w | (high & bits 4..3 + BITS): 0xF8 is A | (B & C) for A = w, B = high, C = the mask.
+  return _mm512_ternarylogic_epi32(w, high, _mm512_set1_epi8((char)(((1 << BITS) - 1) << 4)), 0xF8);
 }
 
 // y[i, 16g + l] for M activation rows and NGT groups starting at w.
@@ -238,7 +258,9 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
                  int64_t n_valid) {
   constexpr int BITS = (int)high_bits(F);
   const int64_t blocks = k / QK;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), b16 = _mm512_set1_epi8(16);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // IQ4_NL's levels + 128 in every 16-byte lane, for vpshufb to look the indices up in.
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
@@ -247,7 +269,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p.scales));
-      dmin[g] = byte_weights(F) ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p.scales + 2 * G)));
+      dmin[g] = signed_scales(F) ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p.scales + 2 * G)));
     }
     for (int64_t j = 0; j < SUBS; ++j) {
       const int64_t b = sb * SUBS + j;
@@ -258,18 +280,19 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
         __m512i w0[NGT], w1[NGT];
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
-          if constexpr (byte_weights(F)) {
-            w0[g] = _mm512_loadu_si512(p.quants + j * 512 + (2 * s) * 64);
-            w1[g] = _mm512_loadu_si512(p.quants + j * 512 + (2 * s + 1) * 64);
-            continue;
-          }
-          const __m512i v = _mm512_loadu_si512(p.quants + j * 256 + s * 64);
+          const uint8_t* bq = p.quants + j * block_quant_bytes(F);
+          const __m512i v = _mm512_loadu_si512(bq + s * 64);
           w0[g] = _mm512_and_si512(v, nibble);
           w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
           if constexpr (BITS > 0) {
-            const uint8_t* mk = p.masks + (j * 8 + 2 * s) * 8;
-            w0[g] = _mm512_mask_add_epi8(w0[g], mask_at(mk), w0[g], b16);
-            w1[g] = _mm512_mask_add_epi8(w1[g], mask_at(mk + 8), w1[g], b16);
+            __m512i planes[2];
+            for (int pl = 0; pl < BITS; ++pl) planes[pl] = _mm512_loadu_si512(bq + 256 + pl * 64);
+            w0[g] = with_high_bits<BITS>(w0[g], planes, 2 * s);
+            w1[g] = with_high_bits<BITS>(w1[g], planes, 2 * s + 1);
+          }
+          if constexpr (level_indices(F)) {
+            w0[g] = _mm512_shuffle_epi8(levels, w0[g]);
+            w1[g] = _mm512_shuffle_epi8(levels, w1[g]);
           }
         }
         for (int i = 0; i < M; ++i) {
@@ -301,7 +324,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             }
           }
         }
-        if constexpr (byte_weights(F)) {
+        if constexpr (signed_scales(F)) {
           if (s % 2 == 0) continue;
           // The end of a half block (16 weights, one scale): fold it in and start the next.
           const int64_t half = 2 * j + s / 2;
@@ -423,12 +446,14 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
       const float d = _cvtsh_ss(half_bits(p.scales + row * 2));
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        int q = byte_weights(fmt) ? p.quants[blk * 512 + step * 64 + i]
-                            : (p.quants[blk * 256 + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
-        for (int bit = 0; bit < bits; ++bit)
-          q |= ((p.masks[((blk * 8 + step) * bits + bit) * 8 + i / 8] >> (i % 8)) & 1) << (4 + bit);
+        int q = (p.quants[blk * block_quant_bytes(fmt) + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        if (level_indices(fmt)) q = IQ4_LEVELS[q] + 128;
+        if (bits)
+          q |= ((p.quants[blk * block_quant_bytes(fmt) + 256 + plane_of(bits, step) * 64 + i] >> shift_of(bits, step)) &
+                ((1 << bits) - 1))
+               << 4;
         float value;
-        if (byte_weights(fmt)) {
+        if (signed_scales(fmt)) {
           const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
           value = de * (float)(q - q_offset(fmt));
         } else {

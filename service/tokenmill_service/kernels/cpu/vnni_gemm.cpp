@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q8_0), with integer
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), with integer
 // products (AVX-512 VNNI: vpdpbusd multiplies 64 bytes by 64 bytes and adds them in fours into
 // 16 int32 lanes). 2.1 to 2.7 times the float32 kernel's rate (block_gemm.cpp).
 //
@@ -19,10 +19,15 @@
 //   4-bit formats: 4 x 64 bytes; byte i of part s holds, for row i / 4 and weight i % 4, step 2s's
 //                  weight in its low nibble and step 2s+1's in its high nibble (step j: weights
 //                  4j..4j+3 of the block);
+//   Q5_0, Q5_1:    their low four bits as Q4_0's, then their fifth bits in one 64-byte plane laid out
+//                  as the nibbles are (byte i: bit j for step j), unpacked by a shift and a ternary
+//                  select, as kquant_gemm.cpp reads Q5_K's;
+//   IQ4_NL:        its 4-bit level indices as Q4_0's nibbles, each turned into level + 128 by one byte
+//                  shuffle over the 16 levels in the loop;
 //   Q8_0:          8 x 64 bytes, step j's weights as unsigned bytes (q + 128);
-//   then the 16 rows' scales d as float16, and for Q4_1 their 16 minimums m.
-// Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q8_0's -128d (both exact
-// in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
+//   then the 16 rows' scales d as float16, and for Q4_1 and Q5_1 their 16 minimums m.
+// Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q5_0's -16d, Q8_0's and
+// IQ4_NL's -128d (exact in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
 // dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in the file.
 
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
@@ -46,27 +51,53 @@ using vnni::quantize_row;
 constexpr int MT = VNNI_MT;  // activation rows per register tile
 constexpr int NG = VNNI_NG;  // groups per register tile
 
-enum Format : int { Q4_0 = TM_FORMAT_Q4_0, Q4_1 = TM_FORMAT_Q4_1, Q8_0 = TM_FORMAT_Q8_0 };
+enum Format : int {
+  Q4_0 = TM_FORMAT_Q4_0,
+  Q4_1 = TM_FORMAT_Q4_1,
+  Q5_0 = TM_FORMAT_Q5_0,
+  Q5_1 = TM_FORMAT_Q5_1,
+  Q8_0 = TM_FORMAT_Q8_0,
+  IQ4_NL = TM_FORMAT_IQ4_NL
+};
+
+// IQ4_NL's 16 levels (ggml's kvalues_iq4nl) + 128: the unsigned q the product takes.
+alignas(16) constexpr uint8_t IQ4_Q[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
     case Q4_0: return TM_BLOCK_BYTES_Q4_0;
     case Q4_1: return TM_BLOCK_BYTES_Q4_1;
+    case Q5_0: return TM_BLOCK_BYTES_Q5_0;
+    case Q5_1: return TM_BLOCK_BYTES_Q5_1;
     case Q8_0: return TM_BLOCK_BYTES_Q8_0;
+    case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
     default: return 0;
   }
 }
 
-constexpr int64_t quant_bytes(int fmt) { return fmt == Q8_0 ? 512 : 256; }
-constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (fmt == Q4_1 ? 2 : 1) * G * 2; }
+constexpr bool byte_weights(int fmt) { return fmt == Q8_0; }  // else nibbles
+constexpr bool fifth_bit(int fmt) { return fmt == Q5_0 || fmt == Q5_1; }  // and a plane of fifth bits
+constexpr bool level_indices(int fmt) { return fmt == IQ4_NL; }  // nibbles that index IQ4_Q
+constexpr bool stored_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
+constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : fifth_bit(fmt) ? 256 + 64 : 256; }
+constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (stored_min(fmt) ? 2 : 1) * G * 2; }
 // What m is in units of d, for the formats whose m follows from d.
-constexpr float implied_min(int fmt) { return fmt == Q8_0 ? -128.0f : -8.0f; }
+constexpr float implied_min(int fmt) { return fmt == Q8_0 || fmt == IQ4_NL ? -128.0f : fmt == Q5_0 ? -16.0f : -8.0f; }
 
-// One source block's 32 weights as unsigned q, its d and (Q4_1) m, as float16 bits.
+// One source block's 32 weights as unsigned q (IQ4_NL: the level's index), its d and (Q4_1, Q5_1) m, as
+// float16 bits.
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16_t& m) {
   d = half_bits(b);
-  m = fmt == Q4_1 ? half_bits(b + 2) : 0;
-  if (fmt == Q8_0) {
+  m = stored_min(fmt) ? half_bits(b + 2) : 0;
+  if (fifth_bit(fmt)) {  // d | (Q5_1: m) | qh u32 (bit j: weight j's fifth bit) | qs[16] (weights j and j + 16)
+    const uint8_t* h = b + (fmt == Q5_1 ? 4 : 2);
+    uint32_t qh;
+    memcpy(&qh, h, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = (uint8_t)((h[4 + j] & 0x0F) | ((qh >> j) & 1) << 4);
+      q[j + 16] = (uint8_t)((h[4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+  } else if (fmt == Q8_0) {
     for (int j = 0; j < QK; ++j) q[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
   } else {
     const uint8_t* qs = b + (fmt == Q4_1 ? 4 : 2);
@@ -79,7 +110,7 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16
 
 // Packs rows [n] x [k / 32 blocks] of source blocks into groups of 16 (rows past n are zero).
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
-  const bool wide = fmt == Q8_0;
+  const bool wide = byte_weights(fmt);
   const int64_t blocks = k / QK, sbytes = source_block_bytes(fmt), gbb = group_block_bytes(fmt);
   const int64_t groups = (n + G - 1) / G;
   memset(out, 0, groups * blocks * gbb);
@@ -95,14 +126,22 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
         if (wide) {
           dst[step * 64 + i] = q[j];
         } else {
-          dst[(step / 2) * 64 + i] |= (uint8_t)(q[j] << (step % 2 ? 4 : 0));
+          dst[(step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
+          if (fifth_bit(fmt)) dst[256 + i] |= (uint8_t)((q[j] >> 4) << step);
         }
       }
       memcpy(dst + quant_bytes(fmt) + row * 2, &d, 2);
-      if (fmt == Q4_1) memcpy(dst + quant_bytes(fmt) + G * 2 + row * 2, &m, 2);
+      if (stored_min(fmt)) memcpy(dst + quant_bytes(fmt) + G * 2 + row * 2, &m, 2);
     }
   }
   return 0;
+}
+
+// Step t's nibbles w with their fifth bits (bit t of each byte of plane) set above them: a 16-bit shift
+// brings bit t to bit 4 within every byte, and 0xF8 selects w | (shifted & 0x10).
+inline __m512i with_fifth_bit(__m512i w, __m512i plane, int t) {
+  const __m512i at4 = t < 4 ? _mm512_slli_epi16(plane, 4 - t) : t > 4 ? _mm512_srli_epi16(plane, t - 4) : plane;
+  return _mm512_ternarylogic_epi32(w, at4, _mm512_set1_epi8(0x10), 0xF8);
 }
 
 // y[i, 16g + l] for M activation rows (a: stride k) and NGT groups starting at w.
@@ -111,6 +150,7 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
                  float* y, int64_t ldy, int64_t n_valid) {
   const int64_t blocks = k / QK;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));  // every 16-byte lane
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
@@ -123,13 +163,22 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
       __m512i w0[NGT], w1[NGT];
       for (int g = 0; g < NGT; ++g) {
         const uint8_t* p = wb + g * gstride;
-        if constexpr (F == Q8_0) {
+        if constexpr (byte_weights(F)) {
           w0[g] = _mm512_loadu_si512(p + (2 * s) * 64);
           w1[g] = _mm512_loadu_si512(p + (2 * s + 1) * 64);
         } else {
           const __m512i v = _mm512_loadu_si512(p + s * 64);
           w0[g] = _mm512_and_si512(v, nibble);
           w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (fifth_bit(F)) {
+            const __m512i plane = _mm512_loadu_si512(p + 256);
+            w0[g] = with_fifth_bit(w0[g], plane, 2 * s);
+            w1[g] = with_fifth_bit(w1[g], plane, 2 * s + 1);
+          }
+          if constexpr (level_indices(F)) {
+            w0[g] = _mm512_shuffle_epi8(levels, w0[g]);
+            w1[g] = _mm512_shuffle_epi8(levels, w1[g]);
+          }
         }
       }
       for (int i = 0; i < M; ++i) {
@@ -147,8 +196,8 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
     for (int g = 0; g < NGT; ++g) {
       const uint8_t* sc = wb + g * gstride + quant_bytes(F);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
-      const __m512 m = F == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 2 * G)))
-                                 : _mm512_mul_ps(d, _mm512_set1_ps(implied_min(F)));
+      const __m512 m = stored_min(F) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 2 * G)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(implied_min(F)));
       for (int i = 0; i < M; ++i) {
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * blocks + b]));
         const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
@@ -222,6 +271,9 @@ int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w
   switch (fmt) {
     case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); break;
     case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); break;
+    case Q5_0: gemm<Q5_0>(x, m, k, w, n, y, threads); break;
+    case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); break;
+    case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); break;
     default: gemm<Q8_0>(x, m, k, w, n, y, threads); break;
   }
   return 0;
@@ -237,10 +289,13 @@ int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* o
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* src = w + (g * blocks + b) * gbb;
       const float d = _cvtsh_ss(half_bits(src + quant_bytes(fmt) + row * 2));
-      const float m = fmt == Q4_1 ? _cvtsh_ss(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
+      const float m =
+          stored_min(fmt) ? _cvtsh_ss(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, i = (int)row * 4 + j % 4;
-        const int q = fmt == Q8_0 ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        if (fifth_bit(fmt)) q |= ((src[256 + i] >> step) & 1) << 4;
+        if (level_indices(fmt)) q = IQ4_Q[q];
         out[r * k + b * QK + j] = d * (float)q + m;
       }
     }

@@ -1,17 +1,14 @@
 """Exact re-encodings of GGUF formats the native kernels do not read into ones they do.
 
-Some formats are another one's arithmetic with fewer bits a weight, so their blocks can be rewritten
-at load, weight for weight and bit for bit, into a format a native kernel multiplies:
+A format can be another one's arithmetic with fewer bits a weight, so that its blocks can be rewritten
+at load, weight for weight and bit for bit, into a format a native kernel multiplies: Q3_K
+(``w = (d (sc - 32)) q``, q in -4..3, a 6-bit sc per 16 weights) is Q6_K (``w = (d sc) (q - 32)``, q in
+0..63, an int8 sc per 16) with q + 32 and sc - 32, the same float16 d per 256 weights.
 
-- Q5_0 (``w = d (q - 16)``, q in 0..31) and IQ4_NL (``w = d level[q]``, levels in -127..113) are Q8_0
-  (``w = d q``, q an int8) with the same float16 d per 32 weights;
-- Q3_K (``w = (d (sc - 32)) q``, q in -4..3, a 6-bit sc per 16 weights) is Q6_K (``w = (d sc) (q - 32)``,
-  q in 0..63, an int8 sc per 16) with q + 32 and sc - 32, the same float16 d per 256 weights.
-
-Every weight dequantizes to exactly what gguf gives for the original block, and the kernels' products
+Every weight dequantizes to exactly what gguf gives for the original block, and the kernel's products
 are exact for the target format, so serving the re-encoded blocks is serving the file's weights. They
-take more memory than the file (per block, Q5_0 34 bytes for 22, IQ4_NL 34 for 18, Q3_K 274 for 110 in
-the k-quant kernel's layout): the price of a native kernel over dense floats (32 bits a weight).
+take more memory than the file (210 bytes a block for 110): the price of a native kernel over dense
+floats (32 bits a weight). The 32-weight formats (Q5_0, IQ4_NL) are read by the block kernels as stored.
 """
 
 from __future__ import annotations
@@ -19,10 +16,10 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.layers.quant.gguf_blocks import _IQ4_LEVELS, GGUFBlocks, _fields, _q5, _split
+from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks, _fields, _split
 
 # Stored format -> the format its blocks are rewritten in.
-TRANSCODED: dict[QType, QType] = {QType.Q5_0: QType.Q8_0, QType.IQ4_NL: QType.Q8_0, QType.Q3_K: QType.Q6_K}
+TRANSCODED: dict[QType, QType] = {QType.Q3_K: QType.Q6_K}
 
 
 def transcode(tensor: GGUFBlocks) -> GGUFBlocks:
@@ -30,14 +27,7 @@ def transcode(tensor: GGUFBlocks) -> GGUFBlocks:
     target = TRANSCODED.get(tensor.qtype)
     if target is None:
         return tensor
-    b = tensor.data.contiguous()
-    if tensor.qtype == QType.Q3_K:
-        return GGUFBlocks(target, _q3_k_as_q6_k(b))
-    if tensor.qtype == QType.Q5_0:  # d f16 | qh u32 | 16 bytes of nibbles
-        q = _q5(b, 2).view(torch.int8) - 16
-    else:  # IQ4_NL: d f16 | 16 bytes of level indices
-        q = _IQ4_LEVELS.to(torch.int8)[_fields(b[..., 2:18], 4).flatten(-2).long()]
-    return GGUFBlocks(target, torch.cat((b[..., 0:2], q.view(torch.uint8)), dim=-1))
+    return GGUFBlocks(target, _q3_k_as_q6_k(tensor.data.contiguous()))
 
 
 def _q3_k_as_q6_k(b: torch.Tensor) -> torch.Tensor:
