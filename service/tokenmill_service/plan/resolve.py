@@ -9,6 +9,8 @@ the executor (the model's loop, the native decoder stack, or compiled regions). 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from gguf import GGMLQuantizationType as QType
 
@@ -42,6 +44,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
 def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
     config, types = checkpoint.config, checkpoint.tensor_types
     family = model_class(config.architecture)
@@ -62,9 +67,8 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         raise PlanRefused(f"--quantization {FP8_METHOD} serves FP8 block-scaled weights; {checkpoint.path} has none")
     act = _activations(options, bool(types) or bool(fp8), facts)
     act_dtype = DTYPES[act.value]
-    layers, quant_reasons, skipped = _linear_layers(
-        options, family.linear_prefixes(config), checkpoint, facts, act_dtype
-    )
+    prefixes = family.linear_prefixes(config) + _mtp_prefixes(options, family, config)
+    layers, quant_reasons, skipped = _linear_layers(options, prefixes, checkpoint, facts, act_dtype)
     _check_tensor_parallel(options, config, types)
     ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
     ops_cls = ops_class(ops.value)
@@ -301,6 +305,26 @@ def _ops(
     if why is not None:
         raise PlanRefused(f"--backend {options.backend} cannot run here: {why}")
     return Decision(asked.name, "asked (--backend)")
+
+
+def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> list[str]:
+    """The linear layers of the multi-token-prediction layers ``--speculative-method mtp`` serves as
+    its draft model ([] for another method); refused where the checkpoint has none or they cannot run."""
+    if options.speculative_method not in SPECULATIVE_METHODS:
+        raise PlanRefused(
+            f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, not {options.speculative_method!r}"
+        )
+    if options.speculative_method != "mtp":
+        return []
+    prefixes = getattr(family, "mtp_linear_prefixes", None)
+    if prefixes is None or not int(config.extra.get("mtp_layers", 0)):
+        raise PlanRefused(
+            f"--speculative-method mtp drafts with a checkpoint's multi-token-prediction layers "
+            f"(DeepSeek-V3's num_nextn_predict_layers); this {config.architecture} checkpoint has none"
+        )
+    if options.tensor_parallel > 1:
+        raise PlanRefused("--speculative-method mtp runs on one rank; it cannot be combined with --tensor-parallel")
+    return list(prefixes(config))
 
 
 def _kv_cache_dtype(name: str, act: torch.dtype, ops: type[Ops], facts: DeviceFacts, head_dim: int) -> Decision:
