@@ -7,6 +7,7 @@ predict what the model samples, nearly every draft is kept and a request takes a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +28,23 @@ pytest.importorskip("transformers")
 PROMPT = list(b"Multi-token prediction: ")
 
 
-def _checkpoint(directory: Path, predicting: bool) -> Path:
+@pytest.fixture(scope="module")
+def random_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three layers (the first dense, then routed and shared experts) and an MTP layer with experts."""
+    directory = tmp_path_factory.mktemp("deepseek-random-mtp")
     write_byte_level_tokenizer(directory)
     deepseek_v3(q_lora=True, vocab_size=257, moe=True).save_pretrained(directory, safe_serialization=True)
-    add_mtp_layer(directory, predicting=predicting)
+    add_mtp_layer(directory)
     return directory
 
 
 @pytest.fixture(scope="module")
-def random_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _checkpoint(tmp_path_factory.mktemp("deepseek-random-mtp"), predicting=False)
-
-
-@pytest.fixture(scope="module")
-def predicting_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _checkpoint(tmp_path_factory.mktemp("deepseek-predicting-mtp"), predicting=True)
+def predicting_mtp(random_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same made to predict (``add_mtp_layer``'s ``predicting``)."""
+    directory = tmp_path_factory.mktemp("deepseek-predicting-mtp")
+    shutil.copytree(random_mtp, directory, dirs_exist_ok=True)
+    add_mtp_layer(directory, predicting=True)
+    return directory
 
 
 def _engine(directory: Path, method: str, **kw: Any) -> LLMEngine:
@@ -71,7 +74,7 @@ def _view(outs: list[RequestOutput]) -> tuple[Any, ...]:
     return tokens, "".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_len
 
 
-def _requests(max_new: int = 20) -> list[GenerationRequest]:
+def _requests(max_new: int = 16) -> list[GenerationRequest]:
     stop = StoppingParams(max_new_tokens=max_new, ignore_eos=True)
     return [
         GenerationRequest("greedy", PROMPT, SamplingParams(), stop, logprobs=True, top_logprobs=3),
