@@ -97,6 +97,10 @@ def test_mtp_drafts_change_no_token_or_logprob_of_a_served_deepseek_v3(
     for got, want in zip(runs, served_default[0]):
         assert view(got) == view(want)
     assert [t.logprob for t in runs[0][0].prompt_tokens] == [t.logprob for t in served_default[0][0][0].prompt_tokens]
+    plan = dict(info.load_plan)
+    assert plan["speculative_method"].startswith("mtp (")
+    # One more layer's latent and rotary key: the MTP layer's block.
+    assert plan["kv_cache_bytes_per_token"].startswith("2048 (")
     assert info.engine.draft_tokens_proposed > 0  # random weights: few or none kept
     assert 0 <= info.engine.draft_tokens_accepted <= info.engine.draft_tokens_proposed
 

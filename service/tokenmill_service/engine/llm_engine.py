@@ -244,7 +244,7 @@ class LLMEngine:
             if not seq.drafts:
                 self.block_manager.register_computed_blocks(seq)
         self._sample(batch, logits, outputs, masks)
-        if self.drafter is not None:
+        if self.drafter is not None and self.config.speculative_tokens:
             self._propose_mtp_drafts(batch)
         return [outputs[i] for i in sorted(outputs)]
 
@@ -373,6 +373,17 @@ class LLMEngine:
                 self.block_manager.register_computed_blocks(seq)
                 self.drafts_proposed += rows - 1
                 self.drafts_accepted += len(out.tokens) - 1
+                seq.drafts_proposed += rows - 1
+                seq.drafts_accepted += len(out.tokens) - 1
+            if reason is not None and seq.drafts_proposed:
+                log.info(
+                    "speculation_finished",
+                    request_id=seq.request_id,
+                    method=self.config.speculative_method,
+                    drafts_proposed=seq.drafts_proposed,
+                    drafts_accepted=seq.drafts_accepted,
+                    acceptance_rate=round(seq.drafts_accepted / seq.drafts_proposed, 3),
+                )
             if reason is not None:
                 out.text += seq.detokenizer.flush()
                 out.finish_reason = reason

@@ -56,6 +56,7 @@ class Sequence:
         # --speculative-method mtp (engine/mtp_drafter.py): the drafts guessed after the last step, and the
         # main model's hidden state at the last position it computed (None: not known).
         self.mtp_drafts: list[int] = []
+        self.drafts_proposed = self.drafts_accepted = 0  # this request's drafts checked, and kept
         self.mtp_hidden: torch.Tensor | None = None
         # A constrained sequence's grammar state, after its generated tokens (the engine sets it).
         self.matcher: LLMatcher | None = None

@@ -89,7 +89,9 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         layers=layers,
         quant_reasons=quant_reasons,
         tensor_parallel=options.tensor_parallel,
-        kv_cache_bytes_per_token=kv_cache_bytes_per_token(family, config, kv.value, options.tensor_parallel),
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token(
+            family, config, kv.value, options.tensor_parallel, int(options.speculative_method == "mtp")
+        ),
         skipped=skipped,
     )
 
@@ -106,10 +108,16 @@ def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
     return ops.latent_cache_layout.name
 
 
-def kv_cache_bytes_per_token(family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int) -> Decision:
+def kv_cache_bytes_per_token(
+    family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int, draft_layers: int = 0
+) -> Decision:
     """Bytes of cache a token of context takes on a rank, with what they are and, for a family that
-    caches less than keys and values per head, its saving against such a cache."""
+    caches less than keys and values per head, its saving against such a cache; ``draft_layers``: the
+    draft model's layers cached beside the decoder's (``--speculative-method mtp``), as many more layers."""
     values, per_head = family.kv_cache_values_per_token(config, tensor_parallel)  # type: ignore[attr-defined]
+    if draft_layers:
+        layers = config.num_layers
+        values, per_head = values * (layers + draft_layers) // layers, per_head * (layers + draft_layers) // layers
     elem = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
     if values == per_head:
         reason = f"{values} {kv_dtype} values: a key and a value per layer and key/value head"
@@ -118,6 +126,8 @@ def kv_cache_bytes_per_token(family: type, config: ModelConfig, kv_dtype: str, t
             f"{values} {kv_dtype} values: one latent and one rotary key per layer, shared by the heads; "
             f"a per-head cache would take {per_head * elem} bytes ({per_head / values:.1f}x)"
         )
+    if draft_layers:
+        reason += f"; the multi-token-prediction layer's {draft_layers} among the layers"
     return Decision(str(values * elem), reason)
 
 
