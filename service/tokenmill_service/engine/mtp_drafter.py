@@ -112,7 +112,7 @@ class MTPDrafter:
         index = torch.tensor([r if r >= 0 else hidden.shape[0] + (-1 - r) for r in rows], device=device)
         out = self._run(ids, positions, pool.index_select(0, index), query_lens, starts, tables, k_cache, v_cache)
         seqs = [seq for seq, _, _ in chains]
-        wanted = [w for _, w, _ in chains]
+        wants = [w for _, w, _ in chains]
         last = out.index_select(0, torch.tensor([row for _, _, row in chains], dtype=torch.long, device=device))
         active = list(range(len(seqs)))
         k = 0
@@ -121,7 +121,7 @@ class MTPDrafter:
             for seq_index, token in zip(active, guesses.tolist()):
                 seqs[seq_index].mtp_drafts.append(int(token))
             k += 1
-            keep = [j for j, i in enumerate(active) if wanted[i] > k]
+            keep = [j for j, i in enumerate(active) if wants[i] > k]
             if not keep:
                 break
             active = [active[j] for j in keep]

@@ -41,7 +41,8 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 def mtp_layer_count(config: ModelConfig) -> int:
     """The checkpoint's declared MTP layers (``num_nextn_predict_layers``; 0: none)."""
-    return int(config.extra.get("mtp_layers", 0))  # type: ignore[call-overload]
+    layers: int = config.extra.get("mtp_layers", 0)  # type: ignore[assignment]
+    return layers
 
 
 def mtp_prefix(index: int) -> str:
@@ -107,4 +108,5 @@ class DeepseekMTPLayer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [T, vocab] of the token after each position ``hidden`` was computed at."""
-        return self.shared_head.head(self.shared_head.norm(hidden)[0])
+        logits: torch.Tensor = self.shared_head.head(self.shared_head.norm(hidden)[0])
+        return logits

@@ -549,8 +549,9 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         """Build the checkpoint's first multi-token-prediction layer (before ``load_weights``), the draft
         model of ``--speculative-method mtp`` (chained for more drafts, as vLLM runs one): its weights are
         loaded then, its block's latents cached as one layer after the decoder's; further ones are left aside."""
-        config, layers = self.config, self.model.layers
-        rotary = layers[0].self_attn.rotary
+        config = self.config
+        rotary: RotaryEmbedding = self.model.layers[0].self_attn.rotary  # type: ignore[union-attr,assignment]
+        block_type: Any = self.layer_type
         self.mtp = nn.ModuleList(
             DeepseekMTPLayer(
                 config,
@@ -561,7 +562,7 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 quant,
                 self.act_dtype,
                 self.tp,
-                lambda *args: self.layer_type(*args, self.attention_type),
+                lambda *args: block_type(*args, self.attention_type),
             )
             for i in range(min(1, mtp_layer_count(config)))
         )
@@ -599,7 +600,7 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 continue
             layer = int(match.group(1))
             num_layers = len(self.model.layers)
-            block = self.model.layers[layer] if layer < num_layers else self.mtp[layer - num_layers].block
+            block: Any = self.model.layers[layer] if layer < num_layers else self.mtp[layer - num_layers].block
             mlp = block.mlp
             if not isinstance(mlp, FusedMoE) or mlp.score_bias is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the model")
