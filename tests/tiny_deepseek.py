@@ -108,9 +108,14 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torc
 def save_fp8(model: Any, directory: Path, block: int) -> dict[str, torch.Tensor]:
     """Save ``model`` FP8 block-quantized as DeepSeek-V3 does; returns the tensors it stands for, by
     the file's names (the projections dequantized, the rest as they are; each expert on its own)."""
+    model.save_pretrained(directory, safe_serialization=True)
+    return quantize_fp8(directory, block)
+
+
+def quantize_fp8(directory: Path, block: int) -> dict[str, torch.Tensor]:
+    """FP8 block-quantize the checkpoint at ``directory`` in place (``save_fp8``)."""
     from safetensors.torch import load_file, save_file
 
-    model.save_pretrained(directory, safe_serialization=True)
     tensors, dequantized = {}, {}
     for name, w in load_file(directory / "model.safetensors").items():
         if is_fp8_target(name, w):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tests.tiny_deepseek import add_mtp_layer, deepseek_v3
+from tests.tiny_deepseek import add_mtp_layer, deepseek_v3, quantize_fp8
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
@@ -47,8 +47,8 @@ def predicting_mtp(random_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -
     return directory
 
 
-def _engine(directory: Path, method: str, **kw: Any) -> LLMEngine:
-    model = load_model(directory, speculative_method=method)
+def _engine(directory: Path, method: str, quantization: str = "none", **kw: Any) -> LLMEngine:
+    model = load_model(directory, quantization=quantization, speculative_method=method)
     kw.setdefault("speculative_tokens", 0 if method == "ngram" else 3)
     config = EngineConfig(num_kv_blocks=64, block_size=4, speculative_method=method, **kw)
     return LLMEngine(model, load_tokenizer(directory), config)
@@ -116,6 +116,21 @@ def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_kept(predicting_mtp
     assert stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed > 0
     # A prefill step, then up to 1 + 3 tokens a step instead of 1.
     assert plain_steps == 24 and steps <= 1 + 24 // 4 + 2
+
+
+def test_an_fp8_mtp_layer_is_served_as_stored(random_mtp: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3's files hold the MTP layer's projections in FP8 blocks like the decoder's: multiplied as stored."""
+    shutil.copytree(random_mtp, tmp_path, dirs_exist_ok=True)
+    quantize_fp8(tmp_path, 32)
+    fast = _engine(tmp_path, "mtp", quantization="fp8-block")
+    plan = fast.model.plan
+    assert {plan.quant_method(p).method for p in ("mtp.0.eh_proj", "mtp.0.block.self_attn.q_b_proj")} == {"fp8-block"}
+    requests = _requests(max_new=10)[:2]
+    want, _ = _run(_engine(tmp_path, "ngram", quantization="fp8-block"), requests)
+    got, _ = _run(fast, requests)
+    for rid in want:
+        assert _view(got[rid]) == _view(want[rid]), rid
+    assert fast.stats().draft_tokens_proposed > 0
 
 
 def test_mtp_is_refused_where_the_checkpoint_has_no_mtp_layer(tmp_path: Path) -> None:

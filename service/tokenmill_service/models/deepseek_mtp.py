@@ -64,6 +64,16 @@ def mtp_name(name: str, num_layers: int) -> str | None:
     return f"{mtp_prefix(index)}.block.{rest}"
 
 
+def mtp_checkpoint_prefix(prefix: str, num_layers: int) -> str:
+    """A layer prefix in the model (``mtp.<i>.block.<part>``, ``mtp.<i>.<part>``) as the checkpoint names it
+    (``model.layers.<num_layers + i>.<part>``); any other prefix as it is."""
+    head, _, rest = prefix.partition(".")
+    index, _, part = rest.partition(".")
+    if head != "mtp" or not index.isdigit():
+        return prefix
+    return f"model.layers.{num_layers + int(index)}.{part.removeprefix('block.')}"
+
+
 class SharedHead(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, ops: Ops, quant: QuantFactory, tp: TensorParallel) -> None:
         super().__init__()

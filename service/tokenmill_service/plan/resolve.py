@@ -21,6 +21,7 @@ from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
 from tokenmill_service.layers.quant.transcode import TRANSCODED
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.device import DeviceFacts
@@ -216,6 +217,7 @@ def _sources(prefix: str, config: ModelConfig) -> list[str]:
     """The checkpoint tensors a layer is made of."""
     if prefix == "lm_head":
         return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    prefix = mtp_checkpoint_prefix(prefix, config.num_layers)  # a multi-token-prediction layer's, as stored
     parent, _, leaf = prefix.rpartition(".")
     return [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
 
