@@ -74,7 +74,7 @@ def _view(outs: list[RequestOutput]) -> tuple[Any, ...]:
     return tokens, "".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_len
 
 
-def _requests(max_new: int = 16) -> list[GenerationRequest]:
+def _requests(max_new: int = 10) -> list[GenerationRequest]:
     stop = StoppingParams(max_new_tokens=max_new, ignore_eos=True)
     return [
         GenerationRequest("greedy", PROMPT, SamplingParams(), stop, logprobs=True, top_logprobs=3),
@@ -98,7 +98,8 @@ def test_mtp_drafts_change_no_token_logprob_or_text_in_a_crowd(random_mtp: Path)
     again, _ = _run(fast, _requests()[:1])
     assert _view(again["greedy"]) == _view(alone["greedy"])
     stats = fast.stats()
-    assert stats.draft_tokens_proposed > 40  # random weights: drafts made, few kept
+    assert stats.prefix_cache_hits > 0  # the second greedy run's prompt came from the cache
+    assert stats.draft_tokens_proposed > 25  # random weights: drafts made, few kept
     assert 0 <= stats.draft_tokens_accepted < stats.draft_tokens_proposed
 
 
@@ -125,7 +126,7 @@ def test_an_fp8_mtp_layer_is_served_as_stored(random_mtp: Path, tmp_path: Path) 
     fast = _engine(tmp_path, "mtp", quantization="fp8-block")
     plan = fast.model.plan
     assert {plan.quant_method(p).method for p in ("mtp.0.eh_proj", "mtp.0.block.self_attn.q_b_proj")} == {"fp8-block"}
-    requests = _requests(max_new=10)[:2]
+    requests = _requests(max_new=8)[:1]
     want, _ = _run(_engine(tmp_path, "ngram", quantization="fp8-block"), requests)
     got, _ = _run(fast, requests)
     for rid in want:
