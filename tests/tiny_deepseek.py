@@ -108,9 +108,14 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torc
 def save_fp8(model: Any, directory: Path, block: int) -> dict[str, torch.Tensor]:
     """Save ``model`` FP8 block-quantized as DeepSeek-V3 does; returns the tensors it stands for, by
     the file's names (the projections dequantized, the rest as they are; each expert on its own)."""
+    model.save_pretrained(directory, safe_serialization=True)
+    return quantize_fp8(directory, block)
+
+
+def quantize_fp8(directory: Path, block: int) -> dict[str, torch.Tensor]:
+    """FP8 block-quantize the checkpoint at ``directory`` in place (``save_fp8``)."""
     from safetensors.torch import load_file, save_file
 
-    model.save_pretrained(directory, safe_serialization=True)
     tensors, dequantized = {}, {}
     for name, w in load_file(directory / "model.safetensors").items():
         if is_fp8_target(name, w):
@@ -232,3 +237,43 @@ def write_deepseek2_gguf(model: Any, path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def add_mtp_layer(directory: Path, seed: int = 5, predicting: bool = False) -> None:
+    """Give the checkpoint at ``directory`` one multi-token-prediction layer as DeepSeek-V3's files hold it
+    (``model.layers.<num_hidden_layers>``: ``enorm``, ``hnorm``, ``eh_proj``, a decoder block shaped like the
+    last decoder layer, ``shared_head.norm`` / ``.head``, its copy of ``embed_tokens``), random.
+
+    ``predicting``: instead, every attention output and MLP projection (the decoder's and the block's) is
+    zeroed, so that the model's next token depends on the last token alone, and the MTP layer is made to
+    compute that same function of the token it reads (``eh_proj`` passes the token's half through, the
+    head is the model's): its drafts are what the model samples next."""
+    from safetensors.torch import load_file, save_file
+
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config))
+    layers = int(config["num_hidden_layers"])
+    hidden = int(config["hidden_size"])
+    tensors = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    mtp = f"model.layers.{layers}."
+    for name in [n for n in tensors if n.startswith(f"model.layers.{layers - 1}.")]:
+        shape = tensors[name].shape
+        noise = torch.randn(shape, generator=generator) * 0.1
+        tensors[mtp + name.split(".", 3)[3]] = noise + 1.0 if "norm" in name else noise * 2
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    for part in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{part}.weight"] = torch.randn(hidden, generator=generator) * 0.1 + 1.0
+    tensors[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.2
+    tensors[mtp + "shared_head.head.weight"] = torch.randn(tensors["lm_head.weight"].shape, generator=generator)
+    if predicting:
+        for name in tensors:
+            if "o_proj" in name or "down_proj" in name:
+                tensors[name] = torch.zeros_like(tensors[name])
+        tensors[mtp + "enorm.weight"] = torch.ones(hidden)
+        tensors[mtp + "eh_proj.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+        tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})

@@ -112,6 +112,15 @@ class Settings:
             "the same step: the same tokens and logprobs as without, more per read of the weights; 0 = off"
         },
     )
+    speculative_method: str = field(
+        default="ngram",
+        metadata={
+            "help": "where draft tokens come from: ngram (prompt lookup: the sequence's own history) or mtp (the "
+            "checkpoint's multi-token-prediction layers, DeepSeek-V3's; --speculative-tokens of them chained, "
+            "1 to 3 pays best)",
+            "choices": ["ngram", "mtp"],
+        },
+    )
     speculative_max_batch: int = field(
         default=4, metadata={"help": "guess drafts only while at most this many sequences run, per worker"}
     )

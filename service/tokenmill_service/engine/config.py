@@ -30,6 +30,9 @@ class EngineConfig:
     # ...only while at most this many sequences run: beyond it a step is bound by arithmetic, not
     # by reading the weights, and rejected drafts would cost more than accepted ones save.
     speculative_max_batch: int = 4
+    # Where drafts come from: "ngram" (the sequence's history, engine/speculation.py) or "mtp" (the
+    # model's multi-token-prediction layers, engine/mtp_drafter.py; the model must have them loaded).
+    speculative_method: str = "ngram"
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -43,3 +46,5 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.speculative_tokens < 0 or self.speculative_max_batch < 0:
             raise ValueError("speculative_tokens and speculative_max_batch must not be negative")
+        if self.speculative_method not in ("ngram", "mtp"):
+            raise ValueError(f"speculative_method must be ngram or mtp, not {self.speculative_method!r}")

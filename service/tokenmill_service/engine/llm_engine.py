@@ -31,6 +31,7 @@ from tokenmill_service.engine.model_runner import (
     default_kv_cache_memory,
     kv_bytes_per_block,
 )
+from tokenmill_service.engine.mtp_drafter import MTPDrafter
 from tokenmill_service.engine.request import (
     EngineStats,
     FinishReason,
@@ -111,6 +112,11 @@ class LLMEngine:
         # executor: how each forward pass runs (None: as the model's load plan chose).
         self.runner = ModelRunner(model, block_size, num_blocks, executor)
         self.runner.adapters = self.adapters
+        # --speculative-method mtp: drafts from the model's multi-token-prediction layers, after each step.
+        self.drafter: MTPDrafter | None = None
+        if self.config.speculative_method == "mtp":
+            self.drafter = MTPDrafter(model, self.config, self.block_manager)
+            self.runner.keep_hidden = True
         self.sequences: dict[str, Sequence] = {}
         # Draft tokens checked and kept (speculation.py), since start.
         self.drafts_proposed = self.drafts_accepted = 0
@@ -238,7 +244,23 @@ class LLMEngine:
             if not seq.drafts:
                 self.block_manager.register_computed_blocks(seq)
         self._sample(batch, logits, outputs, masks)
+        if self.drafter is not None and self.config.speculative_tokens:
+            self._propose_mtp_drafts(batch)
         return [outputs[i] for i in sorted(outputs)]
+
+    def _propose_mtp_drafts(self, batch: ScheduledBatch) -> None:
+        runner, drafter = self.runner, self.drafter
+        assert drafter is not None and runner.last_plan is not None and runner.last_hidden is not None
+        drafter.propose(
+            batch,
+            runner.last_plan,
+            runner.last_hidden,
+            len(self.scheduler.running),
+            self.max_model_len,
+            runner.k_cache,
+            runner.v_cache,
+        )
+        runner.last_plan = runner.last_hidden = None
 
     # -- internals -------------------------------------------------------------------------
 
@@ -351,6 +373,17 @@ class LLMEngine:
                 self.block_manager.register_computed_blocks(seq)
                 self.drafts_proposed += rows - 1
                 self.drafts_accepted += len(out.tokens) - 1
+                seq.drafts_proposed += rows - 1
+                seq.drafts_accepted += len(out.tokens) - 1
+            if reason is not None and seq.drafts_proposed:
+                log.info(
+                    "speculation_finished",
+                    request_id=seq.request_id,
+                    method=self.config.speculative_method,
+                    drafts_proposed=seq.drafts_proposed,
+                    drafts_accepted=seq.drafts_accepted,
+                    acceptance_rate=round(seq.drafts_accepted / seq.drafts_proposed, 3),
+                )
             if reason is not None:
                 out.text += seq.detokenizer.flush()
                 out.finish_reason = reason

@@ -97,6 +97,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device, self.dtype = model.device, model.kv_dtype
         self.k_cache, self.v_cache = allocate_kv_cache(model, num_blocks, block_size)
+        # The last step's plan and the hidden states of all its tokens, kept for a drafter that reads them.
+        self.keep_hidden = False
+        self.last_plan: StepPlan | None = None
+        self.last_hidden: torch.Tensor | None = None
         log.info(
             "kv_cache_allocated",
             blocks=num_blocks,
@@ -147,6 +151,8 @@ class ModelRunner:
         meta = build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
         hidden = self.executor.forward(input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta)
+        if self.keep_hidden:
+            self.last_plan, self.last_hidden = plan, hidden
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=device)
         logits = self.executor.compute_logits(hidden.index_select(0, rows))
         prompt_logits = [self.executor.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]

@@ -66,7 +66,10 @@ class Scheduler:
         max_new = seq.request.stopping.max_new_tokens
         if max_new:
             room = min(room, max_new - seq.num_completion_tokens - 1)
-        drafts = propose_drafts(seq.token_ids, room)
+        if self.config.speculative_method == "mtp":
+            drafts = seq.mtp_drafts[: max(room, 0)]  # guessed after the last step (engine/mtp_drafter.py)
+        else:
+            drafts = propose_drafts(seq.token_ids, room)
         if drafts and seq.matcher is not None:
             # Guesses the grammar refuses would be refused after the forward pass anyway.
             drafts = drafts[: seq.matcher.validate_tokens(drafts)]

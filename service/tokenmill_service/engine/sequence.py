@@ -12,6 +12,7 @@ from tokenmill_service.engine.request import FinishReason, GenerationRequest, To
 from tokenmill_service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import torch
     from llguidance import LLMatcher
 
 
@@ -52,6 +53,11 @@ class Sequence:
         self.prompt_logprobs_sent = False
         # Tokens guessed for the positions after the last one, checked this step (speculation.py).
         self.drafts: list[int] = []
+        # --speculative-method mtp (engine/mtp_drafter.py): the drafts guessed after the last step, and the
+        # main model's hidden state at the last position it computed (None: not known).
+        self.mtp_drafts: list[int] = []
+        self.drafts_proposed = self.drafts_accepted = 0  # this request's drafts checked, and kept
+        self.mtp_hidden: torch.Tensor | None = None
         # A constrained sequence's grammar state, after its generated tokens (the engine sets it).
         self.matcher: LLMatcher | None = None
         # What its KV blocks are keyed by besides tokens: its LoRA adapter as registered ("" : the base).
@@ -78,3 +84,4 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.status = SequenceStatus.WAITING
+        self.mtp_drafts, self.mtp_hidden = [], None

@@ -43,6 +43,8 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
             embed_dtype=DTYPES.get(plan.embed_dtype, torch.float32),
             tp=tp,
         )
+        if plan.options.speculative_method == "mtp":
+            model.attach_mtp(quant)  # the draft model: the checkpoint's multi-token-prediction layers
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):
             module.keep_blocks = plan.embed_dtype == "gguf-blocks"

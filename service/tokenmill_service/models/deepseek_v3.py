@@ -62,6 +62,7 @@ from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.deepseek_mtp import DeepseekMTPLayer, mtp_layer_count, mtp_name, mtp_prefix
 from tokenmill_service.models.hf_loader import rope_params, rope_type
 from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from tokenmill_service.models.moe import GGUF_MOE_NAMES, MoEForCausalLM, moe_settings, set_moe
@@ -281,7 +282,8 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     ) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``,
         routed and shared experts from it on."""
-        if layer_idx >= int(config.extra["first_k_dense_replace"]):  # type: ignore[call-overload]
+        first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
+        if layer_idx >= first_moe and "num_experts" in config.extra:
             return DeepseekV3MoE(config, prefix, ops, quant, tp)
         return LlamaMLP(config, prefix, ops, quant, tp)
 
@@ -338,6 +340,11 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
     # Its cache is the backend's latent layout (``LatentCacheLayout``), not keys and values per head.
     latent_cache: ClassVar[bool] = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The multi-token-prediction layers, where served (``attach_mtp``; none: left aside).
+        self.mtp = nn.ModuleList()
+
     @classmethod
     def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
         q_lora = raw.get("q_lora_rank")
@@ -352,6 +359,7 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         if dims.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim {dims.qk_rope_head_dim} is odd: rotary rotates pairs")
         config.extra["mla"] = dims
+        config.extra["mtp_layers"] = int(raw.get("num_nextn_predict_layers") or 0)
         config.head_dim = dims.qk_rope_head_dim  # as transformers' config: the rotated part of a head
         params = rope_params(raw)
         if rope_type(params) in YARN_TYPES:
@@ -506,24 +514,58 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
 
     @classmethod
     def linear_prefixes(cls, config: ModelConfig) -> list[str]:
+        prefixes = []
+        for i in range(config.num_layers):
+            prefixes += cls._layer_linear_prefixes(config, f"model.layers.{i}", i)
+        return [*prefixes, "lm_head"]
+
+    @classmethod
+    def mtp_linear_prefixes(cls, config: ModelConfig) -> list[str]:
+        """The linear layers of the multi-token-prediction layer served (``attach_mtp``)."""
+        prefixes = []
+        for i in range(min(1, mtp_layer_count(config))):
+            prefix = mtp_prefix(i)
+            block = cls._layer_linear_prefixes(config, f"{prefix}.block", config.num_layers + i)
+            prefixes += [f"{prefix}.eh_proj", *block, f"{prefix}.shared_head.head"]
+        return prefixes
+
+    @classmethod
+    def _layer_linear_prefixes(cls, config: ModelConfig, layer: str, index: int) -> list[str]:
         q = ("q_a_proj", "q_b_proj") if mla_dims(config).q_lora_rank else ("q_proj",)
-        attn = [f"self_attn.{leaf}" for leaf in (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+        prefixes = [f"{layer}.self_attn.{leaf}" for leaf in (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
         first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
         experts = int(config.extra.get("num_experts", 0))  # type: ignore[call-overload]
         shared = int(config.extra["shared_expert_width"])  # type: ignore[call-overload]
-        prefixes = []
-        for i in range(config.num_layers):
-            layer = f"model.layers.{i}"
-            prefixes += [f"{layer}.{leaf}" for leaf in attn]
-            if i < first_moe:
-                prefixes += [f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
-                continue
-            prefixes.append(f"{layer}.mlp.gate")
-            for e in range(experts):
-                prefixes += [f"{layer}.mlp.experts.{e}.gate_up_proj", f"{layer}.mlp.experts.{e}.down_proj"]
-            if shared:
-                prefixes += [f"{layer}.mlp.shared_experts.gate_up_proj", f"{layer}.mlp.shared_experts.down_proj"]
-        return [*prefixes, "lm_head"]
+        if index < first_moe or not experts:
+            return [*prefixes, f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
+        prefixes.append(f"{layer}.mlp.gate")
+        for e in range(experts):
+            prefixes += [f"{layer}.mlp.experts.{e}.gate_up_proj", f"{layer}.mlp.experts.{e}.down_proj"]
+        if shared:
+            prefixes += [f"{layer}.mlp.shared_experts.gate_up_proj", f"{layer}.mlp.shared_experts.down_proj"]
+        return prefixes
+
+    def attach_mtp(self, quant: QuantFactory) -> None:
+        """Build the checkpoint's first multi-token-prediction layer (before ``load_weights``), the draft
+        model of ``--speculative-method mtp`` (chained for more drafts, as vLLM runs one): its weights are
+        loaded then, its block's latents cached as one layer after the decoder's; further ones are left aside."""
+        config = self.config
+        rotary: RotaryEmbedding = self.model.layers[0].self_attn.rotary  # type: ignore[union-attr,assignment]
+        block_type: Any = self.layer_type
+        self.mtp = nn.ModuleList(
+            DeepseekMTPLayer(
+                config,
+                mtp_prefix(i),
+                config.num_layers + i,
+                rotary,
+                self.ops,
+                quant,
+                self.act_dtype,
+                self.tp,
+                lambda *args: block_type(*args, self.attention_type),
+            )
+            for i in range(min(1, mtp_layer_count(config)))
+        )
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (latent, rotary key) cache shapes, in its ops backend's latent layout."""
@@ -531,12 +573,14 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         if layout is None:
             raise ValueError(f"the {self.ops.name} ops have no latent attention")
         d = mla_dims(self.config)
-        return layout.shapes(len(self.model.layers), num_blocks, block_size, d.kv_lora_rank, d.qk_rope_head_dim)
+        layers = len(self.model.layers) + len(self.mtp)  # the MTP blocks' latents after the decoder's
+        return layout.shapes(layers, num_blocks, block_size, d.kv_lora_rank, d.qk_rope_head_dim)
 
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         biased: set[int] = set()
-        super().load_weights(self._score_biases(self._join_kv_b(self._without_mtp(tensors)), biased))
-        moe_layers = {i for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, FusedMoE)}
+        super().load_weights(self._score_biases(self._join_kv_b(self._mtp_names(tensors)), biased))
+        blocks = [*self.model.layers, *(mtp.block for mtp in self.mtp)]
+        moe_layers = {i for i, layer in enumerate(blocks) if isinstance(layer.mlp, FusedMoE)}
         if missing := sorted(moe_layers - biased):
             names = ", ".join(f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in missing[:4])
             raise ValueError(f"the checkpoint lacks the routers' score-correction bias: {names}")
@@ -555,7 +599,9 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 yield name, tensor
                 continue
             layer = int(match.group(1))
-            mlp = self.model.layers[layer].mlp
+            num_layers = len(self.model.layers)
+            block: Any = self.model.layers[layer] if layer < num_layers else self.mtp[layer - num_layers].block
+            mlp = block.mlp
             if not isinstance(mlp, FusedMoE) or mlp.score_bias is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the model")
             bias = dense(tensor).float().reshape(-1)
@@ -564,18 +610,23 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             mlp.score_bias.copy_(bias)
             loaded.add(layer)
 
-    def _without_mtp(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
-        """The tensors less those of the multi-token-prediction layers DeepSeek-V3's files keep after the
-        decoder's (``model.layers.<num_hidden_layers>...``): not used (transformers skips them too)."""
+    def _mtp_names(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The tensors, those of the multi-token-prediction layers DeepSeek-V3's files keep after the
+        decoder's (``model.layers.<num_hidden_layers + i>...``) renamed into ``mtp.<i>`` where they are
+        served (``attach_mtp``), left aside where not (transformers skips them too). Their routers'
+        score-correction biases keep their layer numbers (``_score_biases`` finds the MTP block)."""
         skipped = 0
+        num_layers = self.config.num_layers
         for name, tensor in tensors:
-            match = _LAYER_INDEX.match(name)
-            if match and int(match.group(1)) >= self.config.num_layers:
+            target = mtp_name(name, num_layers)
+            if target is None or (target and _SCORE_BIAS.fullmatch(name) and len(self.mtp)):
+                yield name, tensor
+            elif target and int(target.split(".")[1]) < len(self.mtp):
+                yield target, tensor
+            else:
                 skipped += 1
-                continue
-            yield name, tensor
-        if skipped:
-            log.info("mtp_layers_skipped", tensors=skipped, layers_from=self.config.num_layers)
+        if skipped and not len(self.mtp):
+            log.info("mtp_layers_skipped", tensors=skipped, layers_from=num_layers)
 
     def _join_kv_b(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         """The tensors, with a GGUF's split ``k_b_proj`` [H, L, nope] and ``v_b_proj`` [H, V, L] (each read

@@ -89,6 +89,7 @@ def load_model(
     compile: str = "off",
     max_loras: int = 0,
     max_lora_rank: int = 16,
+    speculative_method: str = "ngram",
 ) -> nn.Module:
     """``load`` with the options as arguments; the defaults are the reference configuration
     (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``."""
@@ -104,6 +105,7 @@ def load_model(
         expert_parallel=tp.expert_parallel if tp is not None else False,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        speculative_method=speculative_method,
     )
     return load(options, device, tp)
 

@@ -37,6 +37,9 @@ class LoadOptions:
     # LoRA adapter slots resident at once (0: adapters off) and the largest rank they take.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # Where speculation's drafts come from: "ngram" (the sequence's own history) or "mtp" (the
+    # checkpoint's multi-token-prediction layers, which the model then loads).
+    speculative_method: str = "ngram"
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LoadOptions:
@@ -52,4 +55,5 @@ class LoadOptions:
             expert_parallel=bool(settings.expert_parallel),
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
+            speculative_method=settings.speculative_method,
         )

@@ -93,6 +93,8 @@ class LoadPlan:
             "expert_parallel": str(self.options.expert_parallel).lower(),
             "linear_layers": ", ".join(f"{k}: {n}" for k, n in sorted(kernels.items())),
         }
+        if self.options.speculative_method == "mtp":
+            out["speculative_method"] = "mtp (drafts from the checkpoint's multi-token-prediction layer)"
         if self.options.max_loras > 0:
             out["lora"] = f"{self.options.max_loras} adapter slots, rank up to {self.options.max_lora_rank}"
         out |= {f"quantization.{m}": reason for m, reason in sorted(self.quant_reasons.items())}

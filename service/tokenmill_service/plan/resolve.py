@@ -9,6 +9,8 @@ the executor (the model's loop, the native decoder stack, or compiled regions). 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from gguf import GGMLQuantizationType as QType
 
@@ -19,6 +21,7 @@ from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
 from tokenmill_service.layers.quant.transcode import TRANSCODED
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.device import DeviceFacts
@@ -42,6 +45,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
 def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
     config, types = checkpoint.config, checkpoint.tensor_types
     family = model_class(config.architecture)
@@ -62,9 +68,8 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         raise PlanRefused(f"--quantization {FP8_METHOD} serves FP8 block-scaled weights; {checkpoint.path} has none")
     act = _activations(options, bool(types) or bool(fp8), facts)
     act_dtype = DTYPES[act.value]
-    layers, quant_reasons, skipped = _linear_layers(
-        options, family.linear_prefixes(config), checkpoint, facts, act_dtype
-    )
+    prefixes = family.linear_prefixes(config) + _mtp_prefixes(options, family, config)
+    layers, quant_reasons, skipped = _linear_layers(options, prefixes, checkpoint, facts, act_dtype)
     _check_tensor_parallel(options, config, types)
     ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
     ops_cls = ops_class(ops.value)
@@ -85,7 +90,9 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         layers=layers,
         quant_reasons=quant_reasons,
         tensor_parallel=options.tensor_parallel,
-        kv_cache_bytes_per_token=kv_cache_bytes_per_token(family, config, kv.value, options.tensor_parallel),
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token(
+            family, config, kv.value, options.tensor_parallel, int(options.speculative_method == "mtp")
+        ),
         skipped=skipped,
     )
 
@@ -102,10 +109,16 @@ def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
     return ops.latent_cache_layout.name
 
 
-def kv_cache_bytes_per_token(family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int) -> Decision:
+def kv_cache_bytes_per_token(
+    family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int, draft_layers: int = 0
+) -> Decision:
     """Bytes of cache a token of context takes on a rank, with what they are and, for a family that
-    caches less than keys and values per head, its saving against such a cache."""
+    caches less than keys and values per head, its saving against such a cache; ``draft_layers``: the
+    draft model's layers cached beside the decoder's (``--speculative-method mtp``), as many more layers."""
     values, per_head = family.kv_cache_values_per_token(config, tensor_parallel)  # type: ignore[attr-defined]
+    if draft_layers:
+        layers = config.num_layers
+        values, per_head = values * (layers + draft_layers) // layers, per_head * (layers + draft_layers) // layers
     elem = torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
     if values == per_head:
         reason = f"{values} {kv_dtype} values: a key and a value per layer and key/value head"
@@ -114,6 +127,8 @@ def kv_cache_bytes_per_token(family: type, config: ModelConfig, kv_dtype: str, t
             f"{values} {kv_dtype} values: one latent and one rotary key per layer, shared by the heads; "
             f"a per-head cache would take {per_head * elem} bytes ({per_head / values:.1f}x)"
         )
+    if draft_layers:
+        reason += f"; the multi-token-prediction layer's {draft_layers} among the layers"
     return Decision(str(values * elem), reason)
 
 
@@ -202,6 +217,7 @@ def _sources(prefix: str, config: ModelConfig) -> list[str]:
     """The checkpoint tensors a layer is made of."""
     if prefix == "lm_head":
         return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    prefix = mtp_checkpoint_prefix(prefix, config.num_layers)  # a multi-token-prediction layer's, as stored
     parent, _, leaf = prefix.rpartition(".")
     return [f"{parent}.{name}.weight" for name in _PACKED_SOURCES.get(leaf, (leaf,))]
 
@@ -301,6 +317,26 @@ def _ops(
     if why is not None:
         raise PlanRefused(f"--backend {options.backend} cannot run here: {why}")
     return Decision(asked.name, "asked (--backend)")
+
+
+def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> list[str]:
+    """The linear layers of the multi-token-prediction layers ``--speculative-method mtp`` serves as
+    its draft model ([] for another method); refused where the checkpoint has none or they cannot run."""
+    if options.speculative_method not in SPECULATIVE_METHODS:
+        raise PlanRefused(
+            f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, not {options.speculative_method!r}"
+        )
+    if options.speculative_method != "mtp":
+        return []
+    prefixes = getattr(family, "mtp_linear_prefixes", None)
+    if prefixes is None or not int(config.extra.get("mtp_layers", 0)):
+        raise PlanRefused(
+            f"--speculative-method mtp drafts with a checkpoint's multi-token-prediction layers "
+            f"(DeepSeek-V3's num_nextn_predict_layers); this {config.architecture} checkpoint has none"
+        )
+    if options.tensor_parallel > 1:
+        raise PlanRefused("--speculative-method mtp runs on one rank; it cannot be combined with --tensor-parallel")
+    return list(prefixes(config))
 
 
 def _kv_cache_dtype(name: str, act: torch.dtype, ops: type[Ops], facts: DeviceFacts, head_dim: int) -> Decision:

@@ -40,6 +40,7 @@ def worker_spec(
         kv_cache_memory=s.kv_cache_bytes,
         speculative_tokens=s.speculative_tokens,
         speculative_max_batch=s.speculative_max_batch,
+        speculative_method=s.speculative_method,
         max_model_len=s.max_model_len,
         kv_events=bool(s.kv_events_endpoint),
     )
