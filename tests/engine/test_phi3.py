@@ -12,15 +12,18 @@ import math
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from tests.engine.invariance import assert_alone_equals_crowd
-from tests.engine.test_gguf_loader import _randomize
+from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tests.engine.test_qwen3 import greedy, hf_logits, load
 from tests.triton_setup import DEVICE  # noqa: F401 - before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.models.config import layer_window
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.phi3 import Phi3ForCausalLM
@@ -48,8 +51,9 @@ LONGROPE = {
     "long_factor": [4.0 + i for i in range(ROTARY_DIM // 2)],
     "original_max_position_embeddings": 128,
 }
+WINDOW = 16  # tokens, every layer (Phi-3's sliding_window): the prompt is 40
 VARIANTS = {  # id -> (tied, Phi3Config keywords)
-    "untied": (False, {}),
+    "untied-window": (False, {"sliding_window": WINDOW}),
     "tied-partial": (True, {"partial_rotary_factor": 0.5}),
     "untied-partial-longrope": (
         False,
@@ -112,6 +116,9 @@ def test_the_config_carries_rotary_and_longrope(checkpoint: tuple[Path, Any]) ->
         assert config.max_position_embeddings == 128  # the long factors are not served: capped
     else:
         assert "rope_short_factor" not in config.extra and config.max_position_embeddings == 256
+    # A sliding window applies to every layer and leaves the context whole.
+    windows = [layer_window(config, i) for i in range(2)]
+    assert windows == ([WINDOW, WINDOW] if hf_model.config.sliding_window else [None, None])
 
 
 def _swap(pieces: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
@@ -189,9 +196,48 @@ def _edited(directory: Path, tmp_path: Path, edit: dict[str, Any]) -> Path:
     return tmp_path
 
 
-def test_a_sliding_window_caps_the_context(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
-    config = read_hf_config(_edited(checkpoint[0], tmp_path, {"sliding_window": 96}))
-    assert config.max_position_embeddings == 96
+def phi3_gguf_metadata(hf_model: Any) -> Any:
+    """What llama.cpp's converter (Phi3MiniModel) adds to the common keys: the sliding window (0: none),
+    the original context, and for LongRoPE the attention factor and the factors as tensors."""
+    cfg, rope = hf_model.config, hf_model.config.rope_parameters
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    return write
+
+
+@torch.inference_mode()
+def test_a_gguf_of_the_model_gives_the_same_logits_and_greedy_tokens(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """llama.cpp's phi3 GGUF: fused attn_qkv and ffn_up (gate and up) split by the loader, rotary dims from
+    rope.dimension_count, the LongRoPE factors from their tensors, the window from its key."""
+    directory, hf_model = checkpoint
+    path = tmp_path / "tiny-phi3.gguf"
+    convert_hf_to_gguf(hf_model, "phi3", path, metadata=phi3_gguf_metadata(hf_model))
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.ffn_gate.weight" not in names
+    model = load_model(path, dtype=torch.float32, quantization="none")
+    assert model.config.architecture == "phi3"
+    assert model.config.extra["rotary_dim"] == read_hf_config(directory).extra["rotary_dim"]
+    assert model.config.max_position_embeddings == read_hf_config(directory).max_position_embeddings
+    assert [layer.self_attn.window for layer in model.model.layers] == [hf_model.config.sliding_window] * 2
+    actual = model.compute_logits(forward_prompt(model, PROMPT))
+    expected = hf_logits(hf_model, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    ids = list(PROMPT[:12])
+    for _ in range(6):
+        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
+    assert greedy(model, PROMPT[:12], 6) == ids[12:]
 
 
 @pytest.mark.parametrize(
