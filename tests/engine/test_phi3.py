@@ -1,8 +1,10 @@
 """Phi-3 / Phi-4-mini: tiny random transformers checkpoints (fused qkv_proj and gate_up_proj in the
-file) with whole-head rotary untied, partial rotary tied (Phi-4-mini's shape), and partial rotary with
-LongRoPE, served as transformers computes them: logits and prompt logprobs within 1e-4 (float32,
-dense) on each ops backend (native CPU ops, the torch reference, triton), the same greedy tokens, a prompt bitwise the same
-alone and in a batch; the fused split shown to matter, and what is not served refused or capped.
+file) with whole-head rotary untied and a sliding window of 16 tokens on every layer (under a 40-token
+prompt), partial rotary tied (Phi-4-mini's shape), and partial rotary with LongRoPE, served as
+transformers computes them: logits and prompt logprobs within 1e-4 (float32, dense) on each ops backend
+(native CPU ops, the torch reference, triton), the same greedy tokens, the same from a GGUF of each as
+llama.cpp's converter writes it, a prompt bitwise the same alone and in a batch; the fused split shown
+to matter, and what is not served refused or capped.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.family_checks import assert_greedy_matches, assert_prompt_matches, hf_logits, load
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
-from tests.engine.test_qwen3 import greedy, hf_logits, load
-from tests.triton_setup import DEVICE  # noqa: F401 - before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.config import layer_window
@@ -98,10 +99,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     directory, hf_model = checkpoint
     model = load(directory, ops)
     assert model.config.architecture == "phi3"
-    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
-    expected = hf_logits(hf_model, PROMPT)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
 def test_the_config_carries_rotary_and_longrope(checkpoint: tuple[Path, Any]) -> None:
@@ -175,10 +173,7 @@ def test_the_plan_says_the_native_stack_has_no_partial_rotary(checkpoint: tuple[
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf_model = checkpoint
-    ids = list(PROMPT[:12])
-    for _ in range(10):  # transformers' own greedy choice, one full forward per token
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+    assert_greedy_matches(load(directory, "native"), hf_model, PROMPT[:12], 10)
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
@@ -230,14 +225,8 @@ def test_a_gguf_of_the_model_gives_the_same_logits_and_greedy_tokens(
     assert model.config.extra["rotary_dim"] == read_hf_config(directory).extra["rotary_dim"]
     assert model.config.max_position_embeddings == read_hf_config(directory).max_position_embeddings
     assert [layer.self_attn.window for layer in model.model.layers] == [hf_model.config.sliding_window] * 2
-    actual = model.compute_logits(forward_prompt(model, PROMPT))
-    expected = hf_logits(hf_model, PROMPT)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
-    ids = list(PROMPT[:12])
-    for _ in range(6):
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    assert greedy(model, PROMPT[:12], 6) == ids[12:]
+    assert_prompt_matches(model, hf_model, PROMPT)
+    assert_greedy_matches(model, hf_model, PROMPT[:12], 6)
 
 
 @pytest.mark.parametrize(

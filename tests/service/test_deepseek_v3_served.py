@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server_process import SERVER, ServerProcess, free_port
+from tests.served_family import FLOAT32, assert_transformers_tokens_and_prompt_logprobs, serve_greedy
+from tests.server_process import SERVER, free_port
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tests.tiny_deepseek import deepseek_v3
-from tokenmill_client import Client
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-
-NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -34,35 +32,17 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch
     return directory, model
 
 
-@torch.inference_mode()
 def test_a_served_deepseek_v3_gives_transformers_tokens_and_prompt_logprobs(
     tiny_deepseek: tuple[Path, torch.nn.Module],
 ) -> None:
     directory, hf_model = tiny_deepseek
-    args = ("--model", str(directory), "--dtype", "float32", "--quantization", "none", "--drain-seconds", "1")
-    server = ServerProcess(*args).start()
-    try:
-        with Client(server.address, timeout=120) as client:
-            events = list(
-                client.generate("Hello, DeepSeek!", max_new_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=True)
-            )
-            plan = dict(client.model_info().load_plan)
-    finally:
-        server.stop()
+    served = serve_greedy(directory, "Hello, DeepSeek!", *FLOAT32)
+    plan = served.plan
     assert plan["architecture"] == "deepseek_v3" and plan["kv_cache_layout"] == "latent blocks"
     # 3 layers x (64 latent + 64 rotary key) float32 values, against 4 heads x (96 + 32) per layer.
     assert plan["kv_cache_bytes_per_token"].startswith("1536 (") and "(4.0x)" in plan["kv_cache_bytes_per_token"]
     assert plan["linear_layers"] == "none/block_gemm-f32: 56"  # the experts' projections among the layers
-
-    prompt = events[0].prompt_tokens
-    ids = [t.id for t in prompt]
-    expected = list(ids)
-    for _ in range(NEW_TOKENS):
-        expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
-    assert [t.id for e in events for t in e.tokens] == expected[len(ids) :]
-    logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
-    for row, token in enumerate(prompt[1:]):
-        assert token.logprob is not None and abs(token.logprob - logprobs[row, token.id].item()) < 1e-4
+    assert_transformers_tokens_and_prompt_logprobs(hf_model, served)
 
 
 def test_softmax_routing_stops_the_server_with_exit_code_2(

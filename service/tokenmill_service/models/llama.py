@@ -59,21 +59,33 @@ GGUF_LAYER_NAMES = {
 }
 
 
-# transformers' default ``sliding_window`` where config.json has no such key (MistralConfig's is 4096).
-HF_DEFAULT_WINDOWS = {"MistralForCausalLM": 4096}
+# Architectures whose ``sliding_window`` applies to every layer -> transformers' default where
+# config.json has no such key (MistralConfig's is 4096; null: no window).
+EVERY_LAYER_WINDOWS: dict[str, int | None] = {
+    "MistralForCausalLM": 4096,
+    "MixtralForCausalLM": None,
+    "Phi3ForCausalLM": None,
+}
+# Architectures whose window applies only with ``use_sliding_window``, from ``max_window_layers`` on.
+FLAGGED_WINDOWS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
 def read_sliding_window(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
     """The sliding window as transformers applies it (its configuration and modeling files): Mistral,
-    Mixtral and Phi-3 to every layer when ``sliding_window`` is set (null: none); Qwen2 only with
-    ``use_sliding_window``, to the layers ``layer_types`` marks, or from ``max_window_layers`` on."""
-    window = raw.get("sliding_window", HF_DEFAULT_WINDOWS.get(hf_architecture))
-    if hf_architecture == "Qwen2ForCausalLM":
-        if not raw.get("use_sliding_window", False):
+    Mixtral and Phi-3 to every layer when ``sliding_window`` is set (null: none); Qwen2 and Qwen3 only
+    with ``use_sliding_window``, to the layers ``layer_types`` marks, or from ``max_window_layers`` on.
+    Any other architecture has none."""
+    if hf_architecture in FLAGGED_WINDOWS:
+        window = raw.get("sliding_window", 4096)
+        if not raw.get("use_sliding_window", False) or not window:
             return
         first = int(raw.get("max_window_layers", 28))
         types = raw.get("layer_types") or [SLIDING if i >= first else FULL for i in range(config.num_layers)]
         config.extra["layer_types"] = list(types)
+    elif hf_architecture in EVERY_LAYER_WINDOWS:
+        window = raw.get("sliding_window", EVERY_LAYER_WINDOWS[hf_architecture])
+    else:
+        return
     if window:
         config.extra["sliding_window"] = int(window)
 
