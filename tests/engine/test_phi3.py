@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.engine.family_checks import assert_greedy_matches, assert_prompt_matches, hf_logits, load
-from tests.engine.invariance import assert_alone_equals_crowd
+from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
@@ -178,9 +178,13 @@ def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
 def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any], ops: str) -> None:
-    """Prefill and the next decode step, alone and between two other sequences (block tables out of order)."""
-    model = load(checkpoint[0], ops)
+    """Prefill and the next decode step, alone and between two other sequences (block tables out of order);
+    with a window, a 26-token prompt (past the window) prefilled whole or 5 then decoded, the same bits."""
+    directory, hf_model = checkpoint
+    model = load(directory, ops)
     assert_alone_equals_crowd(model, PROMPT)
+    if hf_model.config.sliding_window:
+        assert_prefill_equals_decode(model, PROMPT[:26], prefilled=5)
 
 
 def _edited(directory: Path, tmp_path: Path, edit: dict[str, Any]) -> Path:
