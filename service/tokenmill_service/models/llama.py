@@ -68,14 +68,18 @@ EVERY_LAYER_WINDOWS: dict[str, int | None] = {
 }
 # Architectures whose window applies only with ``use_sliding_window``, from ``max_window_layers`` on.
 FLAGGED_WINDOWS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+# ... and only with ``use_sliding_window``, to every layer (transformers' Qwen3-MoE).
+FLAGGED_EVERY_LAYER_WINDOWS = frozenset({"Qwen3MoeForCausalLM"})
 
 
 def read_sliding_window(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
     """The sliding window as transformers applies it (its configuration and modeling files): Mistral,
     Mixtral and Phi-3 to every layer when ``sliding_window`` is set (null: none); Qwen2 and Qwen3 only
-    with ``use_sliding_window``, to the layers ``layer_types`` marks, or from ``max_window_layers`` on.
-    Any other architecture has none."""
-    if hf_architecture in FLAGGED_WINDOWS:
+    with ``use_sliding_window``, to the layers ``layer_types`` marks, or from ``max_window_layers`` on;
+    Qwen3-MoE only with ``use_sliding_window``, to every layer. Any other architecture has none."""
+    if hf_architecture in FLAGGED_EVERY_LAYER_WINDOWS:
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    elif hf_architecture in FLAGGED_WINDOWS:
         window = raw.get("sliding_window", 4096)
         if not raw.get("use_sliding_window", False) or not window:
             return
