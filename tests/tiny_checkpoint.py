@@ -1,11 +1,13 @@
 """A tiny random Llama checkpoint (Hugging Face layout) written into a directory, for service tests
 that need a real model but not a good one: two layers, head_dim 32, two query heads per KV head, a
-byte-level tokenizer of 256 bytes + EOS."""
+byte-level tokenizer of 256 bytes + EOS; the byte-level tokenizer and the weight sharpening every
+served-family test's checkpoint uses."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def write_byte_level_tokenizer(directory: Path, *more_special: str) -> None:
@@ -20,6 +22,18 @@ def write_byte_level_tokenizer(directory: Path, *more_special: str) -> None:
     tok.add_special_tokens(["<|eos|>", *more_special])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+
+
+def sharpen(model: Any, norm_center: float = 1.0) -> Any:
+    """Weights sharper than transformers' initialisation (so greedy choices are no near-ties) and norms
+    away from ``norm_center`` (1; Gemma's 0, as it multiplies by 1 + w), drawn from torch's global
+    generator (seed it first); ``model`` in eval mode."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.1 if "norm" in name else 0.2) + ("norm" in name) * norm_center)
+    return model.eval()
 
 
 def write_tiny_llama(directory: Path) -> Path:
@@ -39,9 +53,6 @@ def write_tiny_llama(directory: Path) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper than the default init, so greedy choices are not near-ties
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn_like(param) * 0.1 + 1.0 if "norm" in name else torch.randn_like(param) * 0.2)
+    model = sharpen(transformers.LlamaForCausalLM(config))
     model.save_pretrained(directory, safe_serialization=True)
     return directory

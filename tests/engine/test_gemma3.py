@@ -13,14 +13,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.engine.family_checks import (
+    assert_default_within_bounds,
+    assert_greedy_matches,
+    assert_prompt_matches,
+    hf_logits,
+    load,
+    tensor_parallel_logits,
+)
 from tests.engine.gemma_checkpoints import PROMPT, WINDOW, convert_gemma_to_gguf, gemma3
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
-from tests.engine.test_gemma2 import _free_port, _rank_logits, hf_logits, load
-from tests.engine.test_qwen3 import greedy
 from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.hf_loader import read_hf_config
 from tokenmill_service.models.loader import load_model
 
@@ -39,11 +43,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
 @torch.inference_mode()
 def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
     directory, hf_model = checkpoint
-    model = load(directory, ops)
-    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
-    expected = hf_logits(hf_model, PROMPT)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    assert_prompt_matches(load(directory, ops), hf_model, PROMPT)
 
 
 def test_the_config_is_gemma3s(checkpoint: tuple[Path, Any]) -> None:
@@ -72,10 +72,7 @@ def test_the_plan_says_the_native_stack_has_no_windows(checkpoint: tuple[Path, A
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf_model = checkpoint
-    ids = list(PROMPT[:12])
-    for _ in range(12):  # to position 24, three windows
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    assert greedy(load(directory, "native"), PROMPT[:12], 12) == ids[12:]
+    assert_greedy_matches(load(directory, "native"), hf_model, PROMPT[:12], 12)  # to position 24, three windows
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
@@ -96,26 +93,15 @@ def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path) -> None:
     model = load_model(path, dtype=torch.float32, quantization="none")
     assert model.config.architecture == "gemma3"
     assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW] * 5 + [None]
-    with torch.inference_mode():
-        actual = model.compute_logits(forward_prompt(model, PROMPT))
-    torch.testing.assert_close(actual, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
-@torch.inference_mode()
 def test_the_default_configuration_is_within_the_defaults_bounds(checkpoint: tuple[Path, Any]) -> None:
-    directory, hf_model = checkpoint
-    model = load_model(directory)
-    got = torch.log_softmax(make_executor(model).compute_logits(forward_prompt(model, PROMPT)).double(), -1)
-    want = torch.log_softmax(hf_logits(hf_model, PROMPT).double(), -1)
-    targets = torch.tensor(PROMPT[1:])[:, None]
-    error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
-    assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())
+    assert_default_within_bounds(*checkpoint, PROMPT)
 
 
 def test_two_tensor_parallel_ranks_give_transformers_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
     directory, hf_model = checkpoint
-    out = tmp_path / "logits.pt"
-    mp.spawn(_rank_logits, args=(2, _free_port(), str(directory), str(out)), nprocs=2)
-    sharded = torch.load(out)
+    sharded = tensor_parallel_logits(directory, PROMPT, tmp_path, float32=True)
     assert sharded["heads"] == 2
     torch.testing.assert_close(sharded["logits"], hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)

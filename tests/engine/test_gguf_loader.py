@@ -211,6 +211,9 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Phi-3's fused tensors, as llama.cpp names them (gate and up rows together in ffn_up).
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
     # A mixture of experts (transformers 5 holds each layer's experts stacked, gate and up together).
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.experts.down_proj": "ffn_down_exps.weight",
@@ -275,7 +278,7 @@ def convert_hf_to_gguf(
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:  # else the reader's default (Qwen3's usually is not)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     writer.add_vocab_size(cfg.vocab_size)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg.rope_parameters, head_dim).numpy())

@@ -8,20 +8,23 @@ batch, and each multiplier shown to matter.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 import gguf
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.engine.family_checks import (
+    assert_greedy_matches,
+    assert_prompt_matches,
+    hf_logits,
+    load,
+    tensor_parallel_logits,
+    whole_model_logits,
+)
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
-from tests.engine.test_qwen3 import greedy, hf_logits, load
-from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.hf_loader import read_hf_config
@@ -69,10 +72,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     directory, hf_model = checkpoint
     model = load(directory, ops)
     assert model.config.architecture == "granite"
-    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
-    expected = hf_logits(hf_model, PROMPT)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
 def test_the_config_carries_the_multipliers(checkpoint: tuple[Path, Any]) -> None:
@@ -114,10 +114,7 @@ def test_the_plan_says_the_native_stack_has_no_residual_multiplier(checkpoint: t
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf_model = checkpoint
-    ids = list(PROMPT[:12])
-    for _ in range(10):  # transformers' own greedy choice, one full forward per token
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+    assert_greedy_matches(load(directory, "native"), hf_model, PROMPT[:12], 10)
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
@@ -143,39 +140,14 @@ def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path, tied: bool) -
     convert_hf_to_gguf(hf_model, "granite", path, permute=True, metadata=_granite_keys)
     model = load_model(path)
     assert model.config.architecture == "granite" and model.config.tie_word_embeddings is tied
-    with torch.inference_mode():
-        actual = model.compute_logits(forward_prompt(model, PROMPT))
-    torch.testing.assert_close(actual, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
 # -- tensor parallel (gloo on CPU, real processes; as tests/engine/test_tensor_parallel.py) -----------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_logits(rank: int, size: int, port: int, path: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        model = load_model(Path(path), tp=TensorParallel(rank, size))
-        logits = model.compute_logits(forward_prompt(model, PROMPT))
-        if rank == 0:
-            torch.save({"logits": logits, "heads": model.model.layers[0].self_attn.num_heads}, out)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_tensor_parallel_ranks_give_the_whole_models_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
     directory, _ = checkpoint
-    out = tmp_path / "logits.pt"
-    mp.spawn(_rank_logits, args=(2, _free_port(), str(directory), str(out)), nprocs=2)
-    sharded = torch.load(out)
+    sharded = tensor_parallel_logits(directory, PROMPT, tmp_path)
     assert sharded["heads"] == 2
-    model = load_model(directory)
-    with torch.inference_mode():
-        whole = model.compute_logits(forward_prompt(model, PROMPT))
-    torch.testing.assert_close(sharded["logits"], whole, atol=1e-4, rtol=0)
+    torch.testing.assert_close(sharded["logits"], whole_model_logits(directory, PROMPT), atol=1e-4, rtol=0)

@@ -1,4 +1,6 @@
-"""Hugging Face checkpoints of each supported architecture load and give transformers' own logits."""
+"""Hugging Face checkpoints of each supported architecture load and give transformers' own logits
+(Mistral's sliding window on every layer, Qwen2's on the layers from ``max_window_layers`` on, each of
+16 tokens under a prompt of 40)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models import paths
-from tokenmill_service.models.hf_loader import HFCheckpointError
+from tokenmill_service.models.config import has_windows, layer_window
+from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 from tokenmill_service.models.loader import (
     DEFAULT_MODEL_INSTALL_HINT,
     ModelLoadError,
@@ -63,12 +66,22 @@ def llama_tied() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=True))
 
 
+WINDOW = 16  # tokens: the prompts below are 40
+
+
 def mistral() -> torch.nn.Module:
-    return transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=128))
+    # head_dim 64: the native attention kernel's, so its window is the one compared (16 runs the torch ops).
+    config = transformers.MistralConfig(**TINY, head_dim=64, sliding_window=WINDOW)
+    return transformers.MistralForCausalLM(config)
 
 
 def qwen2() -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, tie_word_embeddings=False))
+
+
+def qwen2_sliding() -> torch.nn.Module:
+    config = transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    return transformers.Qwen2ForCausalLM(config)
 
 
 # (builder, shard the checkpoint?)
@@ -77,6 +90,7 @@ CHECKPOINTS: dict[str, tuple[Callable[[], torch.nn.Module], bool]] = {
     "llama-tied": (llama_tied, False),
     "mistral": (mistral, False),
     "qwen2-qkv-bias": (qwen2, False),
+    "qwen2-sliding-second-layer": (qwen2_sliding, False),
 }
 
 
@@ -121,8 +135,36 @@ def test_config_reflects_each_architecture(tmp_path: Path) -> None:
     assert configs["llama-tied"].tie_word_embeddings
     assert configs["qwen2-qkv-bias"].attention_bias
     assert not configs["mistral"].attention_bias
-    # Sliding-window attention is not implemented, so the usable context stops at the window.
-    assert configs["mistral"].max_position_embeddings == 128
+    # Sliding windows are served per layer: the context stays the model's whole one.
+    assert configs["mistral"].max_position_embeddings == 256
+    windows = {kind: [layer_window(config, i) for i in range(2)] for kind, config in configs.items()}
+    assert windows["mistral"] == [WINDOW, WINDOW] and windows["qwen2-sliding-second-layer"] == [None, WINDOW]
+    assert windows["qwen2-qkv-bias"] == windows["llama-tied"] == [None, None]
+
+
+def test_a_sliding_window_is_what_the_logits_depend_on(tmp_path: Path) -> None:
+    """Guards the comparison above: Mistral's layers attending to the whole prompt are far from transformers'."""
+    hf_model = _save(mistral, False, tmp_path / "m")
+    model = load_model(tmp_path / "m")
+    assert model.plan.executor.value == "eager" and "sliding window" in model.plan.executor.reason
+    for layer in model.model.layers:
+        layer.self_attn.window = None
+    ids = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        far = model.compute_logits(forward_prompt(model, ids.tolist())) - hf_model(ids[None]).logits[0]
+    assert far.abs().max() > 1e-2
+
+
+def test_a_null_sliding_window_is_none(tmp_path: Path) -> None:
+    _save(mistral, False, tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**raw, "sliding_window": None}))
+    assert not has_windows(read_hf_config(tmp_path / "m"))
+    # Absent, it is transformers' MistralConfig default (4096): longer than this context, so none either.
+    del raw["sliding_window"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    config = read_hf_config(tmp_path / "m")
+    assert config.extra["sliding_window"] == 4096 and not has_windows(config)
 
 
 def test_tied_checkpoint_loads_the_head_from_the_embedding(tmp_path: Path) -> None:

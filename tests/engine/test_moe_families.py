@@ -151,6 +151,29 @@ def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path, family: str) 
     torch.testing.assert_close(actual, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@torch.inference_mode()
+def test_a_sliding_window_on_every_layer_gives_the_transformers_logits(tmp_path: Path, family: str) -> None:
+    """Mixtral's ``sliding_window`` and Qwen3-MoE's (with ``use_sliding_window``) window every layer, as
+    transformers' mask does: 16 tokens under a prompt of 40, the model's whole context still served."""
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, num_local_experts=4, sliding_window=16)
+        hf = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **COMMON, num_experts=8, moe_intermediate_size=64, use_sliding_window=True, sliding_window=16
+        )
+        hf = transformers.Qwen3MoeForCausalLM(config)
+    _randomize(hf, seed=1)
+    hf.eval().save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(tmp_path, dtype=torch.float32, quantization="none")
+    assert [layer.self_attn.window for layer in model.model.layers] == [16, 16]
+    assert model.config.max_position_embeddings == COMMON["max_position_embeddings"]
+    actual = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(actual, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def q8_experts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A GGUF whose stacked experts are Q8_0 (the rest float32)."""

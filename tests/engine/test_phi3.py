@@ -1,8 +1,10 @@
 """Phi-3 / Phi-4-mini: tiny random transformers checkpoints (fused qkv_proj and gate_up_proj in the
-file) with whole-head rotary untied, partial rotary tied (Phi-4-mini's shape), and partial rotary with
-LongRoPE, served as transformers computes them: logits and prompt logprobs within 1e-4 (float32,
-dense) on each ops backend (native CPU ops, the torch reference, triton), the same greedy tokens, a prompt bitwise the same
-alone and in a batch; the fused split shown to matter, and what is not served refused or capped.
+file) with whole-head rotary untied and a sliding window of 16 tokens on every layer (under a 40-token
+prompt), partial rotary tied (Phi-4-mini's shape), and partial rotary with LongRoPE, served as
+transformers computes them: logits and prompt logprobs within 1e-4 (float32, dense) on each ops backend
+(native CPU ops, the torch reference, triton), the same greedy tokens, the same from a GGUF of each as
+llama.cpp's converter writes it, a prompt bitwise the same alone and in a batch; the fused split shown
+to matter, and what is not served refused or capped.
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ import math
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
-from tests.engine.invariance import assert_alone_equals_crowd
-from tests.engine.test_gguf_loader import _randomize
-from tests.engine.test_qwen3 import greedy, hf_logits, load
-from tests.triton_setup import DEVICE  # noqa: F401 - before anything imports triton: its interpreter without a GPU
+from tests.engine.family_checks import assert_greedy_matches, assert_prompt_matches, hf_logits, load
+from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
+from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.models.config import layer_window
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.phi3 import Phi3ForCausalLM
@@ -48,8 +52,9 @@ LONGROPE = {
     "long_factor": [4.0 + i for i in range(ROTARY_DIM // 2)],
     "original_max_position_embeddings": 128,
 }
+WINDOW = 16  # tokens, every layer (Phi-3's sliding_window): the prompt is 40
 VARIANTS = {  # id -> (tied, Phi3Config keywords)
-    "untied": (False, {}),
+    "untied-window": (False, {"sliding_window": WINDOW}),
     "tied-partial": (True, {"partial_rotary_factor": 0.5}),
     "untied-partial-longrope": (
         False,
@@ -94,10 +99,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     directory, hf_model = checkpoint
     model = load(directory, ops)
     assert model.config.architecture == "phi3"
-    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
-    expected = hf_logits(hf_model, PROMPT)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
 def test_the_config_carries_rotary_and_longrope(checkpoint: tuple[Path, Any]) -> None:
@@ -112,6 +114,9 @@ def test_the_config_carries_rotary_and_longrope(checkpoint: tuple[Path, Any]) ->
         assert config.max_position_embeddings == 128  # the long factors are not served: capped
     else:
         assert "rope_short_factor" not in config.extra and config.max_position_embeddings == 256
+    # A sliding window applies to every layer and leaves the context whole.
+    windows = [layer_window(config, i) for i in range(2)]
+    assert windows == ([WINDOW, WINDOW] if hf_model.config.sliding_window else [None, None])
 
 
 def _swap(pieces: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
@@ -168,17 +173,18 @@ def test_the_plan_says_the_native_stack_has_no_partial_rotary(checkpoint: tuple[
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf_model = checkpoint
-    ids = list(PROMPT[:12])
-    for _ in range(10):  # transformers' own greedy choice, one full forward per token
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+    assert_greedy_matches(load(directory, "native"), hf_model, PROMPT[:12], 10)
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
 def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[Path, Any], ops: str) -> None:
-    """Prefill and the next decode step, alone and between two other sequences (block tables out of order)."""
-    model = load(checkpoint[0], ops)
+    """Prefill and the next decode step, alone and between two other sequences (block tables out of order);
+    with a window, a 26-token prompt (past the window) prefilled whole or 5 then decoded, the same bits."""
+    directory, hf_model = checkpoint
+    model = load(directory, ops)
     assert_alone_equals_crowd(model, PROMPT)
+    if hf_model.config.sliding_window:
+        assert_prefill_equals_decode(model, PROMPT[:26], prefilled=5)
 
 
 def _edited(directory: Path, tmp_path: Path, edit: dict[str, Any]) -> Path:
@@ -189,9 +195,42 @@ def _edited(directory: Path, tmp_path: Path, edit: dict[str, Any]) -> Path:
     return tmp_path
 
 
-def test_a_sliding_window_caps_the_context(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
-    config = read_hf_config(_edited(checkpoint[0], tmp_path, {"sliding_window": 96}))
-    assert config.max_position_embeddings == 96
+def phi3_gguf_metadata(hf_model: Any) -> Any:
+    """What llama.cpp's converter (Phi3MiniModel) adds to the common keys: the sliding window (0: none),
+    the original context, and for LongRoPE the attention factor and the factors as tensors."""
+    cfg, rope = hf_model.config, hf_model.config.rope_parameters
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = rope.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    return write
+
+
+@torch.inference_mode()
+def test_a_gguf_of_the_model_gives_the_same_logits_and_greedy_tokens(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """llama.cpp's phi3 GGUF: fused attn_qkv and ffn_up (gate and up) split by the loader, rotary dims from
+    rope.dimension_count, the LongRoPE factors from their tensors, the window from its key."""
+    directory, hf_model = checkpoint
+    path = tmp_path / "tiny-phi3.gguf"
+    convert_hf_to_gguf(hf_model, "phi3", path, metadata=phi3_gguf_metadata(hf_model))
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "blk.0.attn_qkv.weight" in names and "blk.0.ffn_gate.weight" not in names
+    model = load_model(path, dtype=torch.float32, quantization="none")
+    assert model.config.architecture == "phi3"
+    assert model.config.extra["rotary_dim"] == read_hf_config(directory).extra["rotary_dim"]
+    assert model.config.max_position_embeddings == read_hf_config(directory).max_position_embeddings
+    assert [layer.self_attn.window for layer in model.model.layers] == [hf_model.config.sliding_window] * 2
+    assert_prompt_matches(model, hf_model, PROMPT)
+    assert_greedy_matches(model, hf_model, PROMPT[:12], 6)
 
 
 @pytest.mark.parametrize(

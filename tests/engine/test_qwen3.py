@@ -7,29 +7,24 @@ prompt's logits bitwise the same alone and in a batch of others.
 
 from __future__ import annotations
 
-import dataclasses
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.engine.family_checks import (
+    assert_greedy_matches,
+    assert_prompt_matches,
+    load,
+    tensor_parallel_logits,
+    whole_model_logits,
+)
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
-from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
-from tokenmill_service.models.builder import build_model
-from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.hf_loader import read_hf_config
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.plan import LoadOptions
-from tokenmill_service.plan.device import probe_device
-from tokenmill_service.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,38 +59,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return directory, hf_model
 
 
-def load(directory: Path, ops: str) -> Any:
-    """The checkpoint at float32, dense, on the ``ops`` backend (``torch``: the reference ops, as a
-    machine without tokenmill's native attention kernel gets them)."""
-    if ops == "native":
-        model = load_model(directory, dtype=torch.float32, quantization="none")
-    elif ops == "triton":
-        model = load_model(directory, dtype=torch.float32, quantization="none", backend="triton", device=DEVICE.type)
-    else:
-        facts = probe_device("cpu")
-        facts = dataclasses.replace(facts, native_missing={**facts.native_missing, "paged_attention": "not asked"})
-        checkpoint = open_checkpoint(directory)
-        options = LoadOptions(model=str(directory), dtype="float32", quantization="none")
-        model = build_model(resolve_plan(options, checkpoint, facts), checkpoint)
-    assert model.plan.ops.value == ops
-    return model
-
-
-def hf_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf_model(torch.tensor([ids])).logits[0]
-
-
 @pytest.mark.parametrize("ops", OPS)
 @torch.inference_mode()
 def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any], ops: str) -> None:
     directory, hf_model = checkpoint
     model = load(directory, ops)
     assert model.config.architecture == "qwen3" and model.config.head_dim == 64
-    actual = model.compute_logits(forward_prompt(model, PROMPT)).cpu()
-    expected = hf_logits(hf_model, PROMPT)
-    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
 def test_the_config_and_the_weights_are_qwen3s(checkpoint: tuple[Path, Any]) -> None:
@@ -121,24 +91,9 @@ def test_the_plan_says_the_native_stack_has_no_qk_norm(checkpoint: tuple[Path, A
         make_executor(model, "native-stack")
 
 
-def greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens through the runner's paged KV cache: a prefill, then one decode step per token."""
-    runner = ModelRunner(model, block_size=16, num_blocks=8)
-    ids, start, table = list(prompt), 0, list(range(8))
-    for _ in range(new_tokens):
-        new = ids[start:]
-        logits, _ = runner.execute(StepPlan(new, [len(new)], [start], [table], [len(new) - 1], []))
-        start = len(ids)
-        ids.append(int(logits[0].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf_model = checkpoint
-    ids = list(PROMPT[:12])
-    for _ in range(10):  # transformers' own greedy choice, one full forward per token
-        ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    assert greedy(load(directory, "native"), PROMPT[:12], 10) == ids[12:]
+    assert_greedy_matches(load(directory, "native"), hf_model, PROMPT[:12], 10)
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
@@ -158,41 +113,14 @@ def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path, tied: bool) -
     model = load_model(path)
     assert model.config.architecture == "qwen3" and model.config.head_dim == 64
     assert model.config.tie_word_embeddings is tied
-    with torch.inference_mode():
-        actual = model.compute_logits(forward_prompt(model, PROMPT))
-    torch.testing.assert_close(actual, hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0)
+    assert_prompt_matches(model, hf_model, PROMPT)
 
 
 # -- tensor parallel (gloo on CPU, real processes; as tests/engine/test_tensor_parallel.py) -----------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_logits(rank: int, size: int, port: int, path: str, out: str) -> None:
-    """One rank: join the group, load this rank's heads, write the gathered logits (rank 0)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        model = load_model(Path(path), tp=TensorParallel(rank, size))
-        attn = model.model.layers[0].self_attn
-        logits = model.compute_logits(forward_prompt(model, PROMPT))
-        if rank == 0:
-            torch.save({"logits": logits, "heads": attn.num_heads, "q_norm": tuple(attn.q_norm.weight.shape)}, out)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_tensor_parallel_ranks_give_the_whole_models_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
     directory, _ = checkpoint
-    out = tmp_path / "logits.pt"
-    mp.spawn(_rank_logits, args=(2, _free_port(), str(directory), str(out)), nprocs=2)
-    sharded = torch.load(out)
+    sharded = tensor_parallel_logits(directory, PROMPT, tmp_path)
     assert sharded["heads"] == 2 and sharded["q_norm"] == (64,)  # half the heads, the whole norm
-    model = load_model(directory)
-    with torch.inference_mode():
-        whole = model.compute_logits(forward_prompt(model, PROMPT))
-    torch.testing.assert_close(sharded["logits"], whole, atol=1e-4, rtol=0)
+    torch.testing.assert_close(sharded["logits"], whole_model_logits(directory, PROMPT), atol=1e-4, rtol=0)

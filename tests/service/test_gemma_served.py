@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from tests.engine.gemma_checkpoints import WINDOW
-from tests.server_process import ServerProcess
-from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_client import Client
+from tests.served_family import FLOAT32, assert_transformers_tokens_and_prompt_logprobs, serve_greedy
+from tests.tiny_checkpoint import sharpen, write_byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-NEW_TOKENS = 8
 PROMPT = "Hello, Gemma 2! A window of eight tokens slides."  # one token per byte: six windows
 
 
@@ -41,37 +39,18 @@ def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.n
         final_logit_softcapping=8.0,
     )
     torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config)
-    with torch.no_grad():  # norms away from 0 (Gemma multiplies by 1 + w), sharper weights: no near-ties
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn_like(param) * 0.1 if "norm" in name else torch.randn_like(param) * 0.2)
+    model = sharpen(transformers.Gemma2ForCausalLM(config), norm_center=0.0)  # Gemma multiplies by 1 + w
     model.save_pretrained(directory, safe_serialization=True)
-    return directory, model.eval()
+    return directory, model
 
 
-@torch.inference_mode()
 def test_a_served_gemma2_gives_transformers_tokens_and_prompt_logprobs(
     tiny_gemma2: tuple[Path, torch.nn.Module],
 ) -> None:
     directory, hf_model = tiny_gemma2
-    args = ("--model", str(directory), "--dtype", "float32", "--quantization", "none", "--drain-seconds", "1")
-    server = ServerProcess(*args).start()
-    try:
-        with Client(server.address, timeout=120) as client:
-            events = list(client.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=True))
-            plan = dict(client.model_info().load_plan)
-    finally:
-        server.stop()
-    assert plan["architecture"] == "gemma2"
-    assert plan["executor"].startswith("eager (") and "gemma2 family has no native stack" in plan["executor"]
-
-    prompt = events[0].prompt_tokens
-    ids = [t.id for t in prompt]
-    assert len(ids) > 4 * WINDOW
-    expected = list(ids)
-    for _ in range(NEW_TOKENS):
-        expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
-    assert [t.id for e in events for t in e.tokens] == expected[len(ids) :]
-    logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
-    for row, token in enumerate(prompt[1:]):
-        assert token.logprob is not None and abs(token.logprob - logprobs[row, token.id].item()) < 1e-4
+    served = serve_greedy(directory, PROMPT, *FLOAT32)
+    assert served.plan["architecture"] == "gemma2"
+    executor = served.plan["executor"]
+    assert executor.startswith("eager (") and "gemma2 family has no native stack" in executor
+    assert len(served.events[0].prompt_tokens) > 4 * WINDOW
+    assert_transformers_tokens_and_prompt_logprobs(hf_model, served)

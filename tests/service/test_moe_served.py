@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.served_family import FLOAT32, assert_transformers_tokens_and_prompt_logprobs, serve_greedy
 from tests.server_process import ServerProcess
-from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_client import Client
+from tests.tiny_checkpoint import sharpen, write_byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-NEW_TOKENS = 8
-FLAGS = ("--dtype", "float32", "--quantization", "none", "--drain-seconds", "1")
+FLAGS = FLOAT32
 
 
 @pytest.fixture(scope="module")
@@ -42,39 +41,19 @@ def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.
         rms_norm_eps=1e-5,
     )
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config)
-    with torch.no_grad():  # norms away from 1, sharper weights: no near-ties between tokens or experts
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn_like(param) * 0.1 + 1.0 if "norm" in name else torch.randn_like(param) * 0.2)
+    model = sharpen(transformers.MixtralForCausalLM(config))  # no near-ties between tokens or experts
     model.save_pretrained(directory, safe_serialization=True)
-    return directory, model.eval()
+    return directory, model
 
 
-@torch.inference_mode()
 def test_two_expert_parallel_ranks_serve_transformers_tokens_and_prompt_logprobs(
     tiny_mixtral: tuple[Path, torch.nn.Module],
 ) -> None:
     directory, hf_model = tiny_mixtral
-    server = ServerProcess("--model", str(directory), "--tensor-parallel", "2", "--expert-parallel", *FLAGS).start()
-    try:
-        with Client(server.address, timeout=120) as client:
-            events = list(
-                client.generate("Hello, Mixtral!", max_new_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=True)
-            )
-            plan = dict(client.model_info().load_plan)
-    finally:
-        server.stop()
+    served = serve_greedy(directory, "Hello, Mixtral!", "--tensor-parallel", "2", "--expert-parallel", *FLAGS)
+    plan = served.plan
     assert (plan["architecture"], plan["tensor_parallel"], plan["expert_parallel"]) == ("mixtral", "2", "true")
-
-    prompt = events[0].prompt_tokens
-    ids = [t.id for t in prompt]
-    expected = list(ids)
-    for _ in range(NEW_TOKENS):
-        expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
-    assert [t.id for e in events for t in e.tokens] == expected[len(ids) :]
-    logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
-    for row, token in enumerate(prompt[1:]):
-        assert token.logprob is not None and abs(token.logprob - logprobs[row, token.id].item()) < 1e-4
+    assert_transformers_tokens_and_prompt_logprobs(hf_model, served)
 
 
 def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_refused_at_start(

@@ -1,5 +1,6 @@
 """`tokenmill-server --model` a Qwen3 Hugging Face directory: through the RPC, transformers' greedy
-tokens and prompt logprobs, and a load plan that says why the layers run one by one."""
+tokens and prompt logprobs, and a load plan that says why the layers run one by one; the same with
+`--backend triton` (its interpreter, TRITON_INTERPRET=1, on a CPU)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server_process import ServerProcess
-from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_client import Client
+from tests.served_family import FLOAT32, assert_transformers_tokens_and_prompt_logprobs, serve_greedy
+from tests.tiny_checkpoint import sharpen, write_byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-
-NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -36,38 +34,26 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config)
-    with torch.no_grad():  # norms (q_norm and k_norm too) away from 1, sharper weights: no near-ties
-        for name, param in model.named_parameters():
-            param.copy_(torch.randn_like(param) * 0.1 + 1.0 if "norm" in name else torch.randn_like(param) * 0.2)
+    model = sharpen(transformers.Qwen3ForCausalLM(config))  # q_norm and k_norm away from 1 too
     model.save_pretrained(directory, safe_serialization=True)
-    return directory, model.eval()
+    return directory, model
 
 
-@torch.inference_mode()
 def test_a_served_qwen3_gives_transformers_tokens_and_prompt_logprobs(
     tiny_qwen3: tuple[Path, torch.nn.Module],
 ) -> None:
     directory, hf_model = tiny_qwen3
-    args = ("--model", str(directory), "--dtype", "float32", "--quantization", "none", "--drain-seconds", "1")
-    server = ServerProcess(*args).start()
-    try:
-        with Client(server.address, timeout=120) as client:
-            events = list(
-                client.generate("Hello, Qwen3!", max_new_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=True)
-            )
-            plan = dict(client.model_info().load_plan)
-    finally:
-        server.stop()
-    assert plan["architecture"] == "qwen3"
-    assert plan["executor"].startswith("eager (") and "qwen3 family has no native stack" in plan["executor"]
+    served = serve_greedy(directory, "Hello, Qwen3!", *FLOAT32)
+    assert served.plan["architecture"] == "qwen3"
+    executor = served.plan["executor"]
+    assert executor.startswith("eager (") and "qwen3 family has no native stack" in executor
+    assert_transformers_tokens_and_prompt_logprobs(hf_model, served)
 
-    prompt = events[0].prompt_tokens
-    ids = [t.id for t in prompt]
-    expected = list(ids)
-    for _ in range(NEW_TOKENS):
-        expected.append(int(hf_model(torch.tensor([expected])).logits[0, -1].argmax()))
-    assert [t.id for e in events for t in e.tokens] == expected[len(ids) :]
-    logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
-    for row, token in enumerate(prompt[1:]):
-        assert token.logprob is not None and abs(token.logprob - logprobs[row, token.id].item()) < 1e-4
+
+def test_a_qwen3_served_by_triton_in_the_interpreter_gives_transformers_tokens_and_prompt_logprobs(
+    tiny_qwen3: tuple[Path, torch.nn.Module],
+) -> None:
+    directory, hf_model = tiny_qwen3
+    served = serve_greedy(directory, "Qwen3, triton", "--backend", "triton", *FLOAT32, env={"TRITON_INTERPRET": "1"})
+    assert served.backend == "triton" and served.plan["architecture"] == "qwen3"
+    assert_transformers_tokens_and_prompt_logprobs(hf_model, served)

@@ -1,6 +1,6 @@
 """`tokenmill-server --backend triton`: refused at once without a GPU (unless Triton's interpreter is
-on), and with TRITON_INTERPRET=1 the same greedy tokens and prompt logprobs as `--backend torch`
-through the RPC, on a tiny random Llama checkpoint written here."""
+on), and with TRITON_INTERPRET=1 transformers' greedy tokens and prompt logprobs through the RPC, on a
+tiny random Llama checkpoint written here (Qwen3's: tests/service/test_qwen3_served.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.server_process import SERVER, ServerProcess
+from tests.served_family import FLOAT32, assert_transformers_tokens_and_prompt_logprobs, serve_greedy_each
+from tests.server_process import SERVER
 from tests.tiny_checkpoint import write_tiny_llama
-from tokenmill_client import Client
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -28,30 +27,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _serve_and_generate(model: Path, backend: str, env: dict[str, str]) -> tuple[list[Any], Any]:
-    args = ("--model", str(model), "--backend", backend, "--dtype", "float32", "--quantization", "none")
-    server = ServerProcess(*args, "--drain-seconds", "1", env=env).start()
-    try:
-        with Client(server.address, timeout=120) as client:
-            runs = []
-            for prompt in PROMPTS:
-                events = list(client.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=True))
-                runs.append(([t.id for e in events for t in e.tokens], events[0].prompt_tokens))
-            return runs, client.model_info()
-    finally:
-        server.stop()
-
-
-def test_triton_in_the_interpreter_serves_what_torch_serves(tiny_llama: Path) -> None:
-    torch_runs, torch_info = _serve_and_generate(tiny_llama, "torch", {})
-    triton_runs, triton_info = _serve_and_generate(tiny_llama, "triton", {"TRITON_INTERPRET": "1"})
-    assert (torch_info.backend, triton_info.backend) == ("torch", "triton")
-    assert triton_info.dtype == "float32"
-    for (want_ids, want_prompt), (got_ids, got_prompt) in zip(torch_runs, triton_runs, strict=True):
-        assert len(got_ids) == NEW_TOKENS and got_ids == want_ids
-        assert [t.id for t in got_prompt] == [t.id for t in want_prompt]
-        for want, got in zip(want_prompt[1:], got_prompt[1:], strict=True):
-            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+def test_triton_in_the_interpreter_serves_transformers_tokens_and_prompt_logprobs(tiny_llama: Path) -> None:
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype="float32").eval()
+    flags = ("--backend", "triton", *FLOAT32)
+    runs = serve_greedy_each(tiny_llama, PROMPTS, *flags, new_tokens=NEW_TOKENS, env={"TRITON_INTERPRET": "1"})
+    for served in runs:
+        assert served.backend == "triton" and served.plan["dtype"].startswith("float32")
+        assert_transformers_tokens_and_prompt_logprobs(hf_model, served, NEW_TOKENS)
 
 
 def test_triton_without_a_gpu_or_the_interpreter_exits_2_before_loading_the_model(tmp_path: Path) -> None:

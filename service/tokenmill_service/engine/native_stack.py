@@ -23,6 +23,8 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         # The stack would run Llama's layers and silently skip what the family adds (Qwen3's q/k norms).
         gap = getattr(type(model), "native_stack_gap", "")
         raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
+    if any(getattr(ly.self_attn, "window", None) is not None for ly in model.model.layers):
+        raise ValueError("the native stack attends to the whole context; this model's layers have a sliding window")
     layers = []
     for ly in model.model.layers:
         linears = {

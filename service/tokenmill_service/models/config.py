@@ -33,4 +33,28 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
 
-__all__ = ["ModelConfig", "RopeScaling"]
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_window(config: ModelConfig, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx``, in tokens (a query at position p sees p - window + 1 .. p,
+    as transformers' sliding-window mask), or None: it attends to the whole context.
+
+    ``extra["sliding_window"]`` is the window (absent or None: no layer has one); ``extra["layer_types"]``
+    says which layers have it (``SLIDING`` / ``FULL`` per layer; absent: every layer, as Mistral and Phi-3).
+    A window as long as the context is none."""
+    window = config.extra.get("sliding_window")
+    if not isinstance(window, int) or window >= config.max_position_embeddings:
+        return None
+    layer_types = config.extra.get("layer_types")
+    if isinstance(layer_types, list) and layer_types[layer_idx] != SLIDING:
+        return None
+    return window
+
+
+def has_windows(config: ModelConfig) -> bool:
+    """Whether any layer attends within a sliding window."""
+    return any(layer_window(config, i) is not None for i in range(config.num_layers))
+
+
+__all__ = ["FULL", "SLIDING", "ModelConfig", "RopeScaling", "has_windows", "layer_window"]

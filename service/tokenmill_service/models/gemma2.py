@@ -36,7 +36,7 @@ from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
 from tokenmill_service.models.llama import (
     GGUF_LAYER_NAMES,
     LlamaAttention,
@@ -47,8 +47,6 @@ from tokenmill_service.models.llama import (
     Regions,
 )
 from tokenmill_service.models.registry import register_model
-
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 GEMMA_GGUF_LAYER_NAMES = {
     **GGUF_LAYER_NAMES,
@@ -74,15 +72,6 @@ def gemma_norm(config: ModelConfig, dim: int, ops: Ops, out_dtype: torch.dtype) 
     return GemmaRMSNorm(dim, config.rms_norm_eps, ops, out_dtype, cast(float, config.extra["norm_offset"]))
 
 
-def layer_window(config: ModelConfig, layer_idx: int) -> int | None:
-    """The sliding window of layer ``layer_idx`` (None: it attends to the whole context)."""
-    window = config.extra.get("sliding_window")
-    layer_types = cast(list[str], config.extra["layer_types"])
-    if layer_types[layer_idx] != SLIDING or not isinstance(window, int) or window >= config.max_position_embeddings:
-        return None  # a window as long as the context is none
-    return window
-
-
 def _optional(value: object) -> float | None:
     return float(cast(float, value)) if value else None
 
@@ -100,7 +89,6 @@ class Gemma2Attention(LlamaAttention):
     ) -> None:
         super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
         self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
-        self.window = layer_window(config, layer_idx)
         self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

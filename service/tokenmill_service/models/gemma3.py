@@ -26,10 +26,9 @@ from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.config import SLIDING, ModelConfig
 from tokenmill_service.models.gemma2 import (
     GEMMA_GGUF_LAYER_NAMES,
-    SLIDING,
     Gemma2Attention,
     Gemma2ForCausalLM,
     GemmaModel,

@@ -108,6 +108,9 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     if _ROPE_FREQS in names:
         factors = dequantize_tensor(next(t for t in reader.tensors if t.name == _ROPE_FREQS))
         config.rope_scaling = _llama3_scaling_from_factors(factors, config)
+    for t in reader.tensors:  # tensors that are the family's settings, not weights (Phi-3's LongRoPE factors)
+        if t.name in family.gguf_config_tensors:
+            config.extra[family.gguf_config_tensors[t.name]] = dequantize_tensor(t).flatten().tolist()
     try:  # what only this family reads (Granite's multipliers, ...)
         model_class(config.architecture).read_gguf_config(lambda key: _field(reader, key), arch, config)
     except ValueError as e:
@@ -219,7 +222,8 @@ def iter_gguf(
     config = read_config(reader, path)
     family = model_class(config.architecture)
     permuted = config.extra["gguf_architecture"] in family.gguf_permuted
-    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS]  # rope_freqs is folded into the config
+    # rope_freqs and the family's settings tensors are folded into the config (read_config).
+    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS and t.name not in family.gguf_config_tensors]
     for t in tensors:
         _check_type(QType(t.tensor_type))
     names = {t.name: hf_name(t.name, family) for t in tensors}

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import structlog
 import torch
 from torch import nn
 
@@ -35,13 +34,11 @@ from tokenmill_service.layers.linear import (
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.config import FULL, SLIDING, ModelConfig, layer_window
 from tokenmill_service.models.registry import register_model
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.plan import LoadPlan
-
-log = structlog.get_logger(__name__)
 
 # llama.cpp's names (convert_hf_to_gguf.py) of the tensors outside the layers, and of a layer's parts.
 GGUF_GLOBAL_NAMES = {
@@ -60,6 +57,41 @@ GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+# Architectures whose ``sliding_window`` applies to every layer -> transformers' default where
+# config.json has no such key (MistralConfig's is 4096; null: no window).
+EVERY_LAYER_WINDOWS: dict[str, int | None] = {
+    "MistralForCausalLM": 4096,
+    "MixtralForCausalLM": None,
+    "Phi3ForCausalLM": None,
+}
+# Architectures whose window applies only with ``use_sliding_window``, from ``max_window_layers`` on.
+FLAGGED_WINDOWS = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+# ... and only with ``use_sliding_window``, to every layer (transformers' Qwen3-MoE).
+FLAGGED_EVERY_LAYER_WINDOWS = frozenset({"Qwen3MoeForCausalLM"})
+
+
+def read_sliding_window(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    """The sliding window as transformers applies it (its configuration and modeling files): Mistral,
+    Mixtral and Phi-3 to every layer when ``sliding_window`` is set (null: none); Qwen2 and Qwen3 only
+    with ``use_sliding_window``, to the layers ``layer_types`` marks, or from ``max_window_layers`` on;
+    Qwen3-MoE only with ``use_sliding_window``, to every layer. Any other architecture has none."""
+    if hf_architecture in FLAGGED_EVERY_LAYER_WINDOWS:
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    elif hf_architecture in FLAGGED_WINDOWS:
+        window = raw.get("sliding_window", 4096)
+        if not raw.get("use_sliding_window", False) or not window:
+            return
+        first = int(raw.get("max_window_layers", 28))
+        types = raw.get("layer_types") or [SLIDING if i >= first else FULL for i in range(config.num_layers)]
+        config.extra["layer_types"] = list(types)
+    elif hf_architecture in EVERY_LAYER_WINDOWS:
+        window = raw.get("sliding_window", EVERY_LAYER_WINDOWS[hf_architecture])
+    else:
+        return
+    if window:
+        config.extra["sliding_window"] = int(window)
 
 
 class LlamaAttention(nn.Module):
@@ -92,6 +124,8 @@ class LlamaAttention(nn.Module):
             config.num_heads * config.head_dim, config.hidden_size, False, quant(f"{prefix}.o_proj"), tp
         )
         self.rotary = rotary
+        # The layer's sliding window (None: the whole context; models/config.py says which layers have one).
+        self.window = layer_window(config, layer_idx)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (rotated) and v of the new tokens: [T, heads, head_dim] each."""
@@ -112,7 +146,9 @@ class LlamaAttention(nn.Module):
         """Store the new keys and values in the cache, attend over it: [T, heads * head_dim]."""
         k_cache, v_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.ops.attention(q, k_cache, v_cache, meta, self.scale).flatten(1)
+        if self.window is None:  # the call every ops implementation takes (a window is an optional argument)
+            return self.ops.attention(q, k_cache, v_cache, meta, self.scale).flatten(1)
+        return self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window).flatten(1)
 
 
 class LlamaMLP(nn.Module):
@@ -290,6 +326,9 @@ class LlamaForCausalLM(nn.Module):
     # llama.cpp's tensor names -> the model's: outside the layers, and a layer's part (``blk.N.<part>``).
     gguf_global_names: ClassVar[dict[str, str]] = GGUF_GLOBAL_NAMES
     gguf_layer_names: ClassVar[dict[str, str]] = GGUF_LAYER_NAMES
+    # GGUF tensors that hold a setting, not weights -> the ``config.extra`` key their values go to
+    # (a list of floats), before ``read_gguf_config`` runs (Phi-3's LongRoPE factors).
+    gguf_config_tensors: ClassVar[dict[str, str]] = {}
     # A family that reads its GGUF head sizes and RoPE scaling itself (``read_gguf_config``; DeepSeek's MLA).
     gguf_reads_attention: ClassVar[bool] = False
     # ``rope_scaling`` types this family reads itself (``read_hf_config``); the loader reads only llama3's.
@@ -304,17 +343,7 @@ class LlamaForCausalLM(nn.Module):
         """Set what this family reads from ``config.json`` beyond the common keys (ValueError: refused)."""
         if hf_architecture == "Qwen2ForCausalLM":
             config.attention_bias = True  # always there, never declared
-        # Sliding-window attention is not implemented; within one window it is plain causal attention,
-        # so cap the context there rather than silently diverge past it.
-        window = raw.get("sliding_window")
-        windowed = hf_architecture == "MistralForCausalLM" or raw.get("use_sliding_window", False)
-        if windowed and window and int(window) < config.max_position_embeddings:
-            log.info(
-                "context_capped_to_sliding_window",
-                sliding_window=int(window),
-                max_positions=config.max_position_embeddings,
-            )
-            config.max_position_embeddings = int(window)
+        read_sliding_window(raw, hf_architecture, config)
 
     @classmethod
     def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:

@@ -4,7 +4,7 @@ experts, the top ``num_experts_per_tok`` of ``num_local_experts`` by softmax, re
 Hugging Face checkpoints name the layer ``block_sparse_moe`` and each expert's projections ``w1``
 (gate), ``w3`` (up) and ``w2`` (down); they are read under models/moe.py's names. llama.cpp writes
 Mixtral as a "llama" GGUF with ``llama.expert_count`` (llama.py sends it here), q/k permuted as
-for Llama, ``feed_forward_length`` the experts' width.
+for Llama, ``feed_forward_length`` the experts' width. ``sliding_window`` applies to every layer.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import structlog
-
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.llama import read_sliding_window
 from tokenmill_service.models.moe import MoEForCausalLM, set_moe
 from tokenmill_service.models.registry import register_model
-
-log = structlog.get_logger(__name__)
 
 _HF_NAME = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.weight")
 _EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -37,11 +34,7 @@ class MixtralForCausalLM(MoEForCausalLM):
         set_moe(
             config, experts, int(raw["num_experts_per_tok"]), config.intermediate_size, True, range(config.num_layers)
         )
-        window = raw.get("sliding_window")
-        if window and int(window) < config.max_position_embeddings:
-            # Within one window, sliding-window attention is plain causal attention: cap the context there.
-            log.info("context_capped_to_sliding_window", sliding_window=int(window))
-            config.max_position_embeddings = int(window)
+        read_sliding_window(raw, hf_architecture, config)
 
     @classmethod
     def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:

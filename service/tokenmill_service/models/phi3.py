@@ -12,17 +12,24 @@ where configured, partial rotary and LongRoPE (transformers' modeling_phi3.py).
   ``original_max_position_embeddings``, which re-rotates keys already in a KV cache and cannot be
   served incrementally. Up to that length it is the short factors with cos/sin scaled by the
   attention factor, which is what runs here: the context is capped at
-  ``original_max_position_embeddings`` (logged), as llama.py caps a sliding window.
-- ``sliding_window`` (Phi-3-mini-4k: 2047) caps the context the same way: within one window it is
-  plain causal attention.
+  ``original_max_position_embeddings`` (logged).
+- ``sliding_window`` (Phi-3-mini-4k: 2047) applies to every layer, as transformers' mask does; the
+  attention kernels take it per layer (models/config.py ``layer_window``), the context is not capped.
+
+GGUF (llama.cpp's ``phi3``, as convert_hf_to_gguf.py writes it): the fused tensors are ``attn_qkv`` and
+``ffn_up`` (gate and up rows, in that order), split by ``unfuse`` as the Hugging Face ones; q/k rows are
+not permuted; ``rope.dimension_count`` gives the rotary dims, the LongRoPE factors are the tensors
+``rope_factors_short`` / ``rope_factors_long`` (the loader folds them into the config) with
+``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``.
 
 The native decoder stack rotates whole heads from one table, so the family declares none and the load
-plan says why. GGUF (llama.cpp's ``phi3``) is not read: its file is refused as an unknown architecture.
+plan says why.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import structlog
@@ -32,7 +39,7 @@ from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import LlamaForCausalLM, LlamaModel
+from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaForCausalLM, LlamaModel, read_sliding_window
 from tokenmill_service.models.registry import register_model
 
 log = structlog.get_logger(__name__)
@@ -93,50 +100,87 @@ def _cap_context(config: ModelConfig, limit: int, why: str) -> None:
         config.max_position_embeddings = limit
 
 
+def _set_rotary_dim(config: ModelConfig, rotary_dim: int, source: str) -> None:
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > config.head_dim:
+        raise ValueError(f"{source} gives {rotary_dim} rotary dims of a {config.head_dim} head")
+    config.extra["rotary_dim"] = rotary_dim
+
+
+def _set_longrope(config: ModelConfig, short: list[float], original: int, attention_factor: float) -> None:
+    rotary_dim = int(config.extra["rotary_dim"])  # type: ignore[call-overload]
+    if len(short) != rotary_dim // 2:
+        raise ValueError(f"LongRoPE short_factor has {len(short)} values, not {rotary_dim // 2} (rotary dims / 2)")
+    config.extra["rope_short_factor"] = short
+    config.extra["rope_attention_factor"] = attention_factor
+    # Past ``original`` transformers re-rotates the whole sequence with the long factors (see above).
+    _cap_context(config, original, "longrope_long_factors_not_served")
+
+
+# llama.cpp's names of Phi-3's fused tensors: split by ``unfuse`` as the Hugging Face ones are.
+PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+
 @register_model("phi3")
 class Phi3ForCausalLM(LlamaForCausalLM):
     native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = "the C++ decoder layers rotate whole heads from one table (no partial rotary)"
     model_type: ClassVar[type[LlamaModel]] = Phi3Model
     hf_architectures: ClassVar[dict[str, str]] = {"Phi3ForCausalLM": "phi3"}
-    gguf_architectures: ClassVar[dict[str, str]] = {}
+    gguf_architectures: ClassVar[dict[str, str]] = {"phi3": "phi3"}
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset()  # the converter writes Phi-3's q/k rows as they are
+    gguf_layer_names: ClassVar[dict[str, str]] = PHI3_GGUF_LAYER_NAMES
+    gguf_config_tensors: ClassVar[dict[str, str]] = {
+        "rope_factors_short.weight": "rope_short_factor",
+        "rope_factors_long.weight": "rope_long_factor",
+    }
+    gguf_reads_attention: ClassVar[bool] = True  # partial rotary (rope.dimension_count) is read here
     hf_rope_types: ClassVar[frozenset[str]] = LONGROPE_TYPES
 
     @classmethod
     def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
         params = rope_params(raw)
         factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-        rotary_dim = int(config.head_dim * factor)
-        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > config.head_dim:
-            raise ValueError(
-                f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of a {config.head_dim} head"
-            )
-        config.extra["rotary_dim"] = rotary_dim
+        _set_rotary_dim(config, int(config.head_dim * factor), f"partial_rotary_factor {factor}")
         if rope_type(params) in LONGROPE_TYPES:
-            cls._read_longrope(raw, params, rotary_dim, config)
-        window = raw.get("sliding_window")
-        if window:
-            _cap_context(config, int(window), "sliding_window")
+            cls._read_longrope(raw, params, config)
+        read_sliding_window(raw, hf_architecture, config)
 
     @classmethod
-    def _read_longrope(cls, raw: dict[str, Any], params: dict[str, Any], rotary_dim: int, config: ModelConfig) -> None:
+    def _read_longrope(cls, raw: dict[str, Any], params: dict[str, Any], config: ModelConfig) -> None:
         original = int(
             params.get("original_max_position_embeddings")
             or raw.get("original_max_position_embeddings")
             or config.max_position_embeddings
         )
-        short = [float(f) for f in params.get("short_factor") or []]
-        if len(short) != rotary_dim // 2:
-            raise ValueError(f"LongRoPE short_factor has {len(short)} values, not {rotary_dim // 2} (rotary dims / 2)")
         # transformers: the default factor is the ratio of the two lengths, the attention factor from it.
         factor = params.get("factor") or config.max_position_embeddings / original
         attention_factor = params.get("attention_factor")
         if attention_factor is None:
             attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        config.extra["rope_short_factor"] = short
-        config.extra["rope_attention_factor"] = float(attention_factor)
-        # Past ``original`` transformers re-rotates the whole sequence with the long factors (see above).
-        _cap_context(config, original, "longrope_long_factors_not_served")
+        _set_longrope(config, [float(f) for f in params.get("short_factor") or []], original, float(attention_factor))
+
+    @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        """llama.cpp's ``phi3``: ``rope.dimension_count`` the rotary dims, ``attention.sliding_window``
+        (0: none, as Phi-4 writes), and for LongRoPE the ``rope_factors_short/long`` tensors (in
+        ``extra`` already) with ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``."""
+        arch = gguf_architecture
+        rope_dims = field(f"{arch}.rope.dimension_count")
+        _set_rotary_dim(config, int(rope_dims or config.head_dim), f"rope.dimension_count {rope_dims}")
+        window = field(f"{arch}.attention.sliding_window")
+        if window:
+            config.extra["sliding_window"] = int(window)
+        scaling_type = field(f"{arch}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported for phi3")
+        short = config.extra.pop("rope_short_factor", None)
+        if config.extra.pop("rope_long_factor", None) is None:
+            return  # no LongRoPE: plain rotary over the whole context
+        if short is None:
+            raise ValueError("the GGUF has rope_factors_long but no rope_factors_short")
+        original = int(field(f"{arch}.rope.scaling.original_context_length") or config.max_position_embeddings)
+        attention_factor = float(field(f"{arch}.rope.scaling.attn_factor") or 1.0)
+        _set_longrope(config, list(short), original, attention_factor)  # type: ignore[call-overload]
 
     @classmethod
     def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaAttention
+from tokenmill_service.models.llama import LlamaAttention, read_sliding_window
 from tokenmill_service.models.moe import MoEForCausalLM, set_moe
 from tokenmill_service.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from tokenmill_service.models.registry import register_model
@@ -37,6 +37,7 @@ class Qwen3MoeForCausalLM(MoEForCausalLM):
         layers = [i for i in range(config.num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
         width = int(raw["moe_intermediate_size"])
         set_moe(config, experts, int(raw["num_experts_per_tok"]), width, bool(raw.get("norm_topk_prob")), layers)
+        read_sliding_window(raw, hf_architecture, config)
 
     @classmethod
     def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
