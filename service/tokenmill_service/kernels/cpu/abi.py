@@ -124,7 +124,8 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
                 f"int tm_paged_attention_window{suffix}(const float* q, int64_t t, int64_t heads, "
                 f"int64_t kv_heads, int64_t head_dim, const {cache}* k_cache, const {cache}* v_cache, "
                 "int64_t block_size, const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, "
-                "int64_t table_width, float scale, int64_t window, float softcap, float* out, int threads)"
+                "int64_t table_width, float scale, int64_t window, float softcap, const float* sinks, float* out, "
+                "int threads)"
             ),
         )
     ),
