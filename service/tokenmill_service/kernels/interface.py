@@ -109,6 +109,15 @@ class Ops(ABC):
         gate, up = x.float().chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
+    def clamped_swiglu_and_mul(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """x: [T, 2 * I] (gate, up) -> [T, I]: gpt-oss's experts' activation, in float32, in x's dtype:
+        gate clamped above at ``limit``, up to [-limit, limit], then gate * sigmoid(alpha * gate) *
+        (up + 1). Elementwise plain torch for every backend."""
+        gate, up = x.float().chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (gate * torch.sigmoid(gate * alpha) * (up + 1)).to(x.dtype)
+
     @abstractmethod
     def store_kv(
         self,

@@ -109,12 +109,16 @@ def _group_attention(
         p = torch.exp(scores - m_safe)
         acc = acc * torch.exp(m - m_safe) + torch.matmul(p, v1)
         m = m_new
-    if sinks is not None:  # one more logit per head, weighing no value: folded in as a last key
+    if sinks is not None:
+        # One more logit per head, weighing no value. With (a, b) = softmax((m, sink)), the row's
+        # numerator times a over its denominator times a plus b is the softmax with the sink; a
+        # softmax over rows of two computes each row on its own (an exp over the flat [rows] would
+        # take its last elements down a scalar path whose bits differ, and the rows vary by step).
         sink = sinks.float().view(1, kv_heads, g, 1, 1).expand(num_seqs, kv_heads, g, max_q, 1)
         sink = torch.cat((sink.reshape(num_seqs, kv_heads, rows, 1), m[:, :, rows:]), dim=2)  # pad rows: inert
-        m_new = torch.maximum(m, sink)
-        acc = acc * torch.exp(m - m_new)
-        acc[..., head_dim:] += torch.exp(sink - m_new)
+        weights = torch.softmax(torch.cat((m, sink), dim=-1), dim=-1)
+        acc = acc * weights[..., :1]
+        acc[..., head_dim:] += weights[..., 1:]
     out = acc[:, :, :rows, :head_dim] / acc[:, :, :rows, head_dim:]
     # [S, KV, G, Q, D] -> [S * Q, H, D], then the real queries only.
     out = out.view(num_seqs, kv_heads, g, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)

@@ -1,0 +1,117 @@
+"""gpt-oss: a tiny random transformers checkpoint (2 layers, one sliding-window of 8 keys and one full,
+4 experts top-2, YaRN, attention sinks, biases everywhere, the clamped SwiGLU) served as transformers
+computes it: logits and prompt logprobs within 1e-4 at float32 with dense weights past five windows,
+the same greedy tokens, the triton backend's logits (its interpreter), two expert-parallel ranks'
+logits, and a prompt bitwise the same alone and in a crowd, prefilled and decoded (float32: a dense
+checkpoint's default bfloat16 product promises no batch invariance, README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
+from tests.engine.moe_ranks import rank_logits
+from tests.engine.test_gguf_loader import _randomize
+from tests.engine.test_moe_families import _free_port, greedy, hf_logits
+from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
+from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.layers.fused_moe import FusedMoE
+from tokenmill_service.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 8
+PROMPT = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 150000.0,
+}
+
+
+def hf_gpt_oss() -> Any:
+    config = transformers.GptOssConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,  # a head the native attention kernel takes
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters=ROPE,
+    )
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    _randomize(model, seed=1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    model = hf_gpt_oss()
+    directory = tmp_path_factory.mktemp("tiny-gpt-oss")
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory, model
+
+
+@torch.inference_mode()
+def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf = checkpoint
+    model = load_model(directory, dtype=torch.float32, quantization="none")
+    assert model.config.architecture == "gpt_oss" and model.plan.ops.value == "native"
+    assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW, None]
+    assert all(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
+    actual = model.compute_logits(forward_prompt(model, PROMPT))
+    expected = hf_logits(hf, PROMPT)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
+    directory, hf = checkpoint
+    ids = list(PROMPT[:12])
+    for _ in range(8):
+        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+    model = load_model(directory, dtype=torch.float32, quantization="none")
+    assert greedy(model, PROMPT[:12], 8) == ids[12:]
+
+
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_crowd_prefilled_and_decoded(checkpoint: tuple[Path, Any]) -> None:
+    model = load_model(checkpoint[0])
+    assert_alone_equals_crowd(model, PROMPT)
+    assert_prefill_equals_decode(model, PROMPT[:30], 5)
+
+
+@torch.inference_mode()
+def test_the_triton_backend_gives_the_transformers_logits(checkpoint: tuple[Path, Any]) -> None:
+    """Sinks, the window and the rest of the model as triton kernels (the interpreter on a CPU)."""
+    directory, hf = checkpoint
+    model = load_model(directory, dtype=torch.float32, quantization="none", backend="triton", device=DEVICE.type)
+    assert model.plan.ops.value == "triton"
+    actual = model.compute_logits(forward_prompt(model, PROMPT[:20])).cpu()
+    torch.testing.assert_close(actual, hf_logits(hf, PROMPT[:20]), atol=1e-4, rtol=0)
+
+
+def test_two_expert_parallel_ranks_give_the_whole_models_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+    directory, hf = checkpoint
+    out = str(tmp_path / "logits")
+    mp.spawn(rank_logits, args=(2, _free_port(), [(str(directory), True)], PROMPT, out), nprocs=2)
+    expected = hf_logits(hf, PROMPT)
+    for rank in range(2):
+        result = torch.load(f"{out}.0.{rank}")
+        assert list(result["held"]) == [str(2 * rank), str(2 * rank + 1)]
+        torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=0)
