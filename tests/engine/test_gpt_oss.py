@@ -1,8 +1,7 @@
 """gpt-oss: a tiny random transformers checkpoint (2 layers, one sliding-window of 8 keys and one full,
 4 experts top-2, YaRN, attention sinks, biases everywhere, the clamped SwiGLU) served as transformers
 computes it: logits and prompt logprobs within 1e-4 at float32 with dense weights past five windows,
-the same greedy tokens, the triton backend's logits (its interpreter), two expert-parallel ranks'
-logits, and a prompt bitwise the same alone and in a crowd, prefilled and decoded (float32: a dense
+the same greedy tokens, the triton backend's logits (its interpreter), and a prompt bitwise the same alone and in a crowd, prefilled and decoded (float32: a dense
 checkpoint's default bfloat16 product promises no batch invariance, README.md)."""
 
 from __future__ import annotations
@@ -12,12 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
-from tests.engine.moe_ranks import rank_logits
 from tests.engine.test_gguf_loader import _randomize
-from tests.engine.test_moe_families import _free_port, greedy, hf_logits
+from tests.engine.test_moe_families import greedy, hf_logits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
@@ -104,14 +101,3 @@ def test_the_triton_backend_gives_the_transformers_logits(checkpoint: tuple[Path
     assert model.plan.ops.value == "triton"
     actual = model.compute_logits(forward_prompt(model, PROMPT[:20])).cpu()
     torch.testing.assert_close(actual, hf_logits(hf, PROMPT[:20]), atol=1e-4, rtol=0)
-
-
-def test_two_expert_parallel_ranks_give_the_whole_models_logits(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
-    directory, hf = checkpoint
-    out = str(tmp_path / "logits")
-    mp.spawn(rank_logits, args=(2, _free_port(), [(str(directory), True)], PROMPT, out), nprocs=2)
-    expected = hf_logits(hf, PROMPT)
-    for rank in range(2):
-        result = torch.load(f"{out}.0.{rank}")
-        assert list(result["held"]) == [str(2 * rank), str(2 * rank + 1)]
-        torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=0)
