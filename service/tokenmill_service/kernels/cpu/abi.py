@@ -52,6 +52,7 @@ BLOCK_FORMATS = (
     BlockFormat("Q6_K", 14, SUPER_BLOCK, 210, kernel="kquant"),  # 16 sub-blocks of 16: int8 scales, 6-bit weights
     BlockFormat("IQ4_NL", 20, QUANT_BLOCK, 18),  # float16 scale, 4-bit indices into a fixed non-linear table
     BlockFormat("IQ4_XS", 23, SUPER_BLOCK, 136, kernel="kquant"),  # 8 sub-blocks of 32: 6-bit scales, IQ4_NL's table
+    BlockFormat("MXFP4", 39, QUANT_BLOCK, 17),  # e8m0 scale, 16 bytes of 4-bit e2m1 values
 )
 # ggml type id -> bytes per block, for the formats each native kernel reads.
 NATIVE_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "blocks"}

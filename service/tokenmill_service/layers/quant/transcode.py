@@ -5,12 +5,14 @@ at load, weight for weight and bit for bit, into a format a native kernel multip
 
 - Q5_0 (``w = d (q - 16)``, q in 0..31) and IQ4_NL (``w = d level[q]``, levels in -127..113) are Q8_0
   (``w = d q``, q an int8) with the same float16 d per 32 weights;
+- MXFP4 (``w = v 2^(E - 128)``, v a doubled e2m1 value in -12..12) is Q8_0 with d = 2^(E - 128) as
+  float16, exact for E - 128 in [-24, 15] (mxfp4.py; a scale beyond that is refused with what to do);
 - Q3_K (``w = (d (sc - 32)) q``, q in -4..3, a 6-bit sc per 16 weights) is Q6_K (``w = (d sc) (q - 32)``,
   q in 0..63, an int8 sc per 16) with q + 32 and sc - 32, the same float16 d per 256 weights.
 
 Every weight dequantizes to exactly what gguf gives for the original block, and the kernels' products
 are exact for the target format, so serving the re-encoded blocks is serving the file's weights. They
-take more memory than the file (per block, Q5_0 34 bytes for 22, IQ4_NL 34 for 18, Q3_K 274 for 110 in
+take more memory than the file (per block, Q5_0 34 bytes for 22, IQ4_NL 34 for 18, MXFP4 34 for 17, Q3_K 274 for 110 in
 the k-quant kernel's layout): the price of a native kernel over dense floats (32 bits a weight).
 """
 
@@ -20,9 +22,15 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.layers.quant.gguf_blocks import _IQ4_LEVELS, GGUFBlocks, _fields, _q5, _split
+from tokenmill_service.layers.quant.mxfp4 import as_q8_0
 
 # Stored format -> the format its blocks are rewritten in.
-TRANSCODED: dict[QType, QType] = {QType.Q5_0: QType.Q8_0, QType.IQ4_NL: QType.Q8_0, QType.Q3_K: QType.Q6_K}
+TRANSCODED: dict[QType, QType] = {
+    QType.Q5_0: QType.Q8_0,
+    QType.IQ4_NL: QType.Q8_0,
+    QType.MXFP4: QType.Q8_0,
+    QType.Q3_K: QType.Q6_K,
+}
 
 
 def transcode(tensor: GGUFBlocks) -> GGUFBlocks:
@@ -30,6 +38,8 @@ def transcode(tensor: GGUFBlocks) -> GGUFBlocks:
     target = TRANSCODED.get(tensor.qtype)
     if target is None:
         return tensor
+    if tensor.qtype == QType.MXFP4:
+        return as_q8_0(tensor)
     b = tensor.data.contiguous()
     if tensor.qtype == QType.Q3_K:
         return GGUFBlocks(target, _q3_k_as_q6_k(b))
