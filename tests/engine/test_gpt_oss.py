@@ -6,11 +6,13 @@ checkpoint's default bfloat16 product promises no batch invariance, README.md)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
 from tests.engine.test_gguf_loader import _randomize
@@ -18,7 +20,9 @@ from tests.engine.test_moe_families import greedy, hf_logits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.layers.quant.mxfp4 import dequantize_openai
+from tokenmill_service.models.loader import load, load_model
+from tokenmill_service.plan import LoadOptions
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,3 +105,55 @@ def test_the_triton_backend_gives_the_transformers_logits(checkpoint: tuple[Path
     assert model.plan.ops.value == "triton"
     actual = model.compute_logits(forward_prompt(model, PROMPT[:20])).cpu()
     torch.testing.assert_close(actual, hf_logits(hf, PROMPT[:20]), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """As openai ships gpt-oss: the experts' matrices MXFP4 (``<name>_blocks`` / ``<name>_scales``,
+    [experts, out, in]), quantization_config mxfp4; the reference is transformers with those weights dense."""
+    hf = hf_gpt_oss()
+    directory = tmp_path_factory.mktemp("tiny-gpt-oss-mxfp4")
+    gen = torch.Generator().manual_seed(3)
+    tensors = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    for layer, projection in ((0, "gate_up_proj"), (0, "down_proj"), (1, "gate_up_proj"), (1, "down_proj")):
+        name = f"model.layers.{layer}.mlp.experts.{projection}"
+        experts, inputs, outputs = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 126, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():
+            getattr(hf.model.layers[layer].mlp.experts, projection).copy_(
+                dequantize_openai(blocks, scales).transpose(1, 2)
+            )
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["GptOssForCausalLM"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, hf
+
+
+@torch.inference_mode()
+def test_mxfp4_experts_dequantized_give_the_transformers_logits(mxfp4_checkpoint: tuple[Path, Any]) -> None:
+    directory, hf = mxfp4_checkpoint
+    model = load_model(directory, dtype=torch.float32, quantization="none")
+    actual = model.compute_logits(forward_prompt(model, PROMPT))
+    torch.testing.assert_close(actual, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_mxfp4_experts_are_served_natively_as_q8_0_by_default(mxfp4_checkpoint: tuple[Path, Any]) -> None:
+    """The default configuration multiplies the experts' blocks rewritten exactly as Q8_0: within the
+    native kernels' bounds of transformers, batch-invariant."""
+    directory, hf = mxfp4_checkpoint
+    served = load(LoadOptions(model=str(directory)))
+    methods = {choice.method for prefix, choice in served.plan.layers.items() if ".experts." in prefix}
+    assert methods <= {"gguf", "gguf-vnni"}, served.plan.layers
+    assert any("MXFP4 (as Q8_0)" in reason for reason in served.plan.quant_reasons.values()), served.plan.quant_reasons
+    got = torch.log_softmax(served.compute_logits(forward_prompt(served, PROMPT)), -1)
+    want = torch.log_softmax(hf_logits(hf, PROMPT), -1)
+    targets = torch.tensor(PROMPT[1:])[:, None]
+    error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
+    assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())
+    assert_alone_equals_crowd(served, PROMPT)

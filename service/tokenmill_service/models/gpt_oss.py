@@ -13,7 +13,10 @@ Llama seams, with
 transformers stores the experts stacked and transposed (``mlp.experts.gate_up_proj`` [experts, hidden,
 2 * width] with gate and up interleaved by column, ``gate_up_proj_bias`` [experts, 2 * width],
 ``down_proj`` [experts, width, hidden], ``down_proj_bias``); ``load_weights`` cuts each expert's
-rows out of them by expert id, gate and up de-interleaved into the packed gate/up layer.
+rows out of them by expert id, gate and up de-interleaved into the packed gate/up layer. openai's
+checkpoints store the expert matrices as MXFP4 (``quantization_config`` quant_method mxfp4:
+``<name>_blocks`` / ``<name>_scales``, [experts, out, in] untransposed), which the loader reads as
+MXFP4 blocks (layers/quant/mxfp4.py) and the same cut serves.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, cast
 
 import torch
+from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
@@ -31,7 +35,7 @@ from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.layer import ExpertMLP
 from tokenmill_service.layers.linear import QuantFactory, RowParallelLinear
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.deepseek_v3 import YARN_TYPES, Yarn
@@ -168,6 +172,19 @@ class GptOssForCausalLM(MoEForCausalLM):
                 truncate=bool(params.get("truncate", True)),
             )
 
+    @classmethod
+    def hf_stored_types(cls, config: ModelConfig) -> dict[str, QType]:
+        """openai's MXFP4 checkpoints: every expert's matrices (as the load plan names their sources)."""
+        if not config.extra.get("mxfp4"):
+            return {}
+        experts = moe_settings(config)[0]
+        return {
+            f"model.layers.{i}.mlp.experts.{e}.{projection}.weight": QType.MXFP4
+            for i in range(config.num_layers)
+            for e in range(experts)
+            for projection in ("gate_proj", "up_proj", "down_proj")
+        }
+
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         missing = {f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)}
 
@@ -191,14 +208,27 @@ class GptOssForCausalLM(MoEForCausalLM):
     def _experts(self, match: re.Match[str], tensor: CheckpointTensor) -> Iterator[tuple[str, CheckpointTensor]]:
         """transformers' stacked experts -> each held expert's rows (nn.Linear's [out, in]), by expert id."""
         layer, projection, bias = match.groups()
-        mlp = self.model.layers[int(layer)].mlp
+        moe = cast(GptOssMoE, self.model.layers[int(layer)].mlp)
         kind = "bias" if bias else "weight"
-        stacked = dense(tensor)
-        for e in cast(GptOssMoE, mlp).placement.ids:
+        for e in moe.placement.ids:
             prefix = f"model.layers.{layer}.mlp.experts.{e}"
-            rows = stacked[e] if bias else stacked[e].t()  # [2 * width (interleaved) or hidden, ...]
-            if projection == "down_proj":
-                yield f"{prefix}.down_proj.{kind}", rows.contiguous()
+            rows: CheckpointTensor
+            if isinstance(tensor, GGUFBlocks):  # MXFP4 [experts * out, blocks, 17]: rows already [out, in]
+                out = tensor.shape[0] // moe.num_experts
+                rows = tensor.narrow(0, e * out, out)
             else:
-                yield f"{prefix}.gate_proj.{kind}", rows[0::2].contiguous()
-                yield f"{prefix}.up_proj.{kind}", rows[1::2].contiguous()
+                rows = tensor[e] if bias else tensor[e].t()  # [2 * width (interleaved) or hidden, ...]
+            if projection == "down_proj":
+                yield f"{prefix}.down_proj.{kind}", _contiguous(rows)
+            else:
+                yield f"{prefix}.gate_proj.{kind}", _contiguous(_rows(rows, 0))
+                yield f"{prefix}.up_proj.{kind}", _contiguous(_rows(rows, 1))
+
+
+def _rows(t: CheckpointTensor, first: int) -> CheckpointTensor:
+    """Every other row of t from ``first``: gate (0) or up (1) of an interleaved gate/up."""
+    return t.rows(slice(first, None, 2)) if isinstance(t, GGUFBlocks) else t[first::2]
+
+
+def _contiguous(t: CheckpointTensor) -> CheckpointTensor:
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
