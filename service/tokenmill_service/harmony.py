@@ -36,7 +36,7 @@ REASONING_CHANNEL = "analysis"
 VOCABULARY = "o200k_base.tiktoken"
 
 
-class HarmonyUnavailable(RuntimeError):
+class HarmonyUnavailable(ValueError):
     """openai-harmony cannot load its encoding here (its vocabulary file is not found)."""
 
 

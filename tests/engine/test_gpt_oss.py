@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 from safetensors.torch import save_file
 
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
@@ -21,6 +23,7 @@ from tests.triton_setup import DEVICE  # before anything imports triton: its int
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.quant.mxfp4 import dequantize_openai
+from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions
 
@@ -157,3 +160,93 @@ def test_mxfp4_experts_are_served_natively_as_q8_0_by_default(mxfp4_checkpoint: 
     error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
     assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())
     assert_alone_equals_crowd(served, PROMPT)
+
+
+def write_gpt_oss_gguf(hf: Any, path: Path) -> None:
+    """A GGUF as llama.cpp's converter (conversion/gpt_oss.py) writes gpt-oss: gate and up de-interleaved
+    into ``ffn_gate_exps`` / ``ffn_up_exps`` [experts, width, hidden] with their biases, ``ffn_down_exps``,
+    ``attn_sinks``, ``post_attention_norm``, the router as ``ffn_gate_inp`` with a bias, YaRN and the
+    window in the metadata; the experts' matrices MXFP4 (gguf's own quantizer), the rest float32. The
+    transformers model takes the MXFP4 weights' exact values, so it stays the reference."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(ROPE["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(ROPE["factor"])
+    writer.add_rope_scaling_orig_ctx_len(ROPE["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(ROPE["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(ROPE["beta_slow"])
+    state = {name: t.detach().float() for name, t in hf.state_dict().items()}
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+        **{
+            f"self_attn.{p}_proj.{k}": f"attn_{g}.{k}"
+            for p, g in zip("qkvo", ["q", "k", "v", "output"])
+            for k in ("weight", "bias")
+        },
+    }
+    tensors = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+    }
+    tensors["output.weight"] = state["lm_head.weight"]
+    for i, layer in enumerate(hf.model.layers):
+        for hf_part, gguf_part in names.items():
+            tensors[f"blk.{i}.{gguf_part}"] = state[f"model.layers.{i}.{hf_part}"]
+        experts = layer.mlp.experts
+        gate_up = experts.gate_up_proj.detach().transpose(1, 2)  # [experts, 2 * width, hidden], interleaved
+        bias = experts.gate_up_proj_bias.detach()
+        matrices = {
+            "gate": gate_up[:, 0::2],
+            "up": gate_up[:, 1::2],
+            "down": experts.down_proj.detach().transpose(1, 2),
+        }
+        for part, matrix in matrices.items():
+            raw = gguf.quants.quantize(matrix.contiguous().numpy(), QType.MXFP4)
+            exact = torch.from_numpy(gguf.quants.dequantize(raw, QType.MXFP4)).reshape(matrix.shape)
+            matrix.copy_(exact)  # into the transformers model's own tensors (views of them)
+            writer.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", raw, raw_dtype=QType.MXFP4)
+        tensors[f"blk.{i}.ffn_gate_exps.bias"] = bias[:, 0::2]
+        tensors[f"blk.{i}.ffn_up_exps.bias"] = bias[:, 1::2]
+        tensors[f"blk.{i}.ffn_down_exps.bias"] = experts.down_proj_bias.detach()
+    for name, data in tensors.items():
+        writer.add_tensor(name, data.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@torch.inference_mode()
+def test_a_llama_cpp_gguf_with_mxfp4_experts_gives_the_transformers_logits(tmp_path: Path) -> None:
+    hf = hf_gpt_oss()
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(hf, path)
+    assert open_checkpoint(path).tensor_types["model.layers.1.mlp.experts.3.up_proj.weight"] == QType.MXFP4
+    model = load_model(path, dtype=torch.float32, quantization="none")
+    assert model.config.architecture == "gpt_oss"
+    assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW, None]
+    expected = hf_logits(hf, PROMPT)
+    torch.testing.assert_close(model.compute_logits(forward_prompt(model, PROMPT)), expected, atol=1e-4, rtol=0)
+    served = load(LoadOptions(model=str(path)))  # the default: the MXFP4 experts as Q8_0, natively
+    assert any("MXFP4 (as Q8_0)" in reason for reason in served.plan.quant_reasons.values()), served.plan.quant_reasons
+    got = torch.log_softmax(served.compute_logits(forward_prompt(served, PROMPT)), -1)
+    assert (got - torch.log_softmax(expected, -1)).abs().max() < 1e-2

@@ -22,7 +22,7 @@ MXFP4 blocks (layers/quant/mxfp4.py) and the same cut serves.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, cast
 
 import torch
@@ -45,9 +45,12 @@ from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, Ll
 from tokenmill_service.models.moe import MoEDecoderLayer, MoEForCausalLM, moe_settings, set_moe
 from tokenmill_service.models.registry import register_model
 
-_SINKS = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks")
+_SINKS = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks(?:\.weight)?")
+# llama.cpp's stacked experts' biases ([experts, rows]; their weights are moe.py's).
+_STACKED_BIAS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.bias")
 # transformers' stacked experts: (layer, projection, "" or "_bias").
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+_EXPERT_BIAS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.bias")
 _ROUTER = re.compile(r"(model\.layers\.\d+\.mlp)\.router\.(weight|bias)")
 
 
@@ -141,8 +144,15 @@ class GptOssForCausalLM(MoEForCausalLM):
     model_type: ClassVar[type[LlamaModel]] = GptOssModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GptOssDecoderLayer
     hf_architectures: ClassVar[dict[str, str]] = {"GptOssForCausalLM": "gpt_oss"}
-    gguf_architectures: ClassVar[dict[str, str]] = {}
+    gguf_architectures: ClassVar[dict[str, str]] = {"gpt-oss": "gpt_oss"}
+    gguf_permuted: ClassVar[frozenset[str]] = frozenset()
+    gguf_layer_names: ClassVar[dict[str, str]] = {
+        **MoEForCausalLM.gguf_layer_names,
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+    }
     hf_rope_types: ClassVar[frozenset[str]] = YARN_TYPES
+    gguf_rope_types: ClassVar[frozenset[str]] = frozenset({"yarn"})
 
     @classmethod
     def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
@@ -173,6 +183,40 @@ class GptOssForCausalLM(MoEForCausalLM):
             )
 
     @classmethod
+    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
+        """llama.cpp's "gpt-oss" GGUFs: its expert counts, the window (every even layer's, as llama.cpp
+        lays them out), YaRN; alpha and limit are not written (llama.cpp fixes them at gpt-oss's)."""
+        arch = gguf_architecture
+        experts, per_token = int(field(f"{arch}.expert_count")), int(field(f"{arch}.expert_used_count") or 0)
+        width = int(field(f"{arch}.expert_feed_forward_length") or config.intermediate_size)
+        set_moe(config, experts, per_token, width, True, range(config.num_layers))
+        window = field(f"{arch}.attention.sliding_window")
+        config.extra |= {
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0,
+            "sliding_window": int(window or 128),
+            "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(config.num_layers)],
+        }
+        if field(f"{arch}.rope.scaling.type") == "yarn":
+            config.extra["yarn"] = Yarn(
+                factor=float(field(f"{arch}.rope.scaling.factor")),
+                original_max_positions=int(field(f"{arch}.rope.scaling.original_context_length")),
+                beta_fast=float(field(f"{arch}.rope.scaling.yarn_beta_fast") or 32),
+                beta_slow=float(field(f"{arch}.rope.scaling.yarn_beta_slow") or 1),
+                truncate=False,  # gpt-oss's YaRN (its config.json says so; GGUF has no key for it)
+            )
+
+    @classmethod
+    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+        """moe.py's stacked expert weights, and llama.cpp's stacked expert biases [experts, rows] by expert."""
+        match = _STACKED_BIAS.fullmatch(name)
+        if match is None:
+            return super().unfuse(name, config)
+        layer, projection = match.groups()
+        experts = moe_settings(config)[0]
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.bias", e, 1) for e in range(experts)]
+
+    @classmethod
     def hf_stored_types(cls, config: ModelConfig) -> dict[str, QType]:
         """openai's MXFP4 checkpoints: every expert's matrices (as the load plan names their sources)."""
         if not config.extra.get("mxfp4"):
@@ -190,10 +234,12 @@ class GptOssForCausalLM(MoEForCausalLM):
 
         def routed() -> Iterator[tuple[str, CheckpointTensor]]:
             for name, tensor in tensors:
-                if _SINKS.fullmatch(name):
-                    attention = self.model.layers[int(name.split(".")[2])].self_attn
-                    cast(GptOssAttention, attention).load_sinks(tensor)
-                    missing.discard(name)
+                if sinks := _SINKS.fullmatch(name):
+                    layer = int(sinks.group(1))
+                    cast(GptOssAttention, self.model.layers[layer].self_attn).load_sinks(tensor)
+                    missing.discard(f"model.layers.{layer}.self_attn.sinks")
+                elif _EXPERT_BIAS.fullmatch(name) and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
+                    yield name, tensor.reshape(-1)  # one expert's row of a stacked bias
                 elif router := _ROUTER.fullmatch(name):
                     yield f"{router.group(1)}.gate.{router.group(2)}", tensor
                 elif stacked := _STACKED.fullmatch(name):
