@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_sliding_window_attention import BACKENDS, HEAD_DIM, HEADS, KV_HEADS, Sequences, make_ops
+from tests.kernels.test_sliding_window_attention import (
+    BACKENDS,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    NEEDS_NATIVE,
+    Sequences,
+    make_ops,
+)
 from tests.triton_setup import DEVICE
 from tokenmill_service.kernels.attention_metadata import build_attention_metadata
 
@@ -37,8 +45,9 @@ def reference(data: Sequences, seq: int, position: int, window: int | None) -> t
     return torch.einsum("hk,khd->hd", probs, v).float()
 
 
-@pytest.mark.parametrize("window", [None, 8])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("backend", "window"), [("torch", None), ("torch", 8), pytest.param("native", 8, marks=NEEDS_NATIVE), ("triton", 8)]
+)
 def test_sinks_match_plain_attention_with_a_sink_column(backend: str, window: int | None) -> None:
     """Two decodes, a prefill chunk with cached context and a fresh prompt, in one step."""
     data = Sequences(make_ops(backend), [90, 20, 60, 24])

@@ -25,7 +25,7 @@ oh = pytest.importorskip("openai_harmony")
 
 VOCABULARY = Path(__file__).resolve().parents[2] / ".tools" / "tiktoken"
 CONTROL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
-REASONING, ANSWER = "The user greets me.", "Hello there!"
+REASONING, ANSWER = "A greeting.", "Hey!"
 # A harmony answer: the analysis channel, then the final one, then the end of the turn.
 GRAMMAR = (
     f'start: <|channel|> "analysis" <|message|> "{REASONING}" <|end|> '
@@ -105,7 +105,7 @@ def test_the_openai_sdk_sees_reasoning_content_apart_from_content(server: Any) -
     ask: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hi!"}],
-        "max_tokens": 64,
+        "max_tokens": 48,
         "extra_body": {"guided_grammar": GRAMMAR},
     }
     whole = client.chat.completions.create(**ask)
@@ -124,5 +124,12 @@ def test_the_openai_sdk_sees_reasoning_content_apart_from_content(server: Any) -
 
 def test_grpc_carries_the_reasoning_in_its_own_field(server: Any) -> None:
     with Client(server.address, timeout=60) as client:
-        result = client.generate_text(messages=[("user", "Hi!")], max_new_tokens=64, grammar=GRAMMAR)
+        result = client.generate_text(messages=[("user", "Hi!")], max_new_tokens=48, grammar=GRAMMAR)
     assert (result.reasoning_text, result.text) == (REASONING, ANSWER)
+
+
+def test_tools_are_refused_in_the_harmony_format_for_now(server: Any) -> None:
+    client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="not served in the harmony chat format"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=[tool])
