@@ -1,8 +1,12 @@
 """gpt-oss: a tiny random transformers checkpoint (2 layers, one sliding-window of 8 keys and one full,
 4 experts top-2, YaRN, attention sinks, biases everywhere, the clamped SwiGLU) served as transformers
 computes it: logits and prompt logprobs within 1e-4 at float32 with dense weights past five windows,
-the same greedy tokens, the triton backend's logits (its interpreter), and a prompt bitwise the same alone and in a crowd, prefilled and decoded (float32: a dense
-checkpoint's default bfloat16 product promises no batch invariance, README.md)."""
+the same greedy tokens, the triton backend's logits (its interpreter), and a prompt bitwise the same
+alone and in a crowd, prefilled and decoded (float32: a dense checkpoint's default bfloat16 product
+promises no batch invariance, README.md). Its experts in MXFP4, as openai's safetensors and as a
+llama.cpp GGUF hold them: the transformers logits at --quantization none, and in the default
+configuration (exact Q8_0, native kernels) within their bounds and batch-invariant. Two
+expert-parallel ranks: tests/engine/test_moe_families.py."""
 
 from __future__ import annotations
 
