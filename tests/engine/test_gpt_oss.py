@@ -92,16 +92,16 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf = checkpoint
     ids = list(PROMPT[:12])
-    for _ in range(8):
+    for _ in range(5):
         ids.append(int(hf_logits(hf, ids)[-1].argmax()))
     model = load_model(directory, dtype=torch.float32, quantization="none")
-    assert greedy(model, PROMPT[:12], 8) == ids[12:]
+    assert greedy(model, PROMPT[:12], 5) == ids[12:]
 
 
 def test_a_prompt_is_bitwise_the_same_alone_and_in_a_crowd_prefilled_and_decoded(checkpoint: tuple[Path, Any]) -> None:
     model = load_model(checkpoint[0])
     assert_alone_equals_crowd(model, PROMPT)
-    assert_prefill_equals_decode(model, PROMPT[:30], 5)
+    assert_prefill_equals_decode(model, PROMPT[:21], 9)  # the decoded steps span two windows
 
 
 @torch.inference_mode()
