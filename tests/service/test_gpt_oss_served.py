@@ -25,7 +25,7 @@ oh = pytest.importorskip("openai_harmony")
 
 VOCABULARY = Path(__file__).resolve().parents[2] / ".tools" / "tiktoken"
 CONTROL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
-REASONING, ANSWER = "A greeting.", "Hey!"
+REASONING, ANSWER = "Hm.", "Hi."
 # A harmony answer: the analysis channel, then the final one, then the end of the turn.
 GRAMMAR = (
     f'start: <|channel|> "analysis" <|message|> "{REASONING}" <|end|> '
@@ -105,7 +105,7 @@ def test_the_openai_sdk_sees_reasoning_content_apart_from_content(server: Any) -
     ask: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Hi!"}],
-        "max_tokens": 48,
+        "max_tokens": 40,
         "extra_body": {"guided_grammar": GRAMMAR},
     }
     whole = client.chat.completions.create(**ask)
@@ -124,7 +124,7 @@ def test_the_openai_sdk_sees_reasoning_content_apart_from_content(server: Any) -
 
 def test_grpc_carries_the_reasoning_in_its_own_field(server: Any) -> None:
     with Client(server.address, timeout=60) as client:
-        result = client.generate_text(messages=[("user", "Hi!")], max_new_tokens=48, grammar=GRAMMAR)
+        result = client.generate_text(messages=[("user", "Hi!")], max_new_tokens=40, grammar=GRAMMAR)
     assert (result.reasoning_text, result.text) == (REASONING, ANSWER)
 
 
