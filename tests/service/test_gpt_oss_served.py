@@ -133,3 +133,16 @@ def test_tools_are_refused_in_the_harmony_format_for_now(server: Any) -> None:
     tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
     with pytest.raises(openai.BadRequestError, match="not served in the harmony chat format"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=[tool])
+
+
+def test_without_its_vocabulary_a_harmony_chat_is_refused_saying_why(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = load_tokenizer(checkpoint)
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    harmony.encoding.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="o200k_base.tiktoken.*TIKTOKEN_ENCODINGS_BASE.*make tools"):
+            tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    finally:
+        harmony.encoding.cache_clear()
