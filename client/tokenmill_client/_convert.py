@@ -148,6 +148,7 @@ def event_from_proto(response: pb.GenerateResponse) -> GenerateEvent:
             else None
         ),
         index=response.index,
+        reasoning_text=response.reasoning_text,
     )
 
 
@@ -157,6 +158,7 @@ class ResultBuilder:
     def __init__(self) -> None:
         self.request_id = ""
         self._text: list[str] = []
+        self._reasoning: list[str] = []
         self._tokens: list[Token] = []
         self._prompt_tokens: tuple[Token, ...] = ()
         self._last: GenerateEvent | None = None
@@ -164,6 +166,7 @@ class ResultBuilder:
     def add(self, event: GenerateEvent) -> None:
         self.request_id = event.request_id or self.request_id
         self._text.append(event.text)
+        self._reasoning.append(event.reasoning_text)
         self._tokens.extend(event.tokens)
         if event.prompt_tokens:
             self._prompt_tokens = event.prompt_tokens
@@ -183,6 +186,7 @@ class ResultBuilder:
             finish_reason=last.finish_reason,
             usage=last.usage,
             timing=last.timing,
+            reasoning_text="".join(self._reasoning),
         )
 
 

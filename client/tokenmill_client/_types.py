@@ -276,6 +276,9 @@ class GenerateEvent:
     index: int = 0
     """The choice this event belongs to (0 to n - 1; always 0 unless the request asked for n > 1).
     With n > 1, is_last marks the end of this choice only."""
+    reasoning_text: str = ""
+    """Reasoning added by this event, apart from the answer in ``text`` (a harmony model's analysis
+    channel, such as gpt-oss's, for chat input)."""
 
     @property
     def is_last(self) -> bool:
@@ -293,6 +296,8 @@ class GenerateResult:
     finish_reason: FinishReason
     usage: Usage
     timing: Timing
+    reasoning_text: str = ""
+    """The model's reasoning, apart from the answer (a harmony model's analysis channel)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from tokenmill_service.engine.request import (
     TokenOutput,
     choice_seed,
 )
+from tokenmill_service.harmony import ChannelReader
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
 from tokenmill_service.router import (
@@ -256,6 +257,12 @@ class GenerationService:
             prompt_len = len(engine_request.prompt_ids)
             # Calls are read from each choice's whole answer when it ends (its text streams as it comes).
             tool_family = family(self.tokenizer) if tools_in_use(request) else None
+            # A harmony model's chat answers: its analysis channel read apart as the reasoning (harmony.py).
+            readers = (
+                [ChannelReader(self.tokenizer) for _ in range(max(1, request.n))]
+                if self.tokenizer.harmony and request.WhichOneof("input") == "chat"
+                else None
+            )
             streams = self.router.submit_group(choice_requests(engine_request, max(1, request.n)))
             structlog.contextvars.bind_contextvars(worker_id=streams[0].worker_id)
             completion_lens = [0] * len(streams)
@@ -292,6 +299,8 @@ class GenerationService:
                         )
                         if out.prompt_tokens:
                             response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
+                        if readers is not None:
+                            response.reasoning_text, response.text = readers[index].feed([t.id for t in out.tokens])
                         if tool_family is not None:
                             answers[index] += out.text
                         if out.finish_reason is not None:

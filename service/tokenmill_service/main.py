@@ -47,6 +47,13 @@ async def serve(settings: Settings) -> int:
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
         log.error("model_unavailable", error=str(exc))
         return 1
+    if tokenizer.harmony:
+        from tokenmill_service import harmony
+
+        try:  # loaded now (a second or two), so that the first chat request does not wait for it
+            harmony.encoding()
+        except harmony.HarmonyUnavailable as exc:
+            log.warning("harmony_chats_refused", reason=str(exc))
     if settings.tensor_parallel > 1 or settings.expert_parallel:
         try:
             check_tensor_parallel(settings, model_path)

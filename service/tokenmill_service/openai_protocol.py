@@ -514,11 +514,14 @@ class ResponseBuilder:
                 calls = tool_calls_json(response.tool_calls, delta=True)
                 if not calls:
                     text += held.flush()
-        if not text and not tokens and not prompt_tokens and reason is None:
+        reasoning = response.reasoning_text
+        if not text and not reasoning and not tokens and not prompt_tokens and reason is None:
             return None
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"content": text} if text or reason is None else {}
+            if reasoning:
+                choice["delta"]["reasoning_content"] = reasoning
             if calls:
                 choice["delta"]["tool_calls"] = calls
         else:
@@ -565,6 +568,8 @@ class ResponseBuilder:
                 choice: dict[str, Any] = {"index": index}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": text}
+                    if reasoning := "".join(r.reasoning_text for r in mine):
+                        choice["message"]["reasoning_content"] = reasoning
                     if last.tool_calls:
                         content = HeldText(self.parsed.tool_marker or "").add(text)
                         choice["message"] = {

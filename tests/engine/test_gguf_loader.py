@@ -93,6 +93,7 @@ SCALE_FIELDS = {
     QType.Q6_K: (208,),
     QType.IQ4_NL: (0,),
     QType.IQ4_XS: (0,),
+    QType.MXFP4: (),  # an e8m0 exponent byte (below)
 }
 
 
@@ -103,6 +104,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator, 
     for at in SCALE_FIELDS[qtype]:
         halves = rng.uniform(-scale, scale, size=(rows, cols // weights, 1)).astype(np.float16)
         blocks[..., at : at + 2] = halves.view(np.uint8)
+    if qtype == QType.MXFP4:  # 2^(e - 128) within 2^-20 .. 2^20: finite
+        blocks[..., 0] = rng.integers(108, 148, size=blocks.shape[:-1], dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 

@@ -54,6 +54,10 @@ def hf_model(family: str, dense_layer: bool = True) -> Any:
     """``dense_layer``: Qwen3-MoE's second layer a dense MLP (``mlp_only_layers``); llama.cpp's
     qwen3moe GGUFs have experts in every layer."""
     torch.manual_seed(0)
+    if family == "gpt_oss":
+        from tests.engine.test_gpt_oss import hf_gpt_oss
+
+        return hf_gpt_oss()
     if family == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, num_local_experts=4))
     elif family == "olmoe":  # its q/k norms are hidden wide: heads * head_dim must be the hidden size
@@ -227,14 +231,15 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     ("ranks", "runs"),
     [
-        (2, [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)]),
+        (2, [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False), ("gpt_oss", True)]),
         (4, [("qwen3_moe", True)]),
     ],
     ids=["2-ranks", "4-ranks"],
 )
 def test_several_ranks_give_the_whole_models_logits(tmp_path: Path, ranks: int, runs: list[tuple[str, bool]]) -> None:
     """Expert-parallel (whole experts, each rank its consecutive share) and tensor-parallel (every expert,
-    a slice of each one's width): the logits of one rank within 1e-4 at float32."""
+    a slice of each one's width): the logits of one rank within 1e-4 at float32 (gpt-oss: its experts'
+    biases added once, its sinks cut by head)."""
     for family in {family for family, _ in runs}:
         hf_model(family).save_pretrained(tmp_path / family, safe_serialization=True)
     out = str(tmp_path / "logits")
@@ -242,7 +247,7 @@ def test_several_ranks_give_the_whole_models_logits(tmp_path: Path, ranks: int, 
     mp.spawn(rank_logits, args=(ranks, _free_port(), plan, PROMPT, out), nprocs=ranks)
     for run, (family, expert_parallel) in enumerate(runs):
         results = [torch.load(f"{out}.{run}.{rank}") for rank in range(ranks)]
-        experts, width = (4, 128) if family == "mixtral" else (8, 64)
+        experts, width = {"mixtral": (4, 128), "gpt_oss": (4, 64)}.get(family, (8, 64))
         if expert_parallel:
             share = experts // ranks
             for rank, result in enumerate(results):

@@ -224,7 +224,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "tokens", "text", "prompt_tokens", "finish_reason", "usage", "timing", "tool_calls", "index")
+    __slots__ = ("request_id", "tokens", "text", "prompt_tokens", "finish_reason", "usage", "timing", "tool_calls", "index", "reasoning_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class GenerateResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
     text: str
@@ -243,7 +244,8 @@ class GenerateResponse(_message.Message):
     timing: Timing
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    reasoning_text: str
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., index: _Optional[int] = ..., reasoning_text: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")

@@ -109,6 +109,15 @@ class Ops(ABC):
         gate, up = x.float().chunk(2, dim=-1)
         return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
+    def clamped_swiglu_and_mul(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """x: [T, 2 * I] (gate, up) -> [T, I]: gpt-oss's experts' activation, in float32, in x's dtype:
+        gate clamped above at ``limit``, up to [-limit, limit], then gate * sigmoid(alpha * gate) *
+        (up + 1). Elementwise plain torch for every backend."""
+        gate, up = x.float().chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (gate * torch.sigmoid(gate * alpha) * (up + 1)).to(x.dtype)
+
     @abstractmethod
     def store_kv(
         self,
@@ -131,12 +140,16 @@ class Ops(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys and values
         (this step's already stored). q: [T, H, D] -> [T, H, D] in q's dtype; float32 inside.
         A query at position p sees positions 0..p of its own sequence, or only the last ``window``
         of them (p - window + 1 .. p: a sliding-window layer). ``softcap``: each scaled score s
-        becomes tanh(s / softcap) * softcap before the softmax (Gemma 2's logit soft-capping)."""
+        becomes tanh(s / softcap) * softcap before the softmax (Gemma 2's logit soft-capping).
+        ``sinks`` [H] float32 (gpt-oss's attention sinks): head h's softmax over a query's scores s_j
+        gets one more logit, ``sinks[h]``, that weighs no value: out = sum_j e^{s_j} v_j /
+        (sum_j e^{s_j} + e^{sinks[h]})."""
 
     def store_latent(
         self,

@@ -6,6 +6,7 @@ batch and whether it arrives in a prefill chunk or as a decode token:
 - keys are visited in chunks at fixed absolute positions (``KEY_CHUNK``), with an online
   softmax across chunks; a chunk with no visible key leaves the running state unchanged (so the
   chunks wholly before every query's sliding window are skipped, and soft-capping is elementwise);
+  attention sinks fold into that state once, after the last chunk, as one more key of value zero;
 - within a chunk, the only reductions are matrix products and ``amax`` (exact in any order); the
   softmax denominator is one more column of the ``p @ v`` product rather than a ``sum`` (whose
   vectorized order changes with the row length);
@@ -53,6 +54,7 @@ def _group_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for one group's queries: [n_valid, H, D] float32, rows in ``group.valid_rows`` order."""
     num_seqs, max_q = group.token_index.shape
@@ -107,6 +109,16 @@ def _group_attention(
         p = torch.exp(scores - m_safe)
         acc = acc * torch.exp(m - m_safe) + torch.matmul(p, v1)
         m = m_new
+    if sinks is not None:
+        # One more logit per head, weighing no value. With (a, b) = softmax((m, sink)), the row's
+        # numerator times a over its denominator times a plus b is the softmax with the sink; a
+        # softmax over rows of two computes each row on its own (an exp over the flat [rows] would
+        # take its last elements down a scalar path whose bits differ, and the rows vary by step).
+        sink = sinks.float().view(1, kv_heads, g, 1, 1).expand(num_seqs, kv_heads, g, max_q, 1)
+        sink = torch.cat((sink.reshape(num_seqs, kv_heads, rows, 1), m[:, :, rows:]), dim=2)  # pad rows: inert
+        weights = torch.softmax(torch.cat((m, sink), dim=-1), dim=-1)
+        acc = acc * weights[..., :1]
+        acc[..., head_dim:] += weights[..., 1:]
     out = acc[:, :, :rows, :head_dim] / acc[:, :, :rows, head_dim:]
     # [S, KV, G, Q, D] -> [S * Q, H, D], then the real queries only.
     out = out.view(num_seqs, kv_heads, g, max_q, head_dim).permute(0, 3, 1, 2, 4).reshape(-1, num_heads, head_dim)
@@ -161,8 +173,10 @@ class TorchOps(Ops):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return _scatter(q, [(g, _group_attention(q, k_cache, v_cache, g, scale, window, softcap)) for g in meta.groups])
+        parts = [(g, _group_attention(q, k_cache, v_cache, g, scale, window, softcap, sinks)) for g in meta.groups]
+        return _scatter(q, parts)
 
     def store_latent(
         self,

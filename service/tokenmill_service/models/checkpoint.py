@@ -20,13 +20,15 @@ from tokenmill_service.models.gguf_loader import iter_gguf
 from tokenmill_service.models.gguf_reader import open_gguf, release_pages
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.paths import ModelLoadError
+from tokenmill_service.models.registry import model_class
 
 
 @dataclass(eq=False)
 class Checkpoint:
     path: Path
     config: ModelConfig  # ``config.name`` is the model's name (the file's or the directory's)
-    # Each tensor's GGUF storage type, by the model's (Hugging Face) name; empty for safetensors.
+    # Each tensor's GGUF storage type, by the model's (Hugging Face) name; for safetensors, those a family
+    # stores as blocks (gpt-oss's MXFP4 experts), else empty.
     tensor_types: dict[str, QType]
     # The tensors as stored (GGUF blocks stay memory-mapped until a layer takes its slice); read once.
     tensors: Iterator[tuple[str, CheckpointTensor]]
@@ -35,7 +37,7 @@ class Checkpoint:
 
     @property
     def format(self) -> str:
-        return "gguf" if self.tensor_types else "safetensors"
+        return "gguf" if is_gguf(self.path) else "safetensors"
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -49,7 +51,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     if is_hf_checkpoint(path):
         config, hf_items = iter_hf(path)
         config.name = path.resolve().name
-        return Checkpoint(path, config, {}, hf_items)
+        return Checkpoint(path, config, model_class(config.architecture).hf_stored_types(config), hf_items)
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory without config.json; expected a Hugging Face checkpoint")
     raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")

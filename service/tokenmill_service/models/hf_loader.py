@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.layers.quant.mxfp4 import from_openai
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.registry import hf_architectures, model_class, unfused
 
@@ -26,6 +27,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # FP8 block-scaled weights: the scales of ``<name>.weight`` are ``<name>.weight_scale_inv`` (read with it).
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
+# MXFP4 (quant_method mxfp4): ``<name>_blocks`` and its ``<name>_scales`` (read together, in one file).
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 
 
 class HFCheckpointError(ValueError):
@@ -121,9 +124,13 @@ def _read_quantization(raw: dict[str, Any], config: ModelConfig) -> None:
     if not qc:
         return
     method = qc.get("quant_method")
+    if method == "mxfp4":  # openai's: <name>_blocks / <name>_scales (layers/quant/mxfp4.py)
+        config.extra["mxfp4"] = True
+        return
     if method != "fp8":
         raise HFCheckpointError(
-            f"quantization_config quant_method {method!r} is not supported (supported: fp8 with weight_block_size)"
+            f"quantization_config quant_method {method!r} is not supported (supported: fp8 with "
+            "weight_block_size, mxfp4)"
         )
     block = qc.get("weight_block_size")
     if not block or len(block) != 2:
@@ -161,11 +168,19 @@ def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, Checkpoin
                         scales[name.removesuffix("_scale_inv")] = file
         config.extra["fp8_weights"] = frozenset(scales)
 
+    mxfp4 = bool(config.extra.get("mxfp4"))
+
     def items() -> Iterator[tuple[str, CheckpointTensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
                     if name.endswith(_IGNORED_SUFFIXES) or name.endswith(FP8_SCALE_SUFFIX):
+                        continue
+                    if mxfp4 and name.endswith(MXFP4_SCALES):
+                        continue  # read with its blocks
+                    if mxfp4 and name.endswith(MXFP4_BLOCKS):
+                        e8m0 = f.get_tensor(name.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES)
+                        yield name.removesuffix(MXFP4_BLOCKS), from_openai(f.get_tensor(name), e8m0)
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue

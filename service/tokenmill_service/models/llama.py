@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from gguf import GGMLQuantizationType as QType
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
@@ -354,6 +355,11 @@ class LlamaForCausalLM(nn.Module):
 
             config.architecture = "mixtral"
             model_class("mixtral").read_gguf_config(field, gguf_architecture, config)
+
+    @classmethod
+    def hf_stored_types(cls, config: ModelConfig) -> dict[str, QType]:
+        """The safetensors tensors this family reads as GGUF-style blocks, by name (none: all float)."""
+        return {}
 
     @classmethod
     def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:

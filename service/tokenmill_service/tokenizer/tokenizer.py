@@ -14,6 +14,7 @@ from collections.abc import Set as AbstractSet
 from functools import cached_property
 from typing import Any, Protocol
 
+from tokenmill_service import harmony
 from tokenmill_service.chat_template import ChatTemplate
 
 # Tokens that end a turn or a document: generation stops on them as it does on EOS.
@@ -77,7 +78,10 @@ class Tokenizer:
         self._special_ids = frozenset(special_tokens.values())
         # User-defined added tokens (e.g. "<tool_call>"): parsed from text and shown as text.
         self._added_texts = frozenset(added_tokens)
-        end_of_turn = [i for t, i in [*special_tokens.items(), *added_tokens.items()] if t in END_OF_TURN_TOKENS]
+        # A harmony model (gpt-oss) ends its turn with <|return|> or <|call|>; its <|end|> ends a message.
+        self.harmony = harmony.is_harmony(frozenset(special_tokens))
+        turn_ends = harmony.TURN_ENDS if self.harmony else END_OF_TURN_TOKENS
+        end_of_turn = [i for t, i in [*special_tokens.items(), *added_tokens.items()] if t in turn_ends]
         self._stop_ids = frozenset({eos_token_id, *extra_stop_ids, *end_of_turn})
         self._bos_text = None if bos_token_id is None else self.token_text(bos_token_id)
         self._eos_text = self.token_text(eos_token_id)
@@ -128,6 +132,10 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def special_id(self, text: str) -> int | None:
+        """The id of the control token written ``text`` (None: there is none)."""
+        return self._special_by_text.get(text)
+
     # -- chat --------------------------------------------------------------------------------
 
     @cached_property
@@ -158,7 +166,13 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt ids: the template's special tokens as special ids, message text always as text
-        (``tools``: OpenAI-shaped tool definitions, for templates that render them)."""
+        (``tools``: OpenAI-shaped tool definitions, for templates that render them). A harmony model's
+        conversations are rendered by openai-harmony instead (harmony.py)."""
+        if self.harmony:
+            if tools:
+                raise ValueError("tools are not offered in the harmony format yet")
+            self._chat.validate_messages(messages)  # string roles and contents
+            return harmony.render(messages, self)
         self._chat.validate_messages(messages)
         rendered = self._chat.render([self._mark_message(m) for m in messages], add_generation_prompt, tools)
         ids: list[int] = []

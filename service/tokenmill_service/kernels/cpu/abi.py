@@ -56,6 +56,7 @@ BLOCK_FORMATS = (
         "IQ4_NL", 20, QUANT_BLOCK, 18, kernel="blocks"
     ),  # float16 scale, 4-bit indices into a fixed non-linear table
     BlockFormat("IQ4_XS", 23, SUPER_BLOCK, 136, kernel="kquant"),  # 8 sub-blocks of 32: 6-bit scales, IQ4_NL's table
+    BlockFormat("MXFP4", 39, QUANT_BLOCK, 17),  # e8m0 scale, 16 bytes of 4-bit e2m1 values
 )
 # ggml type id -> bytes per block, for the formats each native kernel reads.
 NATIVE_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "blocks"}
@@ -128,7 +129,8 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
                 f"int tm_paged_attention_window{suffix}(const float* q, int64_t t, int64_t heads, "
                 f"int64_t kv_heads, int64_t head_dim, const {cache}* k_cache, const {cache}* v_cache, "
                 "int64_t block_size, const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, "
-                "int64_t table_width, float scale, int64_t window, float softcap, float* out, int threads)"
+                "int64_t table_width, float scale, int64_t window, float softcap, const float* sinks, float* out, "
+                "int threads)"
             ),
         )
     ),

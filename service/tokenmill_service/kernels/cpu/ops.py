@@ -96,7 +96,17 @@ class NativeCpuOps(TorchOps):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention.paged_attention(
-            q.float(), k_cache, v_cache, meta.positions, meta.seq_of_token, meta.block_tables, scale, window, softcap
+            q.float(),
+            k_cache,
+            v_cache,
+            meta.positions,
+            meta.seq_of_token,
+            meta.block_tables,
+            scale,
+            window,
+            softcap,
+            sinks,
         ).to(q.dtype)

@@ -13,6 +13,8 @@
 // get weight exactly 0 (and the tile starts at the 16 keys holding its rows' first visible key), so
 // the extra keys another row brings into a tile add exact zeros. Soft-capping (Gemma 2) turns each
 // score s into tanh(s / cap) * cap, elementwise, before the maximum and the exponentials.
+// Attention sinks (gpt-oss) add a learned logit per head to each row's softmax: it takes part in the
+// row's maximum and adds its exponential to the denominator, and weighs no value (-inf: none).
 
 #include <immintrin.h>
 #include <omp.h>
@@ -74,7 +76,10 @@ struct Rows {
   float* out[MAX_ROWS];
   int64_t keys[MAX_ROWS];   // the keys each row sees end before this: its position + 1
   int64_t first[MAX_ROWS];  // ... and start here: 0, or its window's first key
+  float sink[MAX_ROWS];     // the row's head's sink logit in base 2 (-inf: none)
 };
+
+constexpr float LOG2E = 1.44269504088896341f;
 
 // Lanes of the 16 keys from j that lie in [lo, hi).
 inline __mmask16 live_keys(int64_t j, int64_t lo, int64_t hi) {
@@ -227,7 +232,6 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
   kbuf.resize(SC * D * 16);
   float* scores = scratch.data();
   alignas(64) float qp[MAX_ROWS * D];
-  constexpr float LOG2E = 1.44269504088896341f;
   // Scores in base 2, scaled as they are summed; soft-capped ones are capped first (below).
   const float q_scale = softcap > 0.0f ? scale : scale * LOG2E;
   for (int r = 0; r < rows.count; ++r)
@@ -266,7 +270,7 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
   __m512 mv[MAX_ROWS], sum[MAX_ROWS];
   alignas(64) __m512 acc[MAX_ROWS * DV];
   for (int r = 0; r < rows.count; ++r) {
-    mv[r] = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
+    mv[r] = _mm512_set1_ps(std::max(_mm512_reduce_max_ps(mx[r]), rows.sink[r]));
     sum[r] = _mm512_setzero_ps();
     for (int d = 0; d < DV; ++d) acc[r * DV + d] = _mm512_setzero_ps();
   }
@@ -294,7 +298,9 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
                                       block_size, kv_heads * D, j0, std::min(hi, j0 + VW));
     }
   for (int r = 0; r < rows.count; ++r) {
-    const __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[r]));
+    // A sink's exponential joins the denominator (exp2(-inf) adds exactly 0 where there is none).
+    const float sink = exp2f(rows.sink[r] - _mm512_cvtss_f32(mv[r]));
+    const __m512 scale = _mm512_set1_ps(1.0f / (_mm512_reduce_add_ps(sum[r]) + sink));
     for (int d = 0; d < DV; ++d) _mm512_storeu_ps(rows.out[r] + d * 16, _mm512_mul_ps(acc[r * DV + d], scale));
   }
 }
@@ -302,7 +308,8 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
 template <int DV, typename T>
 void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const T* k_cache, const T* v_cache,
          int64_t block_size, const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
-         int64_t table_width, float scale, int64_t window, float softcap, float* out, int threads) {
+         int64_t table_width, float scale, int64_t window, float softcap, const float* sinks, float* out,
+         int threads) {
   constexpr int64_t D = DV * 16;
   const int64_t g = heads / kv_heads;
   // Tiles: runs of up to MAX_ROWS / g consecutive tokens of one sequence (a prefill chunk's rows
@@ -340,6 +347,7 @@ void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const T* k_
           rows.out[rows.count] = out + row;
           rows.keys[rows.count] = positions[i] + 1;
           rows.first[rows.count] = window > 0 ? std::max<int64_t>(0, positions[i] + 1 - window) : 0;
+          rows.sink[rows.count] = sinks ? sinks[kvh * g + h] * LOG2E : -INFINITY;
           ++rows.count;
         }
       flush();
@@ -370,17 +378,17 @@ void store_values(const float* v, int64_t v_stride, int64_t t, int64_t row, cons
 template <typename T>
 int attention(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, const T* k_cache,
               const T* v_cache, int64_t block_size, const int64_t* positions, const int64_t* seq_of_token,
-              const int64_t* tables, int64_t table_width, float scale, int64_t window, float softcap, float* out,
-              int threads) {
+              const int64_t* tables, int64_t table_width, float scale, int64_t window, float softcap,
+              const float* sinks, float* out, int threads) {
   if (heads % kv_heads) return -2;
   switch (head_dim) {
     case 64:
       run<4>(q, t, heads, kv_heads, k_cache, v_cache, block_size, positions, seq_of_token, tables, table_width, scale,
-             window, softcap, out, threads);
+             window, softcap, sinks, out, threads);
       return 0;
     case 128:
       run<8>(q, t, heads, kv_heads, k_cache, v_cache, block_size, positions, seq_of_token, tables, table_width, scale,
-             window, softcap, out, threads);
+             window, softcap, sinks, out, threads);
       return 0;
     default:
       return -1;
@@ -421,32 +429,33 @@ int tm_paged_attention(const float* q, int64_t t, int64_t heads, int64_t kv_head
                        const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale,
                        float* out, int threads) {
   return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
-                   table_width, scale, 0, 0.0f, out, threads);
+                   table_width, scale, 0, 0.0f, nullptr, out, threads);
 }
 int tm_paged_attention_f16(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
                            const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
                            int64_t table_width, float scale, float* out, int threads) {
   return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
-                   table_width, scale, 0, 0.0f, out, threads);
+                   table_width, scale, 0, 0.0f, nullptr, out, threads);
 }
 
 // As tm_paged_attention, for a sliding-window layer (window > 0: token i sees keys positions[i] -
-// window + 1 .. positions[i]) and/or with soft-capped scores (softcap > 0; 0: none).
+// window + 1 .. positions[i]) and/or with soft-capped scores (softcap > 0; 0: none) and/or attention
+// sinks (sinks: [heads] logits, each in its head's softmax denominator; null: none).
 int tm_paged_attention_window(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
                               const float* k_cache, const float* v_cache, int64_t block_size,
                               const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
-                              int64_t table_width, float scale, int64_t window, float softcap, float* out,
-                              int threads) {
+                              int64_t table_width, float scale, int64_t window, float softcap, const float* sinks,
+                              float* out, int threads) {
   return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
-                   table_width, scale, window, softcap, out, threads);
+                   table_width, scale, window, softcap, sinks, out, threads);
 }
 int tm_paged_attention_window_f16(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                   const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
                                   const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
-                                  int64_t table_width, float scale, int64_t window, float softcap, float* out,
-                                  int threads) {
+                                  int64_t table_width, float scale, int64_t window, float softcap,
+                                  const float* sinks, float* out, int threads) {
   return attention(q, t, heads, kv_heads, head_dim, k_cache, v_cache, block_size, positions, seq_of_token, tables,
-                   table_width, scale, window, softcap, out, threads);
+                   table_width, scale, window, softcap, sinks, out, threads);
 }
 }

@@ -63,13 +63,15 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] float32 -> [T, H, D]: token i (at ``positions[i]`` of sequence ``seq_of_token[i]``)
     attends over keys 0..positions[i] of that sequence, found through ``block_tables`` [S, W] in
     the caches (keys [blocks, KV, D, block_size], values [blocks, block_size, KV, D]; float32 or
     float16, contiguous; this step's keys and values already stored by ``store_keys`` and
     ``store_values``). ``window``: token i sees only keys positions[i] - window + 1 .. positions[i];
-    ``softcap``: each scaled score s becomes tanh(s / softcap) * softcap."""
+    ``softcap``: each scaled score s becomes tanh(s / softcap) * softcap; ``sinks`` [H] float32: head
+    h's logit in each of its queries' softmax denominators (gpt-oss's attention sinks)."""
     t, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = v_cache.shape
     q = q.contiguous()
@@ -81,14 +83,19 @@ def paged_attention(
             positions.data_ptr(), seq_of_token.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             scale,
         )  # fmt: skip
-        if window is None and softcap is None:
+        if window is None and softcap is None and sinks is None:
             kernel = getattr(_lib(), symbol("tm_paged_attention", k_cache.dtype))
             rc = kernel(*common, out.data_ptr(), torch.get_num_threads())
         else:
             if window is not None and window < 1 or softcap is not None and softcap <= 0:
                 raise ValueError(f"a window is at least 1 key and a soft cap above 0, not {window} and {softcap}")
+            if sinks is not None:
+                sinks = sinks.float().contiguous()
+                if sinks.shape != (heads,):
+                    raise ValueError(f"attention sinks are one logit per head ({heads}), not {tuple(sinks.shape)}")
             kernel = getattr(_lib(), symbol("tm_paged_attention_window", k_cache.dtype))
-            rc = kernel(*common, window or 0, softcap or 0.0, out.data_ptr(), torch.get_num_threads())
+            sink_ptr = None if sinks is None else sinks.data_ptr()
+            rc = kernel(*common, window or 0, softcap or 0.0, sink_ptr, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native attention takes head_dim in {HEAD_DIMS} and whole groups of query heads")
     return out

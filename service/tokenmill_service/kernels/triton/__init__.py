@@ -81,5 +81,6 @@ class TritonOps(Ops):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)

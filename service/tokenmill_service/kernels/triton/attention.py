@@ -17,6 +17,9 @@ is why such splits are skipped), adds exact zeros: a query's result depends
 only on its sequence, its position and the constants here, never on the batch around it or on
 whether its prefix was prefilled or decoded.
 
+Attention sinks (gpt-oss: a logit per head in the softmax's denominator, weighing no value) fold
+into a query's state after its last split, in both paths alike, as one more state: (sink, 1, 0).
+
 Grid cells come from the group's padded ``[S_g, max_q]`` grid: a padding cell has position 0
 and repeats a real token, so a cell ``j`` is real when ``j == 0`` or its position is above 0.
 """
@@ -102,6 +105,16 @@ def _combine(m_run, l_run, acc_run, m, l, acc):
 
 
 @triton.jit
+def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """Fold each row's head's sink logit into its state: a key whose exponential joins the
+    denominator and whose value is zero."""
+    sink = tl.load(sinks_ptr + head, mask=mask, other=float("-inf")).to(tl.float32)
+    ones = tl.full([ROWS], 1.0, tl.float32)
+    zeros = tl.zeros([ROWS, D_PAD], tl.float32)
+    return _combine(m_run, l_run, acc_run, sink, ones, zeros)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -109,6 +122,7 @@ def _attention_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    sinks_ptr,
     token_index_ptr,
     positions_ptr,
     block_ids_ptr,
@@ -137,6 +151,7 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     TWO_STAGE: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     seq = tl.program_id(0) // num_q_tiles
@@ -183,6 +198,8 @@ def _attention_kernel(
                 SOFTCAP,
             )  # fmt: skip
             m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+        if SINKS:
+            m_run, l_run, acc_run = _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, real, BLOCK_M, D_PAD)
         out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
         o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=real[:, None] & d_ok)
@@ -193,6 +210,7 @@ def _reduce_splits_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    sinks_ptr,
     token_index_ptr,
     num_heads,
     num_splits,
@@ -202,6 +220,7 @@ def _reduce_splits_kernel(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Second pass of decode: fold each query's split states in split order, as the one-pass path does.
 
@@ -223,6 +242,8 @@ def _reduce_splits_kernel(
         l = tl.load(part_ml_ptr + 2 * part + 1, mask=real, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, None] * head_dim + d[None, :], mask=real[:, None] & d_ok, other=0.0)
         m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+    if SINKS:
+        m_run, l_run, acc_run = _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, real, G_PAD, D_PAD)
     out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
     o_off = token * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=real[:, None] & d_ok)
@@ -238,6 +259,7 @@ def _group_attention(
     split_keys: int,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     num_seqs, max_q = group.token_index.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
@@ -256,21 +278,22 @@ def _group_attention(
         part_ml = torch.empty((cells, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # not read without TWO_STAGE
+    sinks_arg = out if sinks is None else sinks  # not read without SINKS
     grid = (num_seqs * num_q_tiles, kv_heads, num_splits if two_stage else 1)
     _attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml,
+        q, k_cache, v_cache, out, part_acc, part_ml, sinks_arg,
         group.token_index, group.query_positions, group.block_ids,
         scale, NO_WINDOW if window is None else window, softcap or 1.0, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_N=min(BLOCK_N, split_keys), SPLIT=split_keys, TWO_STAGE=two_stage,
-        SOFTCAP=softcap is not None,
+        SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )  # fmt: skip
     if two_stage:
         _reduce_splits_kernel[(cells, kv_heads)](
-            out, part_acc, part_ml, group.token_index, num_heads, num_splits, head_dim, out.stride(0), out.stride(1),
-            G=g, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+            out, part_acc, part_ml, sinks_arg, group.token_index, num_heads, num_splits, head_dim, out.stride(0),
+            out.stride(1), G=g, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(head_dim)), SINKS=sinks is not None,
         )  # fmt: skip
 
 
@@ -283,6 +306,7 @@ def paged_attention(
     split_keys: int = SPLIT_KEYS,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``Ops.attention``: q [T, H, D] -> [T, H, D] in q's dtype; caches [blocks, block_size, KV, D]."""
     if split_keys < 16 or split_keys & (split_keys - 1):
@@ -290,6 +314,8 @@ def paged_attention(
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the triton attention kernel needs q and the caches contiguous in their last dim")
     out = torch.empty_like(q)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     for group in meta.groups:
-        _group_attention(q, k_cache, v_cache, group, scale, out, split_keys, window, softcap)
+        _group_attention(q, k_cache, v_cache, group, scale, out, split_keys, window, softcap, sinks)
     return out

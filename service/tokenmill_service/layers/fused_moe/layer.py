@@ -35,6 +35,7 @@ Parallelism over a replica's ranks (one all-reduce of the combined output per la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -73,30 +74,42 @@ class ExpertPlacement:
 
 
 class ExpertDownLinear(RowParallelLinear):
-    """An expert's down projection: row-parallel, its partial sums left for the layer's one all-reduce."""
+    """An expert's down projection: row-parallel, its partial sums left for the layer's one all-reduce
+    (a bias, where the family has one, added by the expert's first rank only: once in the sum)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.apply(self, x)
+        y = self.quant.apply(self, x)
+        return y if self.bias is None or self.tp.rank else y + self.bias
 
 
 class ExpertMLP(nn.Module):
-    """One expert: gate/up packed, SiLU-and-mul, down (no bias, no reduction)."""
+    """One expert: gate/up packed, SiLU-and-mul, down (no reduction). A family's experts subclass it
+    for biases (``bias``) or another activation (``activation``)."""
+
+    bias: ClassVar[bool] = False
 
     def __init__(self, hidden: int, width: int, prefix: str, ops: Ops, quant: QuantFactory, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [width, width], False, quant(f"{prefix}.gate_up_proj"), tp
+            hidden, [width, width], self.bias, quant(f"{prefix}.gate_up_proj"), tp
         )
-        self.down_proj = ExpertDownLinear(width, hidden, False, quant(f"{prefix}.down_proj"), tp)
+        self.down_proj = ExpertDownLinear(width, hidden, self.bias, quant(f"{prefix}.down_proj"), tp)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * width] (gate, up) -> [T, width]."""
+        return self.ops.silu_and_mul(gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.activation(self.gate_up_proj(x)))
         return out
 
 
 class FusedMoE(nn.Module):
     score_bias: torch.Tensor | None
+    # A family's seams: its experts' module, and whether its router has a bias (gpt-oss).
+    expert_type: ClassVar[type[ExpertMLP]] = ExpertMLP
+    router_bias: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -125,11 +138,11 @@ class FusedMoE(nn.Module):
         self.register_buffer("score_bias", bias, persistent=False)
         self.tp = tp
         self.placement = ExpertPlacement.for_rank(num_experts, tp)
-        self.gate = ReplicatedLinear(hidden, num_experts, False, quant(f"{prefix}.gate"))
+        self.gate = ReplicatedLinear(hidden, num_experts, self.router_bias, quant(f"{prefix}.gate"))
         # Held experts by id (a ModuleDict: the checkpoint's "experts.<id>" names land on them).
         self.experts = nn.ModuleDict(
             {
-                str(e): ExpertMLP(hidden, width, f"{prefix}.experts.{e}", ops, quant, self.placement.expert_tp)
+                str(e): self.expert_type(hidden, width, f"{prefix}.experts.{e}", ops, quant, self.placement.expert_tp)
                 for e in self.placement.ids
             }
         )

@@ -180,6 +180,24 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * levels).flatten(-2)
 
 
+# MXFP4's 16 e2m1 values, doubled (ggml's kvalues_mxfp4): a weight is one of these times 2^(e - 128).
+MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 128) for e8m0 exponents e (uint8), as float32 (ggml's e8m0_to_fp32_half: e < 2 subnormal)."""
+    e = e.int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # e8m0 e | 16 bytes of nibbles (weight j low, j + 16 high), each an index into MXFP4_VALUES.
+    # w = value 2^(e - 128)
+    q = _fields(b[..., 1:17], 4).flatten(-2).long()
+    return MXFP4_VALUES.to(b.device)[q].float() * e8m0_half(b[..., 0:1])
+
+
 _DEQUANTIZERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
@@ -193,6 +211,7 @@ _DEQUANTIZERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q6_K: _q6_k,
     QType.IQ4_NL: _iq4_nl,
     QType.IQ4_XS: _iq4_xs,
+    QType.MXFP4: _mxfp4,
 }
 # Every format of the table can be dequantized, and nothing beyond it is claimed.
 assert set(_DEQUANTIZERS) == set(_FORMATS), sorted(t.name for t in set(_DEQUANTIZERS) ^ set(_FORMATS))
