@@ -37,9 +37,8 @@ from tokenmill_service.layers.fused_moe.layer import ExpertMLP
 from tokenmill_service.layers.linear import QuantFactory, RowParallelLinear
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.config import FULL, SLIDING, ModelConfig, layer_window
 from tokenmill_service.models.deepseek_v3 import YARN_TYPES, Yarn
-from tokenmill_service.models.gemma2 import FULL, SLIDING, layer_window
 from tokenmill_service.models.hf_loader import rope_params, rope_type
 from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 from tokenmill_service.models.moe import MoEDecoderLayer, MoEForCausalLM, moe_settings, set_moe
