@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+from ._connect import Connections
 from ._types import (
     ChatMessage,
     EngineState,
@@ -60,6 +61,7 @@ __all__ = [
     "AuthenticationError",
     "ChatMessage",
     "Client",
+    "Connections",
     "DeadlineExceededError",
     "EngineState",
     "FinishReason",

@@ -299,9 +299,18 @@ class _WaitingNotice:
         _err(f"waiting for the server at {self.target} (unavailable; retrying up to --max-retries times)...\n")
 
 
+# With round_robin the CLI waits this long for every address before its first call (--wait-for-addresses).
+ROUND_ROBIN_WAIT_SECONDS = 5.0
+
+
 def _client_from_args(args: argparse.Namespace) -> Client:
+    wait = args.wait_for_addresses
+    if wait is None:
+        wait = ROUND_ROBIN_WAIT_SECONDS if args.load_balancing == "round_robin" else 0.0
+    if wait < 0:
+        raise UsageError("--wait-for-addresses must be at least 0")
     try:
-        return Client(
+        client = Client(
             args.server,
             tls=args.tls,
             root_certificates=args.root_certificates,
@@ -316,6 +325,14 @@ def _client_from_args(args: argparse.Namespace) -> Client:
         raise UsageError(f"cannot read the root certificates {args.root_certificates}: {exc.strerror}") from exc
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    if wait > 0:
+        connections = client.wait_for_addresses(wait)
+        if connections.observed and 0 < connections.ready < connections.total:
+            _err(
+                f"connected to {connections.ready} of the {connections.total} addresses of {client.target} "
+                f"after {wait:g} s; calls go to those\n"
+            )
+    return client
 
 
 def _stats_line(event: GenerateEvent) -> str:
@@ -891,6 +908,15 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
         help="round_robin: spread calls over every address the server's name resolves to (a headless "
         "Service's pods); pick_first: one connection, gRPC's default "
         f"(default: ${ENV_LOAD_BALANCING}, else pick_first)",
+    )
+    group.add_argument(
+        "--wait-for-addresses",
+        type=float,
+        metavar="SECONDS",
+        default=default(None),
+        help="before the first call, wait at most SECONDS until a connection to every address is ready "
+        "(round_robin sends calls only to the addresses connected so far) "
+        f"(default: {ROUND_ROBIN_WAIT_SECONDS:g} with round_robin, else 0)",
     )
     group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
     group.add_argument(
