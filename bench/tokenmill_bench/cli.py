@@ -668,6 +668,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenmill_bench.shaped import shaped_main
 
         return shaped_main(arguments[1:])
+    if arguments[:1] == ["structured"]:
+        from tokenmill_bench.structured import structured_main
+
+        return structured_main(arguments[1:])
     if arguments[:1] == ["routing"]:
         from tokenmill_bench.routing import routing_main
 

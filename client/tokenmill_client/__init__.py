@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+from ._connect import Connections
 from ._types import (
     ChatMessage,
     EngineState,
     FinishReason,
+    FunctionChoice,
     GenerateEvent,
     GenerateOptions,
     GenerateOverrides,
@@ -29,6 +31,10 @@ from ._types import (
     Timing,
     Token,
     Tokenization,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolLike,
     TopLogprob,
     Usage,
     WorkerState,
@@ -55,9 +61,11 @@ __all__ = [
     "AuthenticationError",
     "ChatMessage",
     "Client",
+    "Connections",
     "DeadlineExceededError",
     "EngineState",
     "FinishReason",
+    "FunctionChoice",
     "GenerateEvent",
     "GenerateOptions",
     "GenerateOverrides",
@@ -74,6 +82,10 @@ __all__ = [
     "Token",
     "Tokenization",
     "TokenmillError",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "ToolLike",
     "TopLogprob",
     "UnavailableError",
     "Usage",

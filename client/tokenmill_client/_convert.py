@@ -7,8 +7,10 @@ from collections.abc import Iterable, Sequence
 
 from ._proto import generate_pb2 as pb
 from ._types import (
+    ChatMessage,
     EngineState,
     FinishReason,
+    FunctionChoice,
     GenerateEvent,
     GenerateOptions,
     GenerateResult,
@@ -19,10 +21,12 @@ from ._types import (
     Timing,
     Token,
     Tokenization,
+    ToolCall,
     TopLogprob,
     Usage,
     WorkerState,
     to_chat_messages,
+    to_tool,
 )
 
 _FINISH_REASONS: dict[int, FinishReason] = {
@@ -34,8 +38,46 @@ _FINISH_REASONS: dict[int, FinishReason] = {
 }
 
 
+_TOOL_CHOICES: dict[str, int] = {
+    "auto": pb.TOOL_CHOICE_AUTO,
+    "none": pb.TOOL_CHOICE_NONE,
+    "required": pb.TOOL_CHOICE_REQUIRED,
+}
+
+
+def _message_to_proto(m: ChatMessage) -> pb.ChatMessage:
+    return pb.ChatMessage(
+        role=m.role,
+        content=m.content,
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+        tool_call_id=m.tool_call_id,
+        name=m.name,
+    )
+
+
 def messages_to_proto(messages: Sequence[MessageLike]) -> pb.Messages:
-    return pb.Messages(messages=[pb.ChatMessage(role=m.role, content=m.content) for m in to_chat_messages(messages)])
+    return pb.Messages(messages=[_message_to_proto(m) for m in to_chat_messages(messages)])
+
+
+def _tool_calls(calls: Iterable[pb.ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.id, c.name, c.arguments) for c in calls)
+
+
+def _set_tools(request: pb.GenerateRequest, options: GenerateOptions) -> None:
+    """The tools, tool_choice and parallel_tool_calls of ``options`` onto ``request`` (ValueError for a
+    tool_choice that is none of "auto", "none", "required" or a FunctionChoice)."""
+    for tool in map(to_tool, options.tools):  # Tools already (GenerateOptions converts them): a no-op
+        request.tools.append(pb.Tool(name=tool.name, description=tool.description, parameters=tool.parameters_json))
+    choice = options.tool_choice
+    if isinstance(choice, FunctionChoice):
+        request.tool_choice = pb.TOOL_CHOICE_FUNCTION
+        request.tool_choice_function = choice.name
+    elif choice in _TOOL_CHOICES:
+        request.tool_choice = _TOOL_CHOICES[choice]  # type: ignore[assignment]
+    else:
+        raise ValueError(f'tool_choice must be "auto", "none", "required" or a FunctionChoice, got {choice!r}')
+    if options.parallel_tool_calls is not None:
+        request.parallel_tool_calls = options.parallel_tool_calls
 
 
 def build_generate_request(
@@ -102,6 +144,7 @@ def build_generate_request(
     elif options.grammar is not None:
         syntax = pb.GRAMMAR_SYNTAX_GBNF if options.grammar_syntax == "gbnf" else pb.GRAMMAR_SYNTAX_LARK
         request.grammar.CopyFrom(pb.Grammar(text=options.grammar, syntax=syntax))
+    _set_tools(request, options)
     if options.n != 1:  # one choice is the server's default: the request carries no n
         request.n = options.n
     if prompt is not None:
@@ -149,6 +192,7 @@ def event_from_proto(response: pb.GenerateResponse) -> GenerateEvent:
         ),
         index=response.index,
         reasoning_text=response.reasoning_text,
+        tool_calls=_tool_calls(response.tool_calls),
     )
 
 
@@ -162,6 +206,7 @@ class ResultBuilder:
         self._tokens: list[Token] = []
         self._prompt_tokens: tuple[Token, ...] = ()
         self._last: GenerateEvent | None = None
+        self._tool_calls: list[ToolCall] = []
 
     def add(self, event: GenerateEvent) -> None:
         self.request_id = event.request_id or self.request_id
@@ -170,6 +215,7 @@ class ResultBuilder:
         self._tokens.extend(event.tokens)
         if event.prompt_tokens:
             self._prompt_tokens = event.prompt_tokens
+        self._tool_calls.extend(event.tool_calls)
         if event.is_last:
             self._last = event
 
@@ -187,6 +233,7 @@ class ResultBuilder:
             usage=last.usage,
             timing=last.timing,
             reasoning_text="".join(self._reasoning),
+            tool_calls=tuple(self._tool_calls),
         )
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import grpc
 import grpc.aio
 
+from ._connect import ChannelWatch, Connections
 from ._convert import (
     ChoicesBuilder,
     ResultBuilder,
@@ -65,8 +66,8 @@ class AsyncClient:
     generate only while no response has arrived yet; ``on_retry(retry, delay_seconds)`` is called before each
     retry's wait. ``load_balancing="round_robin"`` spreads calls over every address ``target`` resolves to
     (``dns:///tokenmill-headless.ns.svc:50051``: a headless Service's pods; ``ipv4:10.0.0.1:50051,10.0.0.2:50051``),
-    where gRPC's default (``pick_first``) sends them all down one connection. Thread-safe; use it as a context
-    manager or call close().
+    where gRPC's default (``pick_first``) sends them all down one connection; ``await wait_for_addresses(SECONDS)``
+    before the first calls spreads those too. Thread-safe; use it as a context manager or call close().
 
     The default, 3 retries (about 1.4 s), lets a program learn soon that no server is there; the CLI,
     often started beside a server that is still loading, waits longer (``--max-retries 20``, about
@@ -97,8 +98,16 @@ class AsyncClient:
             on_retry=on_retry,
             load_balancing=load_balancing,
         )
+        self._watch = ChannelWatch(self._settings.target)
         self._channel = self._settings.aio_channel()
+        self._watch.found()
         self._stubs = AsyncStubs(self._channel)
+
+    async def wait_for_addresses(self, timeout: float) -> Connections:
+        """Connects, and waits up to ``timeout`` seconds until the channel is ready: with round_robin, until
+        it is connected to every address the target resolves to (see Client.wait_for_addresses)."""
+        every = self._settings.load_balancing == "round_robin"
+        return await self._watch.wait_async(self._channel, timeout, every_address=every)
 
     @property
     def target(self) -> str:

@@ -25,12 +25,16 @@ from ._transport import LOAD_BALANCING_POLICIES, default_target
 from ._types import (
     ChatMessage,
     FinishReason,
+    FunctionChoice,
     GenerateEvent,
     GenerateOptions,
     GenerateOverrides,
     GenerateResult,
     ModelInfo,
     Token,
+    Tool,
+    ToolCall,
+    ToolChoice,
 )
 from .client import Client
 from .errors import (
@@ -131,6 +135,15 @@ def _json_line(value: Any) -> str:
     return json.dumps(_jsonable(value), ensure_ascii=False) + "\n"
 
 
+def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A call in OpenAI's shape (what an assistant message of a later request's history carries)."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_call_lines(calls: Sequence[ToolCall]) -> str:
+    return "".join(json.dumps(_tool_call_json(c), ensure_ascii=False) + "\n" for c in calls)
+
+
 def _fmt_logprob(token: Token) -> str:
     return "-" if token.logprob is None else f"{token.logprob:.4f}"
 
@@ -196,6 +209,11 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
     --timeout is not among them: it is the client's default deadline, for every command.
     """
     grammar = _read_file(args.grammar) if args.grammar else None
+    tools = _read_tools(args.tools) if args.tools else ()
+    if args.tool_choice is not None and not tools:
+        raise UsageError("--tool-choice needs --tools")
+    if tools and args.raw:
+        raise UsageError("--tools needs a chat (the chat template offers them); it does not go with --raw")
     return GenerateOptions(
         max_new_tokens=args.limit,
         temperature=args.temperature,
@@ -216,7 +234,34 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         grammar_syntax="gbnf" if grammar is not None and "::=" in grammar else "lark",
         adapter=args.adapter,
         n=args.n,
+        tools=tools,
+        tool_choice=_tool_choice(args.tool_choice or "auto", tools),
+        parallel_tool_calls=False if args.no_parallel_tool_calls else None,
     )
+
+
+def _read_tools(path: str) -> tuple[Tool, ...]:
+    """--tools FILE: a JSON list of OpenAI-style function tools."""
+    try:
+        data = json.loads(_read_file(path))
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--tools {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise UsageError(f"--tools {path} must hold a JSON list of tools")
+    try:
+        return tuple(Tool.from_openai(t) for t in data)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--tools {path}: {exc}") from None
+
+
+def _tool_choice(text: str, tools: Sequence[Tool]) -> ToolChoice:
+    """--tool-choice auto|none|required|NAME (NAME: one of the tools' functions)."""
+    if text in ("auto", "none", "required"):
+        return text  # type: ignore[return-value]
+    if not any(t.name == text for t in tools):
+        names = ", ".join(t.name for t in tools)
+        raise UsageError(f"--tool-choice {text!r} is not auto, none, required or one of the tools ({names})")
+    return FunctionChoice(text)
 
 
 def _read_file(path: str) -> str:
@@ -254,9 +299,18 @@ class _WaitingNotice:
         _err(f"waiting for the server at {self.target} (unavailable; retrying up to --max-retries times)...\n")
 
 
+# With round_robin the CLI waits this long for every address before its first call (--wait-for-addresses).
+ROUND_ROBIN_WAIT_SECONDS = 5.0
+
+
 def _client_from_args(args: argparse.Namespace) -> Client:
+    wait = args.wait_for_addresses
+    if wait is None:
+        wait = ROUND_ROBIN_WAIT_SECONDS if args.load_balancing == "round_robin" else 0.0
+    if wait < 0:
+        raise UsageError("--wait-for-addresses must be at least 0")
     try:
-        return Client(
+        client = Client(
             args.server,
             tls=args.tls,
             root_certificates=args.root_certificates,
@@ -271,6 +325,14 @@ def _client_from_args(args: argparse.Namespace) -> Client:
         raise UsageError(f"cannot read the root certificates {args.root_certificates}: {exc.strerror}") from exc
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    if wait > 0:
+        connections = client.wait_for_addresses(wait)
+        if connections.observed and 0 < connections.ready < connections.total:
+            _err(
+                f"connected to {connections.ready} of the {connections.total} addresses of {client.target} "
+                f"after {wait:g} s; calls go to those\n"
+            )
+    return client
 
 
 def _stats_line(event: GenerateEvent) -> str:
@@ -313,6 +375,8 @@ def _stream_answer(
         stream.close()  # cancels the call if we are leaving early (Ctrl-C, a broken pipe)
         if mode == "text" and not ends_with_newline:
             _out("\n")
+    if mode == "text" and last is not None and last.tool_calls:
+        _out(_tool_call_lines(last.tool_calls))  # one JSON line per call, after the text they were read from
     return last, "".join(text)
 
 
@@ -386,6 +450,7 @@ def _print_choices(args: argparse.Namespace, settings: GenSettings, prompt: str)
             _out("".join(_token_line(t) for t in result.tokens))
         else:
             _out(result.text if result.text.endswith("\n") else result.text + "\n")
+            _out(_tool_call_lines(result.tool_calls))
         if not args.quiet:
             _err(
                 _stats_line(
@@ -422,11 +487,14 @@ def _print_outcome(args: argparse.Namespace, index: int, prompt: str, outcome: _
                 usage=dataclasses.asdict(outcome.result.usage),
                 timing=dataclasses.asdict(outcome.result.timing),
             )
+            if outcome.result.tool_calls:
+                record["tool_calls"] = [_tool_call_json(c) for c in outcome.result.tool_calls]
         else:
             record["error"] = outcome.error
         _out(json.dumps(record, ensure_ascii=False) + "\n")
     elif outcome.result is not None:
-        _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n\n")
+        calls = _tool_call_lines(outcome.result.tool_calls)
+        _out(f"Prompt: {prompt}\nCompletion: {outcome.result.text}\n{calls}\n")
     else:
         _out(f"Prompt: {prompt}\nError: {outcome.error}\n\n")
 
@@ -841,6 +909,15 @@ def _connection_options(parser: argparse.ArgumentParser, *, top_level: bool) -> 
         "Service's pods); pick_first: one connection, gRPC's default "
         f"(default: ${ENV_LOAD_BALANCING}, else pick_first)",
     )
+    group.add_argument(
+        "--wait-for-addresses",
+        type=float,
+        metavar="SECONDS",
+        default=default(None),
+        help="before the first call, wait at most SECONDS until a connection to every address is ready "
+        "(round_robin sends calls only to the addresses connected so far) "
+        f"(default: {ROUND_ROBIN_WAIT_SECONDS:g} with round_robin, else 0)",
+    )
     group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
     group.add_argument(
         "--root-certificates",
@@ -941,6 +1018,20 @@ def build_parser() -> argparse.ArgumentParser:
     constraint.add_argument(
         "--grammar", metavar="FILE", help="the output matches the grammar in FILE (Lark, or GBNF when it uses ::=)"
     )
+    gen.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="functions the model may call: a JSON list of OpenAI-style function tools "
+        '([{"type": "function", "function": {"name": ..., "description": ..., "parameters": {JSON Schema}}}]); '
+        "calls are printed as JSON lines after the answer's text",
+    )
+    gen.add_argument(
+        "--tool-choice",
+        metavar="CHOICE",
+        help="with --tools: auto (the model decides; default), none, required (the answer is calls), "
+        "or a function's name (the answer calls it)",
+    )
+    gen.add_argument("--no-parallel-tool-calls", action="store_true", help="with --tools: at most one call per answer")
     gen.add_argument("--system", metavar="TEXT", help="system message of the chat")
     gen.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
     gen.add_argument("--show-tokens", action="store_true", help="print one line per token: repr(text) and logprob")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 
+from ._connect import ChannelWatch, Connections
 from ._convert import (
     ChoicesBuilder,
     ResultBuilder,
@@ -62,8 +63,10 @@ class Client:
     generate only while no response has arrived yet; ``on_retry(retry, delay_seconds)`` is called before each
     retry's wait. ``load_balancing="round_robin"`` spreads calls over every address ``target`` resolves to
     (``dns:///tokenmill-headless.ns.svc:50051``: a headless Service's pods; ``ipv4:10.0.0.1:50051,10.0.0.2:50051``),
-    where gRPC's default (``pick_first``) sends them all down one connection. Thread-safe; use it as a context
-    manager or call close().
+    where gRPC's default (``pick_first``) sends them all down one connection. round_robin uses the addresses
+    connected so far: ``wait_for_addresses=SECONDS`` makes the constructor wait (at most that long) until
+    every address is connected, so that the first calls are spread too (see wait_for_addresses()).
+    Thread-safe; use it as a context manager or call close().
 
     The default, 3 retries (about 1.4 s), lets a program learn soon that no server is there; the CLI,
     often started beside a server that is still loading, waits longer (``--max-retries 20``, about
@@ -82,6 +85,7 @@ class Client:
         options: ChannelOptions = (),
         on_retry: RetryHook | None = None,
         load_balancing: str | None = None,
+        wait_for_addresses: float = 0.0,
     ) -> None:
         self._settings: Settings = make_settings(
             target,
@@ -94,8 +98,23 @@ class Client:
             on_retry=on_retry,
             load_balancing=load_balancing,
         )
+        self._watch = ChannelWatch(self._settings.target)
         self._channel = self._settings.sync_channel()
+        self._watch.found()
         self._stubs = SyncStubs(self._channel)
+        if wait_for_addresses > 0:
+            self.wait_for_addresses(wait_for_addresses)
+
+    def wait_for_addresses(self, timeout: float) -> Connections:
+        """Connects, and waits up to ``timeout`` seconds until the channel is ready: with round_robin, until
+        it is connected to every address the target resolves to. Returns how many are connected; never
+        raises (calls made after a timeout go to the addresses connected by then, or wait and retry as usual).
+
+        round_robin sends each call to an address it is connected to already, so calls made the moment
+        a client is created go to the first server to answer; waiting first spreads them over all.
+        """
+        every = self._settings.load_balancing == "round_robin"
+        return self._watch.wait(self._channel, timeout, every_address=every)
 
     @property
     def target(self) -> str:

@@ -26,3 +26,11 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.parametrize("name", sorted(p.stem for p in build.HERE.glob("*.cpp")))
 def test_every_native_kernel_builds_on_a_cpu_it_is_written_for(name: str) -> None:
     assert build.unavailable_reason(name) is None
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_a_built_kernel_loads_for_another_user_of_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The image builds its kernels as root and runs as another user: a private file would not load.
+    monkeypatch.setenv("TOKENMILL_KERNEL_CACHE", str(tmp_path))
+    library = build._build("elementwise", str(shutil.which("g++")))
+    assert library.parent == tmp_path and library.stat().st_mode & 0o777 == 0o755

@@ -4,19 +4,21 @@ resolves to: the same port on three addresses), and the typed client and the CLI
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.server_process import ServerProcess, free_port
 from tests.tiny_checkpoint import write_tiny_llama
-from tokenmill_client import Client
+from tokenmill_client import AsyncClient, Client, Connections
 
 HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 CLIENT = Path(sys.executable).parent / "tokenmill-client"
@@ -78,10 +80,40 @@ def generate(client: Client, request_ids: list[str]) -> None:
 def test_round_robin_spreads_one_clients_calls_over_every_server(servers: list[ServerProcess]) -> None:
     ids = [f"rr-{i}" for i in range(9)]
     with Client(target(servers), load_balancing="round_robin", timeout=60) as client:
-        client.model_info()  # connected
+        assert client.wait_for_addresses(30) == Connections(3, 3)
         generate(client, ids)
     counts = served(servers, set(ids))
     assert sum(counts) == 9 and all(counts), counts
+
+
+def test_calls_made_at_once_after_waiting_for_every_address_reach_every_server(servers: list[ServerProcess]) -> None:
+    # round_robin sends a call only to the addresses connected at that moment: without the wait, calls
+    # made as the client is created go to the first server to answer.
+    ids = [f"burst-{i}" for i in range(9)]
+    with (
+        Client(target(servers), load_balancing="round_robin", timeout=60, wait_for_addresses=30) as client,
+        ThreadPoolExecutor(len(ids)) as pool,
+    ):
+        list(pool.map(lambda request_id: generate(client, [request_id]), ids))
+    counts = served(servers, set(ids))
+    assert counts == [3, 3, 3], counts  # every address in the rotation from the first call
+
+
+def test_waiting_for_addresses_gives_up_after_its_timeout_naming_what_is_connected(
+    servers: list[ServerProcess],
+) -> None:
+    dead = f"127.0.0.4:{free_port()}"  # nothing listens there
+    with Client(f"{target(servers)},{dead}", load_balancing="round_robin") as client:
+        connections = client.wait_for_addresses(1.5)
+    assert connections.observed and connections.total == 4 and connections.ready == 3 and not connections.all_ready
+    with Client(target(servers)) as client:  # pick_first: one connection is all it uses
+        assert client.wait_for_addresses(30) == Connections(1, 1, observed=False)
+
+    async def wait_async() -> Connections:
+        async with AsyncClient(target(servers), load_balancing="round_robin") as client:
+            return await client.wait_for_addresses(30)
+
+    assert asyncio.run(wait_async()) == Connections(3, 3)
 
 
 def test_by_default_one_connection_takes_every_call(servers: list[ServerProcess]) -> None:
@@ -95,9 +127,9 @@ def test_the_cli_spreads_its_input_file_with_load_balancing_round_robin(
     servers: list[ServerProcess], tmp_path: Path
 ) -> None:
     prompts = tmp_path / "prompts.txt"
-    # Enough prompts that the connections still opening when the first ones go out are ready for the
-    # rest: round_robin uses only the servers it has connected to so far.
-    prompts.write_text("".join(f"Prompt {i}\n" for i in range(40)))
+    # Nine prompts, eight at once (--concurrency 8): the CLI waits for every address before its first call
+    # (--wait-for-addresses, 5 s by default with round_robin), so the first eight are spread too.
+    prompts.write_text("".join(f"Prompt {i}\n" for i in range(9)))
     cmd = [str(CLIENT)] if CLIENT.exists() else [sys.executable, "-m", "tokenmill_client"]
     env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_SERVER", "TOKENMILL_TOKEN")}
     env["TOKENMILL_LOAD_BALANCING"] = "round_robin"  # the flag's environment variable
@@ -112,4 +144,5 @@ def test_the_cli_spreads_its_input_file_with_load_balancing_round_robin(
     assert proc.returncode == 0, proc.stderr
     ids = {json.loads(line)["request_id"] for line in proc.stdout.splitlines()}
     counts = served(servers, ids)
-    assert len(ids) == 40 and sum(counts) == 40 and all(counts), counts
+    # With --wait-for-addresses 0 three runs here gave [1, 2, 6], [3, 5, 1] and [2, 1, 6].
+    assert len(ids) == 9 and counts == [3, 3, 3], counts

@@ -83,6 +83,9 @@ def _build(name: str, cxx: str) -> Path:
         except NativeKernelUnavailable:
             os.unlink(tmp)
             raise
+        # mkstemp made the file private (0600; the linker adds x: 0711), which another user cannot load: the
+        # container image builds its kernels as root and runs as user 10001. Readable by all, as g++ makes them.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
         log.info("native_kernel_built", kernel=name, path=str(target))
         return target
