@@ -150,14 +150,16 @@ def test_mxfp4_experts_dequantized_give_the_transformers_logits(mxfp4_checkpoint
 
 
 @torch.inference_mode()
-def test_mxfp4_experts_are_served_natively_as_q8_0_by_default(mxfp4_checkpoint: tuple[Path, Any]) -> None:
-    """The default configuration multiplies the experts' blocks rewritten exactly as Q8_0: within the
-    native kernels' bounds of transformers, batch-invariant."""
+def test_mxfp4_experts_are_served_natively_as_stored_by_default(mxfp4_checkpoint: tuple[Path, Any]) -> None:
+    """The default configuration multiplies the experts' MXFP4 blocks as stored: within the native
+    kernels' bounds of transformers, batch-invariant."""
     directory, hf = mxfp4_checkpoint
     served = load(LoadOptions(model=str(directory)))
     methods = {choice.method for prefix, choice in served.plan.layers.items() if ".experts." in prefix}
     assert methods <= {"gguf", "gguf-vnni"}, served.plan.layers
-    assert any("MXFP4 (as Q8_0)" in reason for reason in served.plan.quant_reasons.values()), served.plan.quant_reasons
+    assert any("MXFP4" in reason and "as Q8_0" not in reason for reason in served.plan.quant_reasons.values()), (
+        served.plan.quant_reasons
+    )
     got = torch.log_softmax(served.compute_logits(forward_prompt(served, PROMPT)), -1)
     want = torch.log_softmax(hf_logits(hf, PROMPT), -1)
     targets = torch.tensor(PROMPT[1:])[:, None]
@@ -250,7 +252,9 @@ def test_a_llama_cpp_gguf_with_mxfp4_experts_gives_the_transformers_logits(tmp_p
     assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW, None]
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(model.compute_logits(forward_prompt(model, PROMPT)), expected, atol=1e-4, rtol=0)
-    served = load(LoadOptions(model=str(path)))  # the default: the MXFP4 experts as Q8_0, natively
-    assert any("MXFP4 (as Q8_0)" in reason for reason in served.plan.quant_reasons.values()), served.plan.quant_reasons
+    served = load(LoadOptions(model=str(path)))  # the default: the MXFP4 experts as stored, natively
+    assert any("MXFP4" in reason and "as Q8_0" not in reason for reason in served.plan.quant_reasons.values()), (
+        served.plan.quant_reasons
+    )
     got = torch.log_softmax(served.compute_logits(forward_prompt(served, PROMPT)), -1)
     assert (got - torch.log_softmax(expected, -1)).abs().max() < 1e-2

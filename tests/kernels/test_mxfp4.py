@@ -1,6 +1,7 @@
 """MXFP4 (gpt-oss's expert weights): dequantized bit for bit as transformers (its safetensors layout)
 and gguf.quants (llama.cpp's block layout) define it, the one layout rewritten into the other without
-changing a weight, and the exact Q8_0 form the native kernels multiply (refused where a scale has none)."""
+changing a weight, and the blocks the native kernels multiply as stored (the VNNI kernel refusing a scale
+float16 cannot hold)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
 
-from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
-from tokenmill_service.layers.quant.mxfp4 import as_q8_0, dequantize_openai, from_openai
+from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
+from tokenmill_service.layers.quant.mxfp4 import dequantize_openai, from_openai
 
 transformers_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 
@@ -41,17 +42,25 @@ def test_the_gguf_layout_dequantizes_as_gguf_does_and_holds_the_same_weights() -
     assert torch.equal(ours, dequantize_openai(blocks, scales).reshape(6, 128))
 
 
-def test_in_range_scales_rewrite_exactly_as_q8_0_and_others_are_refused() -> None:
-    blocks, scales = openai_tensor(104, 144, seed=2)  # every scale float16 holds
+@pytest.mark.skipif(vnni_gemm.unavailable_reason() is not None, reason="native kernels unavailable")
+def test_the_native_kernels_read_the_blocks_as_stored_and_refuse_a_scale_float16_cannot_hold() -> None:
+    blocks, scales = openai_tensor(104, 144, seed=2)  # every scale float16 holds (2^-24 .. 2^15 a unit)
     blocks[0, 0, 0] = 0  # a block of zeros, whatever its scale
     scales[0, 0, 0] = 3
     mxfp4 = from_openai(blocks, scales)
-    q8 = as_q8_0(mxfp4)
-    assert q8.qtype == QType.Q8_0 and q8.shape == mxfp4.shape
-    assert torch.equal(q8.dequantize(), mxfp4.dequantize())
+    rows, cols = mxfp4.shape
+    fmt = int(QType.MXFP4)
+    assert torch.equal(vnni_gemm.unpack(vnni_gemm.pack(mxfp4.data, fmt), fmt, rows, cols), mxfp4.dequantize())
+    assert torch.equal(block_gemm.block_dequantize(mxfp4.data, fmt), mxfp4.dequantize())
+    packed = vnni_gemm.pack(mxfp4.data, fmt)
+    # A byte a block over the file's (d as float16, not E), in groups of 16 rows.
+    assert packed.numel() == -(-rows // 16) * 16 * (mxfp4.data[0].numel() + 4)
     scales[1, 2, 3] = 144  # 2^17 an e2m1 unit: d = 2^16, beyond float16
-    with pytest.raises(ValueError, match="2\\^17 has no exact Q8_0 form.*--quantization none"):
-        as_q8_0(from_openai(blocks, scales))
+    with pytest.raises(ValueError, match="MXFP4 block's scale is beyond.*--quantization none"):
+        vnni_gemm.pack(from_openai(blocks, scales).data, fmt)
+    # The float32 kernel reads any scale (subnormal ones included).
+    blocks, scales = openai_tensor(0, 255, seed=3)
+    wide = from_openai(blocks, scales)
+    assert torch.equal(block_gemm.block_dequantize(wide.data, fmt), wide.dequantize())
     with pytest.raises(ValueError, match="do not pair up"):
         from_openai(blocks, scales[..., :3])
-    assert isinstance(mxfp4, GGUFBlocks)

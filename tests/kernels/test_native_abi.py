@@ -80,10 +80,9 @@ def test_one_block_table_for_python_and_cpp() -> None:
 def test_the_native_kernels_read_only_the_formats_they_have_code_for() -> None:
     """The table holds every format tokenmill dequantizes; the kernels keep to their own rows of it."""
     assert block_gemm.FORMATS == {f.id: f.block_bytes for f in abi.BLOCK_FORMATS if f.kernel == "blocks"}
-    formats = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
+    formats = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL, QType.MXFP4]
     assert sorted(block_gemm.FORMATS) == [0, *sorted(int(q) for q in formats)]
-    # And MXFP4, rewritten exactly as Q8_0 at load (layers/quant/transcode.py).
-    assert GGUFBlocksMethod.served_types == {*formats, QType.MXFP4}
+    assert GGUFBlocksMethod.served_types == set(formats)
     assert all(f.block_weights == QUANT_BLOCK for f in abi.BLOCK_FORMATS if f.kernel == "blocks")
     assert "static_assert(TM_BLOCK_WEIGHTS_Q4_0 == TM_QK" in abi.header()
     assert "TM_BLOCK_WEIGHTS_Q4_K == TM_QK" not in abi.header()

@@ -26,7 +26,7 @@ from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 pytestmark = pytest.mark.skipif(
     block_gemm.unavailable_reason() is not None, reason=f"native kernel unavailable: {block_gemm.unavailable_reason()}"
 )
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL, QType.MXFP4]
 METHODS = [
     "gguf",
     pytest.param(
@@ -87,9 +87,11 @@ def test_the_product_is_the_float32_product_with_ggufs_dequantized_weight(
         want = (_as_multiplied(x, method) @ weight.double().t()).float()
         # ...with float32 sums (and scales): only their order and rounding differ from float64's.
         torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
-    # Packed or not, a row takes as many bytes as in the file (VNNI: in groups of 16 rows).
+    # Packed or not, a row takes as many bytes as in the file (VNNI: in groups of 16 rows; MXFP4's scale as
+    # float16, a byte a block more).
     rows = out if method == "gguf" else -(-out // 16) * 16
-    assert layer.quant.weight_bytes(layer) == rows * blocks.data[0].numel()
+    extra = inp // 32 if (method, qtype) == ("gguf-vnni", QType.MXFP4) else 0
+    assert layer.quant.weight_bytes(layer) == rows * (blocks.data[0].numel() + extra)
 
 
 def test_vnni_activations_are_16_bit_fixed_point_per_block_of_32() -> None:
@@ -186,7 +188,8 @@ def test_bfloat16_activations_are_multiplied_as_float32_and_returned_in_bfloat16
 def test_tensors_it_cannot_serve_as_stored_are_refused_clearly(method: str) -> None:
     layer = ReplicatedLinear(64, 32, False, quant_method_class(method)(torch.float32))
     with pytest.raises(
-        ValueError, match="serves IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 tensors as stored, not a torch.float32 tensor"
+        ValueError,
+        match="serves IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 tensors as stored, not a torch.float32 tensor",
     ):
         layer.load_weight(torch.randn(32, 64))
     mixed = QKVParallelLinear(64, 16, 2, 1, False, quant_method_class(method)(torch.float32), TensorParallel())

@@ -56,7 +56,7 @@ BLOCK_FORMATS = (
         "IQ4_NL", 20, QUANT_BLOCK, 18, kernel="blocks"
     ),  # float16 scale, 4-bit indices into a fixed non-linear table
     BlockFormat("IQ4_XS", 23, SUPER_BLOCK, 136, kernel="kquant"),  # 8 sub-blocks of 32: 6-bit scales, IQ4_NL's table
-    BlockFormat("MXFP4", 39, QUANT_BLOCK, 17),  # e8m0 scale, 16 bytes of 4-bit e2m1 values
+    BlockFormat("MXFP4", 39, QUANT_BLOCK, 17, kernel="blocks"),  # e8m0 scale, 16 bytes of 4-bit e2m1 values
 )
 # ggml type id -> bytes per block, for the formats each native kernel reads.
 NATIVE_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "blocks"}

@@ -1,10 +1,10 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) kept as stored,
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) kept as stored,
 // or plain float32 rows (F32, --quantization none: the same fixed order, nothing to dequantize),
 // float32 activations and output. Built and loaded by native.py (g++ -O3 -march=native -fopenmp).
 //
 // Two promises shape the code:
 // - Faithful: each weight is dequantized exactly as gguf does (q * d, + m for Q4_1 and Q5_1, level[q] * d
-//   for IQ4_NL; q * d is exact
+//   for IQ4_NL and MXFP4; q * d is exact
 //   in float32, so the fused multiply-add rounds once, like the multiply-then-add it replaces) and
 //   the products are summed in float32.
 // - Batch-invariant: every output y[i, n] is reduced in one fixed order (16 float32 lanes over K
@@ -42,7 +42,8 @@ enum Format : int {
   Q5_0 = TM_FORMAT_Q5_0,
   Q5_1 = TM_FORMAT_Q5_1,
   Q8_0 = TM_FORMAT_Q8_0,
-  IQ4_NL = TM_FORMAT_IQ4_NL
+  IQ4_NL = TM_FORMAT_IQ4_NL,
+  MXFP4 = TM_FORMAT_MXFP4
 };
 
 int64_t block_bytes(int fmt) {
@@ -54,6 +55,7 @@ int64_t block_bytes(int fmt) {
     case Q5_1: return TM_BLOCK_BYTES_Q5_1;
     case Q8_0: return TM_BLOCK_BYTES_Q8_0;
     case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
+    case MXFP4: return TM_BLOCK_BYTES_MXFP4;
     default: return 0;
   }
 }
@@ -71,6 +73,20 @@ inline void dequantize_regs(const uint8_t* b, __m512& lo, __m512& hi) {
   if constexpr (F == F32) {
     lo = _mm512_loadu_ps((const float*)b);
     hi = _mm512_loadu_ps((const float*)b + 16);
+    return;
+  }
+  if constexpr (F == MXFP4) {  // E | qs[16]: value[index] * 2^(E - 128), ggml's kvalues_mxfp4 and e8m0 half
+    const __m512i table = _mm512_setr_epi32(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    const __m512 d = _mm512_set1_ps(scale);
+    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 1));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
+    const __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(il, table)), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(ih, table)), d);
     return;
   }
   const __m512 d = half_at(b);
@@ -293,6 +309,7 @@ int tm_block_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* 
     case Q5_0: gemm<Q5_0>(x, m, k, w, n, y, threads); return 0;
     case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); return 0;
     case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); return 0;
+    case MXFP4: gemm<MXFP4>(x, m, k, w, n, y, threads); return 0;
     case Q8_0: gemm<Q8_0>(x, m, k, w, n, y, threads); return 0;
     default: return -1;
   }
@@ -308,6 +325,7 @@ int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* 
     case Q5_0: dequantize_rows<Q5_0>(w, n, k, out); return 0;
     case Q5_1: dequantize_rows<Q5_1>(w, n, k, out); return 0;
     case IQ4_NL: dequantize_rows<IQ4_NL>(w, n, k, out); return 0;
+    case MXFP4: dequantize_rows<MXFP4>(w, n, k, out); return 0;
     case Q8_0: dequantize_rows<Q8_0>(w, n, k, out); return 0;
     default: return -1;
   }

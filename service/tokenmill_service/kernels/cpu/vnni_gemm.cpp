@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), with integer
+// y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4), with integer
 // products (AVX-512 VNNI: vpdpbusd multiplies 64 bytes by 64 bytes and adds them in fours into
 // 16 int32 lanes). 2.1 to 2.7 times the float32 kernel's rate (block_gemm.cpp).
 //
@@ -22,12 +22,14 @@
 //   Q5_0, Q5_1:    their low four bits as Q4_0's, then their fifth bits in one 64-byte plane laid out
 //                  as the nibbles are (byte i: bit j for step j), unpacked by a shift and a ternary
 //                  select, as kquant_gemm.cpp reads Q5_K's;
-//   IQ4_NL:        its 4-bit level indices as Q4_0's nibbles, each turned into level + 128 by one byte
-//                  shuffle over the 16 levels in the loop;
+//   IQ4_NL, MXFP4: their 4-bit indices as Q4_0's nibbles, each turned into q = value + 128 by one byte
+//                  shuffle over the 16 values in the loop (IQ4_NL's levels; MXFP4's e2m1 values doubled,
+//                  its e8m0 scale 2^(E - 127) halved into d = 2^(E - 128), exact in float16 for E - 128
+//                  in [-24, 15]: trained weights' scales lie far inside; a block beyond it is refused);
 //   Q8_0:          8 x 64 bytes, step j's weights as unsigned bytes (q + 128);
 //   then the 16 rows' scales d as float16, and for Q4_1 and Q5_1 their 16 minimums m.
-// Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q5_0's -16d, Q8_0's and
-// IQ4_NL's -128d (exact in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
+// Every format becomes  w = d * q + m  with unsigned q: Q4_0's m is -8d, Q5_0's -16d, Q8_0's, IQ4_NL's
+// and MXFP4's -128d (exact in float32, computed in the kernel), so  sum_k w x  =  d * dx * sum q a  +  m * dx * sum a  with
 // dx the activation block's scale (dq above). Packed, each format takes as many bytes as it does in the file.
 
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
@@ -57,11 +59,15 @@ enum Format : int {
   Q5_0 = TM_FORMAT_Q5_0,
   Q5_1 = TM_FORMAT_Q5_1,
   Q8_0 = TM_FORMAT_Q8_0,
-  IQ4_NL = TM_FORMAT_IQ4_NL
+  IQ4_NL = TM_FORMAT_IQ4_NL,
+  MXFP4 = TM_FORMAT_MXFP4
 };
 
 // IQ4_NL's 16 levels (ggml's kvalues_iq4nl) + 128: the unsigned q the product takes.
 alignas(16) constexpr uint8_t IQ4_Q[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+// MXFP4's e2m1 values doubled (ggml's kvalues_mxfp4: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) + 128.
+alignas(16) constexpr uint8_t MXFP4_Q[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                             128, 127, 126, 125, 124, 122, 120, 116};
 
 int64_t source_block_bytes(int fmt) {
   switch (fmt) {
@@ -71,25 +77,41 @@ int64_t source_block_bytes(int fmt) {
     case Q5_1: return TM_BLOCK_BYTES_Q5_1;
     case Q8_0: return TM_BLOCK_BYTES_Q8_0;
     case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
+    case MXFP4: return TM_BLOCK_BYTES_MXFP4;
     default: return 0;
   }
 }
 
 constexpr bool byte_weights(int fmt) { return fmt == Q8_0; }  // else nibbles
 constexpr bool fifth_bit(int fmt) { return fmt == Q5_0 || fmt == Q5_1; }  // and a plane of fifth bits
-constexpr bool level_indices(int fmt) { return fmt == IQ4_NL; }  // nibbles that index IQ4_Q
+constexpr bool level_indices(int fmt) { return fmt == IQ4_NL || fmt == MXFP4; }  // nibbles that index a table
+constexpr const uint8_t* levels_of(int fmt) { return fmt == MXFP4 ? MXFP4_Q : IQ4_Q; }
 constexpr bool stored_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
 constexpr int64_t quant_bytes(int fmt) { return byte_weights(fmt) ? 512 : fifth_bit(fmt) ? 256 + 64 : 256; }
 constexpr int64_t group_block_bytes(int fmt) { return quant_bytes(fmt) + (stored_min(fmt) ? 2 : 1) * G * 2; }
 // What m is in units of d, for the formats whose m follows from d.
-constexpr float implied_min(int fmt) { return fmt == Q8_0 || fmt == IQ4_NL ? -128.0f : fmt == Q5_0 ? -16.0f : -8.0f; }
+constexpr float implied_min(int fmt) {
+  return fmt == Q8_0 || level_indices(fmt) ? -128.0f : fmt == Q5_0 ? -16.0f : -8.0f;
+}
 
-// One source block's 32 weights as unsigned q (IQ4_NL: the level's index), its d and (Q4_1, Q5_1) m, as
-// float16 bits.
-void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16_t& m) {
+// One source block's 32 weights as unsigned q (IQ4_NL, MXFP4: the value's index), its d and (Q4_1, Q5_1) m,
+// as float16 bits. False for an MXFP4 block whose scale float16 cannot hold.
+bool unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16_t& m) {
   d = half_bits(b);
   m = stored_min(fmt) ? half_bits(b + 2) : 0;
-  if (fifth_bit(fmt)) {  // d | (Q5_1: m) | qh u32 (bit j: weight j's fifth bit) | qs[16] (weights j and j + 16)
+  if (fmt == MXFP4) {  // E | qs[16] (weights j and j + 16)
+    bool zero = true;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = b[1 + j] & 0x0F;
+      q[j + 16] = b[1 + j] >> 4;
+      zero &= (q[j] & 7) == 0 && (q[j + 16] & 7) == 0;  // indices 0 and 8 are +-0
+    }
+    const int e = (int)b[0] - 128;  // d = 2^e
+    if (zero) d = 0;
+    else if (e >= -14 && e <= 15) d = (uint16_t)((e + 15) << 10);  // normal float16
+    else if (e >= -24 && e < -14) d = (uint16_t)(1u << (e + 24));  // subnormal float16
+    else return false;
+  } else if (fifth_bit(fmt)) {  // d | (Q5_1: m) | qh u32 (bit j: weight j's fifth bit) | qs[16] (weights j and j + 16)
     const uint8_t* h = b + (fmt == Q5_1 ? 4 : 2);
     uint32_t qh;
     memcpy(&qh, h, 4);
@@ -106,6 +128,7 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16
       q[j + 16] = qs[j] >> 4;
     }
   }
+  return true;
 }
 
 // Packs rows [n] x [k / 32 blocks] of source blocks into groups of 16 (rows past n are zero).
@@ -119,7 +142,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
     const int64_t g = r / G, row = r % G;
     for (int64_t b = 0; b < blocks; ++b) {
       uint16_t d, m;
-      unpack_source(fmt, src + (r * blocks + b) * sbytes, q, d, m);
+      if (!unpack_source(fmt, src + (r * blocks + b) * sbytes, q, d, m)) return -3;
       uint8_t* dst = out + (g * blocks + b) * gbb;
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, t = j % 4, i = (int)row * 4 + t;
@@ -150,7 +173,7 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
                  float* y, int64_t ldy, int64_t n_valid) {
   const int64_t blocks = k / QK;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));  // every 16-byte lane
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)levels_of(F)));  // each 16-byte lane
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
@@ -258,7 +281,8 @@ int64_t tm_vnni_packed_bytes(int fmt, int64_t n, int64_t k) {
   return (n + G - 1) / G * (k / QK) * group_block_bytes(fmt);
 }
 
-// Returns 0, -1 for an unknown format, -2 for k not a multiple of 32.
+// Returns 0, -1 for an unknown format, -2 for k not a multiple of 32, -3 for an MXFP4 block whose scale
+// float16 cannot hold (2^(E - 128) outside 2^-24 .. 2^15).
 int tm_vnni_pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   if (!source_block_bytes(fmt)) return -1;
   if (k % QK) return -2;
@@ -274,6 +298,7 @@ int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w
     case Q5_0: gemm<Q5_0>(x, m, k, w, n, y, threads); break;
     case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); break;
     case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); break;
+    case MXFP4: gemm<MXFP4>(x, m, k, w, n, y, threads); break;
     default: gemm<Q8_0>(x, m, k, w, n, y, threads); break;
   }
   return 0;
@@ -295,7 +320,7 @@ int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* o
         const int step = j / 4, i = (int)row * 4 + j % 4;
         int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
         if (fifth_bit(fmt)) q |= ((src[256 + i] >> step) & 1) << 4;
-        if (level_indices(fmt)) q = IQ4_Q[q];
+        if (level_indices(fmt)) q = levels_of(fmt)[q];
         out[r * k + b * QK + j] = d * (float)q + m;
       }
     }

@@ -28,7 +28,13 @@ def pack(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     blocks = blocks.contiguous()
     n, k = blocks.shape[0], blocks.shape[1] * 32
     out = torch.empty(int(_lib().tm_vnni_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=blocks.device)
-    check_status(_lib().tm_vnni_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
+    rc = _lib().tm_vnni_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr())
+    if rc == -3:
+        raise ValueError(
+            "an MXFP4 block's scale is beyond what the native kernel holds (float16 units 2^-24 .. 2^15, 2^-23 .. "
+            "2^16 per e2m1 unit); serve the model with --quantization none (float32 rows, exactly dequantized)"
+        )
+    check_status(rc, fmt)
     return out
 
 

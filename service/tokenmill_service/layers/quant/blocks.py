@@ -1,7 +1,7 @@
 """GGUF's block formats served as stored: ``--quantization gguf`` (the default for a GGUF on a CPU).
 
-The layer keeps the file's own bytes (Q4_0, Q4_1 or Q8_0: a float16 scale, for Q4_1 a float16
-minimum, and 32 quantized weights per block; Q5_0 and IQ4_NL rewritten exactly as Q8_0, transcode.py) and multiplies them with tokenmill's native kernel
+The layer keeps the file's own bytes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL or MXFP4: a scale, for Q4_1 and
+Q5_1 a float16 minimum, and 32 quantized weights per block) and multiplies them with tokenmill's native kernel
 (``kernels/cpu/block_gemm.cpp``): float32 activations, each weight dequantized exactly as gguf
 does, float32 sums in an order fixed per output, so a row's result is the same whatever else is in
 its batch. Unlike the int4/int8 methods nothing is rounded to bfloat16 on the way, so the served

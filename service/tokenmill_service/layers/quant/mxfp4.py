@@ -10,13 +10,12 @@ Two layouts of the same numbers reach tokenmill:
   uint8 [..., blocks]): byte j's low nibble is weight 2j, its high one weight 2j + 1
   (``from_openai`` rewrites them as GGUF blocks, bit for bit the same weights).
 
-Serving: no native kernel reads MXFP4 yet, but the format is exactly Q8_0's arithmetic. A weight is
-v 2^(E - 128) with v = 2 e2m1 an integer in {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}: Q8_0's int8 q = v with
-d = 2^(E - 128), which float16 holds exactly for E - 128 in [-24, 15] (2^-24 is its least subnormal,
-2^15 its largest power of two). ``as_q8_0`` rewrites the blocks so (a block of zeros takes d = 0),
-and the Q8_0 kernels multiply them (transcode.py, as Q5_0 and IQ4_NL are); a tensor with a scale out
-of that range cannot be, and is refused with what to do instead (``--quantization none``, float32
-rows, exactly dequantized). Trained weights' scales lie far inside the range.
+Serving: the native block kernels read the GGUF blocks as stored (kernels/cpu/vnni_gemm.cpp and
+block_gemm.cpp): a weight is v 2^(E - 128) with v = 2 e2m1 an integer in {0, ±1, ±2, ±3, ±4, ±6, ±8, ±12},
+looked up from its 4-bit index in the loop. The VNNI kernel keeps d = 2^(E - 128) as float16, exact for
+E - 128 in [-24, 15] (2^-24 is its least subnormal, 2^15 its largest power of two; a block of zeros takes
+d = 0); a tensor with a scale beyond that is refused at load with what to do instead (``--quantization
+none``, float32 rows, exactly dequantized). Trained weights' scales lie far inside the range.
 """
 
 from __future__ import annotations
@@ -24,10 +23,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.layers.quant.gguf_blocks import MXFP4_VALUES, GGUFBlocks, _fields, e8m0_half
-
-# The e8m0 exponents whose 2^(E - 128) float16 holds exactly.
-Q8_0_EXPONENTS = range(128 - 24, 128 + 16)
+from tokenmill_service.layers.quant.gguf_blocks import MXFP4_VALUES, GGUFBlocks, e8m0_half
 
 
 def from_openai(blocks: torch.Tensor, scales: torch.Tensor) -> GGUFBlocks:
@@ -47,21 +43,3 @@ def dequantize_openai(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     values = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()
     doubled = MXFP4_VALUES[values].float()
     return (doubled * e8m0_half(scales.unsqueeze(-1))).flatten(-2)
-
-
-def as_q8_0(tensor: GGUFBlocks) -> GGUFBlocks:
-    """MXFP4 blocks rewritten as Q8_0 (d = 2^(E - 128) as float16, q the doubled values), weight for
-    weight the same; ValueError where a block's scale is beyond float16's."""
-    b = tensor.data.contiguous()
-    e = b[..., 0].int()
-    q = MXFP4_VALUES.to(b.device)[_fields(b[..., 1:17], 4).flatten(-2).long()]
-    zero = (q == 0).all(dim=-1)
-    fits = (e >= Q8_0_EXPONENTS.start) & (e < Q8_0_EXPONENTS.stop)
-    if not bool((fits | zero).all()):
-        bad = int(e[~(fits | zero)][0]) - 127
-        raise ValueError(
-            f"an MXFP4 block scaled by 2^{bad} has no exact Q8_0 form (float16 scales span 2^-23 .. 2^16 "
-            "per e2m1 unit); serve the model with --quantization none (float32 rows, exactly dequantized)"
-        )
-    d = torch.where(zero, torch.zeros_like(e, dtype=torch.float32), e8m0_half(b[..., 0])).to(torch.float16)
-    return GGUFBlocks(QType.Q8_0, torch.cat((d.unsqueeze(-1).view(torch.uint8), q.view(torch.uint8)), dim=-1))

@@ -7,11 +7,9 @@ at load, weight for weight and bit for bit, into a format a native kernel multip
 
 Every weight dequantizes to exactly what gguf gives for the original block, and the kernel's products
 are exact for the target format, so serving the re-encoded blocks is serving the file's weights. They
-take more memory than the file (Q3_K 210 bytes a block for 110, MXFP4 34 for 17): the price of a native
-kernel over dense floats (32 bits a weight). MXFP4 (``w = v 2^(E - 128)``, v a doubled e2m1 value in
--12..12) is Q8_0 with d = 2^(E - 128) as float16, exact for E - 128 in [-24, 15] (mxfp4.py; a scale
-beyond that is refused with what to do). The other 32-weight formats (Q5_0, IQ4_NL) are read by the
-block kernels as stored.
+take more memory than the file (210 bytes a block for 110): the price of a native kernel over dense
+floats (32 bits a weight). The 32-weight formats (Q5_0, IQ4_NL, MXFP4) are read by the block kernels as
+stored.
 """
 
 from __future__ import annotations
@@ -20,10 +18,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks, _fields, _split
-from tokenmill_service.layers.quant.mxfp4 import as_q8_0
 
 # Stored format -> the format its blocks are rewritten in.
-TRANSCODED: dict[QType, QType] = {QType.MXFP4: QType.Q8_0, QType.Q3_K: QType.Q6_K}
+TRANSCODED: dict[QType, QType] = {QType.Q3_K: QType.Q6_K}
 
 
 def transcode(tensor: GGUFBlocks) -> GGUFBlocks:
@@ -31,8 +28,6 @@ def transcode(tensor: GGUFBlocks) -> GGUFBlocks:
     target = TRANSCODED.get(tensor.qtype)
     if target is None:
         return tensor
-    if tensor.qtype == QType.MXFP4:
-        return as_q8_0(tensor)
     return GGUFBlocks(target, _q3_k_as_q6_k(tensor.data.contiguous()))
 
 
