@@ -59,12 +59,17 @@ def is_harmony(special_texts: Sequence[str] | frozenset[str]) -> bool:
 
 @cache
 def encoding() -> Any:
-    """openai-harmony's gpt-oss encoding (loaded once)."""
+    """openai-harmony's gpt-oss encoding (loaded once). Its vocabulary is read from the directory
+    TIKTOKEN_ENCODINGS_BASE names or, where that is unset, from `make tools`'s .tools/tiktoken under the
+    working directory (a server started from the checkout, as `make run` starts it)."""
     base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    local = Path.cwd() / ".tools" / "tiktoken"
+    if not base and (local / VOCABULARY).is_file():
+        base = os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(local)  # openai-harmony reads the variable
     if not base or not (Path(base) / VOCABULARY).is_file():
         raise HarmonyUnavailable(
             f"the harmony chat format needs {VOCABULARY} in the directory TIKTOKEN_ENCODINGS_BASE names "
-            f"({base or 'unset'}); `make tools` writes it to .tools/tiktoken"
+            f"({base or 'unset'}, and none in ./.tools/tiktoken); `make tools` writes it to .tools/tiktoken"
         )
     import openai_harmony as oh
 

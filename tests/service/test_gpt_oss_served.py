@@ -7,6 +7,7 @@ Needs o200k_base.tiktoken in .tools/tiktoken (`make tools`), which openai-harmon
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -136,13 +137,29 @@ def test_tools_are_refused_in_the_harmony_format_for_now(server: Any) -> None:
 
 
 def test_without_its_vocabulary_a_harmony_chat_is_refused_saying_why(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     tokenizer = load_tokenizer(checkpoint)
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    monkeypatch.chdir(tmp_path)  # no .tools/tiktoken here either
     harmony.encoding.cache_clear()
     try:
         with pytest.raises(ValueError, match="o200k_base.tiktoken.*TIKTOKEN_ENCODINGS_BASE.*make tools"):
             tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     finally:
+        harmony.encoding.cache_clear()
+
+
+def test_from_the_checkout_the_vocabulary_is_found_without_the_variable(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = load_tokenizer(checkpoint)
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    monkeypatch.chdir(VOCABULARY.parents[1])  # the checkout, where `make tools` wrote .tools/tiktoken
+    harmony.encoding.cache_clear()
+    try:
+        assert tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+        assert os.environ["TIKTOKEN_ENCODINGS_BASE"] == str(VOCABULARY)
+    finally:
+        monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
         harmony.encoding.cache_clear()
