@@ -15,7 +15,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.deploy.loopback_app import LoopbackApp
 from tokenmill_bench.comparison import compare_levels, compare_long_prompts
 from tokenmill_bench.llama_server import LlamaServer, completion_body
 from tokenmill_bench.load import prompt_ids, random_prompt_ids, run_level
@@ -128,33 +128,22 @@ class FakeLlamaServer:
 
     def __init__(self) -> None:
         self.script = Script()
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    def start(self) -> FakeLlamaServer:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    async def _start(self) -> None:
         app = web.Application()
         app[SCRIPT] = self.script
         app.router.add_post("/completion", completion)
         app.router.add_get("/props", props)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
+        self._app = LoopbackApp(app)
+
+    @property
+    def url(self) -> str:
+        return self._app.url
+
+    def start(self) -> FakeLlamaServer:
+        self._app.start()
+        return self
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._app.stop()
 
 
 @pytest.fixture

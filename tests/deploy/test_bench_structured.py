@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import jsonschema
 import pytest
 from aiohttp import web
 
+from tests.deploy.loopback_app import LoopbackApp
 from tokenmill_bench.cli import main as bench_main
 from tokenmill_bench.structured import DEFAULT_SCHEMAS, SchemaCase, chat_body, judge, load_cases
 
@@ -96,34 +96,26 @@ async def models(request: web.Request) -> web.Response:
 
 
 class FakeServer:
+    """The stand-in on loopback."""
+
     def __init__(self) -> None:
         self.fake = Fake()
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    def start(self) -> FakeServer:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    async def _start(self) -> None:
         app = web.Application()
         app[FAKE] = self.fake
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/v1/models", models)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._app = LoopbackApp(app)
+
+    @property
+    def url(self) -> str:
+        return self._app.url
+
+    def start(self) -> FakeServer:
+        self._app.start()
+        return self
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._app.stop()
 
 
 @pytest.fixture
