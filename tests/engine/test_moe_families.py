@@ -8,6 +8,7 @@ alone and in a batch, and the same logits from 2 and 4 ranks, expert- or tensor-
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import probe_device
+from tokenmill_service.plan.plan import Decision
 from tokenmill_service.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")
@@ -200,6 +202,10 @@ def test_q8_0_experts_in_the_default_configuration_are_within_bounds_and_batch_i
     error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
     assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())
     assert_alone_equals_crowd(served, PROMPT)
+    # The default serves these experts in one native call a layer, as its plan says.
+    assert served.plan.summary()["experts"].startswith("native ("), served.plan.summary()
+    moes = [m for m in served.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.native() is not None for m in moes)
 
 
 def test_expert_parallel_degrees_that_do_not_divide_the_experts_are_refused(checkpoint: tuple[str, Path, Any]) -> None:
@@ -270,5 +276,8 @@ def test_the_plan_runs_a_mixture_of_experts_eager_and_says_why(checkpoint: tuple
     assert plan.executor.value == "eager"
     assert "groups each step's tokens by expert" in plan.skipped["compile"]
     assert "mixture-of-experts" in plan.executor.reason
+    assert plan.experts is not None and plan.experts.value == "native", plan.experts
+    torch_plan = resolve_plan(replace(options, backend="triton"), open_checkpoint(directory), probe_device("cpu"))
+    assert torch_plan.experts == Decision("one-by-one", "the triton ops run them through the linear layers")
     experts = [p for p in plan.layers if ".mlp.experts." in p]
     assert len(experts) == 2 * EXPERTS[family] * (1 if family == "qwen3_moe" else 2)  # gate/up and down each

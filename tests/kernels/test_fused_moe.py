@@ -15,7 +15,14 @@ from gguf import quants
 from tests.engine.test_gguf_loader import random_blocks
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels import get_ops
-from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK, select_experts, select_experts_grouped
+from tokenmill_service.layers.fused_moe import (
+    ExpertPlacement,
+    FusedMoE,
+    GroupedTopK,
+    select_experts,
+    select_experts_grouped,
+)
+from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
 from tokenmill_service.layers.fused_moe.reference import moe_reference
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
@@ -105,6 +112,54 @@ def test_a_tokens_output_is_bitwise_the_same_alone_and_among_others(
     for i in (0, 17, 39):
         assert torch.equal(moe(x[i : i + 1])[0], crowd[i])
     assert torch.equal(moe(x[10:13]), crowd[10:13])
+
+
+def _loop(moe: FusedMoE, x: torch.Tensor, held: range | None = None) -> torch.Tensor:
+    """The layer's Python loop (its experts one by one), of the experts in ``held`` (None: all)."""
+    saved, moe._native = moe._native, "the loop, for comparison"
+    saved_experts = moe.experts
+    if held is not None:
+        moe.experts = torch.nn.ModuleDict({str(e): moe.experts[str(e)] for e in held})
+        moe.placement = ExpertPlacement(held.start, len(held), moe.placement.expert_tp)
+    try:
+        return moe(x)
+    finally:
+        moe._native, moe.experts = saved, saved_experts
+        moe.placement = ExpertPlacement.for_rank(EXPERTS, moe.tp)
+
+
+@pytest.mark.parametrize(("method", "qtype", "hidden", "width"), CASES, ids=lambda v: getattr(v, "name", str(v)))
+@torch.inference_mode()
+def test_the_native_experts_are_the_loops_bits(method: str, qtype: QType, hidden: int, width: int) -> None:
+    """One native call a layer (kernels/cpu/moe_mlp.cpp) against the Python loop over the experts: the
+    same kernels on the same rows, so the same bits, whether the experts share the threads (many tokens)
+    or each product does (one token: two experts), and with only some experts held (expert parallel)."""
+    moe = _moe(method, qtype, hidden, width)
+    if (why := why_not_native(moe)) is not None:
+        pytest.skip(why)
+    assert moe.native() is not None
+    x = torch.randn(37, hidden, generator=torch.Generator().manual_seed(3))
+    for rows in (x[:1], x[:3], x):
+        assert torch.equal(moe(rows), _loop(moe, rows))
+    weights, ids = moe.route(moe.gate(x))
+    held = range(2, 5)
+    subset = native_experts(moe)
+    part = type(subset)(
+        hidden, width, TOP_K, EXPERTS, held.start, [subset._held[e] for e in held]
+    )  # the experts of rank 1 of an expert-parallel layer
+    assert torch.equal(part(x, weights, ids), _loop(moe, x, held))
+
+
+def test_experts_with_their_own_activation_run_one_by_one() -> None:
+    """gpt-oss's clamped SwiGLU and biases are not the native call's: its layer keeps the loop."""
+    from tokenmill_service.models.gpt_oss import GptOssMoE
+
+    facts = probe_device("cpu")
+    ops = get_ops("native" if facts.native("elementwise") is None else "torch")
+    moe = GptOssMoE(
+        64, 64, 4, 2, True, "mlp", ops, lambda _: quant_method_class("none")(torch.float32), TensorParallel()
+    )
+    assert "GptOssExpert" in (why_not_native(moe) or "")
 
 
 def test_the_router_takes_the_top_k_by_softmax_largest_first_renormalized_or_not() -> None:

@@ -20,6 +20,7 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.fused_moe.layer import FusedMoE
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -117,6 +118,12 @@ class Ops(ABC):
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (gate * torch.sigmoid(gate * alpha) * (up + 1)).to(x.dtype)
+
+    def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's held experts on x [T, hidden] for the router's weights and expert
+        ids [T, top_k] (by rank): float32 [T, hidden], each token's weighted sum in its ranks' order.
+        The reference runs the experts one by one, each through its linear layers' kernels."""
+        return layer.experts_loop(x, weights, ids)
 
     @abstractmethod
     def store_kv(

@@ -139,6 +139,7 @@ class GptOssForCausalLM(MoEForCausalLM):
     native_stack_gap: ClassVar[str] = (
         "the C++ decoder layers have no attention sinks, sliding window nor mixture-of-experts MLP"
     )
+    native_experts_gap: ClassVar[str] = "its experts have biases and a clamped SwiGLU"
     attention_type: ClassVar[type[LlamaAttention]] = GptOssAttention
     model_type: ClassVar[type[LlamaModel]] = GptOssModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GptOssDecoderLayer

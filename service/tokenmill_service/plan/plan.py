@@ -58,6 +58,8 @@ class LoadPlan:
     kv_cache_bytes_per_token: Decision = Decision("0", "")
     # Faster choices this device could not take, and why (what ``native_kernel_skipped`` logged).
     skipped: Mapping[str, str] = field(default_factory=dict)
+    # A mixture-of-experts model's experts: "native" (one call a layer) or "one-by-one"; None: no experts.
+    experts: Decision | None = None
 
     def quant_method(self, prefix: str) -> LayerChoice:
         """The method of the linear layer at ``prefix`` (vLLM's ``get_quant_method(layer, prefix)``)."""
@@ -89,6 +91,7 @@ class LoadPlan:
             "kv_cache_layout": self.kv_cache_layout,
             "kv_cache_bytes_per_token": _shown(self.kv_cache_bytes_per_token),
             "executor": _shown(self.executor),
+            **({"experts": _shown(self.experts)} if self.experts is not None else {}),
             "tensor_parallel": str(self.tensor_parallel),
             "expert_parallel": str(self.options.expert_parallel).lower(),
             "linear_layers": ", ".join(f"{k}: {n}" for k, n in sorted(kernels.items())),

@@ -76,6 +76,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
     layout = _kv_cache_layout(family, ops_cls, config)
     executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
+    experts = _experts(facts, ops_cls, act_dtype, layers, config)
     quantized = any(c.method != "none" for c in layers.values())
     return LoadPlan(
         options=options,
@@ -87,6 +88,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         kv_cache_dtype=kv,
         kv_cache_layout=layout,
         executor=executor,
+        experts=experts,
         layers=layers,
         quant_reasons=quant_reasons,
         tensor_parallel=options.tensor_parallel,
@@ -375,6 +377,35 @@ def _executor(
     if why is None:
         return Decision("native-stack", "every part of the decoder has a native kernel: one native call a step")
     return Decision("eager", f"the model's layers one by one: no native stack, as {why}")
+
+
+def _experts(
+    facts: DeviceFacts, ops: type[Ops], act: torch.dtype, layers: dict[str, LayerChoice], config: ModelConfig
+) -> Decision | None:
+    """How a mixture-of-experts model's experts run (None: it has none): one native call a layer
+    (``NativeCpuOps.moe_experts``) or one by one; layers/fused_moe/native.py checks the same."""
+    if not int(config.extra.get("num_experts", 0)):  # type: ignore[call-overload]
+        return None
+    gap = getattr(model_class(config.architecture), "native_experts_gap", "")
+    why: str | None
+    if ops.name != "native":
+        why = f"the {ops.name} ops run them through the linear layers"
+    elif act != torch.float32:
+        why = "the native call takes float32 activations"
+    elif gap:
+        why = gap
+    else:
+        why = next(
+            (
+                f"an expert's {choice.method} weights have no native kernel"
+                for prefix, choice in layers.items()
+                if ".experts." in prefix and choice.kernel not in quant_method_class(choice.method).native_entry_points
+            ),
+            None,
+        ) or facts.native("moe_mlp", "elementwise")
+    if why is None:
+        return Decision("native", "one native call a layer: the experts' products, activation and combine")
+    return Decision("one-by-one", why)
 
 
 def compile_missing(options: LoadOptions, facts: DeviceFacts, ops: type[Ops]) -> str | None:

@@ -135,6 +135,13 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         )
     ),
     "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
+    "moe_mlp": (
+        "int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads)",
+        (
+            "int tm_moe_mlp(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights, "
+            "float* workspace, float* out, int threads)"
+        ),
+    ),
     "decoder_stack": (
         "int64_t tm_stack_workspace(const TmStack* s, int64_t t)",
         (
@@ -208,6 +215,15 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         # largest lora_rank.
         ("TmGemm", "lora_gemm"),
         ("int64_t", "lora_rank"),
+    ),
+    # A mixture-of-experts layer's experts held by a rank (moe_mlp.cpp): experts first .. first + count - 1
+    # of num_experts, each a bias-free gate/up product ([2 * width, hidden], gate rows then up rows) and down
+    # product ([hidden, width]), top_k of them a token.
+    "TmExperts": (
+        *(("int64_t", name) for name in ("hidden", "width", "top_k", "num_experts", "first", "count")),
+        ("const TmLinear*", "gate_up"),  # [count]
+        ("const TmLinear*", "down"),  # [count]
+        ("TmSiluAndMul", "silu_and_mul"),
     ),
     # A step's tokens by LoRA adapter slot: group g is slot slots[g], its token rows
     # rows[offsets[g] .. offsets[g + 1]).

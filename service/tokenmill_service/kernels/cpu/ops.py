@@ -22,6 +22,7 @@ from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
 from tokenmill_service.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.fused_moe.layer import FusedMoE
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -74,6 +75,13 @@ class NativeCpuOps(TorchOps):
         if _eager() and elementwise.fits(x):
             return elementwise.silu_and_mul(x)
         return super().silu_and_mul(x)
+
+    def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One native call for the layer's experts (kernels/cpu/moe_mlp.cpp) where their products all have
+        native kernels: the loop's kernels, rows and order, so its bits."""
+        if _eager() and x.dtype == torch.float32 and (native := layer.native()) is not None:
+            return native(x, weights, ids)
+        return super().moe_experts(layer, x, weights, ids)
 
     def store_kv(
         self,

@@ -23,6 +23,10 @@ expert's kernels compute a row independently of the rows beside it (the dense la
 the reason the same kernels are used here); and the combine is an elementwise sum in an order fixed
 by the token's own ranks, not by which expert or group came first.
 
+How the experts run is the ops backend's (``Ops.moe_experts``): the reference loops over them here
+(``experts_loop``); the native backend makes one native call a layer of the same kernels on the same
+rows in the same order (native.py, kernels/cpu/moe_mlp.cpp), so the same bits.
+
 Parallelism over a replica's ranks (one all-reduce of the combined output per layer either way):
 
 - tensor parallel (the default): every rank holds every expert, a slice of each one's width, as a
@@ -41,7 +45,9 @@ import torch
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
+from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
 from tokenmill_service.kernels.interface import Ops
+from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
 from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts, select_experts_grouped
 from tokenmill_service.layers.linear import (
     MergedColumnParallelLinear,
@@ -136,7 +142,8 @@ class FusedMoE(nn.Module):
         # The score-correction bias of grouped routing (every rank all of it; loaded by the family).
         bias = None if grouped is None else torch.zeros(num_experts, dtype=torch.float32)
         self.register_buffer("score_bias", bias, persistent=False)
-        self.tp = tp
+        self.tp, self.ops = tp, ops
+        self._native: NativeExperts | str | None = None  # native(): not yet decided
         self.placement = ExpertPlacement.for_rank(num_experts, tp)
         self.gate = ReplicatedLinear(hidden, num_experts, self.router_bias, quant(f"{prefix}.gate"))
         # Held experts by id (a ModuleDict: the checkpoint's "experts.<id>" names land on them).
@@ -154,10 +161,22 @@ class FusedMoE(nn.Module):
         assert self.score_bias is not None
         return select_experts_grouped(logits, self.score_bias, self.top_k, self.renormalize, self.grouped)
 
+    def native(self) -> NativeExperts | None:
+        """The held experts as one native call, where they can be (built at the first step, after the
+        weights are loaded and packed); None: the loop below."""
+        if self._native is None:
+            self._native = why_not_native(self) or native_experts(self)
+        return None if isinstance(self._native, str) else self._native
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] in x's dtype."""
-        tokens, hidden = x.shape
         weights, ids = self.route(self.gate(x))
+        return all_reduce(self.ops.moe_experts(self, x, weights, ids), self.tp).to(x.dtype)
+
+    def experts_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The held experts one by one (the reference ops' way): float32 [T, hidden], each token's
+        ``sum_r weights[:, r] * expert(ids[:, r])(x)``, the terms of experts held elsewhere zero."""
+        tokens, hidden = x.shape
         out = torch.zeros(tokens, self.top_k, hidden, dtype=torch.float32, device=x.device)
         flat = ids.flatten()  # (token, rank) pairs, token-major
         order = torch.argsort(flat, stable=True)
@@ -172,4 +191,4 @@ class FusedMoE(nn.Module):
         combined = out[:, 0] * weights[:, 0:1]
         for rank in range(1, self.top_k):  # the token's own ranks' order, whatever the groups were
             combined = combined + out[:, rank] * weights[:, rank : rank + 1]
-        return all_reduce(combined, self.tp).to(x.dtype)
+        return combined

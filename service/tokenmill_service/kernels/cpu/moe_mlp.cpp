@@ -1,0 +1,104 @@
+// A mixture-of-experts MLP's experts in one native call: the step's (token, rank) pairs grouped by
+// expert, each held expert's gate/up product, SiLU-and-mul and down product on its group's rows,
+// and each token's outputs summed in the order of its own ranks. The same kernels on the same rows
+// in the same order as layers/fused_moe/layer.py's loop, so the same bits, without the ~50 Python
+// calls and tensors a layer of top-8 routing costs there per step (more than the experts' arithmetic
+// at one decoding sequence).
+//
+// Threads: where the step's experts can keep every thread busy (at least two a thread), each expert
+// runs whole on one thread, its products single-threaded; otherwise the experts run one after the
+// other, each product on every thread. The products' bits do not depend on the thread count
+// (every kernel's promise), so neither does the result.
+// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
+
+// The combine must round each product and each sum as torch's separate mul and add do: no fused
+// multiply-add (g++ contracts a * b + c by default).
+#pragma GCC optimize("fp-contract=off")
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "tm_abi.h"  // TmExperts, TmLinear, the kernels' pointer types and this file's prototypes
+
+extern "C" {
+
+// Floats of workspace a step of t tokens needs with `threads` threads: every pair's output, and each
+// thread's rows of one expert (gathered inputs, gate/up, activation).
+int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads) {
+  const int64_t pairs = t * e->top_k;
+  return pairs * e->hidden + (int64_t)threads * t * (e->hidden + 3 * e->width);
+}
+
+// x [t, hidden]; ids [t, top_k] (expert ids, any of the model's), weights [t, top_k] float32, by
+// rank; out [t, hidden] = sum over ranks r in order of weights[:, r] * expert(ids[:, r])(x), the terms
+// of experts not held here zero. Returns 0, or the failing product's code.
+int tm_moe_mlp(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights,
+               float* workspace, float* out, int threads) {
+  const int64_t H = e->hidden, W = e->width, K = e->top_k, pairs = t * K;
+  // Pairs grouped by expert, stable (token-major within a group), as the Python loop's argsort.
+  std::vector<int64_t> start(e->num_experts + 1, 0), order(pairs), slot(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (ids[p] < 0 || ids[p] >= e->num_experts) return -1;
+    ++start[ids[p] + 1];
+  }
+  for (int64_t i = 0; i < e->num_experts; ++i) start[i + 1] += start[i];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t at = fill[ids[p]]++;
+      order[at] = p;
+      slot[p] = at;
+    }
+  }
+  float* pair_out = workspace;  // [pairs, H], in grouped order: an expert's rows are contiguous
+  float* scratch = pair_out + pairs * H;
+  std::vector<int64_t> active;  // held experts with rows this step
+  for (int64_t i = 0; i < e->count; ++i) {
+    const int64_t id = e->first + i;
+    if (start[id + 1] > start[id]) active.push_back(i);
+  }
+  // Pairs routed to experts held elsewhere contribute zero (expert parallelism).
+  for (int64_t id = 0; id < e->num_experts; ++id)
+    if ((id < e->first || id >= e->first + e->count) && start[id + 1] > start[id])
+      memset(pair_out + start[id] * H, 0, (start[id + 1] - start[id]) * H * sizeof(float));
+
+  auto run = [&](int64_t i, float* mine, int product_threads) -> int {
+    const int64_t id = e->first + i, n = start[id + 1] - start[id];
+    float* xs = mine;                // [n, H]
+    float* gate_up = xs + n * H;     // [n, 2W]
+    float* act = gate_up + n * 2 * W;  // [n, W]
+    for (int64_t r = 0; r < n; ++r) memcpy(xs + r * H, x + (order[start[id] + r] / K) * H, H * sizeof(float));
+    const TmLinear& gu = e->gate_up[i];
+    const TmLinear& dn = e->down[i];
+    if (gu.gemm((int)gu.fmt, xs, n, H, gu.weights, 2 * W, gate_up, product_threads)) return 1;
+    e->silu_and_mul(gate_up, act, n, W);
+    return dn.gemm((int)dn.fmt, act, n, W, dn.weights, H, pair_out + start[id] * H, product_threads);
+  };
+  const int64_t n_active = (int64_t)active.size();
+  int failed = 0;
+  if (threads > 1 && n_active >= 2 * threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
+    for (int64_t a = 0; a < n_active; ++a)
+      failed |= run(active[a], scratch + omp_get_thread_num() * t * (H + 3 * W), 1);
+  } else {
+    for (int64_t a = 0; a < n_active && !failed; ++a) failed |= run(active[a], scratch, threads);
+  }
+  if (failed) return -2;
+  // out = w0 * o0, then + w_r * o_r for r = 1 .. K - 1: each token's own ranks' order.
+  for (int64_t i = 0; i < t; ++i) {
+    float* y = out + i * H;
+    const float* o = pair_out + slot[i * K] * H;
+    const float w = weights[i * K];
+    for (int64_t j = 0; j < H; ++j) y[j] = o[j] * w;
+    for (int64_t r = 1; r < K; ++r) {
+      const float* o_r = pair_out + slot[i * K + r] * H;
+      const float w_r = weights[i * K + r];
+      for (int64_t j = 0; j < H; ++j) y[j] = y[j] + o_r[j] * w_r;
+    }
+  }
+  return 0;
+}
+}

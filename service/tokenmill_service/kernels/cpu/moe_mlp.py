@@ -1,0 +1,90 @@
+"""A mixture-of-experts layer's experts in one native call (moe_mlp.cpp): grouping by expert, each
+expert's products and activation, and the combine in each token's rank order.
+
+The Python loop of ``layers/fused_moe/layer.py`` costs some 50 tensor operations a layer a step at
+top-8 routing, more than the experts' own arithmetic at one decoding sequence. ``NativeExperts`` runs
+the same kernels on the same rows in the same order from native code, so its result is the loop's
+bit for bit (tests/kernels/test_moe_mlp.py holds it to that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill_service.kernels.cpu import abi, build
+
+_Linear, _Experts = abi.structure("TmLinear"), abi.structure("TmExperts")
+
+
+def _lib() -> ctypes.CDLL:
+    return build.load("moe_mlp")
+
+
+def unavailable_reason() -> str | None:
+    for name in ("moe_mlp", "elementwise"):
+        if (reason := build.unavailable_reason(name)) is not None:
+            return reason
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One expert's products: each a native ``kernel`` (library, symbol) reading ``weights`` in ``fmt``."""
+
+    gate_up: tuple[tuple[str, str], torch.Tensor, int]  # [2 * width, hidden]: gate rows, then up rows
+    down: tuple[tuple[str, str], torch.Tensor, int]  # [hidden, width]
+
+
+class NativeExperts:
+    """``experts(x, weights, ids)``: float32 [T, hidden], the weighted sum of each token's experts."""
+
+    def __init__(
+        self, hidden: int, width: int, top_k: int, num_experts: int, first: int, experts: list[ExpertWeights]
+    ) -> None:
+        if not experts or first < 0 or first + len(experts) > num_experts:
+            raise ValueError(f"experts {first}..{first + len(experts) - 1} are not among the {num_experts}")
+        for ex in experts:
+            for _, weights, _ in (ex.gate_up, ex.down):
+                if weights.device.type != "cpu" or not weights.is_contiguous():
+                    raise ValueError("the native experts read contiguous CPU weights")
+        self._held = experts  # keeps the weights the native side points into alive
+
+        def linear(spec: tuple[tuple[str, str], torch.Tensor, int], out_features: int) -> ctypes.Structure:
+            kernel, weights, fmt = spec
+            return _Linear(build.address(*kernel), weights.data_ptr(), fmt, out_features)
+
+        self._gate_up = (_Linear * len(experts))(*(linear(ex.gate_up, 2 * width) for ex in experts))
+        self._down = (_Linear * len(experts))(*(linear(ex.down, hidden) for ex in experts))
+        self._spec = _Experts(
+            hidden, width, top_k, num_experts, first, len(experts),
+            ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
+            build.address("elementwise", "tm_silu_and_mul"),
+        )  # fmt: skip
+        self.hidden, self.top_k = hidden, top_k
+        self._workspace = torch.empty(0)
+        self._lock = threading.Lock()  # one call at a time: they share the workspace
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, hidden = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and hidden == self.hidden
+        assert weights.shape == ids.shape == (t, self.top_k)
+        x = x.contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(t, hidden)
+        threads = torch.get_num_threads()
+        with self._lock:
+            need = int(_lib().tm_moe_workspace(ctypes.byref(self._spec), t, threads))
+            if self._workspace.numel() < need:
+                self._workspace = torch.empty(need)
+            rc = _lib().tm_moe_mlp(
+                ctypes.byref(self._spec), x.data_ptr(), t, ids.data_ptr(), weights.data_ptr(),
+                self._workspace.data_ptr(), out.data_ptr(), threads,
+            )  # fmt: skip
+        if rc:
+            raise RuntimeError(f"the native experts failed (code {rc})")
+        return out
