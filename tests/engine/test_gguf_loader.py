@@ -17,7 +17,6 @@ from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.quant import gguf_blocks
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
-from tokenmill_service.layers.quant.transcode import TRANSCODED, transcode
 from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.gguf_loader import (
@@ -528,16 +527,6 @@ def test_a_layer_whose_parts_two_kernels_read_is_dense_and_the_plan_says_why(tmp
     assert plan.layers["model.layers.1.self_attn.o_proj"].method == "gguf-vnni"
     assert plan.layers["model.layers.1.mlp.down_proj"].method == "gguf-kquant"
     assert "Q4_K/Q5_1 tensors, dense (exactly dequantized): stored in mixed formats" in plan.quant_reasons["none"]
-
-
-@pytest.mark.parametrize("qtype", [QType.Q3_K], ids=lambda t: t.name)
-def test_formats_rewritten_for_a_native_kernel_dequantize_to_the_files_weights_bit_for_bit(qtype: QType) -> None:
-    rows, cols = 5, 2 * BLOCK_WEIGHTS[qtype]
-    raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
-    rewritten = transcode(GGUFBlocks.from_raw(raw, qtype, (rows, cols)))
-    assert rewritten.qtype == TRANSCODED[qtype] != qtype and rewritten.shape == (rows, cols)
-    reference = gguf.quants.dequantize(raw, qtype)
-    np.testing.assert_array_equal(rewritten.dequantize().numpy().view(np.uint32), reference.view(np.uint32))
 
 
 def _shape_of(data: np.ndarray, qtype: QType) -> tuple[int, int]:

@@ -116,7 +116,7 @@ def test_the_embedding_table_stays_as_the_file_stores_it(served: Any, q4_k_m_fil
 
 
 def test_a_file_of_the_other_k_quants_and_32_weight_formats_is_served_natively_within_bounds(tmp_path: Path) -> None:
-    """Q3_K (rewritten exactly as Q6_K), Q5_0, IQ4_NL, Q5_1, Q2_K and IQ4_XS beside Q4_K and Q6_K: every layer on a
+    """Q3_K, Q5_0, IQ4_NL, Q5_1, Q2_K and IQ4_XS beside Q4_K and Q6_K: every layer on a
     native kernel, within the default's bounds of the reference on the file's dequantized weights."""
     rng = np.random.default_rng(5)
     tensors = _kquant_tensors(rng)
@@ -134,7 +134,7 @@ def test_a_file_of_the_other_k_quants_and_32_weight_formats_is_served_natively_w
     plan = served.plan
     assert set(plan.method_counts) <= {"gguf-kquant", "gguf-vnni"}, plan.quant_reasons
     assert plan.method_counts == {"gguf-kquant": KQ_LAYERS * 3, "gguf-vnni": KQ_LAYERS + 1}
-    assert "Q3_K (as Q6_K)/Q4_K" in plan.quant_reasons["gguf-kquant"] and "IQ4_XS" in plan.quant_reasons["gguf-kquant"]
+    assert "Q3_K/Q4_K" in plan.quant_reasons["gguf-kquant"] and "IQ4_XS" in plan.quant_reasons["gguf-kquant"]
     assert "Q2_K" in plan.quant_reasons["gguf-kquant"]
     assert all(f in plan.quant_reasons["gguf-vnni"] for f in ("Q5_0", "IQ4_NL", "Q5_1"))
     assert "as Q8_0" not in plan.quant_reasons["gguf-vnni"]

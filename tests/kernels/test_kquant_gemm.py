@@ -21,7 +21,8 @@ from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 pytestmark = pytest.mark.skipif(
     kquant_gemm.unavailable_reason() is not None, reason=f"k-quant kernel: {kquant_gemm.unavailable_reason()}"
 )
-# Q3_K is served rewritten as Q6_K (layers/quant/transcode.py); IQ4_XS is read as Q6_K is, its indices looked up.
+# Q3_K and IQ4_XS are read as Q6_K is (int8 scales per 16, an offset q): Q3_K's 2 low bits and high bit in
+# planes, IQ4_XS's indices looked up.
 QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q3_K, QType.IQ4_XS, QType.Q2_K]
 
 
@@ -68,13 +69,14 @@ def test_the_product_is_the_float64_product_with_ggufs_dequantized_weight(qtype:
 
 # Packed bytes over the file's: the scales of a group of 16 rows are spread out for the kernel (Q6_K's
 # nibbles and planes of high bits take exactly the file's bytes), IQ4_XS keeps its 4-bit indices (looked
-# up in the loop) but spreads its scales out as bytes, Q3_K takes Q6_K's bytes, and Q2_K's 2-bit weights
-# take a nibble, its scales per 16 weights spread out as bytes.
+# up in the loop) but spreads its scales out as bytes, so does Q3_K (3 bits a weight in planes, its 6-bit
+# scales as int8: 3.56 bits a weight against the file's 3.44), and Q2_K's 2-bit weights take a nibble, its
+# scales per 16 weights spread out as bytes.
 PACKED_OVER_FILE = {
     QType.Q4_K: 1.03,
     QType.Q5_K: 1.03,
     QType.Q6_K: 1.0,
-    QType.Q3_K: 1.91,
+    QType.Q3_K: 1.04,
     QType.IQ4_XS: 1.08,
     QType.Q2_K: 1.96,
 }
@@ -105,19 +107,21 @@ def test_the_kernel_refuses_a_format_it_has_no_code_for() -> None:
         kquant_gemm.pack(torch.zeros(16, 1, 144, dtype=torch.uint8), int(QType.Q4_0))
 
 
-def test_a_packed_layer_stored_in_several_k_quants_is_one_product_of_its_segments() -> None:
-    """Q4_K_M files keep some layers' v projection in Q6_K beside Q4_K q and k: the packed q/k/v layer
-    holds its row ranges as segments, exactly as stored, and multiplies them in one call."""
+@pytest.mark.parametrize(("qk", "vt"), [(QType.Q4_K, QType.Q6_K), (QType.Q3_K, QType.Q5_K)], ids=["Q4_K_M", "Q3_K_M"])
+def test_a_packed_layer_stored_in_several_k_quants_is_one_product_of_its_segments(qk: QType, vt: QType) -> None:
+    """Q4_K_M files keep some layers' v projection in Q6_K beside Q4_K q and k (Q3_K_M files: Q5_K beside
+    Q3_K): the packed q/k/v layer holds its row ranges as segments, exactly as stored, and multiplies
+    them in one call."""
     q, k, v = (
-        _blocks(QType.Q4_K, 64, 512, seed=1),
-        _blocks(QType.Q4_K, 32, 512, seed=2),
-        _blocks(QType.Q6_K, 32, 512, 3),
+        _blocks(qk, 64, 512, seed=1),
+        _blocks(qk, 32, 512, seed=2),
+        _blocks(vt, 32, 512, 3),
     )
     layer = QKVParallelLinear(512, 16, 4, 2, False, quant_method_class("gguf-kquant")(torch.float32), TensorParallel())
     for shard, blocks in zip("vqk", (v, q, k)):  # pieces may arrive in any order
         layer.load_weight(blocks, shard)
     layer.finalize()
-    assert layer.fmt == kquant_gemm.MIXED and layer.formats == "Q4_K/Q6_K"
+    assert layer.fmt == kquant_gemm.MIXED and layer.formats == f"{qk.name}/{vt.name}"
     weight = torch.cat([_gguf_dequantized(b) for b in (q, k, v)])
     assert torch.equal(layer.quant.dequantized(layer), weight)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(4))

@@ -18,7 +18,6 @@ from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
-from tokenmill_service.layers.quant.transcode import TRANSCODED
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig, has_windows
 from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
@@ -198,7 +197,7 @@ def _linear_layers(
         cls = quant_method_class(method)
         layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
         if method in native:
-            names = "/".join(sorted(_served_as(k) for k in kinds if k is not None))
+            names = "/".join(sorted(k.name for k in kinds if k is not None))
             if names not in stored.setdefault(method, []):
                 stored[method].append(names)
         # Each distinct reason once: layers of one method can be there for different formats (Q4_K, Q6_K).
@@ -207,12 +206,6 @@ def _linear_layers(
     for method, names in stored.items():
         reasons[method] = [f"the GGUF file's blocks ({', '.join(names)}), multiplied as stored"]
     return layers, {method: "; ".join(why) for method, why in reasons.items()}, skipped
-
-
-def _served_as(qtype: QType) -> str:
-    """A stored format's name, with the one it is rewritten in at load when it is (transcode.py)."""
-    target = TRANSCODED.get(qtype)
-    return qtype.name if target is None else f"{qtype.name} (as {target.name})"
 
 
 def _sources(prefix: str, config: ModelConfig) -> list[str]:

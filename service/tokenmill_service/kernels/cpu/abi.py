@@ -46,7 +46,9 @@ BLOCK_FORMATS = (
     BlockFormat(
         "Q2_K", 10, SUPER_BLOCK, 84, kernel="kquant"
     ),  # 16 sub-blocks of 16: 4-bit scale and minimum each, 2-bit weights
-    BlockFormat("Q3_K", 11, SUPER_BLOCK, 110),  # 16 sub-blocks of 16: 6-bit scales, 3-bit weights
+    BlockFormat(
+        "Q3_K", 11, SUPER_BLOCK, 110, kernel="kquant"
+    ),  # 16 sub-blocks of 16: 6-bit scales, 3-bit weights (2 low bits and a high-bit mask)
     BlockFormat(
         "Q4_K", 12, SUPER_BLOCK, 144, kernel="kquant"
     ),  # 8 sub-blocks of 32: 6-bit scale and minimum each, 4-bit weights

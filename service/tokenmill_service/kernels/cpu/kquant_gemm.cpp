@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q2_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
+// y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
 // super-blocks of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
 // per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd, exact int32 sums.
 //
@@ -9,6 +9,9 @@
 //               q in 0..63.
 //   Q2_K:       16 sub-blocks of 16, each with a 4-bit scale sc and minimum m; float16 d and dmin;
 //               w = (d * sc) * q - dmin * m,  q in 0..3.
+//   Q3_K:       16 sub-blocks of 16, each with a 6-bit scale ls; float16 d;  w = (d * (ls - 32)) * (q - 4),
+//               q in 0..7 (two low bits and the hmask bit above them; a clear bit is gguf's -4): served
+//               as Q6_K is, with sc = ls - 32 and an offset of 4 for 32.
 //   IQ4_XS:     8 sub-blocks of 32, each with a 6-bit scale ls; float16 d;  w = (d * (ls - 32)) * level,
 //               level one of IQ4_NL's 16 values in -127..113: served as Q6_K is, with q = level + 128
 //               (looked up from its 4-bit index in the loop) and an offset of 128 for 32, the sub-block's
@@ -17,7 +20,8 @@
 //   Q4_K, Q5_K: sum w x = (d sc) dx * sum q a  -  (dmin m) * sx           (one sub-block = one block)
 //   Q2_K:       per half block h:  (d sc_h) dx * sum q a  -  (dmin m_h) * (dx * sum_h a)
 //   Q6_K:       per half block h:  (d sc_h) dx * (sum q a - 32 * sum_h a)   (the integer part exact;
-//               IQ4_XS: - 128 * sum_h a, whose difference can exceed 2^24 and rounds once to float32)
+//               Q3_K: - 4 * sum_h a, exact; IQ4_XS: - 128 * sum_h a, whose difference can exceed 2^24 and
+//               rounds once to float32)
 //
 // Batch-invariant: the integer sums are exact, every float32 step is done per output in one fixed
 // order (block after block along K), and the activations are quantized row by row, so a row's
@@ -38,15 +42,20 @@
 //               times its speed a byte a weight, and the file's size instead of 1.31 times it;
 //   IQ4_XS:     its 4-bit indices as the others' nibbles, each turned into level + 128 by one byte
 //               shuffle (vpshufb over the 16 levels) in the loop;
+//   Q3_K:       the low two bits of every weight in two 64-byte planes (byte i as the nibbles', plane p's
+//               bits 2u, 2u + 1 for step 4p + u), then its hmask bit in one plane as Q5_K's fifth bit
+//               (bit t for step t): 192 bytes, 3 bits a weight. A step's q is one shift and a mask for
+//               the low bits and one shift and a vpternlogd select for the high bit, in one stream;
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
 //   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (2624 bytes)
-//   Q6_K, IQ4_XS: d[16] as float16, sc[16][16] as int8     (Q6_K 3360, IQ4_XS 2336 bytes)
+//   Q6_K, IQ4_XS, Q3_K: d[16] as float16, sc[16][16] as int8   (Q6_K 3360, IQ4_XS 2336, Q3_K 1824 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
 // Q4_K, Q5_K and Q6_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5,
-// 5.63 against 5.5, Q6_K exactly its 6.56), IQ4_XS 4.56 against 4.25, Q2_K 5.13 against 2.63.
+// 5.63 against 5.5, Q6_K exactly its 6.56), IQ4_XS 4.56 against 4.25, Q3_K 3.56 against 3.44 (its 6-bit
+// scales as bytes), Q2_K 5.13 against 2.63.
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -66,13 +75,14 @@ using vnni::QK;
 constexpr int64_t QK_K = TM_BLOCK_WEIGHTS_Q4_K;  // weights per super-block
 constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-block
 static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K &&
-                  TM_BLOCK_WEIGHTS_Q2_K == QK_K,
+                  TM_BLOCK_WEIGHTS_Q2_K == QK_K && TM_BLOCK_WEIGHTS_Q3_K == QK_K,
               "k-quants: one super-block size");
 constexpr int MT = 3;  // activation rows per register tile
 constexpr int NG = 2;  // groups per register tile
 
 enum Format : int {
   Q2_K = TM_FORMAT_Q2_K,
+  Q3_K = TM_FORMAT_Q3_K,
   Q4_K = TM_FORMAT_Q4_K,
   Q5_K = TM_FORMAT_Q5_K,
   Q6_K = TM_FORMAT_Q6_K,
@@ -91,8 +101,8 @@ constexpr bool iq4_q_matches_levels() {
 static_assert(iq4_q_matches_levels(), "IQ4_Q: IQ4_NL's levels + 128");
 
 // Formats with an int8 scale per 16 and no minimum (Q6_K's way), and the offset of their q.
-constexpr bool signed_scales(int fmt) { return fmt == Q6_K || fmt == IQ4_XS; }
-constexpr int q_offset(int fmt) { return fmt == IQ4_XS ? 128 : 32; }
+constexpr bool signed_scales(int fmt) { return fmt == Q6_K || fmt == IQ4_XS || fmt == Q3_K; }
+constexpr int q_offset(int fmt) { return fmt == IQ4_XS ? 128 : fmt == Q3_K ? 4 : 32; }
 // Formats whose nibble is an index into IQ4_NL's levels (q = level + 128) rather than q's low bits.
 constexpr bool level_indices(int fmt) { return fmt == IQ4_XS; }
 // Formats with a scale per 16 weights (folded at each half block of 32) rather than per 32.
@@ -104,17 +114,21 @@ int64_t source_block_bytes(int fmt) {
     case Q5_K: return TM_BLOCK_BYTES_Q5_K;
     case Q6_K: return TM_BLOCK_BYTES_Q6_K;
     case Q2_K: return TM_BLOCK_BYTES_Q2_K;
+    case Q3_K: return TM_BLOCK_BYTES_Q3_K;
     case IQ4_XS: return TM_BLOCK_BYTES_IQ4_XS;
     default: return 0;
   }
 }
 
-constexpr int64_t high_bits(int fmt) { return fmt == Q6_K ? 2 : fmt == Q5_K ? 1 : 0; }  // bits above the nibble
-// A block's bytes: its weights' nibbles, then the planes of their higher bits (read in one stream).
-constexpr int64_t block_quant_bytes(int fmt) { return 4 * 64 + 64 * high_bits(fmt); }
+// A weight's low bits (4: a nibble; Q3_K's 2), and the bits above them.
+constexpr int low_bits(int fmt) { return fmt == Q3_K ? 2 : 4; }
+constexpr int64_t high_bits(int fmt) { return fmt == Q6_K ? 2 : fmt == Q5_K || fmt == Q3_K ? 1 : 0; }
+// A block's bytes: the planes of its weights' low bits, then those of their higher bits (read in one stream).
+constexpr int64_t block_quant_bytes(int fmt) { return 64 * (low_bits(fmt) + high_bits(fmt)); }
 constexpr int64_t quant_bytes(int fmt) { return SUBS * block_quant_bytes(fmt); }  // a group's super-block
 constexpr int64_t mask_bytes(int) { return 0; }  // the planes sit with their block's nibbles
-// Where step t's higher bits sit in their plane: plane t / (8 / bits), bits from (t % (8 / bits)) * bits.
+// Where step t's low or higher bits sit among their planes: plane t / (8 / bits), bits from (t % (8 / bits)) * bits
+// (for the 4 low bits: plane t / 2, the low nibble for an even step).
 constexpr int plane_of(int bits, int t) { return t / (8 / bits); }
 constexpr int shift_of(int bits, int t) { return (t % (8 / bits)) * bits; }
 constexpr int64_t scale_bytes(int fmt) {
@@ -122,8 +136,9 @@ constexpr int64_t scale_bytes(int fmt) {
 }
 constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
 
-// One source super-block: its 256 weights as unsigned q (IQ4_XS: the level's 4-bit index), d, dmin (Q6_K, IQ4_XS: 0) as float16 bits, and
-// the sub-block scales and minimums (Q6_K, IQ4_XS: 16 int8 scales, no minimums; Q2_K: 16 of each).
+// One source super-block: its 256 weights as unsigned q (IQ4_XS: the level's 4-bit index), d, dmin (Q6_K, IQ4_XS,
+// Q3_K: 0) as float16 bits, and the sub-block scales and minimums (Q6_K, IQ4_XS, Q3_K: 16 int8 scales, no
+// minimums; Q2_K: 16 of each).
 void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[16]) {
   if (fmt == Q2_K) {  // scales[16] (low nibble sc, high m) | qs[64] | d | dmin
     for (int j = 0; j < 16; ++j) {
@@ -136,6 +151,20 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint
         for (int l = 0; l < 32; ++l) q[128 * h + 32 * f + l] = (b[16 + 32 * h + l] >> (2 * f)) & 3;
     d = half_bits(b + 80);
     dmin = half_bits(b + 82);
+    return;
+  }
+  if (fmt == Q3_K) {  // hmask[32] | qs[64] | scales[12] | d
+    // The low bits as Q2_K's; weight i's high bit is bit i / 32 of hmask byte i % 32.
+    for (int h = 0; h < 2; ++h)
+      for (int f = 0; f < 4; ++f)
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * f + l] = (b[32 + 32 * h + l] >> (2 * f)) & 3;
+    for (int i = 0; i < QK_K; ++i) q[i] |= ((b[i % 32] >> (i / 32)) & 1) << 2;
+    // Scale s: its low 4 bits nibble s / 8 of byte s % 8, its high 2 bits field s / 4 of byte 8 + s % 4.
+    const uint8_t* s = b + 96;
+    for (int j = 0; j < 16; ++j)
+      sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 0x0F) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+    d = half_bits(b + 108);
+    dmin = 0;
     return;
   }
   if (fmt == IQ4_XS) {  // d | scales_h u16 | scales_l[4] | qs[128]: sub-block s's byte j holds weights j, j + 16
@@ -203,7 +232,7 @@ struct Packed {
 
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   const int64_t supers = k / QK_K, sbytes = source_block_bytes(fmt), gstride = supers * group_super_bytes(fmt);
-  const int bits = (int)high_bits(fmt);
+  const int low = low_bits(fmt), bits = (int)high_bits(fmt);
   memset(out, 0, (n + G - 1) / G * gstride);
   uint8_t q[QK_K];
   int sc[16], m[16];
@@ -218,8 +247,8 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
         uint8_t* bq = quants + blk * block_quant_bytes(fmt);
-        bq[(step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
-        if (bits) bq[256 + plane_of(bits, step) * 64 + i] |= (uint8_t)((q[j] >> 4) << shift_of(bits, step));
+        bq[plane_of(low, step) * 64 + i] |= (uint8_t)((q[j] & ((1 << low) - 1)) << shift_of(low, step));
+        if (bits) bq[64 * low + plane_of(bits, step) * 64 + i] |= (uint8_t)((q[j] >> low) << shift_of(bits, step));
       }
       memcpy(scales + row * 2, &d, 2);
       if (signed_scales(fmt)) {
@@ -242,21 +271,33 @@ inline __m512 bytes_as_floats(const uint8_t* p, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-// Step t's nibbles w with their higher bits (the planes of its block) set above them.
-template <int BITS>
+// Each byte's field starting at bit `from` moved to start at bit `to`, the byte's other bits left for the
+// caller to mask (16-bit shifts: the bits a byte takes from its neighbour land outside the field).
+inline __m512i shifted(__m512i plane, int from, int to) {
+  const int shift = to - from;
+  return shift > 0 ? _mm512_slli_epi16(plane, shift) : shift < 0 ? _mm512_srli_epi16(plane, -shift) : plane;
+}
+
+// Step t's low bits (LOW of them, from the block's first planes) as bytes.
+template <int LOW>
+inline __m512i low_bits_of(const uint8_t* bq, int t) {
+  const __m512i plane = _mm512_loadu_si512(bq + plane_of(LOW, t) * 64);
+  return _mm512_and_si512(shifted(plane, shift_of(LOW, t), 0), _mm512_set1_epi8((char)((1 << LOW) - 1)));
+}
+
+// Step t's low bits w with their higher bits (the planes after the low ones) set above them.
+template <int LOW, int BITS>
 inline __m512i with_high_bits(__m512i w, const __m512i planes[2], int t) {
-  const __m512i plane = planes[plane_of(BITS, t)];
-  const int shift = 4 - shift_of(BITS, t);  // the step's bits to bit 4 (16-bit shifts: bytes keep theirs)
-  const __m512i high = shift > 0 ? _mm512_slli_epi16(plane, shift) : shift < 0 ? _mm512_srli_epi16(plane, -shift) : plane;
-  // w | (high & bits 4..3 + BITS): 0xF8 is A | (B & C) for A = w, B = high, C = the mask.
-  return _mm512_ternarylogic_epi32(w, high, _mm512_set1_epi8((char)(((1 << BITS) - 1) << 4)), 0xF8);
+  const __m512i high = shifted(planes[plane_of(BITS, t)], shift_of(BITS, t), LOW);
+  // w | (high & bits LOW .. LOW + BITS - 1): 0xF8 is A | (B & C) for A = w, B = high, C = the mask.
+  return _mm512_ternarylogic_epi32(w, high, _mm512_set1_epi8((char)(((1 << BITS) - 1) << LOW)), 0xF8);
 }
 
 // y[i, 16g + l] for M activation rows and NGT groups starting at w.
 template <int F, int M, int NGT>
 inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid) {
-  constexpr int BITS = (int)high_bits(F);
+  constexpr int LOW = low_bits(F), BITS = (int)high_bits(F);
   const int64_t blocks = k / QK;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // IQ4_NL's levels + 128 in every 16-byte lane, for vpshufb to look the indices up in.
@@ -281,14 +322,19 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
           const uint8_t* bq = p.quants + j * block_quant_bytes(F);
-          const __m512i v = _mm512_loadu_si512(bq + s * 64);
-          w0[g] = _mm512_and_si512(v, nibble);
-          w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (LOW == 4) {
+            const __m512i v = _mm512_loadu_si512(bq + s * 64);
+            w0[g] = _mm512_and_si512(v, nibble);
+            w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          } else {
+            w0[g] = low_bits_of<LOW>(bq, 2 * s);
+            w1[g] = low_bits_of<LOW>(bq, 2 * s + 1);
+          }
           if constexpr (BITS > 0) {
             __m512i planes[2];
-            for (int pl = 0; pl < BITS; ++pl) planes[pl] = _mm512_loadu_si512(bq + 256 + pl * 64);
-            w0[g] = with_high_bits<BITS>(w0[g], planes, 2 * s);
-            w1[g] = with_high_bits<BITS>(w1[g], planes, 2 * s + 1);
+            for (int pl = 0; pl < BITS; ++pl) planes[pl] = _mm512_loadu_si512(bq + 64 * LOW + pl * 64);
+            w0[g] = with_high_bits<LOW, BITS>(w0[g], planes, 2 * s);
+            w1[g] = with_high_bits<LOW, BITS>(w1[g], planes, 2 * s + 1);
           }
           if constexpr (level_indices(F)) {
             w0[g] = _mm512_shuffle_epi8(levels, w0[g]);
@@ -429,6 +475,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                   case Q4_K: tile_rows<Q4_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   case Q5_K: tile_rows<Q5_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   case Q2_K: tile_rows<Q2_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
+                  case Q3_K: tile_rows<Q3_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   case IQ4_XS: tile_rows<IQ4_XS>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                   default: tile_rows<Q6_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
                 }
@@ -438,7 +485,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
 // One segment's packed weights [rows, k] as float32, exactly gguf's dequantized values (row stride k).
 void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
   const int64_t supers = k / QK_K, gstride = supers * group_super_bytes(fmt);
-  const int bits = (int)high_bits(fmt);
+  const int low = low_bits(fmt), bits = (int)high_bits(fmt);
   for (int64_t r = 0; r < n; ++r) {
     const int64_t g = r / G, row = r % G;
     for (int64_t sb = 0; sb < supers; ++sb) {
@@ -446,12 +493,11 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
       const float d = _cvtsh_ss(half_bits(p.scales + row * 2));
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        int q = (p.quants[blk * block_quant_bytes(fmt) + (step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
+        const uint8_t* bq = p.quants + blk * block_quant_bytes(fmt);
+        int q = (bq[plane_of(low, step) * 64 + i] >> shift_of(low, step)) & ((1 << low) - 1);
         if (level_indices(fmt)) q = IQ4_LEVELS[q] + 128;
         if (bits)
-          q |= ((p.quants[blk * block_quant_bytes(fmt) + 256 + plane_of(bits, step) * 64 + i] >> shift_of(bits, step)) &
-                ((1 << bits) - 1))
-               << 4;
+          q |= ((bq[64 * low + plane_of(bits, step) * 64 + i] >> shift_of(bits, step)) & ((1 << bits) - 1)) << low;
         float value;
         if (signed_scales(fmt)) {
           const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];

@@ -20,14 +20,12 @@ from tokenmill_service.kernels.cpu import block_gemm as native
 from tokenmill_service.kernels.cpu import vnni_gemm as vnni
 from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks
-from tokenmill_service.layers.quant.transcode import TRANSCODED, transcode
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
 
-_READ_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
-# What the kernels read, and the formats rewritten exactly into one of those at load (transcode.py).
-SERVED_TYPES = _READ_TYPES | {qtype for qtype, target in TRANSCODED.items() if target in _READ_TYPES}
+# The formats the kernels read.
+SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)
 
 
 @register_quantization("gguf")
@@ -62,7 +60,6 @@ class GGUFBlocksMethod(QuantMethod):
             kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
             names = ", ".join(sorted(t.name for t in self.served_types))
             raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {kind}")
-        tensor = transcode(tensor)
         if layer.qtype is None:
             layer.qtype = tensor.qtype
             shape = (layer.out_features, tensor.data.shape[1], tensor.data.shape[2])

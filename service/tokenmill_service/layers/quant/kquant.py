@@ -1,9 +1,9 @@
 """llama.cpp's k-quants served as stored: ``--quantization gguf-kquant`` (chosen by the load plan for
-a GGUF's Q4_K, Q5_K and Q6_K layers, as in the Q4_K_M, Q5_K_M and Q6_K files people download; Q3_K
-layers rewritten exactly as Q6_K at load, transcode.py).
+a GGUF's Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS layers, as in the Q4_K_M, Q5_K_M, Q6_K and Q3_K_M files
+people download).
 
 The layer keeps the file's super-blocks (256 weights: float16 d and dmin, per sub-block a scale and
-a minimum, 4 to 6 bits a weight), repacked at load into the kernel's layout at about the file's size
+a minimum, 2 to 6 bits a weight), repacked at load into the kernel's layout at about the file's size
 (``kernels/cpu/kquant_gemm.cpp``), and multiplies them with integer products as ``gguf-vnni`` does
 the 32-weight formats: 16-bit fixed-point activations, exact integer sums, float32 scales in an
 order fixed per output, so a row's result does not depend on its batch. Every weight is exactly
@@ -24,7 +24,6 @@ from tokenmill_service.kernels.cpu import kquant_gemm as kq
 from tokenmill_service.layers.quant.base import register_quantization
 from tokenmill_service.layers.quant.blocks import GGUFBlocksMethod
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
-from tokenmill_service.layers.quant.transcode import transcode
 
 if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
@@ -33,8 +32,7 @@ if TYPE_CHECKING:
 @register_quantization("gguf-kquant")
 class GGUFKQuantMethod(GGUFBlocksMethod):
     native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {"kquant_gemm": ("kquant_gemm", "tm_kquant_gemm")}
-    # Q3_K is rewritten exactly as Q6_K at load (transcode.py).
-    served_types: ClassVar[frozenset[QType]] = frozenset(QType(fmt) for fmt in kq.FORMATS) | {QType.Q3_K}
+    served_types: ClassVar[frozenset[QType]] = frozenset(QType(fmt) for fmt in kq.FORMATS)
     block_weights: ClassVar[int] = kq.SUPER_BLOCK
     # One layer may hold row ranges in different served formats (segments of the packed weight).
     mixed_formats: ClassVar[bool] = True
@@ -48,15 +46,13 @@ class GGUFKQuantMethod(GGUFBlocksMethod):
         layer.fmt = 0  # a ggml type id, or the kernel's id for segments; set by finalize
         # (first row, blocks) as loaded, until finalize packs them.
         layer.pieces = []
-        layer.stored = set()  # the formats the file holds the layer in (before any re-encoding)
 
     def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
         if not isinstance(tensor, GGUFBlocks) or tensor.qtype not in self.served_types:
             kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
             names = ", ".join(sorted(t.name for t in self.served_types))
             raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {kind}")
-        layer.stored.add(tensor.qtype.name)
-        layer.pieces.append((rows.start or 0, transcode(tensor)))
+        layer.pieces.append((rows.start or 0, tensor))
 
     def finalize(self, layer: nn.Module) -> None:
         # Consecutive row ranges of one format make one segment.
@@ -74,7 +70,7 @@ class GGUFKQuantMethod(GGUFBlocksMethod):
         else:
             layer.qtype, layer.fmt = None, kq.MIXED
             layer.blocks = kq.pack_segments(parts)
-        layer.formats = "/".join(sorted(layer.stored))
+        layer.formats = "/".join(sorted({qtype.name for qtype, _ in segments}))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = kq.kquant_gemm(x, layer.blocks, layer.fmt, layer.out_features)
