@@ -139,23 +139,32 @@ def test_compile_auto_with_adapters_runs_the_native_stack_and_says_why(base: tup
     assert plan.summary()["skipped.compile"] == "LoRA adapters (--max-loras) are not run inside compiled regions"
 
 
-@pytest.mark.parametrize("parts", [None, [(0, 64), (64, 32)]])  # one block of A, or two (a packed layer's)
-def test_the_grouped_product_is_its_per_token_definition(parts: list[tuple[int, int]] | None) -> None:
+# One block of A, or three (a packed layer's, one column count not a multiple of 16); float32 or bfloat16.
+@pytest.mark.parametrize("parts", [None, [(0, 64), (64, 21), (85, 11)]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_product_is_its_per_token_definition(
+    parts: list[tuple[int, int]] | None, dtype: torch.dtype
+) -> None:
+    """Each slot's own rank per block (one not targeted), only those rows read: the rows past a slot's
+    rank hold garbage here, and the product still is the definition at those ranks."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 128, generator=g)
-    rank = 64 if parts is None else 32
-    a, b = torch.randn(4, 64, 128, generator=g) * 0.1, torch.randn(4, 96, rank, generator=g) * 0.1
+    p = len(parts or [0])
+    a = (torch.randn(4, p, 20, 128, generator=g) * 0.1).to(dtype)
+    bt = (torch.randn(4, 20, 96, generator=g) * 0.1).to(dtype)
+    ranks = torch.tensor([[20, 3, 0], [7, 20, 1], [1, 0, 16], [13, 13, 13]])[:, :p].contiguous()
     token_slots = torch.randint(-1, 4, (37,), generator=g).tolist()
     groups = [(s, torch.tensor([t for t, x in enumerate(token_slots) if x == s])) for s in range(4) if s in token_slots]
     delta = torch.zeros(37, 96)
-    for rows, d in lora_delta(x, a, b, groups, parts):
+    for rows, d in lora_delta(x, a, bt, ranks, groups, parts):
         delta[rows] = d
-    expected = lora_delta_reference(x, a, b, token_slots, parts)
+    expected = lora_delta_reference(x, a, bt, ranks, token_slots, parts)
     torch.testing.assert_close(delta.double(), expected, atol=1e-5, rtol=1e-5)
     # A row's bits are the same in a group of one.
-    for rows, d in lora_delta(x, a, b, groups, parts):
-        (alone,) = lora_delta(x, a, b, [(token_slots[int(rows[0])], rows[:1])], parts)
-        assert torch.equal(alone[1][0], d[0])
+    for rows, d in lora_delta(x, a, bt, ranks, groups, parts):
+        for i in range(len(rows)):
+            ((_, alone),) = lora_delta(x, a, bt, ranks, [(token_slots[int(rows[i])], rows[i : i + 1])], parts)
+            assert torch.equal(alone[0], d[i])
 
 
 def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
@@ -230,7 +239,7 @@ def test_a_gguf_lora_file_gives_the_peft_adapters_logits(model: Any, adapters: d
 
 
 def _delta(layer: Any, lora: Any, x: torch.Tensor) -> torch.Tensor:
-    ((_, delta),) = lora_delta(x, lora.a, lora.b, [(0, torch.arange(x.shape[0]))], lora.parts)
+    ((_, delta),) = lora_delta(x, lora.a, lora.bt, lora.ranks, [(0, torch.arange(x.shape[0]))], lora.parts)
     return delta
 
 
