@@ -107,8 +107,8 @@ class LoRALayer:
         return (self.a[0].numel() + self.bt[0].numel()) * self.a.element_size()
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.bt[slot].zero_()
+        # No kernel reads past a slot's ranks, so the weights need no zeroing (zeroing every layer's slot
+        # took most of a slot write).
         self.ranks[slot].zero_()
 
     def load(
