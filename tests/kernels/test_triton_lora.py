@@ -29,16 +29,20 @@ def test_the_grouped_kernels_are_the_per_token_definition(
 ) -> None:
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, k, generator=g)
-    rank = 96 // len(parts or [0])
-    a, b = torch.randn(4, 96, k, generator=g) * 0.1, torch.randn(4, n, rank, generator=g) * 0.1
+    p = len(parts or [0])
+    rank = 96 // p
+    a, bt = torch.randn(4, p, rank, k, generator=g) * 0.1, torch.randn(4, rank, n, generator=g) * 0.1
+    # Each slot's rank per block (one block not targeted): the rows past it hold garbage and are not read.
+    ranks = torch.tensor([[rank, 3, 0], [7, rank, 1], [1, 0, rank], [rank - 1, rank, 5]])[:, :p].contiguous()
     token_slots = torch.randint(-1, 4, (tokens,), generator=g).tolist()
     token_slots[: BLOCK_M + 2] = [2] * min(tokens, BLOCK_M + 2)  # a group of two tiles (when there are as many)
     delta = torch.zeros(tokens, n, dtype=torch.float64)
     groups = grouped(token_slots)
-    on = (x.to(DEVICE), a.to(DEVICE), b.to(DEVICE))
+    on = (x.to(DEVICE), a.to(DEVICE), bt.to(DEVICE), ranks.to(DEVICE))
     for rows, d in lora_delta(*on, groups, parts):
         delta[rows.cpu()] = d.cpu().double()
-    torch.testing.assert_close(delta, lora_delta_reference(x, a, b, token_slots, parts), atol=1e-5, rtol=1e-5)
+    expected = lora_delta_reference(x, a, bt, ranks, token_slots, parts)
+    torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-5)
     # A row's bits are the same in a group of one.
     for slot, rows in groups:
         ((_, whole),) = lora_delta(*on, [(slot, rows)], parts)

@@ -37,7 +37,7 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
                 raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
             lora = None
             if lin.lora is not None:
-                lora = (lin.lora.a, lin.lora.b, torch.tensor(lin.lora.parts, dtype=torch.int64).reshape(-1, 2))
+                lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
             spec[name] = decoder_stack.LinearSpec(
                 lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features, lora
             )
@@ -70,13 +70,8 @@ class NativeStackExecutor:
         slots = getattr(self.model, "lora", None)
         if slots is None or not slots.batch.groups:
             return None
-        groups = slots.batch.groups
-        counts = torch.tensor([0] + [len(rows) for _, rows in groups], dtype=torch.int64)
-        return decoder_stack.LoRARows(
-            torch.tensor([slot for slot, _ in groups], dtype=torch.int64),
-            torch.cumsum(counts, 0),
-            torch.cat([rows for _, rows in groups]),
-        )
+        rows = slots.batch.rows()
+        return decoder_stack.LoRARows(rows.slots, rows.offsets, rows.rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)  # type: ignore[no-any-return]

@@ -59,7 +59,9 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
         from tokenmill_service.layers.lora import attach_lora
 
         with torch.device(plan.device):
-            attach_lora(model, plan.options.max_loras, plan.options.max_lora_rank)
+            attach_lora(
+                model, plan.options.max_loras, plan.options.max_lora_rank, getattr(torch, plan.lora_dtype.value)
+            )
     model.eval()
     model.requires_grad_(False)
     return model

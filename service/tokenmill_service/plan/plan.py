@@ -60,6 +60,8 @@ class LoadPlan:
     skipped: Mapping[str, str] = field(default_factory=dict)
     # A mixture-of-experts model's experts: "native" (one call a layer) or "one-by-one"; None: no experts.
     experts: Decision | None = None
+    # What LoRA adapter slots store (--max-loras): bfloat16, or float32 under --dtype float32.
+    lora_dtype: Decision = Decision("float32", "no adapter slots")
 
     def quant_method(self, prefix: str) -> LayerChoice:
         """The method of the linear layer at ``prefix`` (vLLM's ``get_quant_method(layer, prefix)``)."""
@@ -99,7 +101,10 @@ class LoadPlan:
         if self.options.speculative_method == "mtp":
             out["speculative_method"] = "mtp (drafts from the checkpoint's multi-token-prediction layer)"
         if self.options.max_loras > 0:
-            out["lora"] = f"{self.options.max_loras} adapter slots, rank up to {self.options.max_lora_rank}"
+            out["lora"] = (
+                f"{self.options.max_loras} adapter slots, rank up to {self.options.max_lora_rank}, "
+                f"{_shown(self.lora_dtype)}"
+            )
         out |= {f"quantization.{m}": reason for m, reason in sorted(self.quant_reasons.items())}
         out |= {f"skipped.{what}": reason for what, reason in sorted(self.skipped.items())}
         return out

@@ -95,7 +95,19 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
             family, config, kv.value, options.tensor_parallel, int(options.speculative_method == "mtp")
         ),
         skipped=skipped,
+        lora_dtype=_lora_dtype(options, facts),
     )
+
+
+def _lora_dtype(options: LoadOptions, facts: DeviceFacts) -> Decision:
+    """What adapter slots store: 16 bits (half the bytes a mixed-adapter step reads), or float32 when asked."""
+    if options.max_loras == 0:
+        return Decision("float32", "no adapter slots")
+    if options.dtype == "float32":
+        return Decision("float32", "asked (--dtype float32)")
+    if options.backend == "triton" and facts.triton_interpreter:
+        return Decision("float32", "Triton's interpreter has no bfloat16")
+    return Decision("bfloat16", "adapter weights in 16 bits, products accumulated in float32")
 
 
 def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
@@ -439,6 +451,6 @@ def native_stack_missing(
         if prefix != "lm_head" and choice.kernel not in quant_method_class(choice.method).native_entry_points:
             leaf = prefix.rpartition(".")[2].removesuffix("_proj")
             return f"the {leaf} projection is {choice.method}, which has no native kernel to call"
-    # LoRA adapters (--max-loras) ride in the stack through block_gemm's float32 kernel.
-    lora = ("block_gemm",) if options.max_loras > 0 else ()
+    # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel.
+    lora = ("lora",) if options.max_loras > 0 else ()
     return facts.native("decoder_stack", "paged_attention", "elementwise", *lora)

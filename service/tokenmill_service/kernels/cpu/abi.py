@@ -69,6 +69,8 @@ KQUANT_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "kqu
 KQUANT_MIXED = 255
 KQUANT_MAX_SEGMENTS = 4
 KQUANT_HEADER_BYTES = 128
+# What LoRA adapter slots store (lora.cpp): float32, or bfloat16 (products accumulate in float32 either way).
+LORA_DTYPES = {"float32": 0, "bfloat16": 1}
 
 # Every exported function, by library (the .cpp it is defined in), exactly as defined there.
 FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -136,6 +138,13 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             ),
         )
     ),
+    "lora": (
+        (
+            "int tm_lora_add(int dtype, const float* x, int64_t in, const TmLoraBatch* batch, const uint8_t* a, "
+            "const uint8_t* bt, const int64_t* ranks, int64_t max_rank, int64_t parts, const int64_t* part_rows, "
+            "int64_t out, float* y, float* scratch, int threads)"
+        ),
+    ),
     "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "moe_mlp": (
         "int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads)",
@@ -168,6 +177,9 @@ FUNCTION_POINTERS = {
     "const int64_t* slots, void* k_cache, int64_t block_size)",
     "TmStoreValues": "void (*)(const float* v, int64_t v_stride, int64_t t, int64_t row, const int64_t* slots, "
     "void* v_cache)",
+    "TmLoraAdd": "int (*)(int dtype, const float* x, int64_t in, const TmLoraBatch* batch, const uint8_t* a, "
+    "const uint8_t* bt, const int64_t* ranks, int64_t max_rank, int64_t parts, const int64_t* part_rows, "
+    "int64_t out, float* y, float* scratch, int threads)",
     "TmAttention": "int (*)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, "
     "const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions, "
     "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, float* out, "
@@ -177,19 +189,23 @@ FUNCTION_POINTERS = {
 # The decoder stack's structs, in declaration order: (C type, field name) each.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     # One bias-free linear layer: its product kernel and the weights it reads ([out_features, in_features]),
-    # and its LoRA adapter slots (layers/lora/slots.py; null: none): float32 A [slots, parts * lora_rank,
-    # in_features] and B [slots, out_features, lora_rank], the scale folded into B; part p's output rows
-    # (lora_part_rows[2p] on, lora_part_rows[2p + 1] of them) are the product of A's block p.
+    # and its LoRA adapter slots (layers/lora/slots.py; null: none), in lora_dtype (LORA_DTYPES): A [slots,
+    # parts, lora_rank, in_features] and B transposed [slots, lora_rank, out_features], the scale folded into
+    # B; lora_ranks [slots, parts]: the rank each slot's adapter has in each part (0: not targeted), of
+    # which rows are read; part p's output rows (lora_part_rows[2p] on, lora_part_rows[2p + 1] of them)
+    # are the product of A's block p.
     "TmLinear": (
         ("TmGemm", "gemm"),
         ("const uint8_t*", "weights"),
         ("int64_t", "fmt"),
         ("int64_t", "out_features"),
-        ("const float*", "lora_a"),
-        ("const float*", "lora_b"),
+        ("const uint8_t*", "lora_a"),
+        ("const uint8_t*", "lora_bt"),
+        ("const int64_t*", "lora_ranks"),
         ("int64_t", "lora_rank"),
         ("int64_t", "lora_parts"),
         ("const int64_t*", "lora_part_rows"),
+        ("int64_t", "lora_dtype"),
     ),
     "TmLayer": (
         ("const float*", "input_norm"),  # [hidden]
@@ -213,10 +229,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("TmStoreKeys", "store_keys"),
         ("TmStoreValues", "store_values"),
         ("TmAttention", "attention"),
-        # The LoRA products (block_gemm's float32 rows; null when no layer has adapter slots) and the
-        # largest lora_rank.
-        ("TmGemm", "lora_gemm"),
-        ("int64_t", "lora_rank"),
+        # The LoRA products (lora.cpp's tm_lora_add; null when no layer has adapter slots) and the largest
+        # lora_parts * lora_rank (the shrunk rows' width).
+        ("TmLoraAdd", "lora_add"),
+        ("int64_t", "lora_width"),
     ),
     # A mixture-of-experts layer's experts held by a rank (moe_mlp.cpp): experts first .. first + count - 1
     # of num_experts, each a bias-free gate/up product ([2 * width, hidden], gate rows then up rows) and down
@@ -296,6 +312,7 @@ def header() -> str:
         f"#define TM_KQUANT_MAX_SEGMENTS {KQUANT_MAX_SEGMENTS}",
         f"#define TM_KQUANT_HEADER_BYTES {KQUANT_HEADER_BYTES}",
     ]
+    lines += [f"#define TM_LORA_{name.upper()} {value}" for name, value in LORA_DTYPES.items()]
     for f in BLOCK_FORMATS:
         lines += [
             f"#define TM_FORMAT_{f.name} {f.id}",
@@ -307,6 +324,7 @@ def header() -> str:
         elif f.kernel == "kquant":
             lines.append(f'static_assert(TM_BLOCK_WEIGHTS_{f.name} == {SUPER_BLOCK}, "{f.name}: not a super-block");')
     lines += ["", 'extern "C" {', ""]
+    lines += [f"struct {name};" for name in STRUCTS]  # the pointer types may point at them
     for name, pointer in FUNCTION_POINTERS.items():
         lines.append(f"typedef {pointer.replace('(*)', f'(*{name})', 1)};")
     for name, fields in STRUCTS.items():

@@ -4,11 +4,11 @@
 // decoder_stack.py), in the same order on the same inputs: so the same bits, without some 15
 // Python-level calls and tensor allocations per layer, which at one decoding sequence cost more
 // than the layer's arithmetic.
-// LoRA adapters ride along as the eager layers add them (layers/lora/slots.py, sgmv.py): after a
-// layer's product, each adapter slot's tokens are gathered, shrunk by each projection's block of A and
-// expanded by that projection's rows of B with block_gemm's float32 kernel (each row's bits
-// independent of the rows beside it), and the delta is added to the product's rows: the same kernel
-// on the same rows, so the same bits as the eager path.
+// LoRA adapters ride along as the eager layers add them (layers/lora/slots.py): after a layer's
+// product, lora.cpp's kernel (passed in) shrinks each adapter slot's tokens by each projection's block
+// of A, expands them by that projection's columns of B.T and adds the delta to the product's rows
+// (each row's bits independent of the rows beside it): the same kernel on the same rows, so the same
+// bits as the eager path.
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -16,41 +16,18 @@
 
 #include "tm_abi.h"  // TmLinear, TmLayer, TmStack, the kernels' pointer types and this file's prototypes
 
-static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
-
-// Floats of scratch the LoRA products of t tokens need: the gathered inputs, the shrunk rows, the delta.
+// Floats of scratch the LoRA products of t tokens need: the shrunk rows, parts * rank each.
 static int64_t lora_scratch(const TmStack* s, int64_t t) {
-  if (!s->lora_gemm) return 0;
-  const int64_t q = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
-  return t * (max3(s->hidden, q, s->intermediate) + s->lora_rank + max3(q + 2 * kv, s->hidden, 2 * s->intermediate));
+  if (!s->lora_add) return 0;
+  return t * s->lora_width;
 }
 
 // y [t, L.out_features] += each adapter token's delta (x [t, in] through its slot's A and B).
 static int add_lora(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora, const float* x, int64_t in,
                     float* y, float* scratch, int threads) {
   if (!lora || !L.lora_a) return 0;
-  const int64_t R = L.lora_rank, P = L.lora_parts, out = L.out_features;
-  for (int64_t g = 0; g < lora->groups; ++g) {
-    const int64_t* rows = lora->rows + lora->offsets[g];
-    const int64_t n = lora->offsets[g + 1] - lora->offsets[g], slot = lora->slots[g];
-    float* xs = scratch;
-    float* mid = xs + n * in;
-    float* delta = mid + n * R;
-    for (int64_t i = 0; i < n; ++i) memcpy(xs + i * in, x + rows[i] * in, in * sizeof(float));
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t start = L.lora_part_rows[2 * p], count = L.lora_part_rows[2 * p + 1];
-      const uint8_t* a = (const uint8_t*)(L.lora_a + (slot * P + p) * R * in);
-      const uint8_t* b = (const uint8_t*)(L.lora_b + (slot * out + start) * R);
-      if (s->lora_gemm(0, xs, n, in, a, R, mid, threads)) return 1;  // format 0: float32 rows
-      if (s->lora_gemm(0, mid, n, R, b, count, delta, threads)) return 1;
-      for (int64_t i = 0; i < n; ++i) {
-        float* row = y + rows[i] * out + start;
-        const float* d = delta + i * count;
-        for (int64_t j = 0; j < count; ++j) row[j] += d[j];
-      }
-    }
-  }
-  return 0;
+  return s->lora_add((int)L.lora_dtype, x, in, lora, L.lora_a, L.lora_bt, L.lora_ranks, L.lora_rank, L.lora_parts,
+                     L.lora_part_rows, L.out_features, y, scratch, threads) != 0;
 }
 
 extern "C" {

@@ -7,7 +7,7 @@ forward bit for bit (tests/kernels/test_decoder_stack.py holds it to that), and 
 one call. The model describes itself with ``StackSpec``; models/llama.py builds one where every
 part has a native kernel. A layer's LoRA adapter slots (``LinearSpec.lora``) ride along: the step's
 tokens by slot (``LoRARows``) are given to each call, and every slot's delta is added after the
-layer's product with block_gemm's float32 kernel, as the eager layers add it.
+layer's product with lora.cpp's kernel, as the eager layers add it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import abi, build, paged_attention
+from tokenmill_service.kernels.cpu import lora as lora_kernel
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
 _Linear, _Layer, _Stack, _LoraBatch = (
@@ -32,7 +33,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    for name in ("decoder_stack", "elementwise", "paged_attention"):
+    for name in ("decoder_stack", "elementwise", "paged_attention"):  # (and "lora" where adapters ride along)
         if (reason := build.unavailable_reason(name)) is not None:
             return reason
     return None
@@ -46,9 +47,10 @@ class LinearSpec:
     weights: torch.Tensor
     fmt: int
     out_features: int
-    # LoRA adapter slots (None: none): float32 A [slots, parts * rank, in], B [slots, out_features, rank] and
-    # int64 [parts, 2]: each part's output rows (start, count), the product of its block of A.
-    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # LoRA adapter slots (None: none), as layers/lora/slots.py holds them: A [slots, parts, rank, in], B
+    # transposed [slots, rank, out_features] (both float32 or bfloat16), int64 ranks [slots, parts] (the rows
+    # each slot fills) and int64 [parts, 2]: each part's output columns (start, count).
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,25 +95,30 @@ class DecoderStack:
         if not spec.layers:
             raise ValueError("a decoder stack needs at least one layer")
         tensors = [spec.cos, spec.sin, spec.final_norm]
-        ranks = [0]  # of the layers' LoRA slots
+        widths = [0]  # of the layers' LoRA slots: parts * rank
         for layer in spec.layers:
             tensors += [layer.input_norm, layer.post_norm]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 tensors.append(lin.weights)
                 if lin.lora is not None:
-                    a, b, parts = lin.lora
+                    a, bt, ranks, parts = lin.lora
                     if (
-                        a.dtype != torch.float32
-                        or b.dtype != torch.float32
+                        a.dtype not in lora_kernel.DTYPES
+                        or bt.dtype != a.dtype
+                        or ranks.dtype != torch.int64
                         or parts.dtype != torch.int64
-                        or a.shape[1] != parts.shape[0] * b.shape[2]
+                        or a.dim() != 4
+                        or a.shape[1] != parts.shape[0]
+                        or a.shape[2] != bt.shape[1]
+                        or ranks.shape != a.shape[:2]
+                        or bt.shape[2] != lin.out_features
                     ):
                         raise ValueError(
-                            "a layer's LoRA slots are float32 A [slots, parts * rank, in], B [slots, out, rank] "
-                            "and int64 part rows [parts, 2]"
+                            "a layer's LoRA slots are A [slots, parts, rank, in] and B.T [slots, rank, out] "
+                            "(float32 or bfloat16), int64 ranks [slots, parts] and int64 part columns [parts, 2]"
                         )
-                    tensors += [a, b, parts]
-                    ranks.append(b.shape[2])
+                    tensors += [a, bt, ranks, parts]
+                    widths.append(a.shape[1] * a.shape[2])
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
@@ -125,10 +132,11 @@ class DecoderStack:
         def linear(lin: LinearSpec) -> _Linear:
             if lin.lora is None:
                 return _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
-            a, b, parts = lin.lora
+            a, bt, ranks, parts = lin.lora
             return _Linear(
                 build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features,
-                a.data_ptr(), b.data_ptr(), b.shape[2], parts.shape[0], parts.data_ptr(),
+                a.data_ptr(), bt.data_ptr(), ranks.data_ptr(), a.shape[2], a.shape[1], parts.data_ptr(),
+                lora_kernel.DTYPES[a.dtype],
             )  # fmt: skip
 
         self._layers = (_Layer * len(spec.layers))(
@@ -146,7 +154,7 @@ class DecoderStack:
             build.address("elementwise", "tm_silu_and_mul"),
             *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
               for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
-            build.address("block_gemm", "tm_block_gemm") if max(ranks) else None, max(ranks),
+            build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
@@ -165,7 +173,7 @@ class DecoderStack:
         out = torch.empty(t, hidden, device=x.device)
         batch = None
         if lora is not None and lora.slots.numel():
-            if not self._stack.lora_rank:
+            if not self._stack.lora_width:
                 raise ValueError("this decoder stack has no LoRA adapter slots")
             lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
             batch = _LoraBatch(lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr())

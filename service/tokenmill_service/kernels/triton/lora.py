@@ -3,8 +3,9 @@
 
 The step's tokens are taken group by group (one adapter slot each) in tiles of ``BLOCK_M`` rows, so a
 tile reads its adapter's A and B once for all its rows. For each projection of the layer (q, k, v of a
-packed layer), ``shrink``: mid = x[rows] @ A_p[slot].T into [tokens, R]; ``expand``: its rows of the delta,
-mid @ B_p[slot].T into [tokens, its outputs]. Both accumulate float32 and multiply
+packed layer), ``shrink``: mid = x[rows] @ A_p[slot].T into [tokens, R]; ``expand``: its columns of the
+delta, mid @ B.T[slot][:, its outputs] into [tokens, its outputs]. Only the rows the slot's adapter fills
+(``ranks``) are read. Weights float32 or bfloat16, widened to float32; both accumulate float32 and multiply
 at full float32 precision (``input_precision="ieee"``: no TF32 rounding on a GPU).
 
 Batch invariance: a row's delta is a function of that row alone. Every tile has the same shape whatever
@@ -23,12 +24,13 @@ BLOCK_M, BLOCK_K, BLOCK_N = 16, 32, 64
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, mid_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
-    K, W, stride_x, stride_a_slot, stride_a_row, stride_mid,
+    x_ptr, a_ptr, mid_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr, ranks_ptr, part, parts,
+    K, stride_x, stride_a_slot, stride_a_row, stride_mid,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    W = tl.load(ranks_ptr + slot * parts + part)  # the rows of A this slot's adapter fills
     start = tl.load(tile_start_ptr + tile).to(tl.int64)
     count = tl.load(tile_count_ptr + tile)
     m = tl.arange(0, BLOCK_M)
@@ -48,19 +50,20 @@ def _shrink_kernel(
             a_ptr + slot * stride_a_slot + w[None, :] * stride_a_row + k[:, None],
             mask=k_mask[:, None] & w_mask[None, :],
             other=0.0,
-        )
+        ).to(tl.float32)
         acc += tl.dot(xk, ak, input_precision="ieee")
     tl.store(mid_ptr + pos[:, None] * stride_mid + w[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(
-    mid_ptr, b_ptr, out_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
-    N, W, stride_mid, stride_b_slot, stride_b_row, stride_out,
+    mid_ptr, b_ptr, out_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr, ranks_ptr, part, parts,
+    N, R, stride_mid, stride_b_slot, stride_b_rank, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    W = tl.load(ranks_ptr + slot * parts + part)
     start = tl.load(tile_start_ptr + tile).to(tl.int64)
     count = tl.load(tile_count_ptr + tile)
     m = tl.arange(0, BLOCK_M)
@@ -69,17 +72,17 @@ def _expand_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for w0 in range(0, W, BLOCK_W):
+    for w0 in range(0, R, BLOCK_W):  # (the same blocks for every slot; those past its rank are masked)
         w = w0 + tl.arange(0, BLOCK_W)
         w_mask = w < W
         mk = tl.load(
             mid_ptr + pos[:, None] * stride_mid + w[None, :], mask=row_mask[:, None] & w_mask[None, :], other=0.0
         )
         bk = tl.load(
-            b_ptr + slot * stride_b_slot + n[None, :] * stride_b_row + w[:, None],
+            b_ptr + slot * stride_b_slot + n[None, :] + w[:, None] * stride_b_rank,
             mask=w_mask[:, None] & n_mask[None, :],
             other=0.0,
-        )
+        ).to(tl.float32)
         acc += tl.dot(mk, bk, input_precision="ieee")
     tl.store(out_ptr + pos[:, None] * stride_out + n[None, :], acc, mask=row_mask[:, None] & n_mask[None, :])
 
@@ -114,32 +117,34 @@ def _tiles(groups: list[tuple[int, torch.Tensor]], device: torch.device) -> tupl
 def lora_delta(
     x: torch.Tensor,
     a: torch.Tensor,
-    b: torch.Tensor,
+    bt: torch.Tensor,
+    ranks: torch.Tensor,
     groups: list[tuple[int, torch.Tensor]],
     parts: list[tuple[int, int]] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]); ``a`` [slots, P * R, K]
-    and ``b`` [slots, out, R] float32, contiguous; ``parts``: the output rows (start, count) of each of the P
-    blocks of A (None: one block, every row)."""
+    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]); ``a`` [slots, P, R, K]
+    and ``bt`` [slots, R, out] (float32 or bfloat16, contiguous), ``ranks`` int64 [slots, P] on their device;
+    ``parts``: the output columns (start, count) of each of the P blocks of A (None: one block, every
+    column)."""
     if not groups:
         return []
     rows, tile_slot, tile_start, tile_count = _step_tables(groups, x.device)
-    total, k, rank, n_out = rows.shape[0], x.shape[1], b.shape[2], b.shape[1]
+    total, k, rank, n_out, n_parts = rows.shape[0], x.shape[1], a.shape[2], bt.shape[2], a.shape[1]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    mid = torch.empty(total, rank, dtype=torch.float32, device=x.device)
-    out = torch.empty(total, n_out, dtype=torch.float32, device=x.device)
+    mid = torch.zeros(total, rank, dtype=torch.float32, device=x.device)
+    out = torch.zeros(total, n_out, dtype=torch.float32, device=x.device)
     tiles = tile_slot.shape[0]
     block_w = 32
     for i, (start, count) in enumerate(parts or [(0, n_out)]):
-        a_part, b_part, out_part = a[:, i * rank : (i + 1) * rank], b[:, start : start + count], out[:, start:]
+        a_part, b_part, out_part = a[:, i], bt[:, :, start : start + count], out[:, start:]
         _shrink_kernel[(tiles, triton.cdiv(rank, block_w))](
-            x, a_part, mid, rows, tile_slot, tile_start, tile_count, k, rank, x.stride(0), a_part.stride(0),
-            a_part.stride(1), mid.stride(0), BLOCK_M=BLOCK_M, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
+            x, a_part, mid, rows, tile_slot, tile_start, tile_count, ranks, i, n_parts, k, x.stride(0),
+            a_part.stride(0), a_part.stride(1), mid.stride(0), BLOCK_M=BLOCK_M, BLOCK_W=block_w, BLOCK_K=BLOCK_K,
         )  # fmt: skip
         _expand_kernel[(tiles, triton.cdiv(count, BLOCK_N))](
-            mid, b_part, out_part, tile_slot, tile_start, tile_count, count, rank, mid.stride(0), b_part.stride(0),
-            b_part.stride(1), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_W=block_w,
+            mid, b_part, out_part, tile_slot, tile_start, tile_count, ranks, i, n_parts, count, rank, mid.stride(0),
+            b_part.stride(0), b_part.stride(1), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_W=block_w,
         )  # fmt: skip
     pieces, offset = [], 0
     for _, r in groups:

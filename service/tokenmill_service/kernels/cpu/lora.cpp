@@ -1,0 +1,244 @@
+// LoRA adapters' deltas added to a layer's product, grouped by adapter (SGMV, as Punica and S-LoRA run
+// it): y[row] += (x[row] @ A[slot].T) @ B[slot].T for each row of each adapter slot in the step, in one
+// call for every slot and every part of a packed layer (layers/lora/slots.py lays the slots out; the
+// eager layers and the native decoder stack both call this).
+//
+// Layout (dtype float32 or bfloat16, TM_LORA_*): A [slots, parts, max_rank, in], B transposed
+// [slots, max_rank, out], the scale folded into B; ranks [slots, parts]: the rows of each block the
+// slot's adapter fills (0: the part is not targeted), the only rows read. Part p's output columns
+// (part_rows[2p] on, part_rows[2p + 1] of them) are the product of A's block p.
+//
+// Two phases in one parallel region. Shrink: mid[i, p, r] = x[row i] . A[slot, p, r], one work item per
+// (group, part, 4 rank rows), register tiles of 6 rows x 4 rank rows, so each of the slot's A rows is
+// read from memory once per step, whatever the group's size. Expand: y[row i, columns] += sum over r of
+// mid[i, p, r] * Bt[slot, r, columns], one work item per (group, part, 64 columns): B's rows are read
+// once per group, 16 columns per vector, no horizontal sums.
+//
+// Batch invariance: every output is one fixed sequence of float32 operations on its own row's inputs.
+// A shrunk value sums 16 float32 lanes over `in` in steps of 16, then one fixed tree over the lanes (as
+// block_gemm.cpp's); an expanded one sums over r in order from 0, then is added to y. Which rows share a
+// tile, how many rows a group has and which thread takes an item change none of them. bfloat16 weights
+// widen to float32 exactly.
+// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "tm_abi.h"  // TmLoraBatch, TM_LORA_* and this file's prototype
+
+#if !defined(__AVX512F__)
+#error "lora needs AVX-512F"
+#endif
+
+namespace {
+
+constexpr int MT = 6;         // rows per shrink tile
+constexpr int RT = 4;         // rank rows per shrink item
+constexpr int ET = 4;         // rows per expand tile
+constexpr int64_t CW = 64;    // columns per expand item (4 vectors)
+
+// 16 weights at element e of w, widened to float32.
+template <int D>
+inline __m512 load16(const uint8_t* w, int64_t e) {
+  if constexpr (D == TM_LORA_FLOAT32) {
+    return _mm512_loadu_ps((const float*)w + e);
+  } else {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + e));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// The first n (< 16) weights at element e, the other lanes zero.
+template <int D>
+inline __m512 load_tail(const uint8_t* w, int64_t e, int n) {
+  const __mmask16 mask = (__mmask16)((1u << n) - 1);
+  if constexpr (D == TM_LORA_FLOAT32) {
+    return _mm512_maskz_loadu_ps(mask, (const float*)w + e);
+  } else {
+    uint16_t buf[16] = {0};
+    memcpy(buf, (const uint16_t*)w + e, n * sizeof(uint16_t));
+    const __m256i h = _mm256_loadu_si256((const __m256i*)buf);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <int D>
+constexpr int64_t elem_bytes() {
+  return D == TM_LORA_FLOAT32 ? 4 : 2;
+}
+
+// The sums of four accumulators' 16 lanes, in block_gemm.cpp's fixed tree.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 p = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 q = _mm512_add_ps(p, _mm512_permute_ps(p, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), q));
+}
+
+// mid[i * ld + j] = x[rows[i]] . a_j for M rows and N (<= RT) rows of A (a: A's row 0 of the item, rows
+// of k elements).
+template <int D, int M>
+inline void shrink_tile(const float* x, const int64_t* rows, int64_t k, const uint8_t* a, int n, float* mid,
+                        int64_t ld) {
+  __m512 acc[M][RT];
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < RT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* xr[M];
+  for (int i = 0; i < M; ++i) xr[i] = x + rows[i] * k;
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 xv[M];
+    for (int i = 0; i < M; ++i) xv[i] = _mm512_loadu_ps(xr[i] + c);
+    for (int j = 0; j < RT; ++j) {
+      if (j >= n) break;
+      const __m512 wv = load16<D>(a, j * k + c);
+      for (int i = 0; i < M; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+  const __m512 z = _mm512_setzero_ps();
+  for (int i = 0; i < M; ++i) {
+    const __m128 s = sum4(acc[i][0], n > 1 ? acc[i][1] : z, n > 2 ? acc[i][2] : z, n > 3 ? acc[i][3] : z);
+    _mm_mask_storeu_ps(mid + i * ld, (__mmask8)((1u << n) - 1), s);
+  }
+}
+
+template <int D>
+void shrink(const float* x, const int64_t* rows, int64_t m, int64_t k, const uint8_t* a, int n, float* mid,
+            int64_t ld) {
+  for (int64_t i = 0; i < m; i += MT) {
+    switch (std::min<int64_t>(MT, m - i)) {
+      case 6: shrink_tile<D, 6>(x, rows + i, k, a, n, mid + i * ld, ld); break;
+      case 5: shrink_tile<D, 5>(x, rows + i, k, a, n, mid + i * ld, ld); break;
+      case 4: shrink_tile<D, 4>(x, rows + i, k, a, n, mid + i * ld, ld); break;
+      case 3: shrink_tile<D, 3>(x, rows + i, k, a, n, mid + i * ld, ld); break;
+      case 2: shrink_tile<D, 2>(x, rows + i, k, a, n, mid + i * ld, ld); break;
+      default: shrink_tile<D, 1>(x, rows + i, k, a, n, mid + i * ld, ld); break;
+    }
+  }
+}
+
+// y[rows[i], c0 .. c0 + cols) += sum_r mid[i * ld + r] * bt[r * out + c0 ..] for r < rank, M rows.
+template <int D, int M>
+inline void expand_tile(const float* mid, int64_t ld, int64_t rank, const uint8_t* bt, int64_t out, int64_t c0,
+                        int64_t cols, const int64_t* rows, float* y) {
+  const int vecs = (int)((cols + 15) / 16);
+  const int tail = (int)(cols % 16);
+  __m512 acc[M][CW / 16];
+  for (int i = 0; i < M; ++i)
+    for (int q = 0; q < CW / 16; ++q) acc[i][q] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    __m512 bv[CW / 16];
+    for (int q = 0; q < vecs; ++q) {
+      const int64_t e = r * out + c0 + 16 * q;
+      bv[q] = (tail && q == vecs - 1) ? load_tail<D>(bt, e, tail) : load16<D>(bt, e);
+    }
+    for (int i = 0; i < M; ++i) {
+      const __m512 mv = _mm512_set1_ps(mid[i * ld + r]);
+      for (int q = 0; q < CW / 16; ++q) {
+        if (q >= vecs) break;
+        acc[i][q] = _mm512_fmadd_ps(mv, bv[q], acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    float* yr = y + rows[i] * out + c0;
+    for (int q = 0; q < vecs; ++q) {
+      const __mmask16 mask = (tail && q == vecs - 1) ? (__mmask16)((1u << tail) - 1) : (__mmask16)0xFFFF;
+      const __m512 cur = _mm512_maskz_loadu_ps(mask, yr + 16 * q);
+      _mm512_mask_storeu_ps(yr + 16 * q, mask, _mm512_add_ps(cur, acc[i][q]));
+    }
+  }
+}
+
+template <int D>
+void expand(const float* mid, int64_t ld, int64_t m, int64_t rank, const uint8_t* bt, int64_t out, int64_t c0,
+            int64_t cols, const int64_t* rows, float* y) {
+  for (int64_t i = 0; i < m; i += ET) {
+    switch (std::min<int64_t>(ET, m - i)) {
+      case 4: expand_tile<D, 4>(mid + i * ld, ld, rank, bt, out, c0, cols, rows + i, y); break;
+      case 3: expand_tile<D, 3>(mid + i * ld, ld, rank, bt, out, c0, cols, rows + i, y); break;
+      case 2: expand_tile<D, 2>(mid + i * ld, ld, rank, bt, out, c0, cols, rows + i, y); break;
+      default: expand_tile<D, 1>(mid + i * ld, ld, rank, bt, out, c0, cols, rows + i, y); break;
+    }
+  }
+}
+
+struct Item {
+  int64_t group, part, first;  // shrink: its first rank row; expand: its first column (in the part)
+};
+
+template <int D>
+void lora_add(const float* x, int64_t in, const TmLoraBatch* batch, const uint8_t* a, const uint8_t* bt,
+              const int64_t* ranks, int64_t max_rank, int64_t parts, const int64_t* part_rows, int64_t out, float* y,
+              float* mid, int threads) {
+  const int64_t width = parts * max_rank;  // mid's row: each part's max_rank shrunk values
+  std::vector<Item> shrinks, expands;
+  for (int64_t g = 0; g < batch->groups; ++g) {
+    const int64_t slot = batch->slots[g];
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t rank = ranks[slot * parts + p];
+      for (int64_t r = 0; r < rank; r += RT) shrinks.push_back({g, p, r});
+      if (rank)
+        for (int64_t c = 0; c < part_rows[2 * p + 1]; c += CW) expands.push_back({g, p, c});
+    }
+  }
+  const int64_t ns = (int64_t)shrinks.size(), ne = (int64_t)expands.size();
+  if (!ne) return;
+  const int64_t eb = elem_bytes<D>();
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < ns; ++it) {
+      const Item& w = shrinks[it];
+      const int64_t slot = batch->slots[w.group], begin = batch->offsets[w.group];
+      const int64_t m = batch->offsets[w.group + 1] - begin;
+      const int n = (int)std::min<int64_t>(RT, ranks[slot * parts + w.part] - w.first);
+      const uint8_t* aw = a + (((slot * parts + w.part) * max_rank + w.first) * in) * eb;
+      shrink<D>(x, batch->rows + begin, m, in, aw, n, mid + begin * width + w.part * max_rank + w.first, width);
+    }
+    // (the for's implicit barrier: every shrunk value is written before any expand reads it)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < ne; ++it) {
+      const Item& w = expands[it];
+      const int64_t slot = batch->slots[w.group], begin = batch->offsets[w.group];
+      const int64_t m = batch->offsets[w.group + 1] - begin;
+      const int64_t rank = ranks[slot * parts + w.part];
+      const int64_t c0 = part_rows[2 * w.part] + w.first;
+      const int64_t cols = std::min<int64_t>(CW, part_rows[2 * w.part + 1] - w.first);
+      expand<D>(mid + begin * width + w.part * max_rank, width, m, rank, bt + slot * max_rank * out * eb, out, c0,
+                cols, batch->rows + begin, y);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [t, out] += each of the batch's rows' delta; x [t, in]; scratch: t * parts * max_rank floats (t: the
+// batch's rows). Returns 0, or -1 for an unknown dtype, -2 for `in` not a multiple of 16.
+int tm_lora_add(int dtype, const float* x, int64_t in, const TmLoraBatch* batch, const uint8_t* a,
+                const uint8_t* bt, const int64_t* ranks, int64_t max_rank, int64_t parts, const int64_t* part_rows,
+                int64_t out, float* y, float* scratch, int threads) {
+  if (in % 16) return -2;
+  switch (dtype) {
+    case TM_LORA_FLOAT32:
+      lora_add<TM_LORA_FLOAT32>(x, in, batch, a, bt, ranks, max_rank, parts, part_rows, out, y, scratch, threads);
+      return 0;
+    case TM_LORA_BFLOAT16:
+      lora_add<TM_LORA_BFLOAT16>(x, in, batch, a, bt, ranks, max_rank, parts, part_rows, out, y, scratch, threads);
+      return 0;
+    default: return -1;
+  }
+}
+}
