@@ -25,6 +25,7 @@ from tests.engine.invariance import assert_alone_equals_crowd
 from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
+from tokenmill_service.kernels.cpu import latent_attention
 from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
 from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
 from tokenmill_service.models.dims import read_dims
@@ -84,6 +85,8 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     model = load_model(directory, dtype=torch.float32, quantization="none")
     plan = model.plan.summary()
     assert plan["architecture"] == "deepseek_v3" and plan["kv_cache_layout"] == "latent blocks"
+    if latent_attention.unavailable_reason() is None:  # the default on a CPU: the native latent attention
+        assert plan["ops"].startswith("native")
     actual, expected = logits(model, PROMPT), hf_logits(hf_model, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)

@@ -134,6 +134,17 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             ),
         )
     ),
+    "latent_attention": tuple(
+        (
+            f"int tm_latent_attention{suffix}(const float* q_nope, int64_t nope_t, int64_t nope_h, "
+            "const float* q_rope, int64_t rope_t, int64_t rope_h, int64_t t, int64_t heads, int64_t nope, "
+            "int64_t latent, int64_t rope, int64_t v, const float* w_uk, const float* w_uv, "
+            f"const {cache}* latent_cache, const {cache}* rope_cache, int64_t block_size, "
+            "const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
+            "float scale, float* out, int threads)"
+        )
+        for suffix, cache in (("", "float"), ("_f16", "uint16_t"))
+    ),
     "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "decoder_stack": (
         "int64_t tm_stack_workspace(const TmStack* s, int64_t t)",
