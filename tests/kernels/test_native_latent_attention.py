@@ -33,13 +33,15 @@ def _setup(
     c, r = torch.randn(slots, latent, generator=gen), torch.randn(slots, rope, generator=gen)
     ops.store_latent(c, r, latent_cache, rope_cache, torch.arange(slots))
     # Queries as the model hands them: nope and rope halves of one [T, H, nope + rope] tensor.
+    w_kv_b = torch.randn(heads, nope + v, latent, generator=gen) * 0.3
     q = torch.randn(CONTEXT + 40, heads, nope + rope, generator=gen)
     q_nope, q_rope = q.split([nope, rope], -1)
     return {
         "latent_cache": latent_cache,
         "rope_cache": rope_cache,
-        "w_uk": torch.randn(heads, nope, latent, generator=gen) * 0.3,
-        "w_uv": torch.randn(heads, latent, v, generator=gen) * 0.3,
+        # The up-projections as the model keeps them: views of kv_b_proj's weight [H, nope + v, L].
+        "w_uk": w_kv_b[:, :nope],
+        "w_uv": w_kv_b[:, nope:].transpose(1, 2),
         "q_nope": q_nope[:CONTEXT],
         "q_rope": q_rope[:CONTEXT],
         "others_nope": q_nope[CONTEXT:],
@@ -56,13 +58,16 @@ def _tables(block: int) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("dtype", "copies"), [(torch.float32, False), (torch.float16, False), (torch.float32, True)])
 @pytest.mark.parametrize(("heads", "latent", "rope", "nope", "v", "block"), DIMS)
 @torch.inference_mode()
 def test_native_latent_attention_is_the_references_within_float32_rounding(
-    heads: int, latent: int, rope: int, nope: int, v: int, block: int, dtype: torch.dtype
+    heads: int, latent: int, rope: int, nope: int, v: int, block: int, dtype: torch.dtype, copies: bool
 ) -> None:
+    """Over float32 and float16 caches; w_uv a view of kv_b_proj's rows (as the model has it) or a copy."""
     t = _setup(heads, latent, rope, nope, v, block, dtype)
+    if copies:
+        t["w_uk"], t["w_uv"] = t["w_uk"].contiguous(), t["w_uv"].contiguous()
     assert latent_attention.fits(t["q_nope"], t["q_rope"], t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"])
     tables = _tables(block)
     # A prefill beside two decode tokens of other sequences, as one step.

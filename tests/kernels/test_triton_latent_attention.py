@@ -31,13 +31,15 @@ def _setup(heads: int, latent: int, rope: int, nope: int, v: int, block: int) ->
     slots = NUM_BLOCKS * block
     c, r = torch.randn(slots, latent, generator=gen), torch.randn(slots, rope, generator=gen)
     store_latent(c, r, latent_cache, rope_cache, torch.arange(slots))
+    w_kv_b = torch.randn(heads, nope + v, latent, generator=gen) * 0.3
     q = torch.randn(CONTEXT + 8, heads, nope + rope, generator=gen)  # halves of one tensor, as the model's
     q_nope, q_rope = q.split([nope, rope], -1)
     tensors = {
         "latent_cache": latent_cache,
         "rope_cache": rope_cache,
-        "w_uk": torch.randn(heads, nope, latent, generator=gen) * 0.3,
-        "w_uv": torch.randn(heads, latent, v, generator=gen) * 0.3,
+        # The up-projections as the model keeps them: views of kv_b_proj's weight [H, nope + v, L].
+        "w_uk": w_kv_b[:, :nope],
+        "w_uv": w_kv_b[:, nope:].transpose(1, 2),
         "q_nope": q_nope[:CONTEXT],
         "q_rope": q_rope[:CONTEXT],
         "others_nope": q_nope[CONTEXT:],

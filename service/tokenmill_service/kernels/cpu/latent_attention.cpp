@@ -50,6 +50,15 @@ struct Shape {
   int64_t heads, N, L, R, V;
 };
 
+// The up-projections, as views of kv_b_proj's weight or copies: w_uk [H, N, L] (L contiguous) and
+// w_uv [H, L, V], V contiguous (uv_v == 1) or L contiguous (uv_l == 1: kv_b_proj's rows as stored).
+struct Weights {
+  const float* w_uk;
+  int64_t uk_h, uk_n;
+  const float* w_uv;
+  int64_t uv_h, uv_l, uv_v;
+};
+
 struct Query {
   const float* q_nope;
   int64_t nope_t, nope_h;  // strides of q_nope [T, H, N] (its last dimension contiguous)
@@ -77,6 +86,17 @@ inline void row_times_matrix(const float* x, int64_t K, const float* w, int64_t 
       for (int c = 0; c < nb; ++c) acc[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(wk + 16 * c), acc[c]);
     }
     for (int c = 0; c < nb; ++c) _mm512_storeu_ps(dst + c0 + 16 * c, acc[c]);
+  }
+}
+
+// dst[v] = sum over k in order of x[k] * w[v * ld + k] for v in [0, n): each a chain of 16 lanes over
+// k (K a multiple of 16), its lanes then summed by one fixed reduction.
+inline void matrix_times_row(const float* x, int64_t K, const float* w, int64_t ld, int64_t n, float* dst) {
+  for (int64_t v = 0; v < n; ++v) {
+    const float* wv = w + v * ld;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wv + k), acc);
+    dst[v] = _mm512_reduce_add_ps(acc);
   }
 }
 
@@ -148,7 +168,7 @@ struct Scratch {
 };
 
 template <typename T>
-void attend(const Rows& rows, const Query& q, const Shape& sh, const float* w_uk, const float* w_uv,
+void attend(const Rows& rows, const Query& q, const Shape& sh, const Weights& w,
             const T* latent_cache, const T* rope_cache, const int64_t* table, int64_t block_size, float scale,
             Scratch& sc, float* out) {
   const int64_t L = sh.L, R = sh.R, K = L + R;
@@ -161,7 +181,7 @@ void attend(const Rows& rows, const Query& q, const Shape& sh, const float* w_uk
   // The queries: q_nope absorbed through w_uk[h] (summed over the nope dims in order), then q_rope.
   for (int r = 0; r < rows.count; ++r) {
     const float* nope = q.q_nope + rows.token[r] * q.nope_t + rows.head[r] * q.nope_h;
-    row_times_matrix(nope, sh.N, w_uk + rows.head[r] * sh.N * L, L, L, sc.q.data() + r * K);
+    row_times_matrix(nope, sh.N, w.w_uk + rows.head[r] * w.uk_h, w.uk_n, L, sc.q.data() + r * K);
     const float* rope = q.q_rope + rows.token[r] * q.rope_t + rows.head[r] * q.rope_h;
     std::copy(rope, rope + R, sc.q.data() + r * K + L);
   }
@@ -208,16 +228,19 @@ void attend(const Rows& rows, const Query& q, const Shape& sh, const float* w_uk
     float* o = sc.lat.data() + r * L;
     const __m512 scale_v = _mm512_set1_ps(inv[r]);
     for (int64_t d = 0; d < L; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_v));
-    row_times_matrix(o, L, w_uv + rows.head[r] * L * sh.V, sh.V, sh.V,
-                     out + (rows.token[r] * sh.heads + rows.head[r]) * sh.V);
+    const float* w_uv = w.w_uv + rows.head[r] * w.uv_h;
+    float* dst = out + (rows.token[r] * sh.heads + rows.head[r]) * sh.V;
+    if (w.uv_v == 1) row_times_matrix(o, L, w_uv, w.uv_l, sh.V, dst);
+    else matrix_times_row(o, L, w_uv, w.uv_v, sh.V, dst);
   }
 }
 
 template <typename T>
-int run(const Query& q, int64_t t, const Shape& sh, const float* w_uk, const float* w_uv, const T* latent_cache,
+int run(const Query& q, int64_t t, const Shape& sh, const Weights& w, const T* latent_cache,
         const T* rope_cache, int64_t block_size, const int64_t* positions, const int64_t* seq_of_token,
         const int64_t* tables, int64_t table_width, float scale, float* out, int threads) {
   if (sh.L % 16 || sh.R % 16 || sh.V % 16 || sh.L <= 0 || sh.N <= 0) return -1;
+  if (w.uv_v != 1 && w.uv_l != 1) return -2;
   const int64_t chunk = std::min<int64_t>(sh.heads, HEAD_CHUNK);
   const int64_t chunks = (sh.heads + chunk - 1) / chunk;
   // Tiles: runs of up to MAX_ROWS / chunk consecutive tokens of one sequence, times the head chunks.
@@ -247,7 +270,7 @@ int run(const Query& q, int64_t t, const Shape& sh, const float* w_uk, const flo
           rows.keys[rows.count] = positions[i] + 1;
           ++rows.count;
         }
-      attend(rows, q, sh, w_uk, w_uv, latent_cache, rope_cache, table, block_size, scale, sc, out);
+      attend(rows, q, sh, w, latent_cache, rope_cache, table, block_size, scale, sc, out);
     }
   }
   return 0;
@@ -258,28 +281,24 @@ int run(const Query& q, int64_t t, const Shape& sh, const float* w_uk, const flo
 extern "C" {
 
 // q_nope [t, heads, nope] (strides nope_t, nope_h), q_rope [t, heads, rope] (rope_t, rope_h), their
-// last dimensions contiguous; w_uk [heads, nope, latent], w_uv [heads, latent, v]; the caches
-// [blocks, block_size, latent] and [blocks, block_size, rope]; tables: [sequences, table_width]
-// block ids; token i is at positions[i] of sequence seq_of_token[i]; out [t, heads, v]. Returns 0,
-// or -1 when latent, rope or v is not a multiple of 16. _f16: float16 caches (read exactly).
-int tm_latent_attention(const float* q_nope, int64_t nope_t, int64_t nope_h, const float* q_rope, int64_t rope_t,
-                        int64_t rope_h, int64_t t, int64_t heads, int64_t nope, int64_t latent, int64_t rope,
-                        int64_t v, const float* w_uk, const float* w_uv, const float* latent_cache,
-                        const float* rope_cache, int64_t block_size, const int64_t* positions,
-                        const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale,
-                        float* out, int threads) {
-  return run(Query{q_nope, nope_t, nope_h, q_rope, rope_t, rope_h}, t, Shape{heads, nope, latent, rope, v}, w_uk,
-             w_uv, latent_cache, rope_cache, block_size, positions, seq_of_token, tables, table_width, scale, out,
-             threads);
-}
-int tm_latent_attention_f16(const float* q_nope, int64_t nope_t, int64_t nope_h, const float* q_rope,
-                            int64_t rope_t, int64_t rope_h, int64_t t, int64_t heads, int64_t nope, int64_t latent,
-                            int64_t rope, int64_t v, const float* w_uk, const float* w_uv,
-                            const uint16_t* latent_cache, const uint16_t* rope_cache, int64_t block_size,
-                            const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables,
-                            int64_t table_width, float scale, float* out, int threads) {
-  return run(Query{q_nope, nope_t, nope_h, q_rope, rope_t, rope_h}, t, Shape{heads, nope, latent, rope, v}, w_uk,
-             w_uv, latent_cache, rope_cache, block_size, positions, seq_of_token, tables, table_width, scale, out,
-             threads);
-}
+// last dimensions contiguous; w_uk [heads, nope, latent] (strides uk_h, uk_n, 1), w_uv [heads,
+// latent, v] (strides uv_h, uv_l, uv_v; uv_v or uv_l 1); the caches [blocks, block_size, latent] and
+// [blocks, block_size, rope]; tables: [sequences, table_width] block ids; token i is at positions[i]
+// of sequence seq_of_token[i]; out [t, heads, v]. Returns 0, -1 when latent, rope or v is not a
+// multiple of 16, -2 when neither of w_uv's last two dimensions is contiguous. _f16: float16 caches
+// (read exactly).
+#define TM_LATENT_ATTENTION(SUFFIX, CACHE)                                                                            \
+  int tm_latent_attention##SUFFIX(                                                                                    \
+      const float* q_nope, int64_t nope_t, int64_t nope_h, const float* q_rope, int64_t rope_t, int64_t rope_h,      \
+      int64_t t, int64_t heads, int64_t nope, int64_t latent, int64_t rope, int64_t v, const float* w_uk,            \
+      int64_t uk_h, int64_t uk_n, const float* w_uv, int64_t uv_h, int64_t uv_l, int64_t uv_v,                       \
+      const CACHE* latent_cache, const CACHE* rope_cache, int64_t block_size, const int64_t* positions,              \
+      const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, float* out,              \
+      int threads) {                                                                                                  \
+    return run(Query{q_nope, nope_t, nope_h, q_rope, rope_t, rope_h}, t, Shape{heads, nope, latent, rope, v},        \
+               Weights{w_uk, uk_h, uk_n, w_uv, uv_h, uv_l, uv_v}, latent_cache, rope_cache, block_size, positions,   \
+               seq_of_token, tables, table_width, scale, out, threads);                                              \
+  }
+TM_LATENT_ATTENTION(, float)
+TM_LATENT_ATTENTION(_f16, uint16_t)
 }

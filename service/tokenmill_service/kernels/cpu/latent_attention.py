@@ -28,7 +28,8 @@ def fits(
     w_uv: torch.Tensor,
 ) -> bool:
     """Whether the kernel takes these: float32 queries and weights on the CPU, each query's last
-    dimension contiguous, contiguous caches of a dtype it reads, latent, rotary and value dims in
+    dimension contiguous, w_uk's last and one of w_uv's last two (a copy, or a view of kv_b_proj's
+    rows), contiguous caches of a dtype it reads, latent, rotary and value dims in
     whole vectors of 16, and the kernel built."""
     latent, rope, v = latent_cache.shape[-1], rope_cache.shape[-1], w_uv.shape[-1]
     return (
@@ -40,6 +41,8 @@ def fits(
         and rope_cache.is_contiguous()
         and q_nope.stride(-1) == 1
         and q_rope.stride(-1) == 1
+        and w_uk.stride(-1) == 1
+        and 1 in w_uv.stride()[1:]
         and latent % 16 == 0
         and rope % 16 == 0
         and v % 16 == 0
@@ -65,7 +68,6 @@ def latent_attention(
     [H, N, L], w_uv [H, L, V] float32 (as ``Ops.latent_attention``). ``fits`` must hold."""
     t, heads, nope = q_nope.shape
     latent, rope, v = latent_cache.shape[-1], rope_cache.shape[-1], w_uv.shape[-1]
-    w_uk, w_uv = w_uk.contiguous(), w_uv.contiguous()
     assert w_uk.shape == (heads, nope, latent) and w_uv.shape == (heads, latent, v), (w_uk.shape, w_uv.shape)
     out = torch.empty(t, heads, v)
     if t:
@@ -73,11 +75,16 @@ def latent_attention(
         rc = kernel(
             q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1),
             q_rope.data_ptr(), q_rope.stride(0), q_rope.stride(1),
-            t, heads, nope, latent, rope, v, w_uk.data_ptr(), w_uv.data_ptr(),
+            t, heads, nope, latent, rope, v,
+            w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
+            w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), w_uv.stride(2),
             latent_cache.data_ptr(), rope_cache.data_ptr(), latent_cache.shape[1],
             positions.data_ptr(), seq_of_token.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc:
-            raise ValueError(f"native latent attention takes latent, rope and v dims in 16s, not {latent, rope, v}")
+            raise ValueError(
+                f"native latent attention takes latent, rope and v dims in 16s (not {latent, rope, v}) and w_uv "
+                f"contiguous in one of its last two dims (not strides {w_uv.stride()})"
+            )
     return out

@@ -113,6 +113,12 @@ def _latent_attention_kernel(
     stride_lo,
     stride_rb,
     stride_ro,
+    stride_kh,
+    stride_kn,
+    stride_kl,
+    stride_vh,
+    stride_vl,
+    stride_vv,
     BLOCK_M: tl.constexpr,
     N_PAD: tl.constexpr,
     L_PAD: tl.constexpr,
@@ -140,8 +146,8 @@ def _latent_attention_kernel(
     q_nope = tl.load(q_nope_ptr + n_off, mask=real[:, None] & (dn < nope_dim)[None, :], other=0.0).to(tl.float32)
     r_off = token[:, None] * stride_rt + head * stride_rh + dr[None, :]
     q_rope = tl.load(q_rope_ptr + r_off, mask=real[:, None] & (dr < rope_dim)[None, :], other=0.0).to(tl.float32)
-    # The key up-projection folded into the queries: w_uk[head] is [nope, latent].
-    w_off = head.to(tl.int64) * nope_dim * latent_dim + dn[:, None] * latent_dim + dl[None, :]
+    # The key up-projection folded into the queries: w_uk[head] is [nope, latent] (any strides).
+    w_off = head.to(tl.int64) * stride_kh + dn[:, None] * stride_kn + dl[None, :] * stride_kl
     w_uk = tl.load(w_uk_ptr + w_off, mask=(dn < nope_dim)[:, None] & (dl < latent_dim)[None, :], other=0.0)
     q_lat = tl.dot(q_nope, w_uk, input_precision="ieee")
     keys_end = tl.max(pos, axis=0) + 1
@@ -157,8 +163,8 @@ def _latent_attention_kernel(
         )  # fmt: skip
         m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
     o_lat = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
-    # The value up-projection: w_uv[head] is [latent, v].
-    w_off = head.to(tl.int64) * latent_dim * v_dim + dl[:, None] * v_dim + dv[None, :]
+    # The value up-projection: w_uv[head] is [latent, v] (any strides).
+    w_off = head.to(tl.int64) * stride_vh + dl[:, None] * stride_vl + dv[None, :] * stride_vv
     w_uv = tl.load(w_uv_ptr + w_off, mask=(dl < latent_dim)[:, None] & (dv < v_dim)[None, :], other=0.0)
     out = tl.dot(o_lat, w_uv, input_precision="ieee")
     o_off = token[:, None] * stride_ot + head * stride_oh + dv[None, :]
@@ -166,7 +172,7 @@ def _latent_attention_kernel(
 
 
 def _pad(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, int(triton.next_power_of_2(n)))
 
 
 def _group_latent_attention(
@@ -192,6 +198,7 @@ def _group_latent_attention(
         scale, max_q, num_q_tiles, group.block_ids.shape[1], nope_dim, latent_dim, rope_dim, v_dim,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), rope_cache.stride(0), rope_cache.stride(1),
+        *w_uk.stride(), *w_uv.stride(),
         BLOCK_M=BLOCK_Q, N_PAD=_pad(nope_dim), L_PAD=_pad(latent_dim), R_PAD=_pad(rope_dim), V_PAD=_pad(v_dim),
         BLOCK_SIZE=block_size, BLOCK_N=min(BLOCK_N, split_keys), SPLIT=split_keys,
     )  # fmt: skip
@@ -214,7 +221,7 @@ def latent_attention(
         raise ValueError(f"split_keys must be a power of two of at least 16, not {split_keys}")
     if any(x.stride(-1) != 1 for x in (q_nope, q_rope, latent_cache, rope_cache)):
         raise ValueError("the triton latent attention kernel needs the queries and caches contiguous in their last dim")
-    w_uk, w_uv = w_uk.float().contiguous(), w_uv.float().contiguous()
+    w_uk, w_uv = w_uk.float(), w_uv.float()  # any strides (views of kv_b_proj's weight)
     out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
     for group in meta.groups:
         _group_latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, group, scale, out, split_keys)
