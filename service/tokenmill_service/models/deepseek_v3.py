@@ -9,7 +9,8 @@ whose attention is multi-head latent attention (MLA), as transformers' modeling_
   (``kv_cache_values_per_token``). ``kv_b_proj`` expands a latent into each head's key (nope part)
   and value: here it is never applied to the cache; its two halves are folded in instead
   (``w_uk`` into the query, ``w_uv`` after attention: the absorbed form, kernels/latent_attention.py),
-  for prefill chunks and decode tokens alike, which is what keeps prefill = decode bitwise.
+  for prefill chunks and decode tokens alike, which is what keeps prefill = decode bitwise. Its
+  weight is kept once, float32 (``w_kv_b``); ``w_uk`` and ``w_uv`` are views of it.
 - Rotary: YaRN (``rope_type`` yarn) with DeepSeek's attention-scale correction (``mscale_all_dim``
   squared on the softmax scale, ``mscale / mscale_all_dim`` on cos and sin), over DeepSeek's
   interleaved pairs (``rope_interleave``: the rotary dims are de-interleaved, then rotated as halves,
