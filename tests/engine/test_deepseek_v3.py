@@ -25,6 +25,7 @@ from tests.engine.invariance import assert_alone_equals_crowd
 from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
+from tokenmill_service.kernels.cpu import latent_attention
 from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
 from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
 from tokenmill_service.models.dims import read_dims
@@ -84,6 +85,8 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     model = load_model(directory, dtype=torch.float32, quantization="none")
     plan = model.plan.summary()
     assert plan["architecture"] == "deepseek_v3" and plan["kv_cache_layout"] == "latent blocks"
+    if latent_attention.unavailable_reason() is None:  # the default on a CPU: the native latent attention
+        assert plan["ops"].startswith("native")
     actual, expected = logits(model, PROMPT), hf_logits(hf_model, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
@@ -134,6 +137,19 @@ def test_positions_decoded_one_by_one_give_the_prefills_logits_bitwise(checkpoin
     assert torch.equal(run([1] * 14), whole)
 
 
+def test_kv_b_proj_is_kept_once_its_halves_views_of_it(checkpoint: tuple[Path, Any]) -> None:
+    """The absorbed form's w_uk and w_uv are views of the one float32 copy of kv_b_proj's weight (a
+    float32 checkpoint's own tensor); the layer itself is dropped, never applied."""
+    directory, hf_model = checkpoint
+    attn = load_model(directory, dtype=torch.float32, quantization="none").model.layers[0].self_attn
+    assert not hasattr(attn, "kv_b_proj")
+    expected = hf_model.model.layers[0].self_attn.kv_b_proj.weight
+    assert torch.equal(attn.w_kv_b.flatten(0, 1), expected)
+    storage = attn.w_kv_b.untyped_storage().data_ptr()
+    assert attn.w_uk.untyped_storage().data_ptr() == storage == attn.w_uv.untyped_storage().data_ptr()
+    assert attn.w_kv_b.untyped_storage().nbytes() == expected.numel() * 4
+
+
 @torch.inference_mode()
 def test_a_gguf_as_llama_cpp_converts_it_gives_the_same_logits(tmp_path: Path) -> None:
     """llama.cpp's deepseek2: k_b / v_b joined back into kv_b_proj, YaRN from its keys (DeepSeek's
@@ -155,9 +171,11 @@ def test_fp8_block_weights_are_served_as_stored_and_exactly_dequantized(
     assert "FP8 blocks (e4m3, a float32 scale per 32x32)" in model.plan.quant_reasons["fp8-block"]
     attn = model.model.layers[1].self_attn
     assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn  # one byte a weight, as the file stores it
-    for name in ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+    for name in ("q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
         layer = getattr(attn, name)
         assert torch.equal(layer.quant.dequantized(layer), dequantized[f"model.layers.1.self_attn.{name}.weight"])
+    # kv_b_proj is kept as the absorbed attention multiplies it: dequantized, float32.
+    assert torch.equal(attn.w_kv_b.flatten(0, 1), dequantized["model.layers.1.self_attn.kv_b_proj.weight"])
     gate_up = model.model.layers[0].mlp.gate_up_proj
     reference = torch.cat([dequantized[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
     assert torch.equal(gate_up.quant.dequantized(gate_up), reference)

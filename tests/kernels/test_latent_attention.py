@@ -23,13 +23,15 @@ def _setup(heads: int, latent: int, rope: int, nope: int, v: int, block: int) ->
     slots = NUM_BLOCKS * block
     c, r = torch.randn(slots, latent, generator=gen), torch.randn(slots, rope, generator=gen)
     ops.store_latent(c, r, latent_cache[0], rope_cache[0], torch.arange(slots))
+    w_kv_b = torch.randn(heads, nope + v, latent, generator=gen) * 0.3
     return {
         "latent_cache": latent_cache[0],
         "rope_cache": rope_cache[0],
         "c": c,
         "r": r,
-        "w_uk": torch.randn(heads, nope, latent, generator=gen) * 0.3,
-        "w_uv": torch.randn(heads, latent, v, generator=gen) * 0.3,
+        # The up-projections as the model keeps them: views of kv_b_proj's weight [H, nope + v, L].
+        "w_uk": w_kv_b[:, :nope],
+        "w_uv": w_kv_b[:, nope:].transpose(1, 2),
         "q_nope": torch.randn(CONTEXT, heads, nope, generator=gen),
         "q_rope": torch.randn(CONTEXT, heads, rope, generator=gen),
         "others_nope": torch.randn(40, heads, nope, generator=gen),

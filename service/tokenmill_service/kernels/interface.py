@@ -184,7 +184,8 @@ class Ops(ABC):
         """Multi-head latent attention in the absorbed form, causal over each sequence's cached latents
         (this step's already stored). q_nope: [T, H, N], q_rope: [T, H, R] (rotated); w_uk: [H, N, L]
         (the key up-projection, folded into the query), w_uv: [H, L, V] (the value up-projection,
-        applied after attention), float32. Head h of a query scores the key at position j as
+        applied after attention), float32, any strides (the model's are views of kv_b_proj's
+        weight [H, N + V, L]). Head h of a query scores the key at position j as
         ``(q_nope[h] @ w_uk[h]) . latent[j] + q_rope[h] . k_rope[j]`` times ``scale``, and returns
         ``(softmax-weighted latents) @ w_uv[h]``: [T, H, V] in q_nope's dtype; float32 inside."""
         raise NotImplementedError(f"the {self.name} ops have no latent attention")

@@ -203,6 +203,8 @@ class TorchOps(Ops):
     ) -> torch.Tensor:
         from tokenmill_service.kernels.latent_attention import group_latent_attention
 
+        # Contiguous for the products (views of kv_b_proj's weight take other, batch-dependent paths).
+        w_uk, w_uv = w_uk.contiguous(), w_uv.contiguous()
         out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
         for g in meta.groups:
             rows = group_latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, g, scale)

@@ -9,7 +9,8 @@ whose attention is multi-head latent attention (MLA), as transformers' modeling_
   (``kv_cache_values_per_token``). ``kv_b_proj`` expands a latent into each head's key (nope part)
   and value: here it is never applied to the cache; its two halves are folded in instead
   (``w_uk`` into the query, ``w_uv`` after attention: the absorbed form, kernels/latent_attention.py),
-  for prefill chunks and decode tokens alike, which is what keeps prefill = decode bitwise.
+  for prefill chunks and decode tokens alike, which is what keeps prefill = decode bitwise. Its
+  weight is kept once, float32 (``w_kv_b``); ``w_uk`` and ``w_uv`` are views of it.
 - Rotary: YaRN (``rope_type`` yarn) with DeepSeek's attention-scale correction (``mscale_all_dim``
   squared on the softmax scale, ``mscale / mscale_all_dim`` on cos and sin), over DeepSeek's
   interleaved pairs (``rope_interleave``: the rotary dims are de-interleaved, then rotated as halves,
@@ -175,8 +176,7 @@ class DeepseekRotaryEmbedding(RotaryEmbedding):
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention for one tensor-parallel rank (its share of the heads)."""
 
-    w_uk: torch.Tensor
-    w_uv: torch.Tensor
+    w_kv_b: torch.Tensor
 
     def __init__(
         self,
@@ -215,18 +215,28 @@ class DeepseekV3Attention(nn.Module):
         self.o_proj = RowParallelLinear(heads * d.v_head_dim, hidden, bias, quant(f"{prefix}.o_proj"), tp)
         yarn: Yarn | None = config.extra.get("yarn")  # type: ignore[assignment]
         self.scale = d.qk_head_dim**-0.5 * (yarn.softmax_factor if yarn is not None else 1.0)
-        # kv_b_proj's halves in the absorbed form (``absorb``, once the weights are loaded), float32.
-        self.register_buffer("w_uk", torch.empty(0), persistent=False)
-        self.register_buffer("w_uv", torch.empty(0), persistent=False)
+        # kv_b_proj's weight, float32, once the weights are loaded (``absorb``): [H, nope + V, L].
+        self.register_buffer("w_kv_b", torch.empty(0), persistent=False)
 
     def absorb(self) -> None:
-        """w_uk [H, nope, L] (folded into the query) and w_uv [H, L, V] (applied after attention) from
-        ``kv_b_proj``'s weight [H * (nope + V), L] as its method dequantizes it."""
+        """Keep ``kv_b_proj``'s weight [H * (nope + V), L] as its method dequantizes it, float32, as
+        ``w_kv_b`` [H, nope + V, L], and drop the layer (it is never applied: its two halves are
+        ``w_uk`` and ``w_uv``, views of ``w_kv_b``). A float32 dense weight stored row-major is kept as it
+        is, not copied."""
         d = self.dims
-        w = self.kv_b_proj.quant.dequantized(self.kv_b_proj).float()
-        w = w.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
-        self.w_uk = w[:, : d.qk_nope_head_dim].contiguous()
-        self.w_uv = w[:, d.qk_nope_head_dim :].transpose(1, 2).contiguous()
+        w = self.kv_b_proj.quant.dequantized(self.kv_b_proj).detach().float().contiguous()
+        self.w_kv_b = w.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        del self.kv_b_proj
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        """[H, nope, L]: the key up-projection (folded into the query), a view of ``w_kv_b``."""
+        return self.w_kv_b[:, : self.dims.qk_nope_head_dim]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        """[H, L, V]: the value up-projection (applied after attention), a view of ``w_kv_b``."""
+        return self.w_kv_b[:, self.dims.qk_nope_head_dim :].transpose(1, 2)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries [T, H, nope + rope] (rope part rotated), the normed latents [T, L] and the
@@ -566,6 +576,11 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             )
             for i in range(min(1, mtp_layer_count(config)))
         )
+
+    def weight_bytes(self) -> int:
+        """As the other families', ``kv_b_proj`` counted as the attention keeps it (float32, ``w_kv_b``)."""
+        kept = [m.w_kv_b for m in self.modules() if isinstance(m, DeepseekV3Attention)]
+        return super().weight_bytes() + sum(w.numel() * w.element_size() for w in kept)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (latent, rotary key) cache shapes, in its ops backend's latent layout."""

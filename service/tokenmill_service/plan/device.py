@@ -11,7 +11,15 @@ import os
 from dataclasses import dataclass, field
 
 # The native CPU kernels, by library name (kernels/cpu/<name>.cpp).
-NATIVE_KERNELS = ("block_gemm", "vnni_gemm", "kquant_gemm", "paged_attention", "elementwise", "decoder_stack")
+NATIVE_KERNELS = (
+    "block_gemm",
+    "vnni_gemm",
+    "kquant_gemm",
+    "paged_attention",
+    "latent_attention",
+    "elementwise",
+    "decoder_stack",
+)
 
 
 @dataclass(frozen=True, slots=True)

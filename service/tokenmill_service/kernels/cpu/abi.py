@@ -145,6 +145,18 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "int64_t out, float* y, float* scratch, int threads)"
         ),
     ),
+    "latent_attention": tuple(
+        (
+            f"int tm_latent_attention{suffix}(const float* q_nope, int64_t nope_t, int64_t nope_h, "
+            "const float* q_rope, int64_t rope_t, int64_t rope_h, int64_t t, int64_t heads, int64_t nope, "
+            "int64_t latent, int64_t rope, int64_t v, const float* w_uk, int64_t uk_h, int64_t uk_n, "
+            "const float* w_uv, int64_t uv_h, int64_t uv_l, int64_t uv_v, "
+            f"const {cache}* latent_cache, const {cache}* rope_cache, int64_t block_size, "
+            "const int64_t* positions, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
+            "float scale, float* out, int threads)"
+        )
+        for suffix, cache in (("", "float"), ("_f16", "uint16_t"))
+    ),
     "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "moe_mlp": (
         "int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads)",

@@ -6,8 +6,11 @@ for ``--backend torch`` where it can run (``unavailable_reason``: a CPU, float32
 head_dim 64 or 128, the kernels built); it lays its key cache out transposed per block
 (``kv_cache_layout``) and can store the cache in float16. Tensors it has no kernel for (another
 dtype or stride) go to the reference (``TorchOps``), as does code being compiled (inductor fuses
-it). Every kernel computes each row or query on its own in a fixed order, so the batch-invariance
-promises hold by construction; tests/kernels/test_native_ops.py holds them to the reference's results.
+it). Multi-head latent attention (DeepSeek's) is kernels/cpu/latent_attention.cpp, over the
+reference's latent cache layout (which the reference's ``store_latent`` writes). Every kernel
+computes each row or query on its own in a fixed order, so the batch-invariance promises hold by
+construction; tests/kernels/test_native_ops.py and test_native_latent_attention.py hold them to the
+reference's results.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.cpu import elementwise, paged_attention
+from tokenmill_service.kernels.cpu import elementwise, latent_attention, paged_attention
 from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
 from tokenmill_service.kernels.torch_ops import TorchOps
 
@@ -118,3 +121,30 @@ class NativeCpuOps(TorchOps):
             softcap,
             sinks,
         ).to(q.dtype)
+
+    def latent_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if _eager() and latent_attention.fits(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv):
+            out = latent_attention.latent_attention(
+                q_nope,
+                q_rope,
+                latent_cache,
+                rope_cache,
+                w_uk,
+                w_uv,
+                meta.positions,
+                meta.seq_of_token,
+                meta.block_tables,
+                scale,
+            )
+            return out.to(q_nope.dtype)
+        return super().latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, meta, scale)

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from tokenmill_service.kernels import latent_attention as reference_latent
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.interface import Ops, register_ops
+from tokenmill_service.kernels.interface import LatentCacheLayout, Ops, register_ops
 from tokenmill_service.kernels.triton.attention import paged_attention
+from tokenmill_service.kernels.triton.latent_attention import latent_attention
 from tokenmill_service.kernels.triton.rms_norm import rms_norm
 from tokenmill_service.kernels.triton.rotary import rotary
 from tokenmill_service.kernels.triton.silu_and_mul import silu_and_mul
@@ -28,6 +30,9 @@ log = structlog.get_logger(__name__)
 
 @register_ops("triton")
 class TritonOps(Ops):
+    # The reference's latent cache: the plain-torch store writes it, the triton kernel reads it.
+    latent_cache_layout = LatentCacheLayout()
+
     @classmethod
     def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:
         if facts.triton_missing is not None:
@@ -84,3 +89,26 @@ class TritonOps(Ops):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
+
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reference_latent.store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
+
+    def latent_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, meta, scale)
