@@ -8,6 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from tokenmill_service import harmony_tools
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
@@ -71,6 +72,8 @@ def tool_constraint(request: pb.GenerateRequest, tools: Sequence[Tool], tokenize
         allowed = [t for t in tools if t.name == request.tool_choice_function]
     else:
         return None
+    if tokenizer.harmony:  # one call per turn: <|call|> ends it
+        return Constraint("grammar", harmony_tools.call_grammar(allowed), "lark")
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
     return Constraint("grammar", call_grammar(allowed, family(tokenizer), parallel), "lark")
 
@@ -83,13 +86,20 @@ def chat_with_tools(
     unless the template renders ``tool_calls``."""
     template = tokenizer.chat
     fam = family(tokenizer)
+    # A harmony model's conversation is rendered by openai-harmony, tools and calls included (harmony.py).
+    structured = tokenizer.harmony
     messages: list[dict[str, Any]] = []
     for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            if template.renders_tool_calls:
+            if structured or template.renders_tool_calls:
+                # harmony writes the arguments' JSON text as the caller gave it (the model's own, as a rule).
                 message["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments if structured else _arguments(c)},
+                    }
                     for c in m.tool_calls
                 ]
             else:
@@ -102,7 +112,7 @@ def chat_with_tools(
         messages.append(message)
     if not tools:
         return messages, None
-    if template.renders_tools:
+    if structured or template.renders_tools:
         return messages, [t.openai_json() for t in tools]
     offer = tools_prompt(list(tools), fam)
     if messages and messages[0]["role"] == "system":
