@@ -106,7 +106,7 @@ def render(
         elif role == "user":
             conversation.append(oh.Message.from_role_and_content(oh.Role.USER, content))
         elif role == "assistant" and message.get("tool_calls"):
-            conversation += harmony_tools.call_messages(message, names)
+            conversation += harmony_tools.call_messages(message, names, i)
         elif role == "assistant":
             answer = oh.Message.from_role_and_content(oh.Role.ASSISTANT, content).with_channel("final")
             conversation.append(answer)

@@ -5,8 +5,8 @@ harmony messages, and the grammar that forces a call.
   openai-harmony renders as a TypeScript-like ``namespace functions``; the system message then tells the
   model that calls go to the commentary channel.
 - History: an assistant message's call is a commentary message to ``functions.NAME`` whose content type is
-  ``<|constrain|>json`` and whose text is the arguments (its preamble, the message's content, a commentary
-  message before it); a tool message is a message from ``functions.NAME`` to the assistant, the name found
+  ``<|constrain|>json`` and whose text is the arguments (before it, the message's reasoning as an analysis
+  message and its content as a commentary preamble); a tool message is a message from ``functions.NAME`` to the assistant, the name found
   by its ``tool_call_id`` among the earlier calls (or its ``name``).
 - Forced (tool_choice "required" or a function): a Lark grammar (llguidance's, with harmony's control tokens
   as ``<|name|>``) admitting an optional analysis message, then one call of an allowed tool whose arguments
@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenmill_service.tool_calls import X_GUIDANCE, Tool
+from tokenmill_service.tool_calls import TOOL_NAME, X_GUIDANCE, Tool
 
 NAMESPACE = "functions"
 JSON_CONTENT_TYPE = "<|constrain|>json"
@@ -37,17 +37,22 @@ def function_tools(tools: Sequence[Mapping[str, Any]]) -> list[Any]:
     return out
 
 
-def call_messages(message: Mapping[str, Any], names: dict[str, str]) -> list[Any]:
-    """An assistant message with ``tool_calls`` as harmony messages (its content first, as a preamble);
+def call_messages(message: Mapping[str, Any], names: dict[str, str], index: int) -> list[Any]:
+    """An assistant message with ``tool_calls`` as harmony messages (its reasoning first, as an analysis
+    message, then its content, as a preamble);
     each call's id is noted in ``names`` with its function's name, for the tool messages answering it."""
     import openai_harmony as oh
 
     out = []
+    reasoning = str(message.get("reasoning_content") or "")
+    if reasoning:  # the analysis that led to the calls, which the model sees again until its final answer
+        out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, reasoning).with_channel("analysis"))
     content = str(message.get("content") or "")
     if content:
         out.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, content).with_channel("commentary"))
-    for call in message["tool_calls"]:
+    for j, call in enumerate(message["tool_calls"]):
         fn = call["function"]
+        _check_name(fn["name"], f"message {index} (assistant): tool_calls[{j}]'s")
         arguments = fn.get("arguments")
         text = arguments if isinstance(arguments, str) else json.dumps(arguments if arguments is not None else {})
         out.append(
@@ -71,9 +76,16 @@ def result_message(message: Mapping[str, Any], names: Mapping[str, str], index: 
             f"message {index} (tool) answers no earlier call: give the tool_call_id of an assistant message's "
             "call, or the tool's name"
         )
+    _check_name(str(name), f"message {index} (tool):")
     author = oh.Author.new(oh.Role.TOOL, f"{NAMESPACE}.{name}")
     content = str(message.get("content") or "")
     return oh.Message.from_author_and_content(author, content).with_channel("commentary").with_recipient("assistant")
+
+
+def _check_name(name: str, where: str) -> None:
+    # The name goes into a message's header (to=functions.NAME): a space or a dot there would change it.
+    if not TOOL_NAME.fullmatch(name):
+        raise ValueError(f"{where} function name must be 1 to 64 letters, digits, '_' or '-'; given {name!r}")
 
 
 def call_grammar(tools: Sequence[Tool]) -> str:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Tool-call JSON written the way the JSON schema constraint writes it (engine/grammar.py).
+# What a tool's name may be.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -4,7 +4,6 @@ the grammar that forces a call when tool_choice asks for one (see tool_calls.py 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,10 +11,9 @@ from tokenmill_service import harmony_tools
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import Tool, ToolFamily, call_grammar, call_text, family_for, tools_prompt
+from tokenmill_service.tool_calls import TOOL_NAME, Tool, ToolFamily, call_grammar, call_text, family_for, tools_prompt
 
 MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolError(ValueError):
@@ -40,7 +38,7 @@ def parse_tools(request: pb.GenerateRequest) -> list[Tool]:
         raise ToolError("tools need chat input (the chat template offers them)", "tools")
     tools: list[Tool] = []
     for i, t in enumerate(request.tools):
-        if not _NAME.fullmatch(t.name):
+        if not TOOL_NAME.fullmatch(t.name):
             raise ToolError(f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-'; given {t.name!r}", "tools")
         if any(other.name == t.name for other in tools):
             raise ToolError(f"tools[{i}].name {t.name!r} is given twice", "tools")
@@ -107,6 +105,8 @@ def chat_with_tools(
                 message["content"] = f"{m.content}\n{calls}" if m.content else calls
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning and structured:
+            message["reasoning_content"] = m.reasoning
         if m.name:
             message["name"] = m.name
         messages.append(message)

@@ -20,7 +20,7 @@ import torch
 
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_client import Client, FinishReason
+from tokenmill_client import ChatMessage, Client, FinishReason
 from tokenmill_service import harmony
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer.load import load_tokenizer
@@ -163,8 +163,9 @@ def harmony_call(arguments: str) -> Any:
 
 
 def test_a_conversation_with_tools_a_call_and_its_result_renders_as_openai_harmony_renders_it(checkpoint: Path) -> None:
-    """The request's tools, an earlier call and its result, through the server's chat path, give the ids of
-    openai-harmony's own rendering of that conversation (its control tokens as the model's)."""
+    """The request's tools, an earlier call (with the reasoning before it) and its result, through the
+    server's chat path, give the ids of openai-harmony's own rendering of that conversation (its control
+    tokens as the model's)."""
     tokenizer = load_tokenizer(checkpoint)
     request = pb.GenerateRequest(chat=pb.Messages(), tool_choice=pb.TOOL_CHOICE_AUTO)
     request.tools.add(
@@ -174,7 +175,7 @@ def test_a_conversation_with_tools_a_call_and_its_result_renders_as_openai_harmo
     )
     request.chat.messages.add(role="system", content="Be brief.")
     request.chat.messages.add(role="user", content="Weather in Paris?")
-    asked = request.chat.messages.add(role="assistant")
+    asked = request.chat.messages.add(role="assistant", reasoning="Ask the tool.")
     asked.tool_calls.add(id="call_1", name="get_weather", arguments='{"city":"Paris"}')
     request.chat.messages.add(role="tool", tool_call_id="call_1", content='{"celsius": 21}')
     ours = prompt_ids(request, tokenizer, tokenizer.vocab_size)
@@ -186,6 +187,7 @@ def test_a_conversation_with_tools_a_call_and_its_result_renders_as_openai_harmo
             oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
             oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer),
             oh.Message.from_role_and_content(oh.Role.USER, "Weather in Paris?"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Ask the tool.").with_channel("analysis"),
             harmony_call('{"city":"Paris"}'),
             oh.Message.from_author_and_content(result, '{"celsius": 21}')
             .with_channel("commentary")
@@ -196,10 +198,14 @@ def test_a_conversation_with_tools_a_call_and_its_result_renders_as_openai_harmo
     theirs = list(enc.render_conversation_for_completion(conversation, oh.Role.ASSISTANT))
     assert ours == harmony.to_model_ids(theirs, tokenizer)
     text = enc.decode_utf8(theirs)
-    assert "type get_weather = (_: {" in text and "to=functions.get_weather" in text
+    assert "type get_weather = (_: {" in text and "to=functions.get_weather" in text and "Ask the tool." in text
     # A tool message that answers no call it can name is refused, saying what to give.
     request.chat.messages[-1].tool_call_id = "call_2"
     with pytest.raises(InvalidRequest, match="answers no earlier call"):
+        prompt_ids(request, tokenizer, tokenizer.vocab_size)
+    # A called function's name goes into a header, where a space would change what it says.
+    asked.tool_calls[0].name = "get weather"
+    with pytest.raises(InvalidRequest, match=r"tool_calls\[0\]'s function name must be"):
         prompt_ids(request, tokenizer, tokenizer.vocab_size)
 
 
@@ -274,16 +280,21 @@ def test_the_openai_sdk_gets_the_call_a_forced_tool_choice_makes(server: Any, ch
     assert finish == "tool_calls", chunks
     assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
     assert reasoning == (choice.message.model_extra or {}).get("reasoning_content", "")
-    messages += [
-        choice.message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": call.id, "content": "21 C"},
-    ]
-    goes_on = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=2)
-    assert goes_on.choices[0].finish_reason == "length"
+    # The answer's turn goes back with its reasoning, which the model sees again before its call.
+    turn = {**choice.message.model_dump(exclude_none=True), "content": "", "reasoning_content": "Ask the tool."}
+    messages += [turn, {"role": "tool", "tool_call_id": call.id, "content": "21 C"}]
+    goes_on = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=1)
+    tokenizer = load_tokenizer(checkpoint)
+    assert goes_on.usage.prompt_tokens == len(tokenizer.encode_chat(messages, tools=[WEATHER]))
+    assert goes_on.usage.prompt_tokens > len(
+        tokenizer.encode_chat([*messages[:1], {**turn, "reasoning_content": ""}, *messages[2:]], tools=[WEATHER])
+    )
 
 
 def test_grpc_returns_the_call_tool_choice_required_makes(server: Any, checkpoint: Path) -> None:
-    end = load_tokenizer(checkpoint).special_id("<|end|>")
+    """Over gRPC the call comes in the last response's tool_calls; the client's answer turn (its calls and
+    reasoning) and the tool's result continue the conversation, rendered as harmony renders them."""
+    tokenizer = load_tokenizer(checkpoint)
     with Client(server.address, timeout=60) as client:
         result = client.generate_text(
             messages=[("user", "Weather?")],
@@ -291,12 +302,23 @@ def test_grpc_returns_the_call_tool_choice_required_makes(server: Any, checkpoin
             tool_choice="required",
             max_new_tokens=150,
             temperature=0,
-            logit_bias={end: 30},
+            logit_bias={tokenizer.special_id("<|end|>"): 30},
         )
-    assert result.finish_reason == FinishReason.TOOL_CALLS
-    ((name, arguments),) = [(c.name, c.arguments) for c in result.tool_calls]
-    assert name == "get_weather" and json.loads(arguments)["city"] in ("Paris", "Oslo")
-    assert result.text == ""
+        assert result.finish_reason == FinishReason.TOOL_CALLS
+        (call,) = result.tool_calls
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+        assert result.text == ""
+        turn = result.message()
+        assert (turn.tool_calls, turn.reasoning) == ((call,), result.reasoning_text)
+        history = [("user", "Weather?"), turn, ChatMessage("tool", "21 C", tool_call_id=call.id)]
+        goes_on = client.generate_text(messages=history, tools=[WEATHER], max_new_tokens=1, temperature=0)
+    calls = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
+    rendered = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": calls, "reasoning_content": result.reasoning_text},
+        {"role": "tool", "content": "21 C", "tool_call_id": call.id},
+    ]
+    assert goes_on.usage.prompt_tokens == len(tokenizer.encode_chat(rendered, tools=[WEATHER]))
 
 
 def test_without_its_vocabulary_a_harmony_chat_is_refused_saying_why(
