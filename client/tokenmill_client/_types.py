@@ -418,7 +418,8 @@ class GenerateEvent:
     """Reasoning added by this event, apart from the answer in ``text`` (a harmony model's analysis
     channel, such as gpt-oss's, for chat input)."""
     tool_calls: tuple[ToolCall, ...] = ()
-    """Last event of a request with tools: the calls read from the answer (their text was streamed already)."""
+    """Last event of a request with tools: the calls read from the answer (a call written as text, as most
+    families write them, was streamed in ``text`` already; a harmony model's calls never are)."""
 
     @property
     def is_last(self) -> bool:

@@ -38,6 +38,11 @@ CONTROL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
 # Tokens that end a harmony turn (``<|end|>`` ends only a message).
 TURN_ENDS = ("<|return|>", "<|call|>")
 REASONING_CHANNEL = "analysis"
+# A message to functions.NAME is a call of the function NAME (harmony_tools.py offers them so).
+CALL_PREFIX = "functions."
+# In a message's header: its channel (after <|channel|>) and its recipient (to=..., before or after it).
+_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 VOCABULARY = "o200k_base.tiktoken"
 
 
@@ -206,8 +211,3 @@ class ChannelReader:
                 self.calls.append(ToolCall(new_call_id(), self._call, arguments or "{}"))
             self._in_message, self._channel, self._call = False, "", None
             self._header, self._header_bytes, self._arguments = [], bytearray(), bytearray()
-
-
-CALL_PREFIX = "functions."
-_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
-_RECIPIENT = re.compile(r"\bto=([^\s<]+)")

@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenmill_service.tool_calls import TOOL_NAME, X_GUIDANCE, Tool
 
-NAMESPACE = "functions"
+NAMESPACE = "functions"  # harmony.CALL_PREFIX without its dot
 JSON_CONTENT_TYPE = "<|constrain|>json"
 
 
