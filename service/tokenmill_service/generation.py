@@ -46,7 +46,7 @@ from tokenmill_service.router import (
     Unavailable,
 )
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import parse_calls
+from tokenmill_service.tool_calls import ToolCall, parse_calls
 from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import (
     CONSTRAINT_FIELDS,
@@ -310,13 +310,11 @@ class GenerationService:
                             finish = out.finish_reason
                             response.finish_reason = FINISH_REASONS[out.finish_reason]
                             # Calls completed before a length limit are kept, under the finish reason LENGTH.
-                            calls = (
-                                parse_calls(answers[index], tool_family)[1]
-                                if tool_family is not None
-                                else readers[index].calls
-                                if readers is not None
-                                else []
-                            )
+                            calls: list[ToolCall] = []
+                            if tool_family is not None:
+                                calls = parse_calls(answers[index], tool_family)[1]
+                            elif readers is not None:
+                                calls = readers[index].calls
                             response.tool_calls.extend(
                                 pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
                             )
