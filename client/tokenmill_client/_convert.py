@@ -52,6 +52,7 @@ def _message_to_proto(m: ChatMessage) -> pb.ChatMessage:
         tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
         tool_call_id=m.tool_call_id,
         name=m.name,
+        reasoning=m.reasoning,
     )
 
 

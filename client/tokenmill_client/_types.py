@@ -133,6 +133,8 @@ class ChatMessage:
     tool_call_id: str = ""
     name: str = ""
     """A "tool" message: the name of the tool that answered (optional)."""
+    reasoning: str = ""
+    """An assistant message: its reasoning (a harmony model sees it again before the calls it made)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
@@ -168,6 +170,7 @@ def to_chat_message(message: MessageLike) -> ChatMessage:
     content: object
     tool_call_id: object = ""
     name: object = ""
+    reasoning: object = ""
     if isinstance(message, tuple):
         if len(message) != 2:
             raise ValueError(f"a chat message tuple must be (role, content), got {len(message)} items")
@@ -185,13 +188,14 @@ def to_chat_message(message: MessageLike) -> ChatMessage:
         if content is None and calls:  # OpenAI's assistant turn that only calls tools
             content = ""
         tool_call_id, name = message.get("tool_call_id") or "", message.get("name") or ""
+        reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     else:
         raise TypeError(f"a chat message must be a ChatMessage, a (role, content) tuple or a mapping, got {message!r}")
     if not isinstance(role, str) or not isinstance(content, str):
         raise TypeError("a chat message's role and content must be strings")
-    if not isinstance(tool_call_id, str) or not isinstance(name, str):
-        raise TypeError("a chat message's tool_call_id and name must be strings")
-    return ChatMessage(role, content, calls, tool_call_id, name)
+    if not isinstance(tool_call_id, str) or not isinstance(name, str) or not isinstance(reasoning, str):
+        raise TypeError("a chat message's tool_call_id, name and reasoning_content must be strings")
+    return ChatMessage(role, content, calls, tool_call_id, name, reasoning)
 
 
 def to_chat_messages(messages: Sequence[MessageLike]) -> tuple[ChatMessage, ...]:
@@ -414,7 +418,8 @@ class GenerateEvent:
     """Reasoning added by this event, apart from the answer in ``text`` (a harmony model's analysis
     channel, such as gpt-oss's, for chat input)."""
     tool_calls: tuple[ToolCall, ...] = ()
-    """Last event of a request with tools: the calls read from the answer (their text was streamed already)."""
+    """Last event of a request with tools: the calls read from the answer (a call written as text, as most
+    families write them, was streamed in ``text`` already; a harmony model's calls never are)."""
 
     @property
     def is_last(self) -> bool:
@@ -438,10 +443,10 @@ class GenerateResult:
     """The calls of tools read from the answer (finish_reason is then TOOL_CALLS)."""
 
     def message(self) -> ChatMessage:
-        """The answer as the assistant's turn of a conversation: its calls of tools (and no text) when it
-        made any, else its text. Append it, then a "tool" message per call, to continue the conversation."""
+        """The answer as the assistant's turn of a conversation: its calls of tools (and no text, but the
+        reasoning that led to them) when it made any, else its text. Append it, then a "tool" message per call, to continue the conversation."""
         if self.tool_calls:
-            return ChatMessage("assistant", "", self.tool_calls)
+            return ChatMessage("assistant", "", self.tool_calls, reasoning=self.reasoning_text)
         return ChatMessage("assistant", self.text)
 
 

@@ -46,7 +46,7 @@ from tokenmill_service.router import (
     Unavailable,
 )
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import parse_calls
+from tokenmill_service.tool_calls import ToolCall, parse_calls
 from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import (
     CONSTRAINT_FIELDS,
@@ -255,14 +255,17 @@ class GenerationService:
             except InvalidRequest as exc:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
             prompt_len = len(engine_request.prompt_ids)
-            # Calls are read from each choice's whole answer when it ends (its text streams as it comes).
-            tool_family = family(self.tokenizer) if tools_in_use(request) else None
-            # A harmony model's chat answers: its analysis channel read apart as the reasoning (harmony.py).
+            # A harmony model's chat answers: its analysis channel read apart as the reasoning, and its calls
+            # (messages to functions.NAME) apart from the answer, by a reader per choice (harmony.py).
+            harmony_chat = self.tokenizer.harmony and request.WhichOneof("input") == "chat"
             readers = (
-                [ChannelReader(self.tokenizer) for _ in range(max(1, request.n))]
-                if self.tokenizer.harmony and request.WhichOneof("input") == "chat"
+                [ChannelReader(self.tokenizer, calls=tools_in_use(request)) for _ in range(max(1, request.n))]
+                if harmony_chat
                 else None
             )
+            # Other families' calls are read from each choice's whole answer when it ends (its text streams
+            # as it comes).
+            tool_family = family(self.tokenizer) if tools_in_use(request) and not harmony_chat else None
             streams = self.router.submit_group(choice_requests(engine_request, max(1, request.n)))
             structlog.contextvars.bind_contextvars(worker_id=streams[0].worker_id)
             completion_lens = [0] * len(streams)
@@ -306,14 +309,17 @@ class GenerationService:
                         if out.finish_reason is not None:
                             finish = out.finish_reason
                             response.finish_reason = FINISH_REASONS[out.finish_reason]
+                            # Calls completed before a length limit are kept, under the finish reason LENGTH.
+                            calls: list[ToolCall] = []
                             if tool_family is not None:
-                                # Calls completed before a length limit are kept, under the finish reason LENGTH.
-                                _, calls = parse_calls(answers[index], tool_family)
-                                response.tool_calls.extend(
-                                    pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
-                                )
-                                if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
-                                    response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+                                calls = parse_calls(answers[index], tool_family)[1]
+                            elif readers is not None:
+                                calls = readers[index].calls
+                            response.tool_calls.extend(
+                                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+                            )
+                            if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
+                                response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
                             response.usage.prompt_tokens = prompt_len
                             response.usage.completion_tokens = completion_lens[index]
                             response.timing.queue_ms = queue_s * 1000

@@ -8,12 +8,14 @@ the model answers in the ``analysis`` channel (its reasoning), then the ``final`
 ending with ``<|return|>`` (or ``<|call|>`` for a tool call), so ``<|end|>`` does not end the turn.
 
 - Rendering: the OpenAI-style messages become a harmony ``Conversation`` (a default system message; the
-  caller's "system" / "developer" messages as the developer's instructions; user and assistant turns, the
-  latter in the final channel) and ``render_conversation_for_completion`` gives harmony's ids. Its control
+  caller's "system" / "developer" messages as the developer's instructions, with the tools offered; user and
+  assistant turns, the latter in the final channel; tool calls and results as harmony_tools.py writes them)
+  and ``render_conversation_for_completion`` gives harmony's ids. Its control
   tokens map to the model's by text, and the text between them is encoded with the model's tokenizer (for
   gpt-oss's own o200k vocabulary the ids are the same), so message text never becomes a control token.
 - Reading: ``ChannelReader`` follows the generated tokens: the analysis channel's text is the reasoning
-  (``reasoning_content`` over HTTP, ``reasoning_text`` over gRPC), every other channel's the answer.
+  (``reasoning_content`` over HTTP, ``reasoning_text`` over gRPC), a commentary message to
+  ``functions.NAME`` a tool call (when tools are offered), every other message's text the answer.
 
 openai-harmony reads the o200k_base vocabulary from the directory ``TIKTOKEN_ENCODINGS_BASE`` names (it
 would download it otherwise); ``make tools`` writes it to ``.tools/tiktoken/`` from npm's js-tiktoken,
@@ -24,15 +26,23 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from tokenmill_service.tool_calls import ToolCall, new_call_id
+
 CONTROL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
 # Tokens that end a harmony turn (``<|end|>`` ends only a message).
 TURN_ENDS = ("<|return|>", "<|call|>")
 REASONING_CHANNEL = "analysis"
+# A message to functions.NAME is a call of the function NAME (harmony_tools.py offers them so).
+CALL_PREFIX = "functions."
+# In a message's header: its channel (after <|channel|>) and its recipient (to=..., before or after it).
+_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 VOCABULARY = "o200k_base.tiktoken"
 
 
@@ -76,24 +86,42 @@ def encoding() -> Any:
     return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
 
 
-def render(messages: Sequence[Mapping[str, Any]], tokenizer: TokenSource) -> list[int]:
-    """The prompt ids of an OpenAI-style conversation, up to the assistant's turn (``<|start|>assistant``)."""
+def render(
+    messages: Sequence[Mapping[str, Any]], tokenizer: TokenSource, tools: Sequence[Mapping[str, Any]] | None = None
+) -> list[int]:
+    """The prompt ids of an OpenAI-style conversation, up to the assistant's turn (``<|start|>assistant``).
+    ``tools`` (OpenAI-shaped) are offered in the first developer message (one is added when the caller
+    gave no "system" or "developer" message); assistant ``tool_calls`` and "tool" messages become harmony's
+    calls and results (harmony_tools.py)."""
     import openai_harmony as oh
 
+    from tokenmill_service import harmony_tools
+
     enc = encoding()
+    offered = harmony_tools.function_tools(tools) if tools else []
     conversation = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new())]
+    names: dict[str, str] = {}  # a call's id -> its function's name
     for i, message in enumerate(messages):
         role, content = message["role"], str(message.get("content") or "")
         if role in ("system", "developer"):
             developer = oh.DeveloperContent.new().with_instructions(content)
+            if offered:
+                developer, offered = developer.with_function_tools(offered), []
             conversation.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer))
         elif role == "user":
             conversation.append(oh.Message.from_role_and_content(oh.Role.USER, content))
+        elif role == "assistant" and message.get("tool_calls"):
+            conversation += harmony_tools.call_messages(message, names, i)
         elif role == "assistant":
             answer = oh.Message.from_role_and_content(oh.Role.ASSISTANT, content).with_channel("final")
             conversation.append(answer)
+        elif role == "tool":
+            conversation.append(harmony_tools.result_message(message, names, i))
         else:
             raise ValueError(f"message {i} has role {role!r}, which the harmony format does not take here")
+    if offered:
+        developer = oh.DeveloperContent.new().with_function_tools(offered)
+        conversation.insert(1, oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer))
     ids = enc.render_conversation_for_completion(oh.Conversation.from_messages(conversation), oh.Role.ASSISTANT)
     return to_model_ids(list(ids), tokenizer)
 
@@ -124,21 +152,28 @@ def to_model_ids(harmony_ids: Sequence[int], tokenizer: TokenSource) -> list[int
 
 
 class ChannelReader:
-    """Splits a harmony answer's tokens into reasoning (the analysis channel) and answer text, as they come.
+    """Splits a harmony answer's tokens into reasoning (the analysis channel), answer text and, with
+    ``calls``, tool calls, as they come.
 
-    The answer starts inside the assistant's header (the prompt ended with ``<|start|>assistant``): header
-    text up to ``<|message|>`` names the channel (after ``<|channel|>``); message text goes to the reasoning
-    or the answer by channel; ``<|end|>`` ends a message, ``<|start|>`` opens the next header. Each part is
-    decoded as UTF-8 incrementally, so a character split across tokens comes out whole."""
+    The answer starts inside the assistant's header (the prompt ended with ``<|start|>assistant``): the
+    header, up to ``<|message|>``, names the channel (after ``<|channel|>``) and may name a recipient
+    (``to=functions.NAME``, before or after the channel). Message text goes to the reasoning or the answer
+    by channel; with ``calls``, a message to ``functions.NAME`` is a call of NAME whose text is its
+    arguments, complete when the message ends (``<|call|>``, or ``<|end|>``). ``<|start|>`` opens the next
+    header. Each part is decoded as UTF-8 incrementally, so a character split across tokens comes out whole."""
 
-    def __init__(self, tokenizer: TokenSource) -> None:
+    def __init__(self, tokenizer: TokenSource, calls: bool = False) -> None:
         self._tok = tokenizer
+        self._read_calls = calls
         self._in_message = False
         self._channel = ""
-        self._header = bytearray()
-        self._reading_channel = False
+        self._call: str | None = None  # the function the open message calls
+        self._header: list[str] = []
+        self._header_bytes = bytearray()
         self._reasoning = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._answer = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._arguments = bytearray()
+        self.calls: list[ToolCall] = []  # the calls completed so far
 
     def feed(self, token_ids: Sequence[int]) -> tuple[str, str]:
         """(reasoning, answer) text these tokens add."""
@@ -148,22 +183,31 @@ class ChannelReader:
             raw = self._tok.token_bytes(token)
             if self._tok.is_special(token):
                 self._control(raw.decode("utf-8", errors="replace"))
-            elif self._in_message:
-                if self._channel == REASONING_CHANNEL:
-                    reasoning.append(self._reasoning.decode(raw))
-                else:
-                    answer.append(self._answer.decode(raw))
-            elif self._reading_channel:
-                self._header += raw
+            elif not self._in_message:
+                self._header_bytes += raw
+            elif self._call is not None:
+                self._arguments += raw
+            elif self._channel == REASONING_CHANNEL:
+                reasoning.append(self._reasoning.decode(raw))
+            else:
+                answer.append(self._answer.decode(raw))
         return "".join(reasoning), "".join(answer)
 
     def _control(self, text: str) -> None:
-        if text == "<|channel|>":
-            self._reading_channel, self._header = True, bytearray()
-        elif text in ("<|message|>",):
-            self._channel = self._header.decode("utf-8", errors="replace").split()[0] if self._header.strip() else ""
-            self._reading_channel, self._in_message = False, True
-        elif text == "<|constrain|>":
-            self._reading_channel = False
+        if not self._in_message and text != "<|start|>":
+            self._header += [self._header_bytes.decode("utf-8", errors="replace"), text]
+            self._header_bytes = bytearray()
+        if text == "<|message|>" and not self._in_message:
+            header = "".join(self._header)
+            channel = _CHANNEL.search(header)
+            recipient = _RECIPIENT.search(header)
+            self._channel = channel.group(1) if channel else ""
+            name = recipient.group(1) if recipient else ""
+            self._call = name[len(CALL_PREFIX) :] if self._read_calls and name.startswith(CALL_PREFIX) else None
+            self._in_message, self._header = True, []
         elif text in ("<|end|>", "<|start|>", *TURN_ENDS):
-            self._in_message, self._reading_channel, self._channel = False, False, ""
+            if self._call is not None:
+                arguments = self._arguments.decode("utf-8", errors="replace").strip()
+                self.calls.append(ToolCall(new_call_id(), self._call, arguments or "{}"))
+            self._in_message, self._channel, self._call = False, "", None
+            self._header, self._header_bytes, self._arguments = [], bytearray(), bytearray()

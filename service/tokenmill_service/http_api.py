@@ -279,7 +279,8 @@ class HttpApi:
             return bad_request(exc)
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
             return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
-        if parsed.chat and tools_in_use(parsed.request):
+        if parsed.chat and tools_in_use(parsed.request) and not self.service.tokenizer.harmony:
+            # (A harmony model's calls never reach the text: its channel reader keeps them apart.)
             parsed.tool_marker = start_marker(family(self.service.tokenizer))
         adapter = self._adapter(parsed.model)
         many = len(parsed.requests) > 1

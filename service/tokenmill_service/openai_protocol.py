@@ -506,14 +506,12 @@ class ResponseBuilder:
         if self.echo_texts and index not in self.echoed:
             self.echoed.add(index)
             text, prompt_tokens = self.echo_texts[0] + text, self.prompt_tokens
-        calls: list[dict[str, Any]] = []
+        calls = tool_calls_json(response.tool_calls, delta=True) if reason is not None else []
         if self.parsed.tool_marker:
             held = self.held.setdefault(index, HeldText(self.parsed.tool_marker))
             text = held.add(text)
-            if reason is not None:
-                calls = tool_calls_json(response.tool_calls, delta=True)
-                if not calls:
-                    text += held.flush()
+            if reason is not None and not calls:
+                text += held.flush()
         reasoning = response.reasoning_text
         if not text and not reasoning and not tokens and not prompt_tokens and reason is None:
             return None
@@ -571,12 +569,10 @@ class ResponseBuilder:
                     if reasoning := "".join(r.reasoning_text for r in mine):
                         choice["message"]["reasoning_content"] = reasoning
                     if last.tool_calls:
-                        content = HeldText(self.parsed.tool_marker or "").add(text)
-                        choice["message"] = {
-                            "role": "assistant",
-                            "content": content.strip() or None,
-                            "tool_calls": tool_calls_json(last.tool_calls),
-                        }
+                        # The text before the calls (a harmony model's calls are never in its text).
+                        content = HeldText(self.parsed.tool_marker).add(text) if self.parsed.tool_marker else text
+                        choice["message"]["content"] = content.strip() or None
+                        choice["message"]["tool_calls"] = tool_calls_json(last.tool_calls)
                 else:
                     choice["text"] = text
                 choice["logprobs"] = self._logprobs(index, tokens, echoed)

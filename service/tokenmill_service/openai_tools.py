@@ -59,7 +59,7 @@ def apply_tools(body: dict[str, Any], request: pb.GenerateRequest) -> None:
 
 
 def message_tool_fields(m: dict[str, Any], message: pb.ChatMessage, where: str) -> None:
-    """An assistant message's ``tool_calls``, a tool message's ``tool_call_id`` and ``name``."""
+    """An assistant message's ``tool_calls`` and reasoning, a tool message's ``tool_call_id`` and ``name``."""
     calls = m.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list):
@@ -74,6 +74,10 @@ def message_tool_fields(m: dict[str, Any], message: pb.ChatMessage, where: str) 
             message.tool_calls.add(id=str(call.get("id") or ""), name=fn["name"], arguments=arguments)
     if isinstance(m.get("tool_call_id"), str):
         message.tool_call_id = m["tool_call_id"]
+    # The reasoning of an earlier answer (``reasoning_content``, as it came back; vLLM's ``reasoning``).
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    if isinstance(reasoning, str):
+        message.reasoning = reasoning
     if isinstance(m.get("name"), str):
         message.name = m["name"]
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # Tool-call JSON written the way the JSON schema constraint writes it (engine/grammar.py).
-_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# What a tool's name may be.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,7 @@ def call_grammar(tools: list[Tool], family: ToolFamily, parallel: bool) -> str:
         }
         for t in tools
     ]
-    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": _X_GUIDANCE}
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": X_GUIDANCE}
     parts = [json.dumps(family.start)] if family.start else []
     parts.append(f"%json {json.dumps(schema)}")
     parts += [json.dumps(family.end)] if family.end else []

@@ -4,17 +4,16 @@ the grammar that forces a call when tool_choice asks for one (see tool_calls.py 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
+from tokenmill_service import harmony_tools
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import Tool, ToolFamily, call_grammar, call_text, family_for, tools_prompt
+from tokenmill_service.tool_calls import TOOL_NAME, Tool, ToolFamily, call_grammar, call_text, family_for, tools_prompt
 
 MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolError(ValueError):
@@ -39,7 +38,7 @@ def parse_tools(request: pb.GenerateRequest) -> list[Tool]:
         raise ToolError("tools need chat input (the chat template offers them)", "tools")
     tools: list[Tool] = []
     for i, t in enumerate(request.tools):
-        if not _NAME.fullmatch(t.name):
+        if not TOOL_NAME.fullmatch(t.name):
             raise ToolError(f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-'; given {t.name!r}", "tools")
         if any(other.name == t.name for other in tools):
             raise ToolError(f"tools[{i}].name {t.name!r} is given twice", "tools")
@@ -71,6 +70,8 @@ def tool_constraint(request: pb.GenerateRequest, tools: Sequence[Tool], tokenize
         allowed = [t for t in tools if t.name == request.tool_choice_function]
     else:
         return None
+    if tokenizer.harmony:  # one call per turn: <|call|> ends it
+        return Constraint("grammar", harmony_tools.call_grammar(allowed), "lark")
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
     return Constraint("grammar", call_grammar(allowed, family(tokenizer), parallel), "lark")
 
@@ -83,13 +84,20 @@ def chat_with_tools(
     unless the template renders ``tool_calls``."""
     template = tokenizer.chat
     fam = family(tokenizer)
+    # A harmony model's conversation is rendered by openai-harmony, tools and calls included (harmony.py).
+    structured = tokenizer.harmony
     messages: list[dict[str, Any]] = []
     for m in chat.messages:
         message: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            if template.renders_tool_calls:
+            if structured or template.renders_tool_calls:
+                # harmony writes the arguments' JSON text as the caller gave it (the model's own, as a rule).
                 message["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments if structured else _arguments(c)},
+                    }
                     for c in m.tool_calls
                 ]
             else:
@@ -97,12 +105,14 @@ def chat_with_tools(
                 message["content"] = f"{m.content}\n{calls}" if m.content else calls
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning and structured:
+            message["reasoning_content"] = m.reasoning
         if m.name:
             message["name"] = m.name
         messages.append(message)
     if not tools:
         return messages, None
-    if template.renders_tools:
+    if structured or template.renders_tools:
         return messages, [t.openai_json() for t in tools]
     offer = tools_prompt(list(tools), fam)
     if messages and messages[0]["role"] == "system":

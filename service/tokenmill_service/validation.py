@@ -80,8 +80,6 @@ def chat_messages(
     """The messages for the chat template, and the tools to pass it (None: none, or offered in a message)."""
     if not chat.messages:
         raise InvalidRequest("chat.messages is empty: give at least one message", "chat.messages")
-    if tools and tokenizer.harmony:
-        raise InvalidRequest("tools are not served in the harmony chat format (gpt-oss) yet", "tools")
     messages, template_tools = chat_with_tools(chat, tools, tokenizer)
     try:
         tokenizer.validate_messages(messages)

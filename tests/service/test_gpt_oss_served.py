@@ -1,13 +1,17 @@
 """`tokenmill-server --model` a tiny gpt-oss checkpoint whose tokenizer has harmony's control tokens: chats
 are rendered with openai-harmony, and the answer's analysis channel comes back apart from the final one,
 as ``reasoning_content`` through the OpenAI SDK (whole and streamed) and as ``reasoning_text`` over gRPC.
-The random model is steered into a harmony answer by a grammar (its control tokens included).
+The random model is steered into a harmony answer by a grammar (its control tokens included). Tools are
+offered, called and answered as openai-harmony renders them; a forced tool_choice makes the random model
+call one, and the call comes back in OpenAI's shape and over gRPC.
 
 Needs o200k_base.tiktoken in .tools/tiktoken (`make tools`), which openai-harmony reads."""
 
 from __future__ import annotations
 
+import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +20,11 @@ import torch
 
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_client import Client
+from tokenmill_client import ChatMessage, Client, FinishReason
 from tokenmill_service import harmony
+from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer.load import load_tokenizer
+from tokenmill_service.validation import InvalidRequest, prompt_ids
 
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -59,7 +65,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=8,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
     )
     torch.manual_seed(0)
     transformers.GptOssForCausalLM(config).save_pretrained(directory, safe_serialization=True)
@@ -129,11 +135,190 @@ def test_grpc_carries_the_reasoning_in_its_own_field(server: Any) -> None:
     assert (result.reasoning_text, result.text) == (REASONING, ANSWER)
 
 
-def test_tools_are_refused_in_the_harmony_format_for_now(server: Any) -> None:
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_TOOL = oh.ToolDescription.new(
+    "get_weather", "The weather in a city.", parameters=WEATHER["function"]["parameters"]
+)
+
+
+def harmony_call(arguments: str) -> Any:
+    """An assistant's call of get_weather, as openai-harmony writes one."""
+    return (
+        oh.Message.from_role_and_content(oh.Role.ASSISTANT, arguments)
+        .with_channel("commentary")
+        .with_recipient("functions.get_weather")
+        .with_content_type("<|constrain|>json")
+    )
+
+
+def test_a_conversation_with_tools_a_call_and_its_result_renders_as_openai_harmony_renders_it(checkpoint: Path) -> None:
+    """The request's tools, an earlier call (with the reasoning before it) and its result, through the
+    server's chat path, give the ids of openai-harmony's own rendering of that conversation (its control
+    tokens as the model's)."""
+    tokenizer = load_tokenizer(checkpoint)
+    request = pb.GenerateRequest(chat=pb.Messages(), tool_choice=pb.TOOL_CHOICE_AUTO)
+    request.tools.add(
+        name="get_weather",
+        description=WEATHER["function"]["description"],
+        parameters=json.dumps(WEATHER["function"]["parameters"]),
+    )
+    request.chat.messages.add(role="system", content="Be brief.")
+    request.chat.messages.add(role="user", content="Weather in Paris?")
+    asked = request.chat.messages.add(role="assistant", reasoning="Ask the tool.")
+    asked.tool_calls.add(id="call_1", name="get_weather", arguments='{"city":"Paris"}')
+    request.chat.messages.add(role="tool", tool_call_id="call_1", content='{"celsius": 21}')
+    ours = prompt_ids(request, tokenizer, tokenizer.vocab_size)
+
+    developer = oh.DeveloperContent.new().with_instructions("Be brief.").with_function_tools([WEATHER_TOOL])
+    result = oh.Author.new(oh.Role.TOOL, "functions.get_weather")
+    conversation = oh.Conversation.from_messages(
+        [
+            oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new()),
+            oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer),
+            oh.Message.from_role_and_content(oh.Role.USER, "Weather in Paris?"),
+            oh.Message.from_role_and_content(oh.Role.ASSISTANT, "Ask the tool.").with_channel("analysis"),
+            harmony_call('{"city":"Paris"}'),
+            oh.Message.from_author_and_content(result, '{"celsius": 21}')
+            .with_channel("commentary")
+            .with_recipient("assistant"),
+        ]
+    )
+    enc = harmony.encoding()
+    theirs = list(enc.render_conversation_for_completion(conversation, oh.Role.ASSISTANT))
+    assert ours == harmony.to_model_ids(theirs, tokenizer)
+    text = enc.decode_utf8(theirs)
+    assert "type get_weather = (_: {" in text and "to=functions.get_weather" in text and "Ask the tool." in text
+    # A tool message that answers no call it can name is refused, saying what to give.
+    request.chat.messages[-1].tool_call_id = "call_2"
+    with pytest.raises(InvalidRequest, match="answers no earlier call"):
+        prompt_ids(request, tokenizer, tokenizer.vocab_size)
+    # A called function's name goes into a header, where a space would change what it says.
+    asked.tool_calls[0].name = "get weather"
+    with pytest.raises(InvalidRequest, match=r"tool_calls\[0\]'s function name must be"):
+        prompt_ids(request, tokenizer, tokenizer.vocab_size)
+
+
+def test_a_commentary_message_to_a_function_is_read_as_a_tool_call_and_ends_the_turn(checkpoint: Path) -> None:
+    """openai-harmony's encoding of an answer that reasons, then calls get_weather: the reader gives the
+    reasoning, no answer text, and the call; <|call|> is one of the tokenizer's stop tokens, as harmony's
+    stop tokens for assistant actions say."""
+    enc = harmony.encoding()
+    tokenizer = load_tokenizer(checkpoint)
+    reply = [
+        oh.Message.from_role_and_content(oh.Role.ASSISTANT, REASONING).with_channel("analysis"),
+        harmony_call('{"city": "Oslo"}'),
+    ]
+    rendered = list(enc.render_conversation(oh.Conversation.from_messages(reply)))
+    ids = rendered[2:]  # after the prompt's <|start|>assistant
+    assert enc.decode_utf8(ids[-1:]) == "<|call|>"
+    assert enc.parse_messages_from_completion_tokens(ids, oh.Role.ASSISTANT) == reply
+    reader = harmony.ChannelReader(tokenizer, calls=True)
+    assert reader.feed(harmony.to_model_ids(ids, tokenizer)) == (REASONING, "")
+    assert [(c.name, c.arguments) for c in reader.calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert reader.calls[0].id.startswith("call_")
+    # The recipient after the channel (as gpt-oss writes it, and as the forced-call grammar does).
+    after = enc.encode(
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+        allowed_special="all",
+    )
+    assert enc.parse_messages_from_completion_tokens(after, oh.Role.ASSISTANT) == [harmony_call('{"city": "Paris"}')]
+    reader = harmony.ChannelReader(tokenizer, calls=True)
+    assert reader.feed(harmony.to_model_ids(after, tokenizer)) == ("", "")
+    assert [(c.name, c.arguments) for c in reader.calls] == [("get_weather", '{"city": "Paris"}')]
+    stops = {tokenizer.special_id(enc.decode_utf8([t])) for t in enc.stop_tokens_for_assistant_actions()}
+    assert None not in stops and stops <= tokenizer.stop_token_ids
+
+
+def test_the_openai_sdk_gets_the_call_a_forced_tool_choice_makes(server: Any, checkpoint: Path) -> None:
+    """tool_choice naming get_weather: the call is made in harmony's syntax under the grammar, and the
+    SDK reads it back (whole and streamed) with finish_reason tool_calls; then the conversation goes on
+    with the call and its result in the history."""
+    end = load_tokenizer(checkpoint).special_id("<|end|>")
     client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
-    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(openai.BadRequestError, match="not served in the harmony chat format"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=[tool])
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": messages,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 150,
+        "temperature": 0,
+        "logit_bias": {str(end): 30},
+    }
+    with ThreadPoolExecutor(2) as pool:  # side by side: one batch, half the decoding steps
+        streaming = pool.submit(lambda: list(client.chat.completions.create(**ask, stream=True)))
+        whole = client.chat.completions.create(**ask)
+        chunks = streaming.result()
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert choice.message.content is None
+    streamed: dict[int, dict[str, str]] = {}
+    finish, reasoning = None, ""
+    for chunk in chunks:
+        for c in chunk.choices:
+            assert not c.delta.content
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            for d in c.delta.tool_calls or []:
+                one = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+                one["name"] += d.function.name or ""
+                one["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls", chunks
+    assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert reasoning == (choice.message.model_extra or {}).get("reasoning_content", "")
+    # The answer's turn goes back with its reasoning, which the model sees again before its call.
+    turn = {**choice.message.model_dump(exclude_none=True), "content": "", "reasoning_content": "Ask the tool."}
+    messages += [turn, {"role": "tool", "tool_call_id": call.id, "content": "21 C"}]
+    goes_on = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=1)
+    tokenizer = load_tokenizer(checkpoint)
+    assert goes_on.usage.prompt_tokens == len(tokenizer.encode_chat(messages, tools=[WEATHER]))
+    assert goes_on.usage.prompt_tokens > len(
+        tokenizer.encode_chat([*messages[:1], {**turn, "reasoning_content": ""}, *messages[2:]], tools=[WEATHER])
+    )
+
+
+def test_grpc_returns_the_call_tool_choice_required_makes(server: Any, checkpoint: Path) -> None:
+    """Over gRPC the call comes in the last response's tool_calls; the client's answer turn (its calls and
+    reasoning) and the tool's result continue the conversation, rendered as harmony renders them."""
+    tokenizer = load_tokenizer(checkpoint)
+    with Client(server.address, timeout=60) as client:
+        result = client.generate_text(
+            messages=[("user", "Weather?")],
+            tools=[WEATHER],
+            tool_choice="required",
+            max_new_tokens=150,
+            temperature=0,
+            logit_bias={tokenizer.special_id("<|end|>"): 30},
+        )
+        assert result.finish_reason == FinishReason.TOOL_CALLS
+        (call,) = result.tool_calls
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+        assert result.text == ""
+        turn = result.message()
+        assert (turn.tool_calls, turn.reasoning) == ((call,), result.reasoning_text)
+        history = [("user", "Weather?"), turn, ChatMessage("tool", "21 C", tool_call_id=call.id)]
+        goes_on = client.generate_text(messages=history, tools=[WEATHER], max_new_tokens=1, temperature=0)
+    calls = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
+    rendered = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": calls, "reasoning_content": result.reasoning_text},
+        {"role": "tool", "content": "21 C", "tool_call_id": call.id},
+    ]
+    assert goes_on.usage.prompt_tokens == len(tokenizer.encode_chat(rendered, tools=[WEATHER]))
 
 
 def test_without_its_vocabulary_a_harmony_chat_is_refused_saying_why(

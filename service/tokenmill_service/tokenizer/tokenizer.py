@@ -169,10 +169,8 @@ class Tokenizer:
         (``tools``: OpenAI-shaped tool definitions, for templates that render them). A harmony model's
         conversations are rendered by openai-harmony instead (harmony.py)."""
         if self.harmony:
-            if tools:
-                raise ValueError("tools are not offered in the harmony format yet")
             self._chat.validate_messages(messages)  # string roles and contents
-            return harmony.render(messages, self)
+            return harmony.render(messages, self, tools)
         self._chat.validate_messages(messages)
         rendered = self._chat.render([self._mark_message(m) for m in messages], add_generation_prompt, tools)
         ids: list[int] = []
