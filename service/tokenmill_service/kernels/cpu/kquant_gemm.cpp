@@ -233,11 +233,14 @@ struct Packed {
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   const int64_t supers = k / QK_K, sbytes = source_block_bytes(fmt), gstride = supers * group_super_bytes(fmt);
   const int low = low_bits(fmt), bits = (int)high_bits(fmt);
-  memset(out, 0, (n + G - 1) / G * gstride);
+  // Each group of G rows is its own stretch of the output: the groups are packed in parallel.
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < (n + G - 1) / G; ++g) {
+  memset(out + g * gstride, 0, gstride);
   uint8_t q[QK_K];
   int sc[16], m[16];
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t g = r / G, row = r % G;
+  for (int64_t r = g * G; r < std::min(n, (g + 1) * G); ++r) {
+    const int64_t row = r % G;
     for (int64_t sb = 0; sb < supers; ++sb) {
       uint16_t d, dmin;
       unpack_source(fmt, src + (r * supers + sb) * sbytes, q, d, dmin, sc, m);
@@ -262,6 +265,7 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
         }
       }
     }
+  }
   }
   return 0;
 }

@@ -136,13 +136,20 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   const bool wide = byte_weights(fmt);
   const int64_t blocks = k / QK, sbytes = source_block_bytes(fmt), gbb = group_block_bytes(fmt);
   const int64_t groups = (n + G - 1) / G;
-  memset(out, 0, groups * blocks * gbb);
+  int bad = 0;  // a source block the format cannot hold
+  // Each group of G rows is its own stretch of the output: the groups are packed in parallel.
+#pragma omp parallel for schedule(static) reduction(| : bad)
+  for (int64_t g = 0; g < groups; ++g) {
+  memset(out + g * blocks * gbb, 0, blocks * gbb);
   uint8_t q[QK];
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t g = r / G, row = r % G;
+  for (int64_t r = g * G; r < std::min(n, (g + 1) * G) && !bad; ++r) {
+    const int64_t row = r % G;
     for (int64_t b = 0; b < blocks; ++b) {
       uint16_t d, m;
-      if (!unpack_source(fmt, src + (r * blocks + b) * sbytes, q, d, m)) return -3;
+      if (!unpack_source(fmt, src + (r * blocks + b) * sbytes, q, d, m)) {
+        bad = 1;
+        break;
+      }
       uint8_t* dst = out + (g * blocks + b) * gbb;
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, t = j % 4, i = (int)row * 4 + t;
@@ -157,7 +164,8 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
       if (stored_min(fmt)) memcpy(dst + quant_bytes(fmt) + G * 2 + row * 2, &m, 2);
     }
   }
-  return 0;
+  }
+  return bad ? -3 : 0;
 }
 
 // Step t's nibbles w with their fifth bits (bit t of each byte of plane) set above them: a 16-bit shift
