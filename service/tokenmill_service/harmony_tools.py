@@ -10,8 +10,8 @@ harmony messages, and the grammar that forces a call.
   by its ``tool_call_id`` among the earlier calls (or its ``name``).
 - Forced (tool_choice "required" or a function): a Lark grammar (llguidance's, with harmony's control tokens
   as ``<|name|>``) admitting an optional analysis message, then one call of an allowed tool whose arguments
-  are valid against its schema, ended by ``<|call|>``. A harmony turn holds one call (``<|call|>`` ends it),
-  so ``parallel_tool_calls`` changes nothing here.
+  are valid against its schema, ended by ``<|call|>`` (a constrained answer's shape, harmony_constraint.py).
+  A harmony turn holds one call (``<|call|>`` ends it), so ``parallel_tool_calls`` changes nothing here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tokenmill_service.harmony_constraint import ANALYSIS_RULES
 from tokenmill_service.tool_calls import TOOL_NAME, X_GUIDANCE, Tool
 
 NAMESPACE = "functions"  # harmony.CALL_PREFIX without its dot
@@ -97,9 +98,4 @@ def call_grammar(tools: Sequence[Tool]) -> str:
         schema = {**(t.parameters or {"type": "object"}), "x-guidance": X_GUIDANCE}
         header = json.dumps(f"commentary to={NAMESPACE}.{t.name} ")
         calls.append(f'<|channel|> {header} <|constrain|> "json" <|message|> %json {json.dumps(schema)} <|call|>')
-    return (
-        "start: analysis? call\n"
-        'analysis: <|channel|> "analysis" <|message|> REASONING <|end|> <|start|> "assistant"\n'
-        "REASONING: /(.|\\n)*/\n"
-        f"call: {' | '.join(calls)}\n"
-    )
+    return "start: analysis? call\n" + ANALYSIS_RULES + f"call: {' | '.join(calls)}\n"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill_service.engine.request import (
@@ -18,6 +18,7 @@ from tokenmill_service.engine.request import (
     SamplingParams,
     StoppingParams,
 )
+from tokenmill_service.harmony_constraint import names_control_tokens
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
 from tokenmill_service.tool_calls import Tool
@@ -308,4 +309,9 @@ def _constraint_or_tool_call(request: pb.GenerateRequest, tokenizer: Tokenizer) 
         raise InvalidRequest(
             f"{CONSTRAINT_FIELDS[own.kind]} cannot be combined with a tool_choice that forces a call", "tool_choice"
         )
+    harmony_chat = tokenizer.harmony and request.WhichOneof("input") == "chat"
+    if own is not None and harmony_chat and not (own.kind == "grammar" and names_control_tokens(own.text)):
+        # A harmony answer has headers: the constraint holds its final channel's text, unless a grammar
+        # writes the headers itself (harmony_constraint.py).
+        own = replace(own, harmony=True)
     return own or forced

@@ -3,7 +3,8 @@ are rendered with openai-harmony, and the answer's analysis channel comes back a
 as ``reasoning_content`` through the OpenAI SDK (whole and streamed) and as ``reasoning_text`` over gRPC.
 The random model is steered into a harmony answer by a grammar (its control tokens included). Tools are
 offered, called and answered as openai-harmony renders them; a forced tool_choice makes the random model
-call one, and the call comes back in OpenAI's shape and over gRPC.
+call one, and the call comes back in OpenAI's shape and over gRPC. A JSON schema or a regex constrains the
+final channel's text, which comes back as the answer.
 
 Needs o200k_base.tiktoken in .tools/tiktoken (`make tools`), which openai-harmony reads."""
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -319,6 +322,73 @@ def test_grpc_returns_the_call_tool_choice_required_makes(server: Any, checkpoin
         {"role": "tool", "content": "21 C", "tool_call_id": call.id},
     ]
     assert goes_on.usage.prompt_tokens == len(tokenizer.encode_chat(rendered, tools=[WEATHER]))
+
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_response_format_comes_back_as_the_content_and_the_analysis_as_reasoning(
+    server: Any, checkpoint: Path
+) -> None:
+    """The schema constrains the final channel's text (after an optional analysis message and the final
+    header the model writes itself): the SDK gets the JSON as content, whole and streamed alike."""
+    end = load_tokenizer(checkpoint).special_id("<|end|>")
+    client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "A trip?"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}},
+        "max_tokens": 150,
+        "temperature": 0,
+        "logit_bias": {str(end): 30},  # the random model's analysis, kept short
+    }
+    with ThreadPoolExecutor(2) as pool:  # side by side: one batch, half the decoding steps
+        streaming = pool.submit(lambda: list(client.chat.completions.create(**ask, stream=True)))
+        whole = client.chat.completions.create(**ask)
+        chunks = streaming.result()
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), ORDER)
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
+    assert "<|" not in reasoning + choice.message.content
+    streamed = {"content": "", "reasoning": "", "finish": None}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed["content"] += c.delta.content or ""
+            streamed["reasoning"] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed["finish"] = c.finish_reason or streamed["finish"]
+    assert streamed == {"content": choice.message.content, "reasoning": reasoning, "finish": "stop"}
+
+
+def test_a_regex_constraint_over_grpc_is_the_answers_text_matched_whole(server: Any, checkpoint: Path) -> None:
+    """The answer goes through an analysis message (the bias on "a" picks the analysis channel over the
+    final one) and then the final channel's header, which the model writes; only the final text is the
+    answer, matched whole."""
+    pattern = r"(yes|no): [0-9]{1,3}"
+    tokenizer = load_tokenizer(checkpoint)
+    (a,) = tokenizer.encode("a")
+    with Client(server.address, timeout=60) as client:
+        result = client.generate_text(
+            messages=[("user", "Well?")],
+            regex=pattern,
+            max_new_tokens=150,
+            temperature=0,
+            logit_bias={a: 10, tokenizer.special_id("<|end|>"): 30},
+        )
+    assert result.finish_reason == FinishReason.EOS, result
+    assert re.fullmatch(pattern, result.text), result.text
+    assert tokenizer.decode([t.id for t in result.tokens]) == (
+        f"<|channel|>analysis<|message|>{result.reasoning_text}<|end|>"
+        f"<|start|>assistant<|channel|>final<|message|>{result.text}<|return|>"
+    )
 
 
 def test_without_its_vocabulary_a_harmony_chat_is_refused_saying_why(

@@ -28,6 +28,7 @@ import llguidance as llg
 import structlog
 
 from tokenmill_service.engine.request import Constraint
+from tokenmill_service.harmony_constraint import answer_grammar
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -53,7 +54,13 @@ class ConstraintError(ValueError):
 
 def grammar_text(constraint: Constraint) -> str:
     """The constraint as llguidance's grammar text: its canonical form (the cache key). Raises
-    ConstraintError for text that does not parse as its kind (a schema that is not JSON)."""
+    ConstraintError for text that does not parse as its kind (a schema that is not JSON). A harmony
+    answer's constraint holds its final channel's text (harmony_constraint.py)."""
+    own = _own_grammar_text(constraint)
+    return answer_grammar(own) if constraint.harmony else own
+
+
+def _own_grammar_text(constraint: Constraint) -> str:
     if len(constraint.text) > MAX_CONSTRAINT_LENGTH:
         raise ConstraintError(
             f"the {constraint.kind} has {len(constraint.text)} characters; at most {MAX_CONSTRAINT_LENGTH} are allowed"

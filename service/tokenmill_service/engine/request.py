@@ -83,11 +83,13 @@ class Constraint:
     """What the generated text must match (engine/grammar.py compiles it).
 
     kind: "json_schema" (text: the schema as JSON), "json_object" (any JSON object; text unused),
-    "regex" (text: the pattern, matched whole) or "grammar" (text in ``syntax``: "lark" or "gbnf")."""
+    "regex" (text: the pattern, matched whole) or "grammar" (text in ``syntax``: "lark" or "gbnf").
+    harmony: the answer of a harmony chat, whose final channel's text must match (harmony_constraint.py)."""
 
     kind: str
     text: str = ""
     syntax: str = ""
+    harmony: bool = False
 
 
 @dataclass(slots=True)
