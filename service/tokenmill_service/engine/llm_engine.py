@@ -102,6 +102,13 @@ def _mib(n: int) -> str:
     return f"{-(-n // 2**20)} MiB"
 
 
+def _size(n: int) -> str:
+    """Bytes as KiB, MiB (both rounded up) or GiB (one decimal), whichever reads best."""
+    if n < 2**20:
+        return f"{-(-n // 2**10)} KiB"
+    return _mib(n) if n < 2**30 else f"{n / 2**30:.1f} GiB"
+
+
 class LLMEngine:
     def __init__(
         self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, executor: str | None = None
@@ -125,14 +132,22 @@ class LLMEngine:
         self.max_model_len = _context_within_pool(
             self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes, window_blocks
         )
-        if window is not None and window_blocks is not None:
-            full = -(-self.max_model_len // block_size)
+        full = -(-self.max_model_len // block_size)
+        held = full if window_blocks is None else min(window_blocks, full)
+        # What one sequence's KV cache costs at most, as "value (reason)" (GetModelInfo's load plan).
+        self.kv_per_sequence = f"{_size(held * block_bytes)}, {held * block_size} tokens' blocks at most (" + (
+            f"every layer attends within a {window}-token window: a full context without windows holds "
+            f"{_size(full * block_bytes)})"
+            if window is not None and held < full
+            else f"a full context of {self.max_model_len} tokens)"
+        )
+        if window is not None:
             log.info(
                 "kv_cache_windowed",
                 window=window,
                 context=self.max_model_len,
-                blocks_per_sequence_max=min(window_blocks, full),
-                kv_bytes_per_sequence_max=min(window_blocks, full) * block_bytes,
+                blocks_per_sequence_max=held,
+                kv_bytes_per_sequence_max=held * block_bytes,
                 kv_bytes_per_full_context_without_windows=full * block_bytes,
             )
         # LoRA adapters, where the model has slots for them (--max-loras).
