@@ -169,3 +169,38 @@ def test_a_windowed_sequence_frees_the_blocks_behind_its_window_and_keeps_a_shar
     c = make_seq(default_tokenizer, a.token_ids[:29], "c")
     bm.reuse_cached_prefix(c)
     assert c.num_computed_tokens == 28 and c.block_table[:5] == [NULL_BLOCK] * 5
+
+
+def test_a_windowed_prefix_is_found_while_only_its_window_is_cached(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=12, block_size=4, window=8)
+    prompt = list(range(100, 141))  # 41 tokens: 10 full blocks
+    a = make_seq(default_tokenizer, prompt, "a")
+    for upto in range(8, 41, 8):  # prefilled in chunks of 8, its blocks behind the window freed as it goes
+        assert bm.allocate(a, upto)
+        a.num_computed_tokens = upto
+        bm.register_computed_blocks(a)
+    hashes = list(a.block_hashes)
+    bm.free(a)
+    # Another request takes blocks until a's first one is handed out: a's oldest blocks go first.
+    z = make_seq(default_tokenizer, list(range(200, 260)), "z")
+    while bm.hash_to_block.get(hashes[0]) is not None:
+        assert bm.allocate(z, (len(z.block_table) + 1) * 4)
+    assert all(h in bm.hash_to_block for h in hashes[-2:])  # the last window's blocks: 33-40 sees 26 on
+
+    c = make_seq(default_tokenizer, prompt, "c")
+    bm.reuse_cached_prefix(c)
+    # The query at 40 sees keys 33-40: blocks 8 and 9 (32-39) and the one it computes; 0-7 are not needed.
+    assert c.num_computed_tokens == 40 and c.block_table[:8] == [NULL_BLOCK] * 8
+    assert [bm.hash_to_block[h] for h in hashes[8:]] == c.block_table[8:] and c.block_hashes == hashes
+
+    plain = BlockManager(num_blocks=12, block_size=4)  # without windows a missing first block is a miss
+    d = make_seq(default_tokenizer, prompt, "d")
+    assert plain.allocate(d, 40)
+    d.num_computed_tokens = 40
+    plain.register_computed_blocks(d)
+    first = d.block_hashes[0]
+    plain.free(d)
+    plain.hash_to_block.pop(first)  # as if handed out again
+    e = make_seq(default_tokenizer, prompt, "e")
+    plain.reuse_cached_prefix(e)
+    assert e.num_computed_tokens == 0 and e.block_table == []

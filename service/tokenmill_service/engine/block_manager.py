@@ -10,8 +10,8 @@ When every layer attends within a sliding window (``window``: the widest of them
 the blocks its next queries can see: a block wholly before the window of its next position is freed
 as soon as it is computed (its table slot holds ``NULL_BLOCK``, which the attention kernels read as
 block 0 and mask, as they do padding), so a sequence of any length holds at most
-``window_blocks_per_sequence`` blocks. A freed block keeps its hash like any other, so a later
-request with the same prefix still finds every block of it that no one has taken since.
+``window_blocks_per_sequence`` blocks. A freed block keeps its hash like any other, and a later
+request with the same prefix needs only the blocks of its last window still cached to take it.
 
 With an event log (``kv_events``), every block that enters the prefix cache (``BlockStored``) and
 every cached block handed out again (``BlockRemoved``) is recorded, for ``--kv-events-endpoint``.
@@ -98,29 +98,52 @@ class BlockManager:
 
         At least one token is always left to compute, since its logits give the next token.
         Sequences that want prompt logprobs take no hits: their logits must be computed.
+        With every layer windowed, a prefix needs only the blocks its window can see cached: the
+        earlier ones (NULL_BLOCK) may have been handed out again, the chained hash of the last block
+        vouches for every token before it.
         """
         if not self.enable_prefix_caching or seq.block_table or seq.collecting_prompt_logprobs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         prev = adapter_root(seq.adapter_key)
+        hashes: list[int] = []
+        found: list[int | None] = []  # the cached block of each full block of the prompt
+        run = 0  # cached blocks in a row, ending at the last one looked up
+        best = (0, 0)  # (blocks of the longest usable prefix, the first of them that must be cached)
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            h = chain_hash(prev, tokens)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
-                break
+            prev = chain_hash(prev, tokens)
+            block_id = self.hash_to_block.get(prev)
+            if block_id is not None and self.blocks[block_id].token_ids != tuple(tokens):
+                block_id = None
+            hashes.append(prev)
+            found.append(block_id)
+            run = run + 1 if block_id is not None else 0
+            first = self._first_visible_block(i + 1)
+            if run >= i + 1 - first:
+                best = (i + 1, first)
+            elif self.window is None:
+                break  # without windows every block of the prefix is needed: no longer one can be
+        blocks, first = best
+        seq.block_table = [NULL_BLOCK] * first
+        for block_id in found[first:blocks]:
+            assert block_id is not None
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self.free_ids.remove(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
-            seq.block_hashes.append(h)
-            prev = h
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-        self.drop_blocks_behind_window(seq)
+        seq.block_hashes, seq.num_dropped_blocks = hashes[:blocks], first
+        seq.num_computed_tokens = seq.num_cached_tokens = blocks * self.block_size
         # For the prefix-cache hit rate: tokens looked up, tokens found.
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_cached_tokens
+
+    def _first_visible_block(self, num_blocks: int) -> int:
+        """The first block a query right after ``num_blocks`` full blocks sees (0 without windows)."""
+        if self.window is None:
+            return 0
+        return max(num_blocks * self.block_size - self.window + 1, 0) // self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq`'s table to cover `num_tokens` tokens; all or nothing."""
@@ -162,8 +185,7 @@ class BlockManager:
         ``num_computed_tokens - window + 1`` on, so the blocks wholly before that are done with."""
         if self.window is None:
             return
-        first_visible = seq.num_computed_tokens - self.window + 1
-        upto = min(max(first_visible, 0) // self.block_size, len(seq.block_table))
+        upto = min(max(seq.num_computed_tokens - self.window + 1, 0) // self.block_size, len(seq.block_table))
         for i in range(seq.num_dropped_blocks, upto):
             self._release(seq.block_table[i])
             seq.block_table[i] = NULL_BLOCK
