@@ -173,3 +173,31 @@ def test_a_pool_smaller_than_the_context_serves_it_and_preempts_without_changing
     for rid in ("a", "b"):
         assert _logprobs(outs[rid]) == want, rid
     assert engine.block_manager.num_free_blocks == 12
+
+
+def test_a_model_with_a_global_layer_keeps_every_block(tmp_path: Path) -> None:
+    import transformers
+
+    write_byte_level_tokenizer(tmp_path)
+    # Qwen2's windows start at max_window_layers: layer 0 attends to the whole context, layer 1 to 16 keys.
+    config = transformers.Qwen2Config(
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    )
+    torch.manual_seed(0)
+    sharpen(transformers.Qwen2ForCausalLM(config)).save_pretrained(tmp_path, safe_serialization=True)
+    engine = _engine(_load(tmp_path, "torch"), speculative_tokens=0)
+    assert engine.model.attention_windows() == [None, WINDOW]
+    engine.add_request(_request("r", prompt_logprobs=False))
+    _, peak = _run(engine)
+    assert engine.block_manager.window is None and peak == -(-(len(PROMPT) + NEW - 1) // BLOCK)
+    # Its context is capped to what the pool of 64 blocks holds, where an every-layer-windowed model's is not.
+    assert engine.max_model_len == 256 and engine.kv_per_sequence.endswith("(a full context of 256 tokens)")

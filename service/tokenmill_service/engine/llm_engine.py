@@ -45,7 +45,6 @@ from tokenmill_service.engine.sampler import sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
 from tokenmill_service.engine.token_masks import MaskFiller, MaskJob, allowed_tokens
-from tokenmill_service.models.config import ModelConfig, layer_window
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -89,11 +88,8 @@ def _context_within_pool(
 def kept_window(model: CausalLM, config: EngineConfig) -> int | None:
     """The widest sliding window when every layer of ``model`` has one (a sequence's blocks wholly before
     it can be freed), else None. Not with the MTP drafter, whose layer reads the cache on its own terms."""
-    model_config = getattr(model, "config", None)
-    if not isinstance(model_config, ModelConfig) or config.speculative_method == "mtp":
-        return None
-    windows = [layer_window(model_config, i) for i in range(model_config.num_layers)]
-    if not windows or any(w is None for w in windows):
+    windows = model.attention_windows()
+    if config.speculative_method == "mtp" or not windows or None in windows:
         return None
     return max(w for w in windows if w is not None)
 
