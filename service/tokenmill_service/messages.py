@@ -66,6 +66,8 @@ class WorkerInfo:
     plan: dict[str, str] = field(default_factory=dict)
     # The LoRA adapters it serves, by name.
     adapters: list[str] = field(default_factory=list)
+    # What one sequence's KV cache costs at most, with why (LLMEngine.kv_per_sequence).
+    kv_per_sequence: str = ""
 
 
 # -- router -> worker ---------------------------------------------------------------------------

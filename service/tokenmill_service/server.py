@@ -137,6 +137,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reply.name, reply.context_length, reply.device = self.service.model_name(), info.context_length, info.device
             reply.dtype, reply.quantization, reply.weight_bytes = info.dtype, info.quantization, info.weight_bytes
             reply.load_plan.update(info.plan)
+            reply.kv_cache_per_sequence = info.kv_per_sequence
         for w in self.router.workers:
             state = reply.workers.add(worker_id=w.worker_id, alive=w.serving, restarts=w.restarts)
             for rank, (proc, device) in enumerate(zip(w.processes, w.devices)):

@@ -120,6 +120,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                 backend=spec.options.backend,
                 plan=engine.model.plan.summary(),
                 adapters=stats.adapters,
+                kv_per_sequence=engine.kv_per_sequence,
             ),
         )
     )

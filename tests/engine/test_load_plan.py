@@ -154,6 +154,10 @@ def test_the_default_server_logs_and_reports_its_plan(server: ServerProcess) -> 
         info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert dict(info.load_plan) == loaded[0]["plan"]
     assert info.load_plan["ops"].startswith("native (") and info.load_plan["kv_cache_layout"]
+    # No sliding windows: a sequence may hold a full context's blocks.
+    assert info.kv_cache_per_sequence.endswith(
+        f"tokens' blocks at most (a full context of {info.context_length} tokens)"
+    )
 
 
 def test_the_server_process_never_maps_libtorch(server: ServerProcess) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.kernels.attention_metadata import NULL_BLOCK, build_attention_metadata
 from tokenmill_service.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.kernels.torch_ops import TorchOps
@@ -132,3 +132,24 @@ def test_triton_over_several_splits_before_the_window() -> None:
         want = torch.stack([data.reference(0, starts[0] + j, 70, None) for j in range(query_lens[0])])
         torch.testing.assert_close(outs[-1], want, atol=2e-5, rtol=1e-4)
     assert torch.equal(outs[0][0], outs[1][-1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_dropped_behind_every_window_are_never_weighed(backend: str) -> None:
+    """The KV cache frees a sequence's blocks wholly before its next query's window (NULL_BLOCK in its
+    table, read as block 0): the same bits as with every block there, whatever block 0 holds."""
+    window = 20
+    data = Sequences(make_ops(backend), [150, 90], seed=3)
+    gen = torch.Generator().manual_seed(4)
+    for cache in (data.k_cache, data.v_cache):  # block 0 is no sequence's: fill it with other keys and values
+        cache[0][0].copy_(torch.randn(cache[0][0].shape, generator=gen) * 10)
+    seqs, query_lens, starts = [0, 1], [1, 30], [149, 60]
+    kept = data.attend(seqs, query_lens, starts, window, None)
+    # The first visible keys: 130 (blocks 0-7 wholly before it) and 41 (blocks 0-1).
+    for seq, dropped in ((0, 8), (1, 2)):
+        data.tables[seq] = [NULL_BLOCK] * dropped + data.tables[seq][dropped:]
+    assert torch.equal(data.attend(seqs, query_lens, starts, window, None), kept)
+    want = torch.stack(
+        [data.reference(0, 149, window, None), *(data.reference(1, 60 + j, window, None) for j in range(30))]
+    )
+    torch.testing.assert_close(kept, want, atol=2e-5, rtol=1e-4)

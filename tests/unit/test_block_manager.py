@@ -10,6 +10,7 @@ import pytest
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.request import GenerationRequest
 from tokenmill_service.engine.sequence import Sequence
+from tokenmill_service.kernels.attention_metadata import NULL_BLOCK
 
 
 def make_seq(tokenizer: Any, ids: list[int], rid: str = "r", prompt_logprobs: bool = False) -> Sequence:
@@ -134,3 +135,72 @@ def test_no_block_leaks_under_random_operations(default_tokenizer: Any, seed: in
     for s in live:
         bm.free(s)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_windowed_sequence_frees_the_blocks_behind_its_window_and_keeps_a_shared_one(
+    default_tokenizer: Any,
+) -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, window=8)
+    prefix = list(range(100, 112))  # three full blocks
+    a = make_seq(default_tokenizer, prefix + [1, 2], "a")
+    assert bm.allocate(a, a.num_tokens)
+    shared = a.block_table[:3]
+    a.num_computed_tokens = a.num_tokens
+    bm.register_computed_blocks(a)  # a's next query (14) sees 7 on: its block 0 (0-3) is freed, hash kept
+    assert a.block_table[0] == NULL_BLOCK and bm.blocks[shared[0]].ref_count == 0
+    b = make_seq(default_tokenizer, prefix + [7, 8, 9], "b")
+    bm.reuse_cached_prefix(b)  # all three blocks found; b's next query (12) sees 5 on: block 0 freed again
+    assert b.block_table == [NULL_BLOCK, *shared[1:]] and b.num_dropped_blocks == 1 and b.num_computed_tokens == 12
+    assert [bm.blocks[i].ref_count for i in shared] == [0, 2, 2]
+
+    # a grows to 30 tokens: its next query (30) sees 23 on, so blocks 0-4 (0-19) are freed.
+    a.token_ids += list(range(16))
+    assert bm.allocate(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.register_computed_blocks(a)
+    assert a.block_table[:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in a.block_table[5:]
+    assert len(a.block_hashes) == 7  # every full block hashed, dropped ones too
+    assert bm.blocks[shared[0]].ref_count == 0 and bm.blocks[shared[1]].ref_count == 1  # b's
+    assert bm.num_used_blocks == 5  # a's blocks 5-7, and b's 1-2 (a's once)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 16 and (a.block_table, a.block_hashes, a.num_dropped_blocks) == ([], [], 0)
+    # The freed blocks keep their hashes: a request with a's first 28 tokens finds all 7 full blocks.
+    c = make_seq(default_tokenizer, a.token_ids[:29], "c")
+    bm.reuse_cached_prefix(c)
+    assert c.num_computed_tokens == 28 and c.block_table[:5] == [NULL_BLOCK] * 5
+
+
+def test_a_windowed_prefix_is_found_while_only_its_window_is_cached(default_tokenizer: Any) -> None:
+    bm = BlockManager(num_blocks=12, block_size=4, window=8)
+    prompt = list(range(100, 141))  # 41 tokens: 10 full blocks
+    a = make_seq(default_tokenizer, prompt, "a")
+    for upto in range(8, 41, 8):  # prefilled in chunks of 8, its blocks behind the window freed as it goes
+        assert bm.allocate(a, upto)
+        a.num_computed_tokens = upto
+        bm.register_computed_blocks(a)
+    hashes = list(a.block_hashes)
+    bm.free(a)
+    # Another request takes blocks until a's first one is handed out: a's oldest blocks go first.
+    z = make_seq(default_tokenizer, list(range(200, 260)), "z")
+    while bm.hash_to_block.get(hashes[0]) is not None:
+        assert bm.allocate(z, (len(z.block_table) + 1) * 4)
+    assert all(h in bm.hash_to_block for h in hashes[-2:])  # the last window's blocks: 33-40 sees 26 on
+
+    c = make_seq(default_tokenizer, prompt, "c")
+    bm.reuse_cached_prefix(c)
+    # The query at 40 sees keys 33-40: blocks 8 and 9 (32-39) and the one it computes; 0-7 are not needed.
+    assert c.num_computed_tokens == 40 and c.block_table[:8] == [NULL_BLOCK] * 8
+    assert [bm.hash_to_block[h] for h in hashes[8:]] == c.block_table[8:] and c.block_hashes == hashes
+
+    plain = BlockManager(num_blocks=12, block_size=4)  # without windows a missing first block is a miss
+    d = make_seq(default_tokenizer, prompt, "d")
+    assert plain.allocate(d, 40)
+    d.num_computed_tokens = 40
+    plain.register_computed_blocks(d)
+    first = d.block_hashes[0]
+    plain.free(d)
+    plain.hash_to_block.pop(first)  # as if handed out again
+    e = make_seq(default_tokenizer, prompt, "e")
+    plain.reuse_cached_prefix(e)
+    assert e.num_computed_tokens == 0 and e.block_table == []

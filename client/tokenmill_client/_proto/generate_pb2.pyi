@@ -356,7 +356,7 @@ class RankState(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes", "tensor_parallel", "load_plan", "adapters")
+    __slots__ = ("name", "context_length", "vocab_size", "backend", "device", "num_workers", "dtype", "limits", "engine", "workers", "quantization", "weight_bytes", "tensor_parallel", "load_plan", "adapters", "kv_cache_per_sequence")
     class LoadPlanEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,7 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_PLAN_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     vocab_size: int
@@ -394,7 +395,8 @@ class ModelInfo(_message.Message):
     tensor_parallel: int
     load_plan: _containers.ScalarMap[str, str]
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., load_plan: _Optional[_Mapping[str, str]] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    kv_cache_per_sequence: str
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_workers: _Optional[int] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., engine: _Optional[_Union[EngineState, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., load_plan: _Optional[_Mapping[str, str]] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., kv_cache_per_sequence: _Optional[str] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path")

@@ -29,6 +29,11 @@ class CausalLM(Protocol):
     @property
     def max_positions(self) -> int: ...
 
+    def attention_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens (None: it attends to the whole context): where every
+        layer has one, the KV cache frees a sequence's blocks behind the widest (engine/block_manager.py)."""
+        ...
+
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (key, value) cache shapes, [layers, blocks, ...] each, in its ops backend's layout."""
         ...

@@ -55,13 +55,16 @@ class KVPoolTooSmall(ValueError):
     asked cannot be served (the worker reports it as a refusal, not a failure)."""
 
 
-def _context_within_pool(asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int) -> int:
+def _context_within_pool(
+    asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int, window_blocks: int | None = None
+) -> int:
     """The context served: ``asked`` (--max-model-len) or the model's own, within what the pool holds,
     since a sequence can never hold more tokens than the whole pool. A length the caller asked for that
-    the pool cannot hold is refused; the model's own is capped, with the memory a full one would need."""
+    the pool cannot hold is refused; the model's own is capped, with the memory a full one would need.
+    When every layer is windowed, a sequence holds at most ``window_blocks`` blocks whatever its length."""
     pool_tokens = num_blocks * block_size
     wanted = min(asked or model_len, model_len)
-    if wanted <= pool_tokens:
+    if wanted <= pool_tokens or window_blocks is not None and window_blocks <= num_blocks:
         return wanted
     needed = -(-wanted // block_size) * block_bytes
     if asked:
@@ -82,8 +85,24 @@ def _context_within_pool(asked: int, model_len: int, num_blocks: int, block_size
     return pool_tokens
 
 
+def kept_window(model: CausalLM, config: EngineConfig) -> int | None:
+    """The widest sliding window when every layer of ``model`` has one (a sequence's blocks wholly before
+    it can be freed), else None. Not with the MTP drafter, whose layer reads the cache on its own terms."""
+    windows = model.attention_windows()
+    if config.speculative_method == "mtp" or not windows or None in windows:
+        return None
+    return max(w for w in windows if w is not None)
+
+
 def _mib(n: int) -> str:
     return f"{-(-n // 2**20)} MiB"
+
+
+def _size(n: int) -> str:
+    """Bytes as KiB, MiB (both rounded up) or GiB (one decimal), whichever reads best."""
+    if n < 2**20:
+        return f"{-(-n // 2**10)} KiB"
+    return _mib(n) if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
 
 class LLMEngine:
@@ -99,12 +118,34 @@ class LLMEngine:
         if num_blocks <= 0:
             budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
             num_blocks = max(1, budget // block_bytes)
-        self.max_model_len = _context_within_pool(
-            self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes
-        )
         # What enters and leaves the prefix cache, when asked for (the worker publishes it after each step).
         self.kv_events = KVEventLog() if self.config.kv_events else None
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching, self.kv_events)
+        window = kept_window(model, self.config)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, self.config.enable_prefix_caching, self.kv_events, window
+        )
+        window_blocks = self.block_manager.window_blocks_per_sequence(self.config.max_batch_tokens)
+        self.max_model_len = _context_within_pool(
+            self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes, window_blocks
+        )
+        full = -(-self.max_model_len // block_size)
+        held = full if window_blocks is None else min(window_blocks, full)
+        # What one sequence's KV cache costs at most, as "value (reason)" (GetModelInfo's load plan).
+        self.kv_per_sequence = f"{_size(held * block_bytes)}, {held * block_size} tokens' blocks at most (" + (
+            f"every layer attends within a {window}-token window: a full context without windows holds "
+            f"{_size(full * block_bytes)})"
+            if window is not None and held < full
+            else f"a full context of {self.max_model_len} tokens)"
+        )
+        if window is not None:
+            log.info(
+                "kv_cache_windowed",
+                window=window,
+                context=self.max_model_len,
+                blocks_per_sequence_max=held,
+                kv_bytes_per_sequence_max=held * block_bytes,
+                kv_bytes_per_full_context_without_windows=full * block_bytes,
+            )
         # LoRA adapters, where the model has slots for them (--max-loras).
         slots = getattr(model, "lora", None)
         self.adapters = None if slots is None else AdapterManager(slots.max_loras, slots.max_rank, model.config)

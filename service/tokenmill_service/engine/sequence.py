@@ -33,6 +33,10 @@ class Sequence:
         # Prompt tokens found in the prefix cache at the last admission.
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # The prefix hash of each of its full blocks hashed so far (engine/block_manager.py), and how
+        # many of its first blocks every layer's sliding window has left behind (freed; NULL_BLOCK in the table).
+        self.block_hashes: list[int] = []
+        self.num_dropped_blocks = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         # Random draws are keyed by (seed, position): the same seed gives the same tokens in any batch.
@@ -82,6 +86,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone; it will prefill prompt and generated tokens again."""
         self.num_computed_tokens = 0
-        self.block_table = []
+        self.block_table, self.block_hashes, self.num_dropped_blocks = [], [], 0
         self.status = SequenceStatus.WAITING
         self.mtp_drafts, self.mtp_hidden = [], None

@@ -19,6 +19,10 @@ import torch
 
 # Keys per chunk of the attention loop; a multiple of every KV block size we allow (16 by default).
 KEY_CHUNK = 256
+# A block table slot whose block is gone: freed once every layer's sliding window had left it behind
+# (engine/block_manager.py). It is read as block 0, as padding is: only keys before every query's
+# window lie there, which every kernel masks (weight exactly 0, whatever finite values the block holds).
+NULL_BLOCK = -1
 
 
 @dataclass(slots=True)
@@ -102,7 +106,7 @@ def _group(
     return AttentionGroup(
         token_index=t(token_index),
         query_positions=positions,
-        block_ids=t(blocks),
+        block_ids=t(blocks).clamp_(min=0),  # NULL_BLOCK reads block 0
         valid_cells=t(valid_cells),
         valid_rows=t(valid_rows),
         chunk_masks=masks,
@@ -156,6 +160,6 @@ def build_attention_metadata(
         block_size=block_size,
         positions=t(positions),
         seq_of_token=t(seq_of_token),
-        block_tables=t(tables).view(len(block_tables), width),
+        block_tables=t(tables).view(len(block_tables), width).clamp_(min=0),  # NULL_BLOCK reads block 0
         build_groups=build_groups,
     )

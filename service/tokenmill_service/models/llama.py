@@ -421,6 +421,10 @@ class LlamaForCausalLM(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
+    def attention_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens (None: it attends to the whole context)."""
+        return [getattr(layer.self_attn, "window", None) for layer in self.model.layers]
+
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (key, value) cache shapes for this rank, in its ops backend's layout."""
         attn = self.model.layers[0].self_attn
