@@ -44,32 +44,34 @@ def replica_rank(
     size: int,
     port: int,
     path: str,
-    configs: dict[str, EngineConfig],
+    runs: dict[str, tuple[EngineConfig, bool]],
     batches: list[list[GenerationRequest]],
     out: str,
 ) -> None:
-    """Join the group; for each speculative method of ``configs``, load this rank's shard (with the MTP
-    layer for "mtp") and run ``batches`` one after the other (rank 0: the engine, saving to ``out`` each
-    method's results and its draft counts; the others: following it)."""
+    """Join the group; for each (engine config, expert parallel) of ``runs``, load this rank's shard (with
+    the MTP layer where the config's speculative method is "mtp") and run ``batches`` one after the other
+    (rank 0: the engine, saving to ``out`` each run's results and its draft counts; the others: following
+    it)."""
     torch.set_num_threads(1)
     # A bounded wait, as the worker's: a rank that missed a message fails instead of hanging the test.
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timedelta(seconds=120)
     )
-    tp = TensorParallel(rank, size)
     results: dict[str, Any] = {}
     try:
-        for method, config in configs.items():
+        for name, (config, expert_parallel) in runs.items():
+            method = config.speculative_method
+            tp = TensorParallel(rank, size, expert_parallel)
             model = load_model(Path(path), speculative_method=method, tp=tp)
             if rank:
                 follow(ModelRunner(model, config.block_size, config.num_kv_blocks), tp, mtp=method == "mtp")
                 continue
             engine = LLMEngine(model, load_tokenizer(Path(path)), config)
             broadcast = lead(engine, tp)
-            runs = [run_drafting(engine, batch) for batch in batches]
+            drafted = [run_drafting(engine, batch) for batch in batches]
             broadcast.send(Stop())
             stats = engine.stats()
-            results[method] = (runs, (stats.draft_tokens_proposed, stats.draft_tokens_accepted))
+            results[name] = (drafted, (stats.draft_tokens_proposed, stats.draft_tokens_accepted))
         if rank == 0:
             torch.save(results, out)
     finally:

@@ -149,27 +149,32 @@ def _free_port() -> int:
 
 
 def test_two_tensor_parallel_ranks_draft_as_one_rank_and_change_no_token(random_mtp: Path, tmp_path: Path) -> None:
-    """Two gloo ranks, spawned once, serving without drafts and then with MTP drafts (rank 0 sends each
-    pass of the MTP layer to rank 1 as it sends the steps): the three requests at once, then the greedy
-    one again from the prefix cache. With drafts, the tokens, logprobs and text of the two ranks without,
-    bit for bit; those of one rank within 1e-4; and after every step the same drafts as one rank drafts
-    (rank 1's shard of the layer read the right hidden states and cache), so the same counts."""
-    configs = {method: _config(method) for method in ("ngram", "mtp")}
+    """Two gloo ranks, spawned once, serving without drafts, with MTP drafts (rank 0 sends each pass of the
+    MTP layer to rank 1 as it sends the steps), and with MTP drafts and ``--expert-parallel`` (each rank
+    half the experts of the decoder's and the MTP block's layers): the three requests at once, then the
+    greedy one again from the prefix cache. With drafts, the tokens, logprobs and text of the two ranks
+    without, bit for bit; those of one rank within 1e-4; and after every step the same drafts as one rank
+    drafts (rank 1's shard of the layer read the right hidden states and cache), so the same counts."""
+    plain, mtp = _config("ngram"), _config("mtp")
+    runs = {"plain": (plain, False), "mtp": (mtp, False), "mtp-ep": (mtp, True)}
     batches = [_requests(), _requests()[:1]]
     out = tmp_path / "results"
-    mp.spawn(replica_rank, args=(2, _free_port(), str(random_mtp), configs, batches, str(out)), nprocs=2)
+    mp.spawn(replica_rank, args=(2, _free_port(), str(random_mtp), runs, batches, str(out)), nprocs=2)
     two: dict[str, tuple[list[Drafted], tuple[int, int]]] = torch.load(out, weights_only=False)
     one_plain, one_mtp = _engine(random_mtp, "ngram"), _engine(random_mtp, "mtp")
-    for batch, (plain_outs, _), (outs, drafts) in zip(batches, two["ngram"][0], two["mtp"][0]):
+    for b, batch in enumerate(batches):
         want_outs, _ = run_drafting(one_plain, batch)
         _, want_drafts = run_drafting(one_mtp, batch)
-        assert drafts == want_drafts
-        for r in batch:
-            rid = r.request_id
-            assert _view(outs[rid]) == _view(plain_outs[rid]), rid
-            _close(outs[rid], want_outs[rid])
+        plain_outs = two["plain"][0][b][0]
+        for run in ("mtp", "mtp-ep"):
+            outs, drafts = two[run][0][b]
+            assert drafts == want_drafts, run
+            for r in batch:
+                if run == "mtp":
+                    assert _view(outs[r.request_id]) == _view(plain_outs[r.request_id]), r.request_id
+                _close(outs[r.request_id], want_outs[r.request_id])
     stats = one_mtp.stats()
-    assert two["mtp"][1] == (stats.draft_tokens_proposed, stats.draft_tokens_accepted)
+    assert two["mtp"][1] == two["mtp-ep"][1] == (stats.draft_tokens_proposed, stats.draft_tokens_accepted)
     assert stats.draft_tokens_proposed > 25
 
 
