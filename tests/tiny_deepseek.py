@@ -57,17 +57,23 @@ MOE = dict(  # noqa: C408 - keyword names as in the transformers config
 
 
 def deepseek_v3(
-    q_lora: bool, vocab_size: int = 96, seed: int = 0, yarn: dict[str, Any] | None = None, moe: bool = False
+    q_lora: bool,
+    vocab_size: int = 96,
+    seed: int = 0,
+    yarn: dict[str, Any] | None = None,
+    moe: bool = False,
+    **overrides: Any,
 ) -> Any:
     """A random transformers DeepseekV3ForCausalLM (float32, eval), every weight away from its init
-    (``yarn``: other YaRN parameters for the q_lora model; ``moe``: with expert layers, ``MOE``)."""
+    (``yarn``: other YaRN parameters for the q_lora model; ``moe``: with expert layers, ``MOE``;
+    ``overrides``: other config values)."""
     import transformers
 
     if q_lora:
         extra: dict[str, Any] = {"q_lora_rank": 32, "rope_parameters": yarn or YARN, "rope_interleave": True}
     else:
         extra = {"q_lora_rank": None, "rope_interleave": False}
-    config = transformers.DeepseekV3Config(vocab_size=vocab_size, **(MLA | (MOE if moe else {})), **extra)
+    config = transformers.DeepseekV3Config(vocab_size=vocab_size, **(MLA | (MOE if moe else {}) | extra | overrides))
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config)
     generator = torch.Generator().manual_seed(seed + 1)

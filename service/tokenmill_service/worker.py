@@ -194,7 +194,7 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
 
 
 def _start_engine(spec: WorkerSpec, log: Any) -> Any:
-    from tokenmill_service.distributed.step_broadcast import StepBroadcast, broadcast_from_rank0
+    from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, lead
     from tokenmill_service.engine.compile import compiled_graphs
     from tokenmill_service.engine.llm_engine import LLMEngine
     from tokenmill_service.models.loader import load, resolve_model_path
@@ -208,7 +208,7 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.
         broadcast_from_rank0(engine.block_manager.num_blocks, tp)
-        engine.runner.broadcast = StepBroadcast(tp)
+        lead(engine, tp)
     if engine.runner.executor.kind != "compiled":
         _warm_up(engine)
         return engine
@@ -278,7 +278,7 @@ def _follower_main(spec: WorkerSpec, log: Any) -> None:
         assert isinstance(num_blocks, int)
         runner = ModelRunner(model, spec.engine.block_size, num_blocks)
         log.info("follower_ready", pid=os.getpid())
-        follow(runner, tp)
+        follow(runner, tp, mtp=spec.engine.speculative_method == "mtp")
     except Exception as exc:  # noqa: BLE001 - the router sees the exit; the log says why
         # Rank 0 failing (or being killed) surfaces here as a collective error or timeout.
         log.error("follower_failed", error=str(exc), traceback=traceback.format_exc())

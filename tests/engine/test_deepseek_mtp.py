@@ -2,17 +2,22 @@
 a tiny random DeepSeek-V3 with a random MTP layer added to its file, the same tokens, logprobs and text bit
 for bit with MTP drafts and without (greedy, seeded and penalized sampling, several requests in one batch
 against each alone, a prompt from the prefix cache), and the drafts counted; with an MTP layer built to
-predict what the model samples, nearly every draft is kept and a request takes a fraction of the steps."""
+predict what the model samples, nearly every draft is kept and a request takes a fraction of the steps;
+at two tensor-parallel ranks, the drafts of one rank and the tokens of the two ranks without drafts."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
+from tests.engine.mtp_ranks import Drafted, replica_rank, run_drafting
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tests.tiny_deepseek import add_mtp_layer, deepseek_v3, quantize_fp8
 from tokenmill_service.engine.config import EngineConfig
@@ -30,10 +35,15 @@ PROMPT = list(b"Multi-token prediction: ")
 
 @pytest.fixture(scope="module")
 def random_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three layers (the first dense, then routed and shared experts) and an MTP layer with experts."""
+    """Three layers (the first dense, then routed and shared experts) and an MTP layer with experts; for
+    two tensor-parallel ranks, an even vocabulary (bytes, EOS and a pad token) and experts 64 wide, so
+    that each rank's half is whole blocks of the native kernels (a narrower one takes the sliced product,
+    which is not batch-invariant on every CPU: layers/quant/dense.py)."""
     directory = tmp_path_factory.mktemp("deepseek-random-mtp")
-    write_byte_level_tokenizer(directory)
-    deepseek_v3(q_lora=True, vocab_size=257, moe=True).save_pretrained(directory, safe_serialization=True)
+    write_byte_level_tokenizer(directory, "<|pad|>")
+    deepseek_v3(q_lora=True, vocab_size=258, moe=True, moe_intermediate_size=64).save_pretrained(
+        directory, safe_serialization=True
+    )
     add_mtp_layer(directory)
     return directory
 
@@ -47,11 +57,14 @@ def predicting_mtp(random_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -
     return directory
 
 
+def _config(method: str, **kw: Any) -> EngineConfig:
+    kw.setdefault("speculative_tokens", 0 if method == "ngram" else 3)
+    return EngineConfig(num_kv_blocks=64, block_size=4, speculative_method=method, **kw)
+
+
 def _engine(directory: Path, method: str, quantization: str = "none", **kw: Any) -> LLMEngine:
     model = load_model(directory, quantization=quantization, speculative_method=method)
-    kw.setdefault("speculative_tokens", 0 if method == "ngram" else 3)
-    config = EngineConfig(num_kv_blocks=64, block_size=4, speculative_method=method, **kw)
-    return LLMEngine(model, load_tokenizer(directory), config)
+    return LLMEngine(model, load_tokenizer(directory), _config(method, **kw))
 
 
 def _run(engine: LLMEngine, requests: list[GenerationRequest]) -> tuple[dict[str, list[RequestOutput]], int]:
@@ -117,6 +130,52 @@ def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_kept(predicting_mtp
     assert stats.draft_tokens_accepted >= 0.9 * stats.draft_tokens_proposed > 0
     # A prefill step, then up to 1 + 3 tokens a step instead of 1.
     assert plain_steps == 24 and steps <= 1 + 24 // 4 + 2
+
+
+def _close(got: list[RequestOutput], want: list[RequestOutput]) -> None:
+    """The same tokens and text, every logprob within 1e-4."""
+    (ids, text, *_), (want_ids, want_text, *_) = _view(got), _view(want)
+    assert [t for t, _, _ in ids] == [t for t, _, _ in want_ids] and text == want_text
+    for (_, lp, top), (_, want_lp, want_top) in zip(ids, want_ids):
+        assert lp is None or abs(lp - want_lp) < 1e-4
+        assert [t for t, _ in top] == [t for t, _ in want_top]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, want_top))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_tensor_parallel_ranks_draft_as_one_rank_and_change_no_token(random_mtp: Path, tmp_path: Path) -> None:
+    """Two gloo ranks, spawned once, serving without drafts, with MTP drafts (rank 0 sends each pass of the
+    MTP layer to rank 1 as it sends the steps), and with MTP drafts and ``--expert-parallel`` (each rank
+    half the experts of the decoder's and the MTP block's layers): the three requests at once, then the
+    greedy one again from the prefix cache. With drafts, the tokens, logprobs and text of the two ranks
+    without, bit for bit; those of one rank within 1e-4; and after every step the same drafts as one rank
+    drafts (rank 1's shard of the layer read the right hidden states and cache), so the same counts."""
+    plain, mtp = _config("ngram"), _config("mtp")
+    runs = {"plain": (plain, False), "mtp": (mtp, False), "mtp-ep": (mtp, True)}
+    batches = [_requests(), _requests()[:1]]
+    out = tmp_path / "results"
+    mp.spawn(replica_rank, args=(2, _free_port(), str(random_mtp), runs, batches, str(out)), nprocs=2)
+    two: dict[str, tuple[list[Drafted], tuple[int, int]]] = torch.load(out, weights_only=False)
+    one_plain, one_mtp = _engine(random_mtp, "ngram"), _engine(random_mtp, "mtp")
+    for b, batch in enumerate(batches):
+        want_outs, _ = run_drafting(one_plain, batch)
+        _, want_drafts = run_drafting(one_mtp, batch)
+        plain_outs = two["plain"][0][b][0]
+        for run in ("mtp", "mtp-ep"):
+            outs, drafts = two[run][0][b]
+            assert drafts == want_drafts, run
+            for r in batch:
+                if run == "mtp":
+                    assert _view(outs[r.request_id]) == _view(plain_outs[r.request_id]), r.request_id
+                _close(outs[r.request_id], want_outs[r.request_id])
+    stats = one_mtp.stats()
+    assert two["mtp"][1] == two["mtp-ep"][1] == (stats.draft_tokens_proposed, stats.draft_tokens_accepted)
+    assert stats.draft_tokens_proposed > 25
 
 
 def test_an_fp8_mtp_layer_is_served_as_stored(random_mtp: Path, tmp_path: Path) -> None:

@@ -156,8 +156,7 @@ class LLMEngine:
         # --speculative-method mtp: drafts from the model's multi-token-prediction layers, after each step.
         self.drafter: MTPDrafter | None = None
         if self.config.speculative_method == "mtp":
-            self.drafter = MTPDrafter(model, self.config, self.block_manager)
-            self.runner.keep_hidden = True
+            self.drafter = MTPDrafter(model, self.config, self.block_manager, self.runner)
         self.sequences: dict[str, Sequence] = {}
         # Draft tokens checked and kept (speculation.py), since start.
         self.drafts_proposed = self.drafts_accepted = 0
@@ -290,18 +289,9 @@ class LLMEngine:
         return [outputs[i] for i in sorted(outputs)]
 
     def _propose_mtp_drafts(self, batch: ScheduledBatch) -> None:
-        runner, drafter = self.runner, self.drafter
-        assert drafter is not None and runner.last_plan is not None and runner.last_hidden is not None
-        drafter.propose(
-            batch,
-            runner.last_plan,
-            runner.last_hidden,
-            len(self.scheduler.running),
-            self.max_model_len,
-            runner.k_cache,
-            runner.v_cache,
-        )
-        runner.last_plan = runner.last_hidden = None
+        assert self.drafter is not None
+        self.drafter.propose(batch, len(self.scheduler.running), self.max_model_len)
+        self.runner.last_plan = self.runner.last_hidden = None
 
     # -- internals -------------------------------------------------------------------------
 

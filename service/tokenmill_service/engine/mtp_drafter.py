@@ -14,33 +14,121 @@ one). Those chained positions are scratch: the step that computes them for real 
 Where a context's start came from the prefix cache, the hidden state before its first computed position
 is not known and zeros stand in: that position's draft entry is approximate. Drafts change only how
 many tokens a step keeps, never which (engine/speculation.py says why), so this costs speed at most.
+
+Under tensor parallelism each rank holds its shard of the MTP layer, as of the decoder. Rank 0 decides
+every pass (``MTPDrafter``, which owns the sequences) as a ``DraftPass`` of plain lists and broadcasts
+it before running it, as it does each step's plan (distributed/step_broadcast.py); every rank runs it
+with a ``DraftPassRunner`` of its own, so the collectives inside the layer pair up. A pass names each
+token's previous hidden state by its row in the step's hidden states, which every rank computed alike,
+and carries only those kept from the step before (one per sequence), which no other rank keeps.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.model_runner import StepPlan
+from tokenmill_service.engine.model_runner import ModelRunner
 from tokenmill_service.engine.scheduler import ScheduledBatch
 from tokenmill_service.engine.sequence import Sequence, SequenceStatus
 from tokenmill_service.kernels.attention_metadata import build_attention_metadata
 
+if TYPE_CHECKING:
+    from tokenmill_service.models.deepseek_mtp import DeepseekMTPLayer
+
+
+@dataclass(slots=True)
+class DraftPass:
+    """One run of the MTP layer, as plain lists (what rank 0 broadcasts to the other ranks): token
+    ``token_ids[j]`` at ``positions[j]``, sequence i's ``query_lens[i]`` of them from ``starts[i]`` on into
+    the blocks ``block_tables[i]``. Token j's previous hidden state is row ``previous[j]`` of the step's
+    hidden states followed by ``carried`` (the first pass after a step) or, ``chained``, of the rows the
+    pass before kept. The pass keeps its output rows ``kept_rows`` and computes their logits."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    starts: list[int]
+    block_tables: list[list[int]]
+    previous: list[int]
+    kept_rows: list[int]
+    chained: bool = False
+    # [sequences, hidden]: the hidden states kept from the step before (rank 0's; on the CPU when sent).
+    carried: torch.Tensor | None = None
+
+
+class DraftSink(Protocol):
+    def send(self, message: DraftPass) -> None: ...
+
+
+def first_mtp_layer(model: CausalLM) -> DeepseekMTPLayer:
+    """The model's first multi-token-prediction layer, the one the drafts chain (a clear error without)."""
+    layers = getattr(model, "mtp", None)
+    if not layers:
+        raise ValueError(
+            "speculative_method mtp needs the model's multi-token-prediction layers loaded "
+            "(load it with speculative_method='mtp'; only DeepSeek-V3 checkpoints have them)"
+        )
+    layer: DeepseekMTPLayer = layers[0]
+    return layer
+
+
+class DraftPassRunner:
+    """Runs draft passes on one rank, with the main model's hidden states of the step just run (the
+    runner keeps them) and the rows the last pass kept; every rank of a group runs the same passes."""
+
+    def __init__(self, model: CausalLM, runner: ModelRunner) -> None:
+        self.model = model
+        self.layer = first_mtp_layer(model)
+        self.runner = runner
+        runner.keep_hidden = True
+        self.kept: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def execute(self, draft: DraftPass) -> torch.Tensor | None:
+        """The logits of the rows the pass keeps (None where it keeps none); writes the block's cache
+        entries for its positions."""
+        runner = self.runner
+        device = runner.device
+        index = torch.tensor(draft.previous, dtype=torch.long, device=device)
+        if draft.chained:
+            assert self.kept is not None, "a chained draft pass without one before it"
+            pool = self.kept
+        else:
+            hidden = runner.last_hidden
+            assert hidden is not None, "a draft pass without a step before it"
+            carried = draft.carried
+            pool = hidden if carried is None else torch.cat((hidden, carried.to(device, hidden.dtype)))
+        previous = pool.index_select(0, index)
+        meta = build_attention_metadata(
+            draft.query_lens, draft.starts, draft.block_tables, runner.k_cache, runner.v_cache
+        )
+        tokens = torch.tensor(draft.token_ids, dtype=torch.long, device=device)
+        embeds = self.model.model.embed(tokens)  # type: ignore[attr-defined]
+        where = torch.tensor(draft.positions, dtype=torch.long, device=device)
+        out: torch.Tensor = self.layer(embeds, where, previous, meta)
+        if not draft.kept_rows:
+            self.kept = None
+            return None
+        self.kept = out.index_select(0, torch.tensor(draft.kept_rows, dtype=torch.long, device=device))
+        logits: torch.Tensor = self.layer.compute_logits(self.kept)
+        return logits
+
 
 class MTPDrafter:
-    def __init__(self, model: CausalLM, config: EngineConfig, block_manager: BlockManager) -> None:
-        layers = getattr(model, "mtp", None)
-        if not layers:
-            raise ValueError(
-                "speculative_method mtp needs the model's multi-token-prediction layers loaded "
-                "(load it with speculative_method='mtp'; only DeepSeek-V3 checkpoints have them)"
-            )
-        self.model = model
-        self.layer = layers[0]
+    """Rank 0's side: decides each pass from the sequences, sends it where the other ranks listen
+    (``broadcast``, set under tensor parallelism) and runs it."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig, block_manager: BlockManager, runner: ModelRunner) -> None:
+        self.passes = DraftPassRunner(model, runner)
         self.config = config
         self.block_manager = block_manager
+        self.broadcast: DraftSink | None = None
 
     def _room(self, seq: Sequence, running: int, max_model_len: int) -> int:
         """How many drafts to chain for a sequence that just sampled (what the scheduler could use)."""
@@ -60,26 +148,20 @@ class MTPDrafter:
         return max(0, min(room, len(seq.block_table) * bm.block_size - last))
 
     @torch.inference_mode()
-    def propose(
-        self,
-        batch: ScheduledBatch,
-        plan: StepPlan,
-        hidden: torch.Tensor,
-        running: int,
-        max_model_len: int,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> None:
-        """Set ``mtp_drafts`` of every sequence of the step just run (``plan``, whose main-model hidden
-        states are ``hidden``), writing the block's cache entries for the positions it computed."""
-        device = hidden.device
+    def propose(self, batch: ScheduledBatch, running: int, max_model_len: int) -> None:
+        """Set ``mtp_drafts`` of every sequence of the step just run (``batch``; the runner kept its plan
+        and the main model's hidden states), writing the block's cache entries for the positions it computed."""
+        runner = self.passes.runner
+        plan, hidden = runner.last_plan, runner.last_hidden
+        assert plan is not None and hidden is not None, "MTP drafts without a step run before them"
         ids: list[int] = []
         positions: list[int] = []
-        rows: list[int] = []  # per token: its previous hidden state's row in ``previous`` below
+        # Per token: its previous hidden state's row in the step's hidden states followed by ``carried``.
+        rows: list[int] = []
         carried: list[torch.Tensor] = []  # hidden states kept from the step before, one per sequence
         query_lens, starts, tables = [], [], []
         chains: list[tuple[Sequence, int, int]] = []  # (sequence, drafts wanted, its last row in the pass)
-        zero = torch.zeros(hidden.shape[-1], dtype=hidden.dtype, device=device)
+        zero = torch.zeros(hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         offset = 0
         for seq, start, n in zip(batch.seqs, plan.starts, plan.query_lens):
             base, offset = offset, offset + n
@@ -95,7 +177,7 @@ class MTPDrafter:
                 ids.append(seq.token_ids[p])
                 positions.append(p)
                 if p == start:
-                    rows.append(-1 - len(carried))
+                    rows.append(hidden.shape[0] + len(carried))
                     carried.append(seq.mtp_hidden if seq.mtp_hidden is not None and start > 0 else zero)
                 else:
                     rows.append(base + p - 1 - start)
@@ -107,53 +189,32 @@ class MTPDrafter:
                 chains.append((seq, wanted, len(ids) - 1))
         if not ids:
             return
-        # Rows >= 0 are this step's hidden states; row -1 - j the j-th carried one.
-        pool = torch.cat((hidden, torch.stack(carried).to(hidden.dtype)))
-        index = torch.tensor([r if r >= 0 else hidden.shape[0] + (-1 - r) for r in rows], device=device)
-        out = self._run(ids, positions, pool.index_select(0, index), query_lens, starts, tables, k_cache, v_cache)
         seqs = [seq for seq, _, _ in chains]
         wants = [w for _, w, _ in chains]
-        last = out.index_select(0, torch.tensor([row for _, _, row in chains], dtype=torch.long, device=device))
+        first = DraftPass(
+            ids, positions, query_lens, starts, tables, rows, [row for _, _, row in chains], False, torch.stack(carried)
+        )
+        logits = self._pass(first)
         active = list(range(len(seqs)))
         k = 0
         while active:
-            guesses = self.layer.compute_logits(last).argmax(dim=-1)
-            for seq_index, token in zip(active, guesses.tolist()):
+            assert logits is not None
+            guesses = logits.argmax(dim=-1).tolist()
+            for seq_index, token in zip(active, guesses):
                 seqs[seq_index].mtp_drafts.append(int(token))
             k += 1
             keep = [j for j, i in enumerate(active) if wants[i] > k]
             if not keep:
                 break
             active = [active[j] for j in keep]
-            chosen = torch.tensor(keep, dtype=torch.long, device=device)
             at = [seqs[i].num_tokens - 1 + k for i in active]
-            tokens = guesses.index_select(0, chosen).tolist()
-            last = self._run(
-                tokens,
-                at,
-                last.index_select(0, chosen),
-                [1] * len(at),
-                at,
-                [seqs[i].block_table for i in active],
-                k_cache,
-                v_cache,
-            )
+            tables = [seqs[i].block_table for i in active]
+            tokens = [int(guesses[j]) for j in keep]
+            logits = self._pass(DraftPass(tokens, at, [1] * len(at), at, tables, keep, list(range(len(keep))), True))
 
-    def _run(
-        self,
-        ids: list[int],
-        positions: list[int],
-        previous: torch.Tensor,
-        query_lens: list[int],
-        starts: list[int],
-        tables: list[list[int]],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        device = previous.device
-        meta = build_attention_metadata(query_lens, starts, tables, k_cache, v_cache)
-        tokens = torch.tensor(ids, dtype=torch.long, device=device)
-        embeds = self.model.model.embed(tokens)  # type: ignore[attr-defined]
-        where = torch.tensor(positions, dtype=torch.long, device=device)
-        out: torch.Tensor = self.layer(embeds, where, previous, meta)
-        return out
+    def _pass(self, draft: DraftPass) -> torch.Tensor | None:
+        """Run ``draft`` here, after sending it to the other ranks (the carried states through the CPU)."""
+        if self.broadcast is not None:
+            carried = draft.carried
+            self.broadcast.send(draft if carried is None else replace(draft, carried=carried.cpu()))
+        return self.passes.execute(draft)

@@ -73,6 +73,8 @@ log = structlog.get_logger(__name__)
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # The router's score-correction bias: transformers' name, and llama.cpp's ("exp_probs_b.bias") mapped.
+# An expert's tensor in a multi-token-prediction layer's block, as ``_mtp_names`` renames it.
+_MTP_EXPERT = re.compile(r"mtp\.(\d+)\.block\.mlp\.experts\.(\d+)\.")
 _SCORE_BIAS = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction(?:_bias|\.bias)")
 # llama.cpp's expert_gating_func values (gguf's ExpertGatingFuncType).
 GGUF_GATING = {1: "softmax", 2: "sigmoid", 3: "sqrtsoftplus"}
@@ -624,6 +626,16 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 raise ValueError(f"{name} holds {bias.numel()} values for {mlp.num_experts} experts")
             mlp.score_bias.copy_(bias)
             loaded.add(layer)
+
+    def _holds(self, name: str) -> bool:
+        """As the decoder's (``MoEForCausalLM._holds``), for an MTP block's experts too: under
+        ``--expert-parallel`` a rank holds only its share of them."""
+        match = _MTP_EXPERT.match(name)
+        if match is None:
+            return super()._holds(name)
+        layer: Any = self.mtp[int(match.group(1))]
+        mlp = layer.block.mlp
+        return not isinstance(mlp, FusedMoE) or int(match.group(2)) in mlp.placement.ids
 
     def _mtp_names(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         """The tensors, those of the multi-token-prediction layers DeepSeek-V3's files keep after the

@@ -341,8 +341,6 @@ def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> lis
             f"--speculative-method mtp drafts with a checkpoint's multi-token-prediction layers "
             f"(DeepSeek-V3's num_nextn_predict_layers); this {config.architecture} checkpoint has none"
         )
-    if options.tensor_parallel > 1:
-        raise PlanRefused("--speculative-method mtp runs on one rank; it cannot be combined with --tensor-parallel")
     return list(prefixes(config))
 
 
