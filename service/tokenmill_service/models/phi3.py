@@ -241,7 +241,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         out = dataclasses.replace(config, extra={**config.extra})
         out.extra["rope_factors"] = config.extra["rope_long_factor" if long else "rope_short_factor"]
         if not long:
-            _cap_context(out, int(config.extra["rope_original_max_positions"]), "longrope_short_factors")  # type: ignore[call-overload]
+            original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
+            _cap_context(out, original, "longrope_short_factors")
         return out
 
     @classmethod
