@@ -21,12 +21,14 @@ from tests.plugins import toy_backend, toy_quantization
 from tests.server_process import ServerProcess
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+from tokenmill_service.config import load_settings
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.checkpoint import Checkpoint, open_checkpoint
 from tokenmill_service.models.loader import load_model
 from tokenmill_service.plan import LoadOptions, LoadPlan, PlanRefused
 from tokenmill_service.plan.device import NATIVE_KERNELS, DeviceFacts, probe_device
 from tokenmill_service.plan.resolve import resolve_plan
+from tokenmill_service.router.spec import worker_spec
 
 NO_COMPILER = "no C++ compiler (g++) on PATH"
 NO_VNNI = "the CPU has no AVX-512 VNNI"
@@ -50,6 +52,16 @@ def test_every_choice_of_the_default_plan_says_why(smollm: Checkpoint) -> None:
         assert decision.reason
     summary = p.summary()
     assert summary["executor"].startswith("native-stack (") and summary["quantization.gguf-vnni"]
+
+
+def test_the_served_context_travels_to_the_plan(smollm: Checkpoint) -> None:
+    """--max-model-len reaches each worker's load options (a family whose rotary depends on the served
+    context, LongRoPE, chooses by it: tests/engine/test_phi3.py); Llama's rotary does not, no ``rope``."""
+    spec = worker_spec(load_settings(["--max-model-len", "64"], environ={}), 1, 0, 0, 0)
+    assert spec.options.max_model_len == spec.engine.max_model_len == 64
+    assert LoadOptions.from_settings(load_settings([], environ={})).max_model_len == 0  # the model's own
+    p = plan(smollm, max_model_len=64)
+    assert p.rope is None and "rope" not in p.summary()
 
 
 def test_without_a_compiler_auto_serves_torchs_kernels_and_says_why(smollm: Checkpoint) -> None:

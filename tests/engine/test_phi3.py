@@ -1,10 +1,11 @@
 """Phi-3 / Phi-4-mini: tiny random transformers checkpoints (fused qkv_proj and gate_up_proj in the
 file) with whole-head rotary untied and a sliding window of 16 tokens on every layer (under a 40-token
-prompt), partial rotary tied (Phi-4-mini's shape), and partial rotary with LongRoPE, served as
-transformers computes them: logits and prompt logprobs within 1e-4 (float32, dense) on each ops backend
-(native CPU ops, the torch reference, triton), the same greedy tokens, the same from a GGUF of each as
-llama.cpp's converter writes it, a prompt bitwise the same alone and in a batch; the fused split shown
-to matter, and what is not served refused or capped.
+prompt), partial rotary tied (Phi-4-mini's shape), and partial rotary with LongRoPE (a 32-token original
+context under the 40-token prompt), served as transformers computes them: logits and prompt logprobs
+within 1e-4 (float32, dense) on each ops backend (native CPU ops, the torch reference, triton), the same
+greedy tokens, the same from a GGUF of each as llama.cpp's converter writes it, a prompt bitwise the same
+alone and in a batch; LongRoPE's long factors served past the original context and its short ones within
+it, as the load plan says; the fused split shown to matter, and what is not served refused or capped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.config import layer_window
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.models.phi3 import Phi3ForCausalLM
+from tokenmill_service.models.phi3 import LONG, SHORT, Phi3ForCausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,12 +46,14 @@ TINY = dict(  # noqa: C408 - keyword names as in the transformers config
     pad_token_id=None,
 )
 ROTARY_DIM = 32  # partial_rotary_factor 0.5 of a 64 head
-# LongRoPE past a 128-token pretraining length; the short factors (which run) away from 1.
+# LongRoPE past a 32-token pretraining length (the 40-token prompt outgrows it: transformers' forward pass
+# over it takes the long factors, as a served context of the model's 256 does); both sets away from 1.
+ORIGINAL = 32
 LONGROPE = {
     "rope_type": "longrope",
     "short_factor": [1.0 + i / 8 for i in range(ROTARY_DIM // 2)],
     "long_factor": [4.0 + i for i in range(ROTARY_DIM // 2)],
-    "original_max_position_embeddings": 128,
+    "original_max_position_embeddings": ORIGINAL,
 }
 WINDOW = 16  # tokens, every layer (Phi-3's sliding_window): the prompt is 40
 VARIANTS = {  # id -> (tied, Phi3Config keywords)
@@ -58,10 +61,20 @@ VARIANTS = {  # id -> (tied, Phi3Config keywords)
     "tied-partial": (True, {"partial_rotary_factor": 0.5}),
     "untied-partial-longrope": (
         False,
-        {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 128, "rope_scaling": LONGROPE},
+        {"partial_rotary_factor": 0.5, "original_max_position_embeddings": ORIGINAL, "rope_scaling": LONGROPE},
     ),
 }
 PROMPT = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def longrope(hf_model: Any) -> bool:
+    return bool(hf_model.config.rope_parameters.get("rope_type") == "longrope")
+
+
+def greedy_prompt(hf_model: Any) -> list[int]:
+    """A prompt for greedy decoding: with LongRoPE, past the original context from its first step (where
+    transformers, too, takes the long factors for every position)."""
+    return PROMPT[: ORIGINAL + 1] if longrope(hf_model) else PROMPT[:12]
 
 
 def phi3(variant: str) -> torch.nn.Module:
@@ -108,10 +121,13 @@ def test_the_config_carries_rotary_and_longrope(checkpoint: tuple[Path, Any]) ->
     assert config.architecture == "phi3" and config.tie_word_embeddings is hf_model.config.tie_word_embeddings
     partial = hf_model.config.rope_parameters.get("partial_rotary_factor", 1.0) < 1.0
     assert config.extra["rotary_dim"] == (ROTARY_DIM if partial else 64)
-    if hf_model.config.rope_parameters.get("rope_type") == "longrope":
+    if longrope(hf_model):
         assert config.extra["rope_short_factor"] == LONGROPE["short_factor"]
-        assert config.extra["rope_attention_factor"] == pytest.approx(math.sqrt(1 + math.log(2) / math.log(128)))
-        assert config.max_position_embeddings == 128  # the long factors are not served: capped
+        assert config.extra["rope_long_factor"] == LONGROPE["long_factor"]
+        assert config.extra["rope_original_max_positions"] == ORIGINAL
+        scale = 256 / ORIGINAL
+        assert config.extra["rope_attention_factor"] == pytest.approx(math.sqrt(1 + math.log(scale) / math.log(32)))
+        assert config.max_position_embeddings == 256  # the plan chooses the factors; the context is whole
     else:
         assert "rope_short_factor" not in config.extra and config.max_position_embeddings == 256
     # A sliding window applies to every layer and leaves the context whole.
@@ -173,7 +189,7 @@ def test_the_plan_says_the_native_stack_has_no_partial_rotary(checkpoint: tuple[
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
     directory, hf_model = checkpoint
-    assert_greedy_matches(load(directory, "native"), hf_model, PROMPT[:12], 10)
+    assert_greedy_matches(load(directory, "native"), hf_model, greedy_prompt(hf_model), 10)
 
 
 @pytest.mark.parametrize("ops", ["native", "torch"])
@@ -230,7 +246,12 @@ def test_a_gguf_of_the_model_gives_the_same_logits_and_greedy_tokens(
     assert model.config.max_position_embeddings == read_hf_config(directory).max_position_embeddings
     assert [layer.self_attn.window for layer in model.model.layers] == [hf_model.config.sliding_window] * 2
     assert_prompt_matches(model, hf_model, PROMPT)
-    assert_greedy_matches(model, hf_model, PROMPT[:12], 6)
+    assert_greedy_matches(model, hf_model, greedy_prompt(hf_model), 6)
+    if longrope(hf_model):  # rope_factors_long served past the original context, the short ones within it
+        assert model.plan.rope.value == LONG
+        short = load_model(path, dtype=torch.float32, quantization="none", max_model_len=ORIGINAL)
+        assert short.plan.rope.value == SHORT and short.max_positions == ORIGINAL
+        assert_prompt_matches(short, hf_model, PROMPT[:ORIGINAL])
 
 
 @pytest.mark.parametrize(
@@ -238,9 +259,40 @@ def test_a_gguf_of_the_model_gives_the_same_logits_and_greedy_tokens(
     [
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling type 'dynamic' is not supported"),
         ({"rope_parameters": {**LONGROPE, "short_factor": [1.0, 2.0]}}, "short_factor has 2 values"),
+        (
+            {"partial_rotary_factor": 0.5, "rope_parameters": {**LONGROPE, "long_factor": [1.0] * 17}},
+            "long_factor has 17 values",
+        ),
         ({"partial_rotary_factor": 0.3, "rope_parameters": None}, "partial_rotary_factor 0.3 gives 19 rotary dims"),
     ],
 )
 def test_what_is_not_served_is_refused(checkpoint: tuple[Path, Any], tmp_path: Path, edit: Any, message: str) -> None:
     with pytest.raises(HFCheckpointError, match=message):
         read_hf_config(_edited(checkpoint[0], tmp_path, edit))
+
+
+@torch.inference_mode()
+def test_the_served_context_chooses_longrope_factors_in_the_plan(checkpoint: tuple[Path, Any]) -> None:
+    """As llama.cpp: a served context past the original length takes the long factors for every position
+    (the logits test above: transformers' over the 40-token prompt); within it the short factors, the
+    context capped there, and transformers' numbers over a prompt as long as the original. The plan's
+    ``rope`` entry says which and why; a family without LongRoPE has none."""
+    directory, hf_model = checkpoint
+    served_whole = load_model(directory)
+    if not longrope(hf_model):
+        assert served_whole.plan.rope is None and "rope" not in served_whole.plan.summary()
+        return
+    rope = served_whole.plan.summary()["rope"]
+    assert rope.startswith(f"{LONG} (LongRoPE: the served context (the model's own: 256) exceeds the original 32")
+    assert served_whole.max_positions == 256
+    config = read_hf_config(directory)
+    assert Phi3ForCausalLM.rope_choice(config, ORIGINAL + 1).value == LONG  # type: ignore[union-attr]
+    short = load_model(directory, max_model_len=ORIGINAL)
+    assert short.plan.summary()["rope"].startswith(f"{SHORT} (LongRoPE: the served context (--max-model-len 32: 32)")
+    assert short.max_positions == ORIGINAL
+    assert_prompt_matches(short, hf_model, PROMPT[:ORIGINAL])
+    # The choice matters: over a prompt within the original context (short factors in transformers), the
+    # long factors give other logits.
+    within = PROMPT[:ORIGINAL]
+    long_logits = served_whole.compute_logits(forward_prompt(served_whole, within))
+    assert (long_logits - hf_logits(hf_model, within)).abs().max() > 1e-2

@@ -25,6 +25,8 @@ from tokenmill_service.plan.resolve import DTYPES
 def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> nn.Module:
     """A ready-to-run model (eval mode, no gradients): the plan carried out on the checkpoint."""
     config = checkpoint.config
+    if plan.rope is not None:  # the rotary factors the plan chose for the served context
+        config = model_class(plan.architecture).with_rope(config, plan.rope.value)
     act_dtype = DTYPES[plan.act_dtype.value]
     tp = dataclasses.replace(tp or TensorParallel(), expert_parallel=plan.options.expert_parallel)
 

@@ -90,9 +90,11 @@ def load_model(
     max_loras: int = 0,
     max_lora_rank: int = 16,
     speculative_method: str = "ngram",
+    max_model_len: int = 0,
 ) -> nn.Module:
     """``load`` with the options as arguments; the defaults are the reference configuration
-    (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``."""
+    (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``;
+    ``max_model_len``: as ``--max-model-len`` (0: the model's own context)."""
     options = LoadOptions(
         model=str(path),
         device=device.split(":")[0],
@@ -106,6 +108,7 @@ def load_model(
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
         speculative_method=speculative_method,
+        max_model_len=max_model_len,
     )
     return load(options, device, tp)
 

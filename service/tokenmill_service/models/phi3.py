@@ -9,10 +9,13 @@ where configured, partial rotary and LongRoPE (transformers' modeling_phi3.py).
   each head; the rest pass through (``Phi3RotaryEmbedding``).
 - LongRoPE (``rope_scaling`` type ``longrope``, or the older ``su``): transformers switches *every*
   position from the short to the long factors once a sequence outgrows
-  ``original_max_position_embeddings``, which re-rotates keys already in a KV cache and cannot be
-  served incrementally. Up to that length it is the short factors with cos/sin scaled by the
-  attention factor, which is what runs here: the context is capped at
-  ``original_max_position_embeddings`` (logged).
+  ``original_max_position_embeddings``, which would re-rotate keys already in a KV cache and make a
+  sequence's results depend on when it crossed that length. As llama.cpp does, the factors are chosen
+  once, by the served context (``--max-model-len``, else the model's own), in the load plan
+  (``rope_choice``): past the original length the long factors rotate every position (transformers'
+  numbers for any sequence longer than the original); within it the short factors, and the context is
+  capped at the original length. Either way cos/sin are scaled by the attention factor
+  (sqrt(1 + ln(scale) / ln(original)), scale = max positions / original, unless the config gives one).
 - ``sliding_window`` (Phi-3-mini-4k: 2047) applies to every layer, as transformers' mask does; the
   attention kernels take it per layer (models/config.py ``layer_window``), the context is not capped.
 
@@ -28,6 +31,7 @@ plan says why.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -41,6 +45,7 @@ from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.hf_loader import rope_params, rope_type
 from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaForCausalLM, LlamaModel, read_sliding_window
 from tokenmill_service.models.registry import register_model
+from tokenmill_service.plan.plan import Decision
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +55,7 @@ LONGROPE_TYPES = frozenset({"longrope", "su", "yarn"})
 
 class Phi3RotaryEmbedding(RotaryEmbedding):
     """Rotates the first ``rotary_dim`` dims of each head (two halves, Hugging Face's layout); the rest
-    pass through. ``factors`` (LongRoPE's short factors) divide the frequencies, ``attention_factor``
+    pass through. ``factors`` (LongRoPE's short or long factors) divide the frequencies, ``attention_factor``
     scales cos and sin, as transformers' ``_compute_longrope_parameters`` and Phi3RotaryEmbedding do."""
 
     def __init__(
@@ -82,7 +87,9 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
 
 class Phi3Model(LlamaModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
-        factors: list[float] | None = config.extra.get("rope_short_factor")  # type: ignore[assignment]
+        # The factors the load plan chose (``with_rope``); LongRoPE's short ones for a model built without it.
+        chosen = config.extra.get("rope_factors", config.extra.get("rope_short_factor"))
+        factors: list[float] | None = chosen  # type: ignore[assignment]
         return Phi3RotaryEmbedding(
             config.head_dim,
             int(config.extra["rotary_dim"]),  # type: ignore[call-overload]
@@ -106,14 +113,21 @@ def _set_rotary_dim(config: ModelConfig, rotary_dim: int, source: str) -> None:
     config.extra["rotary_dim"] = rotary_dim
 
 
-def _set_longrope(config: ModelConfig, short: list[float], original: int, attention_factor: float) -> None:
+def _set_longrope(
+    config: ModelConfig, short: list[float], long: list[float] | None, original: int, attention_factor: float
+) -> None:
+    """LongRoPE's factors, original length and attention factor, for the load plan to choose from."""
     rotary_dim = int(config.extra["rotary_dim"])  # type: ignore[call-overload]
-    if len(short) != rotary_dim // 2:
-        raise ValueError(f"LongRoPE short_factor has {len(short)} values, not {rotary_dim // 2} (rotary dims / 2)")
+    for name, factors in (("short_factor", short), ("long_factor", long)):
+        if factors is not None and len(factors) != rotary_dim // 2:
+            raise ValueError(f"LongRoPE {name} has {len(factors)} values, not {rotary_dim // 2} (rotary dims / 2)")
     config.extra["rope_short_factor"] = short
+    config.extra["rope_long_factor"] = long
+    config.extra["rope_original_max_positions"] = original
     config.extra["rope_attention_factor"] = attention_factor
-    # Past ``original`` transformers re-rotates the whole sequence with the long factors (see above).
-    _cap_context(config, original, "longrope_long_factors_not_served")
+
+
+SHORT, LONG = "short-factors", "long-factors"
 
 
 # llama.cpp's names of Phi-3's fused tensors: split by ``unfuse`` as the Hugging Face ones are.
@@ -157,7 +171,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         attention_factor = params.get("attention_factor")
         if attention_factor is None:
             attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        _set_longrope(config, [float(f) for f in params.get("short_factor") or []], original, float(attention_factor))
+        long = params.get("long_factor")
+        _set_longrope(
+            config,
+            [float(f) for f in params.get("short_factor") or []],
+            None if long is None else [float(f) for f in long],
+            original,
+            float(attention_factor),
+        )
 
     @classmethod
     def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
@@ -174,13 +195,55 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if scaling_type not in (None, "none"):
             raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported for phi3")
         short = config.extra.pop("rope_short_factor", None)
-        if config.extra.pop("rope_long_factor", None) is None:
+        long = config.extra.pop("rope_long_factor", None)
+        if long is None:
             return  # no LongRoPE: plain rotary over the whole context
         if short is None:
             raise ValueError("the GGUF has rope_factors_long but no rope_factors_short")
         original = int(field(f"{arch}.rope.scaling.original_context_length") or config.max_position_embeddings)
         attention_factor = float(field(f"{arch}.rope.scaling.attn_factor") or 1.0)
-        _set_longrope(config, list(short), original, attention_factor)  # type: ignore[call-overload]
+        _set_longrope(config, list(short), list(long), original, attention_factor)  # type: ignore[call-overload]
+
+    @classmethod
+    def rope_choice(cls, config: ModelConfig, max_model_len: int) -> Decision | None:
+        """LongRoPE's factors for the served context (``max_model_len``; 0: the model's own), as llama.cpp
+        chooses them: the long ones for every position when it exceeds the original length, else the
+        short ones. None: no LongRoPE."""
+        if config.extra.get("rope_short_factor") is None:
+            return None
+        original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
+        own = config.max_position_embeddings
+        served = min(max_model_len or own, own)
+        asked = f"--max-model-len {max_model_len}" if max_model_len else "the model's own"
+        scale = f"cos/sin scaled by {float(config.extra['rope_attention_factor']):.6g}"  # type: ignore[arg-type]
+        if served <= original:
+            return Decision(
+                SHORT,
+                f"LongRoPE: the served context ({asked}: {served}) is within the original "
+                f"{original} positions; {scale}",
+            )
+        if config.extra.get("rope_long_factor") is None:
+            return Decision(
+                SHORT,
+                f"LongRoPE without long factors: the context is capped at the original {original} positions; {scale}",
+            )
+        return Decision(
+            LONG,
+            f"LongRoPE: the served context ({asked}: {served}) exceeds the original {original} "
+            f"positions: the long factors at every position; {scale}",
+        )
+
+    @classmethod
+    def with_rope(cls, config: ModelConfig, choice: str) -> ModelConfig:
+        """``config`` with the factors the plan chose (``rope_choice``); the short ones cap the context at
+        the original length (logged)."""
+        long = choice == LONG
+        out = dataclasses.replace(config, extra={**config.extra})
+        out.extra["rope_factors"] = config.extra["rope_long_factor" if long else "rope_short_factor"]
+        if not long:
+            original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
+            _cap_context(out, original, "longrope_short_factors")
+        return out
 
     @classmethod
     def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:

@@ -40,6 +40,9 @@ class LoadOptions:
     # Where speculation's drafts come from: "ngram" (the sequence's own history) or "mtp" (the
     # checkpoint's multi-token-prediction layers, which the model then loads).
     speculative_method: str = "ngram"
+    # The context served (--max-model-len; 0: the model's own): a family whose rotary scaling depends on
+    # the context length (LongRoPE) chooses its factors by it, once, for every position.
+    max_model_len: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LoadOptions:
@@ -56,4 +59,5 @@ class LoadOptions:
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
             speculative_method=settings.speculative_method,
+            max_model_len=settings.max_model_len,
         )

@@ -62,6 +62,9 @@ class LoadPlan:
     experts: Decision | None = None
     # What LoRA adapter slots store (--max-loras): bfloat16, or float32 under --dtype float32.
     lora_dtype: Decision = Decision("float32", "no adapter slots")
+    # A family's rotary scaling chosen by the served context (LongRoPE's short or long factors); None: the
+    # family's rotary does not depend on it.
+    rope: Decision | None = None
 
     def quant_method(self, prefix: str) -> LayerChoice:
         """The method of the linear layer at ``prefix`` (vLLM's ``get_quant_method(layer, prefix)``)."""
@@ -94,6 +97,7 @@ class LoadPlan:
             "kv_cache_bytes_per_token": _shown(self.kv_cache_bytes_per_token),
             "executor": _shown(self.executor),
             **({"experts": _shown(self.experts)} if self.experts is not None else {}),
+            **({"rope": _shown(self.rope)} if self.rope is not None else {}),
             "tensor_parallel": str(self.tensor_parallel),
             "expert_parallel": str(self.options.expert_parallel).lower(),
             "linear_layers": ", ".join(f"{k}: {n}" for k, n in sorted(kernels.items())),

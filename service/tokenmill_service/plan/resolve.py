@@ -77,6 +77,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
     experts = _experts(facts, ops_cls, act_dtype, layers, config)
     quantized = any(c.method != "none" for c in layers.values())
+    rope_choice = getattr(family, "rope_choice", None)
     return LoadPlan(
         options=options,
         device=facts.device,
@@ -96,6 +97,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         ),
         skipped=skipped,
         lora_dtype=_lora_dtype(options, facts),
+        rope=None if rope_choice is None else rope_choice(config, options.max_model_len),
     )
 
 
