@@ -26,7 +26,7 @@ and carries only those kept from the step before (one per sequence), which no ot
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -36,10 +36,7 @@ from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.model_runner import ModelRunner
 from tokenmill_service.engine.scheduler import ScheduledBatch
 from tokenmill_service.engine.sequence import Sequence, SequenceStatus
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-
-if TYPE_CHECKING:
-    from tokenmill_service.models.deepseek_mtp import DeepseekMTPLayer
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
 
 
 @dataclass(slots=True)
@@ -62,11 +59,22 @@ class DraftPass:
     carried: torch.Tensor | None = None
 
 
+class MTPLayer(Protocol):
+    """What the drafter needs of a model's multi-token-prediction layer (models/deepseek_mtp.py has one):
+    the engine is written against protocols and never imports a model module."""
+
+    def __call__(
+        self, embeds: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class DraftSink(Protocol):
     def send(self, message: DraftPass) -> None: ...
 
 
-def first_mtp_layer(model: CausalLM) -> DeepseekMTPLayer:
+def first_mtp_layer(model: CausalLM) -> MTPLayer:
     """The model's first multi-token-prediction layer, the one the drafts chain (a clear error without)."""
     layers = getattr(model, "mtp", None)
     if not layers:
@@ -74,7 +82,7 @@ def first_mtp_layer(model: CausalLM) -> DeepseekMTPLayer:
             "speculative_method mtp needs the model's multi-token-prediction layers loaded "
             "(load it with speculative_method='mtp'; only DeepSeek-V3 checkpoints have them)"
         )
-    layer: DeepseekMTPLayer = layers[0]
+    layer: MTPLayer = layers[0]
     return layer
 
 
