@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "tm_abi.h"  // this file's prototypes (generated from abi.py)
+#include "attention_tiles.h"  // the tiles: runs of one sequence's tokens
 #include "vec_math.h"
 
 #if !defined(__AVX512F__)
@@ -245,14 +246,7 @@ int run(const Query& q, int64_t t, const Shape& sh, const Weights& w, const T* l
   const int64_t chunks = (sh.heads + chunk - 1) / chunk;
   // Tiles: runs of up to MAX_ROWS / chunk consecutive tokens of one sequence, times the head chunks.
   const int64_t per_tile = std::max<int64_t>(1, MAX_ROWS / chunk);
-  std::vector<int64_t> starts;
-  for (int64_t i = 0; i < t;) {
-    starts.push_back(i);
-    int64_t e = i + 1;
-    while (e < t && e - i < per_tile && seq_of_token[e] == seq_of_token[i]) ++e;
-    i = e;
-  }
-  starts.push_back(t);
+  const std::vector<int64_t> starts = sequence_runs(seq_of_token, t, per_tile);
   const int64_t tiles = (int64_t)starts.size() - 1;
 #pragma omp parallel num_threads(threads)
   {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tm_abi.h"  // this file's prototypes (generated from abi.py)
+#include "attention_tiles.h"  // the tiles: runs of one sequence's tokens
 
 #if !defined(__AVX512F__)
 #error "paged_attention needs AVX-512F"
@@ -315,14 +316,7 @@ void run(const float* q, int64_t t, int64_t heads, int64_t kv_heads, const T* k_
   // Tiles: runs of up to MAX_ROWS / g consecutive tokens of one sequence (a prefill chunk's rows
   // share the loads of its keys and values); every decode token is a tile of its own.
   const int64_t per_tile = std::max<int64_t>(1, MAX_ROWS / g);
-  std::vector<int64_t> starts;
-  for (int64_t i = 0; i < t;) {
-    starts.push_back(i);
-    int64_t e = i + 1;
-    while (e < t && e - i < per_tile && seq_of_token[e] == seq_of_token[i]) ++e;
-    i = e;
-  }
-  starts.push_back(t);
+  const std::vector<int64_t> starts = sequence_runs(seq_of_token, t, per_tile);
   const int64_t tiles = (int64_t)starts.size() - 1;
 #pragma omp parallel num_threads(threads)
   {
