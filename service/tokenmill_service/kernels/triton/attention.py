@@ -39,6 +39,19 @@ NO_WINDOW = 1 << 30  # the window of a global layer: beyond any position
 
 
 @triton.jit
+def _online_softmax_step(m, l, acc, scores, values):
+    """One tile of keys folded into a running softmax (max m, sum l, weighted values acc); scores of
+    invisible keys are -inf."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
 def _split_partial(
     q,
     pos,
@@ -83,14 +96,7 @@ def _split_partial(
             t = (1.0 - e) / (1.0 + e)
             scores = tl.where(x < 0, -t, t) * softcap
         visible = in_range[None, :] & (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
+        m, l, acc = _online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), v)
     return m, l, acc
 
 

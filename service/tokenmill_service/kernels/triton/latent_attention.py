@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tokenmill_service.kernels.attention_metadata import AttentionGroup, AttentionMetadata
-from tokenmill_service.kernels.triton.attention import _combine
+from tokenmill_service.kernels.triton.attention import _combine, _online_softmax_step
 
 SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 32  # keys per tile inside a split
@@ -72,14 +72,7 @@ def _split_partial(
         scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
         scores = (scores + tl.dot(q_rope, tl.trans(kr), input_precision="ieee")) * scale
         visible = in_range[None, :] & (keys[None, :] <= pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
-        m = m_new
+        m, l, acc = _online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), c)
     return m, l, acc
 
 
