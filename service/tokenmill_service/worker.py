@@ -10,6 +10,7 @@ Importing this module does not import torch (the router imports it for `worker_m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -194,21 +195,18 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
 
 
 def _start_engine(spec: WorkerSpec, log: Any) -> Any:
-    from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, lead
+    from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0
     from tokenmill_service.engine.compile import compiled_graphs
-    from tokenmill_service.engine.llm_engine import LLMEngine
     from tokenmill_service.models.loader import load, resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
     model = load(spec.options, device, tp)
     tokenizer = load_tokenizer(resolve_model_path(spec.options.model or None))
-    engine = LLMEngine(model, tokenizer, spec.engine)
-    _load_adapters(engine, spec.lora_modules)
+    engine = _engine(model, tokenizer, spec, tp)
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.
         broadcast_from_rank0(engine.block_manager.num_blocks, tp)
-        lead(engine, tp)
     if engine.runner.executor.kind != "compiled":
         _warm_up(engine)
         return engine
@@ -217,12 +215,28 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
         _warm_up(engine)
     except Exception as exc:  # noqa: BLE001 - whatever the compiler raised: serve eager instead
         log.warning("compile_failed", error=str(exc).splitlines()[0] if str(exc) else repr(exc), running="eager")
+        num_blocks = engine.block_manager.num_blocks
         del engine
-        engine = LLMEngine(model, tokenizer, spec.engine, executor="eager")
-        _load_adapters(engine, spec.lora_modules)
+        # The same pool size the other ranks already took, and the same broadcast of every step to them.
+        engine = _engine(model, tokenizer, spec, tp, executor="eager", num_blocks=num_blocks)
         _warm_up(engine)
         return engine
     log.info("compiled", graphs=compiled_graphs(), seconds=round(time.monotonic() - started, 1))
+    return engine
+
+
+def _engine(
+    model: Any, tokenizer: Any, spec: WorkerSpec, tp: Any, executor: str | None = None, num_blocks: int | None = None
+) -> Any:
+    """Rank 0's engine with the worker's adapters; under tensor parallelism it broadcasts every step."""
+    from tokenmill_service.distributed.step_broadcast import lead
+    from tokenmill_service.engine.llm_engine import LLMEngine
+
+    config = spec.engine if num_blocks is None else dataclasses.replace(spec.engine, num_kv_blocks=num_blocks)
+    engine = LLMEngine(model, tokenizer, config, executor=executor)
+    _load_adapters(engine, spec.lora_modules)
+    if tp.size > 1:
+        lead(engine, tp)
     return engine
 
 
