@@ -379,6 +379,10 @@ def test_a_json_schema_is_described_at_the_end_of_the_developer_message_as_harmo
     assert ours == reference(developer_text(f"# Instructions\n\nBe brief.\n\n{ORDER_SECTION}"))
     alone = prompt_ids(order_request(("user", "A trip?")), tokenizer, tokenizer.vocab_size)
     assert alone == reference(developer_text(ORDER_SECTION))
+    # guided_json, or gRPC without a name: the default name, and no comment line.
+    unnamed = pb.GenerateRequest(json_schema='{"type": "integer"}', chat=order_request(("user", "A trip?")).chat)
+    described = '<|start|>developer<|message|># Response Formats\n\n## response\n\n{"type":"integer"}<|end|>'
+    assert described in tokenizer.decode(prompt_ids(unnamed, tokenizer, tokenizer.vocab_size))
     # With tools: openai-harmony's developer message (instructions, then the tools; the system message says
     # where calls go), the section after them.
     request.tools.add(
