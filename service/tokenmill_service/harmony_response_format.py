@@ -60,7 +60,7 @@ def developer_message(developer: Any, fmt: ResponseFormat | None) -> Any:
 
     if fmt is None:
         return oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer)
-    # Only sections that render start a developer message's text: nothing comes before an empty one's section.
+    # Content with neither instructions nor tools renders no text: the section then opens the message.
     empty = developer.instructions is None and not developer.tools
     described = oh.TextContent(text=section(fmt) if empty else SECTION_BREAK + section(fmt))
     return oh.Message.from_role_and_contents(oh.Role.DEVELOPER, [described] if empty else [developer, described])
