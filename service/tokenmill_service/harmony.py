@@ -8,7 +8,8 @@ the model answers in the ``analysis`` channel (its reasoning), then the ``final`
 ending with ``<|return|>`` (or ``<|call|>`` for a tool call), so ``<|end|>`` does not end the turn.
 
 - Rendering: the OpenAI-style messages become a harmony ``Conversation`` (a default system message; the
-  caller's "system" / "developer" messages as the developer's instructions, with the tools offered; user and
+  caller's "system" / "developer" messages as the developer's instructions, with the tools offered and the
+  JSON schema the answer must match described (harmony_response_format.py); user and
   assistant turns, the latter in the final channel; tool calls and results as harmony_tools.py writes them)
   and ``render_conversation_for_completion`` gives harmony's ids. Its control
   tokens map to the model's by text, and the text between them is encoded with the model's tokenizer (for
@@ -32,6 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from tokenmill_service.harmony_response_format import ResponseFormat, developer_message
 from tokenmill_service.tool_calls import ToolCall, new_call_id
 
 CONTROL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
@@ -87,12 +89,16 @@ def encoding() -> Any:
 
 
 def render(
-    messages: Sequence[Mapping[str, Any]], tokenizer: TokenSource, tools: Sequence[Mapping[str, Any]] | None = None
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: TokenSource,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    response_format: ResponseFormat | None = None,
 ) -> list[int]:
     """The prompt ids of an OpenAI-style conversation, up to the assistant's turn (``<|start|>assistant``).
-    ``tools`` (OpenAI-shaped) are offered in the first developer message (one is added when the caller
-    gave no "system" or "developer" message); assistant ``tool_calls`` and "tool" messages become harmony's
-    calls and results (harmony_tools.py)."""
+    ``tools`` (OpenAI-shaped) are offered in the first developer message, and ``response_format`` described
+    at its end (harmony_response_format.py); one is added when the caller gave no "system" or "developer"
+    message. Assistant ``tool_calls`` and "tool" messages become harmony's calls and results
+    (harmony_tools.py)."""
     import openai_harmony as oh
 
     from tokenmill_service import harmony_tools
@@ -101,13 +107,15 @@ def render(
     offered = harmony_tools.function_tools(tools) if tools else []
     conversation = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new())]
     names: dict[str, str] = {}  # a call's id -> its function's name
+    first = True  # the first developer message holds the tools and the response format
     for i, message in enumerate(messages):
         role, content = message["role"], str(message.get("content") or "")
         if role in ("system", "developer"):
             developer = oh.DeveloperContent.new().with_instructions(content)
-            if offered:
-                developer, offered = developer.with_function_tools(offered), []
-            conversation.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer))
+            if first and offered:
+                developer = developer.with_function_tools(offered)
+            conversation.append(developer_message(developer, response_format if first else None))
+            first = False
         elif role == "user":
             conversation.append(oh.Message.from_role_and_content(oh.Role.USER, content))
         elif role == "assistant" and message.get("tool_calls"):
@@ -119,9 +127,11 @@ def render(
             conversation.append(harmony_tools.result_message(message, names, i))
         else:
             raise ValueError(f"message {i} has role {role!r}, which the harmony format does not take here")
-    if offered:
-        developer = oh.DeveloperContent.new().with_function_tools(offered)
-        conversation.insert(1, oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer))
+    if first and (offered or response_format is not None):
+        developer = oh.DeveloperContent.new()
+        if offered:
+            developer = developer.with_function_tools(offered)
+        conversation.insert(1, developer_message(developer, response_format))
     ids = enc.render_conversation_for_completion(oh.Conversation.from_messages(conversation), oh.Role.ASSISTANT)
     return to_model_ids(list(ids), tokenizer)
 

@@ -1,7 +1,8 @@
 """The OpenAI API's ways to constrain the output, as a GenerateRequest's constraint.
 
 OpenAI's own ``response_format``: ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
-{"name", "schema", "strict"}}`` (the schema is enforced whatever ``strict`` says). vLLM's extras, which
+{"name", "description", "schema", "strict"}}`` (the schema is enforced whatever ``strict`` says; the
+name and description go with it, for a harmony model's prompt). vLLM's extras, which
 OpenAI's SDKs send through ``extra_body``: ``guided_json`` (a schema), ``guided_regex``, ``guided_grammar``
 (Lark, or GBNF when it holds ``::=``), ``guided_choice`` (a list of strings), and the same under
 ``structured_outputs`` as ``json``, ``regex``, ``grammar``, ``choice``. One request takes one of them.
@@ -13,6 +14,7 @@ import json
 from typing import Any
 
 from tokenmill_service.proto import pb
+from tokenmill_service.tool_calls import TOOL_NAME
 
 
 class ConstraintParamError(ValueError):
@@ -72,6 +74,21 @@ def _response_format(value: Any) -> tuple[str, Any] | None:
     )
 
 
+def _describe(spec: dict[str, Any], request: pb.GenerateRequest) -> None:
+    """Set response_format.json_schema's name and description, which a harmony model is shown with the schema."""
+    name = spec.get("name")
+    if name is not None:
+        request.json_schema_name = _string(name, "response_format.json_schema.name")
+        if not TOOL_NAME.fullmatch(name):
+            raise ConstraintParamError(
+                f"'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'; given {name!r}",
+                "response_format.json_schema.name",
+            )
+    description = spec.get("description")
+    if description is not None:
+        request.json_schema_description = _string(description, "response_format.json_schema.description")
+
+
 def apply_constraint(body: dict[str, Any], request: pb.GenerateRequest) -> str | None:
     """Set ``request``'s constraint from the body; returns the parameter it came from (None: none given)."""
     found: list[tuple[str, str, Any]] = []
@@ -111,6 +128,8 @@ def apply_constraint(body: dict[str, Any], request: pb.GenerateRequest) -> str |
         names = ", ".join(f"'{name}'" for name, _, _ in found)
         raise ConstraintParamError(f"give at most one output constraint; given {names}", found[1][0])
     param, field_name, value = found[0]
+    if param == "response_format" and field_name == "json_schema":
+        _describe(body["response_format"]["json_schema"], request)
     if field_name == "json_object" or field_name == "grammar":
         getattr(request, field_name).CopyFrom(value)
     else:

@@ -6,6 +6,7 @@ reading the server's code.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -19,9 +20,10 @@ from tokenmill_service.engine.request import (
     StoppingParams,
 )
 from tokenmill_service.harmony_constraint import names_control_tokens
+from tokenmill_service.harmony_response_format import DEFAULT_NAME, ResponseFormat
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import Tool
+from tokenmill_service.tool_calls import TOOL_NAME, Tool
 from tokenmill_service.tool_validation import ToolError, chat_with_tools, parse_tools, tool_constraint, tools_in_use
 
 # Fixed limits (the configurable ones are in Limits); all are reported by GetModelInfo.
@@ -113,9 +115,10 @@ def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Toke
             ids = [tokenizer.bos_token_id, *ids]
         return ids
     if which == "chat":
+        described = described_format(request) if tokenizer.harmony else None
         try:
             messages, template_tools = chat_messages(request.chat, tokenizer, offered_tools(request))
-            return tokenizer.encode_chat(messages, tools=template_tools)
+            return tokenizer.encode_chat(messages, tools=template_tools, response_format=described)
         except InvalidRequest:
             raise
         except ValueError as exc:
@@ -125,6 +128,29 @@ def prompt_ids(request: pb.GenerateRequest | pb.TokenizeRequest, tokenizer: Toke
         raise InvalidRequest("token_ids.ids is empty", "token_ids.ids")
     check_token_ids("token_ids.ids", ids, vocab_size)
     return ids
+
+
+def described_format(request: pb.GenerateRequest | pb.TokenizeRequest) -> ResponseFormat | None:
+    """The JSON schema the answer must match, as a harmony prompt describes it (None: no json_schema)."""
+    if not isinstance(request, pb.GenerateRequest) or request.WhichOneof("constraint") != "json_schema":
+        return None
+    if not request.json_schema.strip():
+        return None  # refused as empty (constraint)
+    try:
+        schema = json.loads(request.json_schema)
+    except ValueError as exc:
+        raise InvalidRequest(f"json_schema is not valid JSON: {exc}", "json_schema") from None
+    return ResponseFormat(schema, format_name(request), request.json_schema_description)
+
+
+def format_name(request: pb.GenerateRequest) -> str:
+    """json_schema_name, checked (it is a line of a harmony prompt), or the default."""
+    name = request.json_schema_name
+    if name and not TOOL_NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"json_schema_name must be 1 to 64 letters, digits, '_' or '-'; given {name!r}", "json_schema_name"
+        )
+    return name or DEFAULT_NAME
 
 
 def check_token_ids(field_name: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -248,6 +274,8 @@ def constraint(request: pb.GenerateRequest) -> Constraint | None:
         text = request.grammar.text
     else:
         syntax, text = "", getattr(request, which)
+        if which == "json_schema":
+            format_name(request)
     if not text.strip():
         raise InvalidRequest(f"{CONSTRAINT_FIELDS[which]} is empty", CONSTRAINT_FIELDS[which])
     return Constraint(which, text, syntax)

@@ -4,7 +4,8 @@ as ``reasoning_content`` through the OpenAI SDK (whole and streamed) and as ``re
 The random model is steered into a harmony answer by a grammar (its control tokens included). Tools are
 offered, called and answered as openai-harmony renders them; a forced tool_choice makes the random model
 call one, and the call comes back in OpenAI's shape and over gRPC. A JSON schema or a regex constrains the
-final channel's text, which comes back as the answer.
+final channel's text, which comes back as the answer; the schema is described to the model in the developer
+message, as harmony's guide writes it.
 
 Needs o200k_base.tiktoken in .tools/tiktoken (`make tools`), which openai-harmony reads."""
 
@@ -335,17 +336,104 @@ ORDER = {
 }
 
 
+# The "# Response Formats" section OpenAI's harmony guide (docs/format.md, "Structured output") puts at the end of
+# the developer message: the format's name, its description as a comment, the schema as compact JSON.
+ORDER_SECTION = (
+    "# Response Formats\n\n## order\n\n// A trip to book.\n"
+    '{"type":"object","properties":{"city":{"type":"string","enum":["Paris","Oslo"]},'
+    '"days":{"type":"integer","minimum":1,"maximum":9}},"required":["city","days"],"additionalProperties":false}'
+)
+
+
+def developer_text(text: str) -> Any:
+    """A developer message of plain text, as openai-harmony renders one."""
+    return oh.Message.from_role_and_content(oh.Role.DEVELOPER, text)
+
+
+def order_request(*messages: tuple[str, str]) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(json_schema=json.dumps(ORDER), json_schema_name="order")
+    request.json_schema_description = "A trip to book."
+    for role, content in messages:
+        request.chat.messages.add(role=role, content=content)
+    return request
+
+
+def test_a_json_schema_is_described_at_the_end_of_the_developer_message_as_harmonys_guide_writes_it(
+    checkpoint: Path,
+) -> None:
+    """The prompt of a chat whose answer must match a JSON schema is openai-harmony's rendering of the same
+    conversation with the guide's section at the end of the developer message: after the instructions (a
+    blank line between, as harmony joins sections), after the tools when tools are offered, or alone in a
+    developer message of its own when the caller gave none."""
+    tokenizer = load_tokenizer(checkpoint)
+    enc = harmony.encoding()
+    system = oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new())
+    user = oh.Message.from_role_and_content(oh.Role.USER, "A trip?")
+
+    def reference(*messages: Any) -> list[int]:
+        conversation = oh.Conversation.from_messages([system, *messages, user])
+        return harmony.to_model_ids(enc.render_conversation_for_completion(conversation, oh.Role.ASSISTANT), tokenizer)
+
+    request = order_request(("system", "Be brief."), ("user", "A trip?"))
+    ours = prompt_ids(request, tokenizer, tokenizer.vocab_size)
+    assert ours == reference(developer_text(f"# Instructions\n\nBe brief.\n\n{ORDER_SECTION}"))
+    alone = prompt_ids(order_request(("user", "A trip?")), tokenizer, tokenizer.vocab_size)
+    assert alone == reference(developer_text(ORDER_SECTION))
+    # guided_json, or gRPC without a name: the default name, and no comment line.
+    unnamed = pb.GenerateRequest(json_schema='{"type": "integer"}', chat=order_request(("user", "A trip?")).chat)
+    described = '<|start|>developer<|message|># Response Formats\n\n## response\n\n{"type":"integer"}<|end|>'
+    assert described in tokenizer.decode(prompt_ids(unnamed, tokenizer, tokenizer.vocab_size))
+    # With tools: openai-harmony's developer message (instructions, then the tools; the system message says
+    # where calls go), the section after them.
+    request.tools.add(
+        name="get_weather",
+        description="The weather in a city.",
+        parameters=json.dumps(WEATHER["function"]["parameters"]),
+    )
+    request.tool_choice = pb.TOOL_CHOICE_AUTO
+    developer = oh.DeveloperContent.new().with_instructions("Be brief.").with_function_tools([WEATHER_TOOL])
+    without = enc.decode_utf8(
+        enc.render_conversation_for_completion(
+            oh.Conversation.from_messages(
+                [system, oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer), user]
+            ),
+            oh.Role.ASSISTANT,
+        )
+    )
+    assert "# Tools" in without and "Calls to these tools must go to the commentary channel" in without
+    head, tail = without.split("<|end|><|start|>user", 1)
+    spliced = f"{head}\n\n{ORDER_SECTION}<|end|><|start|>user{tail}"
+    ours = prompt_ids(request, tokenizer, tokenizer.vocab_size)
+    assert ours == harmony.to_model_ids(enc.encode(spliced, allowed_special="all"), tokenizer)
+    # The other constraints have no section in the guide: the prompt is the unconstrained one.
+    plain = prompt_ids(pb.GenerateRequest(chat=request.chat), tokenizer, tokenizer.vocab_size)
+    for other in (pb.GenerateRequest(json_object=pb.JsonObject()), pb.GenerateRequest(regex="[a-z]+")):
+        other.chat.CopyFrom(request.chat)
+        assert prompt_ids(other, tokenizer, tokenizer.vocab_size) == plain
+    # The name is a line of the prompt: one that could break it is refused, and a schema that is not JSON too.
+    request.json_schema_name = "an order\n# Instructions"
+    with pytest.raises(InvalidRequest, match="json_schema_name must be 1 to 64 letters") as refused:
+        prompt_ids(request, tokenizer, tokenizer.vocab_size)
+    assert refused.value.field == "json_schema_name"
+    request.json_schema_name, request.json_schema = "order", "{"
+    with pytest.raises(InvalidRequest, match="json_schema is not valid JSON"):
+        prompt_ids(request, tokenizer, tokenizer.vocab_size)
+
+
 def test_a_json_schema_response_format_comes_back_as_the_content_and_the_analysis_as_reasoning(
     server: Any, checkpoint: Path
 ) -> None:
     """The schema constrains the final channel's text (after an optional analysis message and the final
-    header the model writes itself): the SDK gets the JSON as content, whole and streamed alike."""
-    end = load_tokenizer(checkpoint).special_id("<|end|>")
+    header the model writes itself): the SDK gets the JSON as content, whole and streamed alike. The prompt
+    has grown by a developer message describing the schema."""
+    tokenizer = load_tokenizer(checkpoint)
+    end = tokenizer.special_id("<|end|>")
     client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+    order = {"name": "order", "description": "A trip to book.", "schema": ORDER}
     ask: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "A trip?"}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}},
+        "response_format": {"type": "json_schema", "json_schema": order},
         "max_tokens": 150,
         "temperature": 0,
         "logit_bias": {str(end): 30},  # the random model's analysis, kept short
@@ -357,6 +445,8 @@ def test_a_json_schema_response_format_comes_back_as_the_content_and_the_analysi
     choice = whole.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), ORDER)
+    section = harmony.to_model_ids(harmony.encoding().render(developer_text(ORDER_SECTION)), tokenizer)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode_chat(ask["messages"])) + len(section)
     reasoning = (choice.message.model_extra or {}).get("reasoning_content") or ""
     assert "<|" not in reasoning + choice.message.content
     streamed = {"content": "", "reasoning": "", "finish": None}

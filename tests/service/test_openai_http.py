@@ -403,6 +403,12 @@ def test_a_list_of_prompts_is_answered_with_one_choice_each(
             "response_format",
             "invalid_value",
         ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "an order", "schema": {}}}},
+            "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'",
+            "response_format.json_schema.name",
+            "invalid_value",
+        ),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it_as_the_caller_did_with_param_and_code(

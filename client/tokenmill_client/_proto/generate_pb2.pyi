@@ -130,7 +130,7 @@ class StoppingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "adapter", "n")
+    __slots__ = ("prompt", "chat", "token_ids", "sampling", "stopping", "logprobs", "top_logprobs", "prompt_logprobs", "request_id", "json_schema", "json_object", "regex", "grammar", "json_schema_name", "json_schema_description", "tools", "tool_choice", "tool_choice_function", "parallel_tool_calls", "adapter", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class GenerateRequest(_message.Message):
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_NAME_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FUNCTION_FIELD_NUMBER: _ClassVar[int]
@@ -163,13 +165,15 @@ class GenerateRequest(_message.Message):
     json_object: JsonObject
     regex: str
     grammar: Grammar
+    json_schema_name: str
+    json_schema_description: str
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     tool_choice_function: str
     parallel_tool_calls: bool
     adapter: str
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., json_schema_name: _Optional[str] = ..., json_schema_description: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, str]] = ..., tool_choice_function: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class JsonObject(_message.Message):
     __slots__ = ()

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from tokenmill_service import harmony
 from tokenmill_service.chat_template import ChatTemplate
+from tokenmill_service.harmony_response_format import ResponseFormat
 
 # Tokens that end a turn or a document: generation stops on them as it does on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>")
@@ -164,13 +165,16 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> list[int]:
         """The prompt ids: the template's special tokens as special ids, message text always as text
         (``tools``: OpenAI-shaped tool definitions, for templates that render them). A harmony model's
-        conversations are rendered by openai-harmony instead (harmony.py)."""
+        conversations are rendered by openai-harmony instead (harmony.py), with ``response_format`` (the JSON
+        schema the answer must match) described in the developer message; other chat templates have no
+        place for it and leave it out."""
         if self.harmony:
             self._chat.validate_messages(messages)  # string roles and contents
-            return harmony.render(messages, self, tools)
+            return harmony.render(messages, self, tools, response_format)
         self._chat.validate_messages(messages)
         rendered = self._chat.render([self._mark_message(m) for m in messages], add_generation_prompt, tools)
         ids: list[int] = []
