@@ -277,8 +277,9 @@ class LLMEngine:
         if self.adapters is not None:
             # How many adapters' weights the step reads (what adapter-aware routing keeps down).
             log.debug(
-                "step_adapters",
+                "step_scheduled",
                 sequences=len(batch.seqs),
+                tokens=sum(batch.num_new_tokens),
                 adapters=len({seq.request.adapter for seq in batch.seqs if seq.request.adapter}),
             )
         masks = self._submit_masks(batch)
