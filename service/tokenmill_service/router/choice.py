@@ -8,13 +8,14 @@ by the request's LoRA adapter as the workers' prefix caches are), ``load`` the r
 queues. A replica holding the whole prefix keeps winning until its running batch is full; past that,
 the queue it would join outweighs the prefill it would save.
 
-``affinity`` keeps a LoRA adapter's requests together, as S-LoRA's and vLLM's production routers do:
-a step reads the weights of every adapter in its batch, so a replica whose steps carry fewer
-distinct adapters runs them faster (and keeps them in its ``--max-loras`` slots). It is
-``ADAPTER_AFFINITY`` × the replica's requests with the request's adapter / the most any replica has
-(0 for requests on the base model): the replica running most of an adapter's requests counts
-``ADAPTER_AFFINITY`` requests lighter, one running a few of them proportionally less (so an adapter
-that spilt over gathers again), one running none not at all. The load it may cost is bounded: a
+``affinity`` keeps a LoRA adapter's requests together (the endpoint picker's LoRA affinity prefers a
+server whose ``vllm:lora_requests_info`` names the adapter): a step reads the weights of every
+adapter in its batch, so a replica whose steps carry fewer distinct adapters runs them faster (and
+keeps them in its ``--max-loras`` slots). It is ``ADAPTER_AFFINITY`` × the replica's requests with
+the request's adapter / the most any replica has (0 for requests on the base model): the replica
+running most of an adapter's requests counts ``ADAPTER_AFFINITY`` requests lighter, one running a
+few of them proportionally less (so an adapter that spilt over gathers again), one running none not
+at all. The load it may cost is bounded: a
 replica is preferred for its adapter only while it runs fewer than ``ADAPTER_AFFINITY`` requests
 more than another; an adapter that every request uses spreads over every replica as the base
 model's requests do.
