@@ -42,7 +42,7 @@ class Adapters:
         return self.pool.adapters
 
     def key(self, name: str) -> str:
-        """The key the prefix index keys the blocks of a request on adapter ``name`` by ("": the base)."""
+        """What the prefix index chains the blocks of a request on adapter ``name`` from ("": the base)."""
         return f"{name}#{self._generation.get(name, 0)}" if name else ""
 
     def check(self, name: str) -> None:

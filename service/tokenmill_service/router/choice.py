@@ -15,10 +15,9 @@ keeps them in its ``--max-loras`` slots). It is ``ADAPTER_AFFINITY`` × the repl
 the request's adapter / the most any replica has (0 for requests on the base model): the replica
 running most of an adapter's requests counts ``ADAPTER_AFFINITY`` requests lighter, one running a
 few of them proportionally less (so an adapter that spilt over gathers again), one running none not
-at all. The load it may cost is bounded: a
-replica is preferred for its adapter only while it runs fewer than ``ADAPTER_AFFINITY`` requests
-more than another; an adapter that every request uses spreads over every replica as the base
-model's requests do.
+at all. The load it may cost is bounded: a replica is preferred for its adapter only while it runs
+fewer than ``ADAPTER_AFFINITY`` requests more than another; an adapter that every request uses
+spreads over every replica as the base model's requests do.
 
 Equal scores go to the less loaded replica, then in turn, so unrelated prompts spread.
 """
