@@ -43,7 +43,8 @@ class Settings:
         default="prefix",
         metadata={
             "help": "how the router picks a worker for a request: prefix = where the prompt's prefix is probably "
-            "cached, balanced against each worker's load; least-load = the worker running the fewest requests",
+            "cached and its LoRA adapter already runs, balanced against each worker's load; least-load = the "
+            "worker running the fewest requests",
             "choices": ["prefix", "least-load"],
         },
     )

@@ -4,7 +4,8 @@ a request with adapter X gives bitwise the same tokens and logprobs alone and am
 other adapters and none; over HTTP, /v1/models lists the adapters with their parent, adapters load and
 unload at run time behind the auth token, one that does not fit is refused naming the mismatch, one in use
 is not unloaded, a request for one that is not loaded is not found, and a stream whose worker died resumes on
-the restarted worker with its (run-time loaded) adapter."""
+the restarted worker with its (run-time loaded) adapter. With ``--workers 2``, the router keeps each adapter's
+requests on the worker already running that adapter."""
 
 from __future__ import annotations
 
@@ -205,3 +206,32 @@ def test_a_stream_resumed_after_its_worker_died_keeps_its_adapter(server: Server
         assert got == expected
         assert "runtime" in c.model_info().adapters
     assert '"request_resumed"' in server.logs()
+
+
+@pytest.fixture(scope="module")
+def two_workers(made: dict[str, Any]) -> Iterator[ServerProcess]:
+    modules = [f"{name}={made['adapters'][name]}" for name in ("x", "b")]
+    args = ["--model", str(made["root"] / "base"), "--workers", "2"]
+    args += ["--max-loras", "2", "--max-lora-rank", "16", "--lora-modules", *modules]
+    with ServerProcess(*args) as proc:
+        yield proc
+
+
+def test_two_workers_each_run_one_adapters_requests(two_workers: ServerProcess) -> None:
+    """``--workers 2``: requests on two adapters, each sent once the one before runs, in an order where
+    load alone (ties taken in turn) would mix them, end up one adapter on each worker."""
+    from tests.service.test_prefix_cache_across_workers import workers_of
+
+    order = ["x", "b", "b", "x", "x", "b"]
+    with Client(two_workers.address, timeout=120) as c:
+        streams = []
+        for i, adapter in enumerate(order):
+            # Short prompts (no full KV block): no predicted prefix hit pulls a request anywhere.
+            stream = c.generate(f"Q{i}", max_new_tokens=200, ignore_eos=True, adapter=adapter, request_id=f"ab{i}")
+            next(stream)  # running (its first token is out) before the next is sent
+            streams.append(stream)
+        for stream in streams:
+            assert sum(len(e.tokens) for e in stream) == 199
+    worker = workers_of(two_workers, [f"ab{i}" for i in range(len(order))])
+    by_adapter = {a: {worker[f"ab{i}"] for i, b in enumerate(order) if b == a} for a in ("x", "b")}
+    assert len(by_adapter["x"]) == 1 and len(by_adapter["b"]) == 1 and by_adapter["x"] != by_adapter["b"]

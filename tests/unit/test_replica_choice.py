@@ -1,4 +1,5 @@
-"""The router's replica choice: prefix-aware (the endpoint picker's kind of score) and least-load."""
+"""The router's replica choice: prefix-aware (the endpoint picker's kind of score) with LoRA adapter
+affinity, and least-load."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import random
 
 import pytest
 
-from tokenmill_service.engine.block_hash import chain_hash, full_block_hashes
-from tokenmill_service.router.choice import ReplicaChooser
+from tokenmill_service.engine.block_hash import adapter_root, chain_hash, full_block_hashes
+from tokenmill_service.router.choice import ADAPTER_AFFINITY, ReplicaChooser
 from tokenmill_service.router.prefix_index import PrefixIndex
 
 BLOCK = 16
@@ -87,6 +88,124 @@ def test_the_index_is_bounded_and_a_restarted_replica_holds_nothing() -> None:
     assert first is not None
     chooser.replica_started(first, 100)
     assert chooser.choose(system, {first: 1, 1 - first: 0}) == 1 - first
+
+
+class Replicas:
+    """What the dispatcher tells the chooser: each replica's requests in flight, by adapter."""
+
+    def __init__(self, chooser: ReplicaChooser, count: int) -> None:
+        self.chooser = chooser
+        self.running: dict[int, list[str]] = {r: [] for r in range(count)}
+
+    def send(self, adapter: str, ids: list[int] | None = None) -> int:
+        loads = {r: len(a) for r, a in self.running.items()}
+        users = {r: a.count(adapter) for r, a in self.running.items()}
+        chosen = self.chooser.choose(ids or [], loads, f"{adapter}#0" if adapter else "", users)
+        assert chosen is not None
+        self.running[chosen].append(adapter)
+        return chosen
+
+    def finish(self, replica: int, adapter: str) -> None:
+        self.running[replica].remove(adapter)
+
+    def adapters(self, replica: int) -> set[str]:
+        return set(self.running[replica]) - {""}
+
+
+def test_an_adapters_requests_go_where_it_already_runs() -> None:
+    rng = random.Random(3)
+    replicas = Replicas(ReplicaChooser("prefix", BLOCK, max_batch_size=64), 2)
+    # 64 streams over 8 adapters in a closed loop (a request ends, its stream sends the next one, on
+    # the next adapter in turn): each replica's batch carries little more than half of the adapters, not all 8.
+    for i in range(64):
+        replicas.send(f"lora{i % 8}")
+    carried = []
+    for i in range(64, 2064):
+        # Any request as likely as another to end.
+        replica, adapter = rng.choice([(r, a) for r in (0, 1) for a in replicas.running[r]])
+        replicas.finish(replica, adapter)
+        replicas.send(f"lora{i % 8}")
+        carried += [len(replicas.adapters(0)), len(replicas.adapters(1))]
+        assert abs(len(replicas.running[0]) - len(replicas.running[1])) <= ADAPTER_AFFINITY + 1
+    assert sum(carried) / len(carried) < 6  # 7.9 without affinity, 5.2 with
+
+
+def test_affinity_yields_to_load_past_a_few_requests() -> None:
+    chooser = ReplicaChooser("prefix", BLOCK, max_batch_size=64)
+    # Replica 0 runs the adapter: it takes the adapter's request while it runs fewer than
+    # ADAPTER_AFFINITY requests more than replica 1, and no longer.
+    for extra in range(ADAPTER_AFFINITY):
+        assert chooser.choose([], {0: 10 + extra, 1: 10}, "a#0", {0: 3, 1: 0}) == 0
+    assert chooser.choose([], {0: 10 + ADAPTER_AFFINITY, 1: 10}, "a#0", {0: 3, 1: 0}) == 1
+    # Where both run it, the one running most of its requests is preferred, proportionally.
+    assert chooser.choose([], {0: 10, 1: 10}, "a#0", {0: 4, 1: 1}) == 0
+    assert chooser.choose([], {0: 13, 1: 10}, "a#0", {0: 4, 1: 1}) == 1
+    # Its weight is in the units of the score: the same few requests whatever the batch size.
+    small = ReplicaChooser("prefix", BLOCK, max_batch_size=8)
+    assert small.choose([], {0: 2 + ADAPTER_AFFINITY - 1, 1: 2}, "a#0", {0: 1, 1: 0}) == 0
+    assert small.choose([], {0: 2 + ADAPTER_AFFINITY, 1: 2}, "a#0", {0: 1, 1: 0}) == 1
+
+
+def test_one_adapter_that_every_request_uses_spreads_over_every_replica() -> None:
+    replicas = Replicas(ReplicaChooser("prefix", BLOCK, max_batch_size=64), 3)
+    for i in range(60):
+        replicas.send("only")
+        loads = [len(replicas.running[r]) for r in range(3)]
+        assert max(loads) - min(loads) <= ADAPTER_AFFINITY, (i, loads)
+    assert sorted(len(replicas.running[r]) for r in range(3)) == [20, 20, 20]
+
+
+def test_an_uneven_mix_stays_within_the_bound() -> None:
+    rng = random.Random(5)
+    replicas = Replicas(ReplicaChooser("prefix", BLOCK, max_batch_size=64), 2)
+    # A closed loop: most requests on one adapter, the rest on three others and the base model.
+    weights = {"hot": 6, "b": 1, "c": 1, "d": 1, "": 1}
+    names = list(weights)
+    for _ in range(40):
+        replicas.send(rng.choices(names, [weights[n] for n in names])[0])
+    for _ in range(2000):
+        replica = rng.choice([r for r in (0, 1) if replicas.running[r]])
+        replicas.finish(replica, rng.choice(replicas.running[replica]))
+        replicas.send(rng.choices(names, [weights[n] for n in names])[0])
+        assert abs(len(replicas.running[0]) - len(replicas.running[1])) <= ADAPTER_AFFINITY + 1
+
+
+def test_requests_on_the_base_model_are_routed_as_without_adapters() -> None:
+    plain = ReplicaChooser("prefix", BLOCK, max_batch_size=8)
+    told = ReplicaChooser("prefix", BLOCK, max_batch_size=8)
+    system = prompt(7, 400)
+    rng = random.Random(2)
+    for i in range(50):
+        ids = [*system, *prompt(i, 20)] if i % 3 else prompt(i, 60)
+        loads = {0: rng.randrange(6), 1: rng.randrange(6)}
+        assert plain.choose(ids, loads) == told.choose(ids, loads, "", {0: rng.randrange(3), 1: 0})
+    # least-load never looks at adapters.
+    least = ReplicaChooser("least-load", BLOCK, max_batch_size=8)
+    assert least.choose([], {0: 1, 1: 0}, "a#0", {0: 1, 1: 0}) == 1
+
+
+def test_predicted_prefix_hits_are_keyed_by_adapter_as_the_workers_caches_are() -> None:
+    ids = prompt(1, 50)
+    # The block manager chains a sequence's first block from its adapter's root.
+    assert full_block_hashes(ids, BLOCK, adapter_key="a#1")[0] == chain_hash(adapter_root("a#1"), ids[:16])
+    assert not set(full_block_hashes(ids, BLOCK, adapter_key="a#1")) & set(full_block_hashes(ids, BLOCK))
+    chooser = ReplicaChooser("prefix", BLOCK, max_batch_size=8)
+    system = prompt(7, 400)
+    first = chooser.choose(system, {0: 0, 1: 0}, "a#0", {0: 0, 1: 0})
+    assert first is not None
+    other = 1 - first
+    # The same prompt on another adapter, or on the base model, finds nothing cached on `first`...
+    assert chooser.choose(system, {first: 1, other: 0}, "b#0", {first: 0, other: 0}) == other
+    fresh = ReplicaChooser("prefix", BLOCK, max_batch_size=8)
+    first = fresh.choose(system, {0: 0, 1: 0}, "a#0", {0: 0, 1: 0})
+    assert first is not None
+    assert fresh.choose(system, {first: 1, 1 - first: 0}) == 1 - first
+    # ...nor does the adapter loaded again (a new key), while the same adapter finds it.
+    assert fresh.choose(system, {first: 1, 1 - first: 1}, "a#0", {first: 0, 1 - first: 0}) == first
+    again = ReplicaChooser("prefix", BLOCK, max_batch_size=8)
+    first = again.choose(system, {0: 0, 1: 0}, "a#0", {0: 0, 1: 0})
+    assert first is not None
+    assert again.choose(system, {first: 1, 1 - first: 0}, "a#1", {first: 0, 1 - first: 0}) == 1 - first
 
 
 def test_the_routing_flag() -> None:

@@ -29,13 +29,16 @@ def adapter_root(adapter_key: str) -> int | None:
     return int.from_bytes(hashlib.sha256(adapter_key.encode()).digest()[:8], "little") >> 1
 
 
-def full_block_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """The chained hashes of the full blocks of `token_ids` (at most `limit` of them), in order."""
+def full_block_hashes(
+    token_ids: Sequence[int], block_size: int, limit: int | None = None, adapter_key: str = ""
+) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids` (at most `limit` of them), in order, as
+    computed under the LoRA adapter registered as `adapter_key` ("": the base model)."""
     count = len(token_ids) // block_size
     if limit is not None:
         count = min(count, limit)
     hashes: list[int] = []
-    prev: int | None = None
+    prev = adapter_root(adapter_key)
     for i in range(count):
         prev = chain_hash(prev, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(prev)

@@ -274,6 +274,14 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         for seq in batch.preempted:
             log.info("sequence_preempted", request_id=seq.request_id, tokens=seq.num_tokens)
+        if self.adapters is not None:
+            # How many adapters' weights the step reads (what adapter-aware routing keeps down).
+            log.debug(
+                "step_scheduled",
+                sequences=len(batch.seqs),
+                tokens=sum(batch.num_new_tokens),
+                adapters=len({seq.request.adapter for seq in batch.seqs if seq.request.adapter}),
+            )
         masks = self._submit_masks(batch)
         logits = self.runner.run(batch)
         outputs: dict[int, RequestOutput] = {}

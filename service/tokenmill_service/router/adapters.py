@@ -5,12 +5,16 @@ The served set (``ReplicaPool.adapters``, name -> path) is what every replica st
 with, so a stream resumed on a restarted replica finds its adapter there. A load goes to every
 serving replica and succeeds only where all of them took it (otherwise those that did unload it
 again); an unload is refused while any request in flight uses the adapter, so none is broken.
+Each load gets a new cache key (``key``): what the router's prefix index chains an adapter's blocks
+from, so that a name loaded again never seems to find the blocks of its earlier self (the workers'
+prefix caches do not find them either).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from itertools import count
 
 import structlog
 
@@ -30,10 +34,16 @@ class Adapters:
         self.users = users  # requests in flight with this adapter
         self._waiting: dict[tuple[int, str, bool], asyncio.Future[AdapterResult]] = {}
         self._lock = asyncio.Lock()
+        self._loads = count(1)
+        self._generation: dict[str, int] = {}  # name -> its load's number (0: served from the start)
 
     @property
     def served(self) -> dict[str, str]:
         return self.pool.adapters
+
+    def key(self, name: str) -> str:
+        """What the prefix index chains the blocks of a request on adapter ``name`` from ("": the base)."""
+        return f"{name}#{self._generation.get(name, 0)}" if name else ""
 
     def check(self, name: str) -> None:
         """A request's adapter: served, or AdapterNotFound."""
@@ -60,6 +70,7 @@ class Adapters:
                     await self._ask(taken, UnloadAdapter(name))
                 raise AdapterRefused(failed[0].error)
             self.served[name] = path
+            self._generation[name] = next(self._loads)
             log.info("lora_adapter_loaded", name=name, path=path, replicas=len(replicas))
 
     async def unload(self, name: str) -> None:

@@ -1,22 +1,39 @@
 """Which replica runs a request: the least loaded (``--routing least-load``), or the one best placed
 by the endpoint picker's kind of score (``--routing prefix``, the default):
 
-    score = hit − load / max_batch_size
+    score = hit − (load − affinity) / max_batch_size
 
-``hit`` is the share of the prompt's full blocks the replica probably holds (``PrefixIndex``),
-``load`` the requests it runs or queues. A replica holding the whole prefix keeps winning until its
-running batch is full; past that, the queue it would join outweighs the prefill it would save.
+``hit`` is the share of the prompt's full blocks the replica probably holds (``PrefixIndex``, keyed
+by the request's LoRA adapter as the workers' prefix caches are), ``load`` the requests it runs or
+queues. A replica holding the whole prefix keeps winning until its running batch is full; past that,
+the queue it would join outweighs the prefill it would save.
+
+``affinity`` keeps a LoRA adapter's requests together (the endpoint picker's LoRA affinity prefers a
+server whose ``vllm:lora_requests_info`` names the adapter): a step reads the weights of every
+adapter in its batch, so a replica whose steps carry fewer distinct adapters runs them faster (and
+keeps them in its ``--max-loras`` slots). It is ``ADAPTER_AFFINITY`` × the replica's requests with
+the request's adapter / the most any replica has (0 for requests on the base model): the replica
+running most of an adapter's requests counts ``ADAPTER_AFFINITY`` requests lighter, one running a
+few of them proportionally less (so an adapter that spilt over gathers again), one running none not
+at all. The load it may cost is bounded: a replica is preferred for its adapter only while it runs
+fewer than ``ADAPTER_AFFINITY`` requests more than another; an adapter that every request uses
+spreads over every replica as the base model's requests do.
+
 Equal scores go to the less loaded replica, then in turn, so unrelated prompts spread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenmill_service.engine.block_hash import full_block_hashes
 from tokenmill_service.router.prefix_index import PrefixIndex
 
 ROUTINGS = ("prefix", "least-load")
+
+# Requests of load a replica running most of an adapter's requests is let carry above another, for
+# that adapter's next request (the score's units: requests / max_batch_size).
+ADAPTER_AFFINITY = 4
 
 
 class ReplicaChooser:
@@ -32,15 +49,26 @@ class ReplicaChooser:
     def replica_started(self, replica: int, kv_blocks: int) -> None:
         self.index.reset(replica, kv_blocks)
 
-    def choose(self, prompt_ids: Sequence[int], loads: dict[int, int]) -> int | None:
-        """The replica (of `loads`: id -> requests in flight) to run `prompt_ids` on; records the choice."""
+    def choose(
+        self,
+        prompt_ids: Sequence[int],
+        loads: Mapping[int, int],
+        adapter: str = "",
+        users: Mapping[int, int] | None = None,
+    ) -> int | None:
+        """The replica (of `loads`: id -> requests in flight) to run `prompt_ids` on; records the choice.
+
+        `adapter`: the key the request's LoRA adapter caches its blocks under ("": the base model);
+        `users`: id -> the replica's requests in flight with that adapter (none given: no affinity).
+        """
         if not loads:
             return None
         ids = sorted(loads)
         if self.routing == "least-load":
             return min(ids, key=lambda r: loads[r])
-        hashes = full_block_hashes(prompt_ids, self.block_size)
-        scores = {r: self._score(r, hashes, loads[r]) for r in ids}
+        hashes = full_block_hashes(prompt_ids, self.block_size, adapter_key=adapter)
+        affinity = self._affinity(ids, users or {}) if adapter else dict.fromkeys(ids, 0.0)
+        scores = {r: self._score(r, hashes, loads[r] - affinity[r]) for r in ids}
         best = max(scores.values())
         tied = [r for r in ids if scores[r] == best]
         least = min(loads[r] for r in tied)
@@ -50,6 +78,12 @@ class ReplicaChooser:
         self.index.record(chosen, hashes)
         return chosen
 
-    def _score(self, replica: int, hashes: list[int], load: int) -> float:
+    @staticmethod
+    def _affinity(ids: list[int], users: Mapping[int, int]) -> dict[int, float]:
+        """Requests of load each replica counts lighter for running the request's adapter."""
+        most = max((users.get(r, 0) for r in ids), default=0)
+        return {r: ADAPTER_AFFINITY * users.get(r, 0) / most if most else 0.0 for r in ids}
+
+    def _score(self, replica: int, hashes: list[int], load: float) -> float:
         hit = self.index.matched(replica, hashes) / len(hashes) if hashes else 0.0
         return hit - load / self.max_batch_size

@@ -1,5 +1,6 @@
 """Dispatch: admitting requests (bounded), sending each to a replica (``choice.py``: where its prompt's
-prefix is probably cached, balanced against load, or the least loaded), handing its
+prefix is probably cached and its LoRA adapter already runs, balanced against load, or the least
+loaded), handing its
 outputs to its stream, resuming the requests of a replica that died on another one (prompt + the
 tokens already sent, same seed), and cancelling what callers abandon.
 
@@ -115,7 +116,7 @@ class Router:
                 f"the server is at capacity ({self.capacity()} requests in flight, "
                 f"queue size {self.settings.max_queue}); retry later"
             )
-        worker = self._pick(requests[0].prompt_ids)
+        worker = self._pick(requests[0].prompt_ids, requests[0].adapter)
         assert worker is not None
         streams = []
         for request in requests:
@@ -130,12 +131,18 @@ class Router:
             self.requests[request.request_id] = inflight
             self._dispatch(inflight, worker)
             streams.append(stream)
-        log.debug("request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight))
+        log.debug(
+            "request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight), adapter=requests[0].adapter
+        )
         return streams
 
-    def _pick(self, prompt_ids: Sequence[int]) -> Replica | None:
+    def _pick(self, prompt_ids: Sequence[int], adapter: str) -> Replica | None:
         candidates = {w.worker_id: w for w in self.pool.serving()}
-        chosen = self.chooser.choose(prompt_ids, {i: len(w.inflight) for i, w in candidates.items()})
+        loads = {i: len(w.inflight) for i, w in candidates.items()}
+        users = {}
+        if adapter:
+            users = {i: sum(f.request.adapter == adapter for f in w.inflight.values()) for i, w in candidates.items()}
+        chosen = self.chooser.choose(prompt_ids, loads, self.adapters.key(adapter), users)
         return None if chosen is None else candidates[chosen]
 
     @staticmethod
@@ -190,7 +197,7 @@ class Router:
         self.adapters.on_ready(replica)
         parked, self.parked = self.parked, []
         for inflight in parked:
-            target = self._pick(self._tokens(inflight))
+            target = self._pick(self._tokens(inflight), inflight.request.adapter)
             if target is None:
                 self.parked.append(inflight)
             else:
@@ -213,7 +220,7 @@ class Router:
             return
         inflight.resumptions += 1
         inflight.replica = None
-        target = self._pick(self._tokens(inflight))
+        target = self._pick(self._tokens(inflight), inflight.request.adapter)
         log.info(
             "request_resumed",
             request_id=inflight.request.request_id,
