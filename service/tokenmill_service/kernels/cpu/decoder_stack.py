@@ -36,7 +36,8 @@ def _lib() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    for name in ("decoder_stack", "elementwise", "paged_attention"):  # (and "lora" where adapters ride along)
+    # (and "lora" where adapters ride along, "moe_mlp" where experts do)
+    for name in ("decoder_stack", "elementwise", "paged_attention"):
         if (reason := build.unavailable_reason(name)) is not None:
             return reason
     return None
@@ -126,9 +127,8 @@ class DecoderStack:
             if spec.qk_norm != "none":
                 assert layer.q_norm is not None and layer.k_norm is not None
                 norms += [layer.q_norm, layer.k_norm]
-            linears = [layer.qkv, layer.o]
-            linears += [layer.moe.router] if layer.moe is not None else [layer.gate_up, layer.down]  # type: ignore[list-item]
-            for lin in linears:
+            mlp = [layer.moe.router] if layer.moe is not None else [layer.gate_up, layer.down]
+            for lin in [layer.qkv, layer.o, *(m for m in mlp if m is not None)]:
                 tensors.append(lin.weights)
                 if lin.lora is not None:
                     a, bt, ranks, parts = lin.lora
