@@ -184,7 +184,10 @@ class DecoderStack:
             )
         )  # fmt: skip
         moes = [ly.moe for ly in spec.layers if ly.moe is not None]
-        moe = [build.address("moe_mlp", name) for name in ("tm_moe_route", "tm_moe_workspace", "tm_moe_mlp")]
+        moe = [
+            build.address("moe_mlp", name) if moes else None
+            for name in ("tm_moe_route", "tm_moe_workspace", "tm_moe_mlp")
+        ]
         self._stack = _Stack(
             len(spec.layers), spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
             spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(),
@@ -195,7 +198,7 @@ class DecoderStack:
               for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
             build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
             abi.QK_NORM_MODES[spec.qk_norm],
-            *(moe if moes else (None, None, None)), max((m.experts.top_k for m in moes), default=0),
+            *moe, max((m.experts.top_k for m in moes), default=0),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
