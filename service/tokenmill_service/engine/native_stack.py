@@ -27,7 +27,8 @@ def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
     lora = None
     if getattr(lin, "lora", None) is not None:
         lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
-    return decoder_stack.LinearSpec(lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features, lora)
+    weights, fmt = lin.quant.native_operands(lin)
+    return decoder_stack.LinearSpec(lin.quant.native_kernel, weights, fmt, lin.out_features, lora)
 
 
 def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
@@ -46,19 +47,13 @@ def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
 
 def _layer(ly: Any, qk_norm: str) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
-    norms = {}
-    if qk_norm != "none":
-        norms = {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
-    linears = {"qkv": _linear("qkv", attn.qkv_proj), "o": _linear("o", attn.o_proj)}
+    q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm != "none" else (None, None)
+    qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
+    norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
     if isinstance(ly.mlp, FusedMoE):
-        return decoder_stack.LayerSpec(
-            ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **linears,
-            gate_up=None, down=None, moe=_moe(ly.mlp), **norms,
-        )  # fmt: skip
-    return decoder_stack.LayerSpec(
-        ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **linears,
-        gate_up=_linear("gate_up", ly.mlp.gate_up_proj), down=_linear("down", ly.mlp.down_proj), **norms,
-    )  # fmt: skip
+        return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm)
+    gate_up, down = _linear("gate_up", ly.mlp.gate_up_proj), _linear("down", ly.mlp.down_proj)
+    return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, None, q_norm, k_norm)
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
