@@ -87,6 +87,10 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
+    # Its sinks, windows and biased clamped experts keep the model's own loop, and the plan says so.
+    executor = model.plan.executor
+    assert executor.value == "eager" and "the gpt_oss family has no native stack" in executor.reason
+    assert "attention sinks" in executor.reason and "clamped SwiGLU" in executor.reason
 
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:

@@ -3,7 +3,9 @@
 logits and prompt logprobs within 1e-4 at float32 with dense weights, the same greedy tokens, the same
 logits from a GGUF of the model (llama.cpp's stacked expert tensors), a GGUF with Q8_0 experts in the
 default configuration within its bounds of the float32 reference, a prompt's logits bitwise the same
-alone and in a batch, and the same logits from 2 and 4 ranks, expert- or tensor-parallel."""
+alone and in a batch and prefilled or decoded, the native decoder stack (every layer in one native
+call, the default) with the bits of the model's own loop, and the same logits from 2 and 4 ranks,
+expert- or tensor-parallel."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import torch
 import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType as QType
 
-from tests.engine.invariance import assert_alone_equals_crowd
+from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
 from tests.engine.moe_ranks import rank_logits
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
+from tests.kernels.test_decoder_stack import same_bits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
@@ -106,7 +109,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
-    assert "mixture-of-experts" in model.plan.executor.reason
+    assert model.plan.executor.value == "native-stack"
 
 
 @torch.inference_mode()
@@ -139,8 +142,21 @@ def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[str, Path, An
     assert greedy(load_model(directory), PROMPT[:12], 8) == ids[12:]
 
 
-def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch(checkpoint: tuple[str, Path, Any]) -> None:
-    assert_alone_equals_crowd(load_model(checkpoint[1]), PROMPT)
+def test_a_prompt_is_bitwise_the_same_alone_and_in_a_batch_and_prefilled_or_decoded(
+    checkpoint: tuple[str, Path, Any],
+) -> None:
+    model = load_model(checkpoint[1])
+    assert model.plan.executor.value == "native-stack"
+    assert_alone_equals_crowd(model, PROMPT)
+    assert_prefill_equals_decode(model, PROMPT[:24], 16)
+
+
+@torch.inference_mode()
+def test_the_native_stack_gives_the_model_loops_bits(checkpoint: tuple[str, Path, Any]) -> None:
+    """Every layer in one native call (OLMoE's whole-projection q/k norms, Qwen3-MoE's per-head ones and its
+    dense layer, each MoE layer's router, top-k and experts) against the model's own loop under the native
+    ops: prefills, decodes and mixed steps, the same bits."""
+    same_bits(load_model(checkpoint[1]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -202,6 +218,7 @@ def test_q8_0_experts_in_the_default_configuration_are_within_bounds_and_batch_i
     error = (got[:-1].gather(1, targets) - want[:-1].gather(1, targets)).abs()
     assert error.mean() < 1e-3 and error.max() < 1e-2, (error.mean().item(), error.max().item())
     assert_alone_equals_crowd(served, PROMPT)
+    same_bits(served)  # the default runs the native stack, with the model loop's bits
     # The default serves these experts in one native call a layer, as its plan says.
     assert served.plan.summary()["experts"].startswith("native ("), served.plan.summary()
     moes = [m for m in served.modules() if isinstance(m, FusedMoE)]
@@ -269,15 +286,19 @@ def test_several_ranks_give_the_whole_models_logits(tmp_path: Path, ranks: int, 
             torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=0)
 
 
-def test_the_plan_runs_a_mixture_of_experts_eager_and_says_why(checkpoint: tuple[str, Path, Any]) -> None:
+def test_the_plan_runs_a_mixture_of_experts_in_the_native_stack_and_says_why_not_compiled(
+    checkpoint: tuple[str, Path, Any],
+) -> None:
     family, directory, _ = checkpoint
     options = LoadOptions(model=str(directory), dtype="float32", compile="auto")
     plan = resolve_plan(options, open_checkpoint(directory), probe_device("cpu"))
-    assert plan.executor.value == "eager"
+    assert plan.executor.value == "native-stack"
     assert "groups each step's tokens by expert" in plan.skipped["compile"]
-    assert "mixture-of-experts" in plan.executor.reason
     assert plan.experts is not None and plan.experts.value == "native", plan.experts
     torch_plan = resolve_plan(replace(options, backend="triton"), open_checkpoint(directory), probe_device("cpu"))
     assert torch_plan.experts == Decision("one-by-one", "the triton ops run them through the linear layers")
+    assert torch_plan.executor.value == "eager"
+    lora_plan = resolve_plan(replace(options, max_loras=2), open_checkpoint(directory), probe_device("cpu"))
+    assert lora_plan.executor.value == "eager" and "LoRA adapters on experts" in lora_plan.executor.reason
     experts = [p for p in plan.layers if ".mlp.experts." in p]
     assert len(experts) == 2 * EXPERTS[family] * (1 if family == "qwen3_moe" else 2)  # gate/up and down each

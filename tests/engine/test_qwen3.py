@@ -1,8 +1,9 @@
 """Qwen3 (dense): tiny random transformers checkpoints, tied and untied, with head_dim 64 where
 hidden / heads is 16, served as transformers computes them: logits and prompt logprobs within
 1e-4 (float32, dense) on each ops backend (native CPU ops, the torch reference, triton), the same
-greedy tokens, the same logits from a GGUF of the model and from two tensor-parallel ranks, and a
-prompt's logits bitwise the same alone and in a batch of others.
+greedy tokens, the same logits from a GGUF of the model and from two tensor-parallel ranks, a
+prompt's logits bitwise the same alone and in a batch of others, and the native decoder stack (the
+per-head q/k norms in its one call) with the bits of the model's own loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.engine.family_checks import (
 )
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
-from tokenmill_service.engine.executor import make_executor
+from tests.kernels.test_decoder_stack import same_bits
 from tokenmill_service.models.hf_loader import read_hf_config
 from tokenmill_service.models.loader import load_model
 
@@ -81,14 +82,13 @@ def test_the_config_and_the_weights_are_qwen3s(checkpoint: tuple[Path, Any]) -> 
         assert torch.equal(model.lm_head.quant.dequantized(model.lm_head), model.model.embed_tokens.weight)
 
 
-def test_the_plan_says_the_native_stack_has_no_qk_norm(checkpoint: tuple[Path, Any]) -> None:
+@torch.inference_mode()
+def test_the_native_stack_runs_the_per_head_norms_with_the_model_loops_bits(checkpoint: tuple[Path, Any]) -> None:
+    """Served on the native ops, every layer runs in one native call: q and k normed head by head with
+    the kernel and rows of the model's own loop (its ``before_rotary``), so its bits."""
     model = load(checkpoint[0], "native")
-    executor = model.plan.executor
-    assert executor.value == "eager"
-    assert "the qwen3 family has no native stack" in executor.reason and "q/k norm" in executor.reason
-    # Asked for by hand, the stack refuses rather than run Llama's layers without the norms.
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no native stack"):
-        make_executor(model, "native-stack")
+    assert model.plan.executor.value == "native-stack"
+    same_bits(model)
 
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:

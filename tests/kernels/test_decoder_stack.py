@@ -25,12 +25,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _steps() -> Iterator[StepPlan]:
+def _steps(vocab: int = 49152) -> Iterator[StepPlan]:
     """Three sequences: two prefills (one chunked), then decodes beside a third one's prefill."""
     gen = torch.Generator().manual_seed(3)
 
     def ids(n: int) -> list[int]:
-        return torch.randint(0, 49152, (n,), generator=gen).tolist()
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
     tables = [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11]]
     yield StepPlan(ids(40 + 17), [40, 17], [0, 0], tables[:2], [16, 56], [(0, 40)])
@@ -42,13 +42,13 @@ def _steps() -> Iterator[StepPlan]:
 def _run(model: Any, native: bool) -> list[torch.Tensor]:
     runner = ModelRunner(model, block_size=16, num_blocks=16, executor="native-stack" if native else "eager")
     results = []
-    for plan in _steps():
+    for plan in _steps(model.config.vocab_size):
         logits, prompt_logits = runner.execute(plan)
         results += [logits, *prompt_logits]
     return results
 
 
-def _same_bits(model: Any) -> None:
+def same_bits(model: Any) -> None:
     assert model.plan.executor.value == "native-stack"
     python, native = _run(model, native=False), _run(model, native=True)
     assert len(python) == len(native) == 7
@@ -58,7 +58,7 @@ def _same_bits(model: Any) -> None:
 
 @torch.inference_mode()
 def test_the_served_model_runs_the_native_stack_with_the_python_forwards_bits(served_model: Any) -> None:
-    _same_bits(served_model)
+    same_bits(served_model)
 
 
 @torch.inference_mode()
@@ -69,7 +69,7 @@ def test_the_float32_block_product_runs_it_too(default_model_path: Path) -> None
         model = load_model(default_model_path, quantization="gguf")
     loaded = next(e for e in logs if e["event"] == "model_loaded")
     assert loaded["layers"] == "native stack"
-    _same_bits(model)
+    same_bits(model)
 
 
 def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
@@ -81,7 +81,7 @@ def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
 @torch.inference_mode()
 def test_dense_float32_layers_run_it_too(default_model: Any) -> None:
     # --quantization none: float32 rows through the block product's F32 format.
-    _same_bits(default_model)
+    same_bits(default_model)
 
 
 def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_forward(

@@ -174,6 +174,32 @@ def test_the_router_takes_the_top_k_by_softmax_largest_first_renormalized_or_not
     torch.testing.assert_close(renormalized.sum(-1), torch.ones(2))
 
 
+# (experts, top_k): torch.topk's two selections, std::partial_sort where top_k * 64 <= experts
+# (128, 2; 256, 4), else std::nth_element (OLMoE's 64, 8; Mixtral's 8, 2; every expert; one).
+ROUTER_SHAPES = [(4, 2), (8, 2), (60, 4), (64, 8), (128, 2), (256, 4), (16, 1), (8, 8)]
+
+
+@pytest.mark.parametrize(("experts", "top_k"), ROUTER_SHAPES)
+def test_the_native_router_chooses_as_torch_and_ranks_equal_scores_as_torch_topk(experts: int, top_k: int) -> None:
+    """moe_mlp.cpp's softmax top-k (the native ops' and the native decoder stack's router) against
+    router.py's torch one: logits from a few levels, so most rows hold equal probabilities, which must
+    come out in torch.topk's order; the weights within float32 rounding; each row the same alone."""
+    from tokenmill_service.kernels.cpu import moe_mlp
+
+    if (why := moe_mlp.unavailable_reason()) is not None:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(experts * 100 + top_k)
+    for levels in (2, 5, 1 << 20):
+        logits = torch.randint(0, levels, (64, experts), generator=gen).float() * (3.0 / levels)
+        for renormalize in (False, True):
+            weights, ids = moe_mlp.route(logits, top_k, renormalize)
+            want_weights, want_ids = select_experts(logits, top_k, renormalize)
+            assert torch.equal(ids, want_ids), (levels, renormalize)
+            torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+            alone_weights, alone_ids = moe_mlp.route(logits[5:6], top_k, renormalize)
+            assert torch.equal(alone_weights[0], weights[5]) and torch.equal(alone_ids[0], ids[5])
+
+
 @torch.inference_mode()
 def test_without_renormalization_the_outputs_are_the_smaller_weights_ones() -> None:
     normed, plain = _moe("none", QType.F32, 64, 96, True), _moe("none", QType.F32, 64, 96, False)

@@ -4,7 +4,9 @@ as one native call a step with the bits of the model's own loop (tests/kernels/t
 
 The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
 this only describes a model the plan chose it for. A model with LoRA adapter slots (``--max-loras``)
-hands each linear layer's slots to the stack, and every step the tokens of each slot in use.
+hands each linear layer's slots to the stack, and every step the tokens of each slot in use. A family's
+q/k norms are its attention's ``qk_norm`` (none, over the whole projection, per head); a
+mixture-of-experts layer hands the stack its router and its experts' native call (``FusedMoE.native``).
 """
 
 from __future__ import annotations
@@ -15,40 +17,62 @@ import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import decoder_stack
+from tokenmill_service.layers.fused_moe import FusedMoE
+from tokenmill_service.layers.fused_moe.native import why_not_native
+
+
+def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
+    if lin.quant.native_kernel is None or lin.bias is not None:
+        raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
+    lora = None
+    if getattr(lin, "lora", None) is not None:
+        lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
+    weights, fmt = lin.quant.native_operands(lin)
+    return decoder_stack.LinearSpec(lin.quant.native_kernel, weights, fmt, lin.out_features, lora)
+
+
+def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
+    """A mixture-of-experts layer as the stack runs it: softmax top-k routing, every expert native."""
+    if mlp.grouped is not None:
+        raise ValueError("the native stack routes by softmax top-k; this layer's routing is grouped")
+    if mlp.placement.count != mlp.num_experts:
+        raise ValueError("the native stack runs every expert of a layer; this rank holds some of them")
+    if getattr(mlp.gate, "lora", None) is not None:
+        raise ValueError("the native stack's router product has no LoRA adapter slots")
+    experts = mlp.native()
+    if experts is None:
+        raise ValueError(f"the layer's experts have no native call: {why_not_native(mlp)}")
+    return decoder_stack.MoESpec(_linear("router", mlp.gate), experts, mlp.renormalize)
+
+
+def _layer(ly: Any, qk_norm: str) -> decoder_stack.LayerSpec:
+    attn = ly.self_attn
+    q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm != "none" else (None, None)
+    qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
+    norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
+    if isinstance(ly.mlp, FusedMoE):
+        return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm)
+    gate_up, down = _linear("gate_up", ly.mlp.gate_up_proj), _linear("down", ly.mlp.down_proj)
+    return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, None, q_norm, k_norm)
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     """The stack for ``model`` (a Llama-family module whose every linear layer has a native kernel)."""
     if not getattr(type(model), "native_stack", False):
-        # The stack would run Llama's layers and silently skip what the family adds (Qwen3's q/k norms).
+        # The stack would run Llama's layers and silently skip what the family adds (Granite's multipliers).
         gap = getattr(type(model), "native_stack_gap", "")
         raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
     if any(getattr(ly.self_attn, "window", None) is not None for ly in model.model.layers):
         raise ValueError("the native stack attends to the whole context; this model's layers have a sliding window")
-    layers = []
-    for ly in model.model.layers:
-        linears = {
-            "qkv": ly.self_attn.qkv_proj, "o": ly.self_attn.o_proj,
-            "gate_up": ly.mlp.gate_up_proj, "down": ly.mlp.down_proj,
-        }  # fmt: skip
-        spec = {}
-        for name, lin in linears.items():
-            if lin.quant.native_kernel is None or lin.bias is not None:
-                raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
-            lora = None
-            if lin.lora is not None:
-                lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
-            spec[name] = decoder_stack.LinearSpec(
-                lin.quant.native_kernel, *lin.quant.native_operands(lin), lin.out_features, lora
-            )
-        layers.append(decoder_stack.LayerSpec(ly.input_layernorm.weight, ly.post_attention_layernorm.weight, **spec))
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
+    qk_norm = type(attn).qk_norm  # what the family's before_rotary does, which the stack does instead
+    layers = [_layer(ly, qk_norm) for ly in model.model.layers]
     return decoder_stack.DecoderStack(
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
             scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight, layers=layers,
-            kv_dtype=model.kv_dtype,
+            kv_dtype=model.kv_dtype, qk_norm=qk_norm,
         )
     )  # fmt: skip
 

@@ -119,6 +119,13 @@ class Ops(ABC):
         up = up.clamp(min=-limit, max=limit)
         return (gate * torch.sigmoid(gate * alpha) * (up + 1)).to(x.dtype)
 
+    def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture-of-experts router's choice: logits [T, experts] -> (weights float32, expert ids int64)
+        [T, top_k] by rank, softmax top-k renormalized where asked (layers/fused_moe/router.py)."""
+        from tokenmill_service.layers.fused_moe.router import select_experts
+
+        return select_experts(logits, top_k, renormalize)
+
     def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts layer's held experts on x [T, hidden] for the router's weights and expert
         ids [T, top_k] (by rank): float32 [T, hidden], each token's weighted sum in its ranks' order.

@@ -136,8 +136,9 @@ class GptOssModel(LlamaModel):
 
 @register_model("gpt_oss")
 class GptOssForCausalLM(MoEForCausalLM):
+    native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no attention sinks, sliding window nor mixture-of-experts MLP"
+        "the C++ decoder layers have no attention sinks, sliding window, nor experts with biases and a clamped SwiGLU"
     )
     native_experts_gap: ClassVar[str] = "its experts have biases and a clamped SwiGLU"
     attention_type: ClassVar[type[LlamaAttention]] = GptOssAttention

@@ -96,6 +96,10 @@ def read_sliding_window(raw: dict[str, Any], hf_architecture: str, config: Model
 
 
 class LlamaAttention(nn.Module):
+    # What ``before_rotary`` does, for the native decoder stack (abi.QK_NORM_MODES): "none", an RMSNorm of
+    # each token's whole q and k projections ("whole"), or of each head ("heads").
+    qk_norm: ClassVar[str] = "none"
+
     def __init__(
         self,
         config: ModelConfig,

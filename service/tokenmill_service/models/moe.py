@@ -11,6 +11,8 @@ routing, shared experts and layers) share on llama.py's seams.
   ``ffn_gate_inp``; the loader reads a stack as one matrix of all its experts' rows, still
   memory-mapped, and ``unfuse`` cuts it into each expert's rows by expert id.
 - Under expert parallelism a rank is not handed the experts it does not hold.
+- The native decoder stack runs these layers as it runs Llama's (engine/native_stack.py): a MoE layer's
+  router product, softmax top-k and experts in its one call.
 
 The family's own numbers live in ``ModelConfig.extra``: ``num_experts``, ``experts_per_token``,
 ``expert_width``, ``norm_topk_prob`` (renormalize the chosen weights) and ``moe_layers``.
@@ -82,8 +84,6 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 class MoEForCausalLM(LlamaForCausalLM):
     """The base of the mixture-of-experts families (not registered itself)."""
 
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no mixture-of-experts MLP"
     # Why ``--compile auto`` leaves the family eager (read by the plan): each step's grouping of tokens
     # by expert is data-dependent, which a compiled graph would guard on and rebuild for.
     compile_gap: ClassVar[str] = "a mixture of experts groups each step's tokens by expert, which graphs cannot hold"

@@ -27,6 +27,8 @@ from tokenmill_service.models.registry import register_model
 
 
 class OlmoeAttention(LlamaAttention):
+    qk_norm: ClassVar[str] = "whole"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -57,7 +59,6 @@ def _norm_all_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 @register_model("olmoe")
 class OlmoeForCausalLM(MoEForCausalLM):
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no q/k norm nor mixture-of-experts MLP"
     attention_type: ClassVar[type[LlamaAttention]] = OlmoeAttention
     hf_architectures: ClassVar[dict[str, str]] = {"OlmoeForCausalLM": "olmoe"}
     gguf_architectures: ClassVar[dict[str, str]] = {"olmoe": "olmoe"}

@@ -7,7 +7,7 @@ hidden / heads (``ModelConfig.head_dim`` is read from the checkpoint).
 
 ``q_norm`` / ``k_norm`` weights are [head_dim], shared by every head: under tensor parallelism each
 rank keeps them whole, whichever heads it holds. The native decoder stack (one C++ call for every
-layer) has no per-head norm, so the family declares none and the load plan says why.
+layer) runs the same norm on the same rows (``qk_norm = "heads"``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from tokenmill_service.models.registry import register_model
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm: ClassVar[str] = "heads"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -57,8 +59,6 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 @register_model("qwen3")
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no per-head q/k norm"
     attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
     hf_architectures: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3"}
     gguf_architectures: ClassVar[dict[str, str]] = {"qwen3": "qwen3"}

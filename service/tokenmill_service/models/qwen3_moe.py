@@ -21,7 +21,6 @@ from tokenmill_service.models.registry import register_model
 
 @register_model("qwen3_moe")
 class Qwen3MoeForCausalLM(MoEForCausalLM):
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no per-head q/k norm nor mixture-of-experts MLP"
     attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
     hf_architectures: ClassVar[dict[str, str]] = {"Qwen3MoeForCausalLM": "qwen3_moe"}
     gguf_architectures: ClassVar[dict[str, str]] = {"qwen3moe": "qwen3_moe"}

@@ -453,4 +453,12 @@ def native_stack_missing(
             return f"the {leaf} projection is {choice.method}, which has no native kernel to call"
     # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel.
     lora = ("lora",) if options.max_loras > 0 else ()
-    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora)
+    # A mixture of experts: the router's product, softmax top-k and the experts in moe_mlp.cpp's calls.
+    experts: tuple[str, ...] = ()
+    if int(config.extra.get("num_experts", 0)):  # type: ignore[call-overload]
+        if options.max_loras > 0:
+            return "LoRA adapters on experts run through the linear layers (--max-loras)"
+        if gap := getattr(family, "native_experts_gap", ""):
+            return gap
+        experts = ("moe_mlp",)
+    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts)

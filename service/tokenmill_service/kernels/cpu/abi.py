@@ -69,6 +69,9 @@ KQUANT_FORMATS = {f.id: f.block_bytes for f in BLOCK_FORMATS if f.kernel == "kqu
 KQUANT_MIXED = 255
 KQUANT_MAX_SEGMENTS = 4
 KQUANT_HEADER_BYTES = 128
+# The decoder stack's q/k RMSNorm (TmStack.qk_norm): none, over each token's whole q (and k) projection
+# (OLMoE), or over each head (Qwen3, Qwen3-MoE).
+QK_NORM_MODES = {"none": 0, "whole": 1, "heads": 2}
 # What LoRA adapter slots store (lora.cpp): float32, or bfloat16 (products accumulate in float32 either way).
 LORA_DTYPES = {"float32": 0, "bfloat16": 1}
 
@@ -159,6 +162,10 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     ),
     "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "moe_mlp": (
+        (
+            "void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t renormalize, "
+            "float* weights, int64_t* ids)"
+        ),
         "int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads)",
         (
             "int tm_moe_mlp(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights, "
@@ -166,7 +173,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         ),
     ),
     "decoder_stack": (
-        "int64_t tm_stack_workspace(const TmStack* s, int64_t t)",
+        "int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads)",
         (
             "int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, "
             "const int64_t* slots, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
@@ -192,6 +199,11 @@ FUNCTION_POINTERS = {
     "TmLoraAdd": "int (*)(int dtype, const float* x, int64_t in, const TmLoraBatch* batch, const uint8_t* a, "
     "const uint8_t* bt, const int64_t* ranks, int64_t max_rank, int64_t parts, const int64_t* part_rows, "
     "int64_t out, float* y, float* scratch, int threads)",
+    "TmMoeRoute": "void (*)(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t renormalize, "
+    "float* weights, int64_t* ids)",
+    "TmMoeWorkspace": "int64_t (*)(const TmExperts* e, int64_t t, int threads)",
+    "TmMoeMlp": "int (*)(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights, "
+    "float* workspace, float* out, int threads)",
     "TmAttention": "int (*)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, "
     "const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions, "
     "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, float* out, "
@@ -219,6 +231,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("const int64_t*", "lora_part_rows"),
         ("int64_t", "lora_dtype"),
     ),
+    # A decoder layer: its MLP dense (gate_up, down) or, where ``experts`` is set, a mixture of experts:
+    # the router's product (``router``, [experts, hidden]), softmax top-k (renormalized where ``renormalize``)
+    # and the experts (moe_mlp.cpp's). q_norm / k_norm: the q and k RMSNorm weights where the stack's
+    # ``qk_norm`` says the family has them.
     "TmLayer": (
         ("const float*", "input_norm"),  # [hidden]
         ("const float*", "post_norm"),  # [hidden]
@@ -226,6 +242,11 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("TmLinear", "o"),
         ("TmLinear", "gate_up"),
         ("TmLinear", "down"),
+        ("const float*", "q_norm"),  # [heads * head_dim] (the whole projection) or [head_dim] (per head)
+        ("const float*", "k_norm"),  # [kv_heads * head_dim] or [head_dim]
+        ("TmLinear", "router"),
+        ("const TmExperts*", "experts"),  # null: a dense MLP
+        ("int64_t", "renormalize"),
     ),
     "TmStack": (
         *(("int64_t", name) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
@@ -245,6 +266,14 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         # lora_parts * lora_rank (the shrunk rows' width).
         ("TmLoraAdd", "lora_add"),
         ("int64_t", "lora_width"),
+        # q/k RMSNorm between the projection and rotary (QK_NORM_MODES: none, over the whole projection as
+        # OLMoE, or over each head as Qwen3), and the mixture-of-experts kernels (moe_mlp.cpp's; null when no
+        # layer has experts) with the largest top_k of the layers'.
+        ("int64_t", "qk_norm"),
+        ("TmMoeRoute", "moe_route"),
+        ("TmMoeWorkspace", "moe_workspace"),
+        ("TmMoeMlp", "moe_mlp"),
+        ("int64_t", "max_top_k"),
     ),
     # A mixture-of-experts layer's experts held by a rank (moe_mlp.cpp): experts first .. first + count - 1
     # of num_experts, each a bias-free gate/up product ([2 * width, hidden], gate rows then up rows) and down
@@ -325,6 +354,7 @@ def header() -> str:
         f"#define TM_KQUANT_HEADER_BYTES {KQUANT_HEADER_BYTES}",
     ]
     lines += [f"#define TM_LORA_{name.upper()} {value}" for name, value in LORA_DTYPES.items()]
+    lines += [f"#define TM_QK_NORM_{name.upper()} {value}" for name, value in QK_NORM_MODES.items()]
     for f in BLOCK_FORMATS:
         lines += [
             f"#define TM_FORMAT_{f.name} {f.id}",

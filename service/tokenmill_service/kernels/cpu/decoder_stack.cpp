@@ -1,5 +1,6 @@
-// A Llama-architecture decoder stack in one native call: every layer's norms, products, rotary,
-// cache writes, attention and MLP, then the final norm. The same work the model's Python forward
+// A Llama-architecture decoder stack in one native call: every layer's norms (q/k norms where the
+// family has them), products, rotary, cache writes, attention and MLP (dense, or a mixture of experts),
+// then the final norm. The same work the model's Python forward
 // does, through the same kernels (their entry points come from their own libraries, passed in by
 // decoder_stack.py), in the same order on the same inputs: so the same bits, without some 15
 // Python-level calls and tensor allocations per layer, which at one decoding sequence cost more
@@ -30,34 +31,65 @@ static int add_lora(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora
                      L.lora_part_rows, L.out_features, y, scratch, threads) != 0;
 }
 
+// The largest expert count and expert workspace of the stack's mixture-of-experts layers (0: none).
+static void moe_sizes(const TmStack* s, int64_t t, int threads, int64_t* experts, int64_t* workspace) {
+  *experts = 0;
+  *workspace = 0;
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    const TmExperts* e = s->layers[l].experts;
+    if (!e) continue;
+    if (e->num_experts > *experts) *experts = e->num_experts;
+    const int64_t w = s->moe_workspace(e, t, threads);
+    if (w > *workspace) *workspace = w;
+  }
+}
+
 extern "C" {
 
-// Floats of workspace a step of t tokens needs.
-int64_t tm_stack_workspace(const TmStack* s, int64_t t) {
+// Floats of workspace a step of t tokens needs (with `threads` threads: the experts' share depends on it).
+int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads) {
   const int64_t q = s->heads * s->head_dim, kv = s->kv_heads * s->head_dim;
-  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate) + lora_scratch(s, t);
+  int64_t experts, moe;
+  moe_sizes(s, t, threads, &experts, &moe);
+  const int64_t qk_norm = s->qk_norm != TM_QK_NORM_NONE ? t * (q + kv) : 0;  // its rows' sums, normed keys
+  const int64_t routing = experts ? t * (3 * s->max_top_k + experts) + moe : 0;  // ids, weights, logits
+  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate) + lora_scratch(s, t) + qk_norm + routing;
 }
 
 // x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, slots,
 // seq_of_token: [t]; tables: [sequences, table_width]; the caches: [layers][layer_bytes] in the
 // layouts paged_attention.cpp reads (keys transposed per block, values as [slot][kv_heads][D]).
 // Returns 0, or the first failing kernel's code: -100 - layer for a product, -200 - layer for
-// attention. lora: the step's tokens by adapter slot (null: the base model's products only).
+// attention, -300 - layer for the experts. lora: the step's tokens by adapter slot (null: the base
+// model's products only).
+// q/k norms (s->qk_norm): the same tm_rms_norm on the same rows as the model's before_rotary (OLMoE's
+// over each token's whole q and k, Qwen3's over each head), into contiguous q and k that rotary,
+// the cache and attention then read. A mixture-of-experts layer (L.experts): the router's product,
+// moe_mlp.cpp's choice (tm_moe_route) and its experts (tm_moe_mlp), as layers/fused_moe runs them
+// under the native ops.
 int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, const int64_t* slots,
                      const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, uint8_t* k_cache,
                      uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, float* workspace, float* out,
                      int threads) {
-  const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate;
+  const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate, K = s->max_top_k;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
-  float* h = workspace;          // the residual stream [t, H]
+  int64_t max_experts, moe_floats;
+  moe_sizes(s, t, threads, &max_experts, &moe_floats);
+  int64_t* ids = (int64_t*)workspace;  // the experts chosen [t, top_k] (first: 8-byte aligned)
+  float* h = workspace + (max_experts ? 2 * t * K : 0);  // the residual stream [t, H]
   float* normed = h + t * H;     // [t, H]
-  float* y = normed + t * H;     // a layer's output, o_proj's or down's [t, H]
+  float* y = normed + t * H;     // a layer's output, o_proj's, down's or the experts' [t, H]
   float* qkv = y + t * H;        // [t, q + 2 kv]
   float* q = qkv + t * qkv_size; // the queries, contiguous [t, heads, D]
   float* attn = q + t * q_size;  // [t, heads * D]
   float* gate_up = attn + t * q_size;  // [t, 2 I]
   float* act = gate_up + t * 2 * I;    // [t, I]
   float* scratch = act + t * I;        // the LoRA products' (lora_scratch)
+  float* keys = scratch + lora_scratch(s, t);  // normed keys [t, kv_heads, D] (with q/k norms)
+  float* sums = keys + (s->qk_norm != TM_QK_NORM_NONE ? t * kv_size : 0);  // the q/k norms' h_out [t, q]
+  float* route_w = sums + (s->qk_norm != TM_QK_NORM_NONE ? t * q_size : 0);  // the experts' weights [t, top_k]
+  float* logits = route_w + (max_experts ? t * K : 0);  // the router's [t, experts]
+  float* moe_ws = logits + t * max_experts;             // moe_mlp.cpp's workspace
 
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const TmLayer& L = s->layers[l];
@@ -68,17 +100,41 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
     if (L.qkv.gemm((int)L.qkv.fmt, normed, t, H, L.qkv.weights, qkv_size, qkv, threads)) return -100 - (int)l;
     if (add_lora(s, L.qkv, lora, normed, H, qkv, scratch, threads)) return -100 - (int)l;
-    s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
-    s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
-    s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
+    if (s->qk_norm == TM_QK_NORM_NONE) {
+      s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
+      s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
+      s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
+      for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
+    } else {
+      if (s->qk_norm == TM_QK_NORM_WHOLE) {
+        s->rms_norm(qkv, qkv_size, nullptr, L.q_norm, s->eps, sums, q, t, q_size);
+        s->rms_norm(qkv + q_size, qkv_size, nullptr, L.k_norm, s->eps, sums, keys, t, kv_size);
+      } else {  // each head a row
+        for (int64_t i = 0; i < t; ++i) {
+          const float* row = qkv + i * qkv_size;
+          s->rms_norm(row, D, nullptr, L.q_norm, s->eps, sums, q + i * q_size, s->heads, D);
+          s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
+        }
+      }
+      s->rotary(q, q_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
+      s->rotary(keys, kv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
+      s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
+    }
     s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
-    for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
     if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, tables,
                      table_width, s->scale, attn, threads))
       return -200 - (int)l;
     if (L.o.gemm((int)L.o.fmt, attn, t, q_size, L.o.weights, H, y, threads)) return -100 - (int)l;
     if (add_lora(s, L.o, lora, attn, q_size, y, scratch, threads)) return -100 - (int)l;
     s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
+    if (L.experts) {
+      const TmExperts* e = L.experts;
+      if (L.router.gemm((int)L.router.fmt, normed, t, H, L.router.weights, e->num_experts, logits, threads))
+        return -100 - (int)l;
+      s->moe_route(logits, t, e->num_experts, e->top_k, L.renormalize, route_w, ids);
+      if (s->moe_mlp(e, normed, t, ids, route_w, moe_ws, y, threads)) return -300 - (int)l;
+      continue;
+    }
     if (L.gate_up.gemm((int)L.gate_up.fmt, normed, t, H, L.gate_up.weights, 2 * I, gate_up, threads))
       return -100 - (int)l;
     if (add_lora(s, L.gate_up, lora, normed, H, gate_up, scratch, threads)) return -100 - (int)l;

@@ -4,8 +4,11 @@ At one decoding sequence a Llama layer's Python forward (module calls, views, te
 a dozen ctypes calls) costs more than its arithmetic. ``DecoderStack`` runs the same kernels on
 the same inputs in the same order from native code, so its results are those of the Python
 forward bit for bit (tests/kernels/test_decoder_stack.py holds it to that), and the Python per step is
-one call. The model describes itself with ``StackSpec``; models/llama.py builds one where every
-part has a native kernel. A layer's LoRA adapter slots (``LinearSpec.lora``) ride along: the step's
+one call. The model describes itself with ``StackSpec``; engine/native_stack.py builds one where every
+part has a native kernel. A family's q/k RMSNorm (``StackSpec.qk_norm``: over the whole projection, or
+per head) runs between the projection and rotary; a mixture-of-experts layer (``LayerSpec.moe``) runs
+its router's product, moe_mlp.cpp's softmax top-k and its experts' one native call in place of the
+dense MLP. A layer's LoRA adapter slots (``LinearSpec.lora``) ride along: the step's
 tokens by slot (``LoRARows``) are given to each call, and every slot's delta is added after the
 layer's product with lora.cpp's kernel, as the eager layers add it.
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.cpu import abi, build, paged_attention
+from tokenmill_service.kernels.cpu import abi, build, moe_mlp, paged_attention
 from tokenmill_service.kernels.cpu import lora as lora_kernel
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
@@ -33,7 +36,8 @@ def _lib() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    for name in ("decoder_stack", "elementwise", "paged_attention"):  # (and "lora" where adapters ride along)
+    # (and "lora" where adapters ride along, "moe_mlp" where experts do)
+    for name in ("decoder_stack", "elementwise", "paged_attention"):
         if (reason := build.unavailable_reason(name)) is not None:
             return reason
     return None
@@ -63,13 +67,26 @@ class LoRARows:
 
 
 @dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A mixture-of-experts MLP: the router's product ([experts, hidden]), softmax top-k renormalized
+    where ``renormalize`` (moe_mlp.cpp's ``tm_moe_route``), and the experts (``NativeExperts``)."""
+
+    router: LinearSpec
+    experts: moe_mlp.NativeExperts
+    renormalize: bool
+
+
+@dataclass(frozen=True, slots=True)
 class LayerSpec:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: LinearSpec  # q, k and v rows, in that order
     o: LinearSpec
-    gate_up: LinearSpec  # gate rows, then up rows
-    down: LinearSpec
+    gate_up: LinearSpec | None  # gate rows, then up rows (None: the layer's MLP is ``moe``)
+    down: LinearSpec | None
+    moe: MoESpec | None = None
+    q_norm: torch.Tensor | None = None  # the q/k RMSNorm weights where ``StackSpec.qk_norm`` is not "none"
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +103,9 @@ class StackSpec:
     final_norm: torch.Tensor
     layers: list[LayerSpec]
     kv_dtype: torch.dtype = torch.float32  # the KV cache's: float32 or float16
+    # q/k RMSNorm (abi.QK_NORM_MODES): "none", "whole" (each token's q and k projections, OLMoE's) or
+    # "heads" (each head, Qwen3's): q_norm / k_norm [heads * head_dim] / [kv_heads * head_dim] or [head_dim].
+    qk_norm: str = "none"
 
 
 class DecoderStack:
@@ -94,11 +114,21 @@ class DecoderStack:
     def __init__(self, spec: StackSpec) -> None:
         if not spec.layers:
             raise ValueError("a decoder stack needs at least one layer")
+        if spec.qk_norm not in abi.QK_NORM_MODES:
+            raise ValueError(f"q/k norms are one of {', '.join(abi.QK_NORM_MODES)}, not {spec.qk_norm!r}")
         tensors = [spec.cos, spec.sin, spec.final_norm]
+        norms = [spec.final_norm]
         widths = [0]  # of the layers' LoRA slots: parts * rank
         for layer in spec.layers:
             tensors += [layer.input_norm, layer.post_norm]
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            norms += [layer.input_norm, layer.post_norm]
+            _check_mlp(layer, spec.hidden)
+            _check_qk_norm(layer, spec)
+            if spec.qk_norm != "none":
+                assert layer.q_norm is not None and layer.k_norm is not None
+                norms += [layer.q_norm, layer.k_norm]
+            mlp = [layer.moe.router] if layer.moe is not None else [layer.gate_up, layer.down]
+            for lin in [layer.qkv, layer.o, *(m for m in mlp if m is not None)]:
                 tensors.append(lin.weights)
                 if lin.lora is not None:
                     a, bt, ranks, parts = lin.lora
@@ -119,17 +149,17 @@ class DecoderStack:
                         )
                     tensors += [a, bt, ranks, parts]
                     widths.append(a.shape[1] * a.shape[2])
-        for t in tensors:
+        for t in tensors + norms:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
-        for t in [spec.cos, spec.sin, spec.final_norm] + [
-            n for ly in spec.layers for n in (ly.input_norm, ly.post_norm)
-        ]:
+        for t in [spec.cos, spec.sin, *norms]:
             if t.dtype != torch.float32:
                 raise ValueError("the native decoder stack's norms and rotary tables are float32")
         self.spec = spec  # keeps every tensor the native side points into alive
 
-        def linear(lin: LinearSpec) -> _Linear:
+        def linear(lin: LinearSpec | None) -> _Linear:
+            if lin is None:
+                return _Linear()
             if lin.lora is None:
                 return _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
             a, bt, ranks, parts = lin.lora
@@ -139,13 +169,25 @@ class DecoderStack:
                 lora_kernel.DTYPES[a.dtype],
             )  # fmt: skip
 
+        def pointer(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
         self._layers = (_Layer * len(spec.layers))(
             *(
                 _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(),
-                       linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down))
+                       linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down),
+                       pointer(ly.q_norm), pointer(ly.k_norm),
+                       linear(ly.moe.router if ly.moe is not None else None),
+                       ly.moe.experts.address() if ly.moe is not None else None,
+                       int(ly.moe is not None and ly.moe.renormalize))
                 for ly in spec.layers
             )
         )  # fmt: skip
+        moes = [ly.moe for ly in spec.layers if ly.moe is not None]
+        moe = [
+            build.address("moe_mlp", name) if moes else None
+            for name in ("tm_moe_route", "tm_moe_workspace", "tm_moe_mlp")
+        ]
         self._stack = _Stack(
             len(spec.layers), spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
             spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(),
@@ -155,6 +197,8 @@ class DecoderStack:
             *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
               for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
             build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
+            abi.QK_NORM_MODES[spec.qk_norm],
+            *moe, max((m.experts.top_k for m in moes), default=0),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
@@ -178,7 +222,8 @@ class DecoderStack:
             lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
             batch = _LoraBatch(lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr())
         with self._lock:
-            need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t))
+            threads = torch.get_num_threads()
+            need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t, threads))
             if self._workspace.numel() < need:
                 self._workspace = torch.empty(need, device=x.device)
             rc = _lib().tm_decoder_stack(
@@ -186,9 +231,33 @@ class DecoderStack:
                 seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
                 k_cache[0].numel() * k_cache.element_size(), meta.block_size,
                 ctypes.byref(batch) if batch is not None else None, self._workspace.data_ptr(), out.data_ptr(),
-                torch.get_num_threads(),
+                threads,
             )  # fmt: skip
         if rc:
-            kind, layer = ("a product", -100 - rc) if rc > -200 else ("attention", -200 - rc)
+            kind, layer = next((k, base - rc) for k, base in _FAILURES if rc > base - 100)
             raise RuntimeError(f"the native decoder stack failed in {kind} of layer {layer} (code {rc})")
         return out
+
+
+# The stack's failure codes: base - layer for a failure in each kind of kernel.
+_FAILURES = (("a product", -100), ("attention", -200), ("the experts", -300))
+
+
+def _check_mlp(layer: LayerSpec, hidden: int) -> None:
+    if (layer.moe is None) == (layer.gate_up is None or layer.down is None):
+        raise ValueError("a layer's MLP is dense (gate_up and down) or a mixture of experts (moe), one of the two")
+    if layer.moe is not None:
+        experts = layer.moe.experts
+        if experts.hidden != hidden or layer.moe.router.out_features != experts.num_experts:
+            raise ValueError("a mixture-of-experts layer's router and experts must match the stack's hidden size")
+
+
+def _check_qk_norm(layer: LayerSpec, spec: StackSpec) -> None:
+    if spec.qk_norm == "none":
+        if layer.q_norm is not None or layer.k_norm is not None:
+            raise ValueError("q/k norm weights given to a stack without q/k norms")
+        return
+    whole = spec.qk_norm == "whole"
+    sizes = (spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim) if whole else (spec.head_dim,) * 2
+    if layer.q_norm is None or layer.k_norm is None or (layer.q_norm.numel(), layer.k_norm.numel()) != sizes:
+        raise ValueError(f"q/k norms over {'the whole projection' if whole else 'each head'} take weights of {sizes}")

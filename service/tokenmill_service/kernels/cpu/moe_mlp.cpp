@@ -15,15 +15,67 @@
 // multiply-add (g++ contracts a * b + c by default).
 #pragma GCC optimize("fp-contract=off")
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "tm_abi.h"  // TmExperts, TmLinear, the kernels' pointer types and this file's prototypes
 
+namespace {
+
+// torch.topk's order (ATen/native/TopKImpl.h, CPU): the larger first, NaN above everything.
+inline bool larger(const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
+  return (isnan(x.first) && !isnan(y.first)) || x.first > y.first;
+}
+
+}  // namespace
+
 extern "C" {
+
+// The router's choice for each of t tokens (layers/fused_moe/router.py's ``select_experts``, computed
+// here for the native ops and the decoder stack alike): softmax over the row's `experts` logits in
+// float32 (the maximum subtracted, the exponentials summed in expert order), the top_k largest
+// probabilities by rank, divided by their sum (in rank order) where `renormalize`. Equal
+// probabilities are ranked as torch.topk ranks them: the same selection algorithm on the same
+// (value, index) pairs (std::partial_sort where top_k * 64 <= experts, else std::nth_element and a
+// sort of the first top_k - 1), so the same expert ids. Each row on its own: batch-invariant.
+void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t renormalize,
+                  float* weights, int64_t* ids) {
+  std::vector<float> probs(experts);
+  std::vector<std::pair<double, int64_t>> queue(experts);
+  for (int64_t i = 0; i < t; ++i) {
+    const float* x = logits + i * experts;
+    float top = x[0];
+    for (int64_t e = 1; e < experts; ++e) top = x[e] > top ? x[e] : top;
+    float sum = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) {
+      probs[e] = expf(x[e] - top);
+      sum += probs[e];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)(probs[e] * inv), e};
+    if (top_k * 64 <= experts) {
+      std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), larger);
+    } else {
+      std::nth_element(queue.begin(), queue.begin() + top_k - 1, queue.end(), larger);
+      std::sort(queue.begin(), queue.begin() + top_k - 1, larger);
+    }
+    float* w = weights + i * top_k;
+    float chosen = 0.0f;
+    for (int64_t r = 0; r < top_k; ++r) {
+      w[r] = (float)queue[r].first;
+      ids[i * top_k + r] = queue[r].second;
+      chosen += w[r];
+    }
+    if (renormalize)
+      for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] / chosen;
+  }
+}
 
 // Floats of workspace a step of t tokens needs with `threads` threads: every pair's output, and each
 // thread's rows of one expert (gathered inputs, gate/up, activation).

@@ -31,6 +31,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice (moe_mlp.cpp's ``tm_moe_route``): logits [T, experts] float32 -> (weights float32,
+    expert ids int64) [T, top_k] by rank; softmax top-k, renormalized where asked, ties ranked as torch.topk."""
+    t, experts = logits.shape
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu" and 0 < top_k <= experts
+    logits = logits.contiguous()
+    weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
+    _lib().tm_moe_route(logits.data_ptr(), t, experts, top_k, int(renormalize), weights.data_ptr(), ids.data_ptr())
+    return weights, ids
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
     """One expert's products: each a native ``kernel`` (library, symbol) reading ``weights`` in ``fmt``."""
@@ -64,9 +75,13 @@ class NativeExperts:
             ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
             build.address("elementwise", "tm_silu_and_mul"),
         )  # fmt: skip
-        self.hidden, self.top_k = hidden, top_k
+        self.hidden, self.width, self.top_k, self.num_experts = hidden, width, top_k, num_experts
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
+
+    def address(self) -> int:
+        """Where the experts' TmExperts struct is (for the decoder stack, which calls moe_mlp.cpp with it)."""
+        return ctypes.addressof(self._spec)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, hidden = x.shape

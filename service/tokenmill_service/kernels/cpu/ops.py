@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.cpu import elementwise, latent_attention, paged_attention
+from tokenmill_service.kernels.cpu import elementwise, latent_attention, moe_mlp, paged_attention
 from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
 from tokenmill_service.kernels.torch_ops import TorchOps
 
@@ -78,6 +78,19 @@ class NativeCpuOps(TorchOps):
         if _eager() and elementwise.fits(x):
             return elementwise.silu_and_mul(x)
         return super().silu_and_mul(x)
+
+    def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_mlp.cpp's softmax top-k (the one the native decoder stack calls, so its choice and bits;
+        ties ranked as torch.topk ranks them)."""
+        if (
+            _eager()
+            and logits.dtype == torch.float32
+            and logits.dim() == 2
+            and logits.device.type == "cpu"
+            and moe_mlp.unavailable_reason() is None
+        ):
+            return moe_mlp.route(logits, top_k, renormalize)
+        return super().select_experts(logits, top_k, renormalize)
 
     def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One native call for the layer's experts (kernels/cpu/moe_mlp.cpp) where their products all have

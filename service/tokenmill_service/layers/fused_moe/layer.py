@@ -10,7 +10,8 @@ linear layers' ``load_weight``.
 
 A step:
 
-1. the router picks each token's ``top_k`` experts and weights (router.py): softmax top-k, or, given a
+1. the router picks each token's ``top_k`` experts and weights (router.py): softmax top-k (the ops
+   backend's ``select_experts``: the native ops compute it in moe_mlp.cpp, as the decoder stack does), or, given a
    ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
    (``gate.e_score_correction_bias`` in the checkpoint; ``score_bias`` here, float32);
 2. the (token, rank) pairs are grouped by expert (a stable sort of the expert ids), and each expert
@@ -48,7 +49,7 @@ from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
 from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
-from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts, select_experts_grouped
+from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts_grouped
 from tokenmill_service.layers.linear import (
     MergedColumnParallelLinear,
     QuantFactory,
@@ -157,7 +158,7 @@ class FusedMoE(nn.Module):
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits [T, experts] -> (weights float32, expert ids) [T, top_k], by rank."""
         if self.grouped is None:
-            return select_experts(logits, self.top_k, self.renormalize)
+            return self.ops.select_experts(logits, self.top_k, self.renormalize)
         assert self.score_bias is not None
         return select_experts_grouped(logits, self.score_bias, self.top_k, self.renormalize, self.grouped)
 
