@@ -1,0 +1,81 @@
+"""Which layers share a block table: the KV cache's groups, for models that mix windowed and global layers.
+
+A sliding-window (local) layer never reads a key more than its window behind its query, so its blocks
+behind the window can go; a global layer needs them all. So the layers are split into groups of the same
+size whose members are all local or all global: every group has its own block table per sequence, all
+drawing block ids from one pool (engine/block_manager.py), and layer ``j`` of every group keeps its keys
+and values in the cache's storage tensor ``j`` (model_runner.py allocates ``group_size`` of them, not one
+per layer). A local group's table frees the blocks behind the window as an every-layer-windowed model's
+does; a global group's keeps them all. With ``L`` local and ``G`` global layers the groups hold
+``gcd(L, G)`` layers each: Gemma 2's alternate layers (L, G, L, G) make one local group {0, 2} and one
+global group {1, 3}; Gemma 3's five local to one global, six groups of one layer each.
+
+Every layer windowed, or none, is the one-group case (every layer in one group, as before groups).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroups:
+    # Per group: its layers (in order; the i-th uses storage tensor i), and the window whose blocks
+    # behind it the group frees (None: it keeps every block).
+    layers: tuple[tuple[int, ...], ...]
+    windows: tuple[int | None, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layers)
+
+    @property
+    def group_size(self) -> int:
+        """Layers per group: the storage tensors a block id stands for."""
+        return len(self.layers[0])
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_groups * self.group_size
+
+    def placement(self) -> list[tuple[int, int]]:
+        """Per layer: (its group, its storage tensor)."""
+        where = [(0, 0)] * self.num_layers
+        for g, layers in enumerate(self.layers):
+            for j, layer in enumerate(layers):
+                where[layer] = (g, j)
+        return where
+
+    def describe(self) -> str:
+        """The groups in a few words (for the log and GetModelInfo)."""
+        local = sum(w is not None for w in self.windows)
+        if self.num_groups == 1:
+            return "one block table for every layer"
+        return (
+            f"{self.num_groups} block tables of {self.group_size} layer(s) each: {local} windowed "
+            f"(blocks behind the window freed), {self.num_groups - local} global (every block kept)"
+        )
+
+
+def one_group(num_layers: int, window: int | None = None) -> KVCacheGroups:
+    """Every layer in one group (``window``: every layer's widest, None: some layer sees the whole context)."""
+    return KVCacheGroups((tuple(range(num_layers)),), (window,))
+
+
+def plan_kv_cache_groups(windows: list[int | None], keep_every_block: bool = False) -> KVCacheGroups:
+    """The groups for layers with these sliding windows (None: global). ``keep_every_block``: one group
+    that frees nothing (the MTP drafter's layer reads the cache on its own terms)."""
+    if keep_every_block or not windows:
+        return one_group(len(windows))
+    local = [i for i, w in enumerate(windows) if w is not None]
+    global_ = [i for i, w in enumerate(windows) if w is None]
+    if not local or not global_:
+        return one_group(len(windows), max((w for w in windows if w is not None), default=None))
+    widest = max(w for w in windows if w is not None)
+    size = math.gcd(len(local), len(global_))
+    groups = [
+        (tuple(ls[k : k + size]), w) for ls, w in ((local, widest), (global_, None)) for k in range(0, len(ls), size)
+    ]
+    groups.sort(key=lambda g: g[0][0])  # by first layer
+    return KVCacheGroups(tuple(g[0] for g in groups), tuple(g[1] for g in groups))
