@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.engine.family_checks import load
-from tests.engine.gemma_checkpoints import WINDOW, gemma3
+from tests.engine.gemma_checkpoints import WINDOW, gemma2, gemma3
 from tests.engine.test_window_blocks import _logprobs, _run
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tokenmill_service.engine.config import EngineConfig
@@ -25,11 +24,11 @@ from tokenmill_service.tokenizer.load import load_tokenizer
 
 BLOCK = 4
 CHUNK = 8  # tokens a step: prompts are prefilled in chunks
-NEW = 6
-# Three windows and more, of ids the tiny vocabulary holds.
-PROMPT = torch.randint(0, 96, (3 * WINDOW + 13,), generator=torch.Generator().manual_seed(5)).tolist()
+NEW = 4
+# Three windows and more, of ids the tiny vocabulary holds; repeating, so that n-gram drafts are proposed.
+PROMPT = [(i % 11) * 7 + 3 for i in range(3 * WINDOW + 9)]
 CONTEXT = len(PROMPT) + NEW - 1  # tokens stored (the last is never)
-FULL = -(-CONTEXT // BLOCK)  # 11 blocks of a whole context, per layer group
+FULL = -(-CONTEXT // BLOCK)  # 9 blocks of a whole context, per layer group
 WINDOW_BLOCKS = -(-(WINDOW + CHUNK) // BLOCK) + 1  # 5: the most a local group's table holds
 
 
@@ -51,12 +50,37 @@ def test_layers_split_into_groups_of_one_size() -> None:
     assert plan_kv_cache_groups([w, None], keep_every_block=True).layers == ((0, 1),)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-gemma3-hybrid")
-    gemma3().save_pretrained(directory, safe_serialization=True)
+def _save(hf_model: Any, directory: Path) -> Path:
+    hf_model.save_pretrained(directory, safe_serialization=True)
     write_byte_level_tokenizer(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(gemma3(), tmp_path_factory.mktemp("tiny-gemma3-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint: Path) -> tuple[Any, Any]:
+    return load(checkpoint, "torch"), load_tokenizer(checkpoint)
+
+
+Reference = tuple[list[tuple[int, float | None]], int]
+
+
+def _keeping_every_block(model: Any, tokenizer: Any) -> Reference:
+    """The prompt's logprobs with every layer's blocks in one table, every block kept (as before groups),
+    and the most blocks that took."""
+    kept = _engine(model, tokenizer, keep_every_block=True)
+    kept.add_request(_request("r"))
+    outs, peak = _run(kept)
+    return _logprobs(outs["r"]), peak
+
+
+@pytest.fixture(scope="module")
+def reference(served: tuple[Any, Any]) -> Reference:
+    return _keeping_every_block(*served)
 
 
 def _engine(model: Any, tokenizer: Any, keep_every_block: bool = False, **kw: Any) -> LLMEngine:
@@ -73,7 +97,7 @@ def _engine(model: Any, tokenizer: Any, keep_every_block: bool = False, **kw: An
         assert engine.kv_groups.num_groups == 1 and engine.block_manager.window is None
         return engine
     engine = LLMEngine(model, tokenizer, config)
-    assert engine.kv_groups.num_groups == 6 and engine.kv_groups.group_size == 1
+    assert engine.kv_groups.num_groups > 1
     return engine
 
 
@@ -84,46 +108,74 @@ def _request(rid: str, prompt_logprobs: bool = True) -> GenerationRequest:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("ops", ["torch", "native"])
-def test_local_layers_free_blocks_behind_the_window_and_the_logprobs_do_not_change(checkpoint: Path, ops: str) -> None:
-    model, tokenizer = load(checkpoint, ops), load_tokenizer(checkpoint)
-    kept = _engine(model, tokenizer, keep_every_block=True)
-    kept.add_request(_request("r"))
-    outs, kept_peak = _run(kept)
-    want = _logprobs(outs["r"])
-    assert kept_peak == FULL  # one table of 11 blocks, each holding all six layers
-
-    engine = _engine(model, tokenizer)
+def test_local_layers_free_blocks_behind_the_window_and_the_logprobs_do_not_change(
+    served: tuple[Any, Any], reference: Reference
+) -> None:
+    want, kept_peak = reference
+    assert kept_peak == FULL  # one table of 9 blocks, each holding all six layers
+    engine = _engine(*served, speculative_tokens=4)
     bm = engine.block_manager
-    # Block ids hold one layer each now: the global group's 11, each local group's 5 at most.
-    assert bm.blocks_per_sequence(CONTEXT, CHUNK) == FULL + 5 * WINDOW_BLOCKS == 36
+    assert engine.kv_groups.num_groups == 6 and engine.kv_groups.group_size == 1
+    # Block ids hold one layer each now: the global group's 9, each local group's 5 at most.
+    assert bm.blocks_per_sequence(CONTEXT, CHUNK) == FULL + 5 * WINDOW_BLOCKS == 34
     engine.add_request(_request("r"))
     got, peak = _run(engine)
-    assert _logprobs(got["r"]) == want
-    # 30 one-layer blocks at once instead of 66 (11 blocks of six layers): the local layers' keys and
-    # values behind the window are gone.
-    assert peak == 30 < 6 * kept_peak
+    assert _logprobs(got["r"]) == want and engine.drafts_proposed > 0  # drafts checked, and rolled back
+    # At most 34 one-layer blocks at once instead of 54 (9 blocks of six layers): the local layers' keys
+    # and values behind the window are gone.
+    assert peak <= 34 < 6 * kept_peak
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
-    # In a crowd, each the same as alone; then again from the prefix cache, the same tokens.
-    for rid in ("a", "b", "c"):
+    # In a crowd, each the same as alone; and again from the prefix cache, the same tokens.
+    engine = _engine(*served)
+    bm = engine.block_manager
+    for rid in ("a", "b"):
         engine.add_request(_request(rid))
+    engine.step()
+    engine.add_request(_request("hit", prompt_logprobs=False))  # waits for the others' prompt blocks
     crowd, _ = _run(engine)
-    assert all(_logprobs(crowd[rid]) == want for rid in ("a", "b", "c"))
-    engine.add_request(_request("hit", prompt_logprobs=False))
-    hits = bm.prefix_hits
-    again, _ = _run(engine)
-    assert bm.prefix_hits > hits
-    assert _logprobs(again["hit"]) == want[len(PROMPT) :]
+    assert all(_logprobs(crowd[rid]) == want for rid in ("a", "b"))
+    assert bm.prefix_hits > 0 and _logprobs(crowd["hit"]) == want[len(PROMPT) :]
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_a_pool_too_small_for_two_preempts_and_recomputes_without_changing_results(checkpoint: Path) -> None:
-    model, tokenizer = load(checkpoint, "torch"), load_tokenizer(checkpoint)
+@pytest.mark.parametrize("ops", ["native", "triton"])
+def test_the_native_and_triton_kernels_read_the_groups_tables(checkpoint: Path, tmp_path: Path, ops: str) -> None:
+    if ops == "triton":  # Gemma 2's two layers (one local, one global): the interpreter is slow
+        checkpoint = _save(gemma2(), tmp_path)
+    model, tokenizer = load(checkpoint, ops), load_tokenizer(checkpoint)
+    want, _ = _keeping_every_block(model, tokenizer)
+    engine = _engine(model, tokenizer)
+    engine.add_request(_request("r"))
+    got, peak = _run(engine)
+    assert _logprobs(got["r"]) == want and peak <= engine.block_manager.blocks_per_sequence(CONTEXT, CHUNK)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_alternating_local_and_global_layers_free_the_local_layers_blocks(tmp_path: Path, family: str) -> None:
+    from tests.engine.test_gpt_oss import hf_gpt_oss
+
+    directory = _save(gemma2() if family == "gemma2" else hf_gpt_oss(), tmp_path)
+    model, tokenizer = load(directory, "torch"), load_tokenizer(directory)
+    assert model.attention_windows() == [WINDOW, None]
     kept = _engine(model, tokenizer, keep_every_block=True)
-    kept.add_request(_request("r"))
-    want = _logprobs(_run(kept)[0]["r"])
-    engine = _engine(model, tokenizer, num_kv_blocks=50, enable_prefix_caching=False)
+    engine = _engine(model, tokenizer)
+    assert engine.kv_groups.layers == ((0,), (1,))
+    for e in (kept, engine):
+        e.add_request(_request("r"))
+    (want, kept_peak), (got, peak) = _run(kept), _run(engine)
+    assert _logprobs(got["r"]) == _logprobs(want["r"])
+    # The global layer's 9 blocks, the local layer's at most 5 (of one layer, where every block kept
+    # holds both layers).
+    assert kept_peak == FULL and peak <= FULL + WINDOW_BLOCKS < 2 * FULL
+
+
+def test_a_pool_too_small_for_two_preempts_and_recomputes_without_changing_results(
+    served: tuple[Any, Any], reference: Reference
+) -> None:
+    want, _ = reference
+    # Two sequences need up to 2 x 34 blocks: 50 make them preempt each other (recomputed by prefill).
+    engine = _engine(*served, num_kv_blocks=50, enable_prefix_caching=False)
     for rid in ("a", "b"):
         engine.add_request(_request(rid))
     outs, peak = _run(engine)
@@ -133,8 +185,8 @@ def test_a_pool_too_small_for_two_preempts_and_recomputes_without_changing_resul
     assert engine.block_manager.num_free_blocks == 50
 
 
-def test_the_same_kv_cache_memory_serves_a_longer_context(checkpoint: Path) -> None:
-    model, tokenizer = load(checkpoint, "torch"), load_tokenizer(checkpoint)
+def test_the_same_kv_cache_memory_serves_a_longer_context(served: tuple[Any, Any]) -> None:
+    model, tokenizer = served
     # 16 blocks of every layer: 4 tokens of 6 layers' keys and values of 2 heads of 64 float32s each.
     memory = 16 * 6 * 2 * BLOCK * 2 * 64 * 4
     kept = _engine(model, tokenizer, keep_every_block=True, num_kv_blocks=0, kv_cache_memory=memory)
