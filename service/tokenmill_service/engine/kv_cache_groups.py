@@ -25,6 +25,7 @@ class KVCacheGroups:
     # behind it the group frees (None: it keeps every block).
     layers: tuple[tuple[int, ...], ...]
     windows: tuple[int | None, ...]
+    reason: str = ""  # why these groups, in a few words
 
     @property
     def num_groups(self) -> int:
@@ -48,34 +49,39 @@ class KVCacheGroups:
         return where
 
     def describe(self) -> str:
-        """The groups in a few words (for the log and GetModelInfo)."""
+        """The groups, and why, as ``value (reason)`` (the log, and GetModelInfo's load plan)."""
         local = sum(w is not None for w in self.windows)
         if self.num_groups == 1:
-            return "one block table for every layer"
-        return (
-            f"{self.num_groups} block tables of {self.group_size} layer(s) each: {local} windowed "
-            f"(blocks behind the window freed), {self.num_groups - local} global (every block kept)"
-        )
+            value = "one block table for every layer"
+        else:
+            value = (
+                f"{self.num_groups} block tables of {self.group_size} layer(s) each: {local} windowed "
+                f"(blocks behind the window freed), {self.num_groups - local} global (every block kept)"
+            )
+        return f"{value} ({self.reason})" if self.reason else value
 
 
-def one_group(num_layers: int, window: int | None = None) -> KVCacheGroups:
+def one_group(num_layers: int, window: int | None = None, reason: str = "") -> KVCacheGroups:
     """Every layer in one group (``window``: every layer's widest, None: some layer sees the whole context)."""
-    return KVCacheGroups((tuple(range(num_layers)),), (window,))
+    return KVCacheGroups((tuple(range(num_layers)),), (window,), reason)
 
 
-def plan_kv_cache_groups(windows: list[int | None], keep_every_block: bool = False) -> KVCacheGroups:
-    """The groups for layers with these sliding windows (None: global). ``keep_every_block``: one group
-    that frees nothing (the MTP drafter's layer reads the cache on its own terms)."""
-    if keep_every_block or not windows:
-        return one_group(len(windows))
+def plan_kv_cache_groups(windows: list[int | None], keep_every_block: bool | str = False) -> KVCacheGroups:
+    """The groups for layers with these sliding windows (None: global). ``keep_every_block`` (or why, as a
+    string): one group that frees nothing."""
+    if keep_every_block:
+        return one_group(len(windows), reason=keep_every_block if isinstance(keep_every_block, str) else "")
     local = [i for i, w in enumerate(windows) if w is not None]
     global_ = [i for i, w in enumerate(windows) if w is None]
-    if not local or not global_:
-        return one_group(len(windows), max((w for w in windows if w is not None), default=None))
+    if not local:
+        return one_group(len(windows), reason="no layer has a sliding window: every block kept")
     widest = max(w for w in windows if w is not None)
+    if not global_:
+        return one_group(len(windows), widest, f"every layer attends within a {widest}-token window")
     size = math.gcd(len(local), len(global_))
+    reason = f"{len(local)} windowed and {len(global_)} global layers: groups of gcd({len(local)}, {len(global_)})"
     groups = [
         (tuple(ls[k : k + size]), w) for ls, w in ((local, widest), (global_, None)) for k in range(0, len(ls), size)
     ]
     groups.sort(key=lambda g: g[0][0])  # by first layer
-    return KVCacheGroups(tuple(g[0] for g in groups), tuple(g[1] for g in groups))
+    return KVCacheGroups(tuple(g[0] for g in groups), tuple(g[1] for g in groups), reason)

@@ -97,9 +97,11 @@ def kv_cache_groups(model: CausalLM, config: EngineConfig) -> KVCacheGroups:
     free a sequence's blocks behind the widest window. One group that frees nothing with the MTP drafter,
     whose layer reads the cache on its own terms, and where the cache holds more layers than attend."""
     windows = model.attention_windows()
-    groups = plan_kv_cache_groups(windows, keep_every_block=config.speculative_method == "mtp")
+    if config.speculative_method == "mtp" and any(w is not None for w in windows):
+        return plan_kv_cache_groups(windows, "the MTP drafter's layer reads the cache whole: every block kept")
+    groups = plan_kv_cache_groups(windows)
     if groups.num_groups > 1 and model.kv_cache_shapes(1, 1)[0][0] != len(windows):
-        return plan_kv_cache_groups(windows, keep_every_block=True)
+        return plan_kv_cache_groups(windows, "the cache holds other layers than those that attend: every block kept")
     return groups
 
 

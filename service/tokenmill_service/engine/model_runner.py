@@ -137,7 +137,7 @@ class ModelRunner:
             block_size=block_size,
             mib=round(sum(c.numel() * c.element_size() for c in (self.k_cache, self.v_cache)) / 2**20, 1),
             executor=self.executor.kind,
-            kv_groups=(self.kv_groups or one_group(0)).describe(),
+            kv_groups=(kv_groups or one_group(0)).describe(),
         )
 
     def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
@@ -195,6 +195,11 @@ class ModelRunner:
         if self._placement is None:
             return build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
         n = len(plan.query_lens)
+        if len(plan.block_tables) != n * self.num_kv_groups:
+            raise ValueError(
+                f"a step of {n} sequences over {self.num_kv_groups} KV-cache groups needs {n * self.num_kv_groups} "
+                f"block tables, got {len(plan.block_tables)}"
+            )
         metas = [
             build_attention_metadata(
                 plan.query_lens, plan.starts, plan.block_tables[g * n : (g + 1) * n], self.k_cache, self.v_cache
