@@ -71,8 +71,8 @@ Reference = tuple[list[tuple[int, float | None]], int]
 
 def _keeping_every_block(model: Any, tokenizer: Any) -> Reference:
     """The prompt's logprobs with every layer's blocks in one table, every block kept (as before groups),
-    and the most blocks that took."""
-    kept = _engine(model, tokenizer, keep_every_block=True)
+    the prompt prefilled in one step (where the others take chunks of 8), and the most blocks that took."""
+    kept = _engine(model, tokenizer, keep_every_block=True, max_batch_tokens=64)
     kept.add_request(_request("r"))
     outs, peak = _run(kept)
     return _logprobs(outs["r"]), peak
@@ -86,7 +86,8 @@ def reference(served: tuple[Any, Any]) -> Reference:
 def _engine(model: Any, tokenizer: Any, keep_every_block: bool = False, **kw: Any) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 96)
     kw.setdefault("speculative_tokens", 0)
-    config = EngineConfig(block_size=BLOCK, max_batch_tokens=CHUNK, max_batch_size=4, **kw)
+    kw.setdefault("max_batch_tokens", CHUNK)
+    config = EngineConfig(block_size=BLOCK, max_batch_size=4, **kw)
     if keep_every_block:  # as before groups: every layer's blocks in one table, every block kept
         windows = model.attention_windows
         model.attention_windows = lambda: [None] * len(windows())
