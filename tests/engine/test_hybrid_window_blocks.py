@@ -16,6 +16,7 @@ from tests.engine.family_checks import load
 from tests.engine.gemma_checkpoints import WINDOW, gemma2, gemma3
 from tests.engine.test_window_blocks import _logprobs, _run
 from tests.tiny_checkpoint import write_byte_level_tokenizer
+from tokenmill_service.engine.block_manager import BlockManager
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.kv_cache_groups import plan_kv_cache_groups
 from tokenmill_service.engine.llm_engine import LLMEngine
@@ -40,10 +41,17 @@ def test_layers_split_into_groups_of_one_size() -> None:
     gemma2_groups = plan_kv_cache_groups([w, None, w, None])
     assert gemma2_groups.layers == ((0, 2), (1, 3)) and gemma2_groups.windows == (w, None)
     assert gemma2_groups.placement() == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    # Gemma-3-1B's 26 layers (every sixth global, 22 local, 4 global): 13 groups of 2.
-    gemma3_1b = plan_kv_cache_groups([None if i % 6 == 5 else w for i in range(26)])
-    assert gemma3_1b.group_size == 2 and gemma3_1b.num_groups == 13
-    assert gemma3_1b.windows.count(None) == 2
+    # Gemma-3-4B's 34 layers (every sixth global: 29 local, 5 global): groups of 5, the last local one of 4.
+    gemma3_4b = plan_kv_cache_groups([None if i % 6 == 5 else w for i in range(34)])
+    assert gemma3_4b.group_size == 5 and gemma3_4b.num_groups == 7 and gemma3_4b.windows.count(None) == 1
+    assert gemma3_4b.layers[0] == (0, 1, 2, 3, 4) and (5, 11, 17, 23, 29) in gemma3_4b.layers
+    assert sorted(len(g) for g in gemma3_4b.layers) == [4, 5, 5, 5, 5, 5, 5]
+    assert sorted(layer for g in gemma3_4b.layers for layer in g) == list(range(34))
+    # The README's figure: a 32k-token context with 1024-token windows, blocks of 16, chunks of 512 holds
+    # the global group's 2048 blocks and each windowed group's 97, of five layers each (822 MiB at
+    # Gemma-3-4B's 4 KiB per layer and token), where every layer's blocks of it would take 2048 x 34 / 5.
+    pool = BlockManager(num_blocks=1, block_size=16, group_windows=gemma3_4b.windows)
+    assert pool.blocks_per_sequence(32768, 512) == 2048 + 6 * 97 == 2630
     # Every layer windowed, or none, or the MTP drafter: one group, as before groups.
     assert plan_kv_cache_groups([w, w]).windows == (w,)
     assert plan_kv_cache_groups([None, None]).windows == (None,)

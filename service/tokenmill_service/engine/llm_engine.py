@@ -153,7 +153,8 @@ class LLMEngine:
         self.max_model_len = _context_within_pool(
             self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes, blocks_for
         )
-        full = -(-self.max_model_len // block_size) * self.kv_groups.num_groups  # block ids, every one kept
+        # Every layer's blocks of a full context, as a model without windows stores them.
+        full_bytes = -(-self.max_model_len // block_size) * kv_bytes_per_block(model, block_size, model.kv_dtype)
         held = blocks_for(self.max_model_len)
         windowed = sum(w is not None for w in self.kv_groups.windows)
         # What one sequence's KV cache costs at most, as "value (reason)" (GetModelInfo's load plan).
@@ -168,8 +169,8 @@ class LLMEngine:
                 if grouped
                 else f"every layer attends within a {window}-token window"
             )
-            + f": a full context without windows holds {_size(full * block_bytes)})"
-            if window is not None and held < full
+            + f": a full context without windows holds {_size(full_bytes)})"
+            if window is not None and held * block_bytes < full_bytes
             else f"a full context of {self.max_model_len} tokens)"
         )
         if window is not None:
@@ -180,7 +181,7 @@ class LLMEngine:
                 context=self.max_model_len,
                 blocks_per_sequence_max=held,
                 kv_bytes_per_sequence_max=held * block_bytes,
-                kv_bytes_per_full_context_without_windows=full * block_bytes,
+                kv_bytes_per_full_context_without_windows=full_bytes,
             )
         # LoRA adapters, where the model has slots for them (--max-loras).
         slots = getattr(model, "lora", None)
