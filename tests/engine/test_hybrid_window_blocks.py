@@ -50,7 +50,8 @@ def test_layers_split_into_groups_of_one_size() -> None:
     # The README's figure: a 32k-token context with 1024-token windows, blocks of 16, chunks of 512 holds
     # the global group's 2048 blocks and each windowed group's 97, of five layers each (822 MiB at
     # Gemma-3-4B's 4 KiB per layer and token), where every layer's blocks of it would take 2048 x 34 / 5.
-    pool = BlockManager(num_blocks=1, block_size=16, group_windows=gemma3_4b.windows)
+    shape = plan_kv_cache_groups([None if i % 6 == 5 else 1024 for i in range(34)])
+    pool = BlockManager(num_blocks=1, block_size=16, group_windows=shape.windows)
     assert pool.blocks_per_sequence(32768, 512) == 2048 + 6 * 97 == 2630
     # Every layer windowed, or none, or the MTP drafter: one group, as before groups.
     assert plan_kv_cache_groups([w, w]).windows == (w,)
