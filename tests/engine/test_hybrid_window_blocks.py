@@ -149,24 +149,24 @@ def test_local_layers_free_blocks_behind_the_window_and_the_logprobs_do_not_chan
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("ops", ["native", "triton"])
-def test_the_native_and_triton_kernels_read_the_groups_tables(checkpoint: Path, tmp_path: Path, ops: str) -> None:
-    if ops == "triton":  # Gemma 2's two layers (one local, one global): the interpreter is slow
-        checkpoint = _save(gemma2(), tmp_path)
-    model, tokenizer = load(checkpoint, ops), load_tokenizer(checkpoint)
+def test_the_native_kernel_reads_the_groups_tables(checkpoint: Path) -> None:
+    model, tokenizer = load(checkpoint, "native"), load_tokenizer(checkpoint)
     want, _ = _keeping_every_block(model, tokenizer)
     engine = _engine(model, tokenizer)
     engine.add_request(_request("r"))
     got, peak = _run(engine)
-    assert _logprobs(got["r"]) == want and peak <= engine.block_manager.blocks_per_sequence(CONTEXT, CHUNK)
+    assert _logprobs(got["r"]) == want and peak <= 34
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_alternating_local_and_global_layers_free_the_local_layers_blocks(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize(("family", "ops"), [("gemma2", "triton"), ("gpt_oss", "torch")])
+def test_alternating_local_and_global_layers_free_the_local_layers_blocks(
+    tmp_path: Path, family: str, ops: str
+) -> None:
+    """Gemma 2 (soft-capping) through triton under its interpreter, gpt-oss (attention sinks) through torch."""
     from tests.engine.test_gpt_oss import hf_gpt_oss
 
     directory = _save(gemma2() if family == "gemma2" else hf_gpt_oss(), tmp_path)
-    model, tokenizer = load(directory, "torch"), load_tokenizer(directory)
+    model, tokenizer = load(directory, ops), load_tokenizer(directory)
     assert model.attention_windows() == [WINDOW, None]
     kept = _engine(model, tokenizer, keep_every_block=True)
     engine = _engine(model, tokenizer)
