@@ -282,6 +282,7 @@ def _warm_up(engine: Any) -> None:
 def _follower_main(spec: WorkerSpec, log: Any) -> None:
     """A rank above 0: load this rank's shard, then run what rank 0 broadcasts until it stops."""
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, follow
+    from tokenmill_service.engine.llm_engine import kv_cache_groups
     from tokenmill_service.engine.model_runner import ModelRunner
     from tokenmill_service.models.loader import load
 
@@ -290,7 +291,8 @@ def _follower_main(spec: WorkerSpec, log: Any) -> None:
         model = load(spec.options, device, tp)
         num_blocks = broadcast_from_rank0(None, tp)
         assert isinstance(num_blocks, int)
-        runner = ModelRunner(model, spec.engine.block_size, num_blocks)
+        # The same block tables as rank 0's: its KV-cache groups follow from the model, as rank 0's do.
+        runner = ModelRunner(model, spec.engine.block_size, num_blocks, kv_groups=kv_cache_groups(model, spec.engine))
         log.info("follower_ready", pid=os.getpid())
         follow(runner, tp, mtp=spec.engine.speculative_method == "mtp")
     except Exception as exc:  # noqa: BLE001 - the router sees the exit; the log says why

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.distributed.step_broadcast import Stop, follow, lead
 from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine
+from tokenmill_service.engine.llm_engine import LLMEngine, kv_cache_groups
 from tokenmill_service.engine.model_runner import ModelRunner
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput
 from tokenmill_service.models.loader import load_model
@@ -64,7 +64,10 @@ def replica_rank(
             tp = TensorParallel(rank, size, expert_parallel)
             model = load_model(Path(path), speculative_method=method, tp=tp)
             if rank:
-                follow(ModelRunner(model, config.block_size, config.num_kv_blocks), tp, mtp=method == "mtp")
+                runner = ModelRunner(
+                    model, config.block_size, config.num_kv_blocks, kv_groups=kv_cache_groups(model, config)
+                )
+                follow(runner, tp, mtp=method == "mtp")
                 continue
             engine = LLMEngine(model, load_tokenizer(Path(path)), config)
             broadcast = lead(engine, tp)

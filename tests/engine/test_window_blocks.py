@@ -175,7 +175,7 @@ def test_a_pool_smaller_than_the_context_serves_it_and_preempts_without_changing
     assert engine.block_manager.num_free_blocks == 12
 
 
-def test_a_model_with_a_global_layer_keeps_every_block(tmp_path: Path) -> None:
+def test_a_model_with_a_global_layer_frees_only_its_windowed_layers_blocks(tmp_path: Path) -> None:
     import transformers
 
     write_byte_level_tokenizer(tmp_path)
@@ -194,10 +194,20 @@ def test_a_model_with_a_global_layer_keeps_every_block(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     sharpen(transformers.Qwen2ForCausalLM(config)).save_pretrained(tmp_path, safe_serialization=True)
-    engine = _engine(_load(tmp_path, "torch"), speculative_tokens=0)
-    assert engine.model.attention_windows() == [None, WINDOW]
-    engine.add_request(_request("r", prompt_logprobs=False))
-    _, peak = _run(engine)
-    assert engine.block_manager.window is None and peak == -(-(len(PROMPT) + NEW - 1) // BLOCK)
-    # Its context is capped to what the pool of 64 blocks holds, where an every-layer-windowed model's is not.
-    assert engine.max_model_len == 256 and engine.kv_per_sequence.endswith("(a full context of 256 tokens)")
+    model = _load(tmp_path, "torch")
+    assert model[0].attention_windows() == [None, WINDOW]
+    kept = _engine(model, keep_every_block=True, speculative_tokens=0)
+    kept.add_request(_request("r"))
+    want, kept_peak = _run(kept)
+    engine = _engine(model, speculative_tokens=0)
+    # Two KV-cache groups of one layer each (engine/kv_cache_groups.py): a block id holds one layer.
+    assert engine.kv_groups.layers == ((0,), (1,)) and engine.block_manager.windowed == (False, True)
+    engine.add_request(_request("r"))
+    got, peak = _run(engine)
+    assert _logprobs(got["r"]) == _logprobs(want["r"])
+    full = -(-(len(PROMPT) + NEW - 1) // BLOCK)
+    assert kept_peak == 2 * full  # both layers' blocks of the whole context
+    # The global layer's 15 blocks, the windowed layer's at most 9 (16 keys of window, 16 of a chunk).
+    assert engine.block_manager.window_blocks_per_sequence(16) == 9 and peak <= full + 9 < kept_peak
+    # Its context is capped to what the pool of 64 one-layer blocks holds: 55 of the global layer, 9 of the other.
+    assert engine.max_model_len == 220

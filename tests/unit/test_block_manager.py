@@ -204,3 +204,39 @@ def test_a_windowed_prefix_is_found_while_only_its_window_is_cached(default_toke
     e = make_seq(default_tokenizer, prompt, "e")
     plain.reuse_cached_prefix(e)
     assert e.num_computed_tokens == 0 and e.block_table == []
+
+
+def test_a_windowed_and_a_global_group_share_the_pool_and_a_prefix_hit_needs_both(default_tokenizer: Any) -> None:
+    # Two KV-cache groups (engine/kv_cache_groups.py): the first windowed (8 tokens), the second global.
+    bm = BlockManager(num_blocks=24, block_size=4, group_windows=(8, None))
+    assert bm.num_groups == 2 and bm.windowed == (True, False) and bm.hash_to_block is bm.cached[1]
+    prompt = list(range(100, 125))  # 25 tokens: 6 full blocks
+    a = make_seq(default_tokenizer, prompt, "a")
+    assert bm.blocks_needed(a, 25) == 14 and bm.allocate(a, 25)  # 7 blocks in each group's table
+    assert [len(t) for t in a.block_tables] == [7, 7] and not set(a.block_tables[0]) & set(a.block_tables[1])
+    a.num_computed_tokens = 25
+    bm.register_computed_blocks(a)  # its next query (25) sees 18 on: the windowed table frees blocks 0-3
+    local, global_ = a.block_tables
+    assert local[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in local[4:] + global_
+    assert bm.num_used_blocks == 3 + 7 and bm.blocks_per_sequence(25, 8) == (-(-16 // 4) + 1) + 7
+    hashes = list(a.block_hashes)
+    bm.free(a)
+    assert bm.num_free_blocks == 24
+
+    # The same prompt again: the global group's six blocks and the windowed group's last window (blocks 4-5).
+    b = make_seq(default_tokenizer, prompt, "b")
+    bm.reuse_cached_prefix(b)
+    assert b.num_computed_tokens == 24 and b.num_dropped_blocks == 4
+    assert b.block_tables == [[NULL_BLOCK] * 4 + local[4:6], global_[:6]]
+    bm.free(b)
+
+    # The global group's first block handed out again (put first in line): no prefix can be taken,
+    # though every windowed block it would need is still cached.
+    bm.free_ids.remove(global_[0])
+    bm.free_ids.appendleft(global_[0])
+    z = make_seq(default_tokenizer, list(range(300, 304)), "z")
+    assert bm.allocate(z, 4) and hashes[0] not in bm.cached[1]
+    assert all(bm.cached[0].get(h) == i for h, i in zip(hashes[4:6], local[4:6]))
+    c = make_seq(default_tokenizer, prompt, "c")
+    bm.reuse_cached_prefix(c)
+    assert c.num_computed_tokens == 0 and c.block_tables == [[], []]

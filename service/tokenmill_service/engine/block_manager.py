@@ -13,6 +13,13 @@ block 0 and mask, as they do padding), so a sequence of any length holds at most
 ``window_blocks_per_sequence`` blocks. A freed block keeps its hash like any other, and a later
 request with the same prefix needs only the blocks of its last window still cached to take it.
 
+A model that mixes windowed and global layers splits them into KV-cache groups
+(engine/kv_cache_groups.py): a sequence then has one block table per group (``group_windows``: each
+group's window, None for a global group), all drawing from this one pool; a windowed group's table
+frees the blocks behind the window as above, a global group's keeps them all. Each group's blocks are
+cached under the same prefix hashes, per group: a prefix hit takes every group's blocks (a windowed
+group's of the last window only), or none.
+
 With an event log (``kv_events``), every block that enters the prefix cache (``BlockStored``) and
 every cached block handed out again (``BlockRemoved``) is recorded, for ``--kv-events-endpoint``.
 """
@@ -20,6 +27,7 @@ every cached block handed out again (``BlockRemoved``) is recorded, for ``--kv-e
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from tokenmill_service.engine.block_hash import adapter_root, chain_hash
@@ -34,6 +42,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    group: int = 0  # the KV-cache group whose prefix cache holds it (while it has a hash)
 
 
 class BlockManager:
@@ -44,6 +53,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         kv_events: KVEventLog | None = None,
         window: int | None = None,
+        group_windows: Seq[int | None] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -53,10 +63,31 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Least recently freed first, so cached prefixes survive as long as possible.
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        if group_windows is None:
+            group_windows = (window,)
+        # Per KV-cache group: whether its table frees the blocks behind the window (a windowed group).
+        self.windowed = tuple(w is not None for w in group_windows)
+        # The blocks of each group cached by prefix hash.
+        self.cached: list[dict[int, int]] = [{} for _ in group_windows]
+        # The group whose blocks the event log reports: a global one where there is one (its blocks are
+        # kept whole, so what it reports is what a prefix hit needs).
+        self.event_group = self.windowed.index(False) if False in self.windowed else 0
         self.kv_events = kv_events
-        # Every layer's sliding window is at most this many tokens (None: some layer sees the whole context).
-        self.window = window
+        # Every windowed group's window is at most this many tokens (None: nothing is freed before the
+        # sequence ends; setting it to None keeps every block).
+        self.window = max((w for w in group_windows if w is not None), default=None)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windowed)
+
+    @property
+    def hash_to_block(self) -> dict[int, int]:
+        """The reported group's cached blocks by prefix hash."""
+        return self.cached[self.event_group]
+
+    def _drops(self, group: int) -> bool:
+        return self.window is not None and self.windowed[group]
 
     @property
     def num_blocks(self) -> int:
@@ -71,26 +102,40 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def window_blocks_per_sequence(self, chunk_tokens: int) -> int | None:
-        """The most blocks a sequence holds at once when every layer is windowed (None: its whole
-        context), computing at most ``chunk_tokens`` new tokens per step: those of the window before
-        the chunk, and the chunk's."""
+        """The most blocks a windowed group's table holds at once (None: nothing is freed), computing at
+        most ``chunk_tokens`` new tokens per step: those of the window before the chunk, and the chunk's."""
         if self.window is None:
             return None
         return -(-(self.window + chunk_tokens) // self.block_size) + 1
 
+    def blocks_per_sequence(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks of the pool a sequence of ``num_tokens`` tokens holds at once: every group's
+        table, a windowed group's bounded by its window (``window_blocks_per_sequence``)."""
+        full = -(-num_tokens // self.block_size)
+        windowed = self.window_blocks_per_sequence(chunk_tokens)
+        return sum(
+            min(full, windowed) if windowed is not None and self.windowed[g] else full for g in range(self.num_groups)
+        )
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks `seq` needs so that its table covers `num_tokens` tokens."""
+        """New blocks `seq` needs so that its tables (one per group) cover `num_tokens` tokens."""
         want = (num_tokens + self.block_size - 1) // self.block_size
-        return max(0, want - len(seq.block_table))
+        return max(0, want - len(seq.block_table)) * self.num_groups
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in range(self.num_groups)]
+        return seq.block_tables
 
     def _take_free_block(self) -> int:
         block_id = self.free_ids.popleft()
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]
-            if self.kv_events is not None:
+        cached = self.cached[block.group]
+        if block.hash is not None and cached.get(block.hash) == block_id:
+            del cached[block.hash]
+            if self.kv_events is not None and block.group == self.event_group:
                 self.kv_events.events.append(BlockRemoved([block.hash]))
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.token_ids, block.ref_count, block.group = None, (), 1, 0
         return block_id
 
     def reuse_cached_prefix(self, seq: Sequence) -> None:
@@ -98,41 +143,48 @@ class BlockManager:
 
         At least one token is always left to compute, since its logits give the next token.
         Sequences that want prompt logprobs take no hits: their logits must be computed.
-        With every layer windowed, a prefix needs only the blocks its window can see cached: the
-        earlier ones (NULL_BLOCK) may have been handed out again, the chained hash of the last block
-        vouches for every token before it.
+        A windowed group needs only the blocks its window can see cached: the earlier ones (NULL_BLOCK)
+        may have been handed out again, the chained hash of the last block vouches for every token
+        before it. A group that keeps every block needs them all.
         """
-        if not self.enable_prefix_caching or seq.block_table or seq.collecting_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.block_tables or seq.collecting_prompt_logprobs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         prev = adapter_root(seq.adapter_key)
         hashes: list[int] = []
-        found: list[int | None] = []  # the cached block of each full block of the prompt
-        run = 0  # cached blocks in a row, ending at the last one looked up
-        best = (0, 0)  # (blocks of the longest usable prefix, the first of them that must be cached)
+        found: list[list[int | None]] = []  # per full block of the prompt: each group's cached block
+        runs = [0] * self.num_groups  # per group: cached blocks in a row, ending at the last one looked up
+        best = (0, 0)  # (blocks of the longest usable prefix, the first of them a windowed group needs)
         for i in range(max_blocks):
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = chain_hash(prev, tokens)
-            block_id = self.hash_to_block.get(prev)
-            if block_id is not None and self.blocks[block_id].token_ids != tuple(tokens):
-                block_id = None
+            ids: list[int | None] = []
+            for g, cached in enumerate(self.cached):
+                block_id = cached.get(prev)
+                if block_id is not None and self.blocks[block_id].token_ids != tokens:
+                    block_id = None
+                ids.append(block_id)
+                runs[g] = runs[g] + 1 if block_id is not None else 0
             hashes.append(prev)
-            found.append(block_id)
-            run = run + 1 if block_id is not None else 0
+            found.append(ids)
             first = self._first_visible_block(i + 1)
-            if run >= i + 1 - first:
+            if all(run >= i + 1 - (first if self._drops(g) else 0) for g, run in enumerate(runs)):
                 best = (i + 1, first)
-            elif self.window is None:
-                break  # without windows every block of the prefix is needed: no longer one can be
+            elif any(run < i + 1 and not self._drops(g) for g, run in enumerate(runs)):
+                break  # a group that keeps every block misses one: no longer prefix can be taken
         blocks, first = best
-        seq.block_table = [NULL_BLOCK] * first
-        for block_id in found[first:blocks]:
-            assert block_id is not None
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                self.free_ids.remove(block_id)
-            block.ref_count += 1
-            seq.block_table.append(block_id)
+        tables = self._tables(seq)
+        for g, table in enumerate(tables):
+            skip = first if self._drops(g) else 0
+            table[:] = [NULL_BLOCK] * skip
+            for ids in found[skip:blocks]:
+                block_id = ids[g]
+                assert block_id is not None
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    self.free_ids.remove(block_id)
+                block.ref_count += 1
+                table.append(block_id)
         seq.block_hashes, seq.num_dropped_blocks = hashes[:blocks], first
         seq.num_computed_tokens = seq.num_cached_tokens = blocks * self.block_size
         # For the prefix-cache hit rate: tokens looked up, tokens found.
@@ -150,8 +202,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free_blocks:
             return False
-        for _ in range(need):
-            seq.block_table.append(self._take_free_block())
+        tables = self._tables(seq)
+        for _ in range(need // self.num_groups):
+            for table in tables:
+                table.append(self._take_free_block())
         return True
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -166,18 +220,23 @@ class BlockManager:
         prev = seq.block_hashes[-1] if seq.block_hashes else adapter_root(seq.adapter_key)
         stored: BlockStored | None = None  # the run of blocks this call adds to the cache, for the event log
         for i in range(len(seq.block_hashes), full):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                block.hash, block.token_ids = chain_hash(prev, tokens), tokens
-                if self.hash_to_block.setdefault(block.hash, block.id) == block.id and self.kv_events is not None:
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = chain_hash(prev, tokens)
+            for g, table in enumerate(seq.block_tables):
+                block = self.blocks[table[i]]
+                if block.hash is not None:
+                    continue  # taken from the prefix cache: already this hash
+                block.hash, block.token_ids, block.group = block_hash, tokens, g
+                if self.cached[g].setdefault(block_hash, block.id) != block.id:
+                    continue
+                if g == self.event_group and self.kv_events is not None:
                     if stored is None or stored.block_hashes[-1] != prev:
                         stored = BlockStored([], prev, [], self.block_size)
                         self.kv_events.events.append(stored)
-                    stored.block_hashes.append(block.hash)
+                    stored.block_hashes.append(block_hash)
                     stored.token_ids.extend(tokens)
-            seq.block_hashes.append(block.hash)
-            prev = block.hash
+            seq.block_hashes.append(block_hash)
+            prev = block_hash
 
     def drop_blocks_behind_window(self, seq: Sequence) -> None:
         """Free the blocks of ``seq`` that no query of its can see any more: its next query (at
@@ -186,9 +245,11 @@ class BlockManager:
         if self.window is None:
             return
         upto = min(max(seq.num_computed_tokens - self.window + 1, 0) // self.block_size, len(seq.block_table))
-        for i in range(seq.num_dropped_blocks, upto):
-            self._release(seq.block_table[i])
-            seq.block_table[i] = NULL_BLOCK
+        for g, table in enumerate(seq.block_tables):
+            if self._drops(g):
+                for i in range(seq.num_dropped_blocks, upto):
+                    self._release(table[i])
+                    table[i] = NULL_BLOCK
         seq.num_dropped_blocks = max(seq.num_dropped_blocks, upto)
 
     def _release(self, block_id: int) -> None:
@@ -199,7 +260,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks to the pool at once (finished, cancelled or preempted)."""
-        for block_id in reversed(seq.block_table):
-            if block_id != NULL_BLOCK:
-                self._release(block_id)
-        seq.block_table, seq.block_hashes, seq.num_dropped_blocks = [], [], 0
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK:
+                    self._release(block_id)
+        seq.block_tables, seq.block_hashes, seq.num_dropped_blocks = [], [], 0

@@ -30,8 +30,8 @@ class CausalLM(Protocol):
     def max_positions(self) -> int: ...
 
     def attention_windows(self) -> list[int | None]:
-        """Each layer's sliding window in tokens (None: it attends to the whole context): where every
-        layer has one, the KV cache frees a sequence's blocks behind the widest (engine/block_manager.py)."""
+        """Each layer's sliding window in tokens (None: it attends to the whole context): the windowed
+        layers' block tables free a sequence's blocks behind the widest (engine/kv_cache_groups.py)."""
         ...
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -13,6 +13,7 @@ batch of one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import structlog
@@ -24,6 +25,7 @@ from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.grammar import ConstraintError, GrammarCompiler
+from tokenmill_service.engine.kv_cache_groups import KVCacheGroups, plan_kv_cache_groups
 from tokenmill_service.engine.kv_events import KVEventLog
 from tokenmill_service.engine.model_runner import (
     ModelRunner,
@@ -56,17 +58,22 @@ class KVPoolTooSmall(ValueError):
 
 
 def _context_within_pool(
-    asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int, window_blocks: int | None = None
+    asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int, blocks_for: Callable[[int], int]
 ) -> int:
     """The context served: ``asked`` (--max-model-len) or the model's own, within what the pool holds,
-    since a sequence can never hold more tokens than the whole pool. A length the caller asked for that
-    the pool cannot hold is refused; the model's own is capped, with the memory a full one would need.
-    When every layer is windowed, a sequence holds at most ``window_blocks`` blocks whatever its length."""
-    pool_tokens = num_blocks * block_size
+    since a sequence can never hold more blocks than the whole pool (``blocks_for(tokens)``: the most a
+    sequence of that many tokens holds; fewer than its context's where layers free blocks behind their
+    window). A length the caller asked for that the pool cannot hold is refused; the model's own is
+    capped, with the memory a full one would need."""
     wanted = min(asked or model_len, model_len)
-    if wanted <= pool_tokens or window_blocks is not None and window_blocks <= num_blocks:
+    if blocks_for(wanted) <= num_blocks:
         return wanted
-    needed = -(-wanted // block_size) * block_bytes
+    needed = blocks_for(wanted) * block_bytes
+    lo, hi = 0, wanted  # the longest context the pool holds: blocks_for grows with the length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if blocks_for(mid) <= num_blocks else (lo, mid - 1)
+    pool_tokens = lo
     if asked:
         raise KVPoolTooSmall(
             f"--max-model-len {asked} needs a KV cache pool of {_mib(needed)} ({block_bytes // block_size} "
@@ -85,13 +92,17 @@ def _context_within_pool(
     return pool_tokens
 
 
-def kept_window(model: CausalLM, config: EngineConfig) -> int | None:
-    """The widest sliding window when every layer of ``model`` has one (a sequence's blocks wholly before
-    it can be freed), else None. Not with the MTP drafter, whose layer reads the cache on its own terms."""
+def kv_cache_groups(model: CausalLM, config: EngineConfig) -> KVCacheGroups:
+    """Which of ``model``'s layers share a block table (engine/kv_cache_groups.py): windowed layers' tables
+    free a sequence's blocks behind the widest window. One group that frees nothing with the MTP drafter,
+    whose layer reads the cache on its own terms, and where the cache holds more layers than attend."""
     windows = model.attention_windows()
-    if config.speculative_method == "mtp" or not windows or None in windows:
-        return None
-    return max(w for w in windows if w is not None)
+    if config.speculative_method == "mtp" and any(w is not None for w in windows):
+        return plan_kv_cache_groups(windows, "the MTP drafter's layer reads the cache whole: every block kept")
+    groups = plan_kv_cache_groups(windows)
+    if groups.num_groups > 1 and model.kv_cache_shapes(1, 1)[0][0] != len(windows):
+        return plan_kv_cache_groups(windows, "the cache holds other layers than those that attend: every block kept")
+    return groups
 
 
 def _mib(n: int) -> str:
@@ -114,44 +125,70 @@ class LLMEngine:
         self.tokenizer = tokenizer
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks
-        block_bytes = kv_bytes_per_block(model, block_size, model.kv_dtype)
+        # Which layers share a block table; a block id stands for one group's layers (all of them
+        # but for models that mix windowed and global layers).
+        self.kv_groups = kv_cache_groups(model, self.config)
+        grouped = self.kv_groups.num_groups > 1
+        block_bytes = kv_bytes_per_block(
+            model, block_size, model.kv_dtype, self.kv_groups.group_size if grouped else None
+        )
         if num_blocks <= 0:
             budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
             num_blocks = max(1, budget // block_bytes)
         # What enters and leaves the prefix cache, when asked for (the worker publishes it after each step).
         self.kv_events = KVEventLog() if self.config.kv_events else None
-        window = kept_window(model, self.config)
         self.block_manager = BlockManager(
-            num_blocks, block_size, self.config.enable_prefix_caching, self.kv_events, window
+            num_blocks,
+            block_size,
+            self.config.enable_prefix_caching,
+            self.kv_events,
+            group_windows=self.kv_groups.windows,
         )
-        window_blocks = self.block_manager.window_blocks_per_sequence(self.config.max_batch_tokens)
+        window = self.block_manager.window
+        chunk = self.config.max_batch_tokens
+
+        def blocks_for(tokens: int) -> int:
+            return self.block_manager.blocks_per_sequence(tokens, chunk)
+
         self.max_model_len = _context_within_pool(
-            self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes, window_blocks
+            self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes, blocks_for
         )
-        full = -(-self.max_model_len // block_size)
-        held = full if window_blocks is None else min(window_blocks, full)
+        # Every layer's blocks of a full context, as a model without windows stores them.
+        full_bytes = -(-self.max_model_len // block_size) * kv_bytes_per_block(model, block_size, model.kv_dtype)
+        held = blocks_for(self.max_model_len)
+        windowed = sum(w is not None for w in self.kv_groups.windows)
         # What one sequence's KV cache costs at most, as "value (reason)" (GetModelInfo's load plan).
-        self.kv_per_sequence = f"{_size(held * block_bytes)}, {held * block_size} tokens' blocks at most (" + (
-            f"every layer attends within a {window}-token window: a full context without windows holds "
-            f"{_size(full * block_bytes)})"
-            if window is not None and held < full
+        blocks = (
+            f"{held} blocks of {self.kv_groups.group_size} layer(s)"
+            if grouped
+            else f"{held * block_size} tokens' blocks"
+        )
+        self.kv_per_sequence = f"{_size(held * block_bytes)}, {blocks} at most (" + (
+            (
+                f"{windowed} of {self.kv_groups.num_groups} layer groups attend within a {window}-token window"
+                if grouped
+                else f"every layer attends within a {window}-token window"
+            )
+            + f": a full context without windows holds {_size(full_bytes)})"
+            if window is not None and held * block_bytes < full_bytes
             else f"a full context of {self.max_model_len} tokens)"
         )
         if window is not None:
             log.info(
                 "kv_cache_windowed",
                 window=window,
+                kv_groups=self.kv_groups.describe(),
                 context=self.max_model_len,
                 blocks_per_sequence_max=held,
                 kv_bytes_per_sequence_max=held * block_bytes,
-                kv_bytes_per_full_context_without_windows=full * block_bytes,
+                kv_bytes_per_full_context_without_windows=full_bytes,
             )
         # LoRA adapters, where the model has slots for them (--max-loras).
         slots = getattr(model, "lora", None)
         self.adapters = None if slots is None else AdapterManager(slots.max_loras, slots.max_rank, model.config)
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters)
         # executor: how each forward pass runs (None: as the model's load plan chose).
-        self.runner = ModelRunner(model, block_size, num_blocks, executor)
+        self.runner = ModelRunner(model, block_size, num_blocks, executor, self.kv_groups)
         self.runner.adapters = self.adapters
         # --speculative-method mtp: drafts from the model's multi-token-prediction layers, after each step.
         self.drafter: MTPDrafter | None = None

@@ -18,22 +18,37 @@ import torch
 from tokenmill_service.engine.adapters import AdapterManager
 from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.executor import Executor, make_executor
+from tokenmill_service.engine.kv_cache_groups import KVCacheGroups, one_group
 from tokenmill_service.engine.scheduler import ScheduledBatch
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
 
 log = structlog.get_logger(__name__)
 
 
-def allocate_kv_cache(model: CausalLM, num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed key and value caches for every layer, in the model's ops backend's layout and its KV dtype."""
-    k_shape, v_shape = model.kv_cache_shapes(num_blocks, block_size)
+def _kv_cache_shapes(
+    model: CausalLM, num_blocks: int, block_size: int, layers: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shapes = model.kv_cache_shapes(num_blocks, block_size)
+    if layers is None:
+        return shapes
+    return (layers, *shapes[0][1:]), (layers, *shapes[1][1:])
+
+
+def allocate_kv_cache(
+    model: CausalLM, num_blocks: int, block_size: int, layers: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed key and value caches for every layer (``layers``: that many storage tensors instead, one
+    per layer of a KV-cache group), in the model's ops backend's layout and its KV dtype."""
+    k_shape, v_shape = _kv_cache_shapes(model, num_blocks, block_size, layers)
     k_cache = torch.zeros(k_shape, dtype=model.kv_dtype, device=model.device)
     return k_cache, torch.zeros(v_shape, dtype=model.kv_dtype, device=model.device)
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """What one block id of the pool costs: every layer's keys and values for its tokens (``layers``: a
+    KV-cache group's layers only, as a block of one group is stored for those)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return elem * sum(math.prod(shape) for shape in model.kv_cache_shapes(1, block_size))
+    return elem * sum(math.prod(shape) for shape in _kv_cache_shapes(model, 1, block_size, layers))
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
@@ -66,7 +81,9 @@ class StepLogits:
 class StepPlan:
     """What one step runs, as plain lists (what rank 0 broadcasts to the other ranks): sequence i adds
     ``query_lens[i]`` tokens at positions ``starts[i]`` onwards into the blocks ``block_tables[i]``;
-    logits are computed for ``sample_rows`` and each (start, count) of ``prompt_rows``."""
+    logits are computed for ``sample_rows`` and each (start, count) of ``prompt_rows``. With several
+    KV-cache groups (engine/kv_cache_groups.py) ``block_tables`` holds every group's tables, group by
+    group: group g's table of sequence i is ``block_tables[g * len(query_lens) + i]``."""
 
     token_ids: list[int]
     query_lens: list[int]
@@ -85,7 +102,14 @@ class PlanSink(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, num_blocks: int, executor: str | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        num_blocks: int,
+        executor: str | None = None,
+        kv_groups: KVCacheGroups | None = None,
+    ) -> None:
         self.model = model
         # How a forward pass runs (None: as the model's load plan chose; engine/executor.py).
         self.executor: Executor = make_executor(model, executor)
@@ -96,7 +120,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device, self.dtype = model.device, model.kv_dtype
-        self.k_cache, self.v_cache = allocate_kv_cache(model, num_blocks, block_size)
+        # Which layers share a block table, and in which storage tensor each keeps its keys and values
+        # (None: one group, every layer its own tensor, as the model's cache shapes say).
+        self.kv_groups = kv_groups if kv_groups is not None and kv_groups.num_groups > 1 else None
+        self.num_kv_groups = 1 if self.kv_groups is None else self.kv_groups.num_groups
+        self._placement = None if self.kv_groups is None else self.kv_groups.placement()
+        layers = None if self.kv_groups is None else self.kv_groups.group_size
+        self.k_cache, self.v_cache = allocate_kv_cache(model, num_blocks, block_size, layers)
         # The last step's plan and the hidden states of all its tokens, kept for a drafter that reads them.
         self.keep_hidden = False
         self.last_plan: StepPlan | None = None
@@ -107,6 +137,7 @@ class ModelRunner:
             block_size=block_size,
             mib=round(sum(c.numel() * c.element_size() for c in (self.k_cache, self.v_cache)) / 2**20, 1),
             executor=self.executor.kind,
+            kv_groups=(kv_groups or one_group(0)).describe(),
         )
 
     def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int]]:
@@ -124,7 +155,6 @@ class ModelRunner:
             plan.token_ids.extend(seq.drafts)
             plan.query_lens.append(n)
             plan.starts.append(start)
-            plan.block_tables.append(seq.block_table)
             if seq.collecting_prompt_logprobs and start < seq.num_prompt_tokens:
                 plan.prompt_rows.append((offset, n))
                 prompt_seq_indices.append(i)
@@ -134,6 +164,7 @@ class ModelRunner:
                     plan.sample_rows.append(row)
                     sample_seq_indices.append(i)
             offset += n
+        plan.block_tables = [seq.block_tables[g] for g in range(self.num_kv_groups) for seq in batch.seqs]
         if self.adapters is not None:
             plan.adapter_slots = [self.adapters.slot_of(seq.request.adapter) for seq in batch.seqs]
             plan.adapter_loads = self.adapters.take_loads()
@@ -148,7 +179,7 @@ class ModelRunner:
         device = self.device
         self._set_adapters(plan)
         positions = [s + j for s, n in zip(plan.starts, plan.query_lens) for j in range(n)]
-        meta = build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
+        meta = self._metadata(plan)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
         hidden = self.executor.forward(input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta)
         if self.keep_hidden:
@@ -157,6 +188,27 @@ class ModelRunner:
         logits = self.executor.compute_logits(hidden.index_select(0, rows))
         prompt_logits = [self.executor.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]
         return logits, prompt_logits
+
+    def _metadata(self, plan: StepPlan) -> AttentionMetadata:
+        """The step's attention metadata: with several KV-cache groups, each group's (its tables and
+        slots), every layer pointed at its group's and its storage tensor (``AttentionMetadata.for_layer``)."""
+        if self._placement is None:
+            return build_attention_metadata(plan.query_lens, plan.starts, plan.block_tables, self.k_cache, self.v_cache)
+        n = len(plan.query_lens)
+        if len(plan.block_tables) != n * self.num_kv_groups:
+            raise ValueError(
+                f"a step of {n} sequences over {self.num_kv_groups} KV-cache groups needs {n * self.num_kv_groups} "
+                f"block tables, got {len(plan.block_tables)}"
+            )
+        metas = [
+            build_attention_metadata(
+                plan.query_lens, plan.starts, plan.block_tables[g * n : (g + 1) * n], self.k_cache, self.v_cache
+            )
+            for g in range(self.num_kv_groups)
+        ]
+        meta = metas[0]
+        meta.layer_kv = [(metas[g], index) for g, index in self._placement]
+        return meta
 
     def _set_adapters(self, plan: StepPlan) -> None:
         """Write the step's new adapters into their slots; say which tokens use which slot."""

@@ -91,7 +91,7 @@ class Scheduler:
             if seq.drafts:
                 # Guesses only take blocks that leave one for every running sequence's next token.
                 upto = seq.num_computed_tokens + n + len(seq.drafts)
-                spare = self.block_manager.num_free_blocks - len(self.running)
+                spare = self.block_manager.num_free_blocks - len(self.running) * self.block_manager.num_groups
                 if self.block_manager.blocks_needed(seq, upto) > spare or not self.block_manager.allocate(seq, upto):
                     seq.drafts = []
             n += len(seq.drafts)

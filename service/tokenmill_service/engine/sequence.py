@@ -32,9 +32,12 @@ class Sequence:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at the last admission.
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
+        # Its block table in each KV-cache group (engine/kv_cache_groups.py; one group but for models
+        # that mix windowed and global layers), all of one length; none before its first allocation.
+        self.block_tables: list[list[int]] = []
         # The prefix hash of each of its full blocks hashed so far (engine/block_manager.py), and how
-        # many of its first blocks every layer's sliding window has left behind (freed; NULL_BLOCK in the table).
+        # many of its first blocks the windowed groups' sliding window has left behind (freed; NULL_BLOCK
+        # in their tables).
         self.block_hashes: list[int] = []
         self.num_dropped_blocks = 0
         self.status = SequenceStatus.WAITING
@@ -72,6 +75,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def block_table(self) -> list[int]:
+        """Its first group's block table (the only one but for models that mix windowed and global layers)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -86,6 +94,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone; it will prefill prompt and generated tokens again."""
         self.num_computed_tokens = 0
-        self.block_table, self.block_hashes, self.num_dropped_blocks = [], [], 0
+        self.block_tables, self.block_hashes, self.num_dropped_blocks = [], [], 0
         self.status = SequenceStatus.WAITING
         self.mtp_drafts, self.mtp_hidden = [], None

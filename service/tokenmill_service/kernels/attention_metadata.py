@@ -63,6 +63,16 @@ class AttentionMetadata:
     build_groups: Callable[[], list[AttentionGroup]]
     extra: dict[str, object] = field(default_factory=dict)  # backend-specific additions
     _groups: list[AttentionGroup] | None = None
+    # KV-cache groups (engine/kv_cache_groups.py): per layer, the metadata of its group (its block
+    # tables and slots) and its storage tensor in the caches. None: one group, layer i in tensor i.
+    layer_kv: list[tuple[AttentionMetadata, int]] | None = None
+
+    def for_layer(self, layer: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """What layer ``layer`` attends with: its group's metadata, and its key and value cache."""
+        if self.layer_kv is None:
+            return self, self.k_cache[layer], self.v_cache[layer]
+        meta, index = self.layer_kv[layer]
+        return meta, meta.k_cache[index], meta.v_cache[index]
 
     @property
     def groups(self) -> list[AttentionGroup]:

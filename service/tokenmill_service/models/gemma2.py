@@ -92,7 +92,7 @@ class Gemma2Attention(LlamaAttention):
         self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
+        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return out.flatten(1)

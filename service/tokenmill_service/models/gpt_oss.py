@@ -80,7 +80,7 @@ class GptOssAttention(LlamaAttention):
         self.sinks.copy_(dense(tensor).float()[self.first_head : self.first_head + self.num_heads])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
+        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, sinks=self.sinks)
         return out.flatten(1)

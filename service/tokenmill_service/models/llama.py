@@ -149,7 +149,7 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Store the new keys and values in the cache, attend over it: [T, heads * head_dim]."""
-        k_cache, v_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
+        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if self.window is None:  # the call every ops implementation takes (a window is an optional argument)
             return self.ops.attention(q, k_cache, v_cache, meta, self.scale).flatten(1)
