@@ -73,6 +73,36 @@ def test_a_freed_prefix_can_be_taken_back(default_tokenizer: Any) -> None:
     assert b.block_table == first_two and bm.num_free_blocks == 6
 
 
+def test_a_prefix_computed_twice_at_once_is_found_while_either_copy_is_in_the_pool(default_tokenizer: Any) -> None:
+    # Regression: the second copy of a prefix computed by two sequences in the same steps was never
+    # entered in the cache, so once the first copy's blocks were handed out again the prefix was lost
+    # although the second copy still held it.
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = (make_seq(default_tokenizer, list(range(9)), rid) for rid in "ab")
+    for seq in (a, b):
+        assert bm.allocate(seq, 9)
+    for seq in (a, b):
+        seq.num_computed_tokens = 9
+        bm.register_computed_blocks(seq)
+    first, second = list(a.block_table), list(b.block_table)
+    bm.free(a)
+    bm.free(b)
+    filler = make_seq(default_tokenizer, [500 + i for i in range(20)], "filler")
+    assert bm.allocate(filler, 20)  # the two never used, then a's three: the least recently freed
+    assert set(first) <= set(filler.block_table)
+    c = make_seq(default_tokenizer, list(range(9)), "c")
+    bm.reuse_cached_prefix(c)
+    assert c.num_computed_tokens == 8 and c.block_table == second[:2]
+    # Both copies handed out: the prefix is gone, and no stale entry points at a reused block.
+    bm.free(c)
+    bm.free(filler)
+    other = make_seq(default_tokenizer, [700 + i for i in range(32)], "other")
+    assert bm.allocate(other, 32)
+    d = make_seq(default_tokenizer, list(range(9)), "d")
+    bm.reuse_cached_prefix(d)
+    assert d.num_computed_tokens == 0 and not bm.cached[0] and not bm.duplicates[0]
+
+
 def test_prefix_reuse_always_leaves_a_token_to_compute(default_tokenizer: Any) -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     a = make_seq(default_tokenizer, list(range(8)), "a")
@@ -132,6 +162,10 @@ def test_no_block_leaks_under_random_operations(default_tokenizer: Any, seed: in
         for block in bm.blocks:
             assert block.ref_count == held.get(block.id, 0)
         assert bm.num_free_blocks == sum(1 for b in bm.blocks if b.ref_count == 0)
+        # Every block with a hash is found under it, once: the cached copy or one of its duplicates.
+        listed = [(h, i) for h, i in bm.cached[0].items()]
+        listed += [(h, i) for h, ids in bm.duplicates[0].items() for i in ids]
+        assert sorted(listed) == sorted((b.hash, b.id) for b in bm.blocks if b.hash is not None)
     for s in live:
         bm.free(s)
     assert bm.num_free_blocks == bm.num_blocks

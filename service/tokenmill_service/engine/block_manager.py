@@ -69,6 +69,10 @@ class BlockManager:
         self.windowed = tuple(w is not None for w in group_windows)
         # The blocks of each group cached by prefix hash.
         self.cached: list[dict[int, int]] = [{} for _ in group_windows]
+        # Blocks holding a hash that another block already holds in ``cached`` (two sequences computed the
+        # same prefix at once): each stands in for that block when it is handed out again, so the prefix
+        # stays found as long as one copy of it is in the pool.
+        self.duplicates: list[dict[int, list[int]]] = [{} for _ in group_windows]
         # The group whose blocks the event log reports: a global one where there is one (its blocks are
         # kept whole, so what it reports is what a prefix hit needs).
         self.event_group = self.windowed.index(False) if False in self.windowed else 0
@@ -130,13 +134,30 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id = self.free_ids.popleft()
         block = self.blocks[block_id]
-        cached = self.cached[block.group]
-        if block.hash is not None and cached.get(block.hash) == block_id:
-            del cached[block.hash]
-            if self.kv_events is not None and block.group == self.event_group:
-                self.kv_events.events.append(BlockRemoved([block.hash]))
+        if block.hash is not None:
+            self._uncache(block)
         block.hash, block.token_ids, block.ref_count, block.group = None, (), 1, 0
         return block_id
+
+    def _uncache(self, block: Block) -> None:
+        """``block`` is handed out again: its hash is found in another block holding it, or no longer."""
+        assert block.hash is not None
+        cached, duplicates = self.cached[block.group], self.duplicates[block.group]
+        others = duplicates.get(block.hash)
+        if cached.get(block.hash) != block.id:
+            if others is not None and block.id in others:  # a duplicate goes: the cached copy stays
+                others.remove(block.id)
+                if not others:
+                    del duplicates[block.hash]
+            return
+        if others:
+            cached[block.hash] = others.pop(0)
+            if not others:
+                del duplicates[block.hash]
+            return
+        del cached[block.hash]
+        if self.kv_events is not None and block.group == self.event_group:
+            self.kv_events.events.append(BlockRemoved([block.hash]))
 
     def reuse_cached_prefix(self, seq: Sequence) -> None:
         """On admission: take the cached blocks of the longest matching full-block prefix.
@@ -228,6 +249,7 @@ class BlockManager:
                     continue  # taken from the prefix cache: already this hash
                 block.hash, block.token_ids, block.group = block_hash, tokens, g
                 if self.cached[g].setdefault(block_hash, block.id) != block.id:
+                    self.duplicates[g].setdefault(block_hash, []).append(block.id)
                     continue
                 if g == self.event_group and self.kv_events is not None:
                     if stored is None or stored.block_hashes[-1] != prev:
