@@ -266,8 +266,7 @@ def test_a_windowed_and_a_global_group_share_the_pool_and_a_prefix_hit_needs_bot
 
     # The global group's first block handed out again (put first in line): no prefix can be taken,
     # though every windowed block it would need is still cached.
-    bm.free_ids.remove(global_[0])
-    bm.free_ids.appendleft(global_[0])
+    bm.free_ids.move_to_end(global_[0], last=False)
     z = make_seq(default_tokenizer, list(range(300, 304)), "z")
     assert bm.allocate(z, 4) and hashes[0] not in bm.cached[1]
     assert all(bm.cached[0].get(h) == i for h, i in zip(hashes[4:6], local[4:6]))

@@ -26,7 +26,7 @@ every cached block handed out again (``BlockRemoved``) is recorded, for ``--kv-e
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -61,8 +61,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = self.prefix_hits = 0
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Least recently freed first, so cached prefixes survive as long as possible.
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        # Least recently freed first, so cached prefixes survive as long as possible. Ordered by a linked
+        # list (OrderedDict): a prefix hit takes blocks from anywhere in it in constant time each.
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         if group_windows is None:
             group_windows = (window,)
         # Per KV-cache group: whether its table frees the blocks behind the window (a windowed group).
@@ -132,7 +133,7 @@ class BlockManager:
         return seq.block_tables
 
     def _take_free_block(self) -> int:
-        block_id = self.free_ids.popleft()
+        block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
             self._uncache(block)
@@ -203,7 +204,7 @@ class BlockManager:
                 assert block_id is not None
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
-                    self.free_ids.remove(block_id)
+                    del self.free_ids[block_id]
                 block.ref_count += 1
                 table.append(block_id)
         seq.block_hashes, seq.num_dropped_blocks = hashes[:blocks], first
@@ -278,7 +279,7 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_ids.append(block_id)
+            self.free_ids[block_id] = None
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks to the pool at once (finished, cancelled or preempted)."""
