@@ -87,10 +87,13 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
-    # Its sinks, windows and biased clamped experts keep the model's own loop, and the plan says so.
+    # Its sinks and windows keep the model's own layers, and the plan says so; its experts (biases,
+    # clamped SwiGLU) are one native call a layer.
     executor = model.plan.executor
     assert executor.value == "eager" and "the gpt_oss family has no native stack" in executor.reason
-    assert "attention sinks" in executor.reason and "clamped SwiGLU" in executor.reason
+    assert "attention sinks" in executor.reason
+    assert model.plan.experts is not None and model.plan.experts.value == "native", model.plan.experts
+    assert all(layer.mlp.native() is not None for layer in model.model.layers)
 
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:
@@ -161,6 +164,7 @@ def test_mxfp4_experts_are_served_natively_as_stored_by_default(mxfp4_checkpoint
     served = load(LoadOptions(model=str(directory)))
     methods = {choice.method for prefix, choice in served.plan.layers.items() if ".experts." in prefix}
     assert methods <= {"gguf", "gguf-vnni"}, served.plan.layers
+    assert served.plan.experts is not None and served.plan.experts.value == "native", served.plan.experts
     assert any("MXFP4" in reason and "as Q8_0" not in reason for reason in served.plan.quant_reasons.values()), (
         served.plan.quant_reasons
     )

@@ -6,6 +6,8 @@ output bitwise the same whatever other tokens share its step, with either routin
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
@@ -22,11 +24,13 @@ from tokenmill_service.layers.fused_moe import (
     select_experts,
     select_experts_grouped,
 )
+from tokenmill_service.layers.fused_moe.layer import ExpertMLP
 from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
 from tokenmill_service.layers.fused_moe.reference import moe_reference
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
+from tokenmill_service.models.gpt_oss import GptOssExpert, GptOssMoE
 from tokenmill_service.plan.device import probe_device
 
 EXPERTS, TOP_K = 8, 2
@@ -150,16 +154,85 @@ def test_the_native_experts_are_the_loops_bits(method: str, qtype: QType, hidden
     assert torch.equal(part(x, weights, ids), _loop(moe, x, held))
 
 
-def test_experts_with_their_own_activation_run_one_by_one() -> None:
-    """gpt-oss's clamped SwiGLU and biases are not the native call's: its layer keeps the loop."""
-    from tokenmill_service.models.gpt_oss import GptOssMoE
-
+def _gpt_oss_moe(method: str, qtype: QType, tp: TensorParallel) -> GptOssMoE:
+    """gpt-oss's layer (router with a bias, top-k then softmax; experts with biases and the clamped
+    SwiGLU), hidden 64, width 128: biases large enough that gate and up pass the limit both ways."""
     facts = probe_device("cpu")
+    if (why := quant_method_class(method).unavailable_reason(facts, torch.float32)) is not None:
+        pytest.skip(f"{method}: {why}")
+
+    def quant(prefix: str) -> QuantMethod:
+        return quant_method_class("none" if prefix.endswith(".gate") else method)(torch.float32)
+
+    hidden, width = 64, 128
     ops = get_ops("native" if facts.native("elementwise") is None else "torch")
-    moe = GptOssMoE(
-        64, 64, 4, 2, True, "mlp", ops, lambda _: quant_method_class("none")(torch.float32), TensorParallel()
-    )
-    assert "GptOssExpert" in (why_not_native(moe) or "")
+    moe = GptOssMoE(hidden, width, EXPERTS, TOP_K, True, "mlp", ops, quant, tp)
+    gen = torch.Generator().manual_seed(7)
+    rng = np.random.default_rng(7)
+
+    def stored(rows: int, cols: int) -> CheckpointTensor:
+        if qtype == QType.F32:
+            return torch.randn(rows, cols, generator=gen) * 0.1
+        raw = random_blocks(QType.MXFP4, rows, cols, rng).reshape(rows, cols // 32, 17)
+        raw[..., 0] = rng.integers(120, 124, size=raw.shape[:-1], dtype=np.uint8)  # 2^-8 .. 2^-5
+        return GGUFBlocks.from_raw(raw.reshape(rows, -1), QType.MXFP4, (rows, cols))
+
+    moe.gate.load_weight(torch.randn(EXPERTS, hidden, generator=gen))
+    moe.gate.load_bias(torch.randn(EXPERTS, generator=gen))
+    for expert in moe.experts.values():
+        cast(GptOssExpert, expert).swiglu = (1.702, 7.0)
+        for shard in (0, 1):
+            expert.gate_up_proj.load_weight(stored(width, hidden), shard)
+            expert.gate_up_proj.load_bias(torch.randn(width, generator=gen) * 4, shard)
+        expert.down_proj.load_weight(stored(hidden, width))
+        expert.down_proj.load_bias(torch.randn(hidden, generator=gen))
+    for module in moe.modules():
+        if isinstance(module, LinearBase):
+            module.finalize()
+    return moe
+
+
+@pytest.mark.parametrize(
+    ("method", "qtype"),
+    [("none", QType.F32), ("gguf", QType.MXFP4), ("gguf-vnni", QType.MXFP4)],
+    ids=["F32", "MXFP4", "MXFP4-vnni"],
+)
+@torch.inference_mode()
+def test_gpt_oss_native_experts_are_the_loops_bits(method: str, qtype: QType) -> None:
+    """gpt-oss's experts (each product's bias, the clamped SwiGLU) in one native call against its loop:
+    the same bits at 1, 3 and 37 tokens, for the experts of one expert-parallel rank, and for each rank
+    of two splitting every expert's width (the down bias on the first rank only, once in the sum)."""
+    moe = _gpt_oss_moe(method, qtype, TensorParallel())
+    if (why := why_not_native(moe)) is not None:
+        pytest.skip(why)
+    assert moe.native() is not None
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(8))
+    gate_up = moe.experts["0"].gate_up_proj(x)
+    assert (gate_up[:, :128] > 7).any() and (gate_up[:, 128:] > 7).any() and (gate_up[:, 128:] < -7).any()
+    for rows in (x[:1], x[:3], x):
+        assert torch.equal(moe(rows), _loop(moe, rows))
+    weights, ids = moe.route(moe.gate(x))
+    held = range(2, 5)
+    subset = native_experts(moe)
+    part = type(subset)(64, 128, TOP_K, EXPERTS, held.start, [subset._held[e] for e in held], (1.702, 7.0))
+    assert torch.equal(part(x, weights, ids), _loop(moe, x, held))
+    for rank in (0, 1):  # no all-reduce here: each rank's partial sums
+        split = _gpt_oss_moe(method, qtype, TensorParallel(rank, 2))
+        assert split.native() is not None
+        assert torch.equal(native_experts(split)(x, weights, ids), split.experts_loop(x, weights, ids))
+
+
+def test_experts_with_an_activation_of_no_native_form_run_one_by_one() -> None:
+    class GeluExpert(ExpertMLP):
+        def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+            return self.ops.gelu_tanh_and_mul(gate_up)
+
+    class GeluMoE(FusedMoE):
+        expert_type = GeluExpert
+
+    quant = lambda _: quant_method_class("none")(torch.float32)
+    moe = GeluMoE(64, 64, 4, 2, True, "mlp", get_ops("torch"), quant, TensorParallel())
+    assert why_not_native(moe) == "GeluExpert has an activation the native call does not compute"
 
 
 def test_the_router_takes_the_top_k_by_softmax_largest_first_renormalized_or_not() -> None:

@@ -143,6 +143,18 @@ def test_native_silu_and_mul_matches_the_reference_row_by_row() -> None:
     assert torch.equal(NativeCpuOps().silu_and_mul(x[7:8])[0], got[7])
 
 
+def test_native_clamped_swiglu_matches_the_reference_row_by_row() -> None:
+    """gpt-oss's activation: values past the limit on both sides (clamped), NaN kept, a row the same alone."""
+    x = _rows(21, 2 * 200, 7) * 6  # 200: a masked tail of 8 after twelve full vectors
+    x[3, 5], x[4, 205] = float("nan"), float("nan")
+    got = NativeCpuOps().clamped_swiglu_and_mul(x, 1.702, 7.0)
+    want = TorchOps().clamped_swiglu_and_mul(x, 1.702, 7.0)
+    assert (x[:, :200] > 7).any() and (x[:, 200:] < -7).any()
+    assert got[3, 5].isnan() and got[4, 5].isnan()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, equal_nan=True)
+    assert torch.equal(NativeCpuOps().clamped_swiglu_and_mul(x[7:8], 1.702, 7.0)[0], got[7])
+
+
 def test_bfloat16_rows_go_to_the_reference() -> None:
     x = _rows(3, 64, 6).to(torch.bfloat16)
     assert not elementwise.fits(x)

@@ -94,6 +94,9 @@ class GptOssExpert(ExpertMLP):
         alpha, limit = self.swiglu
         return self.ops.clamped_swiglu_and_mul(gate_up, alpha, limit)
 
+    def native_activation(self) -> tuple[float, float] | None:
+        return self.swiglu
+
 
 class GptOssMoE(FusedMoE):
     """The router's top-k logits, softmaxed over the chosen; experts with biases and the clamped SwiGLU."""
@@ -138,9 +141,8 @@ class GptOssModel(LlamaModel):
 class GptOssForCausalLM(MoEForCausalLM):
     native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no attention sinks, sliding window, nor experts with biases and a clamped SwiGLU"
+        "the C++ decoder layers have no attention sinks, sliding window, nor biases on the attention projections"
     )
-    native_experts_gap: ClassVar[str] = "its experts have biases and a clamped SwiGLU"
     attention_type: ClassVar[type[LlamaAttention]] = GptOssAttention
     model_type: ClassVar[type[LlamaModel]] = GptOssModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GptOssDecoderLayer

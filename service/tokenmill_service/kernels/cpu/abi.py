@@ -113,6 +113,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "const int64_t* positions, const float* cos_table, const float* sin_table)"
         ),
         "void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n)",
+        "void tm_clamped_swiglu_and_mul(const float* x, float* out, int64_t t, int64_t n, float alpha, float limit)",
     ),
     "paged_attention": tuple(
         signature
@@ -192,6 +193,7 @@ FUNCTION_POINTERS = {
     "TmRotary": "void (*)(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, "
     "const int64_t* positions, const float* cos_table, const float* sin_table)",
     "TmSiluAndMul": "void (*)(const float* x, float* out, int64_t t, int64_t n)",
+    "TmClampedSwiglu": "void (*)(const float* x, float* out, int64_t t, int64_t n, float alpha, float limit)",
     "TmStoreKeys": "void (*)(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, int64_t head_dim, "
     "const int64_t* slots, void* k_cache, int64_t block_size)",
     "TmStoreValues": "void (*)(const float* v, int64_t v_stride, int64_t t, int64_t row, const int64_t* slots, "
@@ -276,13 +278,20 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("int64_t", "max_top_k"),
     ),
     # A mixture-of-experts layer's experts held by a rank (moe_mlp.cpp): experts first .. first + count - 1
-    # of num_experts, each a bias-free gate/up product ([2 * width, hidden], gate rows then up rows) and down
-    # product ([hidden, width]), top_k of them a token.
+    # of num_experts, each a gate/up product ([2 * width, hidden], gate rows then up rows) and down product
+    # ([hidden, width]), top_k of them a token; each product's bias (float32 [2 * width] / [hidden]) added
+    # after it where the family has them (gpt-oss); the activation SiLU-and-mul, or gpt-oss's clamped SwiGLU
+    # (elementwise.cpp's tm_clamped_swiglu_and_mul with swiglu_alpha and swiglu_limit) where it is set.
     "TmExperts": (
         *(("int64_t", name) for name in ("hidden", "width", "top_k", "num_experts", "first", "count")),
         ("const TmLinear*", "gate_up"),  # [count]
         ("const TmLinear*", "down"),  # [count]
         ("TmSiluAndMul", "silu_and_mul"),
+        ("const float* const*", "gate_up_bias"),  # [count] (null: no biases; an entry null: none)
+        ("const float* const*", "down_bias"),  # [count] (null: no biases; an entry null: none)
+        ("TmClampedSwiglu", "clamped_swiglu"),  # null: SiLU-and-mul
+        ("float", "swiglu_alpha"),
+        ("float", "swiglu_limit"),
     ),
     # A step's tokens by LoRA adapter slot: group g is slot slots[g], its token rows
     # rows[offsets[g] .. offsets[g + 1]).

@@ -86,4 +86,26 @@ void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n) {
     }
   }
 }
+
+// gpt-oss's experts' activation for x = [gate | up] rows of 2 * n; out: [t, n]:
+// g = min(gate, limit), u = clamp(up, -limit, limit), out = (g * sigmoid(g * alpha)) * (u + 1), the
+// sigmoid as SiLU's above; NaN passes the clamps, as torch.clamp lets it. The eager experts and the
+// native experts call (moe_mlp.cpp) both call this, so their bits agree.
+void tm_clamped_swiglu_and_mul(const float* x, float* out, int64_t t, int64_t n, float alpha, float limit) {
+  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), a = _mm512_set1_ps(alpha);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < t; ++i) {
+    const float* gate = x + i * 2 * n;
+    const float* up = gate + n;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      // min/max return their second operand when either is NaN: the value, so NaN stays NaN.
+      const __m512 g = _mm512_min_ps(hi, _mm512_maskz_loadu_ps(m, gate + j));
+      const __m512 u = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_maskz_loadu_ps(m, up + j)));
+      const __m512 z = _mm512_mul_ps(g, a);
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+      _mm512_mask_storeu_ps(out + i * n + j, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_add_ps(u, one)));
+    }
+  }
+}
 }

@@ -1,4 +1,5 @@
-"""RMSNorm with the residual add, rotary and SiLU-and-mul in one native pass each (elementwise.cpp).
+"""RMSNorm with the residual add, rotary, SiLU-and-mul and gpt-oss's clamped SwiGLU in one native pass
+each (elementwise.cpp).
 
 Each takes float32 rows (unit stride within a row) and computes every row on its own; callers
 check the layout (``fits``) and use the torch reference otherwise.
@@ -57,4 +58,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(t, n2 // 2, device=x.device)
     _lib().tm_silu_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2)
+    return out
+
+
+def clamped_swiglu_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation of x [T, 2 * I] (gate, up) -> [T, I]; float32."""
+    t, n2 = x.shape
+    x = x.contiguous()
+    out = torch.empty(t, n2 // 2, device=x.device)
+    _lib().tm_clamped_swiglu_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, alpha, limit)
     return out

@@ -1,5 +1,6 @@
 // A mixture-of-experts MLP's experts in one native call: the step's (token, rank) pairs grouped by
-// expert, each held expert's gate/up product, SiLU-and-mul and down product on its group's rows,
+// expert, each held expert's gate/up product (plus its bias, where the family has them), activation
+// (SiLU-and-mul, or gpt-oss's clamped SwiGLU) and down product (plus bias) on its group's rows,
 // and each token's outputs summed in the order of its own ranks. The same kernels on the same rows
 // in the same order as layers/fused_moe/layer.py's loop, so the same bits, without the ~50 Python
 // calls and tensors a layer of top-8 routing costs there per step (more than the experts' arithmetic
@@ -31,6 +32,12 @@ namespace {
 // torch.topk's order (ATen/native/TopKImpl.h, CPU): the larger first, NaN above everything.
 inline bool larger(const std::pair<double, int64_t>& x, const std::pair<double, int64_t>& y) {
   return (isnan(x.first) && !isnan(y.first)) || x.first > y.first;
+}
+
+// y[r, :] += bias for each of n rows of `cols`: a linear layer's ``y + self.bias``, one rounding each.
+inline void add_bias(float* y, int64_t n, int64_t cols, const float* bias) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < cols; ++j) y[r * cols + j] = y[r * cols + j] + bias[j];
 }
 
 }  // namespace
@@ -125,9 +132,16 @@ int tm_moe_mlp(const TmExperts* e, const float* x, int64_t t, const int64_t* ids
     for (int64_t r = 0; r < n; ++r) memcpy(xs + r * H, x + (order[start[id] + r] / K) * H, H * sizeof(float));
     const TmLinear& gu = e->gate_up[i];
     const TmLinear& dn = e->down[i];
+    float* y = pair_out + start[id] * H;
     if (gu.gemm((int)gu.fmt, xs, n, H, gu.weights, 2 * W, gate_up, product_threads)) return 1;
-    e->silu_and_mul(gate_up, act, n, W);
-    return dn.gemm((int)dn.fmt, act, n, W, dn.weights, H, pair_out + start[id] * H, product_threads);
+    if (e->gate_up_bias && e->gate_up_bias[i]) add_bias(gate_up, n, 2 * W, e->gate_up_bias[i]);
+    if (e->clamped_swiglu)
+      e->clamped_swiglu(gate_up, act, n, W, e->swiglu_alpha, e->swiglu_limit);
+    else
+      e->silu_and_mul(gate_up, act, n, W);
+    if (dn.gemm((int)dn.fmt, act, n, W, dn.weights, H, y, product_threads)) return 1;
+    if (e->down_bias && e->down_bias[i]) add_bias(y, n, H, e->down_bias[i]);
+    return 0;
   };
   const int64_t n_active = (int64_t)active.size();
   int failed = 0;

@@ -1,10 +1,11 @@
 """A mixture-of-experts layer's experts in one native call (moe_mlp.cpp): grouping by expert, each
-expert's products and activation, and the combine in each token's rank order.
+expert's products (and their biases, where the family has them) and activation, and the combine in
+each token's rank order.
 
 The Python loop of ``layers/fused_moe/layer.py`` costs some 50 tensor operations a layer a step at
 top-8 routing, more than the experts' own arithmetic at one decoding sequence. ``NativeExperts`` runs
 the same kernels on the same rows in the same order from native code, so its result is the loop's
-bit for bit (tests/kernels/test_moe_mlp.py holds it to that).
+bit for bit (tests/kernels/test_fused_moe.py holds it to that).
 """
 
 from __future__ import annotations
@@ -44,17 +45,28 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
-    """One expert's products: each a native ``kernel`` (library, symbol) reading ``weights`` in ``fmt``."""
+    """One expert's products: each a native ``kernel`` (library, symbol) reading ``weights`` in ``fmt``,
+    and the biases added after them (float32; None: none)."""
 
     gate_up: tuple[tuple[str, str], torch.Tensor, int]  # [2 * width, hidden]: gate rows, then up rows
     down: tuple[tuple[str, str], torch.Tensor, int]  # [hidden, width]
+    gate_up_bias: torch.Tensor | None = None  # [2 * width]
+    down_bias: torch.Tensor | None = None  # [hidden]
 
 
 class NativeExperts:
-    """``experts(x, weights, ids)``: float32 [T, hidden], the weighted sum of each token's experts."""
+    """``experts(x, weights, ids)``: float32 [T, hidden], the weighted sum of each token's experts;
+    their activation SiLU-and-mul, or gpt-oss's clamped SwiGLU where ``swiglu`` gives its (alpha, limit)."""
 
     def __init__(
-        self, hidden: int, width: int, top_k: int, num_experts: int, first: int, experts: list[ExpertWeights]
+        self,
+        hidden: int,
+        width: int,
+        top_k: int,
+        num_experts: int,
+        first: int,
+        experts: list[ExpertWeights],
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
         if not experts or first < 0 or first + len(experts) > num_experts:
             raise ValueError(f"experts {first}..{first + len(experts) - 1} are not among the {num_experts}")
@@ -62,6 +74,12 @@ class NativeExperts:
             for _, weights, _ in (ex.gate_up, ex.down):
                 if weights.device.type != "cpu" or not weights.is_contiguous():
                     raise ValueError("the native experts read contiguous CPU weights")
+            for bias, size in ((ex.gate_up_bias, 2 * width), (ex.down_bias, hidden)):
+                if bias is not None and (
+                    bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != (size,)
+                    or not bias.is_contiguous()
+                ):  # fmt: skip
+                    raise ValueError(f"the native experts add contiguous float32 CPU biases of {size}")
         self._held = experts  # keeps the weights the native side points into alive
 
         def linear(spec: tuple[tuple[str, str], torch.Tensor, int], out_features: int) -> ctypes.Structure:
@@ -70,10 +88,23 @@ class NativeExperts:
 
         self._gate_up = (_Linear * len(experts))(*(linear(ex.gate_up, 2 * width) for ex in experts))
         self._down = (_Linear * len(experts))(*(linear(ex.down, hidden) for ex in experts))
+
+        def biases(tensors: list[torch.Tensor | None]) -> ctypes.Array[ctypes.c_void_p] | None:
+            if all(b is None for b in tensors):
+                return None
+            return (ctypes.c_void_p * len(tensors))(*(None if b is None else b.data_ptr() for b in tensors))
+
+        self._gate_up_bias = biases([ex.gate_up_bias for ex in experts])
+        self._down_bias = biases([ex.down_bias for ex in experts])
+        alpha, limit = swiglu or (0.0, 0.0)
         self._spec = _Experts(
             hidden, width, top_k, num_experts, first, len(experts),
             ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
             build.address("elementwise", "tm_silu_and_mul"),
+            None if self._gate_up_bias is None else ctypes.addressof(self._gate_up_bias),
+            None if self._down_bias is None else ctypes.addressof(self._down_bias),
+            None if swiglu is None else build.address("elementwise", "tm_clamped_swiglu_and_mul"),
+            alpha, limit,
         )  # fmt: skip
         self.hidden, self.width, self.top_k, self.num_experts = hidden, width, top_k, num_experts
         self._workspace = torch.empty(0)

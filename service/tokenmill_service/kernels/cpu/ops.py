@@ -1,7 +1,7 @@
 """The ``native`` backend: the torch backend's operations in tokenmill's native CPU kernels (native/).
 
-Attention is kernels/cpu/paged_attention.cpp; RMSNorm with the residual add, rotary and SiLU-and-mul are
-kernels/cpu/elementwise.cpp, one pass each instead of several torch operations. The load plan picks it
+Attention is kernels/cpu/paged_attention.cpp; RMSNorm with the residual add, rotary, SiLU-and-mul and
+gpt-oss's clamped SwiGLU are kernels/cpu/elementwise.cpp, one pass each instead of several torch operations. The load plan picks it
 for ``--backend torch`` where it can run (``unavailable_reason``: a CPU, float32 activations,
 head_dim 64 or 128, the kernels built); it lays its key cache out transposed per block
 (``kv_cache_layout``) and can store the cache in float16. Tensors it has no kernel for (another
@@ -78,6 +78,13 @@ class NativeCpuOps(TorchOps):
         if _eager() and elementwise.fits(x):
             return elementwise.silu_and_mul(x)
         return super().silu_and_mul(x)
+
+    def clamped_swiglu_and_mul(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """elementwise.cpp's, the one the native experts call (moe_mlp.cpp) computes: so the experts
+        one by one and in one call give the same bits."""
+        if _eager() and x.dim() == 2 and elementwise.fits(x):
+            return elementwise.clamped_swiglu_and_mul(x, alpha, limit)
+        return super().clamped_swiglu_and_mul(x, alpha, limit)
 
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """moe_mlp.cpp's softmax top-k (the one the native decoder stack calls, so its choice and bits;

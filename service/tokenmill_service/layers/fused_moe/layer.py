@@ -15,7 +15,8 @@ A step:
    ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
    (``gate.e_score_correction_bias`` in the checkpoint; ``score_bias`` here, float32);
 2. the (token, rank) pairs are grouped by expert (a stable sort of the expert ids), and each expert
-   this rank holds runs gate/up, SiLU-and-mul and down on its group's rows;
+   this rank holds runs gate/up, SiLU-and-mul (or its family's activation) and down, each product
+   plus its bias where the family has them, on its group's rows;
 3. each token's output is ``sum_r weight_r * out_r`` over its ranks r = 0 .. top_k - 1, in that
    order, in float32.
 
@@ -91,7 +92,8 @@ class ExpertDownLinear(RowParallelLinear):
 
 class ExpertMLP(nn.Module):
     """One expert: gate/up packed, SiLU-and-mul, down (no reduction). A family's experts subclass it
-    for biases (``bias``) or another activation (``activation``)."""
+    for biases (``bias``) or another activation (``activation``, and ``native_activation`` where the
+    native experts call computes it too)."""
 
     bias: ClassVar[bool] = False
 
@@ -106,6 +108,12 @@ class ExpertMLP(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 * width] (gate, up) -> [T, width]."""
         return self.ops.silu_and_mul(gate_up)
+
+    def native_activation(self) -> tuple[float, float] | None:
+        """``activation`` as the native experts call (kernels/cpu/moe_mlp.cpp) computes it: None for
+        SiLU-and-mul, (alpha, limit) for gpt-oss's clamped SwiGLU. A subclass with another activation
+        overrides both, or its experts run one by one."""
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down_proj(self.activation(self.gate_up_proj(x)))
