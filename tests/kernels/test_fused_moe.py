@@ -2,7 +2,9 @@
 each way its experts can be stored: float32 rows and GGUF blocks multiplied by tokenmill's native
 kernels (float32, VNNI, k-quants), as the dense layers multiply them; the router's choice and
 renormalization; DeepSeek-V3's grouped sigmoid routing against transformers' router; and a token's
-output bitwise the same whatever other tokens share its step, with either routing."""
+output bitwise the same whatever other tokens share its step, with either routing. The experts' one
+native call against their Python loop, bit for bit: SiLU-and-mul experts, and gpt-oss's (biases, the
+clamped SwiGLU; float32 and MXFP4 weights)."""
 
 from __future__ import annotations
 
