@@ -12,17 +12,18 @@
 // rows, mid[i, p, r] = x[row i] . A[slot, p, r] (register tiles of 6 rows x 4 rank rows), then expands
 // them, y[row i, columns] += sum over r of mid[i, p, r] * Bt[slot, r, columns] (tiles of 4 rows x 64
 // columns, 16 columns per vector, no horizontal sums). An item reads only its own rows' shrunk values,
-// so no barrier divides the two: the call waits for the threads once, at its end. (Two loops, every
-// shrink then every expand, measured 0.47-0.49x of the base's step time against 0.63-0.66x on a
-// shared machine where a waiting thread spins while the one it waits for is descheduled, and 2-4 % more
-// CPU time on a quiet one: a slot's A and B are read once per 12 rows instead of once a step, from a
-// core's cache after the first.)
+// so no barrier divides the two: the call waits for the threads once, at its end. (With two loops, every
+// shrink, a barrier, then every expand, a 237-token mixed step over 8 adapters ran at 0.49x of the base's
+// speed against 0.66x with one, on a machine shared with other work, where a thread that waits spins
+// while the one it waits for is descheduled, so a step's time grows with its barriers; in CPU time the
+// one loop is also 2-3 % cheaper, though a slot's A and B are read once per 12 rows instead of once a
+// step: from the core's cache after the first.)
 //
 // Batch invariance: every output is one fixed sequence of float32 operations on its own row's inputs.
 // A shrunk value sums 16 float32 lanes over `in` in steps of 16, then one fixed tree over the lanes (as
 // block_gemm.cpp's); an expanded one sums over r in order from 0, then is added to y. Which rows share a
-// tile, how many rows a group has and which thread takes an item change none of them. bfloat16 weights
-// widen to float32 exactly.
+// tile or an item, how many rows a group has and which thread takes an item change none of them.
+// bfloat16 weights widen to float32 exactly.
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <immintrin.h>
@@ -42,9 +43,9 @@
 namespace {
 
 constexpr int MT = 6;         // rows per shrink tile
-constexpr int RT = 4;         // rank rows per shrink item
+constexpr int RT = 4;         // rank rows per shrink tile
 constexpr int ET = 4;         // rows per expand tile
-constexpr int64_t CW = 64;    // columns per expand item (4 vectors)
+constexpr int64_t CW = 64;    // columns per expand tile (4 vectors)
 
 // 16 weights at element e of w, widened to float32.
 template <int D>
