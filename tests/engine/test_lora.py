@@ -204,6 +204,22 @@ def test_the_grouped_product_is_its_per_token_definition(
             assert torch.equal(alone[0], d[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_of_a_large_group_has_its_bits_alone(dtype: torch.dtype) -> None:
+    """The native kernel splits a slot's rows into work items of a few rows each: a row's delta is the same
+    bits at every place in a group of 29 (and in another slot's company) as alone."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 64, generator=g)
+    a = (torch.randn(2, 2, 16, 64, generator=g) * 0.1).to(dtype)
+    bt = (torch.randn(2, 16, 150, generator=g) * 0.1).to(dtype)
+    ranks, parts = torch.tensor([[16, 5], [9, 16]]), [(0, 100), (100, 50)]
+    groups = [(0, torch.arange(3, 32)), (1, torch.tensor([0, 1, 2, 35, 39]))]
+    for (slot, rows), (_, delta) in zip(groups, lora_delta(x, a, bt, ranks, groups, parts), strict=True):
+        for i in range(len(rows)):
+            ((_, alone),) = lora_delta(x, a, bt, ranks, [(slot, rows[i : i + 1])], parts)
+            assert torch.equal(alone[0], delta[i])
+
+
 def test_adapters_that_do_not_fit_the_base_are_refused_by_name(
     model: Any, base: tuple[Path, Any], adapters: dict[str, Path], tmp_path: Path
 ) -> None:
