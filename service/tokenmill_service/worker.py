@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import signal
 import threading
 import time
@@ -53,6 +54,15 @@ class Channel:
         # When the step in progress started (None between steps) and its size in tokens.
         self.step_started: float | None = None
         self.step_tokens = 0
+        # Registered once: Connection.poll builds a selector on every call, and the engine loop checks for
+        # commands before every step.
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def readable(self, timeout: float | None) -> bool:
+        """Whether a command (or the router's end of the pipe closing) is there to read, waiting up to
+        ``timeout`` seconds (None: until there is): ``Connection.poll``'s answer."""
+        return bool(self._poller.poll(None if timeout is None else timeout * 1000))
 
     def send(self, event: Event) -> None:
         with self._lock:
@@ -322,15 +332,16 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
     conn = channel.conn
     max_step_tokens = engine.config.max_batch_tokens
     broadcast = engine.runner.broadcast
+    last_sent: float | None = None  # when the last step's outputs were sent
     while True:
         # Block while idle (the other ranks hear an idle tick now and then); while busy, only pick
         # up what has already arrived.
         timeout = 0.0 if engine.has_unfinished() else (idle_tick if broadcast is not None else None)
-        if broadcast is not None and timeout and not conn.poll(timeout):
+        if broadcast is not None and timeout and not channel.readable(timeout):
             broadcast.send(Idle())
             continue
         dirty = False
-        while conn.poll(timeout):
+        while channel.readable(timeout):
             timeout = 0.0
             for cmd in conn.recv():
                 match cmd:
@@ -354,11 +365,26 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
             # The step's size bounds how long it may take (the router's --step-timeout scales with it).
             pending = sum(seq.num_uncomputed_tokens for seq in engine.sequences.values())
             channel.step_tokens = max(1, min(max_step_tokens, pending))
-            channel.step_started = time.monotonic()
+            channel.step_started = started = time.monotonic()
             outputs = engine.step()
             channel.step_started = None
+            stepped = time.monotonic()
             channel.send(StepOutputs(outputs, engine.stats()))
             if publisher is not None:
                 publisher.publish(engine.kv_events.drain())
-        elif dirty:
-            channel.send(Stats(engine.stats()))
+            sent = time.monotonic()
+            # Where a step's time goes (--log-level debug): the forward pass, the rest of the engine's
+            # step (scheduling, sampling, detokenizing), sending its outputs, and the loop between steps.
+            log.debug(
+                "step_timing",
+                tokens=channel.step_tokens,
+                forward_ms=round(engine.runner.last_execute_s * 1000, 3),
+                engine_ms=round((stepped - started - engine.runner.last_execute_s) * 1000, 3),
+                send_ms=round((sent - stepped) * 1000, 3),
+                between_steps_ms=None if last_sent is None else round((started - last_sent) * 1000, 3),
+            )
+            last_sent = sent
+        else:
+            last_sent = None  # idle: the next step's wait is not the loop's
+            if dirty:
+                channel.send(Stats(engine.stats()))

@@ -177,3 +177,19 @@ def test_penalties_and_bias_of_one_row_do_not_reach_the_others() -> None:
             histories[row].append(step.token_ids[row])
             alone[row].append(single.token_ids[0])
     assert histories == alone
+
+
+def test_rows_that_ask_for_no_logprobs_get_the_same_tokens_and_none() -> None:
+    """A step where no row asks for logprobs skips the log-softmax: the tokens are those sampled with
+    every row's logprob computed, and a row that asks gets the same value whatever its neighbours ask."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 257)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(repetition_penalty=1.2)]
+    args = ([7, 8, 9], [[1, 2], [3], [4, 5, 6]], [0, 0, 0])
+    every = sample(logits, params, *args)
+    none = sample(logits, params, *args, logprobs=[False, False, False])
+    assert none.token_ids == every.token_ids
+    assert none.logprobs == [None, None, None] and none.top_logprobs == [[], [], []]
+    some = sample(logits, params, *args, logprobs=[False, True, False])
+    assert some.token_ids == every.token_ids
+    assert some.logprobs == [None, every.logprobs[1], None]

@@ -416,6 +416,7 @@ class LLMEngine:
             [s.request.top_logprobs if s.request.logprobs or s.request.top_logprobs else 0 for s in seqs],
             [s.num_prompt_tokens for s in seqs],
             allowed,
+            [s.request.logprobs or s.request.top_logprobs > 0 for s in seqs],
         )
         row = 0
         while row < len(seqs):

@@ -9,6 +9,7 @@ of a prompt whose logprobs were asked for.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -131,6 +132,8 @@ class ModelRunner:
         self.keep_hidden = False
         self.last_plan: StepPlan | None = None
         self.last_hidden: torch.Tensor | None = None
+        # Seconds the last step's forward pass took (metadata, forward, logits), for the worker's step timing.
+        self.last_execute_s = 0.0
         log.info(
             "kv_cache_allocated",
             blocks=num_blocks,
@@ -226,7 +229,9 @@ class ModelRunner:
         plan, sample_seq_indices, prompt_seq_indices = self.plan(batch)
         if self.broadcast is not None:
             self.broadcast.send(plan)
+        started = time.perf_counter()
         logits, prompt_logits = self.execute(plan)
+        self.last_execute_s = time.perf_counter() - started
         return StepLogits(logits, sample_seq_indices, dict(zip(prompt_seq_indices, prompt_logits)))
 
 

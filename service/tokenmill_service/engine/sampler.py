@@ -28,7 +28,8 @@ from tokenmill_service.engine.request import SamplingParams
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]
+    # Per row: the chosen token's logprob; None for a row that did not ask (``sample``'s ``logprobs``).
+    logprobs: list[float | None]
     # Per row: (ids, logprobs) of the `top_n[i]` most likely tokens, best first.
     top_logprobs: list[list[tuple[int, float]]]
 
@@ -112,14 +113,20 @@ def sample(
     top_n: Seq[int],
     prompt_lens: Seq[int] | None = None,
     allowed: tuple[Seq[int], torch.Tensor] | None = None,
+    logprobs: Seq[bool] | None = None,
 ) -> SamplerOutput:
     """logits: float32 [B, vocab], one row per sequence that gets a new token this step;
     ``seen_tokens[i]`` is row i's sequence so far (its length is the position being sampled), of which
     the first ``prompt_lens[i]`` are its prompt (None: no prompt, every seen token was generated).
     ``allowed``: (rows, bool [len(rows), vocab]) the only tokens those rows may choose (a constraint's mask),
-    applied after the penalties and before temperature, top-k and top-p."""
+    applied after the penalties and before temperature, top-k and top-p.
+    ``logprobs``: which rows report their chosen token's logprob (None: every row). When no row asks for
+    one nor for top alternatives, the log-softmax over the vocabulary is skipped (the usual decode step);
+    when any does, it is computed for every row as always, so a row's values never depend on its batch."""
     device = logits.device
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    n_max = max(top_n, default=0)
+    want = [True] * len(params) if logprobs is None else list(logprobs)
+    logprobs_all = torch.log_softmax(logits, dim=-1) if n_max > 0 or any(want) else None
     # The edits work on a copy; without any (the usual case) the logits are read as they are.
     work = logits
     if any(p.edits_logits for p in params):
@@ -157,9 +164,11 @@ def sample(
         chosen[rows] = picks
 
     token_ids = chosen.tolist()
-    chosen_lp = logprobs_all.gather(1, chosen[:, None]).squeeze(1).tolist()
     tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
-    n_max = max(top_n, default=0)
+    if logprobs_all is None:
+        return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids), top_logprobs=tops)
+    gathered = logprobs_all.gather(1, chosen[:, None]).squeeze(1).tolist()
+    chosen_lp: list[float | None] = [lp if w else None for lp, w in zip(gathered, want)]
     if n_max > 0:
         vals, idx = logprobs_all.topk(min(n_max, logits.shape[-1]), dim=-1)
         vals_l, idx_l = vals.tolist(), idx.tolist()
