@@ -25,6 +25,7 @@ from tokenmill_service.models.paths import (
     ModelNotFoundError,
     resolve_model_path,
 )
+from tokenmill_service.models.resident_memory import release_freed_heap
 from tokenmill_service.plan.device import probe_device
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import LoadPlan
@@ -43,6 +44,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
     _log_refusals(plan)
     model = build_model(plan, checkpoint, tp)
     checkpoint.release_pages()
+    released = release_freed_heap()
     log.info(
         "model_loaded",
         name=checkpoint.config.name,
@@ -60,6 +62,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
         weight_bytes=model.weight_bytes(),
         weight_mib=round(model.weight_bytes() / 2**20, 1),
         seconds=round(time.perf_counter() - start, 3),
+        heap_released_mib=released,
         plan=plan.summary(),
     )
     return model
