@@ -586,7 +586,8 @@ def _peer_section(spec: tuple[str, str], measured: Measured, model_path: Path | 
         "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
         "weight_bytes": peer_weight_bytes,
         "weight_bytes_note": note,
-        "weight_bytes_convention": "GGUF tensor bytes as stored (llama.cpp computes on the quantized blocks)",
+        "weight_bytes_convention": "GGUF tensor bytes as stored (llama.cpp computes on the quantized blocks), "
+        "a mixture of experts' expert tensors by the share a token chooses",
         "request": "POST /completion: token-id prompt, n_predict, stream, ignore_eos, temperature 0, top_k 1, "
         "cache_prompt true",
         "failed_requests": side.single.failed + sum(level.failed for level in side.levels if level is not side.single),

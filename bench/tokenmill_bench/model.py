@@ -39,12 +39,28 @@ def gguf_parameters(path: Path) -> int:
 
 
 def gguf_tensor_bytes(path: Path) -> int:
-    """Bytes of all of a GGUF file's tensors as stored: what llama.cpp, which computes on the quantized
-    blocks, reads per decode step (the token embedding table only in part, unless it is tied to the output)."""
+    """Bytes of a GGUF file's tensors as stored that one decoding token reads: what llama.cpp, which
+    computes on the quantized blocks, reads per decode step (the token embedding table only in part,
+    unless it is tied to the output). A mixture of experts' stacked expert tensors (``*_exps``) count
+    the share a token chooses: ``expert_used_count`` of ``expert_count``."""
     import gguf
 
     reader = gguf.GGUFReader(path)
-    return sum(int(t.n_bytes) for t in reader.tensors)
+
+    def number(key: str) -> int | None:
+        field = reader.get_field(key)
+        return None if field is None else int(field.contents())
+
+    arch_field = reader.get_field("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else ""
+    experts, used = number(f"{arch}.expert_count"), number(f"{arch}.expert_used_count")
+    total = 0
+    for t in reader.tensors:
+        n = int(t.n_bytes)
+        if experts and used and "_exps" in t.name:
+            n = n * used // experts
+        total += n
+    return total
 
 
 def safetensors_parameters(directory: Path) -> int:

@@ -291,6 +291,25 @@ def test_ratios_are_tokenmill_over_peer_and_bandwidth_counts_each_sides_bytes() 
     assert long["growth"]["tokenmill"] == pytest.approx(8.0) and long["growth"]["peer"] == pytest.approx(5.0)
 
 
+def test_the_peers_bytes_a_token_count_the_experts_a_token_chooses(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from tokenmill_bench.model import gguf_tensor_bytes
+
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "olmoe")
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))  # 512 bytes, read whole
+    writer.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 8, 8), dtype=np.float32))  # 1024, half read
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_tensor_bytes(path) == 512 + 1024 * 2 // 4
+
+
 def test_bench_prints_tokenmill_beside_the_peer(server_address: str, fake: FakeLlamaServer, tmp_path: Path) -> None:
     fake.script.ttft_s, fake.script.gap_s = 0.02, 0.005
     results = tmp_path / "results.json"
