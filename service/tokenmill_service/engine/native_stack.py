@@ -69,6 +69,8 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         gap = getattr(type(model), "native_stack_gap", "")
         raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
+    if any(ly.self_attn.rotary is not rotary or ly.self_attn.scale != attn.scale for ly in model.model.layers):
+        raise ValueError("the native stack rotates and scales every layer alike; this model's layers differ")
     qk_norm = type(attn).qk_norm  # what the family's before_rotary does, which the stack does instead
     layers = [_layer(ly, qk_norm) for ly in model.model.layers]
     return decoder_stack.DecoderStack(

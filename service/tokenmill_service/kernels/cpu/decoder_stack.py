@@ -245,9 +245,6 @@ class DecoderStack:
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         x = x.contiguous()
         positions, seq_of_token = positions.contiguous(), meta.seq_of_token.contiguous()
-        metas, layer_kv = self._kv_groups(meta)
-        kept = [(m.slot_mapping.contiguous(), m.block_tables.contiguous()) for m in metas]
-        groups = (_KvGroup * len(kept))(*(_KvGroup(s.data_ptr(), b.data_ptr(), b.shape[1]) for s, b in kept))
         out = torch.empty(t, hidden, device=x.device)
         batch = None
         if lora is not None and lora.slots.numel():
@@ -256,6 +253,9 @@ class DecoderStack:
             lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
             batch = _LoraBatch(lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr())
         with self._lock:
+            metas, layer_kv = self._kv_groups(meta)
+            kept = [(m.slot_mapping.contiguous(), m.block_tables.contiguous()) for m in metas]
+            groups = (_KvGroup * len(kept))(*(_KvGroup(s.data_ptr(), b.data_ptr(), b.shape[1]) for s, b in kept))
             threads = torch.get_num_threads()
             need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t, threads))
             if self._workspace.numel() < need:
