@@ -20,8 +20,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import save_file
 
+from tests.engine.gpt_oss_checkpoint import PROMPT, ROPE, WINDOW, hf_gpt_oss
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
-from tests.engine.test_gguf_loader import _randomize
 from tests.engine.test_moe_families import greedy, hf_logits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.engine.model_runner import forward_prompt
@@ -32,40 +32,6 @@ from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions
 
 transformers = pytest.importorskip("transformers")
-
-WINDOW = 8
-PROMPT = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-ROPE = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 64,
-    "rope_theta": 150000.0,
-}
-
-
-def hf_gpt_oss() -> Any:
-    config = transformers.GptOssConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,  # a head the native attention kernel takes
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_parameters=ROPE,
-    )
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config)
-    _randomize(model, seed=1)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +53,9 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.log_softmax(actual, -1), torch.log_softmax(expected, -1), atol=1e-4, rtol=0)
-    # Its sinks and windows keep the model's own layers, and the plan says so; its experts (biases,
+    # Its layers (sinks, windows, biases, YaRN) run in the native decoder stack; its experts (biases,
     # clamped SwiGLU) are one native call a layer.
-    executor = model.plan.executor
-    assert executor.value == "eager" and "the gpt_oss family has no native stack" in executor.reason
-    assert "attention sinks" in executor.reason
+    assert model.plan.executor.value == "native-stack", model.plan.executor
     assert model.plan.experts is not None and model.plan.experts.value == "native", model.plan.experts
     assert all(layer.mlp.native() is not None for layer in model.model.layers)
 
@@ -107,6 +71,7 @@ def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -
 
 def test_a_prompt_is_bitwise_the_same_alone_and_in_a_crowd_prefilled_and_decoded(checkpoint: tuple[Path, Any]) -> None:
     model = load_model(checkpoint[0])
+    assert model.plan.executor.value == "native-stack", model.plan.executor  # the default configuration's
     assert_alone_equals_crowd(model, PROMPT)
     assert_prefill_equals_decode(model, PROMPT[:21], 9)  # the decoded steps span two windows
 

@@ -158,16 +158,18 @@ def test_the_native_kernel_reads_the_groups_tables(checkpoint: Path) -> None:
     assert _logprobs(got["r"]) == want and peak <= 34
 
 
-@pytest.mark.parametrize(("family", "ops"), [("gemma2", "triton"), ("gpt_oss", "torch")])
+@pytest.mark.parametrize(("family", "ops"), [("gemma2", "triton"), ("gpt_oss", "torch"), ("gpt_oss", "native")])
 def test_alternating_local_and_global_layers_free_the_local_layers_blocks(
     tmp_path: Path, family: str, ops: str
 ) -> None:
-    """Gemma 2 (soft-capping) through triton under its interpreter, gpt-oss (attention sinks) through torch."""
-    from tests.engine.test_gpt_oss import hf_gpt_oss
+    """Gemma 2 (soft-capping) through triton under its interpreter, gpt-oss (attention sinks) through torch
+    and through the native decoder stack (each layer its group's block tables, in one native call)."""
+    from tests.engine.gpt_oss_checkpoint import hf_gpt_oss
 
     directory = _save(gemma2() if family == "gemma2" else hf_gpt_oss(), tmp_path)
     model, tokenizer = load(directory, ops), load_tokenizer(directory)
     assert model.attention_windows() == [WINDOW, None]
+    assert (model.plan.executor.value == "native-stack") == (ops == "native"), model.plan.executor
     kept = _engine(model, tokenizer, keep_every_block=True)
     engine = _engine(model, tokenizer)
     assert engine.kv_groups.layers == ((0,), (1,))

@@ -60,7 +60,7 @@ def hf_model(family: str, dense_layer: bool = True) -> Any:
     qwen3moe GGUFs have experts in every layer."""
     torch.manual_seed(0)
     if family == "gpt_oss":
-        from tests.engine.test_gpt_oss import hf_gpt_oss
+        from tests.engine.gpt_oss_checkpoint import hf_gpt_oss
 
         return hf_gpt_oss()
     if family == "mixtral":

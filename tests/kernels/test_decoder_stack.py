@@ -3,7 +3,9 @@
 It must give the Python forward's results bit for bit (it calls the same kernels in the same
 order), over prefill chunks, decode tokens and mixed steps, with both native products; serve by
 default where it can; and step aside, saying why, where it cannot (torch's int8/int4 kernels,
-compiled regions).
+compiled regions). gpt-oss's layers (attention sinks, sliding windows alternating with full attention,
+biases on every projection and the router, YaRN, the top-k logits softmaxed) the same, past the window,
+with its windowed and global layers' separate block tables (KV-cache groups) as the engine gives them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from tokenmill_service.engine.kv_cache_groups import KVCacheGroups, plan_kv_cache_groups
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.engine.native_stack import build_decoder_stack
+from tokenmill_service.kernels.attention_metadata import NULL_BLOCK
 from tokenmill_service.kernels.cpu import decoder_stack, vnni_gemm
 
 pytestmark = pytest.mark.skipif(
@@ -39,21 +44,44 @@ def _steps(vocab: int = 49152) -> Iterator[StepPlan]:
         yield StepPlan(ids(1 + 1 + 9), [1, 1, 9], [63 + k, 18 + k, 9 * k], tables[:2] + [tables[2]], [0, 1, 10], [])
 
 
-def _run(model: Any, native: bool) -> list[torch.Tensor]:
-    runner = ModelRunner(model, block_size=16, num_blocks=16, executor="native-stack" if native else "eager")
+def _grouped(steps: Iterator[StepPlan], groups: KVCacheGroups, window: int) -> Iterator[StepPlan]:
+    """``steps`` with a block table per KV-cache group, as the engine gives them: the global groups' the
+    step's own, each windowed group's other blocks with those wholly behind every query's window freed
+    (NULL_BLOCK), as the block manager frees them."""
+    for plan in steps:
+        tables = []
+        for g, group_window in enumerate(groups.windows):
+            for table, start in zip(plan.block_tables, plan.starts):
+                if group_window is None:
+                    tables.append(table)
+                    continue
+                seen = max(0, start + 1 - window) // 16  # the first block the step's queries can see
+                tables.append([NULL_BLOCK if i < seen else 16 * (g + 1) + b for i, b in enumerate(table)])
+        yield StepPlan(plan.token_ids, plan.query_lens, plan.starts, tables, plan.sample_rows, plan.prompt_rows)
+
+
+def _run(model: Any, native: bool, groups: KVCacheGroups | None = None) -> list[torch.Tensor]:
+    executor = "native-stack" if native else "eager"
+    blocks = 16 * (groups.num_groups if groups is not None else 1)
+    runner = ModelRunner(model, block_size=16, num_blocks=blocks, executor=executor, kv_groups=groups)
+    steps = _steps(model.config.vocab_size)
+    if groups is not None:
+        steps = _grouped(steps, groups, min(w for w in groups.windows if w is not None))
     results = []
-    for plan in _steps(model.config.vocab_size):
+    for plan in steps:
         logits, prompt_logits = runner.execute(plan)
         results += [logits, *prompt_logits]
     return results
 
 
-def same_bits(model: Any) -> None:
+def same_bits(model: Any, groups: KVCacheGroups | None = None) -> list[torch.Tensor]:
+    """The eager loop's and the stack's logits over ``_steps``, bitwise equal (the stack's returned)."""
     assert model.plan.executor.value == "native-stack"
-    python, native = _run(model, native=False), _run(model, native=True)
+    python, native = _run(model, False, groups), _run(model, True, groups)
     assert len(python) == len(native) == 7
     for a, b in zip(python, native):
         assert torch.equal(a, b), (a - b).abs().max().item()
+    return native
 
 
 @torch.inference_mode()
@@ -112,3 +140,39 @@ def test_the_default_path_builds_no_attention_groups_nor_their_masks(served_mode
     make_executor(served_model).forward(torch.zeros(301, dtype=torch.long), meta.positions, meta)
     assert meta._groups is None
     assert len(meta.groups) == 2  # built on demand for the kernels that use them
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Four layers (windowed, full, windowed, full): two KV-cache groups of two layers each."""
+    pytest.importorskip("transformers")
+    from tests.engine.gpt_oss_checkpoint import hf_gpt_oss
+    from tokenmill_service.models.loader import load_model
+
+    directory = tmp_path_factory.mktemp("tiny-gpt-oss-stack")
+    hf_gpt_oss(layers=4).save_pretrained(directory, safe_serialization=True)
+    return load_model(directory, dtype=torch.float32, quantization="none")
+
+
+@torch.inference_mode()
+def test_gpt_oss_runs_the_native_stack_with_the_python_forwards_bits(gpt_oss: Any) -> None:
+    """Sinks, windows of 8 keys (the steps' contexts reach 67), biases, YaRN, its routing, in one call."""
+    assert gpt_oss.plan.executor.value == "native-stack", gpt_oss.plan.executor
+    assert gpt_oss.attention_windows() == [8, None, 8, None]
+    spec = build_decoder_stack(gpt_oss).spec  # every part of the layers described to the stack
+    assert [ly.window for ly in spec.layers] == [8, None, 8, None]
+    assert all(ly.sinks is not None and ly.qkv.bias is not None and ly.o.bias is not None for ly in spec.layers)
+    assert all(ly.moe is not None and ly.moe.routing == "top_logits" and ly.moe.router.bias is not None
+               for ly in spec.layers)  # fmt: skip
+    same_bits(gpt_oss)
+
+
+@torch.inference_mode()
+def test_gpt_oss_windowed_and_global_layers_read_their_own_block_tables(gpt_oss: Any) -> None:
+    """Two KV-cache groups ({0, 2} windowed, {1, 3} global), each layer its group's tables (the windowed
+    ones with freed blocks) and its storage tensor: the eager loop's bits, and those of one group."""
+    groups = plan_kv_cache_groups(gpt_oss.attention_windows())
+    assert groups.layers == ((0, 2), (1, 3))
+    grouped = same_bits(gpt_oss, groups)
+    for a, b in zip(grouped, _run(gpt_oss, True)):
+        assert torch.equal(a, b), (a - b).abs().max().item()

@@ -25,6 +25,7 @@ from tokenmill_service.layers.fused_moe import (
     GroupedTopK,
     select_experts,
     select_experts_grouped,
+    select_top_logits,
 )
 from tokenmill_service.layers.fused_moe.layer import ExpertMLP
 from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
@@ -256,9 +257,10 @@ ROUTER_SHAPES = [(4, 2), (8, 2), (60, 4), (64, 8), (128, 2), (256, 4), (16, 1), 
 
 @pytest.mark.parametrize(("experts", "top_k"), ROUTER_SHAPES)
 def test_the_native_router_chooses_as_torch_and_ranks_equal_scores_as_torch_topk(experts: int, top_k: int) -> None:
-    """moe_mlp.cpp's softmax top-k (the native ops' and the native decoder stack's router) against
-    router.py's torch one: logits from a few levels, so most rows hold equal probabilities, which must
-    come out in torch.topk's order; the weights within float32 rounding; each row the same alone."""
+    """moe_mlp.cpp's routings (the native ops' and the native decoder stack's router: softmax top-k,
+    renormalized or not, and gpt-oss's softmax over the top-k logits) against router.py's torch ones:
+    logits from a few levels, so most rows hold equal values, which must come out in torch.topk's order;
+    the weights within float32 rounding; each row the same alone."""
     from tokenmill_service.kernels.cpu import moe_mlp
 
     if (why := moe_mlp.unavailable_reason()) is not None:
@@ -266,12 +268,15 @@ def test_the_native_router_chooses_as_torch_and_ranks_equal_scores_as_torch_topk
     gen = torch.Generator().manual_seed(experts * 100 + top_k)
     for levels in (2, 5, 1 << 20):
         logits = torch.randint(0, levels, (64, experts), generator=gen).float() * (3.0 / levels)
-        for renormalize in (False, True):
-            weights, ids = moe_mlp.route(logits, top_k, renormalize)
-            want_weights, want_ids = select_experts(logits, top_k, renormalize)
-            assert torch.equal(ids, want_ids), (levels, renormalize)
+        for routing in ("softmax", "renormalized", "top_logits"):
+            weights, ids = moe_mlp.route(logits, top_k, routing)
+            if routing == "top_logits":
+                want_weights, want_ids = select_top_logits(logits, top_k)
+            else:
+                want_weights, want_ids = select_experts(logits, top_k, routing == "renormalized")
+            assert torch.equal(ids, want_ids), (levels, routing)
             torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
-            alone_weights, alone_ids = moe_mlp.route(logits[5:6], top_k, renormalize)
+            alone_weights, alone_ids = moe_mlp.route(logits[5:6], top_k, routing)
             assert torch.equal(alone_weights[0], weights[5]) and torch.equal(alone_ids[0], ids[5])
 
 

@@ -7,6 +7,8 @@ this only describes a model the plan chose it for. A model with LoRA adapter slo
 hands each linear layer's slots to the stack, and every step the tokens of each slot in use. A family's
 q/k norms are its attention's ``qk_norm`` (none, over the whole projection, per head); a
 mixture-of-experts layer hands the stack its router and its experts' native call (``FusedMoE.native``).
+A projection's bias goes with it; a layer's sliding window and attention sinks (gpt-oss's ``sinks``) with
+its attention, and each step's KV-cache groups with the step's metadata.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from tokenmill_service.layers.fused_moe.native import why_not_native
 
 
 def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
-    if lin.quant.native_kernel is None or lin.bias is not None:
-        raise ValueError(f"the {name} projection has no native kernel to call (or has a bias)")
+    if lin.quant.native_kernel is None:
+        raise ValueError(f"the {name} projection has no native kernel to call")
     lora = None
     if getattr(lin, "lora", None) is not None:
         lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
     weights, fmt = lin.quant.native_operands(lin)
-    return decoder_stack.LinearSpec(lin.quant.native_kernel, weights, fmt, lin.out_features, lora)
+    bias = None if lin.bias is None else lin.bias.detach()
+    return decoder_stack.LinearSpec(lin.quant.native_kernel, weights, fmt, lin.out_features, lora, bias)
 
 
 def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
@@ -42,7 +45,7 @@ def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
     experts = mlp.native()
     if experts is None:
         raise ValueError(f"the layer's experts have no native call: {why_not_native(mlp)}")
-    return decoder_stack.MoESpec(_linear("router", mlp.gate), experts, mlp.renormalize)
+    return decoder_stack.MoESpec(_linear("router", mlp.gate), experts, mlp.renormalize, type(mlp).top_logits)
 
 
 def _layer(ly: Any, qk_norm: str) -> decoder_stack.LayerSpec:
@@ -50,10 +53,13 @@ def _layer(ly: Any, qk_norm: str) -> decoder_stack.LayerSpec:
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm != "none" else (None, None)
     qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
+    # What the layer's attend() hands the attention op: its window, and its sinks where it has them (gpt-oss).
+    sinks = getattr(attn, "sinks", None)
+    attention: dict[str, Any] = {"window": attn.window, "sinks": None if sinks is None else sinks.detach()}
     if isinstance(ly.mlp, FusedMoE):
-        return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm)
+        return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm, **attention)
     gate_up, down = _linear("gate_up", ly.mlp.gate_up_proj), _linear("down", ly.mlp.down_proj)
-    return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, None, q_norm, k_norm)
+    return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, None, q_norm, k_norm, **attention)
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
@@ -62,9 +68,9 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         # The stack would run Llama's layers and silently skip what the family adds (Granite's multipliers).
         gap = getattr(type(model), "native_stack_gap", "")
         raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
-    if any(getattr(ly.self_attn, "window", None) is not None for ly in model.model.layers):
-        raise ValueError("the native stack attends to the whole context; this model's layers have a sliding window")
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
+    if any(ly.self_attn.rotary is not rotary or ly.self_attn.scale != attn.scale for ly in model.model.layers):
+        raise ValueError("the native stack rotates and scales every layer alike; this model's layers differ")
     qk_norm = type(attn).qk_norm  # what the family's before_rotary does, which the stack does instead
     layers = [_layer(ly, qk_norm) for ly in model.model.layers]
     return decoder_stack.DecoderStack(

@@ -126,6 +126,13 @@ class Ops(ABC):
 
         return select_experts(logits, top_k, renormalize)
 
+    def select_top_logits(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """gpt-oss's router choice: logits [T, experts] -> (weights float32, expert ids int64) [T, top_k] by
+        rank, the top_k logits softmaxed over the chosen (layers/fused_moe/router.py)."""
+        from tokenmill_service.layers.fused_moe.router import select_top_logits
+
+        return select_top_logits(logits, top_k)
+
     def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts layer's held experts on x [T, hidden] for the router's weights and expert
         ids [T, top_k] (by rank): float32 [T, hidden], each token's weighted sum in its ranks' order.

@@ -215,7 +215,7 @@ def read_gemma_gguf_config(
 class Gemma2ForCausalLM(LlamaForCausalLM):
     native_stack: ClassVar[bool] = False
     native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no sliding window, soft-capping, GeGLU or Gemma's (1 + w) norms"
+        "the C++ decoder layers have no GeGLU nor Gemma's norms of attention's output and around the MLP"
     )
     attention_type: ClassVar[type[LlamaAttention]] = Gemma2Attention
     model_type: ClassVar[type[LlamaModel]] = GemmaModel

@@ -124,7 +124,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     hf_rope_types: ClassVar[frozenset[str]] = frozenset({"linear"})
     gguf_rope_types: ClassVar[frozenset[str]] = frozenset({"linear"})
     native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no sliding window, q/k norm, GeGLU or Gemma's (1 + w) norms"
+        "the C++ decoder layers have no GeGLU, Gemma's norms of attention's output and around the MLP, nor "
+        "rotary tables per layer"
     )
 
     @classmethod

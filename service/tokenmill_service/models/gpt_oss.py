@@ -103,10 +103,7 @@ class GptOssMoE(FusedMoE):
 
     expert_type: ClassVar[type[ExpertMLP]] = GptOssExpert
     router_bias: ClassVar[bool] = True
-
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values, ids = torch.topk(logits.float(), self.top_k, dim=-1, sorted=True)
-        return torch.softmax(values, dim=-1), ids
+    top_logits: ClassVar[bool] = True
 
 
 class GptOssDecoderLayer(MoEDecoderLayer):
@@ -139,10 +136,6 @@ class GptOssModel(LlamaModel):
 
 @register_model("gpt_oss")
 class GptOssForCausalLM(MoEForCausalLM):
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no attention sinks, sliding window, nor biases on the attention projections"
-    )
     attention_type: ClassVar[type[LlamaAttention]] = GptOssAttention
     model_type: ClassVar[type[LlamaModel]] = GptOssModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GptOssDecoderLayer

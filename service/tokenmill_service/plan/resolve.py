@@ -19,7 +19,7 @@ from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
 from tokenmill_service.models.checkpoint import Checkpoint
-from tokenmill_service.models.config import ModelConfig, has_windows
+from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
@@ -443,10 +443,7 @@ def native_stack_missing(
     if not getattr(family, "native_stack", False):
         gap = getattr(family, "native_stack_gap", "")
         return f"the {config.architecture} family has no native stack" + (f": {gap}" if gap else "")
-    if config.attention_bias:
-        return "the qkv projection has a bias"
-    if has_windows(config):
-        return "its layers attend within a sliding window (the C++ decoder layers attend to the whole context)"
+    # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack.
     for prefix, choice in layers.items():
         if prefix != "lm_head" and choice.kernel not in quant_method_class(choice.method).native_entry_points:
             leaf = prefix.rpartition(".")[2].removesuffix("_proj")

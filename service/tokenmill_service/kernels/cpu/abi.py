@@ -72,6 +72,10 @@ KQUANT_HEADER_BYTES = 128
 # The decoder stack's q/k RMSNorm (TmStack.qk_norm): none, over each token's whole q (and k) projection
 # (OLMoE), or over each head (Qwen3, Qwen3-MoE).
 QK_NORM_MODES = {"none": 0, "whole": 1, "heads": 2}
+# A mixture-of-experts router's choice (moe_mlp.cpp's tm_moe_route, TmLayer.routing): softmax over every
+# expert's logit then the top_k probabilities ("softmax"; Mixtral, OLMoE...), those divided by their sum
+# ("renormalized"), or the top_k logits then a softmax over the chosen ("top_logits": gpt-oss).
+ROUTING_MODES = {"softmax": 0, "renormalized": 1, "top_logits": 2}
 # What LoRA adapter slots store (lora.cpp): float32, or bfloat16 (products accumulate in float32 either way).
 LORA_DTYPES = {"float32": 0, "bfloat16": 1}
 
@@ -164,7 +168,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     "memory_probe": ("int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads)",),
     "moe_mlp": (
         (
-            "void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t renormalize, "
+            "void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t routing, "
             "float* weights, int64_t* ids)"
         ),
         "int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads)",
@@ -177,9 +181,9 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads)",
         (
             "int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, "
-            "const int64_t* slots, const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, "
-            "uint8_t* k_cache, uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, "
-            "float* workspace, float* out, int threads)"
+            "const int64_t* seq_of_token, const TmKvGroup* groups, const int64_t* layer_kv, uint8_t* k_cache, "
+            "uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, float* workspace, "
+            "float* out, int threads)"
         ),
     ),
 }
@@ -201,20 +205,21 @@ FUNCTION_POINTERS = {
     "TmLoraAdd": "int (*)(int dtype, const float* x, int64_t in, const TmLoraBatch* batch, const uint8_t* a, "
     "const uint8_t* bt, const int64_t* ranks, int64_t max_rank, int64_t parts, const int64_t* part_rows, "
     "int64_t out, float* y, float* scratch, int threads)",
-    "TmMoeRoute": "void (*)(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t renormalize, "
+    "TmMoeRoute": "void (*)(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t routing, "
     "float* weights, int64_t* ids)",
     "TmMoeWorkspace": "int64_t (*)(const TmExperts* e, int64_t t, int threads)",
     "TmMoeMlp": "int (*)(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights, "
     "float* workspace, float* out, int threads)",
+    # paged_attention.cpp's tm_paged_attention_window (window 0, softcap 0 and no sinks: tm_paged_attention's work).
     "TmAttention": "int (*)(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim, "
     "const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions, "
-    "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, float* out, "
-    "int threads)",
+    "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, int64_t window, "
+    "float softcap, const float* sinks, float* out, int threads)",
 }
 
 # The decoder stack's structs, in declaration order: (C type, field name) each.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
-    # One bias-free linear layer: its product kernel and the weights it reads ([out_features, in_features]),
+    # One linear layer: its product kernel and the weights it reads ([out_features, in_features]),
     # and its LoRA adapter slots (layers/lora/slots.py; null: none), in lora_dtype (LORA_DTYPES): A [slots,
     # parts, lora_rank, in_features] and B transposed [slots, lora_rank, out_features], the scale folded into
     # B; lora_ranks [slots, parts]: the rank each slot's adapter has in each part (0: not targeted), of
@@ -232,11 +237,14 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("int64_t", "lora_parts"),
         ("const int64_t*", "lora_part_rows"),
         ("int64_t", "lora_dtype"),
+        ("const float*", "bias"),  # [out_features] float32, added after the product and its adapters (null: none)
     ),
     # A decoder layer: its MLP dense (gate_up, down) or, where ``experts`` is set, a mixture of experts:
-    # the router's product (``router``, [experts, hidden]), softmax top-k (renormalized where ``renormalize``)
-    # and the experts (moe_mlp.cpp's). q_norm / k_norm: the q and k RMSNorm weights where the stack's
-    # ``qk_norm`` says the family has them.
+    # the router's product (``router``, [experts, hidden]), its choice (``routing``: ROUTING_MODES) and the
+    # experts (moe_mlp.cpp's). q_norm / k_norm: the q and k RMSNorm weights where the stack's ``qk_norm``
+    # says the family has them. Attention: within ``window`` keys (0: the whole context), scores soft-capped
+    # at ``softcap`` (0: none), a sink logit per head (``sinks`` [heads], null: none), as
+    # tm_paged_attention_window takes them.
     "TmLayer": (
         ("const float*", "input_norm"),  # [hidden]
         ("const float*", "post_norm"),  # [hidden]
@@ -248,7 +256,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("const float*", "k_norm"),  # [kv_heads * head_dim] or [head_dim]
         ("TmLinear", "router"),
         ("const TmExperts*", "experts"),  # null: a dense MLP
-        ("int64_t", "renormalize"),
+        ("int64_t", "routing"),
+        ("int64_t", "window"),
+        ("float", "softcap"),
+        ("const float*", "sinks"),
     ),
     "TmStack": (
         *(("int64_t", name) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
@@ -292,6 +303,13 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("TmClampedSwiglu", "clamped_swiglu"),  # null: SiLU-and-mul
         ("float", "swiglu_alpha"),
         ("float", "swiglu_limit"),
+    ),
+    # A KV-cache group's step (engine/kv_cache_groups.py): each new token's cache slot [t] and every
+    # sequence's block table [sequences, table_width] in this group's blocks.
+    "TmKvGroup": (
+        ("const int64_t*", "slots"),
+        ("const int64_t*", "tables"),
+        ("int64_t", "table_width"),
     ),
     # A step's tokens by LoRA adapter slot: group g is slot slots[g], its token rows
     # rows[offsets[g] .. offsets[g + 1]).
@@ -364,6 +382,7 @@ def header() -> str:
     ]
     lines += [f"#define TM_LORA_{name.upper()} {value}" for name, value in LORA_DTYPES.items()]
     lines += [f"#define TM_QK_NORM_{name.upper()} {value}" for name, value in QK_NORM_MODES.items()]
+    lines += [f"#define TM_ROUTING_{name.upper()} {value}" for name, value in ROUTING_MODES.items()]
     for f in BLOCK_FORMATS:
         lines += [
             f"#define TM_FORMAT_{f.name} {f.id}",

@@ -10,6 +10,11 @@
 // of A, expands them by that projection's columns of B.T and adds the delta to the product's rows
 // (each row's bits independent of the rows beside it): the same kernel on the same rows, so the same
 // bits as the eager path.
+// A projection's bias (TmLinear.bias: the attention's of Qwen2 and gpt-oss, gpt-oss's router's) is added
+// after the product and its adapters, one rounding each, as the eager layer's ``y + self.bias``.
+// Attention takes each layer's sliding window, soft cap and sinks (tm_paged_attention_window; without
+// them it is tm_paged_attention's work). With KV-cache groups (engine/kv_cache_groups.py) each layer
+// reads its group's slots and block tables and its storage tensor of the caches (``layer_kv``).
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -29,6 +34,20 @@ static int add_lora(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora
   if (!lora || !L.lora_a) return 0;
   return s->lora_add((int)L.lora_dtype, x, in, lora, L.lora_a, L.lora_bt, L.lora_ranks, L.lora_rank, L.lora_parts,
                      L.lora_part_rows, L.out_features, y, scratch, threads) != 0;
+}
+
+// y [t, L.out_features] = x [t, in] @ L's weights.T, plus its adapters' deltas, plus its bias: the eager
+// layer's product, LoRA and ``y + self.bias``. Nonzero when a kernel fails.
+static int linear(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora, const float* x, int64_t t,
+                  int64_t in, float* y, float* scratch, int threads) {
+  if (L.gemm((int)L.fmt, x, t, in, L.weights, L.out_features, y, threads)) return 1;
+  if (add_lora(s, L, lora, x, in, y, scratch, threads)) return 1;
+  if (L.bias) {
+    const int64_t n = L.out_features;
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < n; ++j) y[i * n + j] = y[i * n + j] + L.bias[j];
+  }
+  return 0;
 }
 
 // The largest expert count and expert workspace of the stack's mixture-of-experts layers (0: none).
@@ -56,8 +75,9 @@ int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads) {
   return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate) + lora_scratch(s, t) + qk_norm + routing;
 }
 
-// x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, slots,
-// seq_of_token: [t]; tables: [sequences, table_width]; the caches: [layers][layer_bytes] in the
+// x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, seq_of_token: [t];
+// groups: each KV-cache group's slots [t] and block tables; layer_kv [layers][2]: each layer's group and
+// storage tensor (null: one group, layer l in tensor l); the caches: [tensors][layer_bytes] in the
 // layouts paged_attention.cpp reads (keys transposed per block, values as [slot][kv_heads][D]).
 // Returns 0, or the first failing kernel's code: -100 - layer for a product, -200 - layer for
 // attention, -300 - layer for the experts. lora: the step's tokens by adapter slot (null: the base
@@ -67,10 +87,10 @@ int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads) {
 // the cache and attention then read. A mixture-of-experts layer (L.experts): the router's product,
 // moe_mlp.cpp's choice (tm_moe_route) and its experts (tm_moe_mlp), as layers/fused_moe runs them
 // under the native ops.
-int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, const int64_t* slots,
-                     const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, uint8_t* k_cache,
-                     uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, float* workspace, float* out,
-                     int threads) {
+int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions,
+                     const int64_t* seq_of_token, const TmKvGroup* groups, const int64_t* layer_kv, uint8_t* k_cache,
+                     uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora,
+                     float* workspace, float* out, int threads) {
   const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate, K = s->max_top_k;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
   int64_t max_experts, moe_floats;
@@ -93,13 +113,15 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
 
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const TmLayer& L = s->layers[l];
-    uint8_t* kc = k_cache + l * layer_bytes;
-    uint8_t* vc = v_cache + l * layer_bytes;
+    const TmKvGroup& g = groups[layer_kv ? layer_kv[2 * l] : 0];
+    const int64_t tensor = layer_kv ? layer_kv[2 * l + 1] : l;
+    const int64_t* slots = g.slots;
+    uint8_t* kc = k_cache + tensor * layer_bytes;
+    uint8_t* vc = v_cache + tensor * layer_bytes;
     // Residual add (none before the first layer) and the input norm.
     if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
-    if (L.qkv.gemm((int)L.qkv.fmt, normed, t, H, L.qkv.weights, qkv_size, qkv, threads)) return -100 - (int)l;
-    if (add_lora(s, L.qkv, lora, normed, H, qkv, scratch, threads)) return -100 - (int)l;
+    if (linear(s, L.qkv, lora, normed, t, H, qkv, scratch, threads)) return -100 - (int)l;
     if (s->qk_norm == TM_QK_NORM_NONE) {
       s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
       s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
@@ -121,26 +143,21 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
       s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
     }
     s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
-    if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, tables,
-                     table_width, s->scale, attn, threads))
+    if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, g.tables,
+                     g.table_width, s->scale, L.window, L.softcap, L.sinks, attn, threads))
       return -200 - (int)l;
-    if (L.o.gemm((int)L.o.fmt, attn, t, q_size, L.o.weights, H, y, threads)) return -100 - (int)l;
-    if (add_lora(s, L.o, lora, attn, q_size, y, scratch, threads)) return -100 - (int)l;
+    if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
     s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
     if (L.experts) {
       const TmExperts* e = L.experts;
-      if (L.router.gemm((int)L.router.fmt, normed, t, H, L.router.weights, e->num_experts, logits, threads))
-        return -100 - (int)l;
-      s->moe_route(logits, t, e->num_experts, e->top_k, L.renormalize, route_w, ids);
+      if (linear(s, L.router, nullptr, normed, t, H, logits, scratch, threads)) return -100 - (int)l;
+      s->moe_route(logits, t, e->num_experts, e->top_k, L.routing, route_w, ids);
       if (s->moe_mlp(e, normed, t, ids, route_w, moe_ws, y, threads)) return -300 - (int)l;
       continue;
     }
-    if (L.gate_up.gemm((int)L.gate_up.fmt, normed, t, H, L.gate_up.weights, 2 * I, gate_up, threads))
-      return -100 - (int)l;
-    if (add_lora(s, L.gate_up, lora, normed, H, gate_up, scratch, threads)) return -100 - (int)l;
+    if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
     s->silu_and_mul(gate_up, act, t, I);
-    if (L.down.gemm((int)L.down.fmt, act, t, I, L.down.weights, H, y, threads)) return -100 - (int)l;
-    if (add_lora(s, L.down, lora, act, I, y, scratch, threads)) return -100 - (int)l;
+    if (linear(s, L.down, lora, act, t, I, y, scratch, threads)) return -100 - (int)l;
   }
   s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
   return 0;

@@ -10,7 +10,11 @@ per head) runs between the projection and rotary; a mixture-of-experts layer (``
 its router's product, moe_mlp.cpp's softmax top-k and its experts' one native call in place of the
 dense MLP. A layer's LoRA adapter slots (``LinearSpec.lora``) ride along: the step's
 tokens by slot (``LoRARows``) are given to each call, and every slot's delta is added after the
-layer's product with lora.cpp's kernel, as the eager layers add it.
+layer's product with lora.cpp's kernel, as the eager layers add it. A projection's bias
+(``LinearSpec.bias``) is added after that. A layer's attention may have a sliding window, a soft cap and
+a sink logit per head (``LayerSpec.window``, ``softcap``, ``sinks``: gpt-oss's), and a model whose
+windowed and global layers keep separate block tables (engine/kv_cache_groups.py) has each layer read
+its group's tables and its storage tensor, as ``AttentionMetadata.for_layer`` gives them.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from tokenmill_service.kernels.cpu import abi, build, moe_mlp, paged_attention
 from tokenmill_service.kernels.cpu import lora as lora_kernel
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
-_Linear, _Layer, _Stack, _LoraBatch = (
-    abi.structure(name) for name in ("TmLinear", "TmLayer", "TmStack", "TmLoraBatch")
+_Linear, _Layer, _Stack, _LoraBatch, _KvGroup = (
+    abi.structure(name) for name in ("TmLinear", "TmLayer", "TmStack", "TmLoraBatch", "TmKvGroup")
 )
 
 
@@ -45,7 +49,7 @@ def unavailable_reason() -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class LinearSpec:
-    """A bias-free linear layer: ``kernel`` (library, symbol) multiplies by ``weights`` in ``fmt``."""
+    """A linear layer: ``kernel`` (library, symbol) multiplies by ``weights`` in ``fmt``, then ``bias`` is added."""
 
     kernel: tuple[str, str]
     weights: torch.Tensor
@@ -55,6 +59,7 @@ class LinearSpec:
     # transposed [slots, rank, out_features] (both float32 or bfloat16), int64 ranks [slots, parts] (the rows
     # each slot fills) and int64 [parts, 2]: each part's output columns (start, count).
     lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    bias: torch.Tensor | None = None  # float32 [out_features] (None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +73,19 @@ class LoRARows:
 
 @dataclass(frozen=True, slots=True)
 class MoESpec:
-    """A mixture-of-experts MLP: the router's product ([experts, hidden]), softmax top-k renormalized
-    where ``renormalize`` (moe_mlp.cpp's ``tm_moe_route``), and the experts (``NativeExperts``)."""
+    """A mixture-of-experts MLP: the router's product ([experts, hidden]), its choice (moe_mlp.cpp's
+    ``tm_moe_route``: softmax top-k renormalized where ``renormalize``, or the top-k logits softmaxed where
+    ``top_logits``), and the experts (``NativeExperts``)."""
 
     router: LinearSpec
     experts: moe_mlp.NativeExperts
     renormalize: bool
+    top_logits: bool = False
+
+    @property
+    def routing(self) -> str:
+        """The choice as abi.ROUTING_MODES names it."""
+        return "top_logits" if self.top_logits else "renormalized" if self.renormalize else "softmax"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +99,11 @@ class LayerSpec:
     moe: MoESpec | None = None
     q_norm: torch.Tensor | None = None  # the q/k RMSNorm weights where ``StackSpec.qk_norm`` is not "none"
     k_norm: torch.Tensor | None = None
+    # Attention: keys within ``window`` of the query (None: all), scores soft-capped (None: not), a sink
+    # logit per head (float32 [heads]; None: none), as ``paged_attention.paged_attention`` takes them.
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,12 +141,19 @@ class DecoderStack:
             norms += [layer.input_norm, layer.post_norm]
             _check_mlp(layer, spec.hidden)
             _check_qk_norm(layer, spec)
+            _check_attention(layer, spec)
+            if layer.sinks is not None:
+                norms.append(layer.sinks)  # read as float32, like the norms
             if spec.qk_norm != "none":
                 assert layer.q_norm is not None and layer.k_norm is not None
                 norms += [layer.q_norm, layer.k_norm]
             mlp = [layer.moe.router] if layer.moe is not None else [layer.gate_up, layer.down]
             for lin in [layer.qkv, layer.o, *(m for m in mlp if m is not None)]:
                 tensors.append(lin.weights)
+                if lin.bias is not None:
+                    if lin.bias.shape != (lin.out_features,):
+                        raise ValueError(f"a bias is one value per output feature ({lin.out_features})")
+                    norms.append(lin.bias)  # read as float32, like the norms
                 if lin.lora is not None:
                     a, bt, ranks, parts = lin.lora
                     if (
@@ -154,23 +178,27 @@ class DecoderStack:
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
         for t in [spec.cos, spec.sin, *norms]:
             if t.dtype != torch.float32:
-                raise ValueError("the native decoder stack's norms and rotary tables are float32")
+                raise ValueError("the native decoder stack's norms, biases, sinks and rotary tables are float32")
         self.spec = spec  # keeps every tensor the native side points into alive
+
+        def pointer(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
 
         def linear(lin: LinearSpec | None) -> _Linear:
             if lin is None:
                 return _Linear()
-            if lin.lora is None:
-                return _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
-            a, bt, ranks, parts = lin.lora
-            return _Linear(
-                build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features,
-                a.data_ptr(), bt.data_ptr(), ranks.data_ptr(), a.shape[2], a.shape[1], parts.data_ptr(),
-                lora_kernel.DTYPES[a.dtype],
-            )  # fmt: skip
-
-        def pointer(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
+            out = _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
+            out.bias = pointer(lin.bias)
+            if lin.lora is not None:
+                a, bt, ranks, parts = lin.lora
+                out.lora_a, out.lora_bt, out.lora_ranks, out.lora_part_rows = (
+                    a.data_ptr(),
+                    bt.data_ptr(),
+                    ranks.data_ptr(),
+                    parts.data_ptr(),
+                )
+                out.lora_rank, out.lora_parts, out.lora_dtype = a.shape[2], a.shape[1], lora_kernel.DTYPES[a.dtype]
+            return out
 
         self._layers = (_Layer * len(spec.layers))(
             *(
@@ -179,7 +207,8 @@ class DecoderStack:
                        pointer(ly.q_norm), pointer(ly.k_norm),
                        linear(ly.moe.router if ly.moe is not None else None),
                        ly.moe.experts.address() if ly.moe is not None else None,
-                       int(ly.moe is not None and ly.moe.renormalize))
+                       abi.ROUTING_MODES[ly.moe.routing] if ly.moe is not None else 0,
+                       ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks))
                 for ly in spec.layers
             )
         )  # fmt: skip
@@ -195,13 +224,16 @@ class DecoderStack:
             build.address("elementwise", "tm_rms_norm"), build.address("elementwise", "tm_rotary"),
             build.address("elementwise", "tm_silu_and_mul"),
             *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
-              for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention")),
+              for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention_window")),
             build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
             abi.QK_NORM_MODES[spec.qk_norm],
             *moe, max((m.experts.top_k for m in moes), default=0),
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
+        # Each layer's (KV-cache group, storage tensor) as the last step's metadata placed them, flat.
+        self._placement: tuple[int, ...] = ()
+        self._layer_kv = torch.empty(0, dtype=torch.int64)
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, lora: LoRARows | None = None
@@ -212,8 +244,7 @@ class DecoderStack:
         assert k_cache.dtype == v_cache.dtype == self.spec.kv_dtype, (k_cache.dtype, self.spec.kv_dtype)
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         x = x.contiguous()
-        tensors = [positions, meta.slot_mapping, meta.seq_of_token, meta.block_tables]
-        positions, slots, seq_of_token, tables = (v.contiguous() for v in tensors)
+        positions, seq_of_token = positions.contiguous(), meta.seq_of_token.contiguous()
         out = torch.empty(t, hidden, device=x.device)
         batch = None
         if lora is not None and lora.slots.numel():
@@ -222,14 +253,18 @@ class DecoderStack:
             lora = LoRARows(*(v.to(torch.int64).contiguous() for v in (lora.slots, lora.offsets, lora.rows)))
             batch = _LoraBatch(lora.slots.numel(), lora.slots.data_ptr(), lora.offsets.data_ptr(), lora.rows.data_ptr())
         with self._lock:
+            metas, layer_kv = self._kv_groups(meta)
+            kept = [(m.slot_mapping.contiguous(), m.block_tables.contiguous()) for m in metas]
+            groups = (_KvGroup * len(kept))(*(_KvGroup(s.data_ptr(), b.data_ptr(), b.shape[1]) for s, b in kept))
             threads = torch.get_num_threads()
             need = int(_lib().tm_stack_workspace(ctypes.byref(self._stack), t, threads))
             if self._workspace.numel() < need:
                 self._workspace = torch.empty(need, device=x.device)
             rc = _lib().tm_decoder_stack(
-                ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
-                seq_of_token.data_ptr(), tables.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
-                k_cache[0].numel() * k_cache.element_size(), meta.block_size,
+                ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), seq_of_token.data_ptr(),
+                ctypes.addressof(groups),
+                layer_kv, k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel() * k_cache.element_size(),
+                meta.block_size,
                 ctypes.byref(batch) if batch is not None else None, self._workspace.data_ptr(), out.data_ptr(),
                 threads,
             )  # fmt: skip
@@ -237,6 +272,28 @@ class DecoderStack:
             kind, layer = next((k, base - rc) for k, base in _FAILURES if rc > base - 100)
             raise RuntimeError(f"the native decoder stack failed in {kind} of layer {layer} (code {rc})")
         return out
+
+    def _kv_groups(self, meta: AttentionMetadata) -> tuple[list[AttentionMetadata], int | None]:
+        """The step's KV-cache groups (each its metadata) and the address of each layer's (group, storage
+        tensor) pairs (None: one group, layer l in tensor l)."""
+        if meta.layer_kv is None:
+            return [meta], None
+        if len(meta.layer_kv) != len(self.spec.layers):
+            raise ValueError(f"the metadata places {len(meta.layer_kv)} layers, the stack has {len(self.spec.layers)}")
+        metas: list[AttentionMetadata] = []
+        index: dict[int, int] = {}
+        placement: list[int] = []
+        for m, tensor in meta.layer_kv:
+            if (g := index.get(id(m))) is None:
+                g = index[id(m)] = len(metas)
+                metas.append(m)
+                if m.k_cache.data_ptr() != meta.k_cache.data_ptr() or m.v_cache.data_ptr() != meta.v_cache.data_ptr():
+                    raise ValueError("every KV-cache group's metadata must point at the step's caches")
+            placement += (g, tensor)
+        if tuple(placement) != self._placement:  # the runner's placement: the same every step
+            self._placement = tuple(placement)
+            self._layer_kv = torch.tensor(placement, dtype=torch.int64)
+        return metas, self._layer_kv.data_ptr()
 
 
 # The stack's failure codes: base - layer for a failure in each kind of kernel.
@@ -250,6 +307,13 @@ def _check_mlp(layer: LayerSpec, hidden: int) -> None:
         experts = layer.moe.experts
         if experts.hidden != hidden or layer.moe.router.out_features != experts.num_experts:
             raise ValueError("a mixture-of-experts layer's router and experts must match the stack's hidden size")
+
+
+def _check_attention(layer: LayerSpec, spec: StackSpec) -> None:
+    if layer.window is not None and layer.window < 1 or layer.softcap is not None and layer.softcap <= 0:
+        raise ValueError(f"a window is at least 1 key and a soft cap above 0, not {layer.window} and {layer.softcap}")
+    if layer.sinks is not None and layer.sinks.shape != (spec.heads,):
+        raise ValueError(f"attention sinks are one logit per head ({spec.heads}), not {tuple(layer.sinks.shape)}")
 
 
 def _check_qk_norm(layer: LayerSpec, spec: StackSpec) -> None:

@@ -44,28 +44,34 @@ inline void add_bias(float* y, int64_t n, int64_t cols, const float* bias) {
 
 extern "C" {
 
-// The router's choice for each of t tokens (layers/fused_moe/router.py's ``select_experts``, computed
-// here for the native ops and the decoder stack alike): softmax over the row's `experts` logits in
-// float32 (the maximum subtracted, the exponentials summed in expert order), the top_k largest
-// probabilities by rank, divided by their sum (in rank order) where `renormalize`. Equal
-// probabilities are ranked as torch.topk ranks them: the same selection algorithm on the same
-// (value, index) pairs (std::partial_sort where top_k * 64 <= experts, else std::nth_element and a
-// sort of the first top_k - 1), so the same expert ids. Each row on its own: batch-invariant.
-void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t renormalize,
+// The router's choice for each of t tokens (layers/fused_moe/router.py's ``select_experts`` and
+// ``select_top_logits``, computed here for the native ops and the decoder stack alike), by `routing`
+// (TM_ROUTING_*): softmax over the row's `experts` logits in float32 (the maximum subtracted, the
+// exponentials summed in expert order), the top_k largest probabilities by rank, divided by their sum
+// (in rank order) where RENORMALIZED; or (TOP_LOGITS, gpt-oss) the top_k largest logits by rank, then a
+// softmax over those (the largest subtracted, the exponentials summed in rank order). Equal values are
+// ranked as torch.topk ranks them: the same selection algorithm on the same (value, index) pairs
+// (std::partial_sort where top_k * 64 <= experts, else std::nth_element and a sort of the first
+// top_k - 1), so the same expert ids. Each row on its own: batch-invariant.
+void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t routing,
                   float* weights, int64_t* ids) {
   std::vector<float> probs(experts);
   std::vector<std::pair<double, int64_t>> queue(experts);
   for (int64_t i = 0; i < t; ++i) {
     const float* x = logits + i * experts;
-    float top = x[0];
-    for (int64_t e = 1; e < experts; ++e) top = x[e] > top ? x[e] : top;
-    float sum = 0.0f;
-    for (int64_t e = 0; e < experts; ++e) {
-      probs[e] = expf(x[e] - top);
-      sum += probs[e];
+    if (routing == TM_ROUTING_TOP_LOGITS) {
+      for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)x[e], e};
+    } else {
+      float top = x[0];
+      for (int64_t e = 1; e < experts; ++e) top = x[e] > top ? x[e] : top;
+      float sum = 0.0f;
+      for (int64_t e = 0; e < experts; ++e) {
+        probs[e] = expf(x[e] - top);
+        sum += probs[e];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)(probs[e] * inv), e};
     }
-    const float inv = 1.0f / sum;
-    for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)(probs[e] * inv), e};
     if (top_k * 64 <= experts) {
       std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), larger);
     } else {
@@ -73,14 +79,25 @@ void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k
       std::sort(queue.begin(), queue.begin() + top_k - 1, larger);
     }
     float* w = weights + i * top_k;
-    float chosen = 0.0f;
     for (int64_t r = 0; r < top_k; ++r) {
       w[r] = (float)queue[r].first;
       ids[i * top_k + r] = queue[r].second;
-      chosen += w[r];
     }
-    if (renormalize)
+    if (routing == TM_ROUTING_TOP_LOGITS) {
+      float top = w[0];
+      for (int64_t r = 1; r < top_k; ++r) top = w[r] > top ? w[r] : top;
+      float sum = 0.0f;
+      for (int64_t r = 0; r < top_k; ++r) {
+        w[r] = expf(w[r] - top);
+        sum += w[r];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] * inv;
+    } else if (routing == TM_ROUTING_RENORMALIZED) {
+      float chosen = 0.0f;
+      for (int64_t r = 0; r < top_k; ++r) chosen += w[r];
       for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] / chosen;
+    }
   }
 }
 

@@ -32,14 +32,16 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's choice (moe_mlp.cpp's ``tm_moe_route``): logits [T, experts] float32 -> (weights float32,
-    expert ids int64) [T, top_k] by rank; softmax top-k, renormalized where asked, ties ranked as torch.topk."""
+    expert ids int64) [T, top_k] by rank; ``routing`` (abi.ROUTING_MODES): softmax top-k ("softmax"),
+    renormalized ("renormalized"), or softmax over the top-k logits ("top_logits"); ties ranked as torch.topk."""
     t, experts = logits.shape
     assert logits.dtype == torch.float32 and logits.device.type == "cpu" and 0 < top_k <= experts
     logits = logits.contiguous()
     weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
-    _lib().tm_moe_route(logits.data_ptr(), t, experts, top_k, int(renormalize), weights.data_ptr(), ids.data_ptr())
+    mode = abi.ROUTING_MODES[routing]
+    _lib().tm_moe_route(logits.data_ptr(), t, experts, top_k, mode, weights.data_ptr(), ids.data_ptr())
     return weights, ids
 
 

@@ -34,6 +34,17 @@ def _eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def _routable(logits: torch.Tensor) -> bool:
+    """moe_mlp.cpp's router takes these logits (float32 [T, experts] on the CPU, eager, the kernel built)."""
+    return (
+        _eager()
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.device.type == "cpu"
+        and moe_mlp.unavailable_reason() is None
+    )
+
+
 @register_ops("native")
 class NativeCpuOps(TorchOps):
     kv_cache_dtypes = (torch.float16,)
@@ -89,15 +100,15 @@ class NativeCpuOps(TorchOps):
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """moe_mlp.cpp's softmax top-k (the one the native decoder stack calls, so its choice and bits;
         ties ranked as torch.topk ranks them)."""
-        if (
-            _eager()
-            and logits.dtype == torch.float32
-            and logits.dim() == 2
-            and logits.device.type == "cpu"
-            and moe_mlp.unavailable_reason() is None
-        ):
-            return moe_mlp.route(logits, top_k, renormalize)
+        if _routable(logits):
+            return moe_mlp.route(logits, top_k, "renormalized" if renormalize else "softmax")
         return super().select_experts(logits, top_k, renormalize)
+
+    def select_top_logits(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_mlp.cpp's top-k logits softmaxed (gpt-oss's; the native decoder stack's choice and bits)."""
+        if _routable(logits):
+            return moe_mlp.route(logits, top_k, "top_logits")
+        return super().select_top_logits(logits, top_k)
 
     def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One native call for the layer's experts (kernels/cpu/moe_mlp.cpp) where their products all have

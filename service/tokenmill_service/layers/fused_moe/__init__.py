@@ -3,6 +3,18 @@ experts (each through its quantization method) and the combine in a fixed order 
 the plain-torch definition it is tested against (reference.py)."""
 
 from tokenmill_service.layers.fused_moe.layer import ExpertPlacement, FusedMoE
-from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts, select_experts_grouped
+from tokenmill_service.layers.fused_moe.router import (
+    GroupedTopK,
+    select_experts,
+    select_experts_grouped,
+    select_top_logits,
+)
 
-__all__ = ["ExpertPlacement", "FusedMoE", "GroupedTopK", "select_experts", "select_experts_grouped"]
+__all__ = [
+    "ExpertPlacement",
+    "FusedMoE",
+    "GroupedTopK",
+    "select_experts",
+    "select_experts_grouped",
+    "select_top_logits",
+]

@@ -11,8 +11,9 @@ linear layers' ``load_weight``.
 A step:
 
 1. the router picks each token's ``top_k`` experts and weights (router.py): softmax top-k (the ops
-   backend's ``select_experts``: the native ops compute it in moe_mlp.cpp, as the decoder stack does), or, given a
-   ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
+   backend's ``select_experts``: the native ops compute it in moe_mlp.cpp, as the decoder stack does), a
+   softmax over the top-k logits where the family's ``top_logits`` says so (gpt-oss: ``select_top_logits``,
+   moe_mlp.cpp's too), or, given a ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
    (``gate.e_score_correction_bias`` in the checkpoint; ``score_bias`` here, float32);
 2. the (token, rank) pairs are grouped by expert (a stable sort of the expert ids), and each expert
    this rank holds runs gate/up, SiLU-and-mul (or its family's activation) and down, each product
@@ -122,9 +123,11 @@ class ExpertMLP(nn.Module):
 
 class FusedMoE(nn.Module):
     score_bias: torch.Tensor | None
-    # A family's seams: its experts' module, and whether its router has a bias (gpt-oss).
+    # A family's seams: its experts' module, whether its router has a bias, and whether it softmaxes the
+    # top-k logits (``select_top_logits``) instead of taking the top-k of the softmax (both gpt-oss).
     expert_type: ClassVar[type[ExpertMLP]] = ExpertMLP
     router_bias: ClassVar[bool] = False
+    top_logits: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -165,6 +168,8 @@ class FusedMoE(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits [T, experts] -> (weights float32, expert ids) [T, top_k], by rank."""
+        if self.top_logits:
+            return self.ops.select_top_logits(logits, self.top_k)
         if self.grouped is None:
             return self.ops.select_experts(logits, self.top_k, self.renormalize)
         assert self.score_bias is not None

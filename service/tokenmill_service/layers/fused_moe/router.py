@@ -1,12 +1,13 @@
 """The router of a mixture-of-experts layer: each token's ``top_k`` experts and their weights.
 
-Two routings, both returning the chosen experts by rank (the largest first: that order is the order
+Three routings, each returning the chosen experts by rank (the largest first: that order is the order
 the combine sums in) and every step a function of the token's own row, so that a token's choice does
 not depend on the others in its batch:
 
 - ``select_experts`` (Mixtral, Qwen3-MoE, OLMoE): softmax over the router's logits in float32, the
   ``top_k`` largest, renormalized to sum to 1 where the family does it (Mixtral always; Qwen3-MoE when
   ``norm_topk_prob``; OLMoE not).
+- ``select_top_logits`` (gpt-oss): the ``top_k`` largest logits, then a softmax over those in float32.
 - ``select_experts_grouped`` (DeepSeek-V3, ``GroupedTopK``): sigmoid scores in float32 (``row_sigmoid``);
   the score-correction bias added for choosing only; the experts split into ``n_group`` equal groups,
   each scored by the sum of its two best corrected scores, the ``topk_group`` best groups kept; the
@@ -28,6 +29,13 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_top_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, experts] -> (weights float32 [T, top_k], expert ids int64 [T, top_k]), by rank: the top_k
+    logits, softmaxed over the chosen (gpt-oss)."""
+    values, ids = torch.topk(logits.float(), top_k, dim=-1, sorted=True)
+    return torch.softmax(values, dim=-1), ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,96 @@
+"""Torch operations in one decode step of a tiny random gpt-oss, on each executor the checkout has.
+
+    python bench/kernels/stack_ops.py --layers 2
+    python bench/kernels/stack_ops.py --layers 24   # gpt-oss-20b's layer count, 32 experts top-4
+
+A transformers GptOssConfig with small widths (hidden 64, heads of 64) and the given layer count,
+experts and top-k (every parameter random), loaded at float32 dense (``--quantization none``); one
+sequence prefilled with 40 tokens (past its 8-key windows), its KV cache in the groups the engine gives
+its windowed and global layers; then one decode step (metadata, embedding, forward pass, logits of the
+last row) counted under torch.profiler: the aten operations called from Python (not those they call
+themselves). The counts depend on the layer count and the routing, not on the widths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill_service.engine.kv_cache_groups import plan_kv_cache_groups
+from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.models.loader import load_model
+
+PROMPT = 40
+
+
+def checkpoint(directory: Path, layers: int, experts: int, top_k: int) -> None:
+    config = transformers.GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_local_experts=experts, num_experts_per_tok=top_k,
+        sliding_window=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "rope_theta": 150000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _top(event: Any) -> bool:
+    """Whether no aten operation calls this one."""
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith("aten::"):
+        parent = parent.cpu_parent
+    return parent is None
+
+
+def top_level_ops(events: list[Any]) -> int:
+    """aten operations whose caller is not itself an aten operation."""
+    return sum(e.name.startswith("aten::") and _top(e) for e in events)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--by-name", action="store_true", help="each operation's count too")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint(Path(tmp), args.layers, args.experts, args.top_k)
+        model = load_model(Path(tmp), dtype=torch.float32, quantization="none")
+    groups = plan_kv_cache_groups(model.attention_windows())
+    print(f"plan: executor {model.plan.executor.value} ({model.plan.executor.reason}); kv groups {groups.describe()}")
+    ids = torch.randint(0, 256, (PROMPT + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    blocks = -(-(PROMPT + 1) // 16)
+    tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups.num_groups)]
+    for executor in ("eager", "native-stack"):
+        try:
+            runner = ModelRunner(model, 16, blocks * groups.num_groups, executor=executor, kv_groups=groups)
+        except ValueError as e:
+            print(f"{executor}: not available ({e})")
+            continue
+        with torch.inference_mode():
+            runner.execute(StepPlan(ids[:PROMPT], [PROMPT], [0], tables, [PROMPT - 1], []))
+            decode = StepPlan(ids[PROMPT:], [1], [PROMPT], tables, [0], [])
+            runner.execute(decode)  # warm
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                runner.execute(decode)
+        print(f"{executor}: {top_level_ops(prof.events())} torch ops in a decode step ({args.layers} layers)")
+        if args.by_name:
+            names = Counter(e.name for e in prof.events() if e.name.startswith("aten::") and _top(e))
+            print("  " + ", ".join(f"{n} {c}" for n, c in names.most_common()))
+
+
+if __name__ == "__main__":
+    main()
