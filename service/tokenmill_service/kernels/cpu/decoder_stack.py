@@ -157,7 +157,7 @@ class DecoderStack:
                 raise ValueError("the native decoder stack's norms and rotary tables are float32")
         self.spec = spec  # keeps every tensor the native side points into alive
 
-        def linear(lin: LinearSpec | None) -> _Linear:
+        def linear(lin: LinearSpec | None) -> ctypes.Structure:  # a _Linear
             if lin is None:
                 return _Linear()
             if lin.lora is None:
