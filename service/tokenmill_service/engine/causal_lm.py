@@ -12,18 +12,22 @@ import torch
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tokenmill_service.models.config import ModelConfig
+    from tokenmill_service.layers.lora.adapter import BaseDims
     from tokenmill_service.plan.plan import LoadPlan
 
 
 class CausalLM(Protocol):
-    config: ModelConfig  # its hyper-parameters (what a LoRA adapter is checked against)
     act_dtype: torch.dtype
     kv_dtype: torch.dtype  # what the KV cache stores
     quantization: str
     plan: LoadPlan | None  # the load plan it was built from (None: built by hand, runs eager)
     # The functions a forward pass runs between attention calls (an executor may compile them).
     regions_type: ClassVar[type[Any]]
+
+    @property
+    def config(self) -> BaseDims:
+        """Its dimensions (a ModelConfig): what a LoRA adapter is checked against."""
+        ...
 
     @property
     def device(self) -> torch.device: ...
