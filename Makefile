@@ -52,7 +52,7 @@ test-quick: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict client/tokenmill_client client/examples
+	$(BIN)/mypy --strict client/tokenmill_client client/examples service/tokenmill_service bench/tokenmill_bench
 
 proto: install
 	$(BIN)/python scripts/gen_proto.py

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -343,7 +343,7 @@ def _cpu_spent(before: dict[str, float | None], after: dict[str, float | None]) 
     return spent
 
 
-Monitor = Callable[[list[EngineSample]], Awaitable[None]]
+Monitor = Callable[[list[EngineSample]], Coroutine[Any, Any, None]]
 """Runs beside a level until cancelled, appending samples of the server's state (``sample_engine``)."""
 
 

@@ -17,6 +17,7 @@ import signal
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import structlog
 
@@ -50,7 +51,8 @@ async def serve_follower_node(settings: Settings) -> int:
         )
         ended = asyncio.ensure_future(loop.run_in_executor(None, _wait_any, processes))
         stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({ended, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {ended, stopping}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         for p in processes:
             if p.is_alive():
                 p.kill()

@@ -12,6 +12,15 @@ import sys
 import structlog
 
 
+def level_number(level: str) -> int:
+    """The number of a logging level's name ("info" -> 20). (logging.getLevelNamesMapping is Python 3.11's;
+    getLevelName maps a registered name to its number on every version.)"""
+    number = logging.getLevelName(level.upper())
+    if isinstance(number, int):
+        return number
+    raise ValueError(f"unknown log level {level!r}")
+
+
 def configure_logging(fmt: str = "console", level: str = "info") -> None:
     renderer: structlog.types.Processor
     if fmt == "json":
@@ -27,7 +36,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(level_number(level)),
         # One write per line (message and newline together), so the lines of the server and its
         # workers, sharing one stderr, never run into each other.
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),

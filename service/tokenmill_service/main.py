@@ -70,7 +70,7 @@ async def serve(settings: Settings) -> int:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     servicer = GenerationServicer(settings, router, tokenizer, metrics)
     add_generation_servicer(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # (grpc-stubs' health.pyi has no aio)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     address = f"{settings.host}:{settings.port}"
@@ -159,11 +159,14 @@ async def serve(settings: Settings) -> int:
         await stopping
         watcher.cancel()
     elif starting.done():
-        exc = starting.exception()
-        log.error("workers_failed_to_start", error=str(exc) if isinstance(exc, WorkerStartError) else repr(exc))
-        if isinstance(exc, WorkerStartError) and exc.usage:
+        failure = starting.exception()
+        log.error(
+            "workers_failed_to_start",
+            error=str(failure) if isinstance(failure, WorkerStartError) else repr(failure),
+        )
+        if isinstance(failure, WorkerStartError) and failure.usage:
             # The model or the flags cannot be served as asked: the same exit code as a bad flag.
-            sys.stderr.write(f"tokenmill-server: error: {exc}\n")
+            sys.stderr.write(f"tokenmill-server: error: {failure}\n")
             exit_code = 2
         else:
             exit_code = 1

@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 WSGIApp = Callable[[dict[str, Any], Any], Iterable[bytes]]
 
 # The *_created series (a timestamp per counter and histogram) only add noise to every scrape.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (prometheus_client leaves it unannotated)
 
 # Latency buckets from 5 ms to 2 minutes.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -273,7 +273,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if stream and len(prompts) > 1:
         raise BadRequest("'stream' takes one prompt; send a list of prompts without it", "stream", "unsupported_value")
     requests = []
-    for prompt in prompts or [None]:
+    each: list[str | list[int] | None] = [*prompts] if prompts else [None]
+    for prompt in each:
         one = pb.GenerateRequest()
         one.CopyFrom(request)
         if isinstance(prompt, str):

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
-T = TypeVar("T", bound=type)
+
+class Named(Protocol):
+    name: ClassVar[str]
+
+
+T = TypeVar("T", bound=type[Named])
 
 
 class Registry(Generic[T]):

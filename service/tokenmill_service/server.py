@@ -50,7 +50,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _authorization(context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
-        return dict(context.invocation_metadata() or ()).get("authorization")  # type: ignore[no-any-return]
+        return dict(context.invocation_metadata() or ()).get("authorization")
 
     def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         self.service.authorize(self._authorization(context), AUTH_WHERE)

@@ -146,8 +146,13 @@ def test_the_readme_quickstart_runs_line_by_line(make_run: tuple[PtySession, int
             assert out.rstrip().endswith("data: [DONE]"), out[-500:]
 
 
-# Found, not imported: that venv has the package's own files only (no grpc, no torch).
-FOUND = "import importlib.util as u; assert all(map(u.find_spec, ['tokenmill_client', 'tokenmill_service', 'tokenmill_bench']))"
+# Found, not imported: that venv has the package's own files only (no grpc, no torch). Each is marked
+# typed (py.typed beside its __init__), so type checkers read it rather than treat it as Any.
+FOUND = (
+    "import importlib.util as u, pathlib as p; "
+    "specs = [u.find_spec(n) for n in ('tokenmill_client', 'tokenmill_service', 'tokenmill_bench')]; "
+    "assert all(specs); assert all((p.Path(s.origin).parent / 'py.typed').is_file() for s in specs), specs"
+)
 
 
 @pytest.mark.slow

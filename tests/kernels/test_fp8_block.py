@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 from tests.tiny_deepseek import fp8_block_quantize, fp8_dequantize
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill_service.layers.quant.fp8_block import NATIVE_TILES, SLICED_TILES, Fp8BlockMethod
 from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
+from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 
 BLOCK = 32
 
@@ -63,3 +65,11 @@ def test_a_float_tensor_is_refused() -> None:
     layer = ReplicatedLinear(32, 32, False, Fp8BlockMethod(torch.float32, SLICED_TILES))
     with pytest.raises(ValueError, match="fp8-block serves FP8 block-scaled weights"):
         layer.load_weight(torch.zeros(32, 32))
+
+
+def test_gguf_blocks_are_refused_clearly() -> None:
+    # Once an AttributeError (the message read a dtype that GGUF blocks do not have).
+    layer = ReplicatedLinear(32, 32, False, Fp8BlockMethod(torch.float32, SLICED_TILES))
+    blocks = GGUFBlocks(QType.Q8_0, torch.zeros(32, 1, 34, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="fp8-block serves FP8 block-scaled weights, not a Q8_0 tensor"):
+        layer.load_weight(blocks)

@@ -21,6 +21,7 @@ from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
 from tokenmill_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from tokenmill_service.layers.quant import quant_method_class
+from tokenmill_service.layers.quant.fp8_tensor import FP8_DTYPE, Fp8Blocks
 from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
 
 pytestmark = pytest.mark.skipif(
@@ -192,6 +193,10 @@ def test_tensors_it_cannot_serve_as_stored_are_refused_clearly(method: str) -> N
         match="serves IQ4_NL, MXFP4, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 tensors as stored, not a torch.float32 tensor",
     ):
         layer.load_weight(torch.randn(32, 64))
+    # Once an AttributeError (the message read a dtype that FP8 block-scaled tensors do not have).
+    fp8 = Fp8Blocks(torch.zeros(32, 64).to(FP8_DTYPE), torch.ones(1, 2), (32, 32))
+    with pytest.raises(ValueError, match="as stored, not an FP8 block-scaled tensor"):
+        layer.load_weight(fp8)
     mixed = QKVParallelLinear(64, 16, 2, 1, False, quant_method_class(method)(torch.float32), TensorParallel())
     mixed.load_weight(_blocks(torch.randn(32, 64), QType.Q4_1), "q")
     with pytest.raises(ValueError, match="stored as both Q4_1 and Q8_0"):

@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.lora.adapter import BaseDims
     from tokenmill_service.plan.plan import LoadPlan
 
 
@@ -21,7 +22,12 @@ class CausalLM(Protocol):
     quantization: str
     plan: LoadPlan | None  # the load plan it was built from (None: built by hand, runs eager)
     # The functions a forward pass runs between attention calls (an executor may compile them).
-    regions_type: type[Any]
+    regions_type: ClassVar[type[Any]]
+
+    @property
+    def config(self) -> BaseDims:
+        """Its dimensions (a ModelConfig): what a LoRA adapter is checked against."""
+        ...
 
     @property
     def device(self) -> torch.device: ...

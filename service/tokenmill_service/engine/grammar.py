@@ -22,7 +22,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import structlog
@@ -30,6 +30,9 @@ import structlog
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.harmony_constraint import answer_grammar
 from tokenmill_service.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # (a type in llguidance's stubs only)
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +43,7 @@ MAX_CONSTRAINT_LENGTH = 64 * 1024
 # How long compiling one constraint (building its matcher and its first mask) may take.
 COMPILE_TIMEOUT_S = 2.0
 # Schema -> grammar: the separators json.dumps writes, and no other whitespace.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Bounds on the work one grammar may cost: llguidance's defaults (lexer fuel, Earley items per step,
 # grammar size), which refuse a pathological grammar rather than stall the engine.
 LIMITS = llg.LLParserLimits(verbose_errors=False)

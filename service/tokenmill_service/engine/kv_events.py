@@ -98,7 +98,7 @@ class KVEventPublisher:
         self.rank, self.medium = rank, medium
         self.topic = topic.encode()
         self._seq = 0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.set_hwm(100_000)
         if "*" in self.endpoint or "::" in self.endpoint or self.endpoint.startswith(("ipc://", "inproc://")):

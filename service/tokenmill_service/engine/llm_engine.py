@@ -397,9 +397,12 @@ class LLMEngine:
     ) -> None:
         allowed = None
         if masks is not None:
-            rows, pending = masks
+            masked, pending = masks  # the rows a grammar constrains, and their bitmasks
             bitmask = pending.result()
-            allowed = (rows, allowed_tokens(bitmask[rows], logits.sample_logits.shape[-1], logits.sample_logits.device))
+            allowed = (
+                masked,
+                allowed_tokens(bitmask[masked], logits.sample_logits.shape[-1], logits.sample_logits.device),
+            )
         if not logits.sample_seq_indices:
             return
         # Row r samples the position after seen[r]: a draft's row sees the drafts before it.

@@ -94,7 +94,11 @@ def _group(
     max_q = max(query_lens[i] for i in seqs)
     max_ctx = max(starts[i] + query_lens[i] for i in seqs)
     num_blocks = -(-max_ctx // block_size)
-    token_index, query_pos, valid_cells, valid_rows, blocks = [], [], [], [], []
+    token_index: list[list[int]] = []
+    query_pos: list[list[int]] = []
+    valid_cells: list[int] = []
+    valid_rows: list[int] = []
+    blocks: list[list[int]] = []
     for row, i in enumerate(seqs):
         n, start, offset = query_lens[i], starts[i], offsets[i]
         token_index.append([offset + min(j, n - 1) for j in range(max_q)])
@@ -137,7 +141,10 @@ def build_attention_metadata(
     block_size = v_cache.shape[2]  # values are [layers, blocks, block_size, ...] in every layout
     if KEY_CHUNK % block_size:
         raise ValueError(f"the KV block size ({block_size}) must divide {KEY_CHUNK}")
-    offsets, slots, positions, seq_of_token = [], [], [], []
+    offsets: list[int] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    seq_of_token: list[int] = []
     total = 0
     for i, (n, start, table) in enumerate(zip(query_lens, starts, block_tables)):
         offsets.append(total)

@@ -26,9 +26,11 @@ from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
 
 if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType as QType
+
     from tokenmill_service.layers.lora.slots import LoRALayer
 
 # Builds the quantization method of the layer named by its prefix ("model.layers.0.mlp.down_proj").
@@ -38,6 +40,26 @@ QuantFactory = Callable[[str], QuantMethod]
 class LinearBase(nn.Module):
     # Adapter slots beside the weight (None: this layer serves the base only).
     lora: LoRALayer | None = None
+
+    # What the quantization methods keep on the layer (layers/quant/), each method its own few:
+    # declared for the type checker only (no class value: the parameters and buffers stay in the
+    # module's own tables, found by nn.Module.__getattr__).
+    weight: torch.Tensor  # none (native float32 rows, or bfloat16), fp8-block: [out, in]
+    weight_t: torch.Tensor  # none (sliced float32 product): [in, out]
+    weight_scale: torch.Tensor  # fp8-block: float32 [out, column blocks]
+    qweight: torch.Tensor  # int8: [out, in]
+    scales: torch.Tensor  # int8: float32 [out]
+    kernel_scales: torch.Tensor  # int8: the scales in the kernel's dtype
+    qs: torch.Tensor  # int4: GGUF's nibbles [out, groups, 16]
+    scale: torch.Tensor  # int4: [out, groups]
+    minimum: torch.Tensor  # int4: [out, groups]
+    packed: torch.Tensor  # int4: the kernel's opaque layout
+    scales_and_zeros: torch.Tensor  # int4: the kernel's [groups, out, 2]
+    blocks: torch.Tensor  # gguf, gguf-vnni, gguf-kquant: the file's blocks (or the kernel's layout of them)
+    qtype: QType | None  # gguf*: their format (None: not loaded yet; gguf-kquant: several)
+    fmt: int  # gguf-kquant: the kernel's format id
+    formats: str  # gguf-kquant: the formats held, for reports
+    pieces: list[tuple[int, GGUFBlocks]]  # gguf-kquant: (first row, blocks) as loaded, until finalize
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantMethod, tp: TensorParallel) -> None:
         """``in_features`` and ``out_features`` are this rank's."""

@@ -40,6 +40,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class RotaryEmbedding(nn.Module):
     """Rotates the two halves of each head (Hugging Face layout, not interleaved pairs)."""
 
+    cos: torch.Tensor  # [max_positions, head_dim // 2] buffers
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None, ops: Ops) -> None:
         super().__init__()
         self.ops = ops

@@ -9,20 +9,20 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels import get_ops
 from tokenmill_service.layers.embedding import VocabParallelEmbedding
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
+from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.plan import LoadPlan
 from tokenmill_service.plan.resolve import DTYPES
 
 
-def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> nn.Module:
+def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """A ready-to-run model (eval mode, no gradients): the plan carried out on the checkpoint."""
     config = checkpoint.config
     if plan.rope is not None:  # the rotary factors the plan chose for the served context
@@ -66,4 +66,6 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
             )
     model.eval()
     model.requires_grad_(False)
+    if not isinstance(model, LlamaForCausalLM):  # every family is one (the registry's classes are untyped)
+        raise TypeError(f"the {plan.architecture!r} family's {type(model).__name__} is not a LlamaForCausalLM")
     return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import SupportsInt
 
 from tokenmill_service.layers.rotary import RopeScaling
 
@@ -25,6 +26,13 @@ class ModelConfig:
     architecture: str = "llama"
     name: str = "model"
     extra: dict[str, object] = field(default_factory=dict)
+
+    def extra_int(self, key: str) -> int:
+        """``extra[key]``, one of the family's counts, as an int (0 where the family has none)."""
+        value = self.extra.get(key, 0)
+        if not isinstance(value, SupportsInt):
+            raise TypeError(f"the model config's {key} is {value!r}, not a number")
+        return int(value)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

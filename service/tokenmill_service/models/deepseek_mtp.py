@@ -41,8 +41,7 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 def mtp_layer_count(config: ModelConfig) -> int:
     """The checkpoint's declared MTP layers (``num_nextn_predict_layers``; 0: none)."""
-    layers: int = config.extra.get("mtp_layers", 0)  # type: ignore[assignment]
-    return layers
+    return config.extra_int("mtp_layers")
 
 
 def mtp_prefix(index: int) -> str:

@@ -260,7 +260,7 @@ class DeepseekV3Attention(nn.Module):
         """Store the new latents and rotary keys in the latent cache, attend over it: [T, heads * v_head_dim]."""
         latent_cache, rope_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
         self.ops.store_latent(latent, k_rope, latent_cache, rope_cache, meta.slot_mapping)
-        q_nope, q_rope = q.split([self.dims.qk_nope_head_dim, self.dims.qk_rope_head_dim], -1)
+        q_nope, q_rope = torch.split(q, [self.dims.qk_nope_head_dim, self.dims.qk_rope_head_dim], -1)
         out = self.ops.latent_attention(
             q_nope, q_rope, latent_cache, rope_cache, self.w_uk, self.w_uv, meta, self.scale
         )

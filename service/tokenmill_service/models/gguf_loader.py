@@ -21,7 +21,7 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, FLOAT_TYPES, CheckpointTensor, GGUFBlocks
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, FLOAT_TYPES, GGUFBlocks
 from tokenmill_service.layers.rotary import rope_inv_freq
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.gguf_reader import open_gguf
@@ -33,6 +33,9 @@ SUPPORTED_TENSOR_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
+
+# What a GGUF file's tensor becomes: float weights dense, quantized ones as their blocks.
+GGUFTensor = torch.Tensor | GGUFBlocks
 
 
 class GGUFError(ValueError):
@@ -143,7 +146,7 @@ def _check_type(qtype: QType) -> None:
         )
 
 
-def checkpoint_tensor(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> CheckpointTensor:
+def checkpoint_tensor(raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> GGUFTensor:
     """A float tensor (F32/F16/BF16, converted to float32) or the still-quantized blocks (any block format)."""
     _check_type(qtype)
     if len(shape) == 3:  # a stack of matrices (a layer's experts): one matrix of all their rows
@@ -191,7 +194,7 @@ def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def unpermute_qk(weight: CheckpointTensor, num_heads: int) -> CheckpointTensor:
+def unpermute_qk(weight: GGUFTensor, num_heads: int) -> GGUFTensor:
     """``weight`` (rows [, in]; dense, a bias, or quantized blocks) with its rows put back in Hugging Face order."""
     index = unpermute_index(weight.shape[0], num_heads)
     return weight.rows(index) if isinstance(weight, GGUFBlocks) else weight[index].contiguous()
@@ -214,7 +217,7 @@ def hf_name(gguf_name: str, family: Any) -> str:
 
 def iter_gguf(
     path: Path, reader: gguf.GGUFReader | None = None
-) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, CheckpointTensor]]]:
+) -> tuple[ModelConfig, dict[str, QType], Iterator[tuple[str, GGUFTensor]]]:
     """Config, each tensor's GGUF type (by the model's name; a fused tensor's type under each layer it
     packs), and the tensors themselves, lazily: block-quantized ones stay memory-mapped blocks until a
     layer takes its slice. ``reader``: the file already opened (``open_gguf``)."""
@@ -229,7 +232,7 @@ def iter_gguf(
     names = {t.name: hf_name(t.name, family) for t in tensors}
     types = {piece: QType(t.tensor_type) for t in tensors for piece, _, _ in unfused(family, names[t.name], config)}
 
-    def items() -> Iterator[tuple[str, CheckpointTensor]]:
+    def items() -> Iterator[tuple[str, GGUFTensor]]:
         for t in tensors:
             whole = checkpoint_tensor(t.data, QType(t.tensor_type), tensor_shape(t))
             for name, start, rows in unfused(family, names[t.name], config):

@@ -37,8 +37,9 @@ class _PlainArrayReader(gguf.GGUFReader):
         if sub == gguf.GGUFValueType.STRING:
             # Only each string's bytes as a part (what ``contents`` reads), not its length as gguf adds.
             data, unpack = self.data, struct.Struct("<Q").unpack_from
+            view = data.data  # the array's bytes as a buffer (what unpack_from reads)
             for _ in range(n):
-                (length,) = unpack(data, offs)
+                (length,) = unpack(view, offs)
                 parts.append(data[offs + 8 : offs + 8 + length])
                 offs += 8 + length
             return offs - orig_offs, parts, list(range(2, 2 + n)), [gguf.GGUFValueType.ARRAY, sub]

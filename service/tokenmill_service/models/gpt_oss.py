@@ -35,7 +35,7 @@ from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.layer import ExpertMLP
 from tokenmill_service.layers.linear import QuantFactory, RowParallelLinear
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense, describe
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import FULL, SLIDING, ModelConfig, layer_window
 from tokenmill_service.models.deepseek_v3 import YARN_TYPES, Yarn
@@ -254,12 +254,14 @@ class GptOssForCausalLM(MoEForCausalLM):
         kind = "bias" if bias else "weight"
         for e in moe.placement.ids:
             prefix = f"model.layers.{layer}.mlp.experts.{e}"
-            rows: CheckpointTensor
+            rows: torch.Tensor | GGUFBlocks
             if isinstance(tensor, GGUFBlocks):  # MXFP4 [experts * out, blocks, 17]: rows already [out, in]
                 out = tensor.shape[0] // moe.num_experts
                 rows = tensor.narrow(0, e * out, out)
-            else:
+            elif isinstance(tensor, torch.Tensor):
                 rows = tensor[e] if bias else tensor[e].t()  # [2 * width (interleaved) or hidden, ...]
+            else:
+                raise ValueError(f"gpt-oss experts come as MXFP4 blocks or float tensors, not {describe(tensor)}")  # noqa: TRY004
             if projection == "down_proj":
                 yield f"{prefix}.down_proj.{kind}", _contiguous(rows)
             else:
@@ -267,7 +269,7 @@ class GptOssForCausalLM(MoEForCausalLM):
                 yield f"{prefix}.up_proj.{kind}", _contiguous(_rows(rows, 1))
 
 
-def _rows(t: CheckpointTensor, first: int) -> CheckpointTensor:
+def _rows(t: torch.Tensor | GGUFBlocks, first: int) -> torch.Tensor | GGUFBlocks:
     """Every other row of t from ``first``: gate (0) or up (1) of an interleaved gate/up."""
     return t.rows(slice(first, None, 2)) if isinstance(t, GGUFBlocks) else t[first::2]
 

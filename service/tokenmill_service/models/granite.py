@@ -78,7 +78,8 @@ class GraniteModel(LlamaModel):
         self.embedding_multiplier = _multiplier(config, "embedding_multiplier")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
+        rows: torch.Tensor = self.embed_tokens(input_ids)
+        return rows * self.embedding_multiplier
 
 
 @register_model("granite")

@@ -167,7 +167,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, quant(f"{prefix}.down_proj"), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        y: torch.Tensor = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -230,11 +231,13 @@ def post_attention(
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    return norm(x, residual)[0]
+    y: torch.Tensor = norm(x, residual)[0]
+    return y
 
 
 def head_logits(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-    return head(hidden)
+    logits: torch.Tensor = head(hidden)
+    return logits
 
 
 @dataclass(slots=True)
@@ -278,6 +281,7 @@ class LlamaModel(nn.Module):
         x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
             q, k, v, residual = run.pre_attention(layer, positions, x, residual)
             x, residual = run.post_attention(layer, layer.self_attn.attend(q, k, v, meta), residual)
         assert residual is not None
@@ -291,7 +295,8 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A family's seam on the token embeddings (Granite scales them); Llama's are the table's rows."""
-        return self.embed_tokens(input_ids)
+        rows: torch.Tensor = self.embed_tokens(input_ids)
+        return rows
 
 
 @register_model("llama", "mistral", "qwen2")
@@ -431,7 +436,9 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (key, value) cache shapes for this rank, in its ops backend's layout."""
-        attn = self.model.layers[0].self_attn
+        layer = self.model.layers[0]
+        assert isinstance(layer, LlamaDecoderLayer)
+        attn = layer.self_attn
         return self.ops.kv_cache_layout.shapes(
             len(self.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim
         )
@@ -441,7 +448,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] flat over the batch. Returns the final hidden states [T, hidden].
         ``run``: the regions between attention calls, as they are or compiled (engine/executor.py)."""
-        return self.model(input_ids, positions, meta, run)
+        hidden: torch.Tensor = self.model(input_ids, positions, meta, run)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor, run: Regions = EAGER) -> torch.Tensor:
         """Float32 logits [N, vocab] for the selected hidden rows."""
@@ -452,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Route every checkpoint tensor (Hugging Face names) into its layer; then check that
         every layer got all of its pieces and convert them to the kernels' layouts."""
-        loaded: dict[str, set[object]] = {}
+        loaded: dict[str, set[_Piece]] = {}
         for name, tensor in tensors:
             targets = [name]
             if self.config.tie_word_embeddings and name == "model.embed_tokens.weight":
@@ -470,8 +478,8 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the model") from None
                 if kind == "bias" and isinstance(module, LinearBase):
                     module.load_bias(tensor, shard)  # type: ignore[arg-type]
-                elif kind == "weight" and hasattr(module, "load_weight"):
-                    module.load_weight(tensor, shard)
+                elif kind == "weight" and (load_weight := getattr(module, "load_weight", None)) is not None:
+                    load_weight(tensor, shard)
                 else:
                     raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the model")
                 loaded.setdefault(path, set()).add((kind, shard))
@@ -480,11 +488,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LinearBase):
                 module.finalize()
 
-    def _check_complete(self, loaded: dict[str, set[object]]) -> None:
+    def _check_complete(self, loaded: dict[str, set[_Piece]]) -> None:
         missing = []
         for path, module in self.named_modules():
             if isinstance(module, LinearBase):
-                want: set[object] = {("weight", s) for s in _shard_ids(module)}
+                want: set[_Piece] = {("weight", s) for s in _shard_ids(module)}
                 if module.bias is not None:
                     want |= {("bias", s) for s in _shard_ids(module)}
             elif isinstance(module, (RMSNorm, VocabParallelEmbedding)):
@@ -501,6 +509,10 @@ class LlamaForCausalLM(nn.Module):
         total = sum(m.quant.weight_bytes(m) for m in self.modules() if isinstance(m, LinearBase))
         norms = sum(m.weight.numel() * 4 for m in self.modules() if isinstance(m, RMSNorm))
         return total + norms
+
+
+# A piece of a layer's checkpoint tensors: ("weight" or "bias", its shard id).
+_Piece = tuple[str, str | int | None]
 
 
 def _shard_ids(module: LinearBase) -> list[str | int | None]:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import structlog
 import torch
-from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.models.builder import build_model
 from tokenmill_service.models.checkpoint import open_checkpoint
+from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.models.paths import (
     DEFAULT_MODEL_INSTALL_HINT,
     ModelLoadError,
@@ -34,7 +34,7 @@ from tokenmill_service.plan.resolve import NATIVE_METHODS, dtype_name, resolve_p
 log = structlog.get_logger(__name__)
 
 
-def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | None = None) -> nn.Module:
+def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """The model ``options`` ask for, on ``device`` (default: ``options.device``), as this rank of ``tp``."""
     start = time.perf_counter()
     path = resolve_model_path(options.model or None)
@@ -94,7 +94,7 @@ def load_model(
     max_lora_rank: int = 16,
     speculative_method: str = "ngram",
     max_model_len: int = 0,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """``load`` with the options as arguments; the defaults are the reference configuration
     (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``;
     ``max_model_len``: as ``--max-model-len`` (0: the model's own context)."""

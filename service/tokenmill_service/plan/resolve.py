@@ -217,8 +217,8 @@ def _linear_layers(
         # Each distinct reason once: layers of one method can be there for different formats (Q4_K, Q6_K).
         elif reason not in reasons.setdefault(method, []):
             reasons[method].append(reason)
-    for method, names in stored.items():
-        reasons[method] = [f"the GGUF file's blocks ({', '.join(names)}), multiplied as stored"]
+    for method, formats in stored.items():
+        reasons[method] = [f"the GGUF file's blocks ({', '.join(formats)}), multiplied as stored"]
     return layers, {method: "; ".join(why) for method, why in reasons.items()}, skipped
 
 
@@ -279,7 +279,7 @@ def _layer_method(setting: str, native: list[str], kinds: set[QType | None], pre
 
 
 def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dict[str, QType]) -> None:
-    experts = int(config.extra.get("num_experts", 0))  # type: ignore[call-overload]
+    experts = config.extra_int("num_experts")
     if options.expert_parallel and not experts:
         raise PlanRefused(f"--expert-parallel needs a mixture-of-experts model; {config.architecture} has no experts")
     if options.tensor_parallel <= 1:
@@ -295,7 +295,7 @@ def _check_tensor_parallel(options: LoadOptions, config: ModelConfig, types: dic
         block=block,
         block_format=block_format,
         num_experts=experts,
-        expert_width=int(config.extra.get("expert_width", 0)),  # type: ignore[call-overload]
+        expert_width=config.extra_int("expert_width"),
     )
     try:
         check_degree(
@@ -338,7 +338,7 @@ def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> lis
     if options.speculative_method != "mtp":
         return []
     prefixes = getattr(family, "mtp_linear_prefixes", None)
-    if prefixes is None or not int(config.extra.get("mtp_layers", 0)):
+    if prefixes is None or not config.extra_int("mtp_layers"):
         raise PlanRefused(
             f"--speculative-method mtp drafts with a checkpoint's multi-token-prediction layers "
             f"(DeepSeek-V3's num_nextn_predict_layers); this {config.architecture} checkpoint has none"
@@ -389,7 +389,7 @@ def _experts(
 ) -> Decision | None:
     """How a mixture-of-experts model's experts run (None: it has none): one native call a layer
     (``NativeCpuOps.moe_experts``) or one by one; layers/fused_moe/native.py checks the same."""
-    if not int(config.extra.get("num_experts", 0)):  # type: ignore[call-overload]
+    if not config.extra_int("num_experts"):
         return None
     gap = getattr(model_class(config.architecture), "native_experts_gap", "")
     why: str | None
@@ -452,7 +452,7 @@ def native_stack_missing(
     lora = ("lora",) if options.max_loras > 0 else ()
     # A mixture of experts: the router's product, softmax top-k and the experts in moe_mlp.cpp's calls.
     experts: tuple[str, ...] = ()
-    if int(config.extra.get("num_experts", 0)):  # type: ignore[call-overload]
+    if config.extra_int("num_experts"):
         if options.max_loras > 0:
             return "LoRA adapters on experts run through the linear layers (--max-loras)"
         if gap := getattr(family, "native_experts_gap", ""):

@@ -70,7 +70,8 @@ def block_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch
     """``x [M, K] @ W.T`` as float32 [M, n], for ``blocks`` uint8 [n, K // 32, bytes per block]
     (contiguous, on the CPU) in ggml format ``fmt``. Each row's result is independent of M."""
     if torch.compiler.is_compiling():
-        return _block_gemm_op(x, blocks, fmt, n)
+        y: torch.Tensor = _block_gemm_op(x, blocks, fmt, n)  # (a custom op's call is untyped)
+        return y
     return _gemm(x, blocks, fmt, n)
 
 

@@ -184,7 +184,7 @@ class DecoderStack:
         def pointer(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        def linear(lin: LinearSpec | None) -> _Linear:
+        def linear(lin: LinearSpec | None) -> ctypes.Structure:  # a _Linear
             if lin is None:
                 return _Linear()
             out = _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)

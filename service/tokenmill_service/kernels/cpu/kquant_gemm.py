@@ -99,5 +99,6 @@ def kquant_gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torc
     ``fmt``, with ``x`` rounded to 16-bit fixed point per block of 32 first (as ``vnni_gemm.quantize``
     shows it). Each row's result is independent of M."""
     if torch.compiler.is_compiling():
-        return _kquant_gemm_op(x, packed, fmt, n)
+        y: torch.Tensor = _kquant_gemm_op(x, packed, fmt, n)  # (a custom op's call is untyped)
+        return y
     return _gemm(x, packed, fmt, n)

@@ -64,7 +64,8 @@ def vnni_gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.
     with ``x`` rounded to 16-bit fixed point per block of 32 first (``quantize``). Each row's
     result is independent of M."""
     if torch.compiler.is_compiling():
-        return _vnni_gemm_op(x, packed, fmt, n)
+        y: torch.Tensor = _vnni_gemm_op(x, packed, fmt, n)  # (a custom op's call is untyped)
+        return y
     return _gemm(x, packed, fmt, n)
 
 

@@ -32,6 +32,9 @@ import triton.language as tl
 
 from tokenmill_service.kernels.attention_metadata import AttentionGroup, AttentionMetadata
 
+# @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
+# annotation to choose how it specialises the kernel), hence their narrow type-ignores.
+
 SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 64  # keys per tile inside a split
 MIN_ROWS = 16  # a tile's query rows; tl.dot needs at least 16 on a GPU
@@ -39,7 +42,7 @@ NO_WINDOW = 1 << 30  # the window of a global layer: beyond any position
 
 
 @triton.jit
-def _online_softmax_step(m, l, acc, scores, values):
+def _online_softmax_step(m, l, acc, scores, values):  # type: ignore[no-untyped-def]
     """One tile of keys folded into a running softmax (max m, sum l, weighted values acc); scores of
     invisible keys are -inf."""
     m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -51,8 +54,8 @@ def _online_softmax_step(m, l, acc, scores, values):
     return m_new, l, acc
 
 
-@triton.jit
-def _split_partial(
+@triton.jit  # type: ignore[untyped-decorator]
+def _split_partial(  # type: ignore[no-untyped-def]
     q,
     pos,
     lo,
@@ -101,7 +104,7 @@ def _split_partial(
 
 
 @triton.jit
-def _combine(m_run, l_run, acc_run, m, l, acc):
+def _combine(m_run, l_run, acc_run, m, l, acc):  # type: ignore[no-untyped-def]
     """Fold one split's state into the running one (exact no-op for an empty split)."""
     m_new = tl.maximum(m_run, m)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -110,8 +113,8 @@ def _combine(m_run, l_run, acc_run, m, l, acc):
     return m_new, l_run * a + l * b, acc_run * a[:, None] + acc * b[:, None]
 
 
-@triton.jit
-def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr, D_PAD: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]
+def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr, D_PAD: tl.constexpr):  # type: ignore[no-untyped-def]
     """Fold each row's head's sink logit into its state: a key whose exponential joins the
     denominator and whose value is zero."""
     sink = tl.load(sinks_ptr + head, mask=mask, other=float("-inf")).to(tl.float32)
@@ -120,8 +123,8 @@ def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr,
     return _combine(m_run, l_run, acc_run, sink, ones, zeros)
 
 
-@triton.jit
-def _attention_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -211,8 +214,8 @@ def _attention_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=real[:, None] & d_ok)
 
 
-@triton.jit
-def _reduce_splits_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _reduce_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,

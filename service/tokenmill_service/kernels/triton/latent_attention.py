@@ -23,13 +23,16 @@ import triton.language as tl
 from tokenmill_service.kernels.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill_service.kernels.triton.attention import _combine, _online_softmax_step
 
+# @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
+# annotation to choose how it specialises the kernel), hence their narrow type-ignores.
+
 SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 32  # keys per tile inside a split
 BLOCK_Q = 16  # query rows of a tile; tl.dot needs at least 16 on a GPU
 
 
-@triton.jit
-def _split_partial(
+@triton.jit  # type: ignore[untyped-decorator]
+def _split_partial(  # type: ignore[no-untyped-def]
     q_lat,
     q_rope,
     pos,
@@ -76,8 +79,8 @@ def _split_partial(
     return m, l, acc
 
 
-@triton.jit
-def _latent_attention_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _latent_attention_kernel(  # type: ignore[no-untyped-def]
     q_nope_ptr,
     q_rope_ptr,
     latent_ptr,

@@ -19,11 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+# @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
+# annotation to choose how it specialises the kernel), hence their narrow type-ignores.
+
 BLOCK_M, BLOCK_K, BLOCK_N = 16, 32, 64
 
 
-@triton.jit
-def _shrink_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _shrink_kernel(  # type: ignore[no-untyped-def]
     x_ptr, a_ptr, mid_ptr, rows_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr, ranks_ptr, part, parts,
     K, stride_x, stride_a_slot, stride_a_row, stride_mid,
     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -55,8 +58,8 @@ def _shrink_kernel(
     tl.store(mid_ptr + pos[:, None] * stride_mid + w[None, :], acc, mask=row_mask[:, None] & w_mask[None, :])
 
 
-@triton.jit
-def _expand_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _expand_kernel(  # type: ignore[no-untyped-def]
     mid_ptr, b_ptr, out_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr, ranks_ptr, part, parts,
     N, R, stride_mid, stride_b_slot, stride_b_rank, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,

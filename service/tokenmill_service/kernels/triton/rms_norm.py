@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+# @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
+# annotation to choose how it specialises the kernel), hence their narrow type-ignores.
 
-@triton.jit
-def _rms_norm_kernel(
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     residual_ptr,
     weight_ptr,

@@ -10,9 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+# @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
+# annotation to choose how it specialises the kernel), hence their narrow type-ignores.
 
-@triton.jit
-def _rotate_heads(ptr, stride_t, stride_h, row, heads, cos, sin, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _rotate_heads(ptr, stride_t, stride_h, row, heads, cos, sin, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HALF)
     mask = (h < heads)[:, None]
@@ -24,8 +27,8 @@ def _rotate_heads(ptr, stride_t, stride_h, row, heads, cos, sin, HEADS_PAD: tl.c
     tl.store(first + HALF, (b * cos + a * sin).to(x2.dtype), mask=mask)
 
 
-@triton.jit
-def _rotary_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _rotary_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
     positions_ptr,

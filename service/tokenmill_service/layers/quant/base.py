@@ -27,6 +27,7 @@ from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -63,27 +64,27 @@ class QuantMethod(ABC):
         return self.native_entry_points.get(self.kernel)
 
     @abstractmethod
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None: ...
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None: ...
 
     @abstractmethod
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None: ...
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None: ...
 
-    def finalize(self, layer: nn.Module) -> None:
+    def finalize(self, layer: LinearBase) -> None:
         """Called once after every piece of the layer's weight is loaded."""
 
     @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor: ...
 
-    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
+    def native_operands(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
         """Where ``native_kernel`` is set: the weights it reads and their format (a ggml type id)."""
         raise NotImplementedError(f"{self.name} has no native kernel")
 
     @abstractmethod
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
         """The weight [out, in] as float32, as the kernel sees it (for tests and reports)."""
 
     @abstractmethod
-    def weight_bytes(self, layer: nn.Module) -> int:
+    def weight_bytes(self, layer: LinearBase) -> int:
         """Bytes a matrix product reads for the weight (what bandwidth figures count)."""
 
 

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from gguf import GGMLQuantizationType as QType
-from torch import nn
 
 from tokenmill_service.kernels.cpu import block_gemm as native
 from tokenmill_service.kernels.cpu import vnni_gemm as vnni
 from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks, describe
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
     from tokenmill_service.plan.device import DeviceFacts
 
 # The formats the kernels read.
@@ -46,7 +46,7 @@ class GGUFBlocksMethod(QuantMethod):
     def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
         return "block_gemm"
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None:
         if in_features % self.block_weights:
             raise ValueError(
                 f"{self.name} needs input features divisible by {self.block_weights}; this layer has {in_features}"
@@ -55,11 +55,10 @@ class GGUFBlocksMethod(QuantMethod):
         # Sized at the first load, once the checkpoint says which format the layer is stored in.
         layer.register_buffer("blocks", torch.empty(0, dtype=torch.uint8))
 
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None:
         if not isinstance(tensor, GGUFBlocks) or tensor.qtype not in self.served_types:
-            kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
             names = ", ".join(sorted(t.name for t in self.served_types))
-            raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {kind}")
+            raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {describe(tensor)}")
         if layer.qtype is None:
             layer.qtype = tensor.qtype
             shape = (layer.out_features, tensor.data.shape[1], tensor.data.shape[2])
@@ -68,17 +67,24 @@ class GGUFBlocksMethod(QuantMethod):
             raise ValueError(f"one layer stored as both {layer.qtype.name} and {tensor.qtype.name}")
         layer.blocks[rows] = tensor.data
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = native.block_gemm(x, layer.blocks, int(layer.qtype), layer.out_features)
+    @staticmethod
+    def _format(layer: LinearBase) -> int:
+        """The layer's format, a ggml type id (known from its first load)."""
+        if layer.qtype is None:
+            raise RuntimeError("the layer's weights are not loaded")
+        return int(layer.qtype)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        y = native.block_gemm(x, layer.blocks, self._format(layer), layer.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
-        return layer.blocks, int(layer.qtype)
+    def native_operands(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
+        return layer.blocks, self._format(layer)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        return native.block_dequantize(layer.blocks, int(layer.qtype))
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
+        return native.block_dequantize(layer.blocks, self._format(layer))
 
-    def weight_bytes(self, layer: nn.Module) -> int:
+    def weight_bytes(self, layer: LinearBase) -> int:
         return layer.blocks.numel()
 
 
@@ -96,13 +102,13 @@ class GGUFBlocksVnniMethod(GGUFBlocksMethod):
     def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
         return "vnni_gemm"
 
-    def finalize(self, layer: nn.Module) -> None:
+    def finalize(self, layer: LinearBase) -> None:
         # The kernel's layout (groups of 16 rows, as many bytes as the file's blocks) replaces them.
-        layer.blocks = vnni.pack(layer.blocks, int(layer.qtype))
+        layer.blocks = vnni.pack(layer.blocks, self._format(layer))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = vnni.vnni_gemm(x, layer.blocks, int(layer.qtype), layer.out_features)
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        y = vnni.vnni_gemm(x, layer.blocks, self._format(layer), layer.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
-        return vnni.unpack(layer.blocks, int(layer.qtype), layer.out_features, layer.in_features)
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
+        return vnni.unpack(layer.blocks, self._format(layer), layer.out_features, layer.in_features)

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tokenmill_service.kernels.cpu import block_gemm as native
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, dense
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
     from tokenmill_service.plan.device import DeviceFacts
 
 K_SLICE = 256
@@ -68,7 +68,7 @@ class DenseMethod(QuantMethod):
     def invariant(self) -> bool:
         return self.act_dtype == torch.float32
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None:
         # float32 rows for the native kernel where the plan chose it (also read by the native decoder
         # stack); a layer whose width is not whole blocks takes the sliced product instead.
         self.native = self.kernel == NATIVE_F32 and in_features % QUANT_BLOCK == 0
@@ -79,13 +79,13 @@ class DenseMethod(QuantMethod):
         else:
             layer.weight = empty_param(out_features, in_features, dtype=self.act_dtype)
 
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None:
         if self.invariant and not self.native:
             layer.weight_t.data[:, rows] = dense(tensor).t().to(self.act_dtype)
         else:
             layer.weight.data[rows] = dense(tensor).to(self.act_dtype)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             if x.device.type == "cpu":
                 return native.block_gemm(x, layer.weight, native.F32, layer.weight.shape[0])
@@ -94,15 +94,15 @@ class DenseMethod(QuantMethod):
             return batch_invariant_matmul(x, layer.weight_t)
         return F.linear(x, layer.weight)
 
-    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
+    def native_operands(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
         return layer.weight, native.F32
 
-    def _stored(self, layer: nn.Module) -> torch.Tensor:
+    def _stored(self, layer: LinearBase) -> torch.Tensor:
         return layer.weight_t.t() if self.invariant and not self.native else layer.weight
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
         return self._stored(layer).float()
 
-    def weight_bytes(self, layer: nn.Module) -> int:
+    def weight_bytes(self, layer: LinearBase) -> int:
         w = self._stored(layer)
         return w.numel() * w.element_size()

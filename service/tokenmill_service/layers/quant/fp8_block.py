@@ -18,15 +18,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from tokenmill_service.kernels.cpu import block_gemm as native
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
 from tokenmill_service.layers.quant.dense import batch_invariant_matmul
 from tokenmill_service.layers.quant.fp8_tensor import FP8_DTYPE, Fp8Blocks
-from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor
+from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, describe
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
     from tokenmill_service.plan.device import DeviceFacts
 
 # The tile products: tokenmill's native float32 kernel, or the sliced torch product.
@@ -39,13 +39,13 @@ class Fp8BlockMethod(QuantMethod):
     def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
         return NATIVE_TILES if facts.native("block_gemm") is None else SLICED_TILES
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None:
         layer.weight = empty_param(out_features, in_features, dtype=FP8_DTYPE)
         self.block_cols = 0  # from the checkpoint's first piece; every piece must agree
 
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None:
         if not isinstance(tensor, Fp8Blocks):
-            raise ValueError(f"fp8-block serves FP8 block-scaled weights, not a {tensor.dtype} tensor")  # noqa: TRY004
+            raise ValueError(f"fp8-block serves FP8 block-scaled weights, not {describe(tensor)}")  # noqa: TRY004
         if self.block_cols == 0:
             self.block_cols = tensor.block[1]
             blocks = -(-layer.weight.shape[1] // self.block_cols)
@@ -55,13 +55,13 @@ class Fp8BlockMethod(QuantMethod):
         layer.weight.data[rows] = tensor.values.to(layer.weight.device)
         layer.weight_scale.data[rows] = tensor.column_block_scales().to(layer.weight.device)
 
-    def _tile(self, layer: nn.Module, j: int) -> torch.Tensor:
+    def _tile(self, layer: LinearBase, j: int) -> torch.Tensor:
         """Column block j of the weight, dequantized exactly: float32 [out, block_cols]."""
         start = j * self.block_cols
         values = layer.weight[:, start : start + self.block_cols]
         return values.float() * layer.weight_scale[:, j : j + 1]
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         out: torch.Tensor | None = None
         for j in range(layer.weight_scale.shape[1]):
@@ -76,9 +76,9 @@ class Fp8BlockMethod(QuantMethod):
         assert out is not None
         return out.to(self.act_dtype)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
         scales = layer.weight_scale.repeat_interleave(self.block_cols, dim=1)[:, : layer.weight.shape[1]]
         return layer.weight.float() * scales
 
-    def weight_bytes(self, layer: nn.Module) -> int:
+    def weight_bytes(self, layer: LinearBase) -> int:
         return int(layer.weight.numel() + layer.weight_scale.numel() * 4)

@@ -291,6 +291,16 @@ def dense(t: CheckpointTensor) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else t.dequantize()
 
 
+def describe(t: CheckpointTensor) -> str:
+    """What a checkpoint tensor is, for a message: "a torch.float32 tensor", "a Q4_K tensor" or
+    "an FP8 block-scaled tensor"."""
+    if isinstance(t, GGUFBlocks):
+        return f"a {t.qtype.name} tensor"
+    if isinstance(t, Fp8Blocks):
+        return "an FP8 block-scaled tensor"
+    return f"a {t.dtype} tensor"
+
+
 __all__ = [
     "BLOCK_BYTES",
     "BLOCK_WEIGHTS",
@@ -299,4 +309,5 @@ __all__ = [
     "CheckpointTensor",
     "GGUFBlocks",
     "dense",
+    "describe",
 ]

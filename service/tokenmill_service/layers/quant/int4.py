@@ -13,11 +13,15 @@ through it as two bfloat16 halves (see ``split_bf16_matmul``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from tokenmill_service.layers.quant.base import QuantMethod, kernel_dtype, register_quantization, split_bf16_matmul
 from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, GGUFBlocks, dense
+
+if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
 
 GROUP = QUANT_BLOCK
 
@@ -34,7 +38,7 @@ def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
 
 @register_quantization("int4")
 class Int4Method(QuantMethod):
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None:
         if in_features % GROUP:
             raise ValueError(f"int4 needs input features divisible by {GROUP}; this layer has {in_features}")
         groups = in_features // GROUP
@@ -45,7 +49,7 @@ class Int4Method(QuantMethod):
         layer.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
         layer.register_buffer("scales_and_zeros", torch.empty(0), persistent=False)
 
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None:
         if isinstance(tensor, GGUFBlocks) and tensor.qtype.name in ("Q4_0", "Q4_1"):
             qs, scale, minimum = tensor.int4_groups()
         else:
@@ -57,12 +61,12 @@ class Int4Method(QuantMethod):
         layer.minimum[rows] = minimum
 
     @staticmethod
-    def _q(layer: nn.Module) -> torch.Tensor:
+    def _q(layer: LinearBase) -> torch.Tensor:
         """q as uint8 [N, K] in natural column order."""
         qs = layer.qs
         return torch.cat((qs & 0x0F, qs >> 4), dim=-1).reshape(qs.shape[0], -1)
 
-    def finalize(self, layer: nn.Module) -> None:
+    def finalize(self, layer: LinearBase) -> None:
         zero = layer.minimum + 8 * layer.scale
         sz = torch.stack((layer.scale, zero), dim=-1).transpose(0, 1).contiguous()  # [K // G, N, 2]
         layer.scales_and_zeros = sz.to(kernel_dtype(self.act_dtype))
@@ -73,17 +77,20 @@ class Int4Method(QuantMethod):
             # CUDA's tinygemm layout takes q packed two per byte, the even column in the high nibble.
             layer.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         def kernel(a: torch.Tensor) -> torch.Tensor:
+            y: torch.Tensor  # (torch.ops calls are untyped)
             if a.device.type == "cpu":
-                return torch.ops.aten._weight_int4pack_mm_for_cpu(a, layer.packed, GROUP, layer.scales_and_zeros)
-            return torch.ops.aten._weight_int4pack_mm(a, layer.packed, GROUP, layer.scales_and_zeros)
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, layer.packed, GROUP, layer.scales_and_zeros)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm(a, layer.packed, GROUP, layer.scales_and_zeros)
+            return y
 
         return split_bf16_matmul(kernel, x)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
         q = self._q(layer).float().reshape(layer.qs.shape[0], -1, GROUP)
         return (q * layer.scale[..., None] + layer.minimum[..., None]).reshape(q.shape[0], -1)
 
-    def weight_bytes(self, layer: nn.Module) -> int:
+    def weight_bytes(self, layer: LinearBase) -> int:
         return layer.packed.numel() + layer.scales_and_zeros.numel() * layer.scales_and_zeros.element_size()

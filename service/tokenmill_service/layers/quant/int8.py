@@ -7,11 +7,15 @@ re-quantized per channel (a small, stated loss; int4 tensors are taken as they a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from tokenmill_service.layers.quant.base import QuantMethod, kernel_dtype, register_quantization, split_bf16_matmul
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+
+if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,20 +28,20 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register_quantization("int8")
 class Int8Method(QuantMethod):
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None:
         layer.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         layer.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
         layer.register_buffer("kernel_scales", torch.empty(0), persistent=False)
 
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None:
         q, scale = quantize_per_channel(dense(tensor))
         layer.qweight[rows] = q
         layer.scales[rows] = scale
 
-    def finalize(self, layer: nn.Module) -> None:
+    def finalize(self, layer: LinearBase) -> None:
         layer.kernel_scales = layer.scales.to(kernel_dtype(self.act_dtype))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         def kernel(a: torch.Tensor) -> torch.Tensor:
             if a.device.type == "cpu":
                 return torch._weight_int8pack_mm(a, layer.qweight, layer.kernel_scales)
@@ -46,8 +50,8 @@ class Int8Method(QuantMethod):
 
         return split_bf16_matmul(kernel, x)
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
         return layer.qweight.float() * layer.scales[:, None]
 
-    def weight_bytes(self, layer: nn.Module) -> int:
+    def weight_bytes(self, layer: LinearBase) -> int:
         return layer.qweight.numel() + layer.kernel_scales.numel() * layer.kernel_scales.element_size()

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from gguf import GGMLQuantizationType as QType
-from torch import nn
 
 from tokenmill_service.kernels.cpu import kquant_gemm as kq
 from tokenmill_service.layers.quant.base import register_quantization
 from tokenmill_service.layers.quant.blocks import GGUFBlocksMethod
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
+from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, describe
 
 if TYPE_CHECKING:
+    from tokenmill_service.layers.linear import LinearBase
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -41,20 +41,19 @@ class GGUFKQuantMethod(GGUFBlocksMethod):
     def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
         return "kquant_gemm"
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: LinearBase, out_features: int, in_features: int) -> None:
         super().create_weights(layer, out_features, in_features)
         layer.fmt = 0  # a ggml type id, or the kernel's id for segments; set by finalize
         # (first row, blocks) as loaded, until finalize packs them.
         layer.pieces = []
 
-    def load_rows(self, layer: nn.Module, rows: slice, tensor: CheckpointTensor) -> None:
+    def load_rows(self, layer: LinearBase, rows: slice, tensor: CheckpointTensor) -> None:
         if not isinstance(tensor, GGUFBlocks) or tensor.qtype not in self.served_types:
-            kind = tensor.qtype.name if isinstance(tensor, GGUFBlocks) else f"a {tensor.dtype} tensor"
             names = ", ".join(sorted(t.name for t in self.served_types))
-            raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {kind}")
+            raise ValueError(f"--quantization {self.name} serves {names} tensors as stored, not {describe(tensor)}")
         layer.pieces.append((rows.start or 0, tensor))
 
-    def finalize(self, layer: nn.Module) -> None:
+    def finalize(self, layer: LinearBase) -> None:
         # Consecutive row ranges of one format make one segment.
         segments: list[tuple[QType, list[torch.Tensor]]] = []
         for _, piece in sorted(layer.pieces, key=lambda p: p[0]):
@@ -72,12 +71,12 @@ class GGUFKQuantMethod(GGUFBlocksMethod):
             layer.blocks = kq.pack_segments(parts)
         layer.formats = "/".join(sorted({qtype.name for qtype, _ in segments}))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         y = kq.kquant_gemm(x, layer.blocks, layer.fmt, layer.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-    def native_operands(self, layer: nn.Module) -> tuple[torch.Tensor, int]:
+    def native_operands(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
         return layer.blocks, layer.fmt
 
-    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+    def dequantized(self, layer: LinearBase) -> torch.Tensor:
         return kq.unpack(layer.blocks, layer.fmt, layer.out_features, layer.in_features)
