@@ -34,6 +34,20 @@ inline bool larger(const std::pair<double, int64_t>& x, const std::pair<double, 
   return (isnan(x.first) && !isnan(y.first)) || x.first > y.first;
 }
 
+// out = softmax(x) over n values in float32: the maximum subtracted, the exponentials summed in order, each
+// multiplied by the sum's reciprocal (out may be x).
+inline void softmax(const float* x, int64_t n, float* out) {
+  float top = x[0];
+  for (int64_t e = 1; e < n; ++e) top = x[e] > top ? x[e] : top;
+  float sum = 0.0f;
+  for (int64_t e = 0; e < n; ++e) {
+    out[e] = expf(x[e] - top);
+    sum += out[e];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t e = 0; e < n; ++e) out[e] = out[e] * inv;
+}
+
 // y[r, :] += bias for each of n rows of `cols`: a linear layer's ``y + self.bias``, one rounding each.
 inline void add_bias(float* y, int64_t n, int64_t cols, const float* bias) {
   for (int64_t r = 0; r < n; ++r)
@@ -62,15 +76,8 @@ void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k
     if (routing == TM_ROUTING_TOP_LOGITS) {
       for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)x[e], e};
     } else {
-      float top = x[0];
-      for (int64_t e = 1; e < experts; ++e) top = x[e] > top ? x[e] : top;
-      float sum = 0.0f;
-      for (int64_t e = 0; e < experts; ++e) {
-        probs[e] = expf(x[e] - top);
-        sum += probs[e];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)(probs[e] * inv), e};
+      softmax(x, experts, probs.data());
+      for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)probs[e], e};
     }
     if (top_k * 64 <= experts) {
       std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), larger);
@@ -84,15 +91,7 @@ void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k
       ids[i * top_k + r] = queue[r].second;
     }
     if (routing == TM_ROUTING_TOP_LOGITS) {
-      float top = w[0];
-      for (int64_t r = 1; r < top_k; ++r) top = w[r] > top ? w[r] : top;
-      float sum = 0.0f;
-      for (int64_t r = 0; r < top_k; ++r) {
-        w[r] = expf(w[r] - top);
-        sum += w[r];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] * inv;
+      softmax(w, top_k, w);
     } else if (routing == TM_ROUTING_RENORMALIZED) {
       float chosen = 0.0f;
       for (int64_t r = 0; r < top_k; ++r) chosen += w[r];
