@@ -198,8 +198,8 @@ def gemma_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def test_gemma_runs_the_native_stack_with_the_python_forwards_bits(gemma_and_hf: tuple[Any, Any]) -> None:
     """Windows of 8 keys (the steps' contexts reach 67), GeGLU, the sandwich norms, soft caps, Gemma 3's
     q/k norms and two rotary tables, in one call, each layer reading its KV-cache group (as the engine
-    runs Gemma: its windowed layers' blocks behind the window freed); and the stack's logits over a
-    prompt of five windows are transformers' (head_dim 256's attention among them)."""
+    runs Gemma: its windowed layers' blocks behind the window freed); and Gemma 3's logits over a prompt
+    of five windows are transformers' (heads of 256 in the native attention kernel)."""
     from tests.engine.gemma_checkpoints import PROMPT
     from tokenmill_service.engine.model_runner import forward_prompt
 
@@ -219,7 +219,8 @@ def test_gemma_runs_the_native_stack_with_the_python_forwards_bits(gemma_and_hf:
     groups = plan_kv_cache_groups(windows)
     assert groups.num_groups > 1
     same_bits(gemma, groups)
-    # transformers in float64 (its float32 logits are 1.6e-4 from those on Gemma 3's: wider heads, longer sums).
-    expected = hf.double()(torch.tensor([PROMPT])).logits[0]
-    actual = gemma.compute_logits(forward_prompt(gemma, PROMPT)).double()
-    torch.testing.assert_close(actual, expected, atol=2e-4, rtol=0)
+    if spec.head_dim == 256:  # (tests/engine/test_gemma*.py hold heads of 64 to transformers)
+        # transformers in float64 (its float32 logits are 1.6e-4 from those here: wider heads, longer sums).
+        expected = hf.double()(torch.tensor([PROMPT])).logits[0]
+        actual = gemma.compute_logits(forward_prompt(gemma, PROMPT)).double()
+        torch.testing.assert_close(actual, expected, atol=2e-4, rtol=0)
