@@ -98,6 +98,7 @@ def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk(
 def test_the_backend_says_where_native_attention_cannot_serve() -> None:
     cpu = probe_device("cpu")
     assert NativeCpuOps.unavailable_reason(cpu, torch.float32, 64) is None
+    assert NativeCpuOps.unavailable_reason(cpu, torch.float32, 256) is None  # Gemma 2 2B/9B's, Gemma 3 1B-12B's
     assert "float32 activations" in str(NativeCpuOps.unavailable_reason(cpu, torch.bfloat16, 64))
     assert "head_dim 64, 128 or 256" in str(NativeCpuOps.unavailable_reason(cpu, torch.float32, 80))
     assert "on the CPU" in str(NativeCpuOps.unavailable_reason(DeviceFacts("cuda:0"), torch.float32, 64))
