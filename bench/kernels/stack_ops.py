@@ -1,10 +1,14 @@
-"""Torch operations in one decode step of a tiny random gpt-oss, on each executor the checkout has.
+"""Torch operations in one decode step of a tiny random gpt-oss, Gemma 2 or Gemma 3, on each executor the
+checkout has.
 
     python bench/kernels/stack_ops.py --layers 2
     python bench/kernels/stack_ops.py --layers 24   # gpt-oss-20b's layer count, 32 experts top-4
+    python bench/kernels/stack_ops.py --family gemma3 --layers 26   # Gemma 3 1B's layers, heads of 256
+    python bench/kernels/stack_ops.py --family gemma2 --layers 26   # Gemma 2 2B's layers, heads of 256
 
-A transformers GptOssConfig with small widths (hidden 64, heads of 64) and the given layer count,
-experts and top-k (every parameter random), loaded at float32 dense (``--quantization none``); one
+A transformers config (GptOssConfig, Gemma2Config or Gemma3TextConfig) with small widths (hidden 64;
+heads of 64 for gpt-oss, of 256 for Gemma, as their released models) and the given layer count, experts
+and top-k (gpt-oss's; every parameter random), loaded at float32 dense (``--quantization none``); one
 sequence prefilled with 40 tokens (past its 8-key windows), its KV cache in the groups the engine gives
 its windowed and global layers; then one decode step (metadata, embedding, forward pass, logits of the
 last row) counted under torch.profiler: the aten operations called from Python (not those they call
@@ -30,20 +34,38 @@ from tokenmill_service.models.loader import load_model
 PROMPT = 40
 
 
-def checkpoint(directory: Path, layers: int, experts: int, top_k: int) -> None:
-    config = transformers.GptOssConfig(
+def checkpoint(directory: Path, family: str, layers: int, experts: int, top_k: int) -> None:
+    gemma = dict(  # noqa: C408 - the transformers configs' keyword names
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=8, max_position_embeddings=256, query_pre_attn_scalar=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if family == "gemma2":
+        config: Any = transformers.Gemma2Config(**gemma)
+        model: Any = transformers.Gemma2ForCausalLM(config)
+    elif family == "gemma3":  # five local layers to one global, two rotary tables
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        }
+        config = transformers.Gemma3TextConfig(**gemma, rope_parameters=rope)
+        model = transformers.Gemma3ForCausalLM(config)
+    else:
+        model = transformers.GptOssForCausalLM(gpt_oss_config(layers, experts, top_k))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def gpt_oss_config(layers: int, experts: int, top_k: int) -> Any:
+    return transformers.GptOssConfig(
         vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, num_local_experts=experts, num_experts_per_tok=top_k,
         sliding_window=8, max_position_embeddings=256,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                          "rope_theta": 150000.0},
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
-    model.save_pretrained(directory, safe_serialization=True)
 
 
 def _top(event: Any) -> bool:
@@ -61,13 +83,14 @@ def top_level_ops(events: list[Any]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=("gpt-oss", "gemma2", "gemma3"), default="gpt-oss")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--by-name", action="store_true", help="each operation's count too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint(Path(tmp), args.layers, args.experts, args.top_k)
+        checkpoint(Path(tmp), args.family, args.layers, args.experts, args.top_k)
         model = load_model(Path(tmp), dtype=torch.float32, quantization="none")
     groups = plan_kv_cache_groups(model.attention_windows())
     print(f"plan: executor {model.plan.executor.value} ({model.plan.executor.reason}); kv groups {groups.describe()}")
@@ -86,7 +109,8 @@ def main() -> None:
             runner.execute(decode)  # warm
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 runner.execute(decode)
-        print(f"{executor}: {top_level_ops(prof.events())} torch ops in a decode step ({args.layers} layers)")
+        count = top_level_ops(prof.events())
+        print(f"{executor}: {count} torch ops in a decode step ({args.family}, {args.layers} layers)")
         if args.by_name:
             names = Counter(e.name for e in prof.events() if e.name.startswith("aten::") and _top(e))
             print("  " + ", ".join(f"{n} {c}" for n, c in names.most_common()))

@@ -28,12 +28,12 @@ COMMON = dict(  # noqa: C408 - keyword names as in the transformers configs
 )
 
 
-def gemma2(query_pre_attn_scalar: int = 48) -> Any:
+def gemma2(query_pre_attn_scalar: int = 48, head_dim: int = 64) -> Any:
     """Two layers (0 local, 1 global), soft caps small enough to bite on random weights."""
     import transformers
 
     config = transformers.Gemma2Config(
-        **COMMON,
+        **{**COMMON, "head_dim": head_dim},
         num_hidden_layers=2,
         query_pre_attn_scalar=query_pre_attn_scalar,
         attn_logit_softcapping=10.0,
@@ -45,9 +45,10 @@ def gemma2(query_pre_attn_scalar: int = 48) -> Any:
     return model.eval()
 
 
-def gemma3() -> Any:
+def gemma3(head_dim: int = 64) -> Any:
     """Six layers, Gemma 3's pattern (layers 0-4 local, 5 global, as llama.cpp assumes for a GGUF);
-    local rotary base 10^4, global 10^6 with linear scaling (factor 4)."""
+    local rotary base 10^4, global 10^6 with linear scaling (factor 4). ``head_dim`` 256: Gemma 3 1B's
+    (and 4B's, 12B's)."""
     import transformers
 
     rope = {
@@ -55,7 +56,7 @@ def gemma3() -> Any:
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
     }
     config = transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=6, query_pre_attn_scalar=64, rope_parameters=rope
+        **{**COMMON, "head_dim": head_dim}, num_hidden_layers=6, query_pre_attn_scalar=64, rope_parameters=rope
     )
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(config)

@@ -6,6 +6,8 @@ default where it can; and step aside, saying why, where it cannot (torch's int8/
 compiled regions). gpt-oss's layers (attention sinks, sliding windows alternating with full attention,
 biases on every projection and the router, YaRN, the top-k logits softmaxed) the same, past the window,
 with its windowed and global layers' separate block tables (KV-cache groups) as the engine gives them.
+Gemma 2's and Gemma 3's layers (GeGLU, the sandwich norms, soft caps, the scaled embeddings, Gemma 3's
+per-head q/k norms and local and global rotary tables; head_dim 256 in Gemma 3's) the same.
 """
 
 from __future__ import annotations
@@ -176,3 +178,49 @@ def test_gpt_oss_windowed_and_global_layers_read_their_own_block_tables(gpt_oss:
     grouped = same_bits(gpt_oss, groups)
     for a, b in zip(grouped, _run(gpt_oss, True)):
         assert torch.equal(a, b), (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """Gemma 2's two layers (windowed, global; head_dim 64) or Gemma 3's six (five windowed, one global;
+    head_dim 256, Gemma 3 1B's), loaded, and the transformers model saved (the test's to change)."""
+    pytest.importorskip("transformers")
+    from tests.engine import gemma_checkpoints
+    from tokenmill_service.models.loader import load_model
+
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}-stack")
+    hf = gemma_checkpoints.gemma2() if request.param == "gemma2" else gemma_checkpoints.gemma3(head_dim=256)
+    hf.save_pretrained(directory, safe_serialization=True)
+    return load_model(directory, dtype=torch.float32, quantization="none"), hf
+
+
+@torch.inference_mode()
+def test_gemma_runs_the_native_stack_with_the_python_forwards_bits(gemma_and_hf: tuple[Any, Any]) -> None:
+    """Windows of 8 keys (the steps' contexts reach 67), GeGLU, the sandwich norms, soft caps, Gemma 3's
+    q/k norms and two rotary tables, in one call, each layer reading its KV-cache group (as the engine
+    runs Gemma: its windowed layers' blocks behind the window freed); and Gemma 3's logits over a prompt
+    of five windows are transformers' (heads of 256 in the native attention kernel)."""
+    from tests.engine.gemma_checkpoints import PROMPT
+    from tokenmill_service.engine.model_runner import forward_prompt
+
+    gemma, hf = gemma_and_hf
+    assert gemma.plan.executor.value == "native-stack", gemma.plan.executor
+    spec = build_decoder_stack(gemma).spec
+    assert spec.activation == "gelu_tanh"
+    assert all(ly.attn_out_norm is not None and ly.mlp_out_norm is not None for ly in spec.layers)
+    windows = gemma.attention_windows()
+    assert [ly.window for ly in spec.layers] == windows and windows[0] == 8 and windows[-1] is None
+    if gemma.config.architecture == "gemma2":
+        assert spec.qk_norm == "none" and [ly.softcap for ly in spec.layers] == [10.0, 10.0]
+    else:  # the global layer rotates with its own tables, the local ones with the stack's
+        assert spec.head_dim == 256 and spec.qk_norm == "heads"
+        assert [ly.cos is not None for ly in spec.layers] == [False] * 5 + [True]
+        assert not torch.equal(spec.layers[5].cos, spec.cos)
+    groups = plan_kv_cache_groups(windows)
+    assert groups.num_groups > 1
+    same_bits(gemma, groups)
+    if spec.head_dim == 256:  # (tests/engine/test_gemma*.py hold heads of 64 to transformers)
+        # transformers in float64 (its float32 logits are 1.6e-4 from those here: wider heads, longer sums).
+        expected = hf.double()(torch.tensor([PROMPT])).logits[0]
+        actual = gemma.compute_logits(forward_prompt(gemma, PROMPT)).double()
+        torch.testing.assert_close(actual, expected, atol=2e-4, rtol=0)

@@ -33,9 +33,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_a_float16_cache_is_the_float32_one_rounded_and_read_back_exactly() -> None:
+@pytest.mark.parametrize("d", [64, 256])
+def test_a_float16_cache_is_the_float32_one_rounded_and_read_back_exactly(d: int) -> None:
     gen = torch.Generator().manual_seed(4)
-    kv_heads, d, block = 3, 64, 16
+    kv_heads, block = 3, 16
     ops = NativeCpuOps()
     shapes = ops.kv_cache_layout.shapes(1, 40, block, kv_heads, d)
     lengths, query_lens = [300, 120, 41], [1, 80, 41]
@@ -54,8 +55,8 @@ def test_a_float16_cache_is_the_float32_one_rounded_and_read_back_exactly() -> N
     starts = [n - q_len for n, q_len in zip(lengths, query_lens)]
     meta16 = build_attention_metadata(query_lens, starts, tables, *half)
     meta32 = build_attention_metadata(query_lens, starts, tables, *rounded)
-    out16 = ops.attention(q, half[0][0], half[1][0], meta16, 0.125)
-    out32 = ops.attention(q, rounded[0][0], rounded[1][0], meta32, 0.125)
+    out16 = ops.attention(q, half[0][0], half[1][0], meta16, d**-0.5)
+    out32 = ops.attention(q, rounded[0][0], rounded[1][0], meta32, d**-0.5)
     assert torch.equal(out16, out32)
     with pytest.raises(ValueError, match="float32 or float16"):
         paged_attention.symbol("tm_paged_attention", torch.bfloat16)

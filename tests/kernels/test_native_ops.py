@@ -1,6 +1,6 @@
 """The native CPU ops (native/*.cpp, behind kernels/cpu/ops.py) against the plain-torch reference
-(kernels/torch_ops.py), and their batch invariance: attention on random paged caches, RMSNorm, rotary
-and SiLU-and-mul on random rows."""
+(kernels/torch_ops.py), and their batch invariance: attention on random paged caches (head_dim 64, 128 and
+256), RMSNorm, rotary, SiLU-and-mul and GeGLU on random rows."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _tables(lengths: list[int], block: int = BLOCK) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block"),
-    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 16), (9, 3, 64, 8), (9, 3, 64, 32)],
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 16), (9, 3, 64, 8), (9, 3, 64, 32), (4, 2, 256, 16)],
 )
 def test_native_attention_matches_the_torch_reference_on_a_mixed_step(
     heads: int, kv_heads: int, head_dim: int, block: int
@@ -67,7 +67,7 @@ def test_native_attention_matches_the_torch_reference_on_a_mixed_step(
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (8, 4, 256)])
 def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk(
     heads: int, kv_heads: int, head_dim: int
 ) -> None:
@@ -98,8 +98,9 @@ def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk(
 def test_the_backend_says_where_native_attention_cannot_serve() -> None:
     cpu = probe_device("cpu")
     assert NativeCpuOps.unavailable_reason(cpu, torch.float32, 64) is None
+    assert NativeCpuOps.unavailable_reason(cpu, torch.float32, 256) is None  # Gemma 2 2B/9B's, Gemma 3 1B-12B's
     assert "float32 activations" in str(NativeCpuOps.unavailable_reason(cpu, torch.bfloat16, 64))
-    assert "head_dim 64 or 128" in str(NativeCpuOps.unavailable_reason(cpu, torch.float32, 80))
+    assert "head_dim 64, 128 or 256" in str(NativeCpuOps.unavailable_reason(cpu, torch.float32, 80))
     assert "on the CPU" in str(NativeCpuOps.unavailable_reason(DeviceFacts("cuda:0"), torch.float32, 64))
 
 
@@ -141,6 +142,26 @@ def test_native_silu_and_mul_matches_the_reference_row_by_row() -> None:
     got = NativeCpuOps().silu_and_mul(x)
     torch.testing.assert_close(got, TorchOps().silu_and_mul(x), atol=1e-6, rtol=1e-5)
     assert torch.equal(NativeCpuOps().silu_and_mul(x[7:8])[0], got[7])
+
+
+def test_native_gelu_tanh_and_mul_matches_torch_within_float32_rounding() -> None:
+    """Gemma's GeGLU, gelu(g, tanh approximation) * up, g * sigmoid(z) * up with z = 2u: within 8 float32
+    epsilons of |g * up| of torch's F.gelu(approximate="tanh") * up (whose 0.5 * g * (1 + tanh(u)) cancels to
+    within an epsilon of 0 where g is well below 0), and within (8 + 3 |z|) epsilons of the float64 value
+    (z's own rounding, magnified by the exponential) or 1e-35 (below, the exponential's clamp at e^-88);
+    gates from -12 to 12, a masked tail, a row the same alone."""
+    x = _rows(21, 2 * 200, 8) * 4  # 200: a masked tail of 8 after twelve full vectors
+    x[0, :200] = torch.linspace(-12, 12, 200)
+    got = NativeCpuOps().gelu_tanh_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert ((got - want).abs() <= 8 * 2**-24 * (gate * up).abs()).all()
+    g = gate.double()
+    z = 2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)
+    exact = g * torch.sigmoid(z) * up.double()
+    assert ((got.double() - exact).abs() <= (8 + 3 * z.abs()) * 2**-24 * exact.abs() + 1e-35).all()
+    assert torch.equal(NativeCpuOps().gelu_tanh_and_mul(x[7:8])[0], got[7])
+    assert torch.equal(TorchOps().gelu_tanh_and_mul(x), want)  # the reference is torch's
 
 
 def test_native_clamped_swiglu_matches_the_reference_row_by_row() -> None:

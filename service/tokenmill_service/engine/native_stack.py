@@ -8,7 +8,11 @@ hands each linear layer's slots to the stack, and every step the tokens of each 
 q/k norms are its attention's ``qk_norm`` (none, over the whole projection, per head); a
 mixture-of-experts layer hands the stack its router and its experts' native call (``FusedMoE.native``).
 A projection's bias goes with it; a layer's sliding window and attention sinks (gpt-oss's ``sinks``) with
-its attention, and each step's KV-cache groups with the step's metadata.
+its attention, and each step's KV-cache groups with the step's metadata. Gemma's layers (``sandwich_norms``)
+hand the stack their norms of attention's and the MLP's outputs, their MLP's activation (``activation``:
+GeGLU) and their soft cap; a layer whose rotary tables are not the first layer's (Gemma 3's global ones)
+hands its own. The embeddings (Gemma's scaled by sqrt(hidden)) and the logits (Gemma 2's soft cap) stay
+the model's own.
 """
 
 from __future__ import annotations
@@ -48,14 +52,27 @@ def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
     return decoder_stack.MoESpec(_linear("router", mlp.gate), experts, mlp.renormalize, type(mlp).top_logits)
 
 
-def _layer(ly: Any, qk_norm: str) -> decoder_stack.LayerSpec:
+def _layer(ly: Any, qk_norm: str, rotary: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm != "none" else (None, None)
     qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
-    # What the layer's attend() hands the attention op: its window, and its sinks where it has them (gpt-oss).
+    # What the layer's attend() hands the attention op: its window, its soft cap (Gemma 2's) and its sinks
+    # (gpt-oss's) where it has them; its rotary tables where they are not the stack's.
     sinks = getattr(attn, "sinks", None)
-    attention: dict[str, Any] = {"window": attn.window, "sinks": None if sinks is None else sinks.detach()}
+    attention: dict[str, Any] = {
+        "window": attn.window,
+        "softcap": getattr(attn, "softcap", None),
+        "sinks": None if sinks is None else sinks.detach(),
+    }
+    if attn.rotary is not rotary:
+        attention.update(cos=attn.rotary.cos, sin=attn.rotary.sin)
+    # Gemma's sandwich norms: attention's and the MLP's outputs normed, the MLP's input by its own norm.
+    if getattr(type(ly), "sandwich_norms", False):
+        norms = (ly.input_layernorm.weight, ly.pre_feedforward_layernorm.weight)
+        attention.update(
+            attn_out_norm=ly.post_attention_layernorm.weight, mlp_out_norm=ly.post_feedforward_layernorm.weight
+        )
     if isinstance(ly.mlp, FusedMoE):
         return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm, **attention)
     gate_up, down = _linear("gate_up", ly.mlp.gate_up_proj), _linear("down", ly.mlp.down_proj)
@@ -69,16 +86,19 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         gap = getattr(type(model), "native_stack_gap", "")
         raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
-    if any(ly.self_attn.rotary is not rotary or ly.self_attn.scale != attn.scale for ly in model.model.layers):
-        raise ValueError("the native stack rotates and scales every layer alike; this model's layers differ")
+    if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
+        raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
+    activations = {getattr(type(ly.mlp), "activation", "silu") for ly in model.model.layers}
+    if len(activations) != 1:
+        raise ValueError(f"the native stack runs one MLP activation; this model's layers have {sorted(activations)}")
     qk_norm = type(attn).qk_norm  # what the family's before_rotary does, which the stack does instead
-    layers = [_layer(ly, qk_norm) for ly in model.model.layers]
+    layers = [_layer(ly, qk_norm, rotary) for ly in model.model.layers]
     return decoder_stack.DecoderStack(
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
             scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight, layers=layers,
-            kv_dtype=model.kv_dtype, qk_norm=qk_norm,
+            kv_dtype=model.kv_dtype, qk_norm=qk_norm, activation=activations.pop(),
         )
     )  # fmt: skip
 

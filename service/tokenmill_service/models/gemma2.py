@@ -16,8 +16,12 @@ GGUF (llama.cpp's ``gemma2``): ``attn_logit_softcapping``, ``final_logit_softcap
 ``attention.sliding_window`` (and ``sliding_window_pattern``) with llama.cpp's defaults where absent;
 the tensors ``post_attention_norm``, ``ffn_norm`` (before the MLP) and ``post_ffw_norm``. llama.cpp
 keeps no query_pre_attn_scalar: it scales by head_dim ** -0.5, or (hidden / heads) ** -0.5 for the
-27B (46 layers), and so does this reader. The native decoder stack has none of this, so the family
-declares none and the load plan says why.
+27B (46 layers), and so does this reader.
+
+The native decoder stack runs Gemma's layers too (engine/native_stack.py): its GeGLU is elementwise.cpp's
+(the native ops' ``gelu_tanh_and_mul``, so the eager loop's bits), the layer's sandwich norms
+(``sandwich_norms``) and its attention's scale, window and soft cap go with it; the embeddings' scale
+and the final logit soft cap stay here (``GemmaModel.embed``, ``compute_logits``).
 """
 
 from __future__ import annotations
@@ -99,12 +103,15 @@ class Gemma2Attention(LlamaAttention):
 
 
 class GemmaMLP(LlamaMLP):
+    activation: ClassVar[str] = "gelu_tanh"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
     mlp_type: ClassVar[type[LlamaMLP]] = GemmaMLP
+    sandwich_norms: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -213,10 +220,6 @@ def read_gemma_gguf_config(
 
 @register_model("gemma2")
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no GeGLU nor Gemma's norms of attention's output and around the MLP"
-    )
     attention_type: ClassVar[type[LlamaAttention]] = Gemma2Attention
     model_type: ClassVar[type[LlamaModel]] = GemmaModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GemmaDecoderLayer

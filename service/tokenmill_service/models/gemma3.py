@@ -13,6 +13,9 @@ GGUF (llama.cpp's ``gemma3``): ``rope.freq_base`` (global), ``rope.freq_base_swa
 absent), ``rope.scaling.type`` ``linear`` and ``rope.scaling.factor`` (global layers only, as llama.cpp
 applies them), ``attention.sliding_window`` (none: every layer global) with the pattern of 6, and
 ``attn_q_norm`` / ``attn_k_norm``.
+
+The native decoder stack runs it as Gemma 2's, with its per-head q/k norms (``qk_norm``) and each layer's
+rotary tables (the local layers' their own).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from tokenmill_service.models.registry import register_model
 
 
 class Gemma3Attention(Gemma2Attention):
+    qk_norm: ClassVar[str] = "heads"  # before_rotary's, which the native stack runs as Qwen3's
+
     def __init__(
         self,
         config: ModelConfig,
@@ -123,10 +128,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     }
     hf_rope_types: ClassVar[frozenset[str]] = frozenset({"linear"})
     gguf_rope_types: ClassVar[frozenset[str]] = frozenset({"linear"})
-    native_stack_gap: ClassVar[str] = (
-        "the C++ decoder layers have no GeGLU, Gemma's norms of attention's output and around the MLP, nor "
-        "rotary tables per layer"
-    )
 
     @classmethod
     def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:

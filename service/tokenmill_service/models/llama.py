@@ -157,6 +157,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # Its activation as the native decoder stack names it (kernels/cpu/abi.py's ACTIVATIONS).
+    activation: ClassVar[str] = "silu"
+
     def __init__(self, config: ModelConfig, prefix: str, ops: Ops, quant: QuantFactory, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
@@ -176,6 +179,9 @@ class LlamaDecoderLayer(nn.Module):
 
     # The feed-forward block: a family with another activation subclasses LlamaMLP (Gemma's GeGLU).
     mlp_type: ClassVar[type[LlamaMLP]] = LlamaMLP
+    # Gemma's: attention's and the MLP's outputs each normed before their residual add (the native stack's
+    # attn_out_norm / mlp_out_norm), the MLP's input by pre_feedforward_layernorm.
+    sandwich_norms: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -76,6 +76,9 @@ QK_NORM_MODES = {"none": 0, "whole": 1, "heads": 2}
 # expert's logit then the top_k probabilities ("softmax"; Mixtral, OLMoE...), those divided by their sum
 # ("renormalized"), or the top_k logits then a softmax over the chosen ("top_logits": gpt-oss).
 ROUTING_MODES = {"softmax": 0, "renormalized": 1, "top_logits": 2}
+# The decoder stack's dense MLP activation (TmStack.activation): the elementwise.cpp kernel of each, of one
+# signature: SiLU-and-mul (Llama...), or GeGLU, gelu with the tanh approximation (Gemma).
+ACTIVATIONS = {"silu": "tm_silu_and_mul", "gelu_tanh": "tm_gelu_tanh_and_mul"}
 # What LoRA adapter slots store (lora.cpp): float32, or bfloat16 (products accumulate in float32 either way).
 LORA_DTYPES = {"float32": 0, "bfloat16": 1}
 
@@ -117,6 +120,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "const int64_t* positions, const float* cos_table, const float* sin_table)"
         ),
         "void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n)",
+        "void tm_gelu_tanh_and_mul(const float* x, float* out, int64_t t, int64_t n)",
         "void tm_clamped_swiglu_and_mul(const float* x, float* out, int64_t t, int64_t n, float alpha, float limit)",
     ),
     "paged_attention": tuple(
@@ -244,7 +248,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     # experts (moe_mlp.cpp's). q_norm / k_norm: the q and k RMSNorm weights where the stack's ``qk_norm``
     # says the family has them. Attention: within ``window`` keys (0: the whole context), scores soft-capped
     # at ``softcap`` (0: none), a sink logit per head (``sinks`` [heads], null: none), as
-    # tm_paged_attention_window takes them.
+    # tm_paged_attention_window takes them. Gemma's sandwich norms: ``attn_out_norm`` on o's output and
+    # ``mlp_out_norm`` on the MLP's, each before its residual add (null: none; ``post_norm`` is then the
+    # pre-feedforward norm). ``cos_table`` / ``sin_table``: the layer's rotary tables where they are not the
+    # stack's (Gemma 3's local and global layers; null: the stack's).
     "TmLayer": (
         ("const float*", "input_norm"),  # [hidden]
         ("const float*", "post_norm"),  # [hidden]
@@ -260,6 +267,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("int64_t", "window"),
         ("float", "softcap"),
         ("const float*", "sinks"),
+        ("const float*", "attn_out_norm"),  # [hidden]
+        ("const float*", "mlp_out_norm"),  # [hidden]
+        ("const float*", "cos_table"),  # [positions, head_dim / 2]
+        ("const float*", "sin_table"),
     ),
     "TmStack": (
         *(("int64_t", name) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
@@ -271,7 +282,7 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("const TmLayer*", "layers"),
         ("TmRmsNorm", "rms_norm"),
         ("TmRotary", "rotary"),
-        ("TmSiluAndMul", "silu_and_mul"),
+        ("TmSiluAndMul", "activation"),  # the dense MLP's (ACTIVATIONS): SiLU-and-mul or GeGLU, one signature
         ("TmStoreKeys", "store_keys"),
         ("TmStoreValues", "store_values"),
         ("TmAttention", "attention"),

@@ -15,6 +15,10 @@
 // Attention takes each layer's sliding window, soft cap and sinks (tm_paged_attention_window; without
 // them it is tm_paged_attention's work). With KV-cache groups (engine/kv_cache_groups.py) each layer
 // reads its group's slots and block tables and its storage tensor of the caches (``layer_kv``).
+// Gemma's layers: the dense MLP's activation is the stack's (SiLU-and-mul, or Gemma's GeGLU), o's output and
+// the MLP's are each RMS-normed before their residual add where the layer has those norms (attn_out_norm,
+// mlp_out_norm: tm_rms_norm in place, the rows the eager norm reads), and a layer may rotate with its own
+// tables (Gemma 3's local and global layers).
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -118,13 +122,15 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     const int64_t* slots = g.slots;
     uint8_t* kc = k_cache + tensor * layer_bytes;
     uint8_t* vc = v_cache + tensor * layer_bytes;
+    const float* cos_t = L.cos_table ? L.cos_table : s->cos_table;
+    const float* sin_t = L.sin_table ? L.sin_table : s->sin_table;
     // Residual add (none before the first layer) and the input norm.
     if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
     if (linear(s, L.qkv, lora, normed, t, H, qkv, scratch, threads)) return -100 - (int)l;
     if (s->qk_norm == TM_QK_NORM_NONE) {
-      s->rotary(qkv, qkv_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
-      s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
+      s->rotary(qkv, qkv_size, t, s->heads, D, positions, cos_t, sin_t);
+      s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, cos_t, sin_t);
       s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
       for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
     } else {
@@ -138,8 +144,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
           s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
         }
       }
-      s->rotary(q, q_size, t, s->heads, D, positions, s->cos_table, s->sin_table);
-      s->rotary(keys, kv_size, t, s->kv_heads, D, positions, s->cos_table, s->sin_table);
+      s->rotary(q, q_size, t, s->heads, D, positions, cos_t, sin_t);
+      s->rotary(keys, kv_size, t, s->kv_heads, D, positions, cos_t, sin_t);
       s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
     }
     s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
@@ -147,17 +153,20 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
                      g.table_width, s->scale, L.window, L.softcap, L.sinks, attn, threads))
       return -200 - (int)l;
     if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
+    // Gemma's norm of attention's output (its h_out, the rows themselves, written back in place).
+    if (L.attn_out_norm) s->rms_norm(y, H, nullptr, L.attn_out_norm, s->eps, y, y, t, H);
     s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
     if (L.experts) {
       const TmExperts* e = L.experts;
       if (linear(s, L.router, nullptr, normed, t, H, logits, scratch, threads)) return -100 - (int)l;
       s->moe_route(logits, t, e->num_experts, e->top_k, L.routing, route_w, ids);
       if (s->moe_mlp(e, normed, t, ids, route_w, moe_ws, y, threads)) return -300 - (int)l;
-      continue;
+    } else {
+      if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
+      s->activation(gate_up, act, t, I);
+      if (linear(s, L.down, lora, act, t, I, y, scratch, threads)) return -100 - (int)l;
     }
-    if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
-    s->silu_and_mul(gate_up, act, t, I);
-    if (linear(s, L.down, lora, act, t, I, y, scratch, threads)) return -100 - (int)l;
+    if (L.mlp_out_norm) s->rms_norm(y, H, nullptr, L.mlp_out_norm, s->eps, y, y, t, H);  // Gemma's, as above
   }
   s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
   return 0;

@@ -14,7 +14,11 @@ layer's product with lora.cpp's kernel, as the eager layers add it. A projection
 (``LinearSpec.bias``) is added after that. A layer's attention may have a sliding window, a soft cap and
 a sink logit per head (``LayerSpec.window``, ``softcap``, ``sinks``: gpt-oss's), and a model whose
 windowed and global layers keep separate block tables (engine/kv_cache_groups.py) has each layer read
-its group's tables and its storage tensor, as ``AttentionMetadata.for_layer`` gives them.
+its group's tables and its storage tensor, as ``AttentionMetadata.for_layer`` gives them. Gemma's layers:
+the dense MLP's activation is GeGLU (``StackSpec.activation``), attention's output and the MLP's are
+RMS-normed before their residual adds (``LayerSpec.attn_out_norm``, ``mlp_out_norm``; ``post_norm`` is then
+the pre-feedforward norm), and a layer may rotate with tables of its own (``LayerSpec.cos``, ``sin``:
+Gemma 3's local and global layers).
 """
 
 from __future__ import annotations
@@ -104,6 +108,12 @@ class LayerSpec:
     window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    # Gemma's sandwich norms (None: none): o's output and the MLP's each RMS-normed before its residual add.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    # The layer's rotary tables where they are not the stack's ([positions, head_dim / 2]; None: the stack's).
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +133,8 @@ class StackSpec:
     # q/k RMSNorm (abi.QK_NORM_MODES): "none", "whole" (each token's q and k projections, OLMoE's) or
     # "heads" (each head, Qwen3's): q_norm / k_norm [heads * head_dim] / [kv_heads * head_dim] or [head_dim].
     qk_norm: str = "none"
+    # The dense MLP's activation (abi.ACTIVATIONS): "silu" (SiLU-and-mul) or "gelu_tanh" (Gemma's GeGLU).
+    activation: str = "silu"
 
 
 class DecoderStack:
@@ -133,6 +145,8 @@ class DecoderStack:
             raise ValueError("a decoder stack needs at least one layer")
         if spec.qk_norm not in abi.QK_NORM_MODES:
             raise ValueError(f"q/k norms are one of {', '.join(abi.QK_NORM_MODES)}, not {spec.qk_norm!r}")
+        if spec.activation not in abi.ACTIVATIONS:
+            raise ValueError(f"the MLP's activation is one of {', '.join(abi.ACTIVATIONS)}, not {spec.activation!r}")
         tensors = [spec.cos, spec.sin, spec.final_norm]
         norms = [spec.final_norm]
         widths = [0]  # of the layers' LoRA slots: parts * rank
@@ -144,6 +158,9 @@ class DecoderStack:
             _check_attention(layer, spec)
             if layer.sinks is not None:
                 norms.append(layer.sinks)  # read as float32, like the norms
+            norms += [n for n in (layer.attn_out_norm, layer.mlp_out_norm) if n is not None]
+            _check_rotary_and_norms(layer, spec)
+            norms += [r for r in (layer.cos, layer.sin) if r is not None]  # read as float32, like the stack's
             if spec.qk_norm != "none":
                 assert layer.q_norm is not None and layer.k_norm is not None
                 norms += [layer.q_norm, layer.k_norm]
@@ -208,7 +225,8 @@ class DecoderStack:
                        linear(ly.moe.router if ly.moe is not None else None),
                        ly.moe.experts.address() if ly.moe is not None else None,
                        abi.ROUTING_MODES[ly.moe.routing] if ly.moe is not None else 0,
-                       ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks))
+                       ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks),
+                       pointer(ly.attn_out_norm), pointer(ly.mlp_out_norm), pointer(ly.cos), pointer(ly.sin))
                 for ly in spec.layers
             )
         )  # fmt: skip
@@ -222,7 +240,7 @@ class DecoderStack:
             spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(),
             ctypes.addressof(self._layers),
             build.address("elementwise", "tm_rms_norm"), build.address("elementwise", "tm_rotary"),
-            build.address("elementwise", "tm_silu_and_mul"),
+            build.address("elementwise", abi.ACTIVATIONS[spec.activation]),
             *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
               for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention_window")),
             build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
@@ -314,6 +332,17 @@ def _check_attention(layer: LayerSpec, spec: StackSpec) -> None:
         raise ValueError(f"a window is at least 1 key and a soft cap above 0, not {layer.window} and {layer.softcap}")
     if layer.sinks is not None and layer.sinks.shape != (spec.heads,):
         raise ValueError(f"attention sinks are one logit per head ({spec.heads}), not {tuple(layer.sinks.shape)}")
+
+
+def _check_rotary_and_norms(layer: LayerSpec, spec: StackSpec) -> None:
+    if (layer.cos is None) != (layer.sin is None):
+        raise ValueError("a layer's own rotary tables are a cos and a sin table, both or neither")
+    for table in (layer.cos, layer.sin):
+        if table is not None and table.shape != spec.cos.shape:
+            raise ValueError(f"a layer's rotary tables are [positions, head_dim / 2] as the stack's, not {table.shape}")
+    for norm in (layer.attn_out_norm, layer.mlp_out_norm):
+        if norm is not None and norm.shape != (spec.hidden,):
+            raise ValueError(f"the norms of attention's and the MLP's outputs take {spec.hidden} weights")
 
 
 def _check_qk_norm(layer: LayerSpec, spec: StackSpec) -> None:

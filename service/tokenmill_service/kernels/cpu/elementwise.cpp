@@ -87,6 +87,28 @@ void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n) {
   }
 }
 
+// Gemma's GeGLU for x = [gate | up] rows of 2 * n; out: [t, n]: gelu(gate, tanh approximation) * up,
+// gelu's 0.5 * g * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 * g^3), computed as g * sigmoid(2u)
+// (the same number: 0.5 * (1 + tanh(u)) = 1 / (1 + e^(-2u))), which keeps its relative precision where
+// 1 + tanh(u) would cancel (g well below 0); the sigmoid as SiLU's above. The eager MLP (the native
+// ops' gelu_tanh_and_mul) and the decoder stack both call this, so their bits agree.
+void tm_gelu_tanh_and_mul(const float* x, float* out, int64_t t, int64_t n) {
+  // -2u = g * (a + b * g^2): a = -2 sqrt(2 / pi), b = a * 0.044715.
+  const __m512 a = _mm512_set1_ps(-1.5957691216057308f), b = _mm512_set1_ps(-0.07135481627260025f);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < t; ++i) {
+    const float* gate = x + i * 2 * n;
+    const float* up = gate + n;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 g = _mm512_maskz_loadu_ps(m, gate + j);
+      const __m512 z = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), b, a));
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(z)));
+      _mm512_mask_storeu_ps(out + i * n + j, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_maskz_loadu_ps(m, up + j)));
+    }
+  }
+}
+
 // gpt-oss's experts' activation for x = [gate | up] rows of 2 * n; out: [t, n]:
 // g = min(gate, limit), u = clamp(up, -limit, limit), out = (g * sigmoid(g * alpha)) * (u + 1), the
 // sigmoid as SiLU's above; NaN passes the clamps, as torch.clamp lets it. The eager experts and the

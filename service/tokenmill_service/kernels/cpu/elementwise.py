@@ -1,5 +1,5 @@
-"""RMSNorm with the residual add, rotary, SiLU-and-mul and gpt-oss's clamped SwiGLU in one native pass
-each (elementwise.cpp).
+"""RMSNorm with the residual add, rotary, SiLU-and-mul, Gemma's GeGLU and gpt-oss's clamped SwiGLU in one
+native pass each (elementwise.cpp).
 
 Each takes float32 rows (unit stride within a row) and computes every row on its own; callers
 check the layout (``fits``) and use the torch reference otherwise.
@@ -58,6 +58,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(t, n2 // 2, device=x.device)
     _lib().tm_silu_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2)
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU of x [T, 2 * I] (gate, up) -> gelu(gate, tanh approximation) * up [T, I]; float32."""
+    t, n2 = x.shape
+    x = x.contiguous()
+    out = torch.empty(t, n2 // 2, device=x.device)
+    _lib().tm_gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2)
     return out
 
 

@@ -1,12 +1,12 @@
 """The ``native`` backend: the torch backend's operations in tokenmill's native CPU kernels (native/).
 
-Attention is kernels/cpu/paged_attention.cpp; RMSNorm with the residual add, rotary, SiLU-and-mul and
-gpt-oss's clamped SwiGLU are kernels/cpu/elementwise.cpp, one pass each instead of several torch operations. The load plan picks it
-for ``--backend torch`` where it can run (``unavailable_reason``: a CPU, float32 activations,
-head_dim 64 or 128, the kernels built); it lays its key cache out transposed per block
-(``kv_cache_layout``) and can store the cache in float16. Tensors it has no kernel for (another
-dtype or stride) go to the reference (``TorchOps``), as does code being compiled (inductor fuses
-it). Multi-head latent attention (DeepSeek's) is kernels/cpu/latent_attention.cpp, over the
+Attention is kernels/cpu/paged_attention.cpp; RMSNorm with the residual add, rotary, SiLU-and-mul,
+Gemma's GeGLU and gpt-oss's clamped SwiGLU are kernels/cpu/elementwise.cpp, one pass each instead of
+several torch operations. The load plan picks it for ``--backend torch`` where it can run
+(``unavailable_reason``: a CPU, float32 activations, head_dim 64, 128 or 256, the kernels built); it
+lays its key cache out transposed per block (``kv_cache_layout``) and can store the cache in float16.
+Tensors it has no kernel for (another dtype or stride) go to the reference (``TorchOps``), as does
+code being compiled (inductor fuses it). Multi-head latent attention (DeepSeek's) is kernels/cpu/latent_attention.cpp, over the
 reference's latent cache layout (which the reference's ``store_latent`` writes). Every kernel
 computes each row or query on its own in a fixed order, so the batch-invariance promises hold by
 construction; tests/kernels/test_native_ops.py and test_native_latent_attention.py hold them to the
@@ -58,7 +58,7 @@ class NativeCpuOps(TorchOps):
         if act_dtype != torch.float32:
             return f"it takes float32 activations, and these are {str(act_dtype).removeprefix('torch.')}"
         if head_dim not in paged_attention.HEAD_DIMS:
-            return f"it takes head_dim 64 or 128, and this model's is {head_dim}"
+            return f"it takes head_dim 64, 128 or 256, and this model's is {head_dim}"
         return facts.native("paged_attention", "elementwise")
 
     def rms_norm(
@@ -89,6 +89,12 @@ class NativeCpuOps(TorchOps):
         if _eager() and elementwise.fits(x):
             return elementwise.silu_and_mul(x)
         return super().silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """elementwise.cpp's GeGLU, the one the native decoder stack calls: so the eager loop's bits."""
+        if _eager() and x.dim() == 2 and elementwise.fits(x):
+            return elementwise.gelu_tanh_and_mul(x)
+        return super().gelu_tanh_and_mul(x)
 
     def clamped_swiglu_and_mul(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
         """elementwise.cpp's, the one the native experts call (moe_mlp.cpp) computes: so the experts

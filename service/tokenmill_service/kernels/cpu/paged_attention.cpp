@@ -266,7 +266,9 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
   // exponentials of a row's scores (the maximum is exact in any order; the exponentials are
   // elementwise; the denominator is summed in 16 lanes by key index, then reduced: all fixed by
   // the row's own key count), then their sum with the values, in key order.
-  constexpr int VR = DV <= 4 ? 6 : 3;  // rows per pass over the values: VR x DV accumulators
+  // Rows per pass over the values: VR x DV accumulators and DV values in the 32 vector registers
+  // (head_dim 256: one row, its 16 sums and the key's 16 values).
+  constexpr int VR = DV <= 4 ? 6 : DV <= 8 ? 3 : 1;
   constexpr int64_t VW = 64;
   __m512 mv[MAX_ROWS], sum[MAX_ROWS];
   alignas(64) __m512 acc[MAX_ROWS * DV];
@@ -384,6 +386,10 @@ int attention(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_
       run<8>(q, t, heads, kv_heads, k_cache, v_cache, block_size, positions, seq_of_token, tables, table_width, scale,
              window, softcap, sinks, out, threads);
       return 0;
+    case 256:  // Gemma 2 and 3
+      run<16>(q, t, heads, kv_heads, k_cache, v_cache, block_size, positions, seq_of_token, tables, table_width,
+              scale, window, softcap, sinks, out, threads);
+      return 0;
     default:
       return -1;
   }
@@ -416,7 +422,7 @@ void tm_store_values_f16(const float* v, int64_t v_stride, int64_t t, int64_t ro
 
 // q, out: [t, heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]; tables:
 // [sequences, table_width] block ids; token i is at positions[i] of sequence seq_of_token[i].
-// Returns 0, or -1 when head_dim is not 64 or 128, -2 when heads is not a multiple of kv_heads.
+// Returns 0, or -1 when head_dim is not 64, 128 or 256, -2 when heads is not a multiple of kv_heads.
 // _f16: float16 caches (each key and value converted to float32 as read; the same arithmetic).
 int tm_paged_attention(const float* q, int64_t t, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        const float* k_cache, const float* v_cache, int64_t block_size, const int64_t* positions,

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill_service.kernels.cpu import build
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 CACHE_DTYPES = {torch.float32: "", torch.float16: "_f16"}  # the kernels' symbol suffixes
 
 
