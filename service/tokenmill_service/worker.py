@@ -10,6 +10,7 @@ Importing this module does not import torch (the router imports it for `worker_m
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 import select
@@ -17,6 +18,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -211,8 +213,14 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
-    model = load(spec.options, device, tp)
-    tokenizer = load_tokenizer(resolve_model_path(spec.options.model or None))
+    # The tokenizer (a second or more for a 128k vocabulary, mostly Python) loads beside the weights,
+    # whose packing runs in native code without the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        path = resolve_model_path(spec.options.model or None)
+        # In a copy of this context, so that its log line carries the worker's id and rank.
+        tokenizer_loaded = pool.submit(contextvars.copy_context().run, load_tokenizer, path)
+        model = load(spec.options, device, tp)
+        tokenizer = tokenizer_loaded.result()
     engine = _engine(model, tokenizer, spec, tp)
     if tp.size > 1:
         # The pool size depends on this rank's free memory: every rank takes rank 0's.

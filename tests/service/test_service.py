@@ -272,6 +272,9 @@ def test_two_workers_each_initialize_torch_distributed_and_share_the_load() -> N
         assert sorted(e["worker_id"] for e in inits) == [0, 1]
         assert all(e["backend"] == "gloo" and e["world_size"] == 1 for e in inits)
         assert len({e["master_port"] for e in inits}) == 2  # each replica is its own process group
+        # Each worker loads its tokenizer on a thread beside its weights; the line still names the worker.
+        loaded = [e for e in events if e.get("event") == "tokenizer_loaded" and "worker_id" in e]
+        assert sorted(e["worker_id"] for e in loaded) == [0, 1] and all(e["rank"] == 0 for e in loaded)
         dispatched = [e["worker_id"] for e in events if e.get("event") == "request_finished"]
         assert len(dispatched) == 8 and set(dispatched) == {0, 1}
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
