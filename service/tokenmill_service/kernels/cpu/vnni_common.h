@@ -61,9 +61,48 @@ inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float*
   }
 }
 
+// Row i of x as quantize_row makes it, but each weight's two digits as one int16, 256 * hi + lo, for vpdpwssd
+// (int16 pairs, exact int32 sums): per block 64 bytes, its 32 values in the order vpdpwssd pairs them with
+// the packed weights' even and odd bytes (kquant_gemm.cpp): per 8 weights 0 2 1 3 4 6 5 7, so that its four
+// dwords hold the pairs (x0, x2) (x1, x3) (x4, x6) (x5, x7).
+//
+// It fits: |v| = |x| / d <= 127 up to a few ulps of rounding (d = max|x| / 127), so hi = round(v) is in
+// [-127, 127] and lo = round(256 (v - hi)) in [-128, 128] (128 saturated to 127): 256 * hi + lo lies in
+// [-32640, 32639]. Only where d is not a normal float32 (max|x| below 127 * 2^-126, about 1.5e-36, where
+// 1 / d loses precision or overflows: values no activation takes; the unit dq = d / 256 then rounds to
+// next to nothing) or x holds inf or NaN can hi saturate at -128 and the value fall below int16: it is
+// saturated to -32768 here (and the half sums count it so), where the digit form holds -32896.
+inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int64_t b = 0; b < k / QK; ++b) {
+    int32_t sum = 0;
+    __m512 t[2];
+    t[0] = _mm512_loadu_ps(x + b * QK);
+    t[1] = _mm512_loadu_ps(x + b * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(t[0]), _mm512_abs_ps(t[1])));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int h = 0; h < 2; ++h) {
+      // The digits exactly as quantize_row makes them.
+      const __m512 v = _mm512_mul_ps(t[h], _mm512_set1_ps(id));
+      const __m512i hi = _mm512_cvtps_epi32(v);
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
+      const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));
+      const __m512i lo8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo));
+      const __m256i word = _mm512_cvtsepi32_epi16(_mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8));  // see above
+      const __m512i value = _mm512_cvtepi16_epi32(word);  // as stored
+      _mm256_storeu_si256((__m256i*)(a + b * 2 * QK + h * 32), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, value)));
+      const int32_t half = _mm512_reduce_add_epi32(value);
+      if (s16) s16[2 * b + h] = half;
+      sum += half;
+    }
+    dq[b] = d * (1.0f / 256.0f);
+    sx[b] = dq[b] * (float)sum;
+  }
+}
+
 // The quantized activations of m rows, as a tile reads them.
 struct Activations {
-  const int8_t* a;    // [m][2k] digits
+  const int8_t* a;    // [m][2k] digits (or words: quantize_row_words)
   const float* dx;    // [m][k / 32] units
   const float* sx;    // [m][k / 32] unit * integer sum
   const int32_t* s16; // [m][k / 16] integer sums of half blocks (when asked for)
@@ -81,9 +120,10 @@ struct Activations {
 // computes `rows` (at most mt) activation rows against groups g0 .. g0 + ng - 1 (ng at most
 // ng_wide) of segment s into y (row stride ldy), of which the first n_valid outputs exist. The
 // activations are quantized once for every segment.
+// words: the activations as quantize_row_words makes them (else quantize_row).
 template <class Tile>
 void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const int64_t* rows, int segments,
-           bool half_sums, int mt, int ng_wide, int threads, Tile tile) {
+           bool half_sums, int mt, int ng_wide, int threads, Tile tile, bool words = false) {
   const int64_t blocks = k / QK;
   std::vector<int8_t> a(m * 2 * k);
   std::vector<float> dx(m * blocks), sx(m * blocks);
@@ -110,8 +150,8 @@ void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const in
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; ++i) {
       const Activations row = acts.at(i);
-      quantize_row(x + i * k, k, const_cast<int8_t*>(row.a), const_cast<float*>(row.dx), const_cast<float*>(row.sx),
-                   const_cast<int32_t*>(row.s16));
+      (words ? quantize_row_words : quantize_row)(x + i * k, k, const_cast<int8_t*>(row.a), const_cast<float*>(row.dx),
+                                                  const_cast<float*>(row.sx), const_cast<int32_t*>(row.s16));
     }
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t first = tiles * t / nt, last = tiles * (t + 1) / nt;
