@@ -39,7 +39,11 @@ KERNEL_DIR = "service/tokenmill_service/kernels/cpu"
 SCALE_FIELDS = {
     QType.Q4_0: (0,),
     QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
     QType.Q8_0: (0,),
+    QType.IQ4_NL: (0,),
+    QType.MXFP4: (),  # an e8m0 exponent byte (below)
     QType.Q2_K: (80, 82),
     QType.Q3_K: (108,),
     QType.Q4_K: (0, 2),
@@ -86,6 +90,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator) 
         blocks[..., at : at + 2] = (
             rng.uniform(-0.01, 0.01, size=(rows, cols // weights, 1)).astype(np.float16).view(np.uint8)
         )
+    if qtype == QType.MXFP4:  # scales 2^(e - 128) within 2^-20 .. 2^15: what float16 holds
+        blocks[..., 0] = rng.integers(108, 144, size=blocks.shape[:-1], dtype=np.uint8)
     return torch.from_numpy(blocks)
 
 

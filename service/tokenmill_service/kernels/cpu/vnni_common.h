@@ -32,6 +32,12 @@ inline int32_t dword_at(const int8_t* p) {
   return v;
 }
 
+// The low digit lo (saturated to int8) beside the high digit hi8, such that 256 * hi8 + lo fits in int16, as
+// quantize_row_words stores it: hi8 is -128 only where it saturated (see there), and then lo is kept >= 0.
+inline __m512i low_digit(__m512i hi8, __m512i lo8) {
+  return _mm512_mask_max_epi32(lo8, _mm512_cmpeq_epi32_mask(hi8, _mm512_set1_epi32(-128)), lo8, _mm512_setzero_si512());
+}
+
 // Row i of x as fixed-point blocks: per block 32 hi digits then 32 lo digits (a: 2k bytes), the
 // block's unit dq, dq * sum(256 * hi + lo), and (if s16 is given) the integer sums
 // sum(256 * hi + lo) of each half block of 16, for formats whose scales change every 16 weights.
@@ -49,7 +55,7 @@ inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float*
       // The remainder is exact in float32 (v and hi are within 0.5), and so is scaling it by 256.
       const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
       const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));  // as stored (saturated)
-      const __m512i lo8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo));
+      const __m512i lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
       _mm_storeu_si128((__m128i*)(a + b * 2 * QK + h * 16), _mm512_cvtepi32_epi8(hi8));
       _mm_storeu_si128((__m128i*)(a + b * 2 * QK + QK + h * 16), _mm512_cvtepi32_epi8(lo8));
       const int32_t half = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8));
@@ -66,12 +72,12 @@ inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float*
 // the packed weights' even and odd bytes (kquant_gemm.cpp): per 8 weights 0 2 1 3 4 6 5 7, so that its four
 // dwords hold the pairs (x0, x2) (x1, x3) (x4, x6) (x5, x7).
 //
-// It fits: |v| = |x| / d <= 127 up to a few ulps of rounding (d = max|x| / 127), so hi = round(v) is in
-// [-127, 127] and lo = round(256 (v - hi)) in [-128, 128] (128 saturated to 127): 256 * hi + lo lies in
-// [-32640, 32639]. Only where d is not a normal float32 (max|x| below 127 * 2^-126, about 1.5e-36, where
-// 1 / d loses precision or overflows: values no activation takes; the unit dq = d / 256 then rounds to
-// next to nothing) or x holds inf or NaN can hi saturate at -128 and the value fall below int16: it is
-// saturated to -32768 here (and the half sums count it so), where the digit form holds -32896.
+// It fits in int16, the digits being those of quantize_row: |v| = |x| / d <= 127 up to a few ulps of rounding
+// (d = max|x| / 127), so hi = round(v) is in [-127, 127] and lo = round(256 (v - hi)) in [-128, 128] (128
+// saturated to 127): 256 * hi + lo lies in [-32640, 32639]. Only where 1 / d overflows (max|x| below about
+// 3.7e-37, where the unit dq = d / 256 is below 1.2e-41) or x holds inf or NaN can v be infinite or NaN and hi
+// saturate at -128; low_digit then keeps lo >= 0, so that the value stays within int16 here too and both
+// forms hold the same integers (a row's bits do not depend on which form its batch takes).
 inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
   const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   for (int64_t b = 0; b < k / QK; ++b) {
@@ -87,9 +93,8 @@ inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, 
       const __m512i hi = _mm512_cvtps_epi32(v);
       const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
       const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));
-      const __m512i lo8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo));
-      const __m256i word = _mm512_cvtsepi32_epi16(_mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8));  // see above
-      const __m512i value = _mm512_cvtepi16_epi32(word);  // as stored
+      const __m512i lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
+      const __m512i value = _mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8);  // in int16 (above)
       _mm256_storeu_si256((__m256i*)(a + b * 2 * QK + h * 32), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, value)));
       const int32_t half = _mm512_reduce_add_epi32(value);
       if (s16) s16[2 * b + h] = half;
