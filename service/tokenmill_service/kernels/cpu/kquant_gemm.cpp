@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
 // super-blocks of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
-// per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd, exact int32 sums.
+// per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd (a few rows) or vpdpwssd (more), exact
+// int32 sums.
 //
 // What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
 //   Q4_K, Q5_K: 8 sub-blocks of 32, each with a 6-bit scale sc and minimum m; the super-block has
@@ -386,11 +387,17 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
     }
     for (int64_t j = 0; j < SUBS; ++j) {
       const int64_t b = sb * SUBS + j;
-      // sum q a of the block (or half block) so far, exact, in PARTS sums per output.
+      // sum q a of the block (or half block) so far, exact, in PARTS sums per output; for the formats with an
+      // offset, sum (q - offset) a: the sums start from -offset * sum a (in the units of total: the lo digits'
+      // sum for digits), which takes no subtraction per half block.
       __m512i qa[M][NGT][PARTS];
+      const auto start = [&](int i, int g, int half) {
+        for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
+        if constexpr (signed_scales(F))
+          qa[i][g][WORDS ? 0 : 1] = _mm512_set1_epi32(-q_offset(F) * act.s16[i * 2 * blocks + 2 * b + half]);
+      };
       for (int i = 0; i < M; ++i)
-        for (int g = 0; g < NGT; ++g)
-          for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
+        for (int g = 0; g < NGT; ++g) start(i, g, 0);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
         if constexpr (WORDS) {
@@ -444,11 +451,9 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             const Packed p(F, w, gstride, g, sb);
             const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 2 * G + half * G, true));  // exact
             for (int i = 0; i < M; ++i) {
-              const __m512i centred =
-                  _mm512_sub_epi32(total<WORDS>(qa[i][g]), _mm512_set1_epi32(q_offset(F) * act.s16[i * 2 * blocks + 2 * b + s / 2]));
               const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
-              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[i][g]);
-              for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
+              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred
+              if (s == 1) start(i, g, 1);
             }
           }
         }

@@ -1,6 +1,6 @@
 // What the integer-product kernels (vnni_gemm.cpp, kquant_gemm.cpp) share: the activations as
-// 16-bit fixed point per block of 32 (two int8 digits; the numerics are described at the top of
-// vnni_gemm.cpp), and the driver that quantizes the rows and hands tiles of rows and weight groups
+// 16-bit fixed point per block of 32 (two int8 digits, or the same value as one int16; the numerics are
+// described at the top of vnni_gemm.cpp), and the driver that quantizes the rows and hands tiles of rows and weight groups
 // to the threads. A row's result never depends on the other rows, the tiling or the thread count:
 // each output's sums run in one fixed order inside a tile, whatever tile computes it.
 #pragma once
