@@ -363,13 +363,22 @@ inline __m512i total(const __m512i (&parts)[P]) {
   return sum;
 }
 
+// An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset
+// -offset * sum_h a (s16[h]) in the units of total (the lo digits' sum for digits).
+template <int F, bool WORDS, int P>
+inline void start_sums(__m512i (&parts)[P], const int32_t* s16, int64_t h) {
+  for (int u = 0; u < P; ++u) parts[u] = _mm512_setzero_si512();
+  if constexpr (signed_scales(F)) parts[WORDS ? 0 : 1] = _mm512_set1_epi32(-q_offset(F) * s16[h]);
+}
+
 // y[i, 16g + l] for M activation rows and NGT groups starting at w. WORDS: the activations as one int16 each
 // (quantize_row_words) and vpdpwssd, one product a pair of weights; else as two int8 digits (quantize_row) and
 // vpdpbusd, two products (one a digit) a quad of weights. The integer sums are the same, so are the outputs.
 // Words take no second sum per output nor the digits' (hi << 8) + lo each block, so more rows fit in the
 // registers (MT), but two more shifts or masks a quad of weights: the digits for the few rows of decoding.
+// Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
 template <int F, int M, int NGT, bool WORDS>
-inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
+__attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid) {
   // Partial sums per output: digits hi and lo; words enough independent chains of vpdpwssd (4 cycles'
   // latency, one a cycle) in flight.
@@ -391,13 +400,8 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
       // offset, sum (q - offset) a: the sums start from -offset * sum a (in the units of total: the lo digits'
       // sum for digits), which takes no subtraction per half block.
       __m512i qa[M][NGT][PARTS];
-      const auto start = [&](int i, int g, int half) {
-        for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
-        if constexpr (signed_scales(F))
-          qa[i][g][WORDS ? 0 : 1] = _mm512_set1_epi32(-q_offset(F) * act.s16[i * 2 * blocks + 2 * b + half]);
-      };
       for (int i = 0; i < M; ++i)
-        for (int g = 0; g < NGT; ++g) start(i, g, 0);
+        for (int g = 0; g < NGT; ++g) start_sums<F, WORDS>(qa[i][g], act.s16, i * 2 * blocks + 2 * b);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
         if constexpr (WORDS) {
@@ -453,7 +457,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             for (int i = 0; i < M; ++i) {
               const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
               acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred
-              if (s == 1) start(i, g, 1);
+              if (s == 1) start_sums<F, WORDS>(qa[i][g], act.s16, i * 2 * blocks + 2 * b + 1);
             }
           }
         }
