@@ -376,6 +376,9 @@ inline void start_sums(__m512i (&parts)[P], const int32_t* s16, int64_t h) {
 // vpdpbusd, two products (one a digit) a quad of weights. The integer sums are the same, so are the outputs.
 // Words take no second sum per output nor the digits' (hi << 8) + lo each block, so more rows fit in the
 // registers (MT), but two more shifts or masks a quad of weights: the digits for the few rows of decoding.
+// What bounds the words on Zen 4 is the float fold of each block: its multiply and FMAs share vpdpwssd's two
+// pipes (3 of them a block per output against 16 products; Q4_K measured 1.22 times as fast with them taken
+// out, Q6_K 1.17), and they must stay, one rounding at a time in this order, for the outputs' bits.
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
 template <int F, int M, int NGT, bool WORDS>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
