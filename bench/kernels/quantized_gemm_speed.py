@@ -142,6 +142,7 @@ def check(libs: dict[str, tuple[ctypes.CDLL, ctypes.CDLL]], qtypes: list[QType])
 def bench(
     libs: dict[str, tuple[ctypes.CDLL, ctypes.CDLL]],
     qtypes: list[QType],
+    shapes: list[tuple[int, int]],
     ms: list[int],
     repeats: int,
     threads: int,
@@ -155,7 +156,7 @@ def bench(
     for qtype in qtypes:
         name, prefix = kernel_of(qtype)
         old, new = libs[name]
-        for k, n in SHAPES:
+        for k, n in shapes:
             w = pack(new, prefix, qtype, random_blocks(qtype, n, k, rng), k)
             for m in ms:
                 x = torch.randn(m, k)
@@ -186,6 +187,7 @@ def main() -> int:
     parser.add_argument("--old-rev", default="main", help="the git revision whose kernels are the reference")
     parser.add_argument("--formats", default="Q4_K,Q6_K", help="comma-separated ggml type names, or 'all'")
     parser.add_argument("--m", default="1,16,64,512", help="activation rows to time")
+    parser.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,... to time")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=20.0, help="at most this long on one case")
     parser.add_argument("--threads", type=int, default=2)
@@ -202,7 +204,8 @@ def main() -> int:
             ok = check(libs, names)
             print("bitwise identical" if ok else "OUTPUTS DIFFER")
         if not args.check_only:
-            bench(libs, names, [int(m) for m in args.m.split(",")], args.repeats, args.threads, args.budget_s)
+            shapes = [(int(k), int(n)) for k, n in (s.split("x") for s in args.shapes.split(","))]
+            bench(libs, names, shapes, [int(m) for m in args.m.split(",")], args.repeats, args.threads, args.budget_s)
     return 0 if ok else 1
 
 

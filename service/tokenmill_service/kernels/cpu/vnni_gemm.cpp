@@ -327,9 +327,11 @@ inline void tile_rows(int rows, int ng, const int8_t* a, const float* dx, const 
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
   const int64_t gstride = (k / QK) * group_block_bytes(F);
-  // Q8_0's bytes take no unpacking as digits and two instructions a vector as words: digits for every M
-  // (words measured 1-2 % slower from 8 rows up), in the 3-row tiles that leave the second sums room.
-  const bool words = m > MAX_DIGIT_ROWS && !byte_weights(F);
+  // Words pay where unpacking takes more than a mask and a shift (Q5_0, Q5_1's fifth bits, IQ4_NL's and MXFP4's
+  // lookups: 3-11 % faster from 16 rows up). Q8_0's bytes take no unpacking as digits and two instructions a
+  // vector as words, Q4_0's and Q4_1's nibbles two and four: words measured the same to 1-2 % slower there, so
+  // they keep the digits at every M, past 4 rows in the 3-row tiles that leave the second sums room.
+  const bool words = m > MAX_DIGIT_ROWS && (fifth_bit(F) || level_indices(F));
   const int mt = words ? MT : m > MAX_DIGIT_ROWS ? 3 : MT_DIGITS;
   vnni::drive(x, m, k, y, n, &n, 1, false, mt, NG, threads,
               [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
