@@ -8,8 +8,9 @@
 // logprobs by 0.07 on average, over the default's bound of 0.03, while two digits stay within
 // about 1e-3 of the float32 reference. Up to 4 rows (decoding, where the weights' bytes bound the time),
 // each digit is one pass of vpdpbusd over the same unpacked weights, and the two integer sums meet exactly
-// (hi * 256 + lo) before one conversion to float. More rows take hi * 256 + lo as one int16 (it fits:
-// vnni_common.h) and the weights widened to int16, one pass of vpdpwssd (two int16 products a lane
+// (hi * 256 + lo) before one conversion to float. More rows of Q5_0, Q5_1, IQ4_NL and MXFP4 (all k-quants in
+// kquant_gemm.cpp; see gemm below) take hi * 256 + lo as one int16 (it fits: vnni_common.h) and the weights
+// widened to int16, one pass of vpdpwssd (two int16 products a lane
 // where vpdpbusd takes four int8 ones: as many instructions), whose exact sum is the same integer: the
 // same bits, without the second sum per output and the shift and add per block, so 4 rows by 2 groups fit
 // in the registers where digits took 3. On Zen 4 vpdpbusd, vpdpwssd and the float multiplies and FMAs of
