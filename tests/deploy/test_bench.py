@@ -126,6 +126,30 @@ def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
     assert all(float(rate) > 0 for rate in rates.values()), out
 
 
+@pytest.mark.slow
+def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(tmp_path: Path) -> None:
+    """bench/kernels/quantized_gemm_speed.py, which compares the quantized products with an earlier
+    revision's, still builds that revision's kernel and checks it (here against HEAD's own source)."""
+    from tokenmill_service.kernels.cpu import build
+
+    if shutil.which("g++") is None or build.unavailable_reason("kquant_gemm") is not None:
+        pytest.skip("needs g++ and an AVX-512 VNNI CPU")
+    root = Path(__file__).resolve().parents[2]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, check=False).returncode:
+        pytest.skip("needs the git checkout")
+    script = root / "bench" / "kernels" / "quantized_gemm_speed.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--old-rev", "HEAD", "--formats", "Q6_K", "--check-only"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "packing same" in proc.stdout and proc.stdout.rstrip().endswith("bitwise identical"), proc.stdout
+
+
 def test_a_started_server_takes_free_ports_beside_one_on_8000_and_keeps_its_log(tmp_path: Path) -> None:
     """`make run` holds 8000 for HTTP; the benchmark's own server must not need it."""
     import socket

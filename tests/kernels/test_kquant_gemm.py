@@ -139,3 +139,29 @@ def test_segments_that_split_a_group_of_16_rows_are_refused() -> None:
         kquant_gemm.pack_segments(
             [(_blocks(QType.Q4_K, 8, 256, 1).data, 12), (_blocks(QType.Q6_K, 16, 256, 2).data, 14)]
         )
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q4_0], ids=lambda t: t.name)
+def test_a_row_of_tiny_or_huge_values_gets_the_same_bits_in_any_batch(qtype: QType) -> None:
+    """A few rows are multiplied with 8-bit digit pairs (vpdpbusd), more as one int16 a value (vpdpwssd):
+    the same integers, so the same bits, also for a block whose largest value is so small (below 127 *
+    2^-126) that its unit is no normal float and a digit pair would overflow 16 bits, or whose values
+    overflow float32."""
+    k, n = 512, 48
+    blocks = random_blocks(qtype, n, k, np.random.default_rng(3), scale=0.01)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(8))
+    x[0, :32] *= 1e-38  # a unit far below float32's normal range
+    x[1, 32:64] *= 3e-37
+    x[2] = -1e-39 * x[2].abs()  # every block
+    x[3, 96] = float("inf")
+    x[4, :32] *= 1e36
+    if qtype == QType.Q4_0:
+        packed = vnni_gemm.pack(torch.from_numpy(blocks).view(n, k // 32, -1), int(qtype))
+        full = vnni_gemm.vnni_gemm(x, packed, int(qtype), n)
+        alone = vnni_gemm.vnni_gemm(x[:4], packed, int(qtype), n)
+    else:
+        packed = kquant_gemm.pack(torch.from_numpy(blocks).view(n, k // 256, -1), int(qtype))
+        full = kquant_gemm.kquant_gemm(x, packed, int(qtype), n)
+        alone = kquant_gemm.kquant_gemm(x[:4], packed, int(qtype), n)
+    assert torch.equal(full[:4].view(torch.int32), alone.view(torch.int32))
+    assert torch.isfinite(full[:3]).all() and torch.isfinite(full[4:]).all() and (full[2] != 0).any()

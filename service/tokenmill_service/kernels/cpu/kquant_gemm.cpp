@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
 // super-blocks of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
-// per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd, exact int32 sums.
+// per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd (a few rows) or vpdpwssd (more), exact
+// int32 sums.
 //
 // What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
 //   Q4_K, Q5_K: 8 sub-blocks of 32, each with a 6-bit scale sc and minimum m; the super-block has
@@ -77,8 +78,14 @@ constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-bloc
 static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K &&
                   TM_BLOCK_WEIGHTS_Q2_K == QK_K && TM_BLOCK_WEIGHTS_Q3_K == QK_K,
               "k-quants: one super-block size");
-constexpr int MT = 3;  // activation rows per register tile
-constexpr int NG = 2;  // groups per register tile
+#ifndef KQUANT_MT  // (a dev script may try other tiles)
+#define KQUANT_MT 4
+#define KQUANT_NG 2
+#endif
+constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
+constexpr int NG = KQUANT_NG;  // groups per register tile
+constexpr int MT_DIGITS = 4;   // activation rows per register tile as digits (a few rows: one group a tile)
+constexpr int64_t MAX_DIGIT_ROWS = 4;  // products of at most this many rows take the digits (see tile)
 
 enum Format : int {
   Q2_K = TM_FORMAT_Q2_K,
@@ -297,15 +304,89 @@ inline __m512i with_high_bits(__m512i w, const __m512i planes[2], int t) {
   return _mm512_ternarylogic_epi32(w, high, _mm512_set1_epi8((char)(((1 << BITS) - 1) << LOW)), 0xF8);
 }
 
-// y[i, 16g + l] for M activation rows and NGT groups starting at w.
-template <int F, int M, int NGT>
-inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
-                 int64_t n_valid) {
+// Step 2s's and step 2s + 1's weights q (4 each of 16 rows) as unsigned bytes, from block bq's planes.
+template <int F>
+inline void step_bytes(const uint8_t* bq, int s, __m512i& w0, __m512i& w1) {
   constexpr int LOW = low_bits(F), BITS = (int)high_bits(F);
+  if constexpr (LOW == 4) {
+    const __m512i v = _mm512_loadu_si512(bq + s * 64), nibble = _mm512_set1_epi8(0x0F);
+    w0 = _mm512_and_si512(v, nibble);
+    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  } else {
+    w0 = low_bits_of<LOW>(bq, 2 * s);
+    w1 = low_bits_of<LOW>(bq, 2 * s + 1);
+  }
+  if constexpr (BITS > 0) {
+    __m512i planes[2];
+    for (int pl = 0; pl < BITS; ++pl) planes[pl] = _mm512_loadu_si512(bq + 64 * LOW + pl * 64);
+    w0 = with_high_bits<LOW, BITS>(w0, planes, 2 * s);
+    w1 = with_high_bits<LOW, BITS>(w1, planes, 2 * s + 1);
+  }
+  if constexpr (level_indices(F)) {
+    // IQ4_NL's levels + 128 in every 16-byte lane, for vpshufb to look the indices up in.
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));
+    w0 = _mm512_shuffle_epi8(levels, w0);
+    w1 = _mm512_shuffle_epi8(levels, w1);
+  }
+}
+
+// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand, in the order of quantize_row_words's
+// activations: wq = (q0, q2), (q1, q3), (q4, q6), (q5, q7) in each dword.
+template <int F>
+inline void step_words(const uint8_t* bq, int s, __m512i wq[4]) {
+  if constexpr (low_bits(F) == 4 && high_bits(F) == 0 && !level_indices(F)) {
+    // Q4_K: a dword's 16-bit halves hold q0 q4 q1 q5 and q2 q6 q3 q7 from their lowest nibble up: one shift
+    // and one mask a vector.
+    const __m512i v = _mm512_loadu_si512(bq + s * 64), low_nibble = _mm512_set1_epi16(0x0F);
+    wq[0] = _mm512_and_si512(v, low_nibble);
+    wq[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low_nibble);
+    wq[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
+    wq[3] = _mm512_srli_epi16(v, 12);
+  } else {
+    // The bytes, then the even ones and the odd ones of each dword as int16.
+    __m512i w0, w1;
+    step_bytes<F>(bq, s, w0, w1);
+    const __m512i low_byte = _mm512_set1_epi16(0xFF);
+    wq[0] = _mm512_and_si512(w0, low_byte);
+    wq[1] = _mm512_srli_epi16(w0, 8);
+    wq[2] = _mm512_and_si512(w1, low_byte);
+    wq[3] = _mm512_srli_epi16(w1, 8);
+  }
+}
+
+// An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
+template <bool WORDS, int P>
+inline __m512i total(const __m512i (&parts)[P]) {
+  if constexpr (!WORDS) return _mm512_add_epi32(_mm512_slli_epi32(parts[0], 8), parts[1]);
+  __m512i sum = parts[0];
+  for (int u = 1; u < P; ++u) sum = _mm512_add_epi32(sum, parts[u]);
+  return sum;
+}
+
+// An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset
+// -offset * sum_h a (s16[h]) in the units of total (the lo digits' sum for digits).
+template <int F, bool WORDS, int P>
+inline void start_sums(__m512i (&parts)[P], const int32_t* s16, int64_t h) {
+  for (int u = 0; u < P; ++u) parts[u] = _mm512_setzero_si512();
+  if constexpr (signed_scales(F)) parts[WORDS ? 0 : 1] = _mm512_set1_epi32(-q_offset(F) * s16[h]);
+}
+
+// y[i, 16g + l] for M activation rows and NGT groups starting at w. WORDS: the activations as one int16 each
+// (quantize_row_words) and vpdpwssd, one product a pair of weights; else as two int8 digits (quantize_row) and
+// vpdpbusd, two products (one a digit) a quad of weights. The integer sums are the same, so are the outputs.
+// Words take no second sum per output nor the digits' (hi << 8) + lo each block, so more rows fit in the
+// registers (MT), but two more shifts or masks a quad of weights: the digits for the few rows of decoding.
+// What bounds the words on Zen 4 is the float fold of each block: its multiply and FMAs share vpdpwssd's two
+// pipes (3 of them a block per output against 16 products; Q4_K measured 1.22 times as fast with them taken
+// out, Q6_K 1.17), and they must stay, one rounding at a time in this order, for the outputs' bits.
+// Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
+template <int F, int M, int NGT, bool WORDS>
+__attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
+                 int64_t n_valid) {
+  // Partial sums per output: digits hi and lo; words enough independent chains of vpdpwssd (4 cycles'
+  // latency, one a cycle) in flight.
+  constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  // IQ4_NL's levels + 128 in every 16-byte lane, for vpshufb to look the indices up in.
-  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
@@ -318,42 +399,38 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
     }
     for (int64_t j = 0; j < SUBS; ++j) {
       const int64_t b = sb * SUBS + j;
-      __m512i hi[M][NGT], lo[M][NGT];
+      // sum q a of the block (or half block) so far, exact, in PARTS sums per output; for the formats with an
+      // offset, sum (q - offset) a: the sums start from -offset * sum a (in the units of total: the lo digits'
+      // sum for digits), which takes no subtraction per half block.
+      __m512i qa[M][NGT][PARTS];
       for (int i = 0; i < M; ++i)
-        for (int g = 0; g < NGT; ++g) hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+        for (int g = 0; g < NGT; ++g) start_sums<F, WORDS>(qa[i][g], act.s16, i * 2 * blocks + 2 * b);
+#pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
-        __m512i w0[NGT], w1[NGT];
-        for (int g = 0; g < NGT; ++g) {
-          const Packed p(F, w, gstride, g, sb);
-          const uint8_t* bq = p.quants + j * block_quant_bytes(F);
-          if constexpr (LOW == 4) {
-            const __m512i v = _mm512_loadu_si512(bq + s * 64);
-            w0[g] = _mm512_and_si512(v, nibble);
-            w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          } else {
-            w0[g] = low_bits_of<LOW>(bq, 2 * s);
-            w1[g] = low_bits_of<LOW>(bq, 2 * s + 1);
+        if constexpr (WORDS) {
+          __m512i wq[NGT][4];
+          for (int g = 0; g < NGT; ++g) step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
+          for (int i = 0; i < M; ++i) {
+            const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 16 * s;  // the 8 activations' words
+            for (int u = 0; u < 4; ++u) {
+              const __m512i au = _mm512_set1_epi32(dword_at(ai + 4 * u));
+              for (int g = 0; g < NGT; ++g) qa[i][g][u % PARTS] = _mm512_dpwssd_epi32(qa[i][g][u % PARTS], wq[g][u], au);
+            }
           }
-          if constexpr (BITS > 0) {
-            __m512i planes[2];
-            for (int pl = 0; pl < BITS; ++pl) planes[pl] = _mm512_loadu_si512(bq + 64 * LOW + pl * 64);
-            w0[g] = with_high_bits<LOW, BITS>(w0[g], planes, 2 * s);
-            w1[g] = with_high_bits<LOW, BITS>(w1[g], planes, 2 * s + 1);
-          }
-          if constexpr (level_indices(F)) {
-            w0[g] = _mm512_shuffle_epi8(levels, w0[g]);
-            w1[g] = _mm512_shuffle_epi8(levels, w1[g]);
-          }
-        }
-        for (int i = 0; i < M; ++i) {
-          const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
-          const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
-          const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
-          for (int g = 0; g < NGT; ++g) {
-            hi[i][g] = _mm512_dpbusd_epi32(hi[i][g], w0[g], h0);
-            hi[i][g] = _mm512_dpbusd_epi32(hi[i][g], w1[g], h1);
-            lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w0[g], l0);
-            lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w1[g], l1);
+        } else {
+          __m512i w0[NGT], w1[NGT];
+          for (int g = 0; g < NGT; ++g)
+            step_bytes<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, w0[g], w1[g]);
+          for (int i = 0; i < M; ++i) {
+            const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
+            const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
+            const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
+            for (int g = 0; g < NGT; ++g) {
+              qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w0[g], h0);
+              qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w1[g], h1);
+              qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w0[g], l0);
+              qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w1[g], l1);
+            }
           }
         }
         if constexpr (F == Q2_K) {
@@ -366,11 +443,10 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             const __m512 dm = _mm512_mul_ps(dmin[g], bytes_as_floats(p.scales + 4 * G + 16 * G + half * G, false));
             for (int i = 0; i < M; ++i) {
               const float dx = act.dx[i * blocks + b];
-              const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
-              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), _mm512_mul_ps(de, _mm512_set1_ps(dx)), acc[i][g]);
+              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), _mm512_mul_ps(de, _mm512_set1_ps(dx)), acc[i][g]);
               const float sxh = dx * (float)act.s16[i * 2 * blocks + 2 * b + s / 2];
               acc[i][g] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sxh), acc[i][g]);
-              hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+              for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
             }
           }
         }
@@ -382,12 +458,9 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
             const Packed p(F, w, gstride, g, sb);
             const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 2 * G + half * G, true));  // exact
             for (int i = 0; i < M; ++i) {
-              const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);
-              const __m512i centred =
-                  _mm512_sub_epi32(qa, _mm512_set1_epi32(q_offset(F) * act.s16[i * 2 * blocks + 2 * b + s / 2]));
               const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
-              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scale, acc[i][g]);
-              hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred
+              if (s == 1) start_sums<F, WORDS>(qa[i][g], act.s16, i * 2 * blocks + 2 * b + 1);
             }
           }
         }
@@ -399,8 +472,7 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
           const __m512 dm = _mm512_mul_ps(dmin[g], bytes_as_floats(p.scales + 4 * G + SUBS * G + j * G, false));
           for (int i = 0; i < M; ++i) {
             const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
-            const __m512i qa = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
-            acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qa), scale, acc[i][g]);
+            acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), scale, acc[i][g]);
             acc[i][g] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(act.sx[i * blocks + b]), acc[i][g]);
           }
         }
@@ -415,22 +487,34 @@ inline void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gs
   }
 }
 
-template <int F, int M>
+// tile<F, M, ng, WORDS> for ng = NGT, NGT - 1, ..., 1.
+template <int F, int M, bool WORDS, int NGT = NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                         int64_t ldy, int64_t n_valid) {
-  if (ng == 2)
-    tile<F, M, 2>(act, k, w, gstride, y, ldy, n_valid);
-  else
-    tile<F, M, 1>(act, k, w, gstride, y, ldy, n_valid);
+  if constexpr (NGT > 1)
+    if (ng < NGT) return tile_groups<F, M, WORDS, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid);
+  tile<F, M, NGT, WORDS>(act, k, w, gstride, y, ldy, n_valid);
 }
 
-template <int F>
+// tile_groups<F, rows, WORDS> for rows = M, M - 1, ..., 1.
+template <int F, bool WORDS, int M = WORDS ? MT : MT_DIGITS>
 inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                       int64_t ldy, int64_t n_valid) {
-  switch (rows) {
-    case 3: tile_groups<F, 3>(ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case 2: tile_groups<F, 2>(ng, act, k, w, gstride, y, ldy, n_valid); break;
-    default: tile_groups<F, 1>(ng, act, k, w, gstride, y, ldy, n_valid); break;
+  if constexpr (M > 1)
+    if (rows < M) return tile_rows<F, WORDS, M - 1>(rows, ng, act, k, w, gstride, y, ldy, n_valid);
+  tile_groups<F, M, WORDS>(ng, act, k, w, gstride, y, ldy, n_valid);
+}
+
+template <bool WORDS>
+inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
+                        float* y, int64_t ldy, int64_t n_valid) {
+  switch (fmt) {
+    case Q4_K: tile_rows<Q4_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q5_K: tile_rows<Q5_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q2_K: tile_rows<Q2_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q3_K: tile_rows<Q3_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case IQ4_XS: tile_rows<IQ4_XS, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    default: tile_rows<Q6_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
   }
 }
 
@@ -470,20 +554,18 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
     rows[s] = segs[s].rows;
     half_sums |= half_scales(segs[s].fmt);
   }
-  vnni::drive(x, m, k, y, n, rows, count, half_sums, MT, NG, threads,
+  const bool words = m > MAX_DIGIT_ROWS;
+  vnni::drive(x, m, k, y, n, rows, count, half_sums, words ? MT : MT_DIGITS, NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
                 const int fmt = segs[s].fmt;
                 const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
                 const uint8_t* wg = segs[s].w + g0 * gstride;
-                switch (fmt) {
-                  case Q4_K: tile_rows<Q4_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
-                  case Q5_K: tile_rows<Q5_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
-                  case Q2_K: tile_rows<Q2_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
-                  case Q3_K: tile_rows<Q3_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
-                  case IQ4_XS: tile_rows<IQ4_XS>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
-                  default: tile_rows<Q6_K>(r, ng, act, k, wg, gstride, yt, ldy, n_valid); break;
-                }
-              });
+                if (words)
+                  tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                else
+                  tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+              },
+              words);
 }
 
 // One segment's packed weights [rows, k] as float32, exactly gguf's dequantized values (row stride k).

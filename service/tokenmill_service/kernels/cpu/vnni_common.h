@@ -1,6 +1,6 @@
 // What the integer-product kernels (vnni_gemm.cpp, kquant_gemm.cpp) share: the activations as
-// 16-bit fixed point per block of 32 (two int8 digits; the numerics are described at the top of
-// vnni_gemm.cpp), and the driver that quantizes the rows and hands tiles of rows and weight groups
+// 16-bit fixed point per block of 32 (two int8 digits, or the same value as one int16; the numerics are
+// described at the top of vnni_gemm.cpp), and the driver that quantizes the rows and hands tiles of rows and weight groups
 // to the threads. A row's result never depends on the other rows, the tiling or the thread count:
 // each output's sums run in one fixed order inside a tile, whatever tile computes it.
 #pragma once
@@ -32,6 +32,12 @@ inline int32_t dword_at(const int8_t* p) {
   return v;
 }
 
+// The low digit lo (saturated to int8) beside the high digit hi8, such that 256 * hi8 + lo fits in int16, as
+// quantize_row_words stores it: hi8 is -128 only where it saturated (see there), and then lo is kept >= 0.
+inline __m512i low_digit(__m512i hi8, __m512i lo8) {
+  return _mm512_mask_max_epi32(lo8, _mm512_cmpeq_epi32_mask(hi8, _mm512_set1_epi32(-128)), lo8, _mm512_setzero_si512());
+}
+
 // Row i of x as fixed-point blocks: per block 32 hi digits then 32 lo digits (a: 2k bytes), the
 // block's unit dq, dq * sum(256 * hi + lo), and (if s16 is given) the integer sums
 // sum(256 * hi + lo) of each half block of 16, for formats whose scales change every 16 weights.
@@ -49,7 +55,7 @@ inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float*
       // The remainder is exact in float32 (v and hi are within 0.5), and so is scaling it by 256.
       const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
       const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));  // as stored (saturated)
-      const __m512i lo8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo));
+      const __m512i lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
       _mm_storeu_si128((__m128i*)(a + b * 2 * QK + h * 16), _mm512_cvtepi32_epi8(hi8));
       _mm_storeu_si128((__m128i*)(a + b * 2 * QK + QK + h * 16), _mm512_cvtepi32_epi8(lo8));
       const int32_t half = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8));
@@ -61,9 +67,47 @@ inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float*
   }
 }
 
+// Row i of x as quantize_row makes it, but each weight's two digits as one int16, 256 * hi + lo, for vpdpwssd
+// (int16 pairs, exact int32 sums): per block 64 bytes, its 32 values in the order vpdpwssd pairs them with
+// the packed weights' even and odd bytes (kquant_gemm.cpp): per 8 weights 0 2 1 3 4 6 5 7, so that its four
+// dwords hold the pairs (x0, x2) (x1, x3) (x4, x6) (x5, x7).
+//
+// It fits in int16, the digits being those of quantize_row: |v| = |x| / d <= 127 up to a few ulps of rounding
+// (d = max|x| / 127), so hi = round(v) is in [-127, 127] and lo = round(256 (v - hi)) in [-128, 128] (128
+// saturated to 127): 256 * hi + lo lies in [-32640, 32639]. Only where 1 / d overflows (max|x| below about
+// 3.7e-37, where the unit dq = d / 256 is below 1.2e-41) or x holds inf or NaN can v be infinite or NaN and hi
+// saturate at -128; low_digit then keeps lo >= 0, so that the value stays within int16 here too and both
+// forms hold the same integers (a row's bits do not depend on which form its batch takes).
+inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int64_t b = 0; b < k / QK; ++b) {
+    int32_t sum = 0;
+    __m512 t[2];
+    t[0] = _mm512_loadu_ps(x + b * QK);
+    t[1] = _mm512_loadu_ps(x + b * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(t[0]), _mm512_abs_ps(t[1])));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int h = 0; h < 2; ++h) {
+      // The digits exactly as quantize_row makes them.
+      const __m512 v = _mm512_mul_ps(t[h], _mm512_set1_ps(id));
+      const __m512i hi = _mm512_cvtps_epi32(v);
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
+      const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));
+      const __m512i lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
+      const __m512i value = _mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8);  // in int16 (above)
+      _mm256_storeu_si256((__m256i*)(a + b * 2 * QK + h * 32), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, value)));
+      const int32_t half = _mm512_reduce_add_epi32(value);
+      if (s16) s16[2 * b + h] = half;
+      sum += half;
+    }
+    dq[b] = d * (1.0f / 256.0f);
+    sx[b] = dq[b] * (float)sum;
+  }
+}
+
 // The quantized activations of m rows, as a tile reads them.
 struct Activations {
-  const int8_t* a;    // [m][2k] digits
+  const int8_t* a;    // [m][2k] digits (or words: quantize_row_words)
   const float* dx;    // [m][k / 32] units
   const float* sx;    // [m][k / 32] unit * integer sum
   const int32_t* s16; // [m][k / 16] integer sums of half blocks (when asked for)
@@ -81,9 +125,10 @@ struct Activations {
 // computes `rows` (at most mt) activation rows against groups g0 .. g0 + ng - 1 (ng at most
 // ng_wide) of segment s into y (row stride ldy), of which the first n_valid outputs exist. The
 // activations are quantized once for every segment.
+// words: the activations as quantize_row_words makes them (else quantize_row).
 template <class Tile>
 void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const int64_t* rows, int segments,
-           bool half_sums, int mt, int ng_wide, int threads, Tile tile) {
+           bool half_sums, int mt, int ng_wide, int threads, Tile tile, bool words = false) {
   const int64_t blocks = k / QK;
   std::vector<int8_t> a(m * 2 * k);
   std::vector<float> dx(m * blocks), sx(m * blocks);
@@ -110,8 +155,8 @@ void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const in
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; ++i) {
       const Activations row = acts.at(i);
-      quantize_row(x + i * k, k, const_cast<int8_t*>(row.a), const_cast<float*>(row.dx), const_cast<float*>(row.sx),
-                   const_cast<int32_t*>(row.s16));
+      (words ? quantize_row_words : quantize_row)(x + i * k, k, const_cast<int8_t*>(row.a), const_cast<float*>(row.dx),
+                                                  const_cast<float*>(row.sx), const_cast<int32_t*>(row.s16));
     }
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t first = tiles * t / nt, last = tiles * (t + 1) / nt;

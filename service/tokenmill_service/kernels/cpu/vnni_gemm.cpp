@@ -6,8 +6,17 @@
 // dq = max|x| / (127 * 256) and hi, lo int8 digits (lo is the rounded remainder, |lo| <= 128, 128
 // kept as 127). llama.cpp keeps only hi (8 bits, its Q8_1); on SmolLM2 that alone moves prompt
 // logprobs by 0.07 on average, over the default's bound of 0.03, while two digits stay within
-// about 1e-3 of the float32 reference. Each digit is one pass of vpdpbusd over the same unpacked
-// weights; the two integer sums meet exactly (hi * 256 + lo) before one conversion to float.
+// about 1e-3 of the float32 reference. Up to 4 rows (decoding, where the weights' bytes bound the time),
+// each digit is one pass of vpdpbusd over the same unpacked weights, and the two integer sums meet exactly
+// (hi * 256 + lo) before one conversion to float. More rows of Q5_0, Q5_1, IQ4_NL and MXFP4 (all k-quants in
+// kquant_gemm.cpp; see gemm below) take hi * 256 + lo as one int16 (it fits: vnni_common.h) and the weights
+// widened to int16, one pass of vpdpwssd (two int16 products a lane
+// where vpdpbusd takes four int8 ones: as many instructions), whose exact sum is the same integer: the
+// same bits, without the second sum per output and the shift and add per block, so 4 rows by 2 groups fit
+// in the registers where digits took 3. On Zen 4 vpdpbusd, vpdpwssd and the float multiplies and FMAs of
+// the per-block fold share two pipes, which bounds both ways alike for the 4-bit formats (measured the
+// same speed); where unpacking takes more instructions (Q5_0, Q5_1, k-quants' higher bits) words measured
+// 5-20 % faster.
 //
 // Batch-invariant: the integer sums are exact, every float32 step is done per output in one fixed
 // order (block after block along K), and the activations are quantized row by row, so a row's
@@ -46,12 +55,14 @@ using vnni::G;
 using vnni::half_bits;
 using vnni::QK;
 using vnni::quantize_row;
-#ifndef VNNI_MT
-#define VNNI_MT 3
+#ifndef VNNI_MT  // (a dev script may try other tiles)
+#define VNNI_MT 4
 #define VNNI_NG 2
 #endif
-constexpr int MT = VNNI_MT;  // activation rows per register tile
+constexpr int MT = VNNI_MT;  // activation rows per register tile (as words)
 constexpr int NG = VNNI_NG;  // groups per register tile
+constexpr int MT_DIGITS = 4;   // activation rows per register tile as digits (a few rows: one group a tile)
+constexpr int64_t MAX_DIGIT_ROWS = 4;  // products of at most this many rows take the digits (see kquant_gemm.cpp)
 
 enum Format : int {
   Q4_0 = TM_FORMAT_Q4_0,
@@ -175,52 +186,103 @@ inline __m512i with_fifth_bit(__m512i w, __m512i plane, int t) {
   return _mm512_ternarylogic_epi32(w, at4, _mm512_set1_epi8(0x10), 0xF8);
 }
 
-// y[i, 16g + l] for M activation rows (a: stride k) and NGT groups starting at w.
-template <int F, int M, int NGT>
-inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w, int64_t gstride,
+// Step 2s's and step 2s + 1's weights q (4 each of 16 rows) as unsigned bytes, from block p's parts.
+template <int F>
+inline void step_bytes(const uint8_t* p, int s, __m512i& w0, __m512i& w1) {
+  if constexpr (byte_weights(F)) {
+    w0 = _mm512_loadu_si512(p + (2 * s) * 64);
+    w1 = _mm512_loadu_si512(p + (2 * s + 1) * 64);
+  } else {
+    const __m512i v = _mm512_loadu_si512(p + s * 64), nibble = _mm512_set1_epi8(0x0F);
+    w0 = _mm512_and_si512(v, nibble);
+    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    if constexpr (fifth_bit(F)) {
+      const __m512i plane = _mm512_loadu_si512(p + 256);
+      w0 = with_fifth_bit(w0, plane, 2 * s);
+      w1 = with_fifth_bit(w1, plane, 2 * s + 1);
+    }
+    if constexpr (level_indices(F)) {
+      const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)levels_of(F)));  // each 16-byte lane
+      w0 = _mm512_shuffle_epi8(levels, w0);
+      w1 = _mm512_shuffle_epi8(levels, w1);
+    }
+  }
+}
+
+// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand, in the order of quantize_row_words's
+// activations: wq = (q0, q2), (q1, q3), (q4, q6), (q5, q7) in each dword.
+template <int F>
+inline void step_words(const uint8_t* p, int s, __m512i wq[4]) {
+  if constexpr (!byte_weights(F) && !fifth_bit(F) && !level_indices(F)) {
+    // Q4_0, Q4_1: a dword's 16-bit halves hold q0 q4 q1 q5 and q2 q6 q3 q7 from their lowest nibble up.
+    const __m512i v = _mm512_loadu_si512(p + s * 64), low_nibble = _mm512_set1_epi16(0x0F);
+    wq[0] = _mm512_and_si512(v, low_nibble);
+    wq[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low_nibble);
+    wq[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
+    wq[3] = _mm512_srli_epi16(v, 12);
+  } else {
+    __m512i w0, w1;
+    step_bytes<F>(p, s, w0, w1);
+    const __m512i low_byte = _mm512_set1_epi16(0xFF);
+    wq[0] = _mm512_and_si512(w0, low_byte);
+    wq[1] = _mm512_srli_epi16(w0, 8);
+    wq[2] = _mm512_and_si512(w1, low_byte);
+    wq[3] = _mm512_srli_epi16(w1, 8);
+  }
+}
+
+// An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
+template <bool WORDS, int P>
+inline __m512i total(const __m512i (&parts)[P]) {
+  if constexpr (!WORDS) return _mm512_add_epi32(_mm512_slli_epi32(parts[0], 8), parts[1]);
+  __m512i sum = parts[0];
+  for (int u = 1; u < P; ++u) sum = _mm512_add_epi32(sum, parts[u]);
+  return sum;
+}
+
+// y[i, 16g + l] for M activation rows (a: stride 2k bytes) and NGT groups starting at w. WORDS: the activations
+// as one int16 each (quantize_row_words) and vpdpwssd; else as two int8 digits and vpdpbusd: the same integer
+// sums (see kquant_gemm.cpp's tile).
+// Not inlined: inlined into the driver's loop, the one-row tile ran 1.15 times as long (Q8_0, in cache).
+template <int F, int M, int NGT, bool WORDS>
+__attribute__((noinline)) void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w, int64_t gstride,
                  float* y, int64_t ldy, int64_t n_valid) {
+  constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)levels_of(F)));  // each 16-byte lane
   __m512 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i hi[M][NGT], lo[M][NGT];
+    __m512i qa[M][NGT][PARTS];
     for (int i = 0; i < M; ++i)
-      for (int g = 0; g < NGT; ++g) hi[i][g] = lo[i][g] = _mm512_setzero_si512();
+      for (int g = 0; g < NGT; ++g)
+        for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * group_block_bytes(F);
+#pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
-      __m512i w0[NGT], w1[NGT];
-      for (int g = 0; g < NGT; ++g) {
-        const uint8_t* p = wb + g * gstride;
-        if constexpr (byte_weights(F)) {
-          w0[g] = _mm512_loadu_si512(p + (2 * s) * 64);
-          w1[g] = _mm512_loadu_si512(p + (2 * s + 1) * 64);
-        } else {
-          const __m512i v = _mm512_loadu_si512(p + s * 64);
-          w0[g] = _mm512_and_si512(v, nibble);
-          w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          if constexpr (fifth_bit(F)) {
-            const __m512i plane = _mm512_loadu_si512(p + 256);
-            w0[g] = with_fifth_bit(w0[g], plane, 2 * s);
-            w1[g] = with_fifth_bit(w1[g], plane, 2 * s + 1);
-          }
-          if constexpr (level_indices(F)) {
-            w0[g] = _mm512_shuffle_epi8(levels, w0[g]);
-            w1[g] = _mm512_shuffle_epi8(levels, w1[g]);
+      if constexpr (WORDS) {
+        __m512i wq[NGT][4];
+        for (int g = 0; g < NGT; ++g) step_words<F>(wb + g * gstride, s, wq[g]);
+        for (int i = 0; i < M; ++i) {
+          const int8_t* ai = a + i * 2 * k + b * 2 * QK + 16 * s;  // the 8 activations' words
+          for (int u = 0; u < 4; ++u) {
+            const __m512i au = _mm512_set1_epi32(dword_at(ai + 4 * u));
+            for (int g = 0; g < NGT; ++g) qa[i][g][u % PARTS] = _mm512_dpwssd_epi32(qa[i][g][u % PARTS], wq[g][u], au);
           }
         }
-      }
-      for (int i = 0; i < M; ++i) {
-        const int8_t* ai = a + i * 2 * k + b * 2 * QK + 8 * s;
-        const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
-        const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
-        for (int g = 0; g < NGT; ++g) {
-          hi[i][g] = _mm512_dpbusd_epi32(hi[i][g], w0[g], h0);
-          hi[i][g] = _mm512_dpbusd_epi32(hi[i][g], w1[g], h1);
-          lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w0[g], l0);
-          lo[i][g] = _mm512_dpbusd_epi32(lo[i][g], w1[g], l1);
+      } else {
+        __m512i w0[NGT], w1[NGT];
+        for (int g = 0; g < NGT; ++g) step_bytes<F>(wb + g * gstride, s, w0[g], w1[g]);
+        for (int i = 0; i < M; ++i) {
+          const int8_t* ai = a + i * 2 * k + b * 2 * QK + 8 * s;
+          const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
+          const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
+          for (int g = 0; g < NGT; ++g) {
+            qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w0[g], h0);
+            qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w1[g], h1);
+            qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w0[g], l0);
+            qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w1[g], l1);
+          }
         }
       }
     }
@@ -231,7 +293,7 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
                                      : _mm512_mul_ps(d, _mm512_set1_ps(implied_min(F)));
       for (int i = 0; i < M; ++i) {
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * blocks + b]));
-        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi[i][g], 8), lo[i][g]);  // exact
+        const __m512i isum = total<WORDS>(qa[i][g]);  // exact
         acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i][g]);
         acc[i][g] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * blocks + b]), acc[i][g]);
       }
@@ -245,38 +307,42 @@ inline void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, c
   }
 }
 
-template <int F, int M>
+// tile<F, M, ng, WORDS> for ng = NGT, NGT - 1, ..., 1.
+template <int F, int M, bool WORDS, int NGT = NG>
 inline void tile_groups(int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
                         int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
-  if (NG >= 3 && ng == 3)
-    tile<F, M, 3>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
-  else if (ng == 2)
-    tile<F, M, 2>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
-  else
-    tile<F, M, 1>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
+  if constexpr (NGT > 1)
+    if (ng < NGT) return tile_groups<F, M, WORDS, NGT - 1>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+  tile<F, M, NGT, WORDS>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
-template <int F>
-inline void tile_any(int m, int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
-                     int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
-  switch (m) {
-    case 6: tile_groups<F, 6>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid); break;
-    case 5: tile_groups<F, 5>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid); break;
-    case 4: tile_groups<F, 4>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid); break;
-    case 3: tile_groups<F, 3>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid); break;
-    case 2: tile_groups<F, 2>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid); break;
-    default: tile_groups<F, 1>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid); break;
-  }
+// tile_groups<F, rows, WORDS> for rows = M, M - 1, ..., 1.
+template <int F, bool WORDS, int M = WORDS ? MT : MT_DIGITS>
+inline void tile_rows(int rows, int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
+                      int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
+  if constexpr (M > 1)
+    if (rows < M) return tile_rows<F, WORDS, M - 1>(rows, ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+  tile_groups<F, M, WORDS>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
   const int64_t gstride = (k / QK) * group_block_bytes(F);
-  vnni::drive(x, m, k, y, n, &n, 1, false, MT, NG, threads,
+  // Words pay where unpacking takes more than a mask and a shift (Q5_0, Q5_1's fifth bits, IQ4_NL's and MXFP4's
+  // lookups: 3-11 % faster from 16 rows up). Q8_0's bytes take no unpacking as digits and two instructions a
+  // vector as words, Q4_0's and Q4_1's nibbles two and four: words measured the same to 1-2 % slower there, so
+  // they keep the digits at every M, past 4 rows in the 3-row tiles that leave the second sums room.
+  const bool words = m > MAX_DIGIT_ROWS && (fifth_bit(F) || level_indices(F));
+  const int mt = words ? MT : m > MAX_DIGIT_ROWS ? 3 : MT_DIGITS;
+  vnni::drive(x, m, k, y, n, &n, 1, false, mt, NG, threads,
               [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
                   int64_t n_valid) {
-                tile_any<F>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
-              });
+                if (words)
+                  tile_rows<F, true>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
+                else
+                  tile_rows<F, false>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
+              },
+              words);
 }
 
 }  // namespace
