@@ -30,7 +30,7 @@
 //
 // Layout (tm_kquant_pack): rows in groups of 16 (the 16 int32 lanes of vpdpbusd are 16 outputs);
 // per group and super-block, for each of its 8 blocks of 32:
-//   Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes:
+//   Q4_K, Q5_K, Q6_K, IQ4_XS: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes:
 //               byte i of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low
 //               nibble and step 2s+1's in its high nibble; step j: weights 4j..4j+3); Q5_K and Q6_K
 //               then, right after the block's nibbles, their higher bits (q >> 4: one bit, two bits)
@@ -47,16 +47,17 @@
 //               bits 2u, 2u + 1 for step 4p + u), then its hmask bit in one plane as Q5_K's fifth bit
 //               (bit t for step t): 192 bytes, 3 bits a weight. A step's q is one shift and a mask for
 //               the low bits and one shift and a vpternlogd select for the high bit, in one stream;
+//   Q2_K:       its two bits in two 64-byte planes as Q3_K's low bits, and nothing above them: 128 bytes;
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
-//   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (2624 bytes)
+//   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (1600 bytes)
 //   Q6_K, IQ4_XS, Q3_K: d[16] as float16, sc[16][16] as int8   (Q6_K 3360, IQ4_XS 2336, Q3_K 1824 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
 // Q4_K, Q5_K and Q6_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5,
 // 5.63 against 5.5, Q6_K exactly its 6.56), IQ4_XS 4.56 against 4.25, Q3_K 3.56 against 3.44 (its 6-bit
-// scales as bytes), Q2_K 5.13 against 2.63.
+// scales as bytes), Q2_K 3.13 against 2.63 (its 4-bit scales and minimums as bytes).
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -128,7 +129,7 @@ int64_t source_block_bytes(int fmt) {
 }
 
 // A weight's low bits (4: a nibble; Q3_K's 2), and the bits above them.
-constexpr int low_bits(int fmt) { return fmt == Q3_K ? 2 : 4; }
+constexpr int low_bits(int fmt) { return fmt == Q3_K || fmt == Q2_K ? 2 : 4; }
 constexpr int64_t high_bits(int fmt) { return fmt == Q6_K ? 2 : fmt == Q5_K || fmt == Q3_K ? 1 : 0; }
 // A block's bytes: the planes of its weights' low bits, then those of their higher bits (read in one stream).
 constexpr int64_t block_quant_bytes(int fmt) { return 64 * (low_bits(fmt) + high_bits(fmt)); }
