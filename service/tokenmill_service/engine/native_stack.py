@@ -96,6 +96,8 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     multipliers = {float(ly.residual_multiplier) for ly in model.model.layers}
     if len(multipliers) != 1:
         raise ValueError(f"the native stack has one residual multiplier; this model's has {sorted(multipliers)}")
+    if multipliers != {1.0} and any(getattr(type(ly), "sandwich_norms", False) for ly in model.model.layers):
+        raise ValueError("a sandwich-normed layer's regions scale no branch; the stack would scale them")
     activations = {getattr(type(ly.mlp), "activation", "silu") for ly in model.model.layers}
     if len(activations) != 1:
         raise ValueError(f"the native stack runs one MLP activation; this model's layers have {sorted(activations)}")
