@@ -1,13 +1,16 @@
-"""Torch operations in one decode step of a tiny random gpt-oss, Gemma 2 or Gemma 3, on each executor the
-checkout has.
+"""Torch operations in one decode step of a tiny random gpt-oss, Gemma 2, Gemma 3, Granite or Phi-4-mini, on
+each executor the checkout has.
 
     python bench/kernels/stack_ops.py --layers 2
     python bench/kernels/stack_ops.py --layers 24   # gpt-oss-20b's layer count, 32 experts top-4
     python bench/kernels/stack_ops.py --family gemma3 --layers 26   # Gemma 3 1B's layers, heads of 256
     python bench/kernels/stack_ops.py --family gemma2 --layers 26   # Gemma 2 2B's layers, heads of 256
+    python bench/kernels/stack_ops.py --family granite --layers 40  # Granite 3 2B's layers and multipliers
+    python bench/kernels/stack_ops.py --family phi3 --layers 32     # Phi-4-mini's: 0.75 partial rotary, LongRoPE
 
-A transformers config (GptOssConfig, Gemma2Config or Gemma3TextConfig) with small widths (hidden 64;
-heads of 64 for gpt-oss, of 256 for Gemma, as their released models) and the given layer count, experts
+A transformers config (GptOssConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig or Phi3Config) with small
+widths (hidden 64; heads of 64 for gpt-oss, Granite and Phi-3 (hidden 256), of 256 for Gemma, as their
+released models) and the given layer count, experts
 and top-k (gpt-oss's; every parameter random), loaded at float32 dense (``--quantization none``); one
 sequence prefilled with 40 tokens (past its 8-key windows), its KV cache in the groups the engine gives
 its windowed and global layers; then one decode step (metadata, embedding, forward pass, logits of the
@@ -50,12 +53,36 @@ def checkpoint(directory: Path, family: str, layers: int, experts: int, top_k: i
         }
         config = transformers.Gemma3TextConfig(**gemma, rope_parameters=rope)
         model = transformers.Gemma3ForCausalLM(config)
+    elif family in ("granite", "phi3"):
+        model = llama_like(family, layers)
     else:
         model = transformers.GptOssForCausalLM(gpt_oss_config(layers, experts, top_k))
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.1)
     model.save_pretrained(directory, safe_serialization=True)
+
+
+def llama_like(family: str, layers: int) -> Any:
+    """Granite with Granite 3.0 2B's multipliers, or Phi-4-mini's rotary: 48 of 64 dims (partial_rotary_factor
+    0.75), LongRoPE over a 64-position original context (the long factors serve the model's 256)."""
+    sizes = dict(  # noqa: C408
+        vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    if family == "granite":
+        multipliers = dict(  # noqa: C408
+            embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=8.0
+        )
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(**sizes, **multipliers))
+    rope = {
+        "rope_type": "longrope", "short_factor": [1.0] * 24, "long_factor": [4.0] * 24,
+        "original_max_position_embeddings": 64,
+    }  # fmt: skip
+    config = transformers.Phi3Config(
+        **sizes, partial_rotary_factor=0.75, original_max_position_embeddings=64, rope_scaling=rope, pad_token_id=None
+    )
+    return transformers.Phi3ForCausalLM(config)
 
 
 def gpt_oss_config(layers: int, experts: int, top_k: int) -> Any:
@@ -83,7 +110,7 @@ def top_level_ops(events: list[Any]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("gpt-oss", "gemma2", "gemma3"), default="gpt-oss")
+    parser.add_argument("--family", choices=("gpt-oss", "gemma2", "gemma3", "granite", "phi3"), default="gpt-oss")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)

@@ -23,8 +23,10 @@ from tests.engine.family_checks import (
     tensor_parallel_logits,
     whole_model_logits,
 )
+from tests.engine.granite_phi3_checkpoints import GRANITE_TINY as TINY
+from tests.engine.granite_phi3_checkpoints import MULTIPLIERS, granite
 from tests.engine.invariance import assert_alone_equals_crowd
-from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
+from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.hf_loader import read_hf_config
@@ -32,29 +34,7 @@ from tokenmill_service.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(  # noqa: C408 - keyword names as in the transformers config
-    vocab_size=96,
-    hidden_size=256,  # 4 heads of 64: a head the native attention kernel takes
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-)
-# Granite 3.0 2B's embedding, residual and logits values; an attention scale that is not 1/8.
-MULTIPLIERS = dict(  # noqa: C408
-    embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=8.0
-)
 PROMPT = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
-
-
-def granite(tied: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GraniteConfig(**TINY, **MULTIPLIERS, tie_word_embeddings=tied)
-    model = transformers.GraniteForCausalLM(config)
-    _randomize(model, seed=1)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -85,31 +65,34 @@ def test_the_config_carries_the_multipliers(checkpoint: tuple[Path, Any]) -> Non
 @pytest.mark.parametrize(
     ("multiplier", "where"),
     [
-        ("embedding_multiplier", lambda m: m.model),
-        ("attention_multiplier", lambda m: m.model.layers[0].self_attn),
-        ("residual_multiplier", lambda m: m.model.layers[1]),
-        ("logits_scaling", lambda m: m),
+        ("embedding_multiplier", lambda m: [m.model]),
+        ("attention_multiplier", lambda m: [ly.self_attn for ly in m.model.layers]),
+        ("residual_multiplier", lambda m: list(m.model.layers)),
+        ("logits_scaling", lambda m: [m]),
     ],
 )
 @torch.inference_mode()
 def test_each_multiplier_counts(checkpoint: tuple[Path, Any], multiplier: str, where: Any) -> None:
-    """Guards the comparison above: without any one of them the logits are far from transformers'."""
+    """Guards the comparison above: without any one of them (the native stack built after it is gone, as
+    the plan runs the model) the logits are far from transformers'."""
     directory, hf_model = checkpoint
     model = load_model(directory)
-    module = where(model)
+    assert model.plan.executor.value == "native-stack"
     attribute = "scale" if multiplier == "attention_multiplier" else multiplier
-    setattr(module, attribute, 1.0 if attribute != "scale" else model.config.head_dim**-0.5)
+    for module in where(model):
+        setattr(module, attribute, 1.0 if attribute != "scale" else model.config.head_dim**-0.5)
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     assert (actual - hf_logits(hf_model, PROMPT)).abs().max() > 1e-2
 
 
-def test_the_plan_says_the_native_stack_has_no_residual_multiplier(checkpoint: tuple[Path, Any]) -> None:
+def test_the_plan_runs_the_native_stack_with_the_residual_multiplier(checkpoint: tuple[Path, Any]) -> None:
+    """The logits test above runs it (the plan's executor); tests/kernels/test_decoder_stack.py holds its bits
+    to the eager loop's."""
     model = load(checkpoint[0], "native")
-    executor = model.plan.executor
-    assert executor.value == "eager"
-    assert "the granite family has no native stack" in executor.reason and "residual multiplier" in executor.reason
-    with pytest.raises(ValueError, match="GraniteForCausalLM has no native stack"):
-        make_executor(model, "native-stack")
+    assert model.plan.executor.value == "native-stack", model.plan.executor
+    stack = make_executor(model).stack.spec  # type: ignore[attr-defined]
+    assert stack.residual_multiplier == MULTIPLIERS["residual_multiplier"]
+    assert stack.scale == MULTIPLIERS["attention_multiplier"]
 
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:

@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from tests.engine.family_checks import assert_greedy_matches, assert_prompt_matches, hf_logits, load
+from tests.engine.granite_phi3_checkpoints import LONGROPE, ORIGINAL, ROTARY_DIM, VARIANTS, WINDOW, phi3
+from tests.engine.granite_phi3_checkpoints import PHI3_TINY as TINY
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
-from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
+from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.models.config import layer_window
@@ -32,38 +34,6 @@ from tokenmill_service.models.phi3 import LONG, SHORT, Phi3ForCausalLM
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(  # noqa: C408 - keyword names as in the transformers config
-    vocab_size=96,
-    hidden_size=256,  # 4 heads of 64: a head the native attention kernel takes
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=None,
-)
-ROTARY_DIM = 32  # partial_rotary_factor 0.5 of a 64 head
-# LongRoPE past a 32-token pretraining length (the 40-token prompt outgrows it: transformers' forward pass
-# over it takes the long factors, as a served context of the model's 256 does); both sets away from 1.
-ORIGINAL = 32
-LONGROPE = {
-    "rope_type": "longrope",
-    "short_factor": [1.0 + i / 8 for i in range(ROTARY_DIM // 2)],
-    "long_factor": [4.0 + i for i in range(ROTARY_DIM // 2)],
-    "original_max_position_embeddings": ORIGINAL,
-}
-WINDOW = 16  # tokens, every layer (Phi-3's sliding_window): the prompt is 40
-VARIANTS = {  # id -> (tied, Phi3Config keywords)
-    "untied-window": (False, {"sliding_window": WINDOW}),
-    "tied-partial": (True, {"partial_rotary_factor": 0.5}),
-    "untied-partial-longrope": (
-        False,
-        {"partial_rotary_factor": 0.5, "original_max_position_embeddings": ORIGINAL, "rope_scaling": LONGROPE},
-    ),
-}
 PROMPT = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
 
 
@@ -75,19 +45,6 @@ def greedy_prompt(hf_model: Any) -> list[int]:
     """A prompt for greedy decoding: with LongRoPE, past the original context from its first step (where
     transformers, too, takes the long factors for every position)."""
     return PROMPT[: ORIGINAL + 1] if longrope(hf_model) else PROMPT[:12]
-
-
-def phi3(variant: str) -> torch.nn.Module:
-    tied, extra = VARIANTS[variant]
-    torch.manual_seed(0)
-    config = transformers.Phi3Config(**TINY, **extra, tie_word_embeddings=tied)
-    model = transformers.Phi3ForCausalLM(config)
-    _randomize(model, seed=1)
-    with torch.no_grad():  # halved: 256-wide sums of _randomize's weights give logits float32 rounds past 1e-4
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.mul_(0.5)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -178,13 +135,15 @@ def test_unfuse_names_the_rows_of_each_piece(checkpoint: tuple[Path, Any]) -> No
     assert Phi3ForCausalLM.unfuse("model.layers.0.self_attn.o_proj.weight", config) is None
 
 
-def test_the_plan_says_the_native_stack_has_no_partial_rotary(checkpoint: tuple[Path, Any]) -> None:
-    model = load(checkpoint[0], "native")
-    executor = model.plan.executor
-    assert executor.value == "eager"
-    assert "the phi3 family has no native stack" in executor.reason and "partial rotary" in executor.reason
-    with pytest.raises(ValueError, match="Phi3ForCausalLM has no native stack"):
-        make_executor(model, "native-stack")
+def test_the_plan_runs_the_native_stack_with_partial_rotary(checkpoint: tuple[Path, Any]) -> None:
+    """The logits test above runs it (the plan's executor); tests/kernels/test_decoder_stack.py holds its bits
+    to the eager loop's."""
+    directory, hf_model = checkpoint
+    model = load(directory, "native")
+    assert model.plan.executor.value == "native-stack", model.plan.executor
+    stack = make_executor(model).stack.spec  # type: ignore[attr-defined]
+    partial = hf_model.config.rope_parameters["partial_rotary_factor"] < 1
+    assert stack.rotary_dim == (ROTARY_DIM if partial else TINY["hidden_size"] // TINY["num_attention_heads"])
 
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:

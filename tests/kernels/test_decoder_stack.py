@@ -224,3 +224,40 @@ def test_gemma_runs_the_native_stack_with_the_python_forwards_bits(gemma_and_hf:
         expected = hf.double()(torch.tensor([PROMPT])).logits[0]
         actual = gemma.compute_logits(forward_prompt(gemma, PROMPT)).double()
         torch.testing.assert_close(actual, expected, atol=2e-4, rtol=0)
+
+
+@pytest.fixture(scope="module", params=["granite", "phi3-partial", "phi3-partial-longrope"])
+def llama_variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Granite (its four multipliers away from 1) or Phi-3 with partial rotary (32 of 64 dims; with
+    LongRoPE, its long factors chosen for the model's 256-position context), loaded."""
+    pytest.importorskip("transformers")
+    from tests.engine.granite_phi3_checkpoints import granite, phi3
+    from tokenmill_service.models.loader import load_model
+
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}-stack")
+    if request.param == "granite":
+        hf = granite(tied=False)
+    else:
+        hf = phi3("tied-partial" if request.param == "phi3-partial" else "untied-partial-longrope")
+    hf.save_pretrained(directory, safe_serialization=True)
+    return load_model(directory, dtype=torch.float32, quantization="none")
+
+
+@torch.inference_mode()
+def test_granite_and_phi3_run_the_native_stack_with_the_python_forwards_bits(llama_variant: Any) -> None:
+    """Granite's residual multiplier (the eager layer's one float32 product on each sub-layer's output)
+    and Phi-3's partial rotary (the first 32 dims of each 64-dim head turned, the rest passed through;
+    LongRoPE's one table for every step), in one call: the eager loop's hidden states over a prompt and
+    its logits over mixed prefill, decode and crowded steps, bit for bit."""
+    from tests.engine.granite_phi3_checkpoints import PROMPT
+    from tokenmill_service.engine.model_runner import forward_prompt
+
+    model = llama_variant
+    spec = build_decoder_stack(model).spec
+    if model.config.architecture == "granite":
+        assert spec.residual_multiplier == 0.22 and spec.rotary_dim == spec.head_dim
+    else:
+        assert spec.residual_multiplier == 1.0 and (spec.rotary_dim, spec.head_dim) == (32, 64)
+    eager = forward_prompt(model, PROMPT, executor="eager")
+    assert torch.equal(forward_prompt(model, PROMPT, executor="native-stack"), eager)
+    same_bits(model)

@@ -137,6 +137,27 @@ def test_native_rotary_matches_the_reference_on_strided_views_in_place() -> None
     assert torch.equal(packed[:, -3 * 64 :], qkv[:, -3 * 64 :])  # v untouched
 
 
+def test_native_rotary_turns_the_first_dims_of_each_head_and_leaves_the_rest() -> None:
+    """Partial rotary (Phi-4-mini's): views of each head's first 32 of 64 dims (heads 64 apart), tables of 16."""
+    rotary = RotaryEmbedding(32, 4096, 10000.0, None, TorchOps())
+    qkv = _rows(9, 9 * 64 + 2 * 3 * 64, 6)
+    positions = torch.tensor([0, 1, 2, 700, 701, 5, 4095, 17, 18])
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+        return q.view(9, 9, 64)[..., :32], k.view(9, 3, 64)[..., :32]
+
+    want_q, want_k = TorchOps().rotary(*split(qkv), positions, rotary.cos, rotary.sin)
+    packed = qkv.clone()
+    got_q, got_k = NativeCpuOps().rotary(*split(packed), positions, rotary.cos, rotary.sin)
+    assert got_q.data_ptr() == packed.data_ptr()  # in place
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+    rest = packed[:, : 12 * 64].view(9, 12, 64)[..., 32:]
+    assert torch.equal(rest, qkv[:, : 12 * 64].view(9, 12, 64)[..., 32:])  # the heads' other dims untouched
+    assert torch.equal(packed[:, -3 * 64 :], qkv[:, -3 * 64 :])  # v untouched
+
+
 def test_native_silu_and_mul_matches_the_reference_row_by_row() -> None:
     x = _rows(21, 2 * 1536, 5) * 4
     got = NativeCpuOps().silu_and_mul(x)

@@ -11,8 +11,10 @@ A projection's bias goes with it; a layer's sliding window and attention sinks (
 its attention, and each step's KV-cache groups with the step's metadata. Gemma's layers (``sandwich_norms``)
 hand the stack their norms of attention's and the MLP's outputs, their MLP's activation (``activation``:
 GeGLU) and their soft cap; a layer whose rotary tables are not the first layer's (Gemma 3's global ones)
-hands its own. The embeddings (Gemma's scaled by sqrt(hidden)) and the logits (Gemma 2's soft cap) stay
-the model's own.
+hands its own. A rotary that turns only the first dims of each head (``rotary_dim``: Phi-4-mini's partial
+rotary) says how many; the layers' residual multiplier (Granite's) goes with them. The embeddings (Gemma's
+scaled by sqrt(hidden), Granite's by its embedding multiplier) and the logits (Gemma 2's soft cap,
+Granite's logits scaling) stay the model's own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import decoder_stack
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.native import why_not_native
+from tokenmill_service.models.llama import LlamaDecoderLayer
 
 
 def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
@@ -88,6 +91,13 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
     if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
         raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
+    if any(type(ly).branch is not LlamaDecoderLayer.branch for ly in model.model.layers):
+        raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
+    multipliers = {float(ly.residual_multiplier) for ly in model.model.layers}
+    if len(multipliers) != 1:
+        raise ValueError(f"the native stack has one residual multiplier; this model's has {sorted(multipliers)}")
+    if multipliers != {1.0} and any(getattr(type(ly), "sandwich_norms", False) for ly in model.model.layers):
+        raise ValueError("a sandwich-normed layer's regions scale no branch; the stack would scale them")
     activations = {getattr(type(ly.mlp), "activation", "silu") for ly in model.model.layers}
     if len(activations) != 1:
         raise ValueError(f"the native stack runs one MLP activation; this model's layers have {sorted(activations)}")
@@ -99,6 +109,7 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
             scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight, layers=layers,
             kv_dtype=model.kv_dtype, qk_norm=qk_norm, activation=activations.pop(),
+            rotary_dim=getattr(rotary, "rotary_dim", attn.head_dim), residual_multiplier=multipliers.pop(),
         )
     )  # fmt: skip
 

@@ -3,14 +3,15 @@
 - ``embedding_multiplier`` scales the token embeddings (``LlamaModel.embed``);
 - ``attention_multiplier`` is the attention scale, in place of 1/sqrt(head_dim);
 - ``residual_multiplier`` scales each sub-layer's output, attention's and the MLP's, before its
-  residual add (``LlamaDecoderLayer.branch``);
+  residual add (``LlamaDecoderLayer.branch``: ``residual_multiplier``);
 - ``logits_scaling`` divides the logits.
 
 Everything else is llama.py's. They are read from config.json, or from a GGUF's ``granite.*`` keys
 (llama.cpp's converter writes ``embedding_scale``, ``attention.scale``, ``residual_scale`` and
 ``logit_scale``, and permutes q/k as for Llama), into ``ModelConfig.extra``. The native decoder stack
-has no residual multiplier (it cannot be folded into the weights bit for bit), so the family declares
-none and the load plan says why.
+runs Granite's layers: it scales each sub-layer's output by the residual multiplier as the eager layer
+does (one float32 product a value, before the residual add) and takes the attention scale as every
+family's; the embeddings and the logits stay the model's (``embed``, ``compute_logits``).
 """
 
 from __future__ import annotations
@@ -66,10 +67,7 @@ class GraniteAttention(LlamaAttention):
 class GraniteDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: ModelConfig, *args: Any) -> None:
         super().__init__(config, *args)
-        self.residual_multiplier = _multiplier(config, "residual_multiplier")
-
-    def branch(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.residual_multiplier
+        self.residual_multiplier = _multiplier(config, "residual_multiplier")  # LlamaDecoderLayer.branch's
 
 
 class GraniteModel(LlamaModel):
@@ -84,8 +82,6 @@ class GraniteModel(LlamaModel):
 
 @register_model("granite")
 class GraniteForCausalLM(LlamaForCausalLM):
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no residual multiplier"
     attention_type: ClassVar[type[LlamaAttention]] = GraniteAttention
     model_type: ClassVar[type[LlamaModel]] = GraniteModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GraniteDecoderLayer

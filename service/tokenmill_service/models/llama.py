@@ -182,6 +182,8 @@ class LlamaDecoderLayer(nn.Module):
     # Gemma's: attention's and the MLP's outputs each normed before their residual add (the native stack's
     # attn_out_norm / mlp_out_norm), the MLP's input by pre_feedforward_layernorm.
     sandwich_norms: ClassVar[bool] = False
+    # Each sub-layer's output times this before its residual add (``branch``; Granite's); 1: none.
+    residual_multiplier: float = 1.0
 
     def __init__(
         self,
@@ -210,8 +212,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp_type(config, prefix, ops, quant, tp)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
-        """A family's seam on each sub-layer's output before its residual add (Granite scales it); Llama has none."""
-        return x
+        """Each sub-layer's output before its residual add, times ``residual_multiplier`` (Granite's; Llama's is
+        1: x as it is). The native decoder stack applies the same multiplier; a family that needs more here
+        overrides this and declares no native stack (engine/native_stack.py refuses an overridden one)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 # A decoder layer runs as two regions around attention: each is a plain function of the layer and

@@ -25,8 +25,9 @@ not permuted; ``rope.dimension_count`` gives the rotary dims, the LongRoPE facto
 ``rope_factors_short`` / ``rope_factors_long`` (the loader folds them into the config) with
 ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``.
 
-The native decoder stack rotates whole heads from one table, so the family declares none and the load
-plan says why.
+The native decoder stack runs Phi-3's layers: it rotates the first ``rotary_dim`` dims of each head
+(``Phi3RotaryEmbedding.rotary_dim``; elementwise.cpp's rotary, which the eager path calls on the same
+views) from the one table the load plan's LongRoPE choice gave the model, which no step changes.
 """
 
 from __future__ import annotations
@@ -136,8 +137,6 @@ PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "
 
 @register_model("phi3")
 class Phi3ForCausalLM(LlamaForCausalLM):
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers rotate whole heads from one table (no partial rotary)"
     model_type: ClassVar[type[LlamaModel]] = Phi3Model
     hf_architectures: ClassVar[dict[str, str]] = {"Phi3ForCausalLM": "phi3"}
     gguf_architectures: ClassVar[dict[str, str]] = {"phi3": "phi3"}

@@ -116,7 +116,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "float* h_out, float* normed, int64_t t, int64_t d)"
         ),
         (
-            "void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, "
+            "void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, int64_t rotary_dim, "
             "const int64_t* positions, const float* cos_table, const float* sin_table)"
         ),
         "void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n)",
@@ -199,7 +199,7 @@ FUNCTION_POINTERS = {
     "TmRmsNorm": "void (*)(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps, "
     "float* h_out, float* normed, int64_t t, int64_t d)",
     "TmRotary": "void (*)(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, "
-    "const int64_t* positions, const float* cos_table, const float* sin_table)",
+    "int64_t rotary_dim, const int64_t* positions, const float* cos_table, const float* sin_table)",
     "TmSiluAndMul": "void (*)(const float* x, float* out, int64_t t, int64_t n)",
     "TmClampedSwiglu": "void (*)(const float* x, float* out, int64_t t, int64_t n, float alpha, float limit)",
     "TmStoreKeys": "void (*)(const float* k, int64_t k_stride, int64_t t, int64_t kv_heads, int64_t head_dim, "
@@ -269,14 +269,14 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("const float*", "sinks"),
         ("const float*", "attn_out_norm"),  # [hidden]
         ("const float*", "mlp_out_norm"),  # [hidden]
-        ("const float*", "cos_table"),  # [positions, head_dim / 2]
+        ("const float*", "cos_table"),  # [positions, rotary_dim / 2]
         ("const float*", "sin_table"),
     ),
     "TmStack": (
         *(("int64_t", name) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
         ("float", "eps"),
         ("float", "scale"),
-        ("const float*", "cos_table"),  # [positions, head_dim / 2]
+        ("const float*", "cos_table"),  # [positions, rotary_dim / 2]
         ("const float*", "sin_table"),
         ("const float*", "final_norm"),  # [hidden]
         ("const TmLayer*", "layers"),
@@ -298,6 +298,11 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("TmMoeWorkspace", "moe_workspace"),
         ("TmMoeMlp", "moe_mlp"),
         ("int64_t", "max_top_k"),
+        # The dims of each head rotary turns (its first; the stack's tables and the layers' own are
+        # [positions, rotary_dim / 2]): head_dim, or fewer (partial rotary, Phi-4-mini's).
+        ("int64_t", "rotary_dim"),
+        # Each sub-layer's output times this before its residual add (Granite's residual_multiplier; 1: none).
+        ("float", "residual_multiplier"),
     ),
     # A mixture-of-experts layer's experts held by a rank (moe_mlp.cpp): experts first .. first + count - 1
     # of num_experts, each a gate/up product ([2 * width, hidden], gate rows then up rows) and down product

@@ -19,6 +19,9 @@
 // the MLP's are each RMS-normed before their residual add where the layer has those norms (attn_out_norm,
 // mlp_out_norm: tm_rms_norm in place, the rows the eager norm reads), and a layer may rotate with its own
 // tables (Gemma 3's local and global layers).
+// Rotary turns the first rotary_dim dims of each head (all of them, or Phi-4-mini's partial rotary: the
+// rest pass through, as the eager rotary's views of the first dims leave them). Granite's residual
+// multiplier scales attention's output and the MLP's before their residual adds (scale_branch).
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -67,6 +70,15 @@ static void moe_sizes(const TmStack* s, int64_t t, int threads, int64_t* experts
   }
 }
 
+// A sub-layer's output y [t, hidden] times the residual multiplier (Granite's), before its residual add:
+// each value one float32 product, rounded, as the eager layer's ``x * self.residual_multiplier``.
+static void scale_branch(const TmStack* s, float* y, int64_t t) {
+  const float m = s->residual_multiplier;
+  if (m == 1.0f) return;  // (y * 1 is y)
+  const int64_t n = t * s->hidden;
+  for (int64_t i = 0; i < n; ++i) y[i] = y[i] * m;
+}
+
 extern "C" {
 
 // Floats of workspace a step of t tokens needs (with `threads` threads: the experts' share depends on it).
@@ -95,7 +107,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
                      const int64_t* seq_of_token, const TmKvGroup* groups, const int64_t* layer_kv, uint8_t* k_cache,
                      uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora,
                      float* workspace, float* out, int threads) {
-  const int64_t H = s->hidden, D = s->head_dim, I = s->intermediate, K = s->max_top_k;
+  const int64_t H = s->hidden, D = s->head_dim, R = s->rotary_dim, I = s->intermediate, K = s->max_top_k;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
   int64_t max_experts, moe_floats;
   moe_sizes(s, t, threads, &max_experts, &moe_floats);
@@ -129,8 +141,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
     if (linear(s, L.qkv, lora, normed, t, H, qkv, scratch, threads)) return -100 - (int)l;
     if (s->qk_norm == TM_QK_NORM_NONE) {
-      s->rotary(qkv, qkv_size, t, s->heads, D, positions, cos_t, sin_t);
-      s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, positions, cos_t, sin_t);
+      s->rotary(qkv, qkv_size, t, s->heads, D, R, positions, cos_t, sin_t);
+      s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
       s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
       for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
     } else {
@@ -144,8 +156,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
           s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
         }
       }
-      s->rotary(q, q_size, t, s->heads, D, positions, cos_t, sin_t);
-      s->rotary(keys, kv_size, t, s->kv_heads, D, positions, cos_t, sin_t);
+      s->rotary(q, q_size, t, s->heads, D, R, positions, cos_t, sin_t);
+      s->rotary(keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
       s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
     }
     s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
@@ -155,6 +167,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
     // Gemma's norm of attention's output (its h_out, the rows themselves, written back in place).
     if (L.attn_out_norm) s->rms_norm(y, H, nullptr, L.attn_out_norm, s->eps, y, y, t, H);
+    scale_branch(s, y, t);
     s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
     if (L.experts) {
       const TmExperts* e = L.experts;
@@ -167,6 +180,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
       if (linear(s, L.down, lora, act, t, I, y, scratch, threads)) return -100 - (int)l;
     }
     if (L.mlp_out_norm) s->rms_norm(y, H, nullptr, L.mlp_out_norm, s->eps, y, y, t, H);  // Gemma's, as above
+    scale_branch(s, y, t);
   }
   s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
   return 0;

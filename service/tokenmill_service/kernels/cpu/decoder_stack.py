@@ -18,7 +18,9 @@ its group's tables and its storage tensor, as ``AttentionMetadata.for_layer`` gi
 the dense MLP's activation is GeGLU (``StackSpec.activation``), attention's output and the MLP's are
 RMS-normed before their residual adds (``LayerSpec.attn_out_norm``, ``mlp_out_norm``; ``post_norm`` is then
 the pre-feedforward norm), and a layer may rotate with tables of its own (``LayerSpec.cos``, ``sin``:
-Gemma 3's local and global layers).
+Gemma 3's local and global layers). Rotary may turn only the first dims of each head (``StackSpec.rotary_dim``:
+Phi-4-mini's partial rotary), and each sub-layer's output may be scaled before its residual add
+(``StackSpec.residual_multiplier``: Granite's).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class LayerSpec:
     # Gemma's sandwich norms (None: none): o's output and the MLP's each RMS-normed before its residual add.
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
-    # The layer's rotary tables where they are not the stack's ([positions, head_dim / 2]; None: the stack's).
+    # The layer's rotary tables where they are not the stack's ([positions, rotary_dim / 2]; None: the stack's).
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
 
@@ -125,7 +127,7 @@ class StackSpec:
     intermediate: int
     eps: float
     scale: float
-    cos: torch.Tensor  # [positions, head_dim / 2]
+    cos: torch.Tensor  # [positions, rotary_dim / 2]
     sin: torch.Tensor
     final_norm: torch.Tensor
     layers: list[LayerSpec]
@@ -135,6 +137,10 @@ class StackSpec:
     qk_norm: str = "none"
     # The dense MLP's activation (abi.ACTIVATIONS): "silu" (SiLU-and-mul) or "gelu_tanh" (Gemma's GeGLU).
     activation: str = "silu"
+    # The dims rotary turns, the first of each head (None: all of them; fewer: partial rotary, Phi-4-mini's).
+    rotary_dim: int | None = None
+    # Attention's and the MLP's outputs times this before their residual adds (Granite's; 1: none).
+    residual_multiplier: float = 1.0
 
 
 class DecoderStack:
@@ -147,6 +153,11 @@ class DecoderStack:
             raise ValueError(f"q/k norms are one of {', '.join(abi.QK_NORM_MODES)}, not {spec.qk_norm!r}")
         if spec.activation not in abi.ACTIVATIONS:
             raise ValueError(f"the MLP's activation is one of {', '.join(abi.ACTIVATIONS)}, not {spec.activation!r}")
+        rotary_dim = spec.head_dim if spec.rotary_dim is None else spec.rotary_dim
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > spec.head_dim:
+            raise ValueError(f"rotary turns an even number of a head's {spec.head_dim} dims, not {rotary_dim}")
+        if spec.cos.dim() != 2 or spec.cos.shape[1] != rotary_dim // 2 or spec.sin.shape != spec.cos.shape:
+            raise ValueError(f"the rotary tables are [positions, {rotary_dim // 2}] (rotary dims / 2)")
         tensors = [spec.cos, spec.sin, spec.final_norm]
         norms = [spec.final_norm]
         widths = [0]  # of the layers' LoRA slots: parts * rank
@@ -246,6 +257,7 @@ class DecoderStack:
             build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
             abi.QK_NORM_MODES[spec.qk_norm],
             *moe, max((m.experts.top_k for m in moes), default=0),
+            rotary_dim, spec.residual_multiplier,
         )  # fmt: skip
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
@@ -339,7 +351,7 @@ def _check_rotary_and_norms(layer: LayerSpec, spec: StackSpec) -> None:
         raise ValueError("a layer's own rotary tables are a cos and a sin table, both or neither")
     for table in (layer.cos, layer.sin):
         if table is not None and table.shape != spec.cos.shape:
-            raise ValueError(f"a layer's rotary tables are [positions, head_dim / 2] as the stack's, not {table.shape}")
+            raise ValueError(f"a layer's rotary tables are [positions, rotary_dim / 2], not {table.shape}")
     for norm in (layer.attn_out_norm, layer.mlp_out_norm):
         if norm is not None and norm.shape != (spec.hidden,):
             raise ValueError(f"the norms of attention's and the MLP's outputs take {spec.hidden} weights")

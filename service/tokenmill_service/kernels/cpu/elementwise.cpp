@@ -51,11 +51,13 @@ void tm_rms_norm(const float* x, int64_t x_stride, const float* residual, const 
   }
 }
 
-// Rotates, in place, the two halves of each of the `heads` heads (head_dim apart) of every row of x
-// (row stride x_stride) by the angle of the row's position: cos/sin are [positions, head_dim / 2].
-void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, const int64_t* positions,
-               const float* cos_table, const float* sin_table) {
-  const int64_t half = head_dim / 2;
+// Rotates, in place, the first rotary_dim dims of each of the `heads` heads (head_dim apart) of every
+// row of x (row stride x_stride), their two halves by the angle of the row's position; the head's other
+// dims are left as they are (partial rotary: Phi-4-mini's; rotary_dim == head_dim rotates whole heads).
+// cos/sin are [positions, rotary_dim / 2].
+void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+               const int64_t* positions, const float* cos_table, const float* sin_table) {
+  const int64_t half = rotary_dim / 2;
   for (int64_t i = 0; i < t; ++i) {
     const float* c = cos_table + positions[i] * half;
     const float* s = sin_table + positions[i] * half;

@@ -43,11 +43,13 @@ def rms_norm(
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, H, D] in place (heads contiguous within a row) by each row's position; returns x."""
-    t, heads, head_dim = x.shape
-    assert x.stride(1) == head_dim and x.stride(2) == 1
+    """Rotates x [T, H, R] in place by each row's position; returns x. A head's R dims are contiguous; the
+    heads may be further apart (``x.stride(1)`` >= R: the first R dims of wider heads, partial rotary's
+    view); cos/sin are [positions, R / 2]."""
+    t, heads, rotary_dim = x.shape
+    assert x.stride(1) >= rotary_dim and x.stride(2) == 1
     _lib().tm_rotary(
-        x.data_ptr(), x.stride(0), t, heads, head_dim, positions.contiguous().data_ptr(),
+        x.data_ptr(), x.stride(0), t, heads, x.stride(1), rotary_dim, positions.contiguous().data_ptr(),
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
     )  # fmt: skip
     return x

@@ -81,7 +81,8 @@ class NativeCpuOps(TorchOps):
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if _eager() and elementwise.fits(q, k, cos, sin) and all(x.stride(1) == x.shape[2] for x in (q, k)):
+        # (whole heads, or the first dims of each: partial rotary's views, heads further apart)
+        if _eager() and elementwise.fits(q, k, cos, sin) and all(x.stride(1) >= x.shape[2] for x in (q, k)):
             return elementwise.rotary_(q, positions, cos, sin), elementwise.rotary_(k, positions, cos, sin)
         return super().rotary(q, k, positions, cos, sin)
 
