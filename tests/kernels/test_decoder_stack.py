@@ -108,6 +108,22 @@ def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
     assert served_model.plan.executor.value == "native-stack"
 
 
+def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_model: Any) -> None:
+    layer = default_model.model.layers[1]
+    plain = type(layer)
+
+    class Doubled(plain):  # type: ignore[valid-type,misc]
+        def branch(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    layer.__class__ = Doubled
+    try:
+        with pytest.raises(ValueError, match="residual_multiplier only"):
+            build_decoder_stack(default_model)
+    finally:
+        layer.__class__ = plain
+
+
 @torch.inference_mode()
 def test_dense_float32_layers_run_it_too(default_model: Any) -> None:
     # --quantization none: float32 rows through the block product's F32 format.

@@ -27,7 +27,6 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import decoder_stack
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.native import why_not_native
-from tokenmill_service.models.llama import LlamaDecoderLayer
 
 
 def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
@@ -91,7 +90,9 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
     if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
         raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
-    if any(type(ly).branch is not LlamaDecoderLayer.branch for ly in model.model.layers):
+    # A family overriding the Llama layer's ``branch`` does more than the multiplier (named, not imported: the
+    # engine does not import the models).
+    if any(type(ly).branch.__qualname__ != "LlamaDecoderLayer.branch" for ly in model.model.layers):
         raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
     multipliers = {float(ly.residual_multiplier) for ly in model.model.layers}
     if len(multipliers) != 1:
