@@ -73,6 +73,7 @@ using vnni::dword_at;
 using vnni::G;
 using vnni::half_bits;
 using vnni::QK;
+using vnni::total;
 
 constexpr int64_t QK_K = TM_BLOCK_WEIGHTS_Q4_K;  // weights per super-block
 constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-block
@@ -331,37 +332,16 @@ inline void step_bytes(const uint8_t* bq, int s, __m512i& w0, __m512i& w1) {
   }
 }
 
-// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand, in the order of quantize_row_words's
-// activations: wq = (q0, q2), (q1, q3), (q4, q6), (q5, q7) in each dword.
+// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand (vnni_common.h's order).
 template <int F>
 inline void step_words(const uint8_t* bq, int s, __m512i wq[4]) {
   if constexpr (low_bits(F) == 4 && high_bits(F) == 0 && !level_indices(F)) {
-    // Q4_K: a dword's 16-bit halves hold q0 q4 q1 q5 and q2 q6 q3 q7 from their lowest nibble up: one shift
-    // and one mask a vector.
-    const __m512i v = _mm512_loadu_si512(bq + s * 64), low_nibble = _mm512_set1_epi16(0x0F);
-    wq[0] = _mm512_and_si512(v, low_nibble);
-    wq[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low_nibble);
-    wq[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
-    wq[3] = _mm512_srli_epi16(v, 12);
+    vnni::nibbles_as_words(_mm512_loadu_si512(bq + s * 64), wq);  // Q4_K: straight from the nibbles
   } else {
-    // The bytes, then the even ones and the odd ones of each dword as int16.
     __m512i w0, w1;
     step_bytes<F>(bq, s, w0, w1);
-    const __m512i low_byte = _mm512_set1_epi16(0xFF);
-    wq[0] = _mm512_and_si512(w0, low_byte);
-    wq[1] = _mm512_srli_epi16(w0, 8);
-    wq[2] = _mm512_and_si512(w1, low_byte);
-    wq[3] = _mm512_srli_epi16(w1, 8);
+    vnni::bytes_as_words(w0, w1, wq);
   }
-}
-
-// An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
-template <bool WORDS, int P>
-inline __m512i total(const __m512i (&parts)[P]) {
-  if constexpr (!WORDS) return _mm512_add_epi32(_mm512_slli_epi32(parts[0], 8), parts[1]);
-  __m512i sum = parts[0];
-  for (int u = 1; u < P; ++u) sum = _mm512_add_epi32(sum, parts[u]);
-  return sum;
 }
 
 // An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset

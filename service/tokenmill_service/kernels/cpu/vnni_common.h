@@ -38,47 +38,33 @@ inline __m512i low_digit(__m512i hi8, __m512i lo8) {
   return _mm512_mask_max_epi32(lo8, _mm512_cmpeq_epi32_mask(hi8, _mm512_set1_epi32(-128)), lo8, _mm512_setzero_si512());
 }
 
-// Row i of x as fixed-point blocks: per block 32 hi digits then 32 lo digits (a: 2k bytes), the
-// block's unit dq, dq * sum(256 * hi + lo), and (if s16 is given) the integer sums
-// sum(256 * hi + lo) of each half block of 16, for formats whose scales change every 16 weights.
-inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
-  for (int64_t b = 0; b < k / QK; ++b) {
-    int32_t sum = 0;
-    __m512 t[2];
-    t[0] = _mm512_loadu_ps(x + b * QK);
-    t[1] = _mm512_loadu_ps(x + b * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(t[0]), _mm512_abs_ps(t[1])));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int h = 0; h < 2; ++h) {
-      const __m512 v = _mm512_mul_ps(t[h], _mm512_set1_ps(id));  // |v| <= 127 (up to rounding)
-      const __m512i hi = _mm512_cvtps_epi32(v);  // nearest, ties to even
-      // The remainder is exact in float32 (v and hi are within 0.5), and so is scaling it by 256.
-      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
-      const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));  // as stored (saturated)
-      const __m512i lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
-      _mm_storeu_si128((__m128i*)(a + b * 2 * QK + h * 16), _mm512_cvtepi32_epi8(hi8));
-      _mm_storeu_si128((__m128i*)(a + b * 2 * QK + QK + h * 16), _mm512_cvtepi32_epi8(lo8));
-      const int32_t half = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8));
-      if (s16) s16[2 * b + h] = half;
-      sum += half;
-    }
-    dq[b] = d * (1.0f / 256.0f);
-    sx[b] = dq[b] * (float)sum;
-  }
+// One half block's 16 values t as two int8 digits (as int32 lanes): v = t / d = t * id, hi = round(v) (nearest,
+// ties to even), lo = round(256 * (v - hi)), each saturated to int8 as stored. The remainder v - hi is exact in
+// float32 (v and hi are within 0.5), and so is scaling it by 256.
+inline void digits(__m512 t, float id, __m512i& hi8, __m512i& lo8) {
+  const __m512 v = _mm512_mul_ps(t, _mm512_set1_ps(id));  // |v| <= 127 (up to rounding)
+  const __m512i hi = _mm512_cvtps_epi32(v);
+  const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
+  hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));
+  lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
 }
 
-// Row i of x as quantize_row makes it, but each weight's two digits as one int16, 256 * hi + lo, for vpdpwssd
-// (int16 pairs, exact int32 sums): per block 64 bytes, its 32 values in the order vpdpwssd pairs them with
-// the packed weights' even and odd bytes (kquant_gemm.cpp): per 8 weights 0 2 1 3 4 6 5 7, so that its four
-// dwords hold the pairs (x0, x2) (x1, x3) (x4, x6) (x5, x7).
+// Row i of x as fixed-point blocks, the block's unit dq, dq * sum(256 * hi + lo), and (if s16 is given) the
+// integer sums sum(256 * hi + lo) of each half block of 16, for formats whose scales change every 16 weights.
+// WORDS false (quantize_row): per block 32 hi digits then 32 lo digits (a: 2k bytes), for vpdpbusd.
+// WORDS true (quantize_row_words): each weight's two digits as one int16, 256 * hi + lo, for vpdpwssd (int16
+// pairs, exact int32 sums): per block 64 bytes, its 32 values in the order vpdpwssd pairs them with the packed
+// weights' even and odd bytes (kquant_gemm.cpp): per 8 weights 0 2 1 3 4 6 5 7, so that its four dwords hold
+// the pairs (x0, x2) (x1, x3) (x4, x6) (x5, x7).
 //
-// It fits in int16, the digits being those of quantize_row: |v| = |x| / d <= 127 up to a few ulps of rounding
-// (d = max|x| / 127), so hi = round(v) is in [-127, 127] and lo = round(256 (v - hi)) in [-128, 128] (128
-// saturated to 127): 256 * hi + lo lies in [-32640, 32639]. Only where 1 / d overflows (max|x| below about
-// 3.7e-37, where the unit dq = d / 256 is below 1.2e-41) or x holds inf or NaN can v be infinite or NaN and hi
-// saturate at -128; low_digit then keeps lo >= 0, so that the value stays within int16 here too and both
-// forms hold the same integers (a row's bits do not depend on which form its batch takes).
-inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
+// A word fits in int16: |v| = |x| / d <= 127 up to a few ulps of rounding (d = max|x| / 127), so hi = round(v)
+// is in [-127, 127] and lo = round(256 (v - hi)) in [-128, 128] (128 saturated to 127): 256 * hi + lo lies in
+// [-32640, 32639]. Only where 1 / d overflows (max|x| below about 3.7e-37, where the unit dq = d / 256 is below
+// 1.2e-41) or x holds inf or NaN can v be infinite or NaN and hi saturate at -128; low_digit then keeps lo >= 0,
+// so that the value stays within int16 here too and both forms hold the same integers (a row's bits do not
+// depend on which form its batch takes).
+template <bool WORDS>
+inline void quantize_row_as(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
   const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   for (int64_t b = 0; b < k / QK; ++b) {
     int32_t sum = 0;
@@ -88,14 +74,15 @@ inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, 
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(t[0]), _mm512_abs_ps(t[1])));
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     for (int h = 0; h < 2; ++h) {
-      // The digits exactly as quantize_row makes them.
-      const __m512 v = _mm512_mul_ps(t[h], _mm512_set1_ps(id));
-      const __m512i hi = _mm512_cvtps_epi32(v);
-      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
-      const __m512i hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));
-      const __m512i lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
+      __m512i hi8, lo8;
+      digits(t[h], id, hi8, lo8);
       const __m512i value = _mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8);  // in int16 (above)
-      _mm256_storeu_si256((__m256i*)(a + b * 2 * QK + h * 32), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, value)));
+      if constexpr (WORDS) {
+        _mm256_storeu_si256((__m256i*)(a + b * 2 * QK + h * 32), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, value)));
+      } else {
+        _mm_storeu_si128((__m128i*)(a + b * 2 * QK + h * 16), _mm512_cvtepi32_epi8(hi8));
+        _mm_storeu_si128((__m128i*)(a + b * 2 * QK + QK + h * 16), _mm512_cvtepi32_epi8(lo8));
+      }
       const int32_t half = _mm512_reduce_add_epi32(value);
       if (s16) s16[2 * b + h] = half;
       sum += half;
@@ -103,6 +90,45 @@ inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, 
     dq[b] = d * (1.0f / 256.0f);
     sx[b] = dq[b] * (float)sum;
   }
+}
+
+inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
+  quantize_row_as<false>(x, k, a, dq, sx, s16);
+}
+
+inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
+  quantize_row_as<true>(x, k, a, dq, sx, s16);
+}
+
+// A step's weights as vpdpwssd's int16 pairs, in the order of quantize_row_words's activations: wq = (q0, q2),
+// (q1, q3), (q4, q6), (q5, q7) in each dword.
+// From a 64-byte vector of nibbles (Q4_0's packing: a dword's 16-bit halves hold q0 q4 q1 q5 and q2 q6 q3 q7
+// from their lowest nibble up): one shift and one mask a vector.
+inline void nibbles_as_words(__m512i v, __m512i wq[4]) {
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  wq[0] = _mm512_and_si512(v, low_nibble);
+  wq[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low_nibble);
+  wq[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
+  wq[3] = _mm512_srli_epi16(v, 12);
+}
+
+// From the step's two byte vectors (vpdpbusd's operands: w0 steps 2s, w1 step 2s + 1): the even and the odd
+// bytes of each dword as int16.
+inline void bytes_as_words(__m512i w0, __m512i w1, __m512i wq[4]) {
+  const __m512i low_byte = _mm512_set1_epi16(0xFF);
+  wq[0] = _mm512_and_si512(w0, low_byte);
+  wq[1] = _mm512_srli_epi16(w0, 8);
+  wq[2] = _mm512_and_si512(w1, low_byte);
+  wq[3] = _mm512_srli_epi16(w1, 8);
+}
+
+// An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
+template <bool WORDS, int P>
+inline __m512i total(const __m512i (&parts)[P]) {
+  if constexpr (!WORDS) return _mm512_add_epi32(_mm512_slli_epi32(parts[0], 8), parts[1]);
+  __m512i sum = parts[0];
+  for (int u = 1; u < P; ++u) sum = _mm512_add_epi32(sum, parts[u]);
+  return sum;
 }
 
 // The quantized activations of m rows, as a tile reads them.

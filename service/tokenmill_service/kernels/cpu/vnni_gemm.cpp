@@ -54,6 +54,7 @@ using vnni::dword_at;
 using vnni::G;
 using vnni::half_bits;
 using vnni::QK;
+using vnni::total;
 using vnni::quantize_row;
 #ifndef VNNI_MT  // (a dev script may try other tiles)
 #define VNNI_MT 4
@@ -209,35 +210,16 @@ inline void step_bytes(const uint8_t* p, int s, __m512i& w0, __m512i& w1) {
   }
 }
 
-// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand, in the order of quantize_row_words's
-// activations: wq = (q0, q2), (q1, q3), (q4, q6), (q5, q7) in each dword.
+// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand (vnni_common.h's order).
 template <int F>
 inline void step_words(const uint8_t* p, int s, __m512i wq[4]) {
   if constexpr (!byte_weights(F) && !fifth_bit(F) && !level_indices(F)) {
-    // Q4_0, Q4_1: a dword's 16-bit halves hold q0 q4 q1 q5 and q2 q6 q3 q7 from their lowest nibble up.
-    const __m512i v = _mm512_loadu_si512(p + s * 64), low_nibble = _mm512_set1_epi16(0x0F);
-    wq[0] = _mm512_and_si512(v, low_nibble);
-    wq[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low_nibble);
-    wq[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
-    wq[3] = _mm512_srli_epi16(v, 12);
+    vnni::nibbles_as_words(_mm512_loadu_si512(p + s * 64), wq);  // Q4_0, Q4_1: straight from the nibbles
   } else {
     __m512i w0, w1;
     step_bytes<F>(p, s, w0, w1);
-    const __m512i low_byte = _mm512_set1_epi16(0xFF);
-    wq[0] = _mm512_and_si512(w0, low_byte);
-    wq[1] = _mm512_srli_epi16(w0, 8);
-    wq[2] = _mm512_and_si512(w1, low_byte);
-    wq[3] = _mm512_srli_epi16(w1, 8);
+    vnni::bytes_as_words(w0, w1, wq);
   }
-}
-
-// An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
-template <bool WORDS, int P>
-inline __m512i total(const __m512i (&parts)[P]) {
-  if constexpr (!WORDS) return _mm512_add_epi32(_mm512_slli_epi32(parts[0], 8), parts[1]);
-  __m512i sum = parts[0];
-  for (int u = 1; u < P; ++u) sum = _mm512_add_epi32(sum, parts[u]);
-  return sum;
 }
 
 // y[i, 16g + l] for M activation rows (a: stride 2k bytes) and NGT groups starting at w. WORDS: the activations
