@@ -277,3 +277,46 @@ def test_granite_and_phi3_run_the_native_stack_with_the_python_forwards_bits(lla
     eager = forward_prompt(model, PROMPT, executor="eager")
     assert torch.equal(forward_prompt(model, PROMPT, executor="native-stack"), eager)
     same_bits(model)
+
+
+@pytest.fixture(scope="module", params=["q_lora", "no_q_lora"])
+def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """DeepSeek-V3's three layers (the first dense; then 8 routed experts in 2 groups, 1 group kept, 2 a token,
+    1 shared expert): with the low-rank query path, YaRN and interleaved rotary dims, or q_proj and plain ones."""
+    pytest.importorskip("transformers")
+    from tests.tiny_deepseek import deepseek_v3
+    from tokenmill_service.models.loader import load_model
+
+    directory = tmp_path_factory.mktemp(f"tiny-deepseek-{request.param}-stack")
+    deepseek_v3(q_lora=request.param == "q_lora", moe=True).save_pretrained(directory, safe_serialization=True)
+    with capture_logs() as logs:
+        model = load_model(directory, dtype=torch.float32, quantization="none")
+    loaded = next(e for e in logs if e["event"] == "model_loaded")
+    assert loaded["layers"] == "native stack"
+    return model
+
+
+@torch.inference_mode()
+def test_deepseek_v3_runs_the_native_stack_with_the_python_forwards_bits(deepseek: Any) -> None:
+    """Latent attention (the query's low-rank path or q_proj, the normed latent, DeepSeek's interleaved YaRN
+    rotary or plain halves, the absorbed products over the latent cache), grouped sigmoid routing with its
+    correction bias, the shared experts and the dense first layer, in one call: the eager loop's hidden
+    states over a prompt and its logits over mixed prefill, decode and crowded steps, bit for bit; a
+    prompt alone and in a crowd, and prefilled or decoded, the same bits on the stack."""
+    from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
+    from tokenmill_service.engine.model_runner import forward_prompt
+
+    model = deepseek
+    spec = build_decoder_stack(model).spec
+    assert spec.latent is not None and spec.latent.interleave == (model.config.extra["mla"].q_lora_rank > 0)
+    assert [ly.latent is not None and (ly.latent.q_a is not None) == spec.latent.interleave
+            for ly in spec.layers] == [True] * 3  # fmt: skip
+    assert spec.layers[0].moe is None and spec.layers[0].gate_up is not None  # dense
+    for ly in spec.layers[1:]:  # routed by groups, plus the shared experts
+        assert ly.moe is not None and ly.moe.routing == "grouped_renormalized" and ly.gate_up is not None
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    eager = forward_prompt(model, prompt, executor="eager")
+    assert torch.equal(forward_prompt(model, prompt, executor="native-stack"), eager)
+    same_bits(model)
+    assert_alone_equals_crowd(model, prompt)
+    assert_prefill_equals_decode(model, prompt[:20], 12)

@@ -41,9 +41,8 @@ def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
 
 
 def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
-    """A mixture-of-experts layer as the stack runs it: softmax top-k routing, every expert native."""
-    if mlp.grouped is not None:
-        raise ValueError("the native stack routes by softmax top-k; this layer's routing is grouped")
+    """A mixture-of-experts layer as the stack runs it: its routing (softmax top-k, the top-k logits, or
+    DeepSeek-V3's grouped sigmoid with its score-correction bias), every expert native."""
     if mlp.placement.count != mlp.num_experts:
         raise ValueError("the native stack runs every expert of a layer; this rank holds some of them")
     if getattr(mlp.gate, "lora", None) is not None:
@@ -51,7 +50,66 @@ def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
     experts = mlp.native()
     if experts is None:
         raise ValueError(f"the layer's experts have no native call: {why_not_native(mlp)}")
-    return decoder_stack.MoESpec(_linear("router", mlp.gate), experts, mlp.renormalize, type(mlp).top_logits)
+    score_bias = None if mlp.grouped is None else mlp.score_bias
+    return decoder_stack.MoESpec(
+        _linear("router", mlp.gate), experts, mlp.renormalize, type(mlp).top_logits, mlp.grouped, score_bias
+    )
+
+
+def _no_lora(*linears: Any) -> None:
+    if any(getattr(lin, "lora", None) is not None for lin in linears):
+        raise ValueError("the native stack's latent attention and shared experts have no LoRA adapter slots")
+
+
+def _latent_layer(ly: Any) -> decoder_stack.LayerSpec:
+    """A DeepSeek layer: latent attention (its query path, kv_a_proj_with_mqa and norm, kv_b_proj's weight as
+    the attention absorbs it), then a dense MLP, or routed experts plus the shared ones' dense MLP."""
+    attn = ly.self_attn
+    low_rank = hasattr(attn, "q_a_proj")
+    q = attn.q_b_proj if low_rank else attn.q_proj
+    _no_lora(q, attn.kv_a_proj_with_mqa, attn.o_proj, *([attn.q_a_proj] if low_rank else []))
+    latent = decoder_stack.LatentSpec(
+        _linear("kv_a", attn.kv_a_proj_with_mqa), attn.kv_a_layernorm.weight, attn.w_kv_b,
+        _linear("q_a", attn.q_a_proj) if low_rank else None, attn.q_a_layernorm.weight if low_rank else None,
+    )  # fmt: skip
+    norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
+    qkv, o = _linear("q", q), _linear("o", attn.o_proj)
+    mlp, moe = ly.mlp, None
+    if isinstance(ly.mlp, FusedMoE):
+        moe, mlp = _moe(ly.mlp), getattr(ly.mlp, "shared_experts", None)
+    gate_up = down = None
+    if mlp is not None:
+        if getattr(type(mlp), "activation", "silu") != "silu":
+            raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
+        _no_lora(mlp.gate_up_proj, mlp.down_proj)
+        gate_up, down = _linear("gate_up", mlp.gate_up_proj), _linear("down", mlp.down_proj)
+    return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, moe, latent=latent)
+
+
+def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
+    """A stack of DeepSeek layers: every layer's attention latent, rotated by the first layer's rotary (YaRN's
+    tables, the rotary dims interleaved where the family's are)."""
+    layers = model.model.layers
+    attn = layers[0].self_attn
+    rotary, dims = attn.rotary, attn.dims
+    if any(ly.self_attn.rotary is not rotary for ly in layers):
+        raise ValueError("the native stack rotates every latent layer alike; this model's layers differ")
+    eps = {ly.self_attn.kv_a_layernorm.eps for ly in layers}
+    eps |= {ly.self_attn.q_a_layernorm.eps for ly in layers if hasattr(ly.self_attn, "q_a_layernorm")}
+    if len(eps) != 1:
+        raise ValueError(f"the native stack norms every latent with one epsilon; this model's are {sorted(eps)}")
+    specs = [_latent_layer(ly) for ly in layers]
+    widths = [ly.gate_up.out_features // 2 for ly in specs if ly.gate_up is not None]
+    return decoder_stack.DecoderStack(
+        decoder_stack.StackSpec(
+            hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=1, head_dim=dims.qk_rope_head_dim,
+            intermediate=max(widths, default=0), eps=model.model.norm.eps, scale=attn.scale, cos=rotary.cos,
+            sin=rotary.sin, final_norm=model.model.norm.weight, layers=specs, kv_dtype=model.kv_dtype,
+            latent=decoder_stack.LatentDims(
+                dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, eps.pop(), bool(rotary.interleave)
+            ),
+        )
+    )  # fmt: skip
 
 
 def _layer(ly: Any, qk_norm: str, rotary: Any) -> decoder_stack.LayerSpec:
@@ -88,12 +146,18 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         gap = getattr(type(model), "native_stack_gap", "")
         raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
-    if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
-        raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
     # A family overriding the Llama layer's ``branch`` does more than the multiplier (named, not imported: the
     # engine does not import the models).
     if any(type(ly).branch.__qualname__ != "LlamaDecoderLayer.branch" for ly in model.model.layers):
         raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
+    if getattr(type(model), "latent_cache", False):  # DeepSeek's multi-head latent attention
+        if any(float(ly.residual_multiplier) != 1.0 for ly in model.model.layers):
+            raise ValueError("the native stack's latent layers scale no sub-layer's output")
+        if any(getattr(type(ly.mlp), "activation", "silu") != "silu" for ly in model.model.layers):
+            raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
+        return _latent_stack(model)
+    if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
+        raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
     multipliers = {float(ly.residual_multiplier) for ly in model.model.layers}
     if len(multipliers) != 1:
         raise ValueError(f"the native stack has one residual multiplier; this model's has {sorted(multipliers)}")

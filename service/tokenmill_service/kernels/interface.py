@@ -21,6 +21,7 @@ from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
     from tokenmill_service.layers.fused_moe.layer import FusedMoE
+    from tokenmill_service.layers.fused_moe.router import GroupedTopK
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -132,6 +133,16 @@ class Ops(ABC):
         from tokenmill_service.layers.fused_moe.router import select_top_logits
 
         return select_top_logits(logits, top_k)
+
+    def select_experts_grouped(
+        self, logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router choice: logits [T, experts] and the score-correction bias [experts] ->
+        (weights float32, expert ids int64) [T, top_k] by rank, group-limited sigmoid routing
+        (layers/fused_moe/router.py's ``select_experts_grouped``)."""
+        from tokenmill_service.layers.fused_moe.router import select_experts_grouped
+
+        return select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
 
     def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts layer's held experts on x [T, hidden] for the router's weights and expert

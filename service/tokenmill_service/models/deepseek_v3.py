@@ -311,8 +311,10 @@ class DeepseekV3Model(LlamaModel):
 
 @register_model("deepseek_v3")
 class DeepseekV3ForCausalLM(MoEForCausalLM):
-    native_stack: ClassVar[bool] = False
-    native_stack_gap: ClassVar[str] = "the C++ decoder layers have no latent attention"
+    # The native decoder stack runs its layers: latent attention, grouped routing, shared experts, dense first
+    # layers (engine/native_stack.py); kv_b_proj is absorbed at load (``absorb``), never applied by its kernel.
+    native_stack: ClassVar[bool] = True
+    absorbed_projections: ClassVar[frozenset[str]] = frozenset({"kv_b_proj"})
     attention_type: ClassVar[type[LlamaAttention]] = DeepseekV3Attention  # type: ignore[assignment]
     model_type: ClassVar[type[LlamaModel]] = DeepseekV3Model
     layer_type: ClassVar[type[LlamaDecoderLayer]] = DeepseekV3DecoderLayer
@@ -511,6 +513,19 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             routing.check(experts, per_token)
         except ValueError as e:
             return f"this DeepSeek-V3 checkpoint's routing cannot be served: {e}"
+        return None
+
+    @classmethod
+    def latent_stack_gap(cls, config: ModelConfig) -> str | None:
+        """Why the native decoder stack cannot run this checkpoint's latent attention (the plan's
+        ``native_stack_missing``), or None: latent_attention.cpp takes latent, rotary and value dims in 16s
+        (otherwise the layers' attention is the reference's)."""
+        d = mla_dims(config)
+        if any(n % 16 for n in (d.kv_lora_rank, d.qk_rope_head_dim, d.v_head_dim)):
+            return (
+                f"native latent attention takes latent, rotary and value dims in 16s, not "
+                f"{d.kv_lora_rank}, {d.qk_rope_head_dim}, {d.v_head_dim}"
+            )
         return None
 
     @classmethod

@@ -443,13 +443,24 @@ def native_stack_missing(
     if not getattr(family, "native_stack", False):
         gap = getattr(family, "native_stack_gap", "")
         return f"the {config.architecture} family has no native stack" + (f": {gap}" if gap else "")
-    # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack.
+    # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack;
+    # a projection the family absorbs at load (DeepSeek's kv_b_proj) is never applied by its kernel.
+    absorbed: frozenset[str] = getattr(family, "absorbed_projections", frozenset())
     for prefix, choice in layers.items():
-        if prefix != "lm_head" and choice.kernel not in quant_method_class(choice.method).native_entry_points:
-            leaf = prefix.rpartition(".")[2].removesuffix("_proj")
-            return f"the {leaf} projection is {choice.method}, which has no native kernel to call"
-    # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel.
+        leaf = prefix.rpartition(".")[2]
+        if prefix == "lm_head" or leaf in absorbed:
+            continue
+        if choice.kernel not in quant_method_class(choice.method).native_entry_points:
+            return f"the {leaf.removesuffix('_proj')} projection is {choice.method}, which has no native kernel to call"
+    # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel; latent attention's take no adapters.
     lora = ("lora",) if options.max_loras > 0 else ()
+    latent: tuple[str, ...] = ()
+    if getattr(family, "latent_cache", False):
+        if options.max_loras > 0:
+            return "LoRA adapters on latent attention run through the linear layers (--max-loras)"
+        if (gap := family.latent_stack_gap(config)) is not None:
+            return str(gap)
+        latent = ("latent_attention",)
     # A mixture of experts: the router's product, softmax top-k and the experts in moe_mlp.cpp's calls.
     experts: tuple[str, ...] = ()
     if config.extra_int("num_experts"):
@@ -458,4 +469,4 @@ def native_stack_missing(
         if gap := getattr(family, "native_experts_gap", ""):
             return gap
         experts = ("moe_mlp",)
-    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts)
+    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts, *latent)

@@ -74,8 +74,10 @@ KQUANT_HEADER_BYTES = 128
 QK_NORM_MODES = {"none": 0, "whole": 1, "heads": 2}
 # A mixture-of-experts router's choice (moe_mlp.cpp's tm_moe_route, TmLayer.routing): softmax over every
 # expert's logit then the top_k probabilities ("softmax"; Mixtral, OLMoE...), those divided by their sum
-# ("renormalized"), or the top_k logits then a softmax over the chosen ("top_logits": gpt-oss).
-ROUTING_MODES = {"softmax": 0, "renormalized": 1, "top_logits": 2}
+# ("renormalized"), or the top_k logits then a softmax over the chosen ("top_logits": gpt-oss). DeepSeek-V3's
+# group-limited sigmoid routing (tm_moe_route_grouped; the decoder stack's layers only): "grouped", its
+# weights renormalized where "grouped_renormalized".
+ROUTING_MODES = {"softmax": 0, "renormalized": 1, "top_logits": 2, "grouped": 3, "grouped_renormalized": 4}
 # The decoder stack's dense MLP activation (TmStack.activation): the elementwise.cpp kernel of each, of one
 # signature: SiLU-and-mul (Llama...), or GeGLU, gelu with the tanh approximation (Gemma).
 ACTIVATIONS = {"silu": "tm_silu_and_mul", "gelu_tanh": "tm_gelu_tanh_and_mul"}
@@ -175,6 +177,11 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t routing, "
             "float* weights, int64_t* ids)"
         ),
+        (
+            "void tm_moe_route_grouped(const float* logits, int64_t t, int64_t experts, int64_t top_k, "
+            "const float* score_bias, int64_t n_group, int64_t topk_group, int64_t renormalize, float scaling, "
+            "float* weights, int64_t* ids)"
+        ),
         "int64_t tm_moe_workspace(const TmExperts* e, int64_t t, int threads)",
         (
             "int tm_moe_mlp(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights, "
@@ -186,8 +193,8 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         (
             "int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions, "
             "const int64_t* seq_of_token, const TmKvGroup* groups, const int64_t* layer_kv, uint8_t* k_cache, "
-            "uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora, float* workspace, "
-            "float* out, int threads)"
+            "uint8_t* v_cache, int64_t layer_bytes, int64_t v_layer_bytes, int64_t block_size, const TmLoraBatch* lora, "
+            "float* workspace, float* out, int threads)"
         ),
     ),
 }
@@ -211,6 +218,9 @@ FUNCTION_POINTERS = {
     "int64_t out, float* y, float* scratch, int threads)",
     "TmMoeRoute": "void (*)(const float* logits, int64_t t, int64_t experts, int64_t top_k, int64_t routing, "
     "float* weights, int64_t* ids)",
+    "TmMoeRouteGrouped": "void (*)(const float* logits, int64_t t, int64_t experts, int64_t top_k, "
+    "const float* score_bias, int64_t n_group, int64_t topk_group, int64_t renormalize, float scaling, float* weights, "
+    "int64_t* ids)",
     "TmMoeWorkspace": "int64_t (*)(const TmExperts* e, int64_t t, int threads)",
     "TmMoeMlp": "int (*)(const TmExperts* e, const float* x, int64_t t, const int64_t* ids, const float* weights, "
     "float* workspace, float* out, int threads)",
@@ -219,6 +229,12 @@ FUNCTION_POINTERS = {
     "const void* k_cache, const void* v_cache, int64_t block_size, const int64_t* positions, "
     "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, int64_t window, "
     "float softcap, const float* sinks, float* out, int threads)",
+    # latent_attention.cpp's tm_latent_attention (the caches untyped: float32 or float16).
+    "TmLatentAttention": "int (*)(const float* q_nope, int64_t nope_t, int64_t nope_h, const float* q_rope, "
+    "int64_t rope_t, int64_t rope_h, int64_t t, int64_t heads, int64_t nope, int64_t latent, int64_t rope, int64_t v, "
+    "const float* w_uk, int64_t uk_h, int64_t uk_n, const float* w_uv, int64_t uv_h, int64_t uv_l, int64_t uv_v, "
+    "const void* latent_cache, const void* rope_cache, int64_t block_size, const int64_t* positions, "
+    "const int64_t* seq_of_token, const int64_t* tables, int64_t table_width, float scale, float* out, int threads)",
 }
 
 # The decoder stack's structs, in declaration order: (C type, field name) each.
@@ -271,6 +287,24 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("const float*", "mlp_out_norm"),  # [hidden]
         ("const float*", "cos_table"),  # [positions, rotary_dim / 2]
         ("const float*", "sin_table"),
+        # Multi-head latent attention (DeepSeek's; the stack's ``latent`` set): ``qkv`` is then the query
+        # projection (q_proj, or q_b_proj after ``q_a`` and its norm ``q_a_norm`` [q_lora_rank] where ``q_a``
+        # has a kernel), ``kv_a`` kv_a_proj_with_mqa ([latent + rope, hidden]) whose latent ``kv_a_norm``
+        # [latent] norms, and ``w_kv_b`` kv_b_proj's weight, float32 [heads, nope + v, latent] (w_uk its
+        # first nope rows of each head, w_uv the rest, transposed).
+        ("TmLinear", "q_a"),
+        ("const float*", "q_a_norm"),
+        ("TmLinear", "kv_a"),
+        ("const float*", "kv_a_norm"),
+        ("const float*", "w_kv_b"),
+        # Grouped routing (``routing`` grouped): the score-correction bias [experts] (added for choosing only),
+        # the groups, the groups kept and the weights' scale (routed_scaling_factor). A mixture-of-experts layer
+        # whose ``gate_up`` has a kernel has shared experts too: that dense MLP on every token, its output
+        # added to the routed sum.
+        ("const float*", "score_bias"),
+        ("int64_t", "n_group"),
+        ("int64_t", "topk_group"),
+        ("float", "route_scale"),
     ),
     "TmStack": (
         *(("int64_t", name) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
@@ -303,6 +337,18 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("int64_t", "rotary_dim"),
         # Each sub-layer's output times this before its residual add (Granite's residual_multiplier; 1: none).
         ("float", "residual_multiplier"),
+        # Multi-head latent attention (every layer's; 0: none): the latent's dims (kv_lora_rank), each head's
+        # plain query dims (qk_nope_head_dim; its rotary ones are head_dim = rotary_dim) and value dims, the
+        # latent norms' epsilon, whether the rotary dims come as interleaved pairs (de-interleaved before
+        # rotating, as DeepSeek's rotary does), the kernel (latent_attention.cpp's) and the grouped router
+        # (moe_mlp.cpp's tm_moe_route_grouped; null: no layer routes so).
+        ("int64_t", "latent"),
+        ("int64_t", "nope"),
+        ("int64_t", "v_head_dim"),
+        ("float", "latent_eps"),
+        ("int64_t", "rope_interleave"),
+        ("TmLatentAttention", "latent_attention"),
+        ("TmMoeRouteGrouped", "moe_route_grouped"),
     ),
     # A mixture-of-experts layer's experts held by a rank (moe_mlp.cpp): experts first .. first + count - 1
     # of num_experts, each a gate/up product ([2 * width, hidden], gate rows then up rows) and down product

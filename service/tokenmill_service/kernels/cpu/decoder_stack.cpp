@@ -22,6 +22,10 @@
 // Rotary turns the first rotary_dim dims of each head (all of them, or Phi-4-mini's partial rotary: the
 // rest pass through, as the eager rotary's views of the first dims leave them). Granite's residual
 // multiplier scales attention's output and the MLP's before their residual adds (scale_branch).
+// DeepSeek-V3's layers (s->latent set): multi-head latent attention in place of the q/k/v attention, as
+// models/deepseek_v3.py's DeepseekV3Attention runs it under the native ops (latent_attention_layer below);
+// a mixture-of-experts layer routes by groups (moe_mlp.cpp's tm_moe_route_grouped) and adds its shared
+// experts' dense MLP (the layer's gate_up / down) to the routed sum; its first layers are dense.
 // Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
 
 #include <stdint.h>
@@ -70,6 +74,89 @@ static void moe_sizes(const TmStack* s, int64_t t, int threads, int64_t* experts
   }
 }
 
+// The widest dense MLP of the stack's layers (a layer's own gate_up: the dense layers', shared experts').
+static int64_t widest_mlp(const TmStack* s) {
+  int64_t width = s->intermediate;
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    const int64_t w = s->layers[l].gate_up.out_features / 2;
+    if (w > width) width = w;
+  }
+  return width;
+}
+
+// Floats a latent-attention layer's step of t tokens needs (0: the stack has none): the queries, q_a's
+// product, norm and sums, kv_a's product, the normed latents and their sums, the rotary queries and keys,
+// attention's output.
+static int64_t latent_floats(const TmStack* s, int64_t t) {
+  if (!s->latent) return 0;
+  int64_t q_lora = 0;
+  for (int64_t l = 0; l < s->num_layers; ++l)
+    if (s->layers[l].q_a.out_features > q_lora) q_lora = s->layers[l].q_a.out_features;
+  const int64_t H = s->heads, R = s->head_dim, Lt = s->latent;
+  return t * (H * (s->nope + R) + 3 * q_lora + (Lt + R) + 2 * Lt + H * R + R + H * s->v_head_dim);
+}
+
+// Multi-head latent attention of layer L on the normed rows x [t, hidden], into y [t, hidden]: the
+// query (q_proj, or q_b_proj on q_a_proj's normed product), kv_a_proj_with_mqa's latent normed and its
+// rotary key; the rotary dims of each head's query and the key de-interleaved where the family's are
+// interleaved, then rotated; the latents and rotary keys stored (the value store's rows: as
+// NativeCpuOps.store_latent writes them); latent_attention.cpp on the query's plain dims (w_uk and w_uv
+// views of kv_b_proj's weight, the eager layer's strides) and its rotated ones; o_proj. Each as
+// DeepseekV3Attention's project and attend call them under the native ops, on the same values.
+static int latent_attention_layer(const TmStack* s, const TmLayer& L, const TmLoraBatch* lora, const float* x,
+                                  int64_t t, const int64_t* positions, const int64_t* seq_of_token,
+                                  const TmKvGroup& g, uint8_t* kc, uint8_t* vc, int64_t block_size,
+                                  const float* cos_t, const float* sin_t, float* ws, float* y, float* scratch,
+                                  int threads) {
+  const int64_t Hd = s->hidden, H = s->heads, R = s->head_dim, N = s->nope, V = s->v_head_dim, Lt = s->latent;
+  const int64_t QK = N + R, QR = L.q_a.out_features;
+  float* q = ws;                   // [t, H, N + R]
+  float* qa = q + t * H * QK;      // q_a's product, its norm's sums, the normed [t, QR] each
+  float* qa_sums = qa + t * QR;
+  float* qa_normed = qa_sums + t * QR;
+  float* kv = qa_normed + t * QR;  // [t, Lt + R]
+  float* lat_sums = kv + t * (Lt + R);
+  float* lat = lat_sums + t * Lt;  // the normed latents [t, Lt]
+  float* q_rope = lat + t * Lt;    // [t, H, R]
+  float* k_rope = q_rope + t * H * R;  // [t, R]
+  float* out = k_rope + t * R;     // attention's [t, H, V]
+  if (L.q_a.gemm) {
+    if (linear(s, L.q_a, lora, x, t, Hd, qa, scratch, threads)) return 1;
+    s->rms_norm(qa, QR, nullptr, L.q_a_norm, s->latent_eps, qa_sums, qa_normed, t, QR);
+    if (linear(s, L.qkv, lora, qa_normed, t, QR, q, scratch, threads)) return 1;
+  } else if (linear(s, L.qkv, lora, x, t, Hd, q, scratch, threads)) {
+    return 1;
+  }
+  if (linear(s, L.kv_a, lora, x, t, Hd, kv, scratch, threads)) return 1;
+  s->rms_norm(kv, Lt + R, nullptr, L.kv_a_norm, s->latent_eps, lat_sums, lat, t, Lt);
+  // The rotary dims, in the order rotary turns them: even dims then odd ones where interleaved.
+  const int64_t half = R / 2;
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t h = 0; h <= H; ++h) {  // the heads' queries, then (h == H) the key
+      const float* src = h < H ? q + (i * H + h) * QK + N : kv + i * (Lt + R) + Lt;
+      float* dst = h < H ? q_rope + (i * H + h) * R : k_rope + i * R;
+      if (s->rope_interleave) {
+        for (int64_t j = 0; j < half; ++j) {
+          dst[j] = src[2 * j];
+          dst[half + j] = src[2 * j + 1];
+        }
+      } else {
+        memcpy(dst, src, R * sizeof(float));
+      }
+    }
+  }
+  s->rotary(q_rope, H * R, t, H, R, R, positions, cos_t, sin_t);
+  s->rotary(k_rope, R, t, 1, R, R, positions, cos_t, sin_t);
+  s->store_values(lat, Lt, t, Lt, g.slots, kc);
+  s->store_values(k_rope, R, t, R, g.slots, vc);
+  const int64_t uk_h = (N + V) * Lt;
+  if (s->latent_attention(q, H * QK, QK, q_rope, H * R, R, t, H, N, Lt, R, V, L.w_kv_b, uk_h, Lt, L.w_kv_b + N * Lt,
+                          uk_h, 1, Lt, kc, vc, block_size, positions, seq_of_token, g.tables, g.table_width,
+                          s->scale, out, threads))
+    return 2;
+  return linear(s, L.o, lora, out, t, H * V, y, scratch, threads);
+}
+
 // A sub-layer's output y [t, hidden] times the residual multiplier (Granite's), before its residual add:
 // each value one float32 product, rounded, as the eager layer's ``x * self.residual_multiplier``.
 static void scale_branch(const TmStack* s, float* y, int64_t t) {
@@ -87,14 +174,18 @@ int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads) {
   int64_t experts, moe;
   moe_sizes(s, t, threads, &experts, &moe);
   const int64_t qk_norm = s->qk_norm != TM_QK_NORM_NONE ? t * (q + kv) : 0;  // its rows' sums, normed keys
-  const int64_t routing = experts ? t * (3 * s->max_top_k + experts) + moe : 0;  // ids, weights, logits
-  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * s->intermediate) + lora_scratch(s, t) + qk_norm + routing;
+  // ids, weights, logits; the shared experts' output
+  const int64_t routing = experts ? t * (3 * s->max_top_k + experts + s->hidden) + moe : 0;
+  return t * (3 * s->hidden + (q + 2 * kv) + 2 * q + 3 * widest_mlp(s)) + lora_scratch(s, t) + qk_norm + routing +
+         latent_floats(s, t);
 }
 
 // x: the embeddings [t, hidden]; out: the final norm's output [t, hidden]. positions, seq_of_token: [t];
 // groups: each KV-cache group's slots [t] and block tables; layer_kv [layers][2]: each layer's group and
-// storage tensor (null: one group, layer l in tensor l); the caches: [tensors][layer_bytes] in the
-// layouts paged_attention.cpp reads (keys transposed per block, values as [slot][kv_heads][D]).
+// storage tensor (null: one group, layer l in tensor l); the caches: [tensors][layer_bytes] (the values'
+// [tensors][v_layer_bytes]: a latent layer's rotary keys) in the layouts paged_attention.cpp reads (keys
+// transposed per block, values as [slot][kv_heads][D]; a latent layer's latents and rotary keys as
+// [slot][dims] each, latent_attention.cpp's layout).
 // Returns 0, or the first failing kernel's code: -100 - layer for a product, -200 - layer for
 // attention, -300 - layer for the experts. lora: the step's tokens by adapter slot (null: the base
 // model's products only).
@@ -105,9 +196,9 @@ int64_t tm_stack_workspace(const TmStack* s, int64_t t, int threads) {
 // under the native ops.
 int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t* positions,
                      const int64_t* seq_of_token, const TmKvGroup* groups, const int64_t* layer_kv, uint8_t* k_cache,
-                     uint8_t* v_cache, int64_t layer_bytes, int64_t block_size, const TmLoraBatch* lora,
-                     float* workspace, float* out, int threads) {
-  const int64_t H = s->hidden, D = s->head_dim, R = s->rotary_dim, I = s->intermediate, K = s->max_top_k;
+                     uint8_t* v_cache, int64_t layer_bytes, int64_t v_layer_bytes, int64_t block_size,
+                     const TmLoraBatch* lora, float* workspace, float* out, int threads) {
+  const int64_t H = s->hidden, D = s->head_dim, R = s->rotary_dim, I = widest_mlp(s), K = s->max_top_k;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
   int64_t max_experts, moe_floats;
   moe_sizes(s, t, threads, &max_experts, &moe_floats);
@@ -125,7 +216,9 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
   float* sums = keys + (s->qk_norm != TM_QK_NORM_NONE ? t * kv_size : 0);  // the q/k norms' h_out [t, q]
   float* route_w = sums + (s->qk_norm != TM_QK_NORM_NONE ? t * q_size : 0);  // the experts' weights [t, top_k]
   float* logits = route_w + (max_experts ? t * K : 0);  // the router's [t, experts]
-  float* moe_ws = logits + t * max_experts;             // moe_mlp.cpp's workspace
+  float* shared = logits + t * max_experts;             // the shared experts' output [t, H]
+  float* moe_ws = shared + (max_experts ? t * H : 0);   // moe_mlp.cpp's workspace
+  float* latent_ws = moe_ws + moe_floats;              // latent attention's (latent_floats)
 
   for (int64_t l = 0; l < s->num_layers; ++l) {
     const TmLayer& L = s->layers[l];
@@ -133,38 +226,44 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     const int64_t tensor = layer_kv ? layer_kv[2 * l + 1] : l;
     const int64_t* slots = g.slots;
     uint8_t* kc = k_cache + tensor * layer_bytes;
-    uint8_t* vc = v_cache + tensor * layer_bytes;
+    uint8_t* vc = v_cache + tensor * v_layer_bytes;
     const float* cos_t = L.cos_table ? L.cos_table : s->cos_table;
     const float* sin_t = L.sin_table ? L.sin_table : s->sin_table;
     // Residual add (none before the first layer) and the input norm.
     if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
     else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
-    if (linear(s, L.qkv, lora, normed, t, H, qkv, scratch, threads)) return -100 - (int)l;
-    if (s->qk_norm == TM_QK_NORM_NONE) {
-      s->rotary(qkv, qkv_size, t, s->heads, D, R, positions, cos_t, sin_t);
-      s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
-      s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
-      for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
+    if (s->latent) {
+      const int rc = latent_attention_layer(s, L, lora, normed, t, positions, seq_of_token, g, kc, vc, block_size,
+                                            cos_t, sin_t, latent_ws, y, scratch, threads);
+      if (rc) return rc == 2 ? -200 - (int)l : -100 - (int)l;
     } else {
-      if (s->qk_norm == TM_QK_NORM_WHOLE) {
-        s->rms_norm(qkv, qkv_size, nullptr, L.q_norm, s->eps, sums, q, t, q_size);
-        s->rms_norm(qkv + q_size, qkv_size, nullptr, L.k_norm, s->eps, sums, keys, t, kv_size);
-      } else {  // each head a row
-        for (int64_t i = 0; i < t; ++i) {
-          const float* row = qkv + i * qkv_size;
-          s->rms_norm(row, D, nullptr, L.q_norm, s->eps, sums, q + i * q_size, s->heads, D);
-          s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
+      if (linear(s, L.qkv, lora, normed, t, H, qkv, scratch, threads)) return -100 - (int)l;
+      if (s->qk_norm == TM_QK_NORM_NONE) {
+        s->rotary(qkv, qkv_size, t, s->heads, D, R, positions, cos_t, sin_t);
+        s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
+        s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
+        for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
+      } else {
+        if (s->qk_norm == TM_QK_NORM_WHOLE) {
+          s->rms_norm(qkv, qkv_size, nullptr, L.q_norm, s->eps, sums, q, t, q_size);
+          s->rms_norm(qkv + q_size, qkv_size, nullptr, L.k_norm, s->eps, sums, keys, t, kv_size);
+        } else {  // each head a row
+          for (int64_t i = 0; i < t; ++i) {
+            const float* row = qkv + i * qkv_size;
+            s->rms_norm(row, D, nullptr, L.q_norm, s->eps, sums, q + i * q_size, s->heads, D);
+            s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
+          }
         }
+        s->rotary(q, q_size, t, s->heads, D, R, positions, cos_t, sin_t);
+        s->rotary(keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
+        s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
       }
-      s->rotary(q, q_size, t, s->heads, D, R, positions, cos_t, sin_t);
-      s->rotary(keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
-      s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
+      s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
+      if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, g.tables,
+                       g.table_width, s->scale, L.window, L.softcap, L.sinks, attn, threads))
+        return -200 - (int)l;
+      if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
     }
-    s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
-    if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, g.tables,
-                     g.table_width, s->scale, L.window, L.softcap, L.sinks, attn, threads))
-      return -200 - (int)l;
-    if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
     // Gemma's norm of attention's output (its h_out, the rows themselves, written back in place).
     if (L.attn_out_norm) s->rms_norm(y, H, nullptr, L.attn_out_norm, s->eps, y, y, t, H);
     scale_branch(s, y, t);
@@ -172,12 +271,24 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     if (L.experts) {
       const TmExperts* e = L.experts;
       if (linear(s, L.router, nullptr, normed, t, H, logits, scratch, threads)) return -100 - (int)l;
-      s->moe_route(logits, t, e->num_experts, e->top_k, L.routing, route_w, ids);
+      if (L.routing >= TM_ROUTING_GROUPED)
+        s->moe_route_grouped(logits, t, e->num_experts, e->top_k, L.score_bias, L.n_group, L.topk_group,
+                             L.routing == TM_ROUTING_GROUPED_RENORMALIZED, L.route_scale, route_w, ids);
+      else
+        s->moe_route(logits, t, e->num_experts, e->top_k, L.routing, route_w, ids);
       if (s->moe_mlp(e, normed, t, ids, route_w, moe_ws, y, threads)) return -300 - (int)l;
+      if (L.gate_up.gemm) {  // shared experts: their MLP on every token, added to the routed sum
+        const int64_t W = L.gate_up.out_features / 2;
+        if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
+        s->activation(gate_up, act, t, W);
+        if (linear(s, L.down, lora, act, t, W, shared, scratch, threads)) return -100 - (int)l;
+        for (int64_t i = 0; i < t * H; ++i) y[i] = y[i] + shared[i];
+      }
     } else {
+      const int64_t W = L.gate_up.out_features / 2;
       if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
-      s->activation(gate_up, act, t, I);
-      if (linear(s, L.down, lora, act, t, I, y, scratch, threads)) return -100 - (int)l;
+      s->activation(gate_up, act, t, W);
+      if (linear(s, L.down, lora, act, t, W, y, scratch, threads)) return -100 - (int)l;
     }
     if (L.mlp_out_norm) s->rms_norm(y, H, nullptr, L.mlp_out_norm, s->eps, y, y, t, H);  // Gemma's, as above
     scale_branch(s, y, t);

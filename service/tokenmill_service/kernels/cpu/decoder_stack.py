@@ -28,12 +28,16 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import abi, build, moe_mlp, paged_attention
 from tokenmill_service.kernels.cpu import lora as lora_kernel
+
+if TYPE_CHECKING:
+    from tokenmill_service.layers.fused_moe.router import GroupedTopK
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
 _Linear, _Layer, _Stack, _LoraBatch, _KvGroup = (
@@ -87,11 +91,44 @@ class MoESpec:
     experts: moe_mlp.NativeExperts
     renormalize: bool
     top_logits: bool = False
+    # DeepSeek-V3's group-limited sigmoid routing (moe_mlp.cpp's ``tm_moe_route_grouped``; None: softmax):
+    # the router's ``GroupedTopK`` and its score-correction bias (float32 [experts]).
+    grouped: GroupedTopK | None = None
+    score_bias: torch.Tensor | None = None
 
     @property
     def routing(self) -> str:
         """The choice as abi.ROUTING_MODES names it."""
+        if self.grouped is not None:
+            return "grouped_renormalized" if self.renormalize else "grouped"
         return "top_logits" if self.top_logits else "renormalized" if self.renormalize else "softmax"
+
+
+@dataclass(frozen=True, slots=True)
+class LatentSpec:
+    """A layer's multi-head latent attention (DeepSeek's), as models/deepseek_v3.py's attention runs it: the
+    layer's ``qkv`` is its query projection (q_proj, or q_b_proj after ``q_a`` and ``q_a_norm``),
+    ``kv_a`` kv_a_proj_with_mqa ([latent + rope, hidden]) whose latent ``kv_a_norm`` norms, ``w_kv_b``
+    kv_b_proj's weight float32 [heads, nope + v, latent] (the absorbed products' w_uk and w_uv)."""
+
+    kv_a: LinearSpec
+    kv_a_norm: torch.Tensor
+    w_kv_b: torch.Tensor
+    q_a: LinearSpec | None = None
+    q_a_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LatentDims:
+    """The stack's latent attention sizes (``StackSpec.latent``): the latent (kv_lora_rank), each head's
+    plain query dims and value dims (its rotary dims are the stack's head_dim), the latent norms' epsilon,
+    and whether the rotary dims come as interleaved pairs (de-interleaved before rotating)."""
+
+    latent: int
+    nope: int
+    v_head_dim: int
+    eps: float
+    interleave: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +153,9 @@ class LayerSpec:
     # The layer's rotary tables where they are not the stack's ([positions, rotary_dim / 2]; None: the stack's).
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # Multi-head latent attention (``StackSpec.latent`` set): its projections, norms and kv_b_proj's weight.
+    # A mixture-of-experts layer with ``gate_up`` and ``down`` has shared experts: that MLP added to the routed sum.
+    latent: LatentSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +181,8 @@ class StackSpec:
     rotary_dim: int | None = None
     # Attention's and the MLP's outputs times this before their residual adds (Granite's; 1: none).
     residual_multiplier: float = 1.0
+    # Every layer's attention latent (DeepSeek's; heads, head_dim = rotary_dim: its heads and rotary dims), or None.
+    latent: LatentDims | None = None
 
 
 class DecoderStack:
@@ -165,6 +207,7 @@ class DecoderStack:
             tensors += [layer.input_norm, layer.post_norm]
             norms += [layer.input_norm, layer.post_norm]
             _check_mlp(layer, spec.hidden)
+            _check_latent(layer, spec)
             _check_qk_norm(layer, spec)
             _check_attention(layer, spec)
             if layer.sinks is not None:
@@ -175,8 +218,16 @@ class DecoderStack:
             if spec.qk_norm != "none":
                 assert layer.q_norm is not None and layer.k_norm is not None
                 norms += [layer.q_norm, layer.k_norm]
-            mlp = [layer.moe.router] if layer.moe is not None else [layer.gate_up, layer.down]
-            for lin in [layer.qkv, layer.o, *(m for m in mlp if m is not None)]:
+            linears: list[LinearSpec | None] = [layer.qkv, layer.o, layer.gate_up, layer.down]
+            if layer.moe is not None:
+                linears.append(layer.moe.router)
+                norms += [layer.moe.score_bias] if layer.moe.score_bias is not None else []  # read as float32
+            if (lat := layer.latent) is not None:
+                linears += [lat.kv_a, lat.q_a]
+                norms += [lat.kv_a_norm, lat.w_kv_b, *([lat.q_a_norm] if lat.q_a_norm is not None else [])]
+            for lin in linears:
+                if lin is None:
+                    continue
                 tensors.append(lin.weights)
                 if lin.bias is not None:
                     if lin.bias.shape != (lin.out_features,):
@@ -228,19 +279,25 @@ class DecoderStack:
                 out.lora_rank, out.lora_parts, out.lora_dtype = a.shape[2], a.shape[1], lora_kernel.DTYPES[a.dtype]
             return out
 
-        self._layers = (_Layer * len(spec.layers))(
-            *(
-                _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(),
-                       linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down),
-                       pointer(ly.q_norm), pointer(ly.k_norm),
-                       linear(ly.moe.router if ly.moe is not None else None),
-                       ly.moe.experts.address() if ly.moe is not None else None,
-                       abi.ROUTING_MODES[ly.moe.routing] if ly.moe is not None else 0,
-                       ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks),
-                       pointer(ly.attn_out_norm), pointer(ly.mlp_out_norm), pointer(ly.cos), pointer(ly.sin))
-                for ly in spec.layers
-            )
-        )  # fmt: skip
+        def layer_struct(ly: LayerSpec) -> ctypes.Structure:  # a _Layer
+            out = _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(),
+                         linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down),
+                         pointer(ly.q_norm), pointer(ly.k_norm),
+                         linear(ly.moe.router if ly.moe is not None else None),
+                         ly.moe.experts.address() if ly.moe is not None else None,
+                         abi.ROUTING_MODES[ly.moe.routing] if ly.moe is not None else 0,
+                         ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks),
+                         pointer(ly.attn_out_norm), pointer(ly.mlp_out_norm), pointer(ly.cos), pointer(ly.sin))  # fmt: skip
+            if (lat := ly.latent) is not None:
+                out.q_a, out.q_a_norm, out.kv_a = linear(lat.q_a), pointer(lat.q_a_norm), linear(lat.kv_a)
+                out.kv_a_norm, out.w_kv_b = lat.kv_a_norm.data_ptr(), lat.w_kv_b.data_ptr()
+            if ly.moe is not None and ly.moe.grouped is not None:
+                out.score_bias = pointer(ly.moe.score_bias)
+                out.n_group, out.topk_group = ly.moe.grouped.n_group, ly.moe.grouped.topk_group
+                out.route_scale = ly.moe.grouped.scaling
+            return out
+
+        self._layers = (_Layer * len(spec.layers))(*(layer_struct(ly) for ly in spec.layers))
         moes = [ly.moe for ly in spec.layers if ly.moe is not None]
         moe = [
             build.address("moe_mlp", name) if moes else None
@@ -259,6 +316,14 @@ class DecoderStack:
             *moe, max((m.experts.top_k for m in moes), default=0),
             rotary_dim, spec.residual_multiplier,
         )  # fmt: skip
+        if (dims := spec.latent) is not None:
+            st = self._stack
+            st.latent, st.nope, st.v_head_dim, st.latent_eps = dims.latent, dims.nope, dims.v_head_dim, dims.eps
+            st.rope_interleave = int(dims.interleave)
+            st.latent_attention = build.address("latent_attention", paged_attention.symbol(
+                "tm_latent_attention", spec.kv_dtype))  # fmt: skip
+        if any(m.grouped is not None for m in moes):
+            self._stack.moe_route_grouped = build.address("moe_mlp", "tm_moe_route_grouped")
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
         # Each layer's (KV-cache group, storage tensor) as the last step's metadata placed them, flat.
@@ -294,7 +359,7 @@ class DecoderStack:
                 ctypes.byref(self._stack), x.data_ptr(), t, positions.data_ptr(), seq_of_token.data_ptr(),
                 ctypes.addressof(groups),
                 layer_kv, k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel() * k_cache.element_size(),
-                meta.block_size,
+                v_cache[0].numel() * v_cache.element_size(), meta.block_size,
                 ctypes.byref(batch) if batch is not None else None, self._workspace.data_ptr(), out.data_ptr(),
                 threads,
             )  # fmt: skip
@@ -331,12 +396,45 @@ _FAILURES = (("a product", -100), ("attention", -200), ("the experts", -300))
 
 
 def _check_mlp(layer: LayerSpec, hidden: int) -> None:
-    if (layer.moe is None) == (layer.gate_up is None or layer.down is None):
-        raise ValueError("a layer's MLP is dense (gate_up and down) or a mixture of experts (moe), one of the two")
+    if (layer.gate_up is None) != (layer.down is None) or layer.moe is None and layer.gate_up is None:
+        raise ValueError(
+            "a layer's MLP is dense (gate_up and down), a mixture of experts (moe), or both (shared experts)"
+        )
     if layer.moe is not None:
-        experts = layer.moe.experts
-        if experts.hidden != hidden or layer.moe.router.out_features != experts.num_experts:
+        moe, experts = layer.moe, layer.moe.experts
+        if experts.hidden != hidden or moe.router.out_features != experts.num_experts:
             raise ValueError("a mixture-of-experts layer's router and experts must match the stack's hidden size")
+        if (moe.grouped is None) != (moe.score_bias is None) or (
+            moe.score_bias is not None and moe.score_bias.shape != (experts.num_experts,)
+        ):
+            raise ValueError("grouped routing takes a score-correction bias, one value per expert")
+        if moe.grouped is not None:
+            moe.grouped.check(experts.num_experts, experts.top_k)
+
+
+def _check_latent(layer: LayerSpec, spec: StackSpec) -> None:
+    dims, lat = spec.latent, layer.latent
+    if (dims is None) != (lat is None):
+        raise ValueError("a stack's layers all have latent attention (StackSpec.latent), or none of them")
+    if dims is None or lat is None:
+        return
+    heads, rope = spec.heads, spec.head_dim
+    if any(d % 16 for d in (dims.latent, rope, dims.v_head_dim)) or dims.nope <= 0:
+        raise ValueError(f"latent attention takes latent, rotary and value dims in 16s, not {dims}")
+    if (lat.q_a is None) != (lat.q_a_norm is None) or (
+        lat.q_a is not None and lat.q_a_norm is not None and lat.q_a_norm.shape != (lat.q_a.out_features,)
+    ):
+        raise ValueError("the low-rank query path is q_a_proj and its norm, both or neither")
+    if layer.qkv.out_features != heads * (dims.nope + rope) or layer.o.out_features != spec.hidden:
+        raise ValueError(f"a latent layer's query projection gives {heads} heads of {dims.nope} + {rope} dims")
+    if lat.kv_a.out_features != dims.latent + rope or lat.kv_a_norm.shape != (dims.latent,):
+        raise ValueError(f"kv_a_proj_with_mqa gives a latent of {dims.latent} and a rotary key of {rope}")
+    if lat.w_kv_b.shape != (heads, dims.nope + dims.v_head_dim, dims.latent):
+        raise ValueError(f"kv_b_proj's weight is [{heads}, {dims.nope + dims.v_head_dim}, {dims.latent}]")
+    if spec.rotary_dim not in (None, rope) or any(x is not None for x in (layer.cos, layer.q_norm, layer.sinks)):
+        raise ValueError("a latent layer rotates its whole rotary dims with the stack's tables, no q/k norms, no sinks")
+    if layer.window is not None or layer.softcap is not None:
+        raise ValueError("latent attention has no window nor soft cap")
 
 
 def _check_attention(layer: LayerSpec, spec: StackSpec) -> None:

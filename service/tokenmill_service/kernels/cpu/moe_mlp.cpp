@@ -48,6 +48,19 @@ inline void softmax(const float* x, int64_t n, float* out) {
   for (int64_t e = 0; e < n; ++e) out[e] = out[e] * inv;
 }
 
+// The k largest of the (value, index) pairs first, by rank, as torch.topk ranks them on the CPU: the same
+// selection algorithm (std::partial_sort where k * 64 <= n, else std::nth_element and a sort of the first
+// k - 1) on the same pairs, so the same indices where values tie.
+inline void select_top(std::vector<std::pair<double, int64_t>>& queue, int64_t k) {
+  const int64_t n = (int64_t)queue.size();
+  if (k * 64 <= n) {
+    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
+  } else {
+    std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
+    std::sort(queue.begin(), queue.begin() + k - 1, larger);
+  }
+}
+
 // y[r, :] += bias for each of n rows of `cols`: a linear layer's ``y + self.bias``, one rounding each.
 inline void add_bias(float* y, int64_t n, int64_t cols, const float* bias) {
   for (int64_t r = 0; r < n; ++r)
@@ -79,12 +92,7 @@ void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k
       softmax(x, experts, probs.data());
       for (int64_t e = 0; e < experts; ++e) queue[e] = {(double)probs[e], e};
     }
-    if (top_k * 64 <= experts) {
-      std::partial_sort(queue.begin(), queue.begin() + top_k, queue.end(), larger);
-    } else {
-      std::nth_element(queue.begin(), queue.begin() + top_k - 1, queue.end(), larger);
-      std::sort(queue.begin(), queue.begin() + top_k - 1, larger);
-    }
+    select_top(queue, top_k);
     float* w = weights + i * top_k;
     for (int64_t r = 0; r < top_k; ++r) {
       w[r] = (float)queue[r].first;
@@ -97,6 +105,54 @@ void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k
       for (int64_t r = 0; r < top_k; ++r) chosen += w[r];
       for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] / chosen;
     }
+  }
+}
+
+// DeepSeek-V3's group-limited sigmoid routing for each of t tokens (layers/fused_moe/router.py's
+// ``select_experts_grouped``, computed here for the native ops and the decoder stack alike): each logit's
+// sigmoid in float32 (as softmax((x, 0))[0]: the larger of x and 0 subtracted, each exponential times the
+// reciprocal of their sum); the choice score its sigmoid plus score_bias; the experts in n_group equal
+// groups (consecutive ids), each scored by the sum of its two largest choice scores; the topk_group best
+// groups kept; the top_k largest choice scores among their experts, by rank; each chosen expert's weight
+// its sigmoid, divided by (their sum in rank order + 1e-20) where `renormalize`, times `scaling`. Every
+// choice ranked as torch.topk ranks it (select_top). Each row on its own: batch-invariant.
+void tm_moe_route_grouped(const float* logits, int64_t t, int64_t experts, int64_t top_k, const float* score_bias,
+                          int64_t n_group, int64_t topk_group, int64_t renormalize, float scaling, float* weights,
+                          int64_t* ids) {
+  const int64_t per_group = experts / n_group;
+  std::vector<float> scores(experts), choice(experts);
+  std::vector<std::pair<double, int64_t>> queue(experts), groups(n_group), pair(per_group);
+  std::vector<char> kept(n_group);
+  for (int64_t i = 0; i < t; ++i) {
+    const float* x = logits + i * experts;
+    for (int64_t e = 0; e < experts; ++e) {
+      const float top = x[e] > 0.0f ? x[e] : 0.0f;
+      const float a = expf(x[e] - top), b = expf(0.0f - top);
+      scores[e] = a * (1.0f / (a + b));
+      choice[e] = scores[e] + score_bias[e];
+    }
+    for (int64_t g = 0; g < n_group; ++g) {
+      for (int64_t j = 0; j < per_group; ++j) pair[j] = {(double)choice[g * per_group + j], j};
+      select_top(pair, 2);
+      groups[g] = {(double)((float)pair[0].first + (float)pair[1].first), g};
+      kept[g] = 0;
+    }
+    select_top(groups, topk_group);
+    for (int64_t r = 0; r < topk_group; ++r) kept[groups[r].second] = 1;
+    for (int64_t e = 0; e < experts; ++e) queue[e] = {kept[e / per_group] ? (double)choice[e] : -INFINITY, e};
+    select_top(queue, top_k);
+    float* w = weights + i * top_k;
+    for (int64_t r = 0; r < top_k; ++r) {
+      ids[i * top_k + r] = queue[r].second;
+      w[r] = scores[queue[r].second];
+    }
+    if (renormalize) {
+      float chosen = 0.0f;
+      for (int64_t r = 0; r < top_k; ++r) chosen += w[r];
+      chosen = chosen + 1e-20f;
+      for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] / chosen;
+    }
+    for (int64_t r = 0; r < top_k; ++r) w[r] = w[r] * scaling;
   }
 }
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill_service.kernels.cpu import abi, build
+
+if TYPE_CHECKING:
+    from tokenmill_service.layers.fused_moe.router import GroupedTopK
 
 _Linear, _Experts = abi.structure("TmLinear"), abi.structure("TmExperts")
 
@@ -42,6 +46,24 @@ def route(logits: torch.Tensor, top_k: int, routing: str) -> tuple[torch.Tensor,
     weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
     mode = abi.ROUTING_MODES[routing]
     _lib().tm_moe_route(logits.data_ptr(), t, experts, top_k, mode, weights.data_ptr(), ids.data_ptr())
+    return weights, ids
+
+
+def route_grouped(
+    logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's group-limited sigmoid routing (moe_mlp.cpp's ``tm_moe_route_grouped``, router.py's
+    ``select_experts_grouped`` in native code): logits [T, experts] float32, the score-correction bias
+    [experts] float32 -> (weights float32, expert ids int64) [T, top_k] by rank; ties ranked as torch.topk."""
+    t, experts = logits.shape
+    assert logits.dtype == score_bias.dtype == torch.float32 and logits.device.type == "cpu"
+    routing.check(experts, top_k)
+    logits, score_bias = logits.contiguous(), score_bias.contiguous()
+    weights, ids = torch.empty(t, top_k), torch.empty(t, top_k, dtype=torch.int64)
+    _lib().tm_moe_route_grouped(
+        logits.data_ptr(), t, experts, top_k, score_bias.data_ptr(), routing.n_group, routing.topk_group,
+        int(renormalize), routing.scaling, weights.data_ptr(), ids.data_ptr(),
+    )  # fmt: skip
     return weights, ids
 
 

@@ -26,6 +26,7 @@ from tokenmill_service.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
     from tokenmill_service.layers.fused_moe.layer import FusedMoE
+    from tokenmill_service.layers.fused_moe.router import GroupedTopK
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -117,6 +118,15 @@ class NativeCpuOps(TorchOps):
             return moe_mlp.route(logits, top_k, "top_logits")
         return super().select_top_logits(logits, top_k)
 
+    def select_experts_grouped(
+        self, logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """moe_mlp.cpp's group-limited sigmoid routing (DeepSeek-V3's; the native decoder stack's choice and
+        bits)."""
+        if _routable(logits) and score_bias.dtype == torch.float32:
+            return moe_mlp.route_grouped(logits, score_bias, top_k, renormalize, routing)
+        return super().select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
+
     def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One native call for the layer's experts (kernels/cpu/moe_mlp.cpp) where their products all have
         native kernels: the loop's kernels, rows and order, so its bits."""
@@ -159,6 +169,23 @@ class NativeCpuOps(TorchOps):
             softcap,
             sinks,
         ).to(q.dtype)
+
+    def store_latent(
+        self,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """paged_attention.cpp's value store, row by row (the native decoder stack's: so its bits in a
+        float16 cache); the reference's where the rows are not float32."""
+        if latent.dtype != torch.float32 or k_rope.dtype != torch.float32:
+            return super().store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
+        for rows, cache in ((latent, latent_cache), (k_rope, rope_cache)):
+            t, d = rows.shape
+            view = rows if rows.stride(-1) == 1 else rows.contiguous()
+            paged_attention.store_values(view.as_strided((t, 1, d), (view.stride(0), d, 1)), cache, slot_mapping)
 
     def latent_attention(
         self,

@@ -14,7 +14,8 @@ A step:
    backend's ``select_experts``: the native ops compute it in moe_mlp.cpp, as the decoder stack does), a
    softmax over the top-k logits where the family's ``top_logits`` says so (gpt-oss: ``select_top_logits``,
    moe_mlp.cpp's too), or, given a ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
-   (``gate.e_score_correction_bias`` in the checkpoint; ``score_bias`` here, float32);
+   (``gate.e_score_correction_bias`` in the checkpoint; ``score_bias`` here, float32; the ops backend's
+   ``select_experts_grouped``: moe_mlp.cpp's under the native ops, as the decoder stack computes it);
 2. the (token, rank) pairs are grouped by expert (a stable sort of the expert ids), and each expert
    this rank holds runs gate/up, SiLU-and-mul (or its family's activation) and down, each product
    plus its bias where the family has them, on its group's rows;
@@ -51,7 +52,7 @@ from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
 from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
-from tokenmill_service.layers.fused_moe.router import GroupedTopK, select_experts_grouped
+from tokenmill_service.layers.fused_moe.router import GroupedTopK
 from tokenmill_service.layers.linear import (
     MergedColumnParallelLinear,
     QuantFactory,
@@ -173,7 +174,7 @@ class FusedMoE(nn.Module):
         if self.grouped is None:
             return self.ops.select_experts(logits, self.top_k, self.renormalize)
         assert self.score_bias is not None
-        return select_experts_grouped(logits, self.score_bias, self.top_k, self.renormalize, self.grouped)
+        return self.ops.select_experts_grouped(logits, self.score_bias, self.top_k, self.renormalize, self.grouped)
 
     def native(self) -> NativeExperts | None:
         """The held experts as one native call, where they can be (built at the first step, after the
