@@ -317,6 +317,32 @@ def test_the_grouped_router_is_transformers_deepseek_v3_router(groups: int, kept
     assert all(len(set(row)) <= kept for row in kept_groups)
 
 
+@pytest.mark.parametrize(
+    ("experts", "groups", "kept", "top_k"), [(8, 2, 1, 2), (8, 4, 2, 3), (64, 8, 4, 8), (16, 1, 1, 4)]
+)
+def test_the_native_grouped_router_chooses_as_torch(experts: int, groups: int, kept: int, top_k: int) -> None:
+    """moe_mlp.cpp's grouped sigmoid routing (the native ops' and the native decoder stack's) against
+    router.py's torch one: logits from a few levels (equal scores ranked as torch.topk ranks them), a
+    correction bias from a few levels too, renormalized or not; the weights within float32 rounding; each
+    row the same alone."""
+    from tokenmill_service.kernels.cpu import moe_mlp
+
+    if (why := moe_mlp.unavailable_reason()) is not None:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(experts + groups)
+    routing = GroupedTopK(groups, kept, 2.5)
+    for levels in (3, 1 << 20):
+        logits = torch.randint(0, levels, (48, experts), generator=gen).float() * (4.0 / levels) - 2.0
+        bias = torch.randint(0, 4, (experts,), generator=gen).float() * 0.1
+        for norm in (True, False):
+            weights, ids = moe_mlp.route_grouped(logits, bias, top_k, norm, routing)
+            want_weights, want_ids = select_experts_grouped(logits, bias, top_k, norm, routing)
+            assert torch.equal(ids, want_ids), (levels, norm)
+            torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+            alone_weights, alone_ids = moe_mlp.route_grouped(logits[7:8], bias, top_k, norm, routing)
+            assert torch.equal(alone_weights[0], weights[7]) and torch.equal(alone_ids[0], ids[7])
+
+
 def test_grouped_routing_is_refused_where_the_groups_cannot_hold_the_experts() -> None:
     with pytest.raises(ValueError, match="do not split into 3 equal groups"):
         GroupedTopK(3, 1, 1.0).check(8, 2)
