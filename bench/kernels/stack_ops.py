@@ -1,5 +1,5 @@
-"""Torch operations in one decode step of a tiny random gpt-oss, Gemma 2, Gemma 3, Granite or Phi-4-mini, on
-each executor the checkout has.
+"""Torch operations in one decode step of a tiny random gpt-oss, Gemma 2, Gemma 3, Granite, Phi-4-mini or
+DeepSeek-V3, on each executor the checkout has.
 
     python bench/kernels/stack_ops.py --layers 2
     python bench/kernels/stack_ops.py --layers 24   # gpt-oss-20b's layer count, 32 experts top-4
@@ -7,8 +7,11 @@ each executor the checkout has.
     python bench/kernels/stack_ops.py --family gemma2 --layers 26   # Gemma 2 2B's layers, heads of 256
     python bench/kernels/stack_ops.py --family granite --layers 40  # Granite 3 2B's layers and multipliers
     python bench/kernels/stack_ops.py --family phi3 --layers 32     # Phi-4-mini's: 0.75 partial rotary, LongRoPE
+    python bench/kernels/stack_ops.py --family deepseek_v3 --layers 4  # latent attention, the first layer dense
 
-A transformers config (GptOssConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig or Phi3Config) with small
+A transformers config (GptOssConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig, Phi3Config or
+DeepseekV3Config: latent 64, rotary dims 64 interleaved, its experts in 4 groups of which 2 are kept, one
+shared expert) with small
 widths (hidden 64; heads of 64 for gpt-oss, Granite and Phi-3 (hidden 256), of 256 for Gemma, as their
 released models) and the given layer count, experts
 and top-k (gpt-oss's; every parameter random), loaded at float32 dense (``--quantization none``); one
@@ -55,6 +58,8 @@ def checkpoint(directory: Path, family: str, layers: int, experts: int, top_k: i
         model = transformers.Gemma3ForCausalLM(config)
     elif family in ("granite", "phi3"):
         model = llama_like(family, layers)
+    elif family == "deepseek_v3":
+        model = transformers.DeepseekV3ForCausalLM(deepseek_v3_config(layers, experts, top_k))
     else:
         model = transformers.GptOssForCausalLM(gpt_oss_config(layers, experts, top_k))
     with torch.no_grad():
@@ -95,6 +100,15 @@ def gpt_oss_config(layers: int, experts: int, top_k: int) -> Any:
     )  # fmt: skip
 
 
+def deepseek_v3_config(layers: int, experts: int, top_k: int) -> Any:
+    return transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, max_position_embeddings=256, n_routed_experts=experts, num_experts_per_tok=top_k,
+        n_group=4, topk_group=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+    )  # fmt: skip
+
+
 def _top(event: Any) -> bool:
     """Whether no aten operation calls this one."""
     parent = event.cpu_parent
@@ -110,7 +124,9 @@ def top_level_ops(events: list[Any]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=("gpt-oss", "gemma2", "gemma3", "granite", "phi3"), default="gpt-oss")
+    parser.add_argument(
+        "--family", choices=("gpt-oss", "gemma2", "gemma3", "granite", "phi3", "deepseek_v3"), default="gpt-oss"
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)

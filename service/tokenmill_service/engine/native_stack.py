@@ -14,7 +14,11 @@ GeGLU) and their soft cap; a layer whose rotary tables are not the first layer's
 hands its own. A rotary that turns only the first dims of each head (``rotary_dim``: Phi-4-mini's partial
 rotary) says how many; the layers' residual multiplier (Granite's) goes with them. The embeddings (Gemma's
 scaled by sqrt(hidden), Granite's by its embedding multiplier) and the logits (Gemma 2's soft cap,
-Granite's logits scaling) stay the model's own.
+Granite's logits scaling) stay the model's own. DeepSeek-V3's layers (a family with a latent cache) hand the
+stack their latent attention: the query projection (q_proj, or q_a_proj, its norm and q_b_proj),
+kv_a_proj_with_mqa and its latent's norm, kv_b_proj's weight as the attention absorbed it, the rotary tables
+and whether their dims are interleaved; a mixture-of-experts layer its grouped routing (``GroupedTopK`` and the
+score-correction bias) and its shared experts' dense MLP; the first layers their dense MLP.
 """
 
 from __future__ import annotations

@@ -20,7 +20,11 @@ RMS-normed before their residual adds (``LayerSpec.attn_out_norm``, ``mlp_out_no
 the pre-feedforward norm), and a layer may rotate with tables of its own (``LayerSpec.cos``, ``sin``:
 Gemma 3's local and global layers). Rotary may turn only the first dims of each head (``StackSpec.rotary_dim``:
 Phi-4-mini's partial rotary), and each sub-layer's output may be scaled before its residual add
-(``StackSpec.residual_multiplier``: Granite's).
+(``StackSpec.residual_multiplier``: Granite's). DeepSeek-V3's layers: multi-head latent attention
+(``StackSpec.latent``, ``LayerSpec.latent``: latent_attention.cpp over the latent cache, its projections and
+norms as the model's attention runs them), grouped sigmoid routing (``MoESpec.grouped``: moe_mlp.cpp's
+``tm_moe_route_grouped``, which the native ops' router calls too) and shared experts (a mixture-of-experts
+layer's ``gate_up`` and ``down``, their output added to the routed sum).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    # (and "lora" where adapters ride along, "moe_mlp" where experts do)
+    # (and "lora" where adapters ride along, "moe_mlp" where experts do, "latent_attention" for DeepSeek's)
     for name in ("decoder_stack", "elementwise", "paged_attention"):
         if (reason := build.unavailable_reason(name)) is not None:
             return reason
