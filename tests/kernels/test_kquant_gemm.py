@@ -97,6 +97,16 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_thread_count(qty
     _rows_are_independent_of_the_batch_and_the_thread_count(layer, x)
 
 
+@pytest.mark.parametrize("first", [32, 40], ids=["whole-groups", "a-split-group"])
+def test_row_ranges_pack_as_their_concatenation(first: int) -> None:
+    """A merged gate/up's two ranges are packed where they lie (whole groups of 16 rows) or joined first (a
+    range that splits a group): either way the bytes of the concatenation."""
+    whole = _blocks(QType.Q4_K, 72, 512, seed=9).data
+    whole = whole.view(72, 2, -1)
+    parts = [whole[:first].clone(), whole[first:].clone()]
+    assert torch.equal(kquant_gemm.pack(parts, int(QType.Q4_K)), kquant_gemm.pack(whole, int(QType.Q4_K)))
+
+
 def test_a_layer_whose_inputs_split_a_super_block_is_refused() -> None:
     with pytest.raises(ValueError, match="gguf-kquant needs input features divisible by 256; this layer has 288"):
         ReplicatedLinear(288, 16, False, quant_method_class("gguf-kquant")(torch.float32))

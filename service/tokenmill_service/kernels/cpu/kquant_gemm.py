@@ -8,6 +8,7 @@ library directly."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -39,12 +40,22 @@ def check_status(rc: int, fmt: int) -> None:
         raise ValueError("the packed segments do not describe the layer's rows")
 
 
-def pack(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
-    """GGUF super-blocks uint8 [n, K // 256, bytes per block] in the kernel's layout (uint8, 1-D)."""
-    blocks = blocks.contiguous()
-    n, k = blocks.shape[0], blocks.shape[1] * SUPER_BLOCK
-    out = torch.empty(int(_lib().tm_kquant_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=blocks.device)
-    check_status(_lib().tm_kquant_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
+def pack(blocks: torch.Tensor | Sequence[torch.Tensor], fmt: int) -> torch.Tensor:
+    """GGUF super-blocks uint8 [n, K // 256, bytes per block] in the kernel's layout (uint8, 1-D). A
+    sequence of row ranges (a merged gate/up's parts, as the file stores them) packs as their
+    concatenation; each group of rows is its own stretch of the output, so ranges of whole groups are
+    packed in place, never copied into one tensor first."""
+    pieces = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+    if any(piece.shape[0] % GROUP for piece in pieces[:-1]):
+        pieces = [torch.cat(pieces)]
+    n, k = sum(piece.shape[0] for piece in pieces), pieces[0].shape[1] * SUPER_BLOCK
+    out = torch.empty(int(_lib().tm_kquant_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=pieces[0].device)
+    offset = 0
+    for piece in pieces:
+        piece = piece.contiguous()
+        rows = piece.shape[0]
+        check_status(_lib().tm_kquant_pack(fmt, piece.data_ptr(), rows, k, out[offset:].data_ptr()), fmt)
+        offset += int(_lib().tm_kquant_packed_bytes(fmt, rows, k))
     return out
 
 

@@ -63,6 +63,24 @@ inline void digits(__m512 t, float id, __m512i& hi8, __m512i& lo8) {
 // 1.2e-41) or x holds inf or NaN can v be infinite or NaN and hi saturate at -128; low_digit then keeps lo >= 0,
 // so that the value stays within int16 here too and both forms hold the same integers (a row's bits do not
 // depend on which form its batch takes).
+// Packing: one row's block of 32 q (step t: weights 4t..4t+3) as its BITS-bit fields from bit FROM, into the
+// block's 64-byte planes (step t in plane t / (8 / BITS), from bit (t % (8 / BITS)) * BITS; byte 4 * row + w
+// for the row's weight 4t + w): the row's 4 bytes of each plane, written as one word each.
+template <int BITS, int FROM>
+inline void put_planes(const uint8_t* q, uint8_t* plane) {
+  constexpr int per_byte = 8 / BITS;
+  constexpr uint32_t mask = 0x01010101u * ((1u << BITS) - 1);
+  for (int p = 0; p < BITS; ++p) {
+    uint32_t word = 0;
+    for (int u = 0; u < per_byte; ++u) {
+      uint32_t four;
+      memcpy(&four, q + 4 * (p * per_byte + u), 4);
+      word |= ((four >> FROM) & mask) << (u * BITS);
+    }
+    memcpy(plane + 64 * p, &word, 4);
+  }
+}
+
 template <bool WORDS>
 inline void quantize_row_as(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
   const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);

@@ -53,6 +53,7 @@ namespace {
 using vnni::dword_at;
 using vnni::G;
 using vnni::half_bits;
+using vnni::put_planes;
 using vnni::QK;
 using vnni::total;
 using vnni::quantize_row;
@@ -143,9 +144,10 @@ bool unpack_source(int fmt, const uint8_t* b, uint8_t q[QK], uint16_t& d, uint16
   return true;
 }
 
-// Packs rows [n] x [k / 32 blocks] of source blocks into groups of 16 (rows past n are zero).
-int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
-  const bool wide = byte_weights(fmt);
+// Packs rows [n] x [k / 32 blocks] of source blocks into groups of 16 (rows past n are zero). The format a
+// template argument, each row's bytes of a plane written as one word.
+template <int fmt>
+int pack_format(const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   const int64_t blocks = k / QK, sbytes = source_block_bytes(fmt), gbb = group_block_bytes(fmt);
   const int64_t groups = (n + G - 1) / G;
   int bad = 0;  // a source block the format cannot hold
@@ -163,14 +165,11 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
         break;
       }
       uint8_t* dst = out + (g * blocks + b) * gbb;
-      for (int j = 0; j < QK; ++j) {
-        const int step = j / 4, t = j % 4, i = (int)row * 4 + t;
-        if (wide) {
-          dst[step * 64 + i] = q[j];
-        } else {
-          dst[(step / 2) * 64 + i] |= (uint8_t)((q[j] & 0x0F) << (step % 2 ? 4 : 0));
-          if (fifth_bit(fmt)) dst[256 + i] |= (uint8_t)((q[j] >> 4) << step);
-        }
+      if constexpr (byte_weights(fmt)) {
+        for (int step = 0; step < QK / 4; ++step) memcpy(dst + step * 64 + row * 4, q + 4 * step, 4);
+      } else {
+        put_planes<4, 0>(q, dst + row * 4);
+        if constexpr (fifth_bit(fmt)) put_planes<1, 4>(q, dst + 256 + row * 4);
       }
       memcpy(dst + quant_bytes(fmt) + row * 2, &d, 2);
       if (stored_min(fmt)) memcpy(dst + quant_bytes(fmt) + G * 2 + row * 2, &m, 2);
@@ -178,6 +177,19 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   }
   }
   return bad ? -3 : 0;
+}
+
+int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
+  switch (fmt) {
+    case Q4_0: return pack_format<Q4_0>(src, n, k, out);
+    case Q4_1: return pack_format<Q4_1>(src, n, k, out);
+    case Q5_0: return pack_format<Q5_0>(src, n, k, out);
+    case Q5_1: return pack_format<Q5_1>(src, n, k, out);
+    case Q8_0: return pack_format<Q8_0>(src, n, k, out);
+    case IQ4_NL: return pack_format<IQ4_NL>(src, n, k, out);
+    case MXFP4: return pack_format<MXFP4>(src, n, k, out);
+    default: return -1;
+  }
 }
 
 // Step t's nibbles w with their fifth bits (bit t of each byte of plane) set above them: a 16-bit shift

@@ -63,11 +63,11 @@ class GGUFKQuantMethod(GGUFBlocksMethod):
             else:
                 segments.append((piece.qtype, [piece.data]))
         layer.pieces = []
-        parts = [(torch.cat(data) if len(data) > 1 else data[0], int(qtype)) for qtype, data in segments]
-        if len(parts) == 1:
-            layer.qtype, layer.fmt = segments[0][0], parts[0][1]
-            layer.blocks = kq.pack(*parts[0])
+        if len(segments) == 1:  # packed from the file's pieces where they lie
+            layer.qtype, layer.fmt = segments[0][0], int(segments[0][0])
+            layer.blocks = kq.pack(segments[0][1], layer.fmt)
         else:
+            parts = [(torch.cat(data) if len(data) > 1 else data[0], int(qtype)) for qtype, data in segments]
             layer.qtype, layer.fmt = None, kq.MIXED
             layer.blocks = kq.pack_segments(parts)
         layer.formats = "/".join(sorted({qtype.name for qtype, _ in segments}))
