@@ -39,21 +39,9 @@ async def serve(settings: Settings) -> int:
 
     try:
         model_path = resolve_model_path(settings.model or None)
-        tokenizer = load_tokenizer(model_path)
-        template = settings.chat_template_source()
-        if template is not None:
-            # Chats are rendered here, in the server process; the workers never render one.
-            tokenizer.chat_template = template
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
         log.error("model_unavailable", error=str(exc))
         return 1
-    if tokenizer.harmony:
-        from tokenmill_service import harmony
-
-        try:  # loaded now (a second or two), so that the first chat request does not wait for it
-            harmony.encoding()
-        except harmony.HarmonyUnavailable as exc:
-            log.warning("harmony_chats_refused", reason=str(exc))
     if settings.tensor_parallel > 1 or settings.expert_parallel:
         try:
             check_tensor_parallel(settings, model_path)
@@ -63,8 +51,47 @@ async def serve(settings: Settings) -> int:
             sys.stderr.write(f"tokenmill-server: error: {exc}\n")
             return 2
 
+    # The first SIGTERM or SIGINT drains; a second one, during the drain, stops at once.
+    stop = asyncio.Event()
+    stop_now = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        (stop_now if stop.is_set() else stop).set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    # The workers start (seconds: their imports, the weights) while this process reads the tokenizer (about a
+    # second for a 128k vocabulary); a failure here kills them, so what is refused is refused as before.
     metrics = Metrics()
     router = Router(settings, metrics)
+    starting = asyncio.ensure_future(router.start())
+
+    def abandon_start() -> None:
+        starting.cancel()
+        router.kill()
+
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
+        template = settings.chat_template_source()
+        if template is not None:
+            # Chats are rendered here, in the server process; the workers never render one.
+            tokenizer.chat_template = template
+    except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
+        abandon_start()
+        log.error("model_unavailable", error=str(exc))
+        return 1
+    if tokenizer.harmony:
+        from tokenmill_service import harmony
+
+        try:  # loaded now (a second or two), so that the first chat request does not wait for it
+            harmony.encoding()
+        except harmony.HarmonyUnavailable as exc:
+            log.warning("harmony_chats_refused", reason=str(exc))
+
     metrics.bind_state(lambda: engine_totals(router))
     metrics.bind_adapters(lambda: adapter_state(router, settings.max_loras))
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -81,9 +108,11 @@ async def serve(settings: Settings) -> int:
         else:
             server.add_secure_port(address, credentials)
     except OSError as exc:
+        abandon_start()
         log.error("cannot_read_tls_files", error=str(exc))
         return 1
     except RuntimeError as exc:
+        abandon_start()
         log.error("cannot_listen", address=address, error=str(exc))
         return 1
     http_server = None
@@ -93,6 +122,7 @@ async def serve(settings: Settings) -> int:
         try:
             http_server = HttpServer(HttpApi(servicer.service), settings.host, settings.http_port)
         except OSError as exc:
+            abandon_start()
             log.error("cannot_listen", address=f"{settings.host}:{settings.http_port}", error=str(exc))
             return 1
 
@@ -125,20 +155,6 @@ async def serve(settings: Settings) -> int:
         http_port=settings.http_port or None,
     )
 
-    # The first SIGTERM or SIGINT drains; a second one, during the drain, stops at once.
-    stop = asyncio.Event()
-    stop_now = asyncio.Event()
-    received: list[signal.Signals] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        (stop_now if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-
-    starting = asyncio.ensure_future(router.start())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     exit_code = 0

@@ -119,3 +119,28 @@ def test_the_cli_started_before_the_server_waits_for_it_saying_so_once_and_gets_
     waiting = [line for line in err.splitlines() if "waiting for the server" in line]
     assert len(waiting) == 1 and server.address in waiting[0], err
     assert "error" not in err
+
+
+def test_a_port_already_taken_exits_1_naming_it_and_stops_the_workers_started_meanwhile() -> None:
+    """The workers start while the server reads its tokenizer; a server that then cannot listen must not
+    leave them behind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = ServerProcess(port=taken.getsockname()[1]).launch()
+        assert server.proc is not None
+        try:
+            code = server.proc.wait(60)
+        finally:
+            server.stop()
+    assert code == 1, server.logs()[-3000:]
+    [refused] = log_events(server, "cannot_listen")
+    assert refused["address"] == server.address
+    pids = [pid for e in log_events(server, "worker_spawned") for pid in e["pids"]]
+    assert pids, "no worker was started beside the tokenizer"
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids), pids
