@@ -209,6 +209,9 @@ class SideRun:
 
     first_request: RequestRecord | None = None
     single: LevelResult | None = None
+    # The machine's read rate measured right after the single stream: on a shared host the rate moves by
+    # minutes, and the share of it a stream achieves means something only against the rate of its moment.
+    single_read_gbs: float | None = None
     levels: list[LevelResult] = field(default_factory=list)
     long_prompts: list[dict[str, Any]] = field(default_factory=list)
 
@@ -323,6 +326,9 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
                 side = sides[target.name]
                 if concurrency == 1:
                     side.single = level
+                    read_now = await asyncio.to_thread(read_bandwidth, args.copy_buffer_mib * 2**20)
+                    side.single_read_gbs = read_now["gbs"]
+                    log.info("read_bandwidth_beside_single", side=target.name, gbs=round(read_now["gbs"], 2))
                 if concurrency in args.concurrency:
                     side.levels.append(level)
             first_index += n
@@ -451,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
         **headline(single_summary, level_summaries, total_weight_bytes),
         "copy_bandwidth_gbs": copy["gbs"],
         "read_bandwidth_gbs": read["gbs"],
+        **_beside_single(side=ours, weight_bytes=total_weight_bytes),
         "failed_requests": single.failed + sum(level.failed for level in levels if level is not single),
         "bandwidth_convention": "model weight bytes x single-stream decode tok/s (every weight read once per token)",
         "copy_bandwidth": copy,
@@ -592,9 +599,22 @@ def _peer_section(spec: tuple[str, str], measured: Measured, model_path: Path | 
         "cache_prompt true",
         "failed_requests": side.single.failed + sum(level.failed for level in side.levels if level is not side.single),
         "single_stream": side.single.summary(),
+        **_beside_single(side=side, weight_bytes=peer_weight_bytes),
         "levels": levels,
         "first_request": _request_row(side.first_request),
         "long_prompts": side.long_prompts,
+    }
+
+
+def _beside_single(side: SideRun, weight_bytes: int | None) -> dict[str, Any]:
+    """A side's single-stream bandwidth against the read rate measured right after it."""
+    assert side.single is not None
+    steps_per_s = side.single.summary()["per_stream_decode_tok_s"] or None
+    achieved = weight_bytes * steps_per_s / 1e9 if weight_bytes and steps_per_s else None
+    gbs = side.single_read_gbs
+    return {
+        "read_bandwidth_beside_single_gbs": gbs,
+        "bandwidth_share_beside_single": achieved / gbs if achieved is not None and gbs else None,
     }
 
 
@@ -607,6 +627,10 @@ def _comparison(result: dict[str, Any]) -> dict[str, Any]:
         "ratio": "tokenmill / peer",
         "read_bandwidth_gbs": result["read_bandwidth_gbs"],
         "weight_bytes": {"tokenmill": result["model"]["weight_bytes"], "peer": peer["weight_bytes"]},
+        "single_stream_beside": {
+            name: {"read_gbs": side["read_bandwidth_beside_single_gbs"], "share": side["bandwidth_share_beside_single"]}
+            for name, side in (("tokenmill", result), ("peer", peer))
+        },
         "levels": compare_levels(
             result["levels"],
             peer["levels"],

@@ -67,6 +67,8 @@ def format_tables(result: dict[str, Any]) -> str:
         ["bandwidth achieved GB/s", _fmt(result["bandwidth_achieved_gbs"], 2)],
         ["speculative drafts kept", _percent(single.get("draft_acceptance"), single.get("draft_tokens_proposed"))],
         ["memory read bandwidth GB/s", _fmt(result.get("read_bandwidth_gbs"), 2)],
+        ["  read right after the single stream", _fmt(result.get("read_bandwidth_beside_single_gbs"), 2)],
+        ["  bandwidth achieved, share of that", _percent_of(result.get("bandwidth_share_beside_single"))],
         ["memory copy bandwidth GB/s", _fmt(result["copy_bandwidth_gbs"], 2)],
         ["requests (failed)", f"{single['requests']} ({single['failed_requests']})"],
     ]
@@ -132,6 +134,10 @@ def _percent(share: float | None, of: int | None) -> str:
     return f"{round(share * of)}/{of} ({share:.0%})"
 
 
+def _percent_of(share: float | None) -> str:
+    return f"{share:.0%}" if share is not None else "-"
+
+
 def _ratio_cell(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
@@ -165,6 +171,13 @@ def format_comparison(result: dict[str, Any]) -> str:
         f"measured read bandwidth {_fmt(read_gbs, 2)} GB/s; where tokenmill keeps speculative drafts (the "
         "'drafts kept' column) several tokens share a step, so its figure is effective, not bytes actually read"
     )
+    beside = comparison.get("single_stream_beside")
+    if beside is not None:
+        convention += (
+            f"; one stream against the read rate measured right after it: tokenmill "
+            f"{_percent_of(beside['tokenmill']['share'])} of {_fmt(beside['tokenmill']['read_gbs'], 2)} GB/s, {peer} "
+            f"{_percent_of(beside['peer']['share'])} of {_fmt(beside['peer']['read_gbs'], 2)} GB/s"
+        )
     lines = [title, convention, _table(header, rows)]
     failed = [
         f"{level['concurrency']} streams: {n} failed on {side}"

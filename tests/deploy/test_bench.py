@@ -92,6 +92,11 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
     assert data["bandwidth_achieved_gbs"] == pytest.approx(
         data["model"]["weight_bytes"] * data["single_stream_tok_s"] / 1e9
     )
+    # The read rate measured again right after the single stream, and the stream's share of it.
+    assert data["read_bandwidth_beside_single_gbs"] > 0
+    assert data["bandwidth_share_beside_single"] == pytest.approx(
+        data["bandwidth_achieved_gbs"] / data["read_bandwidth_beside_single_gbs"]
+    )
     for key in ("cores", "memory_bytes", "cpu_model", "torch_version", "device"):
         assert data["machine"][key], key
     for level in data["levels"]:

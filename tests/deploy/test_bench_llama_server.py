@@ -326,6 +326,14 @@ def test_bench_prints_tokenmill_beside_the_peer(server_address: str, fake: FakeL
     assert [level["concurrency"] for level in peer["levels"]] == [1, 2]
     assert all(level["generated_tokens"] == level["requests"] * 6 for level in peer["levels"])
     assert peer["weight_bytes"] is None and "not counted" in peer["weight_bytes_note"]  # /props names another file
+    # Each side's single stream against the read rate measured right after it (the peer's bytes are not
+    # counted here, so its share is unknown).
+    beside = comparison["single_stream_beside"]
+    assert beside["tokenmill"]["read_gbs"] > 0 and beside["peer"]["read_gbs"] > 0
+    assert beside["tokenmill"]["share"] == pytest.approx(
+        data["bandwidth_achieved_gbs"] / data["read_bandwidth_beside_single_gbs"]
+    )
+    assert beside["peer"]["share"] is None
     assert [row["concurrency"] for row in comparison["levels"]] == [1, 2]
     for row in comparison["levels"]:
         assert row["ratio"]["throughput_tok_s"] == pytest.approx(
