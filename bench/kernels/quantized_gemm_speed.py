@@ -14,6 +14,11 @@ M = 1..9, 16, 64, 131 rows and 1 and 2 threads; the outputs must be the same bit
 Timing: on the layer shapes of Llama-3.2-1B (K x N = 2048 x 8192, 8192 x 2048, 2048 x 2048) and
 M = 1, 16, 64, 512 rows, the old and the new kernel are called in turn (the machine's load falls on
 both alike), each ``--repeats`` times; printed are the min and median times and new / old of each.
+One weight of these shapes stays in the CPU's last-level cache between calls; decoding reads its
+weights from memory. ``--from-memory MB`` gives each call the next of as many copies of the weight as
+fill MB (more than the caches hold), and prints the new kernel's best read rate (GB/s of packed weight):
+
+    python bench/kernels/quantized_gemm_speed.py --old-rev main --m 1 --from-memory 512 --no-check
 """
 
 from __future__ import annotations
@@ -147,17 +152,20 @@ def bench(
     repeats: int,
     threads: int,
     budget_s: float,
+    from_memory_mb: int,
 ) -> None:
     rng = np.random.default_rng(1)
     print(
         f"{'format':7} {'K':>5} {'N':>5} {'M':>4} {'old min':>9} {'new min':>9} {'min ratio':>9} "
-        f"{'med ratio':>9} {'spread':>7}"
+        f"{'med ratio':>9} {'spread':>7} {'new GB/s':>8}"
     )
     for qtype in qtypes:
         name, prefix = kernel_of(qtype)
         old, new = libs[name]
         for k, n in shapes:
             w = pack(new, prefix, qtype, random_blocks(qtype, n, k, rng), k)
+            copies = [w] + [w.clone() for _ in range(from_memory_mb * 2**20 // w.numel())]
+            calls = 0
             for m in ms:
                 x = torch.randn(m, k)
                 y = torch.empty(m, n)
@@ -167,6 +175,8 @@ def bench(
                 start = time.perf_counter()
                 for r in range(repeats):
                     for label, lib in (("old", old), ("new", new)) if r % 2 else (("new", new), ("old", old)):
+                        w = copies[calls % len(copies)]
+                        calls += 1
                         t = time.perf_counter()
                         gemm(lib, prefix, qtype, x, w, n, y, threads)
                         times[label].append(time.perf_counter() - t)
@@ -177,7 +187,8 @@ def bench(
                 # How noisy: the old kernel's median over its min.
                 print(
                     f"{qtype.name:7} {k:5} {n:5} {m:4} {lo['old'] * 1e3:8.3f}m {lo['new'] * 1e3:8.3f}m "
-                    f"{lo['new'] / lo['old']:9.3f} {med['new'] / med['old']:9.3f} {med['old'] / lo['old']:7.2f}",
+                    f"{lo['new'] / lo['old']:9.3f} {med['new'] / med['old']:9.3f} {med['old'] / lo['old']:7.2f} "
+                    f"{w.numel() / lo['new'] / 1e9:8.1f}",
                     flush=True,
                 )
 
@@ -191,6 +202,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--budget-s", type=float, default=20.0, help="at most this long on one case")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--from-memory", type=int, default=0, metavar="MB", help="cycle each call over copies of the weight filling MB"
+    )
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
@@ -205,7 +219,16 @@ def main() -> int:
             print("bitwise identical" if ok else "OUTPUTS DIFFER")
         if not args.check_only:
             shapes = [(int(k), int(n)) for k, n in (s.split("x") for s in args.shapes.split(","))]
-            bench(libs, names, shapes, [int(m) for m in args.m.split(",")], args.repeats, args.threads, args.budget_s)
+            bench(
+                libs,
+                names,
+                shapes,
+                [int(m) for m in args.m.split(",")],
+                args.repeats,
+                args.threads,
+                args.budget_s,
+                args.from_memory,
+            )
     return 0 if ok else 1
 
 
