@@ -368,19 +368,6 @@ inline void start_sums(__m512i (&parts)[P], const int32_t* s16, int64_t h) {
   if constexpr (signed_scales(F)) parts[WORDS ? 0 : 1] = _mm512_set1_epi32(-q_offset(F) * s16[h]);
 }
 
-// How far ahead of its reads a decoding tile asks for its weights, and into L2 (prefetcht1). One thread
-// streaming a packed Q4_K weight from DRAM at one row read 16 GB/s with the hardware prefetchers alone (a
-// plain streaming loop: 20), 22-24 with this; two threads 19-27 against 26-31 (an AMD EPYC). 6-12 KB ahead
-// measured alike; 2 KB, and prefetching into L1, measured slower than none. vnni_gemm.cpp's block formats,
-// lighter on the core, measured no faster with it and have none.
-constexpr int64_t PREFETCH_AHEAD = 8192;
-
-// Asks for every line of [p, p + bytes) in L2; a prefetch past the end of a mapping does not fault.
-inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
-  const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
-  for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T1);
-}
-
 // y[i, 16g + l] for M activation rows and NGT groups starting at w. WORDS: the activations as one int16 each
 // (quantize_row_words) and vpdpwssd, one product a pair of weights; else as two int8 digits (quantize_row) and
 // vpdpbusd, two products (one a digit) a quad of weights. The integer sums are the same, so are the outputs.
@@ -403,7 +390,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   for (int64_t sb = 0; sb < k / QK_K; ++sb) {
     __m512 d[NGT], dmin[NGT];
     // One group a tile (decoding): the thread's weights are one stream, fetched ahead of it.
-    if constexpr (NGT == 1 && !WORDS) prefetch_l2(Packed(F, w, gstride, 0, sb).quants + PREFETCH_AHEAD, group_super_bytes(F));
+    if constexpr (NGT == 1 && !WORDS) vnni::prefetch_l2(Packed(F, w, gstride, 0, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p.scales));
