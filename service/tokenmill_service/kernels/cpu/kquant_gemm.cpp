@@ -390,7 +390,8 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   for (int64_t sb = 0; sb < k / QK_K; ++sb) {
     __m512 d[NGT], dmin[NGT];
     // One group a tile (decoding): the thread's weights are one stream, fetched ahead of it.
-    if constexpr (NGT == 1 && !WORDS) vnni::prefetch_l2(Packed(F, w, gstride, 0, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
+    if constexpr (NGT == 1 && !WORDS)
+      if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(Packed(F, w, gstride, 0, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p.scales));

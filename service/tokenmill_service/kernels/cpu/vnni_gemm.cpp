@@ -252,7 +252,8 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
       for (int g = 0; g < NGT; ++g)
         for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * group_block_bytes(F);
-    if constexpr (NGT == 1 && !WORDS && M >= 2) vnni::prefetch_l2(wb + vnni::PREFETCH_AHEAD, group_block_bytes(F));
+    if constexpr (NGT == 1 && !WORDS && M >= 2)
+      if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(wb + vnni::PREFETCH_AHEAD, group_block_bytes(F));
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
       if constexpr (WORDS) {
