@@ -168,7 +168,8 @@ void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint
     for (int h = 0; h < 2; ++h)
       for (int f = 0; f < 4; ++f)
         for (int l = 0; l < 32; ++l) q[128 * h + 32 * f + l] = (b[32 + 32 * h + l] >> (2 * f)) & 3;
-    for (int i = 0; i < QK_K; ++i) q[i] |= ((b[i % 32] >> (i / 32)) & 1) << 2;
+    for (int bit = 0; bit < 8; ++bit)
+      for (int l = 0; l < 32; ++l) q[32 * bit + l] |= ((b[l] >> bit) & 1) << 2;
     // Scale s: its low 4 bits nibble s / 8 of byte s % 8, its high 2 bits field s / 4 of byte 8 + s % 4.
     const uint8_t* s = b + 96;
     for (int j = 0; j < 16; ++j)
