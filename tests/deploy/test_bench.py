@@ -134,7 +134,8 @@ def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(tmp_path: Path) -> None:
     """bench/kernels/quantized_gemm_speed.py, which compares the quantized products with an earlier
-    revision's, still builds that revision's kernel and checks it (here against HEAD's own source)."""
+    revision's, still builds that revision's kernel, checks it (here against HEAD's own source) and times
+    both on weights read from memory."""
     from tokenmill_service.kernels.cpu import build
 
     if shutil.which("g++") is None or build.unavailable_reason("kquant_gemm") is not None:
@@ -144,7 +145,22 @@ def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(
         pytest.skip("needs the git checkout")
     script = root / "bench" / "kernels" / "quantized_gemm_speed.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--old-rev", "HEAD", "--formats", "Q6_K", "--check-only"],
+        [
+            sys.executable,
+            str(script),
+            "--old-rev",
+            "HEAD",
+            "--formats",
+            "Q6_K",
+            "--m",
+            "1",
+            "--shapes",
+            "256x64",
+            "--repeats",
+            "4",
+            "--from-memory",
+            "4",
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -152,7 +168,29 @@ def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(
         cwd=root,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "packing same" in proc.stdout and proc.stdout.rstrip().endswith("bitwise identical"), proc.stdout
+    assert "packing same" in proc.stdout and "bitwise identical" in proc.stdout, proc.stdout
+    # --from-memory: each call reads the next copy of the weight, and the new kernel's read rate is printed.
+    header, row = proc.stdout.strip().splitlines()[-2:]
+    assert header.split()[-2:] == ["new", "GB/s"] and float(row.split()[-1]) > 0, proc.stdout
+
+
+@pytest.mark.slow
+def test_the_attention_bench_times_a_revisions_kernel_and_finds_it_bit_for_bit_the_same() -> None:
+    """bench/kernels/attention_speed.py times decode attention against a revision's (here HEAD's own)."""
+    from tokenmill_service.kernels.cpu import build
+
+    if shutil.which("g++") is None or build.unavailable_reason("paged_attention") is not None:
+        pytest.skip("needs g++ and an AVX-512 CPU")
+    root = Path(__file__).resolve().parents[2]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, check=False).returncode:
+        pytest.skip("needs the git checkout")
+    script = root / "bench" / "kernels" / "attention_speed.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--old-rev", "HEAD", "--context", "100", "--layers", "2", "--repeats", "2"],
+        capture_output=True, text=True, check=False, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bitwise identical" in proc.stdout and "new / old:" in proc.stdout, proc.stdout
 
 
 def test_a_started_server_takes_free_ports_beside_one_on_8000_and_keeps_its_log(tmp_path: Path) -> None:
