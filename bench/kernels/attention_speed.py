@@ -8,7 +8,8 @@ One token attends over ``--context`` keys of each of ``--layers`` layers' caches
 than the caches of the CPU hold), its sequence's blocks scattered over the pool as a pool in use hands
 them out. The old and the new kernel take the layers in turn, alternately, ``--repeats`` times; printed
 are each one's min and median time for the layers and the rate at which it read their keys and values.
-The outputs must be the same bits (the script checks).
+The outputs must be the same bits (the script checks). ``--old-rev .`` times the working tree's kernel
+against itself: how far apart two runs of the same code come out on this machine.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ BLOCK = 16
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old-rev", default="main", help="the git revision whose kernel is the reference")
+    parser.add_argument(
+        "--old-rev", default="main", help="the git revision whose kernel is the reference ('.': the working tree's own)"
+    )
     parser.add_argument("--context", type=int, default=4000, help="keys the token attends over")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -55,7 +58,11 @@ def main() -> int:
     read = args.layers * 2 * n * kv_heads * dim * dtype.itemsize
 
     with tempfile.TemporaryDirectory(prefix="tm-old-kernels-") as tmp:
-        libs = {"old": old_library(args.old_rev, "paged_attention", Path(tmp)), "new": build.load("paged_attention")}
+        new = build.load("paged_attention")
+        libs = {
+            "old": new if args.old_rev == "." else old_library(args.old_rev, "paged_attention", Path(tmp)),
+            "new": new,
+        }
         outs = {label: torch.empty(args.layers, 1, heads, dim) for label in libs}
 
         def run(label: str) -> float:
