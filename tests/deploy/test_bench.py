@@ -131,67 +131,51 @@ def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
     assert all(float(rate) > 0 for rate in rates.values()), out
 
 
+def run_kernel_bench(script: str, kernel: str, *args: str, needs_git: bool = True) -> str:
+    """Runs bench/kernels/SCRIPT with ARGS and returns what it printed; skips where the native ``kernel``
+    cannot be built, or (``needs_git``: the script builds a revision's kernel) outside the git checkout."""
+    from tokenmill_service.kernels.cpu import build
+
+    if shutil.which("g++") is None or build.unavailable_reason(kernel) is not None:
+        pytest.skip(f"needs g++ and a CPU {kernel} runs on")
+    root = Path(__file__).resolve().parents[2]
+    git = (
+        subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, check=False) if needs_git else None
+    )
+    if git is not None and git.returncode:
+        pytest.skip("needs the git checkout")
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "kernels" / script), *args],
+        capture_output=True, text=True, check=False, timeout=300, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.slow
-def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(tmp_path: Path) -> None:
+def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same() -> None:
     """bench/kernels/quantized_gemm_speed.py, which compares the quantized products with an earlier
     revision's, still builds that revision's kernel, checks it (here against HEAD's own source) and times
     both on weights read from memory."""
-    from tokenmill_service.kernels.cpu import build
-
-    if shutil.which("g++") is None or build.unavailable_reason("kquant_gemm") is not None:
-        pytest.skip("needs g++ and an AVX-512 VNNI CPU")
-    root = Path(__file__).resolve().parents[2]
-    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, check=False).returncode:
-        pytest.skip("needs the git checkout")
-    script = root / "bench" / "kernels" / "quantized_gemm_speed.py"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--old-rev",
-            "HEAD",
-            "--formats",
-            "Q6_K",
-            "--m",
-            "1",
-            "--shapes",
-            "256x64",
-            "--repeats",
-            "4",
-            "--from-memory",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-        cwd=root,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "packing same" in proc.stdout and "bitwise identical" in proc.stdout, proc.stdout
+    out = run_kernel_bench(
+        "quantized_gemm_speed.py", "kquant_gemm", "--old-rev", "HEAD", "--formats", "Q6_K",
+        "--m", "1", "--shapes", "256x64", "--repeats", "4", "--from-memory", "4",
+    )  # fmt: skip
+    assert "packing same" in out and "bitwise identical" in out, out
     # --from-memory: each call reads the next copy of the weight, and the new kernel's read rate is printed.
-    header, row = proc.stdout.strip().splitlines()[-2:]
-    assert header.split()[-2:] == ["new", "GB/s"] and float(row.split()[-1]) > 0, proc.stdout
+    header, row = out.strip().splitlines()[-2:]
+    assert header.split()[-2:] == ["new", "GB/s"] and float(row.split()[-1]) > 0, out
 
 
 @pytest.mark.slow
 def test_the_attention_bench_times_a_kernel_against_another_and_checks_their_bits() -> None:
     """bench/kernels/attention_speed.py times decode attention against a revision's; here the working
     tree's own ('.'), as building a revision's kernel is the quantized bench test's part."""
-    from tokenmill_service.kernels.cpu import build
-
-    if shutil.which("g++") is None or build.unavailable_reason("paged_attention") is not None:
-        pytest.skip("needs g++ and an AVX-512 CPU")
-    root = Path(__file__).resolve().parents[2]
-    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, check=False).returncode:
-        pytest.skip("needs the git checkout")
-    script = root / "bench" / "kernels" / "attention_speed.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--old-rev", ".", "--context", "100", "--layers", "2", "--repeats", "2"],
-        capture_output=True, text=True, check=False, timeout=300, cwd=root,
+    out = run_kernel_bench(
+        "attention_speed.py", "paged_attention", "--old-rev", ".", "--context", "100", "--layers", "2",
+        "--repeats", "2", needs_git=False,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "bitwise identical" in proc.stdout and "new / old:" in proc.stdout, proc.stdout
+    assert "bitwise identical" in out and "new / old:" in out, out
 
 
 def test_a_started_server_takes_free_ports_beside_one_on_8000_and_keeps_its_log(tmp_path: Path) -> None:
