@@ -131,12 +131,13 @@ def test_cpu_peak_compiles_and_prints_the_three_rates(tmp_path: Path) -> None:
     assert all(float(rate) > 0 for rate in rates.values()), out
 
 
-def run_kernel_bench(script: str, kernel: str, *args: str, needs_git: bool = True) -> str:
+def run_kernel_bench(script: str, kernel: str | None, *args: str, needs_git: bool = True) -> str:
     """Runs bench/kernels/SCRIPT with ARGS and returns what it printed; skips where the native ``kernel``
-    cannot be built, or (``needs_git``: the script builds a revision's kernel) outside the git checkout."""
+    (None: none) cannot be built, or (``needs_git``: the script reads a revision's source) outside the git
+    checkout."""
     from tokenmill_service.kernels.cpu import build
 
-    if shutil.which("g++") is None or build.unavailable_reason(kernel) is not None:
+    if kernel is not None and (shutil.which("g++") is None or build.unavailable_reason(kernel) is not None):
         pytest.skip(f"needs g++ and a CPU {kernel} runs on")
     root = Path(__file__).resolve().parents[2]
     git = (
@@ -176,6 +177,17 @@ def test_the_attention_bench_times_a_kernel_against_another_and_checks_their_bit
         "--repeats", "2", needs_git=False,
     )  # fmt: skip
     assert "bitwise identical" in out and "new / old:" in out, out
+
+
+def test_the_sampling_bench_times_a_revisions_sampler_beside_the_working_trees() -> None:
+    """bench/kernels/sampling_speed.py imports HEAD's sampler beside the working tree's and prints both
+    times for every shape of logits and way of sampling."""
+    out = run_kernel_bench(
+        "sampling_speed.py", None, "--old-rev", "HEAD", "--vocab", "1000", "--batch", "2", "--repeats", "2",
+    )  # fmt: skip
+    rows = [line.split() for line in out.strip().splitlines()[1:]]
+    assert len(rows) == 3 * 4, out  # peaked, broad, flat; greedy and three ways of sampling
+    assert all(float(row[-1]) > 0 for row in rows), out
 
 
 def test_a_started_server_takes_free_ports_beside_one_on_8000_and_keeps_its_log(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from tokenmill_service.engine.sampler import (
     apply_logit_bias,
     apply_repetition_penalty,
     keyed_uniform,
+    nucleus,
     sample,
-    top_k_top_p_mask,
 )
 
 
@@ -44,10 +44,54 @@ def test_top_p_never_picks_outside_the_nucleus() -> None:
     assert seen == {0, 1}
 
 
-def test_top_p_mask_keeps_at_least_the_best_token() -> None:
-    logits = torch.tensor([[10.0, 0.0, 0.0]])
-    masked = top_k_top_p_mask(logits, torch.tensor([0]), torch.tensor([0.01]))
-    assert torch.isfinite(masked[0, 0]) and torch.isinf(masked[0, 1:]).all()
+def test_top_p_keeps_at_least_the_best_token() -> None:
+    kept = nucleus(torch.tensor([10.0, 0.0, 0.0]), 0, 0.01)
+    assert kept is not None and kept.tolist() == [0]
+
+
+def _nucleus_by_sorting(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The definition, by a full sort: the top k, then the shortest prefix whose mass reaches p."""
+    order = row.argsort(descending=True)
+    if 0 < top_k < len(row):
+        order = order[:top_k]
+    probs = row[order].double().softmax(-1) if top_k else row.double().softmax(-1)[order]
+    if not 0 < top_p < 1:
+        return set(order.tolist())
+    kept, mass = [], 0.0
+    for token, prob in zip(order.tolist(), probs.tolist()):
+        if kept and mass >= top_p:
+            break
+        kept.append(token)
+        mass += prob
+    return set(kept)
+
+
+def test_the_nucleus_is_the_sorted_definition_whatever_its_size() -> None:
+    """Rows whose nucleus spans a few tokens or most of a large vocabulary (several rounds of candidates):
+    the same set as a full sort gives (up to ties of mass exactly at p, which random rows do not make)."""
+    gen = torch.Generator().manual_seed(0)
+    for spread in (0.01, 1.0, 8.0):  # flat: thousands of tokens in the nucleus; peaked: a handful
+        row = torch.randn(20_000, generator=gen) * spread
+        for top_k, top_p in ((0, 0.5), (0, 0.9), (0, 0.999), (50, 0.8), (3_000, 0.95), (50, 1.0), (0, 1.0)):
+            kept = nucleus(row, top_k, top_p)
+            if top_k == 0 and top_p == 1.0:
+                assert kept is None
+                continue
+            assert kept is not None
+            assert set(kept.tolist()) == _nucleus_by_sorting(row, top_k, top_p), (spread, top_k, top_p)
+            assert len(set(kept.tolist())) == len(kept)
+
+
+def test_top_p_keeps_every_token_as_likely_as_the_last_it_needs() -> None:
+    """Ties at the nucleus's edge: all of them or none, whatever order a sort would put them in."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0]).log()
+    kept = nucleus(logits, 0, 0.6)  # masses 0.4, then three of 0.2: 0.4 + 0.2 reaches 0.6
+    assert kept is not None and sorted(kept.tolist()) == [0, 1, 2, 3]
+
+
+def test_top_k_of_the_whole_vocabulary_or_more_restricts_nothing() -> None:
+    row = torch.randn(100)
+    assert nucleus(row, 100, 1.0) is None and nucleus(row, 500, 0.0) is None
 
 
 def test_temperature_sampling_frequencies_match_the_softmax() -> None:
