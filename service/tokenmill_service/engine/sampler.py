@@ -97,11 +97,11 @@ def nucleus(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | No
     mass within the top-k set where top-k is on, else within the whole vocabulary, where every token as
     likely as the run's last is kept too (so ties at the edge need no order).
 
-    Without top-k the run is looked for among the 64 most likely tokens, and only then in the whole
-    vocabulary sorted (the probabilities of the tokens that can be in it, not their indices): a model's nucleus is mostly a few tokens to a
-    few hundred, and a full sort with indices of a 128k vocabulary took 10 ms (of a 13 ms sampling step,
-    against 22 ms for a 1B model's forward pass). The masses are summed most likely first either way, so the
-    answer is the same: a function of the row alone, whatever the batch."""
+    Without top-k the run is looked for among the 64 most likely tokens, and only then among all the tokens
+    that can be in it, sorted (their probabilities, not their indices): a model's nucleus is mostly a few
+    tokens to a few hundred, and a full sort with indices of a 128k vocabulary took 10 ms (of a 13 ms
+    sampling step, against 22 ms for a 1B model's forward pass). The masses are summed most likely first
+    either way, so the answer is the same: a function of the row alone, whatever the batch."""
     vocab = scaled.shape[-1]
     k = top_k if 0 < top_k < vocab else 0
     p_on = 0 < top_p < 1
@@ -128,7 +128,7 @@ def _descending(values: torch.Tensor) -> torch.Tensor:
     floats against torch's 10)."""
     if values.device.type != "cpu":
         return values.sort(descending=True).values
-    return torch.from_numpy(np.sort(values.numpy())[::-1].copy())
+    return torch.from_numpy(np.sort(values.detach().numpy())[::-1].copy())
 
 
 def _nucleus_length(probs: torch.Tensor, top_p: float, *, complete: bool) -> int:
