@@ -14,7 +14,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from tokenmill_bench.load import LevelResult, RequestRecord, Target, TokenmillTarget, random_prompt_ids, run_level
+from tokenmill_bench.load import (
+    LevelResult,
+    RequestRecord,
+    Target,
+    TokenmillTarget,
+    random_prompt_ids,
+    run_in_turns,
+    run_level,
+)
 from tokenmill_bench.machine import copy_bandwidth, loadavg, local_server_pids, machine_info, read_bandwidth
 from tokenmill_bench.model import count_parameters, default_model_path, gguf_tensor_bytes, weight_bytes
 from tokenmill_bench.report import format_tables, headline
@@ -143,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer",
         type=_peer_spec,
         metavar="NAME=URL",
-        help="also drive a running peer server with the same requests, alternately with tokenmill at each "
-        "concurrency, and print both side by side: llama-server=http://127.0.0.1:PORT (llama.cpp's server, "
+        help="also drive a running peer server with the same requests, alternately with tokenmill (one stream: "
+        "a request each in turn; more: a level each in turn), and print both side by side: "
+        "llama-server=http://127.0.0.1:PORT (llama.cpp's server, "
         "see bench/README.md)",
     )
     out.add_argument(
@@ -294,26 +303,33 @@ async def _measure(address: str, args: argparse.Namespace, server_pids: Callable
                 if warm.failed:
                     log.warning("warmup_failed", side=target.name, errors=warm.errors())
 
+        def level_of(target: Target, concurrency: int, requests: int, first: int) -> Awaitable[LevelResult]:
+            is_tokenmill = target is tokenmill
+            return run_level(
+                target,
+                concurrency=concurrency,
+                num_requests=requests,
+                output_tokens=args.output_tokens,
+                label=f"c{concurrency}",
+                first_index=first,
+                ramp_s=args.ramp_s if concurrency > 1 else 0.0,
+                monitor=partial(sample_engine, client, period=1.0, server_pids=server_pids) if is_tokenmill else None,
+                server_pids=server_pids if is_tokenmill else None,
+                **common,
+            )
+
         first_index = 0
         for concurrency in sorted(set(args.concurrency) | {1}):
             n = max(concurrency * args.rounds, args.min_requests)
+            levels: dict[str, LevelResult] = {}
+            if concurrency == 1 and len(targets) > 1:  # a request a side in turn (run_in_turns says why)
+                log.info("level_start", side="each in turn", concurrency=1, requests=n)
+                levels = await run_in_turns(targets, n, first_index, lambda target, i: level_of(target, 1, 1, i))
             for target in targets:
-                is_tokenmill = target is tokenmill
-                log.info("level_start", side=target.name, concurrency=concurrency, requests=n)
-                level = await run_level(
-                    target,
-                    concurrency=concurrency,
-                    num_requests=n,
-                    output_tokens=args.output_tokens,
-                    label=f"c{concurrency}",
-                    first_index=first_index,
-                    ramp_s=args.ramp_s if concurrency > 1 else 0.0,
-                    monitor=partial(sample_engine, client, period=1.0, server_pids=server_pids)
-                    if is_tokenmill
-                    else None,
-                    server_pids=server_pids if is_tokenmill else None,
-                    **common,
-                )
+                if target.name not in levels:
+                    log.info("level_start", side=target.name, concurrency=concurrency, requests=n)
+                    levels[target.name] = await level_of(target, concurrency, n, first_index)
+                level = levels[target.name]
                 log.info(
                     "level_done",
                     side=target.name,

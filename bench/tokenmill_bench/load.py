@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -277,6 +277,41 @@ class LevelResult:
             "other_load_cores": self.other_load_cores,
             "per_request": [request_row(r) for r in self.records],
         }
+
+
+async def run_in_turns(
+    targets: Sequence[Target], requests: int, first_index: int, run: Callable[[Target, int], Awaitable[LevelResult]]
+) -> dict[str, LevelResult]:
+    """``requests`` rounds of one request a side in turn (``run(target, index)``: a level of that one
+    request), each side's runs merged into its level, by side name. For one stream: a shared machine's read
+    rate can move within seconds, and one stream reads as fast as the machine lets it, so each side's level
+    taken whole a few seconds apart can see two different machines."""
+    parts: dict[str, list[LevelResult]] = {target.name: [] for target in targets}
+    for i in range(requests):
+        for target in targets:
+            parts[target.name].append(await run(target, first_index + i))
+    return {name: merge_levels(runs) for name, runs in parts.items()}
+
+
+def merge_levels(parts: Sequence[LevelResult]) -> LevelResult:
+    """Runs of one level on one side, taken in turns with the other side's, as one level: their records
+    (by index), their wall times and CPU seconds added up, their engine samples in order (the server's
+    counters only grow, so first and last still span them all)."""
+    if not parts:
+        raise ValueError("no runs to merge")
+    cpu: dict[str, float | None] = {}
+    for part in parts:
+        for key, seconds in part.cpu.items():
+            before = cpu.get(key, 0.0)
+            cpu[key] = None if seconds is None or before is None else before + seconds
+    return LevelResult(
+        concurrency=parts[0].concurrency,
+        output_tokens=parts[0].output_tokens,
+        records=sorted((r for part in parts for r in part.records), key=lambda r: r.index),
+        wall_s=sum(part.wall_s for part in parts),
+        engine_samples=[s for part in parts for s in part.engine_samples],
+        cpu=cpu,
+    )
 
 
 def request_row(r: RequestRecord) -> dict[str, Any]:

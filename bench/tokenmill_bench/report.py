@@ -162,7 +162,8 @@ def format_comparison(result: dict[str, Any]) -> str:
             rows.append([streams, label, *cells, _ratio_cell(level["ratio"][key])])
     header = ["streams", "metric", "tokenmill", peer, "tokenmill/" + peer]
     title = (
-        f"tokenmill vs {peer}, same requests, alternately at each level (ratio = tokenmill / {peer}; "
+        f"tokenmill vs {peer}, same requests, alternately (one stream: a request each in turn; more: a level "
+        f"each in turn) (ratio = tokenmill / {peer}; "
         "above 1 is better for tok/s and bandwidth, below 1 for latencies)"
     )
     convention = (

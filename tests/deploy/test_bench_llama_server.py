@@ -15,7 +15,8 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,16 @@ from aiohttp import web
 from tests.deploy.loopback_app import LoopbackApp
 from tokenmill_bench.comparison import compare_levels, compare_long_prompts
 from tokenmill_bench.llama_server import LlamaServer, completion_body
-from tokenmill_bench.load import prompt_ids, random_prompt_ids, run_level
+from tokenmill_bench.load import (
+    LevelResult,
+    RequestRecord,
+    Target,
+    merge_levels,
+    prompt_ids,
+    random_prompt_ids,
+    run_in_turns,
+    run_level,
+)
 from tokenmill_bench.report import format_tables
 
 pytestmark = pytest.mark.protocol_format
@@ -250,6 +260,43 @@ def test_level_accounting_against_the_peer(fake: FakeLlamaServer) -> None:
     assert summary["itl_ms"]["count"] == 8 * 4
     sent = [body["prompt"] for body in fake.script.bodies]
     assert sorted(sent) == sorted(prompt_ids(16, i, 49152) for i in range(8))  # the prompts tokenmill gets
+
+
+@dataclass
+class InTurns:
+    """A side that answers at once and notes, in a log it shares with the other side, who was asked when."""
+
+    name: str
+    log: list[tuple[str, int]]
+
+    async def request(
+        self, index: int, token_ids: list[int], output_tokens: int, timeout: float | None, label: str
+    ) -> RequestRecord:
+        self.log.append((self.name, index))
+        now = time.perf_counter()
+        return RequestRecord(index, now, [now + 0.001, now + 0.002], [1, output_tokens - 1], done=now + 0.002)
+
+
+def test_one_stream_runs_a_request_a_side_in_turn_and_merges_each_sides_level() -> None:
+    """The single stream alternates request by request (a shared machine's read rate moves within seconds),
+    and each side's requests still make one level: all its records, its wall times added up."""
+    log: list[tuple[str, int]] = []
+    sides = [InTurns("tokenmill", log), InTurns("peer", log)]
+
+    def one(target: Target, index: int) -> Awaitable[LevelResult]:
+        return run_level(
+            target, concurrency=1, num_requests=1, prompt_tokens=8, output_tokens=4, vocab_size=100,
+            shared_prompt=False, timeout=5.0, label="c1", first_index=index,
+        )  # fmt: skip
+
+    levels = asyncio.run(run_in_turns(sides, 3, 10, one))
+    assert log == [("tokenmill", 10), ("peer", 10), ("tokenmill", 11), ("peer", 11), ("tokenmill", 12), ("peer", 12)]
+    for level in levels.values():
+        assert [r.index for r in level.records] == [10, 11, 12] and level.generated_tokens == 12
+        assert level.concurrency == 1 and 0 < level.wall_s < 1.0
+        assert level.summary()["ttft_ms"]["count"] == 3
+    with pytest.raises(ValueError):
+        merge_levels([])
 
 
 def _level(concurrency: int, tok_s: float, decode: float, ttft: float, itl: float) -> dict[str, Any]:
