@@ -29,8 +29,8 @@ inline uint16_t half_bits(const uint8_t* p) {
 // How far ahead of its reads a decoding tile (one group of rows, so the thread's weights are one stream) asks
 // for its weights, and into L2 (prefetcht1). Measured from DRAM (quantized_gemm_speed.py --from-memory), an
 // AMD EPYC: one thread's Q4_K product at one row read 16 GB/s with the hardware prefetchers alone (a plain
-// streaming loop: 20), 23 with this; two threads' products at 2-4 rows took 0.5-0.75 of the time, every
-// format. 6-12 KB ahead measured alike; 2 KB, and prefetching into L1, measured slower than none. The block
+// streaming loop: 20), 23 with this; two threads' products at 2-4 rows took 0.5-0.9 of the time (Q8_0 at two
+// rows the least helped, 0.8-0.9). 6-12 KB ahead measured alike; 2 KB, and prefetching into L1, measured slower than none. The block
 // formats at one row (lighter on the core than the k-quants) measured no faster, Q8_0 1.1 times slower: they
 // prefetch from two rows. Nor do weights whose group of rows spans less than the distance (SmolLM2-135M's
 // K = 576: Q4_1 at 4 rows 1.1 times slower with it).
