@@ -167,12 +167,12 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
 
 def _is_usage_error(exc: BaseException) -> bool:
     """A checkpoint or flags that cannot be served as asked (the loaders' and the plan's refusals)."""
-    from tokenmill_service.engine.llm_engine import KVPoolTooSmall
+    from tokenmill_service.engine.llm_engine import KVPoolTooLarge, KVPoolTooSmall
     from tokenmill_service.models.gguf_loader import GGUFError
     from tokenmill_service.models.hf_loader import HFCheckpointError
     from tokenmill_service.models.paths import ModelLoadError
 
-    return isinstance(exc, (ModelLoadError, GGUFError, HFCheckpointError, KVPoolTooSmall))
+    return isinstance(exc, (ModelLoadError, GGUFError, HFCheckpointError, KVPoolTooSmall, KVPoolTooLarge))
 
 
 def _init_distributed(spec: WorkerSpec, log: Any) -> Any:

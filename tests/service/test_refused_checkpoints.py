@@ -42,3 +42,13 @@ def test_a_context_longer_than_the_kv_pool_holds_exits_2_saying_what_to_raise(de
     result = _serve(default_model_path, "--kv-cache-memory", "1MiB", "--max-model-len", "4096")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--max-model-len 4096 needs" in result.stderr and "raise --kv-cache-memory" in result.stderr
+
+
+def test_a_kv_pool_larger_than_the_memory_available_exits_2_saying_what_to_lower(default_model_path: Path) -> None:
+    """The pool's pages are mapped as its blocks are first used: one the machine cannot give would run out
+    under load, so it is refused at start."""
+    result = _serve(default_model_path, "--kv-cache-memory", "64TiB")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "--kv-cache-memory 65536.0 GiB is more than the" in result.stderr and "lower --kv-cache-memory" in result.stderr
+    )

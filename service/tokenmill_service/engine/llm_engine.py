@@ -30,6 +30,7 @@ from tokenmill_service.engine.kv_events import KVEventLog
 from tokenmill_service.engine.model_runner import (
     ModelRunner,
     StepLogits,
+    available_memory,
     default_kv_cache_memory,
     kv_bytes_per_block,
 )
@@ -55,6 +56,12 @@ log = structlog.get_logger(__name__)
 class KVPoolTooSmall(ValueError):
     """The KV cache pool cannot hold one full context of the length asked for (--max-model-len): what was
     asked cannot be served (the worker reports it as a refusal, not a failure)."""
+
+
+class KVPoolTooLarge(ValueError):
+    """--kv-cache-memory asks for more memory than the machine has available (the worker reports it as a
+    refusal): the pool's pages are mapped as its blocks are first used, so such a pool would run out under
+    load instead of at start."""
 
 
 def _context_within_pool(
@@ -135,6 +142,12 @@ class LLMEngine:
         if num_blocks <= 0:
             budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
             num_blocks = max(1, budget // block_bytes)
+            available = available_memory() if model.device.type == "cpu" else None
+            if self.config.kv_cache_memory and available is not None and num_blocks * block_bytes > available:
+                raise KVPoolTooLarge(
+                    f"--kv-cache-memory {_size(self.config.kv_cache_memory)} is more than the {_size(available)} "
+                    "of memory this machine has available: lower --kv-cache-memory"
+                )
         # What enters and leaves the prefix cache, when asked for (the worker publishes it after each step).
         self.kv_events = KVEventLog() if self.config.kv_events else None
         self.block_manager = BlockManager(
