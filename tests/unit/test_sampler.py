@@ -237,3 +237,22 @@ def test_rows_that_ask_for_no_logprobs_get_the_same_tokens_and_none() -> None:
     some = sample(logits, params, *args, logprobs=[False, True, False])
     assert some.token_ids == every.token_ids
     assert some.logprobs == [None, every.logprobs[1], None]
+
+
+def test_top_k_and_top_p_draw_only_among_a_constraints_allowed_tokens() -> None:
+    """A constraint leaves a few tokens (the rest -inf): top-k larger than them, and top-p over them, still
+    draw only those, and exactly equal logits (a flat row) keep every token in the nucleus."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 5000, generator=gen)
+    allowed_ids = [7, 1234, 4999]
+    mask = torch.zeros(1, 5000, dtype=torch.bool)
+    mask[0, allowed_ids] = True
+    for params in (
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=2.0, top_k=50, top_p=0.99),
+    ):
+        drawn = {sample(logits, [params], [seed], [[]], [0], allowed=([0], mask)).token_ids[0] for seed in range(200)}
+        assert drawn <= set(allowed_ids) and len(drawn) >= 2, (params, drawn)
+    flat = nucleus(torch.zeros(1000), 0, 0.5)
+    assert flat is not None and len(flat) == 1000
