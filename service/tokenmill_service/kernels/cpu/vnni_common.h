@@ -5,7 +5,6 @@
 // each output's sums run in one fixed order inside a tile, whatever tile computes it.
 #pragma once
 
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,9 +12,12 @@
 #include <algorithm>
 #include <vector>
 
+#include "simd.h"
 #include "tm_abi.h"
 
 namespace vnni {
+
+using namespace simd;
 
 constexpr int64_t QK = TM_QK;  // weights per activation block
 constexpr int64_t G = 16;      // weight rows per packed group (one output per int32 lane)
@@ -39,7 +41,7 @@ constexpr int64_t PREFETCH_AHEAD = 8192;
 // Asks for every line of [p, p + bytes) in L2; a prefetch past the end of a mapping does not fault.
 inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
   const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
-  for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T1);
+  for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64) simd::prefetch_l2((const void*)line);
 }
 
 inline int32_t dword_at(const int8_t* p) {
@@ -50,19 +52,19 @@ inline int32_t dword_at(const int8_t* p) {
 
 // The low digit lo (saturated to int8) beside the high digit hi8, such that 256 * hi8 + lo fits in int16, as
 // quantize_row_words stores it: hi8 is -128 only where it saturated (see there), and then lo is kept >= 0.
-inline __m512i low_digit(__m512i hi8, __m512i lo8) {
-  return _mm512_mask_max_epi32(lo8, _mm512_cmpeq_epi32_mask(hi8, _mm512_set1_epi32(-128)), lo8, _mm512_setzero_si512());
+inline i32x16 low_digit(i32x16 hi8, i32x16 lo8) {
+  return select_i(equal_i(hi8, set1_i(-128)), max_i(lo8, zero_i()), lo8);
 }
 
 // One half block's 16 values t as two int8 digits (as int32 lanes): v = t / d = t * id, hi = round(v) (nearest,
 // ties to even), lo = round(256 * (v - hi)), each saturated to int8 as stored. The remainder v - hi is exact in
 // float32 (v and hi are within 0.5), and so is scaling it by 256.
-inline void digits(__m512 t, float id, __m512i& hi8, __m512i& lo8) {
-  const __m512 v = _mm512_mul_ps(t, _mm512_set1_ps(id));  // |v| <= 127 (up to rounding)
-  const __m512i hi = _mm512_cvtps_epi32(v);
-  const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(hi)), _mm512_set1_ps(256.0f)));
-  hi8 = _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(hi));
-  lo8 = low_digit(hi8, _mm512_cvtepi8_epi32(_mm512_cvtsepi32_epi8(lo)));
+inline void digits(f32x16 t, float id, i32x16& hi8, i32x16& lo8) {
+  const f32x16 v = mul(t, set1(id));  // |v| <= 127 (up to rounding)
+  const i32x16 hi = to_int(v);
+  const i32x16 lo = to_int(mul(sub(v, to_float(hi)), set1(256.0f)));
+  hi8 = saturate_i8(hi);
+  lo8 = low_digit(hi8, saturate_i8(lo));
 }
 
 // Row i of x as fixed-point blocks, the block's unit dq, dq * sum(256 * hi + lo), and (if s16 is given) the
@@ -99,25 +101,26 @@ inline void put_planes(const uint8_t* q, uint8_t* plane) {
 
 template <bool WORDS>
 inline void quantize_row_as(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
-  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  alignas(64) static const int32_t word_order[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+  const i32x16 order = load_i(word_order);
   for (int64_t b = 0; b < k / QK; ++b) {
     int32_t sum = 0;
-    __m512 t[2];
-    t[0] = _mm512_loadu_ps(x + b * QK);
-    t[1] = _mm512_loadu_ps(x + b * QK + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(t[0]), _mm512_abs_ps(t[1])));
+    f32x16 t[2];
+    t[0] = load(x + b * QK);
+    t[1] = load(x + b * QK + 16);
+    const float amax = reduce_max(max(abs(t[0]), abs(t[1])));
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     for (int h = 0; h < 2; ++h) {
-      __m512i hi8, lo8;
+      i32x16 hi8, lo8;
       digits(t[h], id, hi8, lo8);
-      const __m512i value = _mm512_add_epi32(_mm512_slli_epi32(hi8, 8), lo8);  // in int16 (above)
+      const i32x16 value = add_i(shl_i(hi8, 8), lo8);  // in int16 (above)
       if constexpr (WORDS) {
-        _mm256_storeu_si256((__m256i*)(a + b * 2 * QK + h * 32), _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(order, value)));
+        store_i16((int16_t*)(a + b * 2 * QK + h * 32), permute_i(value, order));
       } else {
-        _mm_storeu_si128((__m128i*)(a + b * 2 * QK + h * 16), _mm512_cvtepi32_epi8(hi8));
-        _mm_storeu_si128((__m128i*)(a + b * 2 * QK + QK + h * 16), _mm512_cvtepi32_epi8(lo8));
+        store_i8(a + b * 2 * QK + h * 16, hi8);
+        store_i8(a + b * 2 * QK + QK + h * 16, lo8);
       }
-      const int32_t half = _mm512_reduce_add_epi32(value);
+      const int32_t half = reduce_add_i(value);
       if (s16) s16[2 * b + h] = half;
       sum += half;
     }
@@ -138,30 +141,30 @@ inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, 
 // (q1, q3), (q4, q6), (q5, q7) in each dword.
 // From a 64-byte vector of nibbles (Q4_0's packing: a dword's 16-bit halves hold q0 q4 q1 q5 and q2 q6 q3 q7
 // from their lowest nibble up): one shift and one mask a vector.
-inline void nibbles_as_words(__m512i v, __m512i wq[4]) {
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
-  wq[0] = _mm512_and_si512(v, low_nibble);
-  wq[1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low_nibble);
-  wq[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibble);
-  wq[3] = _mm512_srli_epi16(v, 12);
+inline void nibbles_as_words(u8x64 v, u8x64 wq[4]) {
+  const u8x64 low_nibble = set1_w(0x0F);
+  wq[0] = and_b(v, low_nibble);
+  wq[1] = and_b(shr16(v, 8), low_nibble);
+  wq[2] = and_b(shr16(v, 4), low_nibble);
+  wq[3] = shr16(v, 12);
 }
 
 // From the step's two byte vectors (vpdpbusd's operands: w0 steps 2s, w1 step 2s + 1): the even and the odd
 // bytes of each dword as int16.
-inline void bytes_as_words(__m512i w0, __m512i w1, __m512i wq[4]) {
-  const __m512i low_byte = _mm512_set1_epi16(0xFF);
-  wq[0] = _mm512_and_si512(w0, low_byte);
-  wq[1] = _mm512_srli_epi16(w0, 8);
-  wq[2] = _mm512_and_si512(w1, low_byte);
-  wq[3] = _mm512_srli_epi16(w1, 8);
+inline void bytes_as_words(u8x64 w0, u8x64 w1, u8x64 wq[4]) {
+  const u8x64 low_byte = set1_w(0xFF);
+  wq[0] = and_b(w0, low_byte);
+  wq[1] = shr16(w0, 8);
+  wq[2] = and_b(w1, low_byte);
+  wq[3] = shr16(w1, 8);
 }
 
 // An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
 template <bool WORDS, int P>
-inline __m512i total(const __m512i (&parts)[P]) {
-  if constexpr (!WORDS) return _mm512_add_epi32(_mm512_slli_epi32(parts[0], 8), parts[1]);
-  __m512i sum = parts[0];
-  for (int u = 1; u < P; ++u) sum = _mm512_add_epi32(sum, parts[u]);
+inline i32x16 total(const i32x16 (&parts)[P]) {
+  if constexpr (!WORDS) return add_i(shl_i(parts[0], 8), parts[1]);
+  i32x16 sum = parts[0];
+  for (int u = 1; u < P; ++u) sum = add_i(sum, parts[u]);
   return sum;
 }
 
