@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install run test test-quick lint proto tools clean
+.PHONY: install run test test-quick test-arm lint proto tools clean
 
 install: $(STAMP) $(LINKED)
 
@@ -44,6 +44,13 @@ run: install
 
 test: install tools
 	$(BIN)/python -m pytest -q --durations=12 tests
+
+# The ARM64 NEON kernels against the scalar bits: cross-compiled and run under qemu-aarch64 (Debian:
+# apt-get install g++-aarch64-linux-gnu qemu-user). `make test` runs these checks too where both are installed.
+test-arm: install
+	@command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null || \
+		{ echo "make test-arm: needs aarch64-linux-gnu-g++ and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)"; exit 2; }
+	$(BIN)/python -m pytest -q tests/kernels/test_arm64.py
 
 # The inner loop: the unit and kernel tiers (under a minute here), stopping at the first failure.
 test-quick: install

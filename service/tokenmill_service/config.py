@@ -84,6 +84,15 @@ class Settings:
             "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "fp8-block", "none", "int8", "int4"],
         },
     )
+    cpu_isa: str = field(
+        default="auto",
+        metadata={
+            "help": "the instruction set tokenmill's CPU kernels are built for; auto = the fastest this CPU runs "
+            "(avx512, avx2, neon, else scalar). Every one gives the same tokens and logprobs bit for bit; forcing "
+            "one measures it. One the CPU lacks is refused at start",
+            "choices": ["auto", "scalar", "avx2", "avx512", "neon"],
+        },
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
@@ -249,6 +258,10 @@ class Settings:
     )
 
     def validate(self) -> None:
+        if self.device == "cpu":
+            from tokenmill_service.plan.cpu_isa import choose
+
+            choose(self.cpu_isa)  # ValueError naming what the CPU lacks
         if self.backend == "triton":
             from tokenmill_service.plan.device import triton_unavailable_reason
 

@@ -28,7 +28,7 @@ from tokenmill_service.models.paths import (
 from tokenmill_service.models.resident_memory import release_freed_heap
 from tokenmill_service.plan.device import probe_device
 from tokenmill_service.plan.options import LoadOptions
-from tokenmill_service.plan.plan import LoadPlan
+from tokenmill_service.plan.plan import LoadPlan, PlanRefused
 from tokenmill_service.plan.resolve import NATIVE_METHODS, dtype_name, resolve_plan
 
 log = structlog.get_logger(__name__)
@@ -39,7 +39,10 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
     start = time.perf_counter()
     path = resolve_model_path(options.model or None)
     checkpoint = open_checkpoint(path)
-    facts = probe_device(device or options.device, compiler=options.compile == "auto")
+    try:
+        facts = probe_device(device or options.device, compiler=options.compile == "auto", cpu_isa=options.cpu_isa)
+    except ValueError as e:  # --cpu-isa names an instruction set this CPU lacks
+        raise PlanRefused(str(e)) from None
     plan = resolve_plan(options, checkpoint, facts)
     _log_refusals(plan)
     model = build_model(plan, checkpoint, tp)
@@ -56,6 +59,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
         attention=plan.ops.value,
         layers="native stack" if plan.executor.value == "native-stack" else "python",
         kv_cache_dtype=plan.kv_cache_dtype.value,
+        cpu_isa=facts.cpu_isa or None,
         quantization=options.quantization,
         linear_layers=plan.method_counts,
         kv_cache_bytes_per_token=int(plan.kv_cache_bytes_per_token.value),

@@ -36,6 +36,9 @@ class DeviceFacts:
     compiler_missing: str | None = None
     # The device multiplies bfloat16 natively (AVX512-BF16 or AMX on a CPU; a recent GPU).
     native_bf16: bool = False
+    # On a CPU: the instruction set the native kernels are built for (plan/cpu_isa.py), and why.
+    cpu_isa: str = ""
+    cpu_isa_reason: str = ""
 
     @property
     def kind(self) -> str:
@@ -48,20 +51,26 @@ class DeviceFacts:
         return next((self.native_missing[k] for k in kernels if k in self.native_missing), None)
 
 
-def probe_device(device: str, compiler: bool = False) -> DeviceFacts:
+def probe_device(device: str, compiler: bool = False, cpu_isa: str | None = None) -> DeviceFacts:
     """The facts of ``device`` ("cpu", "cuda", "cuda:N") on this machine. On a CPU this builds the
-    native kernels (once per machine, cached; a few seconds each the first time). ``compiler``:
-    also look for inductor's C++ compiler (importing inductor takes seconds: only for --compile auto)."""
+    native kernels (once per machine and instruction set, cached; a few seconds each the first time) for
+    ``cpu_isa`` (``--cpu-isa``, which becomes this process's choice; None: the one already chosen). ValueError
+    for an instruction set the CPU lacks. ``compiler``: also look for inductor's C++ compiler (importing
+    inductor takes seconds: only for --compile auto)."""
     import torch
 
     from tokenmill_service.dtypes import cpu_has_native_bf16
+    from tokenmill_service.plan import cpu_isa as isa
 
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
     kind = device.split(":")[0]
     missing: dict[str, str] = {}
+    isa_choice = None
     if kind == "cpu":
         from tokenmill_service.kernels.cpu import build
+
+        isa_choice = isa.use(cpu_isa) if cpu_isa is not None else isa.choose(os.environ.get(isa.ENV, "") or "auto")
 
         for name in NATIVE_KERNELS:
             if (reason := build.unavailable_reason(name)) is not None:
@@ -76,6 +85,8 @@ def probe_device(device: str, compiler: bool = False) -> DeviceFacts:
         triton_interpreter=interpreter_enabled(),
         compiler_missing=_inductor_compiler_missing() if kind == "cpu" and compiler else None,
         native_bf16=native_bf16,
+        cpu_isa=isa_choice.name if isa_choice else "",
+        cpu_isa_reason=isa_choice.reason if isa_choice else "",
     )
 
 

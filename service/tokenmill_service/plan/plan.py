@@ -65,6 +65,8 @@ class LoadPlan:
     # A family's rotary scaling chosen by the served context (LongRoPE's short or long factors); None: the
     # family's rotary does not depend on it.
     rope: Decision | None = None
+    # On a CPU: the instruction set of the native kernels (every one gives the same bits); None elsewhere.
+    cpu_isa: Decision | None = None
 
     def quant_method(self, prefix: str) -> LayerChoice:
         """The method of the linear layer at ``prefix`` (vLLM's ``get_quant_method(layer, prefix)``)."""
@@ -89,6 +91,7 @@ class LoadPlan:
         out = {
             "architecture": self.architecture,
             "device": self.device,
+            **({"cpu_isa": _shown(self.cpu_isa)} if self.cpu_isa is not None else {}),
             "dtype": _shown(self.act_dtype),
             "embedding_dtype": self.embed_dtype,
             "ops": _shown(self.ops),

@@ -98,6 +98,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         skipped=skipped,
         lora_dtype=_lora_dtype(options, facts),
         rope=None if rope_choice is None else rope_choice(config, options.max_model_len),
+        cpu_isa=Decision(facts.cpu_isa, facts.cpu_isa_reason) if facts.cpu_isa else None,
     )
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import structlog
 
-from tokenmill_service.kernels.cpu import abi, instruction_sets
+from tokenmill_service.kernels.cpu import abi
+from tokenmill_service.plan import cpu_isa as instruction_sets
 
 log = structlog.get_logger(__name__)
 

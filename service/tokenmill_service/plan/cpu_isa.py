@@ -1,7 +1,7 @@
-"""Which instruction set the native kernels are built for: read once from the CPU's flags, or forced.
+"""Which instruction set the native CPU kernels are built for: read once from the CPU's flags, or forced.
 
-Every kernel is one source written in simd.h's 16-lane ops and built once per instruction set
-(isa/<name>.h is the backend). All builds give the same bits, the scalar one defining them, so the
+Every kernel is one source written in kernels/cpu/simd.h's 16-lane ops and built once per instruction
+set (kernels/cpu/isa/<name>.h is the backend). Torch-free: the server checks ``--cpu-isa`` at start. All builds give the same bits, the scalar one defining them, so the
 choice changes speed only: a stream resumed on a replica whose CPU differs continues bit for bit.
 
 ``--cpu-isa`` (``TOKENMILL_CPU_ISA`` in the worker's environment) forces one; ``auto`` takes the
@@ -124,4 +124,17 @@ def choose(requested: str = "auto", flags: frozenset[str] | None = None, arch: s
 def selected() -> str:
     """This process's instruction set: TOKENMILL_CPU_ISA if set (the worker sets it from --cpu-isa), else auto's
     choice. A value the CPU cannot run raises ValueError."""
-    return choose(os.environ.get(ENV, "auto") or "auto").name
+    return _chosen(os.environ.get(ENV, "") or "auto").name
+
+
+@functools.cache
+def _chosen(requested: str) -> Choice:
+    return choose(requested)
+
+
+def use(requested: str) -> Choice:
+    """Makes ``requested`` (``--cpu-isa``) this process's instruction set, and its ranks' (the environment is
+    inherited): the choice and its reason, or ValueError naming what the CPU lacks."""
+    choice = choose(requested)
+    os.environ[ENV] = choice.name
+    return choice

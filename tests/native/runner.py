@@ -1,0 +1,63 @@
+"""Building and running the bit-for-bit checks (check_*.cpp beside this file): each loads two builds of one
+kernel library, the scalar definition and one instruction set's, calls both with the same inputs and
+compares every output. On x86 they run natively; the ARM64 builds are cross-compiled and run under
+qemu-aarch64 (``make test-arm``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill_service.kernels.cpu import build
+
+HERE = Path(__file__).parent
+KERNELS = build.HERE
+# The ARM64 tool chain and emulator (Debian: g++-aarch64-linux-gnu, qemu-user).
+ARM_CXX = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64"
+ARM_SYSROOT = "/usr/aarch64-linux-gnu"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str  # "simd" or a kernel's library name ("vnni_gemm")
+    source: Path  # check_<name>.cpp
+
+    @property
+    def library_source(self) -> Path:
+        """What the check loads twice: the kernel's source, or for simd.h its op probe."""
+        return HERE / "simd_probe.cpp" if self.name == "simd" else KERNELS / f"{self.name}.cpp"
+
+
+def checks() -> list[Check]:
+    return [Check(p.stem.removeprefix("check_"), p) for p in sorted(HERE.glob("check_*.cpp"))]
+
+
+def arm_tools_missing() -> str | None:
+    """None when the ARM64 checks can run here; else what to install."""
+    lacking = [tool for tool in (ARM_CXX, QEMU) if shutil.which(tool) is None]
+    if lacking:
+        return f"{' and '.join(lacking)} not installed (Debian: apt-get install g++-aarch64-linux-gnu qemu-user)"
+    return None
+
+
+def run_check(check: Check, isa: str, workdir: Path, cxx: str = "g++") -> subprocess.CompletedProcess[str]:
+    """Builds ``check``'s library for scalar and for ``isa`` with ``cxx`` and the check program, and runs it
+    (under qemu for a cross compiler); the result's returncode is 0 when every output is the same."""
+    libs = {}
+    for which in ("scalar", isa):
+        libs[which] = workdir / f"{check.name}-{which}.so"
+        build.compile_source(cxx, check.library_source, libs[which], which)
+    program = workdir / f"check_{check.name}"
+    subprocess.run(
+        [cxx, "-O1", "-std=c++17", "-I", str(HERE), "-o", str(program), str(check.source), "-ldl"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    cmd = [str(program), str(libs["scalar"]), str(libs[isa])]
+    if cxx == ARM_CXX:
+        cmd = [QEMU, "-L", ARM_SYSROOT, *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
