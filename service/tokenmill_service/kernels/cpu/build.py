@@ -114,6 +114,22 @@ def built(name: str, isa: str) -> Path:
     return _build(name, cxx, isa)
 
 
+def prebuild() -> dict[str, str]:
+    """Builds every kernel for every instruction set of this machine's architecture, whether this CPU runs it or
+    not (a container image is built on one CPU and run on others): "kernel/isa" -> the library's path, or why it
+    could not be built."""
+    names = sorted(p.stem for p in HERE.glob("*.cpp"))
+    isas = [s.name for s in instruction_sets.INSTRUCTION_SETS if s.machine in (None, instruction_sets.machine())]
+    out = {}
+    for name in names:
+        for isa in isas:
+            try:
+                out[f"{name}/{isa}"] = str(built(name, isa))
+            except NativeKernelUnavailable as e:
+                out[f"{name}/{isa}"] = str(e)
+    return out
+
+
 def library(name: str, isa: str | None = None) -> ctypes.CDLL | NativeKernelUnavailable:
     """The loaded library built from ``name``.cpp for ``isa`` (None: this process's, instruction_sets.selected()),
     or why it cannot be had (cached either way)."""
