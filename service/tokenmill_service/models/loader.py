@@ -83,6 +83,9 @@ def _log_refusals(plan: LoadPlan) -> None:
         log.warning("compile_skipped", reason=plan.skipped["compile"], running=plan.executor.value)
     if plan.ops.value == "native" and plan.executor.value == "eager":
         log.info("native_stack_skipped", reason=plan.executor.reason)
+    if plan.cpu_isa is not None and plan.cpu_isa.value == "scalar" and plan.options.cpu_isa == "auto":
+        # The same bits as the vector builds, at a fraction of their speed: said once, where people look.
+        log.warning("native_kernels_scalar", reason=plan.cpu_isa.reason)
 
 
 def load_model(
