@@ -37,7 +37,8 @@ int tm_simd_probe(const float* fa, const float* fb, const float* fc, const int32
   F(scale2(b, round_even(min(max(mul(a, set1(127.0f)), set1(-126.0f)), set1(127.0f)))));
   F(select(m, a, b)); F(load_masked(fa, m)); F(load_half(ha)); F(load_bf16(ha)); F(load_bf16_masked(ha, m));
   F(exp(a)); F(exp(mul(a, set1(100.0f)))); F(exp2_nonpositive(sub(zero_f(), abs(mul(a, set1(50.0f))))));
-  F(tanh(a)); F(tanh(mul(a, set1(4.0f))));
+  F(tanh(a)); F(tanh(mul(a, set1(4.0f)))); F(log(add(abs(a), set1(1.0f)))); F(log(add(abs(mul(a, set1(1e4f))), set1(1e-30f))));
+  F(from_bits(as_bits(a)));
   F(to_float(load_i(ia)));
   {
     f32x16 t = set1(0.0f);

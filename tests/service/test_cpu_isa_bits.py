@@ -2,7 +2,7 @@
 (``--cpu-isa scalar``, ``avx2``, ``avx512``, ``neon``) answers a request with exactly the default server's
 bits, greedy and seeded, alone and among 15 others (decodes and a long prompt prefilled in chunks), prompt
 logprobs included. So a stream resumed on a replica with another CPU goes on bit for bit. This machine
-serves every instruction set it runs; the ARM64 kernels' bits are checked under qemu (test_arm64.py)."""
+serves every instruction set it runs, with torch's own kernels as each CPU would pick them; the ARM64 kernels' bits are checked under qemu (test_arm64.py)."""
 
 from __future__ import annotations
 
@@ -79,12 +79,18 @@ def default_results(server_address: str) -> dict[str, Any]:
     return asyncio.run(results(server_address))
 
 
+ATEN_CAPABILITY = {"scalar": "default", "avx2": "avx2", "avx512": "avx512"}
+
+
 @pytest.fixture(scope="module", params=[s.name for s in cpu_isa.INSTRUCTION_SETS])
 def isa_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, ServerProcess]]:
     isa = str(request.param)
     if (why := cpu_isa.missing(isa)) is not None:
         pytest.skip(f"--cpu-isa {isa} cannot run here: {why}")
-    proc = ServerProcess("--cpu-isa", isa, "--drain-seconds", "2").start(timeout=600)
+    # torch's own kernels as that CPU would pick them too (ATen's vector width), for what runs outside tokenmill's
+    # kernels: the server's bits must not depend on them either.
+    env = {"ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[isa]} if isa in ATEN_CAPABILITY else {}
+    proc = ServerProcess("--cpu-isa", isa, "--drain-seconds", "2", env=env).start(timeout=600)
     yield isa, proc
     proc.stop()
 

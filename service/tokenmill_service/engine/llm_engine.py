@@ -45,6 +45,7 @@ from tokenmill_service.engine.request import (
     TopLogprob,
 )
 from tokenmill_service.engine.sampler import sample
+from tokenmill_service.kernels.cpu.sampling import log_softmax
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
 from tokenmill_service.engine.token_masks import MaskFiller, MaskJob, allowed_tokens
@@ -369,7 +370,7 @@ class LLMEngine:
             start = seq.num_computed_tokens
             if start == 0:
                 seq.prompt_tokens = [self._token(seq.token_ids[0], None, [])]
-            lps = torch.log_softmax(rows, dim=-1)
+            lps = log_softmax(rows)
             n_top = seq.request.top_logprobs
             # Row r predicts the token at start + r + 1; stop at the end of the prompt.
             upto = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)

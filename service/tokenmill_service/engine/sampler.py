@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenmill_service.engine.request import SamplingParams
+from tokenmill_service.kernels.cpu.sampling import log_softmax, softmax
 
 
 @dataclass(slots=True)
@@ -111,8 +112,8 @@ def nucleus(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | No
         top = scaled.topk(k)
         if not p_on:
             return top.indices
-        return top.indices[: _nucleus_length(top.values.softmax(dim=-1), top_p, complete=True)]
-    probs = scaled.softmax(dim=-1)
+        return top.indices[: _nucleus_length(softmax(top.values), top_p, complete=True)]
+    probs = softmax(scaled)
     likeliest = probs.topk(min(vocab, 64)).values
     length = _nucleus_length(likeliest, top_p, complete=len(likeliest) == vocab)
     if not length:
@@ -149,7 +150,7 @@ def draw_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     kept = nucleus(scaled, top_k, top_p)
     if kept is not None:  # every other token out of reach
         scaled = torch.full_like(scaled, float("-inf")).index_copy_(0, kept, scaled[kept])
-    probs = scaled.softmax(dim=-1)
+    probs = softmax(scaled)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     pick = torch.searchsorted(cdf, cdf[-1:] * u, right=True)[0]
     # u * total can round up to the total: then the last token with any mass (rare: checked, not computed).
@@ -179,7 +180,7 @@ def sample(
     device = logits.device
     n_max = max(top_n, default=0)
     want = [True] * len(params) if logprobs is None else list(logprobs)
-    logprobs_all = torch.log_softmax(logits, dim=-1) if n_max > 0 or any(want) else None
+    logprobs_all = log_softmax(logits) if n_max > 0 or any(want) else None
     # The edits work on a copy; without any (the usual case) the logits are read as they are.
     work = logits
     if any(p.edits_logits for p in params):

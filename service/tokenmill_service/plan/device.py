@@ -19,6 +19,7 @@ NATIVE_KERNELS = (
     "latent_attention",
     "elementwise",
     "decoder_stack",
+    "sampling",
 )
 
 

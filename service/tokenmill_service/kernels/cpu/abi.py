@@ -112,6 +112,10 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         ),
         "int tm_kquant_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
     ),
+    "sampling": (
+        "void tm_log_softmax(const float* x, int64_t rows, int64_t n, int64_t x_stride, float* out, int threads)",
+        "void tm_softmax(const float* x, int64_t n, float* out)",
+    ),
     "elementwise": (
         (
             "void tm_rms_norm(const float* x, int64_t x_stride, const float* residual, const float* weight, float eps, "

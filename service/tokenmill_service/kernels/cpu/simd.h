@@ -103,9 +103,38 @@ inline f32x16 tanh(f32x16 x) {
   return select(less(set1(0.625f), ax), copy_sign(big, x), small);
 }
 
+// ln(x) for positive normal x (a softmax's sum: at least 1; other lanes' results are unspecified): x = 2^e m
+// with m in [sqrt(1/2), sqrt(2)), ln(1 + f) for f = m - 1 (exact) by Cephes' logf polynomial (~1 ulp), and
+// e ln 2 in two parts.
+inline f32x16 log(f32x16 x) {
+  const i32x16 bits = as_bits(x);
+  i32x16 e = sub_i(shr_i(bits, 23), set1_i(127));
+  f32x16 m = from_bits(or_i(and_i(bits, set1_i(0x007FFFFF)), set1_i(0x3F800000)));  // [1, 2)
+  const lanes high = less(set1(1.41421356237f), m);
+  m = select(high, mul(m, set1(0.5f)), m);
+  e = select_i(high, add_i(e, set1_i(1)), e);
+  const f32x16 f = sub(m, set1(1.0f));
+  const f32x16 z = mul(f, f);
+  f32x16 p = set1(7.0376836292e-2f);
+  p = fmadd(p, f, set1(-1.1514610310e-1f));
+  p = fmadd(p, f, set1(1.1676998740e-1f));
+  p = fmadd(p, f, set1(-1.2420140846e-1f));
+  p = fmadd(p, f, set1(1.4249322787e-1f));
+  p = fmadd(p, f, set1(-1.6668057665e-1f));
+  p = fmadd(p, f, set1(2.0000714765e-1f));
+  p = fmadd(p, f, set1(-2.4999993993e-1f));
+  p = fmadd(p, f, set1(3.3333331174e-1f));
+  const f32x16 fe = to_float(e);
+  f32x16 y = mul(mul(p, f), z);
+  y = fmadd(fe, set1(-2.12194440e-4f), y);
+  y = fnmadd(set1(0.5f), z, y);
+  return fmadd(fe, set1(0.693359375f), add(f, y));
+}
+
 // The scalar forms of the functions above (lane 0 of the vector op): the same bits.
 inline float exp_one(float x) { return lane0(exp(set1(x))); }
 inline float tanh_one(float x) { return lane0(tanh(set1(x))); }
 inline float exp2_nonpositive_one(float x) { return lane0(exp2_nonpositive(set1(x))); }
+inline float log_one(float x) { return lane0(log(set1(x))); }
 
 }  // namespace simd

@@ -114,6 +114,8 @@ inline lanes less(f32x16 a, f32x16 b) {
   return (lanes)(lo | hi << 8);
 }
 inline float lane0(f32x16 a) { return _mm256_cvtss_f32(a.v[0]); }
+inline i32x16 as_bits(f32x16 a) { return {{_mm256_castps_si256(a.v[0]), _mm256_castps_si256(a.v[1])}}; }
+inline f32x16 from_bits(i32x16 a) { return {{_mm256_castsi256_ps(a.v[0]), _mm256_castsi256_ps(a.v[1])}}; }
 
 inline float reduce_add(f32x16 a) {
   const __m256 h = _mm256_add_ps(a.v[1], a.v[0]);

@@ -62,6 +62,8 @@ inline f32x16 scale2(f32x16 p, f32x16 n) { return {_mm512_scalef_ps(p.v, n.v)}; 
 inline f32x16 select(lanes m, f32x16 a, f32x16 b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }
 inline lanes less(f32x16 a, f32x16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ); }
 inline float lane0(f32x16 a) { return _mm512_cvtss_f32(a.v); }
+inline i32x16 as_bits(f32x16 a) { return {_mm512_castps_si512(a.v)}; }
+inline f32x16 from_bits(i32x16 a) { return {_mm512_castsi512_ps(a.v)}; }
 
 // The tree of simd.h, step by step: halves, then quarters of the low half, then pairs.
 inline __m128 fold_add(__m512 a) {

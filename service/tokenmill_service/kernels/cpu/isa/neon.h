@@ -122,6 +122,8 @@ inline lanes less(f32x16 a, f32x16 b) {
   return m;
 }
 inline float lane0(f32x16 a) { return vgetq_lane_f32(a.v[0], 0); }
+inline i32x16 as_bits(f32x16 a) { i32x16 r; TM_FOR4(r.v[q] = vreinterpretq_s32_f32(a.v[q])); return r; }
+inline f32x16 from_bits(i32x16 a) { f32x16 r; TM_FOR4(r.v[q] = vreinterpretq_f32_s32(a.v[q])); return r; }
 
 // The tree of simd.h: lanes i + 8 (v[2], v[3]) onto i, then i + 4 (v[1]) onto i, then i + 2, i + 1.
 inline float reduce_add(f32x16 a) {

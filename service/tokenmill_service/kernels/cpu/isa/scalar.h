@@ -137,6 +137,9 @@ inline lanes less(f32x16 a, f32x16 b) {
   return m;
 }
 inline float lane0(f32x16 a) { return a.v[0]; }
+// The bits of each lane as an int32, and back.
+inline i32x16 as_bits(f32x16 a) { i32x16 r; memcpy(r.v, a.v, 64); return r; }
+inline f32x16 from_bits(i32x16 a) { f32x16 r; memcpy(r.v, a.v, 64); return r; }
 
 // The tree of simd.h: r[i] = op(x[i + h], x[i]) for h = 8, 4, 2, 1.
 inline float reduce_add(f32x16 a) {
