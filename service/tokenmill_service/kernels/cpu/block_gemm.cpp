@@ -193,15 +193,15 @@ inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, fl
   tile<M, N>(x, w, k, y, ldy);
 }
 
-// Weight rows a pass of few_rows takes at M activation rows (its M x step accumulators, the 2M halves of
-// the activations' block and the dequantized block's two halves in registers).
+// Weight rows a pass of few_rows takes (its M x step accumulators beside the activations' 2M vectors).
 // F32 rows are 4 bytes a weight and the product waits on memory: one weight row at a time, so
 // that each thread reads one sequential stream (1.4-1.75x faster from DRAM than 4 interleaved
 // rows, measured at 1-4 rows on an AMD EPYC). The quantized formats wait on their arithmetic and
-// keep NT where the registers hold them (AVX-512), fewer elsewhere.
-template <int F, int M>
+// keep NT on AVX-512; with 16 ymm (AVX2) one row measured fastest (at 4 rows, 2 or 4 a pass were
+// 1.1-1.35x slower: their accumulators spill), and NEON has no more room.
+template <int F>
 constexpr int few_step() {
-  return F == F32 ? 1 : WIDE ? NT : M <= 2 ? 2 : 1;
+  return F == F32 || !WIDE ? 1 : NT;
 }
 
 // Few rows (decode of a few sequences): each block is dequantized into registers and used at once,
@@ -211,7 +211,7 @@ constexpr int few_step() {
 template <int F, int M>
 void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t blocks = k / QK, bytes = block_bytes(F), row_bytes = blocks * bytes;
-  constexpr int step = few_step<F, M>();
+  constexpr int step = few_step<F>();
   for (int64_t r0 = n0; r0 < n1; r0 += step) {
     const int cols = (int)std::min<int64_t>(step, n1 - r0);
     f32x16 acc[M][step];
