@@ -4,7 +4,8 @@
 // row counts with tails of the tiles, 1 and 2 threads.
 #include "check.h"
 
-typedef int (*Gemm)(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads);
+typedef int (*Gemm)(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
+                    int threads);
 typedef int (*Dequantize)(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out);
 
 namespace {

@@ -84,6 +84,16 @@ void plain_clamped_swiglu(const float* x, float* out, int64_t t, int64_t n, floa
     }
 }
 
+// A product by gemm of float32 rows (ggml's F32 slot), no adapters, no bias.
+TmLinear linear(TmGemm gemm, const std::vector<float>& weights, int64_t out_features) {
+  TmLinear l;
+  memset(&l, 0, sizeof l);
+  l.gemm = gemm;
+  l.weights = (const uint8_t*)weights.data();
+  l.out_features = out_features;
+  return l;
+}
+
 // Logits of t rows: from `levels` values (ties), or continuous where levels is 0; some rows with extremes.
 std::vector<float> logits(int64_t t, int64_t experts, int levels, bool extremes, check::Rng& rng) {
   std::vector<float> v(t * experts);
@@ -128,7 +138,8 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
     const RouteGrouped g1 = ref.fn<RouteGrouped>("tm_moe_route_grouped"),
                        g2 = cand.fn<RouteGrouped>("tm_moe_route_grouped");
     // (experts, n_group, topk_group, top_k): DeepSeek-V3's 256, 8, 4, 8 among them.
-    const int64_t grouped[][4] = {{8, 2, 1, 2}, {8, 4, 2, 3}, {64, 8, 4, 8}, {16, 1, 1, 4}, {256, 8, 4, 8}, {40, 4, 2, 3}};
+    const int64_t grouped[][4] = {{8, 2, 1, 2},  {8, 4, 2, 3},   {64, 8, 4, 8},
+                                  {16, 1, 1, 4}, {256, 8, 4, 8}, {40, 4, 2, 3}};
     for (const auto& g : grouped) {
       const int64_t experts = g[0], n_group = g[1], topk_group = g[2], top_k = g[3];
       std::vector<float> bias(experts);
@@ -140,9 +151,12 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
           for (int64_t renormalize : {0, 1}) {
             std::vector<float> w1(t * top_k, 1.0f), w2(t * top_k, 2.0f);
             std::vector<int64_t> i1(t * top_k, -1), i2(t * top_k, -2);
-            g1(x.data(), t, experts, top_k, bias.data(), n_group, topk_group, renormalize, 2.5f, w1.data(), i1.data());
-            g2(x.data(), t, experts, top_k, bias.data(), n_group, topk_group, renormalize, 2.5f, w2.data(), i2.data());
-            snprintf(what, sizeof what, "grouped %lld of %lld (%lld of %lld groups), renormalize %lld, levels %d, %lld tokens",
+            g1(x.data(), t, experts, top_k, bias.data(), n_group, topk_group, renormalize, 2.5f, w1.data(),
+               i1.data());
+            g2(x.data(), t, experts, top_k, bias.data(), n_group, topk_group, renormalize, 2.5f, w2.data(),
+               i2.data());
+            snprintf(what, sizeof what,
+                     "grouped %lld of %lld (%lld of %lld groups), renormalize %lld, levels %d, %lld tokens",
                      (long long)top_k, (long long)experts, (long long)topk_group, (long long)n_group,
                      (long long)renormalize, levels, (long long)t);
             report.same(what, w1, w2);
@@ -186,12 +200,10 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
     std::vector<const float*> gub(count), dnb(count);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t e = first + i;
-      gu1[i] = TmLinear{gemm1, (const uint8_t*)gate_up[e].data(), 0, 2 * W, nullptr, nullptr, nullptr, 0, 0, nullptr, 0,
-                        nullptr};
-      dn1[i] = TmLinear{gemm1, (const uint8_t*)down[e].data(), 0, H, nullptr, nullptr, nullptr, 0, 0, nullptr, 0, nullptr};
-      gu2[i] = gu1[i];
-      dn2[i] = dn1[i];
-      gu2[i].gemm = dn2[i].gemm = gemm2;
+      gu1[i] = linear(gemm1, gate_up[e], 2 * W);
+      dn1[i] = linear(gemm1, down[e], H);
+      gu2[i] = linear(gemm2, gate_up[e], 2 * W);
+      dn2[i] = linear(gemm2, down[e], H);
       gub[i] = i % 3 == 1 ? nullptr : gate_up_bias[e].data();  // an expert without biases among those with them
       dnb[i] = i % 3 == 1 ? nullptr : down_bias[e].data();
     }
@@ -236,7 +248,8 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
     const float x[H] = {0}, w[K] = {1.0f, 0.0f};
     const int64_t bad[K] = {0, E};
     std::vector<float> ws(ws1(&e1, 1, 1)), out(H);
-    const int c1 = m1(&e1, x, 1, bad, w, ws.data(), out.data(), 1), c2 = m2(&e2, x, 1, bad, w, ws.data(), out.data(), 1);
+    const int c1 = m1(&e1, x, 1, bad, w, ws.data(), out.data(), 1);
+    const int c2 = m2(&e2, x, 1, bad, w, ws.data(), out.data(), 1);
     ++report.checks;
     if (c1 != -1 || c2 != -1) {
       fprintf(stderr, "an expert id out of range: returned %d and %d (want -1)\n", c1, c2);

@@ -11,13 +11,13 @@
 // One parallel loop, one work item per (group, part, up to 12 of the group's rows): the item shrinks its
 // rows, mid[i, p, r] = x[row i] . A[slot, p, r] (register tiles of 6 rows x 4 rank rows on AVX-512), then
 // expands them, y[row i, columns] += sum over r of mid[i, p, r] * Bt[slot, r, columns] (tiles of 4 rows x 64
-// columns on AVX-512, 16 columns per vector, no horizontal sums). An item reads only its own rows' shrunk values,
-// so no barrier divides the two: the call waits for the threads once, at its end. (With two loops, every
-// shrink, a barrier, then every expand, a 237-token mixed step over 8 adapters ran at 0.49x of the base's
-// speed against 0.66x with one, on a machine shared with other work, where a thread that waits spins
-// while the one it waits for is descheduled, so a step's time grows with its barriers; in CPU time the
-// one loop is also 2-3 % cheaper, though a slot's A and B are read once per 12 rows instead of once a
-// step: from the core's cache after the first.)
+// columns on AVX-512, 16 columns per vector, no horizontal sums). An item reads only its own rows' shrunk
+// values, so no barrier divides the two: the call waits for the threads once, at its end. (With two loops,
+// every shrink, a barrier, then every expand, a 237-token mixed step over 8 adapters ran at 0.49x of the
+// base's speed against 0.66x with one, on a machine shared with other work, where a thread that waits spins
+// while the one it waits for is descheduled, so a step's time grows with its barriers; in CPU time the one
+// loop is also 2-3 % cheaper, though a slot's A and B are read once per 12 rows instead of once a step: from
+// the core's cache after the first.)
 //
 // Batch invariance: every output is one fixed sequence of float32 operations on its own row's inputs.
 // A shrunk value sums 16 float32 lanes over `in` in steps of 16, then one fixed tree over the lanes (as
@@ -84,11 +84,13 @@ inline void shrink_tile(const float* x, const int64_t* rows, int64_t k, const ui
     }
   }
   for (int i = 0; i < M; ++i) {
-    if (n == 4) {
-      reduce_add4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], mid + i * ld);
-    } else {
-      for (int j = 0; j < n; ++j) mid[i * ld + j] = reduce_add(acc[i][j]);
+    if constexpr (RT == 4) {
+      if (n == 4) {
+        reduce_add4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], mid + i * ld);
+        continue;
+      }
     }
+    for (int j = 0; j < n; ++j) mid[i * ld + j] = reduce_add(acc[i][j]);
   }
 }
 
