@@ -1,6 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) kept as stored,
 // or plain float32 rows (F32, --quantization none: the same fixed order, nothing to dequantize),
-// float32 activations and output. Built and loaded by native.py (g++ -O3 -march=native -fopenmp).
+// float32 activations and output. Written in simd.h's ops: built per instruction set by build.py, the same
+// bits from each.
 //
 // Two promises shape the code:
 // - Faithful: each weight is dequantized exactly as gguf does (q * d, + m for Q4_1 and Q5_1, level[q] * d
@@ -8,13 +9,13 @@
 //   in float32, so the fused multiply-add rounds once, like the multiply-then-add it replaces) and
 //   the products are summed in float32.
 // - Batch-invariant: every output y[i, n] is reduced in one fixed order (16 float32 lanes over K
-//   in steps of 16, then one fixed tree over the lanes, sum4), whatever M is, how the rows are tiled and how
-//   the outputs are split between threads. A sequence's result never depends on its batch.
+//   in steps of 16, then simd.h's fixed tree over the lanes, reduce_add), whatever M is, how the rows
+//   are tiled and how the outputs are split between threads. A sequence's result never depends on its
+//   batch, nor on the instruction set.
 //
 // Speed: a tile of weight rows is dequantized once into a small float32 buffer (L1) and reused by
-// every activation row; a 6 x 4 register tile of accumulators keeps the FMA units busy.
+// every activation row; a register tile of accumulators (6 x 4 on AVX-512) keeps the FMA units busy.
 
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,17 +23,21 @@
 #include <algorithm>
 #include <vector>
 
+#include "simd.h"
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
-
-#if !defined(__AVX512F__) || !defined(__F16C__)
-#error "block_gemm needs AVX-512F and F16C"
-#endif
 
 namespace {
 
+using namespace simd;
+
 constexpr int64_t QK = TM_QK;  // weights per block in every format
-constexpr int MT = 6;       // activation rows per register tile
-constexpr int NT = 4;       // weight rows per register tile
+constexpr int NT = 4;          // weight rows per dequantized tile (and per thread's share)
+// The register tile: MT activation rows x NR weight rows of accumulators, with MT rows of activations and
+// one weight vector beside them: 6 x 4 in 32 registers (AVX-512), 2 x 2 where a vector takes two or four
+// registers (AVX2's 16 ymm, NEON's 32 q). The tile changes the speed only: each output's sum is the same.
+constexpr bool WIDE = VECTOR_REGISTERS >= 32;
+constexpr int MT = WIDE ? 6 : 2;
+constexpr int NR = WIDE ? 4 : 2;
 
 // ggml's type ids.
 enum Format : int {
@@ -60,112 +65,96 @@ int64_t block_bytes(int fmt) {
   }
 }
 
-inline __m512 half_at(const uint8_t* p) {
+inline f32x16 half_at(const uint8_t* p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return _mm512_set1_ps(_cvtsh_ss(h));
+  return set1(half_to_float(h));
 }
 
+// ggml's kvalues_mxfp4 (e2m1 times 2) and kvalues_iq4nl, as int32 lanes for permute_i.
+alignas(64) constexpr int32_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(64) constexpr int32_t IQ4_NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                   1,    13,   25,  38,  53,  69,  89,  113};
+
 // One block of 32 weights, dequantized into registers (lo: weights 0..15, hi: 16..31). GGUF's 4-bit
-// layout: byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+// layout: byte j holds weight j in its low nibble and weight j + 16 in its high nibble (the 16 bytes
+// widened to int32 lanes: the low nibble is the lane & 15, the high one the lane >> 4).
 template <int F>
-inline void dequantize_regs(const uint8_t* b, __m512& lo, __m512& hi) {
+inline void dequantize_regs(const uint8_t* b, f32x16& lo, f32x16& hi) {
   if constexpr (F == F32) {
-    lo = _mm512_loadu_ps((const float*)b);
-    hi = _mm512_loadu_ps((const float*)b + 16);
+    lo = load((const float*)b);
+    hi = load((const float*)b + 16);
     return;
   }
   if constexpr (F == MXFP4) {  // E | qs[16]: value[index] * 2^(E - 128), ggml's kvalues_mxfp4 and e8m0 half
-    const __m512i table = _mm512_setr_epi32(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    const __m512 d = _mm512_set1_ps(scale);
-    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 1));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-    const __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(il, table)), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(ih, table)), d);
+    const f32x16 d = set1(scale);
+    const i32x16 table = load_i(MXFP4_LEVELS);
+    const i32x16 q = load_u8_i(b + 1);
+    lo = mul(to_float(permute_i(table, q)), d);  // permute_i reads the index's low 4 bits: the low nibble
+    hi = mul(to_float(permute_i(table, shr_i(q, 4))), d);
     return;
   }
-  const __m512 d = half_at(b);
+  const f32x16 d = half_at(b);
   if constexpr (F == Q8_0) {
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), d);
+    lo = mul(to_float(load_s8_i((const int8_t*)(b + 2))), d);
+    hi = mul(to_float(load_s8_i((const int8_t*)(b + 18))), d);
   } else if constexpr (F == Q5_0 || F == Q5_1) {  // d | (Q5_1: m) | qh u32 (bit j: weight j's fifth bit) | qs[16]
     const uint8_t* h = b + (F == Q5_1 ? 4 : 2);
     uint32_t qh;
     memcpy(&qh, h, 4);
-    const __m128i v = _mm_loadu_si128((const __m128i*)(h + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-    __m512i qh_ = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-    ql = _mm512_mask_add_epi32(ql, (__mmask16)(qh & 0xFFFF), ql, sixteen);
-    qh_ = _mm512_mask_add_epi32(qh_, (__mmask16)(qh >> 16), qh_, sixteen);
+    const i32x16 q = load_u8_i(h + 4);
+    const i32x16 sixteen = set1_i(16);
+    i32x16 ql = and_i(q, set1_i(0x0F)), qu = shr_i(q, 4);
+    ql = select_i((lanes)(qh & 0xFFFF), add_i(ql, sixteen), ql);
+    qu = select_i((lanes)(qh >> 16), add_i(qu, sixteen), qu);
     if constexpr (F == Q5_1) {
-      const __m512 m = half_at(b + 2);
-      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d, m);
-      hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh_), d, m);
+      const f32x16 m = half_at(b + 2);
+      lo = fmadd(to_float(ql), d, m);
+      hi = fmadd(to_float(qu), d, m);
     } else {  // (q - 16) * d
-      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ql, sixteen)), d);
-      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qh_, sixteen)), d);
+      lo = mul(to_float(sub_i(ql, sixteen)), d);
+      hi = mul(to_float(sub_i(qu, sixteen)), d);
     }
   } else if constexpr (F == IQ4_NL) {  // d | qs[16]: level[index] * d, ggml's kvalues_iq4nl
-    const __m512i table = _mm512_setr_epi32(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    const __m128i v = _mm_loadu_si128((const __m128i*)(b + 2));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-    const __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(il, table)), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(ih, table)), d);
+    const i32x16 table = load_i(IQ4_NL_LEVELS);
+    const i32x16 q = load_u8_i(b + 2);
+    lo = mul(to_float(permute_i(table, q)), d);
+    hi = mul(to_float(permute_i(table, shr_i(q, 4))), d);
   } else {
-    const uint8_t* qs = b + (F == Q4_1 ? 4 : 2);
-    const __m128i v = _mm_loadu_si128((const __m128i*)qs);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
-    __m512i qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    const i32x16 q = load_u8_i(b + (F == Q4_1 ? 4 : 2));
+    const i32x16 ql = and_i(q, set1_i(0x0F)), qu = shr_i(q, 4);
     if constexpr (F == Q4_1) {
-      const __m512 m = half_at(b + 2);
-      lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), d, m);
-      hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), d, m);
+      const f32x16 m = half_at(b + 2);
+      lo = fmadd(to_float(ql), d, m);
+      hi = fmadd(to_float(qu), d, m);
     } else {  // Q4_0: (q - 8) * d
-      const __m512i eight = _mm512_set1_epi32(8);
-      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ql, eight)), d);
-      hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qh, eight)), d);
+      const i32x16 eight = set1_i(8);
+      lo = mul(to_float(sub_i(ql, eight)), d);
+      hi = mul(to_float(sub_i(qu, eight)), d);
     }
   }
 }
 
 template <int F>
 inline void dequantize_block(const uint8_t* b, float* out) {
-  __m512 lo, hi;
+  f32x16 lo, hi;
   dequantize_regs<F>(b, lo, hi);
-  _mm512_storeu_ps(out, lo);
-  _mm512_storeu_ps(out + 16, hi);
+  store(out, lo);
+  store(out + 16, hi);
 }
 
-// The sums of four accumulators' 16 lanes, all in one fixed tree (whichever slot an accumulator is
-// in): x_i = (l_i + l_{i+8}) + (l_{i+4} + l_{i+12}) for i < 4, then (x_0 + x_2) + (x_1 + x_3).
-// One pass for four outputs instead of four horizontal sums.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 p = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  const __m512 q = _mm512_add_ps(p, _mm512_permute_ps(p, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), q));
-}
-
-// Writes the sums of acc[0..n) (n <= 4) to y[0..n).
-inline void store_sums(const __m512* acc, int n, float* y) {
-  const __m512 z = _mm512_setzero_ps();
-  const __m128 s = sum4(acc[0], n > 1 ? acc[1] : z, n > 2 ? acc[2] : z, n > 3 ? acc[3] : z);
-  _mm_mask_storeu_ps(y, (__mmask8)((1u << n) - 1), s);
+// Writes the sums of acc[0..n) (n <= 4) to y[0..n), each over its 16 lanes in simd.h's one fixed tree
+// (whichever slot an accumulator is in): x_i = (l_i + l_{i+8}) + (l_{i+4} + l_{i+12}) for i < 4, then
+// (x_0 + x_2) + (x_1 + x_3). Four at once where there are four (one pass on AVX-512).
+inline void store_sums(const f32x16* acc, int n, float* y) {
+  if (n == 4) {
+    reduce_add4(acc[0], acc[1], acc[2], acc[3], y);
+    return;
+  }
+  for (int j = 0; j < n; ++j) y[j] = reduce_add(acc[j]);
 }
 
 template <int F>
@@ -175,73 +164,72 @@ void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
     for (int64_t b = 0; b < blocks; ++b) dequantize_block<F>(w + (r * blocks + b) * bytes, out + r * k + b * QK);
 }
 
-// y[i, j] for the m x n tile at x (rows of k, stride k) and w (n dequantized rows of k).
+// y[i, j] for the M x N tile at x (rows of k, stride k) and w (N dequantized rows of k).
 template <int M, int N>
 inline void tile(const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
-  __m512 acc[M][N];
+  f32x16 acc[M][N];
   for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < N; ++j) acc[i][j] = zero_f();
   for (int64_t c = 0; c < k; c += 16) {
-    __m512 xv[M];
-    for (int i = 0; i < M; ++i) xv[i] = _mm512_loadu_ps(x + i * k + c);
+    f32x16 xv[M];
+    for (int i = 0; i < M; ++i) xv[i] = load(x + i * k + c);
     for (int j = 0; j < N; ++j) {
-      const __m512 wv = _mm512_loadu_ps(w + j * k + c);
-      for (int i = 0; i < M; ++i) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);
+      const f32x16 wv = load(w + j * k + c);
+      for (int i = 0; i < M; ++i) acc[i][j] = fmadd(wv, xv[i], acc[i][j]);
     }
   }
   for (int i = 0; i < M; ++i) store_sums(acc[i], N, y + i * ldy);
 }
 
-template <int M>
-inline void tile_rows(int n, const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
-  switch (n) {
-    case 4: tile<M, 4>(x, w, k, y, ldy); break;
-    case 3: tile<M, 3>(x, w, k, y, ldy); break;
-    case 2: tile<M, 2>(x, w, k, y, ldy); break;
-    default: tile<M, 1>(x, w, k, y, ldy); break;
+// tile<m, n> for run-time m <= M and n <= N.
+template <int M = MT, int N = NR>
+inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
+  if constexpr (M > 1) {
+    if (m < M) return tile_any<M - 1, N>(m, n, x, w, k, y, ldy);
   }
+  if constexpr (N > 1) {
+    if (n < N) return tile_any<M, N - 1>(m, n, x, w, k, y, ldy);
+  }
+  tile<M, N>(x, w, k, y, ldy);
 }
 
-inline void tile_any(int m, int n, const float* x, const float* w, int64_t k, float* y, int64_t ldy) {
-  switch (m) {
-    case 6: tile_rows<6>(n, x, w, k, y, ldy); break;
-    case 5: tile_rows<5>(n, x, w, k, y, ldy); break;
-    case 4: tile_rows<4>(n, x, w, k, y, ldy); break;
-    case 3: tile_rows<3>(n, x, w, k, y, ldy); break;
-    case 2: tile_rows<2>(n, x, w, k, y, ldy); break;
-    default: tile_rows<1>(n, x, w, k, y, ldy); break;
-  }
+// Weight rows a pass of few_rows takes (its M x step accumulators beside the activations' 2M vectors).
+// F32 rows are 4 bytes a weight and the product waits on memory: one weight row at a time, so
+// that each thread reads one sequential stream (1.4-1.75x faster from DRAM than 4 interleaved
+// rows, measured at 1-4 rows on an AMD EPYC). The quantized formats wait on their arithmetic and
+// keep NT on AVX-512; with 16 ymm (AVX2) one row measured fastest (at 4 rows, 2 or 4 a pass were
+// 1.1-1.35x slower: their accumulators spill), and NEON has no more room.
+template <int F>
+constexpr int few_step() {
+  return F == F32 || !WIDE ? 1 : NT;
 }
 
 // Few rows (decode of a few sequences): each block is dequantized into registers and used at once,
 // with no buffer. The accumulators see the same multiply-adds in the same order as in tile(), so
-// a row's result is the same whichever path its batch takes.
+// a row's result is the same whichever path its batch takes (and whatever the step: each output's sum
+// is the same, store_sums' tree does not depend on its slot).
 template <int F, int M>
 void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t blocks = k / QK, bytes = block_bytes(F), row_bytes = blocks * bytes;
-  // F32 rows are 4 bytes a weight and the product waits on memory: one weight row at a time, so
-  // that each thread reads one sequential stream (1.4-1.75x faster from DRAM than 4 interleaved
-  // rows, measured at 1-4 rows on an AMD EPYC). The quantized formats wait on their arithmetic and
-  // keep 4. Each output's sum is the same either way (store_sums' tree does not depend on its slot).
-  constexpr int64_t step = F == F32 ? 1 : NT;
+  constexpr int step = few_step<F>();
   for (int64_t r0 = n0; r0 < n1; r0 += step) {
     const int cols = (int)std::min<int64_t>(step, n1 - r0);
-    __m512 acc[M][NT];
+    f32x16 acc[M][step];
     for (int i = 0; i < M; ++i)
-      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < step; ++j) acc[i][j] = zero_f();
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512 xl[M], xh[M];
+      f32x16 xl[M], xh[M];
       for (int i = 0; i < M; ++i) {
-        xl[i] = _mm512_loadu_ps(x + i * k + b * QK);
-        xh[i] = _mm512_loadu_ps(x + i * k + b * QK + 16);
+        xl[i] = load(x + i * k + b * QK);
+        xh[i] = load(x + i * k + b * QK + 16);
       }
-      for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < step; ++j) {
         if (j >= cols) break;
-        __m512 wl, wh;
+        f32x16 wl, wh;
         dequantize_regs<F>(w + (r0 + j) * row_bytes + b * bytes, wl, wh);
         for (int i = 0; i < M; ++i) {
-          acc[i][j] = _mm512_fmadd_ps(wl, xl[i], acc[i][j]);
-          acc[i][j] = _mm512_fmadd_ps(wh, xh[i], acc[i][j]);
+          acc[i][j] = fmadd(wl, xl[i], acc[i][j]);
+          acc[i][j] = fmadd(wh, xh[i], acc[i][j]);
         }
       }
     }
@@ -287,7 +275,8 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
         }
         for (int64_t i = m0; i < m1; i += MT) {
           const int rows = (int)std::min<int64_t>(MT, m1 - i);
-          tile_any(rows, cols, x + i * k, wt, k, y + i * n + n0, n);
+          for (int j = 0; j < cols; j += NR)
+            tile_any(rows, std::min(NR, cols - j), x + i * k, wt + j * k, k, y + i * n + n0 + j, n);
         }
       }
     }

@@ -26,7 +26,8 @@
 // models/deepseek_v3.py's DeepseekV3Attention runs it under the native ops (latent_attention_layer below);
 // a mixture-of-experts layer routes by groups (moe_mlp.cpp's tm_moe_route_grouped) and adds its shared
 // experts' dense MLP (the layer's gate_up / down) to the routed sum; its first layers are dense.
-// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
+// Built and loaded by kernels/cpu/build.py, once per instruction set (plain C++: the kernels it calls carry
+// the vector work, each the same bits on every CPU).
 
 #include <stdint.h>
 #include <string.h>

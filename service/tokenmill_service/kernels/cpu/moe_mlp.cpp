@@ -10,11 +10,10 @@
 // runs whole on one thread, its products single-threaded; otherwise the experts run one after the
 // other, each product on every thread. The products' bits do not depend on the thread count
 // (every kernel's promise), so neither does the result.
-// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
-
 // The combine must round each product and each sum as torch's separate mul and add do: no fused
-// multiply-add (g++ contracts a * b + c by default).
-#pragma GCC optimize("fp-contract=off")
+// multiply-add (build.py compiles every kernel with -ffp-contract=off). The routers' exponentials are
+// simd.h's exp, not libm's expf (whose last bit differs between libraries and machines): a token's
+// choice and weights are the same bits on every CPU.
 
 #include <math.h>
 #include <omp.h>
@@ -25,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "simd.h"
 #include "tm_abi.h"  // TmExperts, TmLinear, the kernels' pointer types and this file's prototypes
 
 namespace {
@@ -34,16 +34,17 @@ inline bool larger(const std::pair<double, int64_t>& x, const std::pair<double, 
   return (isnan(x.first) && !isnan(y.first)) || x.first > y.first;
 }
 
-// out = softmax(x) over n values in float32: the maximum subtracted, the exponentials summed in order, each
-// multiplied by the sum's reciprocal (out may be x).
+// out = softmax(x) over n values in float32: the maximum subtracted, the exponentials (simd::exp, 16 at a
+// time: each lane's bits are exp_one's) summed in order, each multiplied by the sum's reciprocal (out may be x).
 inline void softmax(const float* x, int64_t n, float* out) {
   float top = x[0];
   for (int64_t e = 1; e < n; ++e) top = x[e] > top ? x[e] : top;
-  float sum = 0.0f;
-  for (int64_t e = 0; e < n; ++e) {
-    out[e] = expf(x[e] - top);
-    sum += out[e];
+  for (int64_t e = 0; e < n; e += 16) {
+    const simd::lanes m = simd::first_lanes(n - e);
+    simd::store_masked(out + e, m, simd::exp(simd::sub(simd::load_masked(x + e, m), simd::set1(top))));
   }
+  float sum = 0.0f;
+  for (int64_t e = 0; e < n; ++e) sum += out[e];
   const float inv = 1.0f / sum;
   for (int64_t e = 0; e < n; ++e) out[e] = out[e] * inv;
 }
@@ -125,11 +126,16 @@ void tm_moe_route_grouped(const float* logits, int64_t t, int64_t experts, int64
   std::vector<char> kept(n_group);
   for (int64_t i = 0; i < t; ++i) {
     const float* x = logits + i * experts;
-    for (int64_t e = 0; e < experts; ++e) {
-      const float top = x[e] > 0.0f ? x[e] : 0.0f;
-      const float a = expf(x[e] - top), b = expf(0.0f - top);
-      scores[e] = a * (1.0f / (a + b));
-      choice[e] = scores[e] + score_bias[e];
+    // 16 experts at a time: top = x > 0 ? x : 0 (simd::max's), a = e^(x - top), b = e^(0 - top),
+    // score = a * (1 / (a + b)), choice = score + bias, one rounding each as written.
+    for (int64_t e = 0; e < experts; e += 16) {
+      using namespace simd;
+      const lanes m = first_lanes(experts - e);
+      const f32x16 v = load_masked(x + e, m), top = max(v, zero_f());
+      const f32x16 a = exp(sub(v, top)), b = exp(sub(zero_f(), top));
+      const f32x16 score = mul(a, div(set1(1.0f), add(a, b)));
+      store_masked(scores.data() + e, m, score);
+      store_masked(choice.data() + e, m, add(score, load_masked(score_bias + e, m)));
     }
     for (int64_t g = 0; g < n_group; ++g) {
       for (int64_t j = 0; j < per_group; ++j) pair[j] = {(double)choice[g * per_group + j], j};
