@@ -16,7 +16,15 @@ from tokenmill_service.plan import cpu_isa
 VECTOR_ISAS = [s.name for s in cpu_isa.INSTRUCTION_SETS if s.name != "scalar"]
 
 
+@pytest.fixture(scope="module")
+def prebuilt() -> None:
+    """Every library the checks below load, built ahead on both cores (cached as the server's kernels are)."""
+    if shutil.which("g++") is not None:
+        runner.build_all([(c, isa) for c in runner.checks() for isa in VECTOR_ISAS if cpu_isa.missing(isa) is None])
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.usefixtures("prebuilt")
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 @pytest.mark.parametrize("check", runner.checks(), ids=lambda c: c.name)
 def test_every_instruction_set_gives_the_scalar_bits(check: runner.Check, isa: str, tmp_path: Path) -> None:

@@ -43,13 +43,33 @@ def arm_tools_missing() -> str | None:
     return None
 
 
+def libraries(check: Check, isa: str, cxx: str = "g++") -> dict[str, Path]:
+    """``check``'s library built for scalar and for ``isa`` (cached as the server's kernels are)."""
+    return {which: libraries_one(check, which, cxx) for which in ("scalar", isa)}
+
+
+def build_all(pairs: list[tuple[Check, str]], cxx: str = "g++") -> None:
+    """Builds every pair's libraries ahead, two compilers at a time (the machines here have two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {(c.name, which): c for c, isa in pairs for which in ("scalar", isa)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(libraries_one, check, which, cxx) for (_, which), check in jobs.items()]:
+            future.result()
+
+
+def libraries_one(check: Check, which: str, cxx: str) -> Path:
+    """``check``'s library for one instruction set: the kernel's own (shared with the server's cache), or the
+    op probe."""
+    if check.name == "simd":
+        return build.built("simd_probe", which, cxx, check.library_source)
+    return build.built(check.name, which, cxx)
+
+
 def run_check(check: Check, isa: str, workdir: Path, cxx: str = "g++") -> subprocess.CompletedProcess[str]:
     """Builds ``check``'s library for scalar and for ``isa`` with ``cxx`` and the check program, and runs it
     (under qemu for a cross compiler); the result's returncode is 0 when every output is the same."""
-    libs = {}
-    for which in ("scalar", isa):
-        libs[which] = workdir / f"{check.name}-{which}.so"
-        build.compile_source(cxx, check.library_source, libs[which], which)
+    libs = libraries(check, isa, cxx)
     program = workdir / f"check_{check.name}"
     subprocess.run(
         [cxx, "-O1", "-std=c++17", "-I", str(HERE), "-o", str(program), str(check.source), "-ldl"],

@@ -59,13 +59,14 @@ def _cache_dirs() -> list[Path]:
     return dirs
 
 
-def _build(name: str, cxx: str, isa: str) -> Path:
-    source = HERE / f"{name}.cpp"
+def _build(name: str, cxx: str, isa: str, source: Path | None = None) -> Path:
+    source = source or HERE / f"{name}.cpp"
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     # What the sources include: the headers here and in isa/, and tm_abi.h, generated from abi.py.
     headers = [h.read_text() for h in sorted(HERE.rglob("*.h"))] + [abi.header()]
     key = "\0".join([source.read_text(), *headers, " ".join(FLAGS + isa_flags(isa)), version])
-    target_name = f"{name}-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    machine = "" if Path(cxx).name in ("g++", "c++") else f"{Path(cxx).name}-"  # a cross compiler's builds apart
+    target_name = f"{machine}{name}-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     errors = []
     for directory in _cache_dirs():
         target = directory / target_name
@@ -105,13 +106,14 @@ def compile_source(cxx: str, source: Path, target: Path, isa: str) -> None:
         raise NativeKernelUnavailable(f"{cxx} could not build {source.name}: {first}")
 
 
-def built(name: str, isa: str) -> Path:
-    """The path of kernel ``name``'s library for ``isa``, built if it is not yet (NativeKernelUnavailable if it
-    cannot be): for the checks that load two instruction sets' builds side by side."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        raise NativeKernelUnavailable(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
-    return _build(name, cxx, isa)
+def built(name: str, isa: str, cxx: str | None = None, source: Path | None = None) -> Path:
+    """The path of kernel ``name``'s library for ``isa``, built if it is not yet, cached as the server's are
+    (NativeKernelUnavailable if it cannot be): for the checks that load two instruction sets' builds side by side.
+    ``cxx``: another compiler (a cross compiler: the ARM64 checks); ``source``: another source than ``name``.cpp."""
+    found = shutil.which(cxx or os.environ.get("CXX", "g++"))
+    if found is None:
+        raise NativeKernelUnavailable(f"no C++ compiler ({cxx or os.environ.get('CXX', 'g++')}) on PATH")
+    return _build(name, found, isa, source)
 
 
 def prebuild() -> dict[str, str]:
