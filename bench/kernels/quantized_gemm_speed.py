@@ -65,8 +65,8 @@ def kernel_of(qtype: QType) -> tuple[str, str]:
     return ("kquant_gemm", "tm_kquant") if qtype in KQUANTS else ("vnni_gemm", "tm_vnni")
 
 
-def old_library(rev: str, name: str, out: Path) -> ctypes.CDLL:
-    """Kernel ``name`` as revision ``rev`` has it, compiled into ``out``."""
+def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
+    """Kernel ``name`` as revision ``rev`` has it, compiled for instruction set ``isa`` into ``out``."""
     root = Path(
         subprocess.run(
             ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
@@ -84,7 +84,7 @@ def old_library(rev: str, name: str, out: Path) -> ctypes.CDLL:
             ).stdout
             (src / f).write_text(text)
     target = src / f"{name}.so"
-    build.compile_source("g++", src / f"{name}.cpp", target)
+    build.compile_source("g++", src / f"{name}.cpp", target, isa)
     return abi.bind(ctypes.CDLL(str(target)), name)
 
 
@@ -196,6 +196,12 @@ def bench(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old-rev", default="main", help="the git revision whose kernels are the reference")
+    parser.add_argument(
+        "--old-isa",
+        default="avx512",
+        help="the instruction set the reference is built for (revisions before simd.h build for avx512 only); the "
+        "new kernels take the process's (TOKENMILL_CPU_ISA)",
+    )
     parser.add_argument("--formats", default="Q4_K,Q6_K", help="comma-separated ggml type names, or 'all'")
     parser.add_argument("--m", default="1,16,64,512", help="activation rows to time")
     parser.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="KxN,... to time")
@@ -212,7 +218,7 @@ def main() -> int:
     libs = {}
     with tempfile.TemporaryDirectory(prefix="tm-old-kernels-") as tmp:
         for name in sorted({kernel_of(q)[0] for q in names}):
-            libs[name] = (old_library(args.old_rev, name, Path(tmp)), build.load(name))
+            libs[name] = (old_library(args.old_rev, name, Path(tmp), args.old_isa), build.load(name))
         ok = True
         if not args.no_check:
             ok = check(libs, names)

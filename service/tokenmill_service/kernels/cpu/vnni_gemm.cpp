@@ -1,38 +1,39 @@
 // y[M, N] = x[M, K] @ W[N, K]^T for W in GGUF's block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4), with integer
-// products (AVX-512 VNNI: vpdpbusd multiplies 64 bytes by 64 bytes and adds them in fours into
-// 16 int32 lanes). 2.1 to 2.7 times the float32 kernel's rate (block_gemm.cpp).
+// products (simd.h's dot_u8s8: 64 weight bytes by an activation dword's 4 bytes, added in fours into
+// 16 int32 lanes; one vpdpbusd on AVX-512 VNNI). On AVX-512, 2.1 to 2.7 times the float32 kernel's rate
+// (block_gemm.cpp).
 //
 // Activations: each block of 32 becomes 16-bit fixed point, x ~ dq * (256 * hi + lo) with
 // dq = max|x| / (127 * 256) and hi, lo int8 digits (lo is the rounded remainder, |lo| <= 128, 128
 // kept as 127). llama.cpp keeps only hi (8 bits, its Q8_1); on SmolLM2 that alone moves prompt
 // logprobs by 0.07 on average, over the default's bound of 0.03, while two digits stay within
 // about 1e-3 of the float32 reference. Up to 4 rows (decoding, where the weights' bytes bound the time),
-// each digit is one pass of vpdpbusd over the same unpacked weights, and the two integer sums meet exactly
+// each digit is one pass of byte products over the same unpacked weights, and the two integer sums meet exactly
 // (hi * 256 + lo) before one conversion to float. More rows of Q5_0, Q5_1, IQ4_NL and MXFP4 (all k-quants in
 // kquant_gemm.cpp; see gemm below) take hi * 256 + lo as one int16 (it fits: vnni_common.h) and the weights
-// widened to int16, one pass of vpdpwssd (two int16 products a lane
-// where vpdpbusd takes four int8 ones: as many instructions), whose exact sum is the same integer: the
+// widened to int16, one pass of dot_s16 (two int16 products a lane where the byte products take four int8
+// ones: on AVX-512 vpdpwssd and vpdpbusd, as many instructions), whose exact sum is the same integer: the
 // same bits, without the second sum per output and the shift and add per block, so 4 rows by 2 groups fit
-// in the registers where digits took 3. On Zen 4 vpdpbusd, vpdpwssd and the float multiplies and FMAs of
+// in AVX-512's registers where digits took 3. On Zen 4 vpdpbusd, vpdpwssd and the float multiplies and FMAs of
 // the per-block fold share two pipes, which bounds both ways alike for the 4-bit formats (measured the
 // same speed); where unpacking takes more instructions (Q5_0, Q5_1, k-quants' higher bits) words measured
-// 5-20 % faster.
+// 5-20 % faster. Other instruction sets weigh the two forms differently (FORM below).
 //
 // Batch-invariant: the integer sums are exact, every float32 step is done per output in one fixed
 // order (block after block along K), and the activations are quantized row by row, so a row's
 // result never depends on the other rows, the tiling or the thread count.
 //
-// Layout (tm_vnni_pack): the weight rows go in groups of 16, so that one 512-bit register holds 4
-// consecutive weights of each of 16 rows and the 16 int32 lanes of vpdpbusd are 16 outputs; one
+// Layout (tm_vnni_pack): the weight rows go in groups of 16, so that one 64-byte vector holds 4
+// consecutive weights of each of 16 rows and the 16 int32 lanes of the products are 16 outputs; one
 // activation dword is broadcast to all lanes. Per group and block of 32 weights:
 //   4-bit formats: 4 x 64 bytes; byte i of part s holds, for row i / 4 and weight i % 4, step 2s's
 //                  weight in its low nibble and step 2s+1's in its high nibble (step j: weights
 //                  4j..4j+3 of the block);
 //   Q5_0, Q5_1:    their low four bits as Q4_0's, then their fifth bits in one 64-byte plane laid out
-//                  as the nibbles are (byte i: bit j for step j), unpacked by a shift and a ternary
-//                  select, as kquant_gemm.cpp reads Q5_K's;
-//   IQ4_NL, MXFP4: their 4-bit indices as Q4_0's nibbles, each turned into q = value + 128 by one byte
-//                  shuffle over the 16 values in the loop (IQ4_NL's levels; MXFP4's e2m1 values doubled,
+//                  as the nibbles are (byte i: bit j for step j), unpacked by a shift and an or_and,
+//                  as kquant_gemm.cpp reads Q5_K's;
+//   IQ4_NL, MXFP4: their 4-bit indices as Q4_0's nibbles, each turned into q = value + 128 by a lookup
+//                  of the 16 values in the loop (IQ4_NL's levels; MXFP4's e2m1 values doubled,
 //                  its e8m0 scale 2^(E - 127) halved into d = 2^(E - 128), exact in float16 for E - 128
 //                  in [-24, 15]: trained weights' scales lie far inside; a block beyond it is refused);
 //   Q8_0:          8 x 64 bytes, step j's weights as unsigned bytes (q + 128);
@@ -44,12 +45,9 @@
 #include "tm_abi.h"  // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver, shared with kquant_gemm.cpp
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "vnni_gemm needs AVX-512F/BW, AVX-512 VNNI and F16C"
-#endif
-
 namespace {
 
+using namespace simd;
 using vnni::dword_at;
 using vnni::G;
 using vnni::half_bits;
@@ -57,14 +55,43 @@ using vnni::put_planes;
 using vnni::QK;
 using vnni::total;
 using vnni::quantize_row;
-#ifndef VNNI_MT  // (a dev script may try other tiles)
-#define VNNI_MT 4
-#define VNNI_NG 2
-#endif
-constexpr int MT = VNNI_MT;  // activation rows per register tile (as words)
-constexpr int NG = VNNI_NG;  // groups per register tile
-constexpr int MT_DIGITS = 4;   // activation rows per register tile as digits (a few rows: one group a tile)
+
 constexpr int64_t MAX_DIGIT_ROWS = 4;  // products of at most this many rows take the digits (see kquant_gemm.cpp)
+
+// Which form the integer products take, per backend: digits (two passes of byte products) or words (one of
+// int16 products). The sums are the same integers, so the choice, like the tiles below, changes the speed only.
+//   AVX-512: vpdpbusd and vpdpwssd are one instruction each: digits up to MAX_DIGIT_ROWS rows, past that words
+//            for the formats whose unpacking takes more than a mask and a shift (see words_past_digit_rows).
+//   AVX2:    no byte product: dot_u7s8 takes three instructions a register and dot_u8s8 four, for the two passes
+//            of digits, where dot_s16 takes two for the one pass of words: words at every M, measured 1.1-1.15
+//            times (4 and 5 bits) and 2.2-2.6 times (Q8_0, IQ4_NL, MXFP4) as fast as digits on Zen 4, in cache.
+//   NEON:    SDOT multiplies 16 bytes in one instruction where dot_s16 takes four for 8 words: digits at every M.
+//   scalar:  as AVX-512.
+enum class Form { DIGITS, WORDS_PAST_DIGIT_ROWS, WORDS };
+#ifndef VNNI_FORM
+#if defined(TM_ISA_AVX2)
+#define VNNI_FORM Form::WORDS
+#elif defined(TM_ISA_NEON)
+#define VNNI_FORM Form::DIGITS
+#else
+#define VNNI_FORM Form::WORDS_PAST_DIGIT_ROWS
+#endif
+#endif
+constexpr Form FORM = VNNI_FORM;
+
+// Register tiles: activation rows by groups of 16 outputs. AVX-512's 32 registers hold 4 rows by 2 groups (3 as
+// digits); the other backends' 16 ymm or 32 q registers (two or four a vector) 2 rows by 1 group, measured the
+// fastest of 1-4 rows by 1-2 groups on AVX2 (Zen 4) at 1-4 and 17-64 rows.
+#ifndef VNNI_MT  // (a dev script may try other tiles)
+#define VNNI_MT (VECTOR_REGISTERS >= 32 ? 4 : 2)
+#define VNNI_NG (VECTOR_REGISTERS >= 32 ? 2 : 1)
+#define VNNI_MT_DIGITS (VECTOR_REGISTERS >= 32 ? 4 : 2)
+#define VNNI_MT_WIDE (VECTOR_REGISTERS >= 32 ? 3 : 2)
+#endif
+constexpr int MT = VNNI_MT;                // rows per tile as words past MAX_DIGIT_ROWS rows
+constexpr int NG = VNNI_NG;                // groups per tile past MAX_DIGIT_ROWS rows (up to it: one)
+constexpr int MT_DIGITS = VNNI_MT_DIGITS;  // rows per tile up to MAX_DIGIT_ROWS rows
+constexpr int MT_WIDE = VNNI_MT_WIDE;      // rows per tile as digits past MAX_DIGIT_ROWS rows
 
 enum Format : int {
   Q4_0 = TM_FORMAT_Q4_0,
@@ -193,118 +220,131 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
 }
 
 // Step t's nibbles w with their fifth bits (bit t of each byte of plane) set above them: a 16-bit shift
-// brings bit t to bit 4 within every byte, and 0xF8 selects w | (shifted & 0x10).
-inline __m512i with_fifth_bit(__m512i w, __m512i plane, int t) {
-  const __m512i at4 = t < 4 ? _mm512_slli_epi16(plane, 4 - t) : t > 4 ? _mm512_srli_epi16(plane, t - 4) : plane;
-  return _mm512_ternarylogic_epi32(w, at4, _mm512_set1_epi8(0x10), 0xF8);
+// brings bit t to bit 4 within every byte, and or_and takes w | (shifted & 0x10).
+inline u8x64 with_fifth_bit(u8x64 w, u8x64 plane, int t) {
+  const u8x64 at4 = t < 4 ? shl16(plane, 4 - t) : t > 4 ? shr16(plane, t - 4) : plane;
+  return or_and(w, at4, set1_b(0x10));
 }
 
 // Step 2s's and step 2s + 1's weights q (4 each of 16 rows) as unsigned bytes, from block p's parts.
 template <int F>
-inline void step_bytes(const uint8_t* p, int s, __m512i& w0, __m512i& w1) {
+inline void step_bytes(const uint8_t* p, int s, u8x64& w0, u8x64& w1) {
   if constexpr (byte_weights(F)) {
-    w0 = _mm512_loadu_si512(p + (2 * s) * 64);
-    w1 = _mm512_loadu_si512(p + (2 * s + 1) * 64);
+    w0 = load_b(p + (2 * s) * 64);
+    w1 = load_b(p + (2 * s + 1) * 64);
   } else {
-    const __m512i v = _mm512_loadu_si512(p + s * 64), nibble = _mm512_set1_epi8(0x0F);
-    w0 = _mm512_and_si512(v, nibble);
-    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const u8x64 v = load_b(p + s * 64), nibble = set1_b(0x0F);
+    w0 = and_b(v, nibble);
+    w1 = and_b(shr16(v, 4), nibble);
     if constexpr (fifth_bit(F)) {
-      const __m512i plane = _mm512_loadu_si512(p + 256);
+      const u8x64 plane = load_b(p + 256);
       w0 = with_fifth_bit(w0, plane, 2 * s);
       w1 = with_fifth_bit(w1, plane, 2 * s + 1);
     }
     if constexpr (level_indices(F)) {
-      const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)levels_of(F)));  // each 16-byte lane
-      w0 = _mm512_shuffle_epi8(levels, w0);
-      w1 = _mm512_shuffle_epi8(levels, w1);
+      w0 = lookup16(levels_of(F), w0);
+      w1 = lookup16(levels_of(F), w1);
     }
   }
 }
 
-// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand (vnni_common.h's order).
+// Whether step_bytes's q are all below 128 (4 and 5 bits), which dot_u7s8 takes: else (Q8_0's q + 128, the
+// levels + 128) dot_u8s8.
+constexpr bool seven_bit(int fmt) { return !byte_weights(fmt) && !level_indices(fmt); }
+
+// acc += q a for a step's four weights q (bytes) and one activation dword a (four int8).
 template <int F>
-inline void step_words(const uint8_t* p, int s, __m512i wq[4]) {
+inline i32x16 dot_bytes(i32x16 acc, u8x64 q, int32_t a) {
+  if constexpr (seven_bit(F)) return dot_u7s8(acc, q, a);
+  return dot_u8s8(acc, q, a);
+}
+
+// The same weights q0 .. q7 of each row as int16 pairs, dot_s16's operand (vnni_common.h's order).
+template <int F>
+inline void step_words(const uint8_t* p, int s, u8x64 wq[4]) {
   if constexpr (!byte_weights(F) && !fifth_bit(F) && !level_indices(F)) {
-    vnni::nibbles_as_words(_mm512_loadu_si512(p + s * 64), wq);  // Q4_0, Q4_1: straight from the nibbles
+    vnni::nibbles_as_words(load_b(p + s * 64), wq);  // Q4_0, Q4_1: straight from the nibbles
   } else {
-    __m512i w0, w1;
+    u8x64 w0, w1;
     step_bytes<F>(p, s, w0, w1);
     vnni::bytes_as_words(w0, w1, wq);
   }
 }
 
 // y[i, 16g + l] for M activation rows (a: stride 2k bytes) and NGT groups starting at w. WORDS: the activations
-// as one int16 each (quantize_row_words) and vpdpwssd; else as two int8 digits and vpdpbusd: the same integer
-// sums (see kquant_gemm.cpp's tile).
+// as one int16 each (quantize_row_words) and dot_s16; else as two int8 digits and dot_u7s8 / dot_u8s8: the same
+// integer sums (see kquant_gemm.cpp's tile).
 // Not inlined: inlined into the driver's loop, the one-row tile ran 1.15 times as long (Q8_0, in cache).
 template <int F, int M, int NGT, bool WORDS>
 __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w, int64_t gstride,
                  float* y, int64_t ldy, int64_t n_valid) {
+  // Partial sums per output as words: more where few outputs leave the products' latency exposed (AVX-512's
+  // vpdpwssd; on AVX2 one part or these measured the same).
   constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
-  __m512 acc[M][NGT];
+  f32x16 acc[M][NGT];
   for (int i = 0; i < M; ++i)
-    for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
+    for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i qa[M][NGT][PARTS];
+    i32x16 qa[M][NGT][PARTS];
     for (int i = 0; i < M; ++i)
       for (int g = 0; g < NGT; ++g)
-        for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
+        for (int u = 0; u < PARTS; ++u) qa[i][g][u] = zero_i();
     const uint8_t* wb = w + b * group_block_bytes(F);
-    if constexpr (NGT == 1 && !WORDS && M >= 2)
+    // The decoding tiles ask ahead for their weights (vnni_common.h), AVX2's words too: from memory at 2 and 4
+    // rows mostly 1.1-1.45 times as fast with it (2 cases of 16 4 % slower); past 4 rows the same.
+    if constexpr (NGT == 1 && (!WORDS || FORM == Form::WORDS) && M >= 2)
       if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(wb + vnni::PREFETCH_AHEAD, group_block_bytes(F));
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
       if constexpr (WORDS) {
-        __m512i wq[NGT][4];
+        u8x64 wq[NGT][4];
         for (int g = 0; g < NGT; ++g) step_words<F>(wb + g * gstride, s, wq[g]);
         for (int i = 0; i < M; ++i) {
           const int8_t* ai = a + i * 2 * k + b * 2 * QK + 16 * s;  // the 8 activations' words
           for (int u = 0; u < 4; ++u) {
-            const __m512i au = _mm512_set1_epi32(dword_at(ai + 4 * u));
-            for (int g = 0; g < NGT; ++g) qa[i][g][u % PARTS] = _mm512_dpwssd_epi32(qa[i][g][u % PARTS], wq[g][u], au);
+            const int32_t au = dword_at(ai + 4 * u);
+            for (int g = 0; g < NGT; ++g) qa[i][g][u % PARTS] = dot_s16(qa[i][g][u % PARTS], wq[g][u], au);
           }
         }
       } else {
-        __m512i w0[NGT], w1[NGT];
+        u8x64 w0[NGT], w1[NGT];
         for (int g = 0; g < NGT; ++g) step_bytes<F>(wb + g * gstride, s, w0[g], w1[g]);
         for (int i = 0; i < M; ++i) {
           const int8_t* ai = a + i * 2 * k + b * 2 * QK + 8 * s;
-          const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
-          const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
+          const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
+          const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
           for (int g = 0; g < NGT; ++g) {
-            qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w0[g], h0);
-            qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w1[g], h1);
-            qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w0[g], l0);
-            qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w1[g], l1);
+            qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w0[g], h0);
+            qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w1[g], h1);
+            qa[i][g][1] = dot_bytes<F>(qa[i][g][1], w0[g], l0);
+            qa[i][g][1] = dot_bytes<F>(qa[i][g][1], w1[g], l1);
           }
         }
       }
     }
     for (int g = 0; g < NGT; ++g) {
       const uint8_t* sc = wb + g * gstride + quant_bytes(F);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sc));
-      const __m512 m = stored_min(F) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + 2 * G)))
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(implied_min(F)));
+      const f32x16 d = load_half((const uint16_t*)sc);
+      const f32x16 m = stored_min(F) ? load_half((const uint16_t*)(sc + 2 * G)) : mul(d, set1(implied_min(F)));
       for (int i = 0; i < M; ++i) {
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[i * blocks + b]));
-        const __m512i isum = total<WORDS>(qa[i][g]);  // exact
-        acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i][g]);
-        acc[i][g] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * blocks + b]), acc[i][g]);
+        const f32x16 scale = mul(d, set1(dx[i * blocks + b]));
+        const i32x16 isum = total<WORDS>(qa[i][g]);  // exact
+        acc[i][g] = fmadd(to_float(isum), scale, acc[i][g]);
+        acc[i][g] = fmadd(m, set1(sx[i * blocks + b]), acc[i][g]);
       }
     }
   }
   for (int g = 0; g < NGT; ++g) {
     const int64_t left = n_valid - g * G;
     if (left <= 0) break;
-    const __mmask16 mask = left >= G ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    for (int i = 0; i < M; ++i) _mm512_mask_storeu_ps(y + i * ldy + g * G, mask, acc[i][g]);
+    const lanes mask = first_lanes(left);
+    for (int i = 0; i < M; ++i) store_masked(y + i * ldy + g * G, mask, acc[i][g]);
   }
 }
 
 // tile<F, M, ng, WORDS> for ng = NGT, NGT - 1, ..., 1.
-template <int F, int M, bool WORDS, int NGT = NG>
+template <int F, int M, bool WORDS, int NGT>
 inline void tile_groups(int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
                         int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
   if constexpr (NGT > 1)
@@ -312,31 +352,41 @@ inline void tile_groups(int ng, const int8_t* a, const float* dx, const float* s
   tile<F, M, NGT, WORDS>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
-// tile_groups<F, rows, WORDS> for rows = M, M - 1, ..., 1.
-template <int F, bool WORDS, int M = WORDS ? MT : MT_DIGITS>
+// tile_groups<F, rows, WORDS, NGT> for rows = M, M - 1, ..., 1.
+template <int F, bool WORDS, int M, int NGT>
 inline void tile_rows(int rows, int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
                       int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
   if constexpr (M > 1)
-    if (rows < M) return tile_rows<F, WORDS, M - 1>(rows, ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
-  tile_groups<F, M, WORDS>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+    if (rows < M) return tile_rows<F, WORDS, M - 1, NGT>(rows, ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+  tile_groups<F, M, WORDS, NGT>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+}
+
+// With Form::WORDS_PAST_DIGIT_ROWS (AVX-512, measured there): words pay where unpacking takes more than a mask and
+// a shift (Q5_0, Q5_1's fifth bits, IQ4_NL's and MXFP4's lookups: 3-11 % faster from 16 rows up). Q8_0's bytes
+// take no unpacking as digits and two instructions a vector as words, Q4_0's and Q4_1's nibbles two and four:
+// words measured the same to 1-2 % slower there, so they keep the digits at every M, past 4 rows in the
+// MT_WIDE-row tiles that leave the second sums room.
+constexpr bool words_past_digit_rows(int fmt) {
+  return FORM == Form::WORDS || (FORM == Form::WORDS_PAST_DIGIT_ROWS && (fifth_bit(fmt) || level_indices(fmt)));
 }
 
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
   const int64_t gstride = (k / QK) * group_block_bytes(F);
-  // Words pay where unpacking takes more than a mask and a shift (Q5_0, Q5_1's fifth bits, IQ4_NL's and MXFP4's
-  // lookups: 3-11 % faster from 16 rows up). Q8_0's bytes take no unpacking as digits and two instructions a
-  // vector as words, Q4_0's and Q4_1's nibbles two and four: words measured the same to 1-2 % slower there, so
-  // they keep the digits at every M, past 4 rows in the 3-row tiles that leave the second sums room.
-  const bool words = m > MAX_DIGIT_ROWS && (fifth_bit(F) || level_indices(F));
-  const int mt = words ? MT : m > MAX_DIGIT_ROWS ? 3 : MT_DIGITS;
+  constexpr bool WIDE_WORDS = words_past_digit_rows(F), FEW_WORDS = FORM == Form::WORDS;
+  const bool wide = m > MAX_DIGIT_ROWS, words = wide ? WIDE_WORDS : FEW_WORDS;
+  constexpr int WIDE_ROWS = WIDE_WORDS ? MT : MT_WIDE;
+  const int mt = wide ? WIDE_ROWS : MT_DIGITS;
+  // Only the tiles a format uses are instantiated: up to MAX_DIGIT_ROWS rows one group a tile (the driver's
+  // decoding tiles), past that up to NG.
   vnni::drive(x, m, k, y, n, &n, 1, false, mt, NG, threads,
               [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
                   int64_t n_valid) {
-                if (words)
-                  tile_rows<F, true>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
+                const uint8_t* wg = w + g0 * gstride;
+                if (wide)
+                  tile_rows<F, WIDE_WORDS, WIDE_ROWS, NG>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
                 else
-                  tile_rows<F, false>(rows, ng, r.a, r.dx, r.sx, k, w + g0 * gstride, gstride, yt, ldy, n_valid);
+                  tile_rows<F, FEW_WORDS, MT_DIGITS, 1>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
               },
               words);
 }
@@ -383,9 +433,9 @@ int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* o
     const int64_t g = r / G, row = r % G;
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* src = w + (g * blocks + b) * gbb;
-      const float d = _cvtsh_ss(half_bits(src + quant_bytes(fmt) + row * 2));
+      const float d = half_to_float(half_bits(src + quant_bytes(fmt) + row * 2));
       const float m =
-          stored_min(fmt) ? _cvtsh_ss(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
+          stored_min(fmt) ? half_to_float(half_bits(src + quant_bytes(fmt) + G * 2 + row * 2)) : implied_min(fmt) * d;
       for (int j = 0; j < QK; ++j) {
         const int step = j / 4, i = (int)row * 4 + j % 4;
         int q = byte_weights(fmt) ? src[step * 64 + i] : (src[(step / 2) * 64 + i] >> (step % 2 ? 4 : 0)) & 0x0F;
