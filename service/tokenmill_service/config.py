@@ -76,9 +76,9 @@ class Settings:
         default="auto",
         metadata={
             "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
-            "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built: "
-            "gguf-vnni, integer products on 16-bit fixed-point activations, on CPUs with AVX-512 VNNI, "
-            "else gguf, float32 products; a GGUF's k-quants Q4_K/Q5_K/Q6_K by gguf-kquant; else Q4_0/Q4_1 "
+            "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built, on any CPU: "
+            "gguf-vnni, integer products on 16-bit fixed-point activations, "
+            "else gguf, float32 products; a GGUF's k-quants by gguf-kquant; without a C++ compiler Q4_0/Q4_1 "
             "as int4; FP8 block-scaled safetensors, DeepSeek-V3's, by fp8-block), gguf-vnni / gguf-kquant / "
             "gguf / fp8-block = that method or fail, none = dense",
             "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "fp8-block", "none", "int8", "int4"],

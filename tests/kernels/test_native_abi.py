@@ -27,12 +27,12 @@ extern "C" int tm_block_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t
 def test_a_definition_that_disagrees_with_the_abi_does_not_compile(tmp_path: Path) -> None:
     source = tmp_path / "agrees.cpp"
     source.write_text(AGREEING)
-    build.compile_source("g++", source, tmp_path / "agrees.so")  # the control: it builds
+    build.compile_source("g++", source, tmp_path / "agrees.so", "scalar")  # the control: it builds
     # One parameter's type changed (int64_t k -> int k): C linkage has no overloads, so g++ refuses.
     source = tmp_path / "disagrees.cpp"
     source.write_text(AGREEING.replace("int64_t k", "int k"))
     with pytest.raises(build.NativeKernelUnavailable, match="could not build disagrees.cpp: .*conflicting declaration"):
-        build.compile_source("g++", source, tmp_path / "disagrees.so")
+        build.compile_source("g++", source, tmp_path / "disagrees.so", "scalar")
 
 
 def test_a_struct_laid_out_otherwise_than_ctypes_sees_it_does_not_compile(tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_a_struct_laid_out_otherwise_than_ctypes_sees_it_does_not_compile(tmp_pa
     assert f"offsetof(TmStack, eps) == {offset}" in header
     source = tmp_path / "moved.cpp"
     source.write_text('#include "tm_abi.h"\n')
-    build.compile_source("g++", source, tmp_path / "ok.so")
+    build.compile_source("g++", source, tmp_path / "ok.so", "scalar")
     include = tmp_path / "include"
     include.mkdir()
     (include / "tm_abi.h").write_text(header.replace("  float eps;\n  float scale;", "  float scale;\n  double eps;"))

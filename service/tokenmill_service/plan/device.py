@@ -1,7 +1,7 @@
 """What the worker's device can run, probed once: the facts ``resolve_plan`` decides from.
 
 Kept apart from the decision so that a test can hand ``resolve_plan`` a device that lacks
-something (no C++ compiler, no AVX-512 VNNI, no GPU) and read the reason it gives. Each
+something (no C++ compiler, a kernel that does not build, no GPU) and read the reason it gives. Each
 ``*_missing`` field is None where the thing is there, else why it is not.
 """
 

@@ -90,7 +90,7 @@ class GGUFBlocksMethod(QuantMethod):
 
 @register_quantization("gguf-vnni")
 class GGUFBlocksVnniMethod(GGUFBlocksMethod):
-    """The same blocks multiplied with integer products (``kernels/cpu/vnni_gemm.cpp``, AVX-512 VNNI):
+    """The same blocks multiplied with integer products (``kernels/cpu/vnni_gemm.cpp``, on every instruction set):
     activations as 16-bit fixed point per block of 32 (two int8 digits), exact integer sums,
     float32 scales. 2.1 to 2.7 times the float32 kernel's rate; logprobs
     within about 1e-3 of the float32 reference. Rows stay independent, each output reduced in a
