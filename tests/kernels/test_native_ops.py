@@ -169,7 +169,7 @@ def test_native_gelu_tanh_and_mul_matches_torch_within_float32_rounding() -> Non
     """Gemma's GeGLU, gelu(g, tanh approximation) * up, g * sigmoid(z) * up with z = 2u: within 8 float32
     epsilons of |g * up| of torch's F.gelu(approximate="tanh") * up (whose 0.5 * g * (1 + tanh(u)) cancels to
     within an epsilon of 0 where g is well below 0), and within (8 + 3 |z|) epsilons of the float64 value
-    (z's own rounding, magnified by the exponential) or 1e-35 (below, the exponential's clamp at e^-88);
+    (z's own rounding, magnified by the exponential) or 1e-35 (below, the exponential's clamp at e^-87);
     gates from -12 to 12, a masked tail, a row the same alone."""
     x = _rows(21, 2 * 200, 8) * 4  # 200: a masked tail of 8 after twelve full vectors
     x[0, :200] = torch.linspace(-12, 12, 200)

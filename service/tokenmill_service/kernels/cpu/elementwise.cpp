@@ -1,24 +1,39 @@
 // The small per-token operations of a decoder layer, each one pass over its rows instead of the
 // five to twelve torch operations (and their dispatch) it takes in kernels/torch_ops.py. float32 in
 // and out; every row is computed on its own, in an order fixed by the row's length alone.
-// Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
+// Written in simd.h's ops (the same bits on every instruction set); built and loaded by
+// kernels/cpu/build.py.
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
 #include "tm_abi.h"  // this file's prototypes (generated from abi.py)
-#include "vec_math.h"
 
-#if !defined(__AVX512F__)
-#error "elementwise needs AVX-512F"
-#endif
+using namespace simd;
 
 namespace {
 
+// Calls f(j, m) for each 16-lane step of [0, n): m all lanes but in the tail, whose missing lanes read
+// as 0 and are never written. Whole steps take plain loads (a masked load costs more off AVX-512).
+template <class F>
+inline void steps(int64_t n, F f) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) f(j, (lanes)0xFFFF);
+  if (j < n) f(j, first_lanes(n - j));
+}
 
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+inline f32x16 load_lanes(const float* p, lanes m) { return m == 0xFFFF ? load(p) : load_masked(p, m); }
+inline void store_lanes(float* p, lanes m, f32x16 a) {
+  if (m == 0xFFFF) store(p, a);
+  else store_masked(p, m, a);
+}
+
+// 1 / (1 + e^-z): the sigmoid of SiLU, GeGLU and the clamped SwiGLU (exp clamps its argument, so a
+// huge |z| gives 0 or 1, never inf / inf).
+inline f32x16 sigmoid(f32x16 z) {
+  const f32x16 one = set1(1.0f);
+  return div(one, add(one, exp(sub(zero_f(), z))));
 }
 
 }  // namespace
@@ -32,22 +47,20 @@ void tm_rms_norm(const float* x, int64_t x_stride, const float* residual, const 
   for (int64_t i = 0; i < t; ++i) {
     const float* xi = x + i * x_stride;
     float* hi = h_out + i * d;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) {
-      const __mmask16 m = tail_mask(d - c);
-      __m512 h = _mm512_maskz_loadu_ps(m, xi + c);
-      if (residual) h = _mm512_add_ps(_mm512_maskz_loadu_ps(m, residual + i * d + c), h);
-      _mm512_mask_storeu_ps(hi + c, m, h);
-      squares = _mm512_fmadd_ps(h, h, squares);
-    }
-    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)d + eps);
-    const __m512 scale = _mm512_set1_ps(inv);
-    for (int64_t c = 0; c < d; c += 16) {
-      const __mmask16 m = tail_mask(d - c);
-      const __m512 h = _mm512_maskz_loadu_ps(m, hi + c);
-      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(h, scale), _mm512_maskz_loadu_ps(m, weight + c));
-      _mm512_mask_storeu_ps(normed + i * d + c, m, y);
-    }
+    // One 16-lane chain of squares in column order; the tail's missing lanes add 0 * 0.
+    f32x16 squares = zero_f();
+    steps(d, [&](int64_t c, lanes m) {
+      f32x16 h = load_lanes(xi + c, m);
+      if (residual) h = add(load_lanes(residual + i * d + c, m), h);
+      store_lanes(hi + c, m, h);
+      squares = fmadd(h, h, squares);
+    });
+    const float inv = 1.0f / sqrtf(reduce_add(squares) / (float)d + eps);
+    const f32x16 scale = set1(inv);
+    steps(d, [&](int64_t c, lanes m) {
+      const f32x16 y = mul(mul(load_lanes(hi + c, m), scale), load_lanes(weight + c, m));
+      store_lanes(normed + i * d + c, m, y);
+    });
   }
 }
 
@@ -64,13 +77,12 @@ void tm_rotary(float* x, int64_t x_stride, int64_t t, int64_t heads, int64_t hea
     for (int64_t h = 0; h < heads; ++h) {
       float* x1 = x + i * x_stride + h * head_dim;
       float* x2 = x1 + half;
-      for (int64_t j = 0; j < half; j += 16) {
-        const __mmask16 m = tail_mask(half - j);
-        const __m512 a = _mm512_maskz_loadu_ps(m, x1 + j), b = _mm512_maskz_loadu_ps(m, x2 + j);
-        const __m512 cv = _mm512_maskz_loadu_ps(m, c + j), sv = _mm512_maskz_loadu_ps(m, s + j);
-        _mm512_mask_storeu_ps(x1 + j, m, _mm512_sub_ps(_mm512_mul_ps(a, cv), _mm512_mul_ps(b, sv)));
-        _mm512_mask_storeu_ps(x2 + j, m, _mm512_add_ps(_mm512_mul_ps(b, cv), _mm512_mul_ps(a, sv)));
-      }
+      steps(half, [&](int64_t j, lanes m) {
+        const f32x16 a = load_lanes(x1 + j, m), b = load_lanes(x2 + j, m);
+        const f32x16 cv = load_lanes(c + j, m), sv = load_lanes(s + j, m);
+        store_lanes(x1 + j, m, sub(mul(a, cv), mul(b, sv)));
+        store_lanes(x2 + j, m, add(mul(b, cv), mul(a, sv)));
+      });
     }
   }
 }
@@ -80,12 +92,10 @@ void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n) {
   for (int64_t i = 0; i < t; ++i) {
     const float* gate = x + i * 2 * n;
     const float* up = gate + n;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      const __m512 g = _mm512_maskz_loadu_ps(m, gate + j);
-      const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_mask_storeu_ps(out + i * n + j, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_maskz_loadu_ps(m, up + j)));
-    }
+    steps(n, [&](int64_t j, lanes m) {
+      const f32x16 g = load_lanes(gate + j, m);
+      store_lanes(out + i * n + j, m, mul(mul(g, sigmoid(g)), load_lanes(up + j, m)));
+    });
   }
 }
 
@@ -96,18 +106,17 @@ void tm_silu_and_mul(const float* x, float* out, int64_t t, int64_t n) {
 // ops' gelu_tanh_and_mul) and the decoder stack both call this, so their bits agree.
 void tm_gelu_tanh_and_mul(const float* x, float* out, int64_t t, int64_t n) {
   // -2u = g * (a + b * g^2): a = -2 sqrt(2 / pi), b = a * 0.044715.
-  const __m512 a = _mm512_set1_ps(-1.5957691216057308f), b = _mm512_set1_ps(-0.07135481627260025f);
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const f32x16 a = set1(-1.5957691216057308f), b = set1(-0.07135481627260025f);
+  const f32x16 one = set1(1.0f);
   for (int64_t i = 0; i < t; ++i) {
     const float* gate = x + i * 2 * n;
     const float* up = gate + n;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      const __m512 g = _mm512_maskz_loadu_ps(m, gate + j);
-      const __m512 z = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), b, a));
-      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(z)));
-      _mm512_mask_storeu_ps(out + i * n + j, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_maskz_loadu_ps(m, up + j)));
-    }
+    steps(n, [&](int64_t j, lanes m) {
+      const f32x16 g = load_lanes(gate + j, m);
+      const f32x16 z = mul(g, fmadd(mul(g, g), b, a));
+      const f32x16 sig = div(one, add(one, exp(z)));
+      store_lanes(out + i * n + j, m, mul(mul(g, sig), load_lanes(up + j, m)));
+    });
   }
 }
 
@@ -116,20 +125,17 @@ void tm_gelu_tanh_and_mul(const float* x, float* out, int64_t t, int64_t n) {
 // sigmoid as SiLU's above; NaN passes the clamps, as torch.clamp lets it. The eager experts and the
 // native experts call (moe_mlp.cpp) both call this, so their bits agree.
 void tm_clamped_swiglu_and_mul(const float* x, float* out, int64_t t, int64_t n, float alpha, float limit) {
-  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), a = _mm512_set1_ps(alpha);
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const f32x16 hi = set1(limit), lo = set1(-limit), a = set1(alpha);
+  const f32x16 one = set1(1.0f);
   for (int64_t i = 0; i < t; ++i) {
     const float* gate = x + i * 2 * n;
     const float* up = gate + n;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
+    steps(n, [&](int64_t j, lanes m) {
       // min/max return their second operand when either is NaN: the value, so NaN stays NaN.
-      const __m512 g = _mm512_min_ps(hi, _mm512_maskz_loadu_ps(m, gate + j));
-      const __m512 u = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_maskz_loadu_ps(m, up + j)));
-      const __m512 z = _mm512_mul_ps(g, a);
-      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-      _mm512_mask_storeu_ps(out + i * n + j, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_add_ps(u, one)));
-    }
+      const f32x16 g = min(hi, load_lanes(gate + j, m));
+      const f32x16 u = max(lo, min(hi, load_lanes(up + j, m)));
+      store_lanes(out + i * n + j, m, mul(mul(g, sigmoid(mul(g, a))), add(u, one)));
+    });
   }
 }
 }

@@ -1,5 +1,6 @@
 // Multi-head latent attention (DeepSeek-V2/V3's MLA) in the absorbed form over the paged latent
-// cache, float32, on the CPU. Built and loaded by kernels/cpu/build.py (g++ -O3 -march=native -fopenmp).
+// cache, float32, on the CPU, in simd.h's ops (the same bits on every instruction set). Built and loaded
+// by kernels/cpu/build.py.
 //
 // A token caches one latent c [L] and one rotary key k_rope [R], shared by every head. A query row
 // (token i, head h) at position p, as kernels/latent_attention.py computes it in torch:
@@ -20,7 +21,6 @@
 // row does not see is masked out of its maximum and its sums (never added, not even as a zero), and
 // no row's arithmetic depends on the others.
 
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -30,22 +30,25 @@
 
 #include "tm_abi.h"  // this file's prototypes (generated from abi.py)
 #include "attention_tiles.h"  // the tiles: runs of one sequence's tokens
-#include "vec_math.h"
-
-#if !defined(__AVX512F__)
-#error "latent_attention needs AVX-512F"
-#endif
+#include "simd.h"
 
 namespace {
 
+using namespace simd;
+
 // The caches hold float32, or float16 (uint16_t bits; --kv-cache-dtype float16), converted exactly.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline f32x16 load16(const float* p) { return load(p); }
+inline f32x16 load16(const uint16_t* p) { return load_half(p); }
 
 constexpr int MAX_ROWS = 32;   // (token, head) rows of a tile
 constexpr int HEAD_CHUNK = 8;  // heads of a token in one tile (a tile of one decode token still splits)
 constexpr int SR = 4;          // rows scored together against one key
-constexpr int VB = 4;          // vectors of 16 of one row's sums kept in registers together
+constexpr int VB = 4;          // vectors of 16 of a row times a matrix kept in registers together
+// Vectors of the latent a pass of the weighted latents sums for SR rows (speed only: each sum is its own
+// chain). More than the registers hold, measured: fewer passes over the keys' scattered latents beat
+// spilling (decode at 4096 keys ~15% faster with 8 than with 4 on AVX-512 and AVX2; with 1, AVX2's
+// register-sized tile, ~25% slower still).
+constexpr int VBV = 8;
 
 struct Shape {
   int64_t heads, N, L, R, V;
@@ -79,14 +82,14 @@ struct Rows {
 inline void row_times_matrix(const float* x, int64_t K, const float* w, int64_t ld, int64_t n, float* dst) {
   for (int64_t c0 = 0; c0 < n; c0 += 16 * VB) {
     const int nb = (int)std::min<int64_t>(VB, (n - c0) / 16);
-    __m512 acc[VB];
-    for (int c = 0; c < VB; ++c) acc[c] = _mm512_setzero_ps();
+    f32x16 acc[VB];
+    for (int c = 0; c < VB; ++c) acc[c] = zero_f();
     for (int64_t k = 0; k < K; ++k) {
-      const __m512 b = _mm512_set1_ps(x[k]);
+      const f32x16 b = set1(x[k]);
       const float* wk = w + k * ld + c0;
-      for (int c = 0; c < nb; ++c) acc[c] = _mm512_fmadd_ps(b, _mm512_loadu_ps(wk + 16 * c), acc[c]);
+      for (int c = 0; c < nb; ++c) acc[c] = fmadd(b, load(wk + 16 * c), acc[c]);
     }
-    for (int c = 0; c < nb; ++c) _mm512_storeu_ps(dst + c0 + 16 * c, acc[c]);
+    for (int c = 0; c < nb; ++c) store(dst + c0 + 16 * c, acc[c]);
   }
 }
 
@@ -95,9 +98,9 @@ inline void row_times_matrix(const float* x, int64_t K, const float* w, int64_t 
 inline void matrix_times_row(const float* x, int64_t K, const float* w, int64_t ld, int64_t n, float* dst) {
   for (int64_t v = 0; v < n; ++v) {
     const float* wv = w + v * ld;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wv + k), acc);
-    dst[v] = _mm512_reduce_add_ps(acc);
+    f32x16 acc = zero_f();
+    for (int64_t k = 0; k < K; k += 16) acc = fmadd(load(x + k), load(wv + k), acc);
+    dst[v] = reduce_add(acc);
   }
 }
 
@@ -105,17 +108,17 @@ inline void matrix_times_row(const float* x, int64_t K, const float* w, int64_t 
 template <int NR, typename T>
 inline void score_key(const float* qp, int64_t K, int64_t L, int64_t R, const T* lat, const T* rope, float scale,
                       float* s, int64_t ld) {
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  f32x16 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = zero_f();
   for (int64_t d = 0; d < L; d += 16) {
-    const __m512 k = load16(lat + d);
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + r * K + d), k, acc[r]);
+    const f32x16 k = load16(lat + d);
+    for (int r = 0; r < NR; ++r) acc[r] = fmadd(load(qp + r * K + d), k, acc[r]);
   }
   for (int64_t d = 0; d < R; d += 16) {
-    const __m512 k = load16(rope + d);
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + r * K + L + d), k, acc[r]);
+    const f32x16 k = load16(rope + d);
+    for (int r = 0; r < NR; ++r) acc[r] = fmadd(load(qp + r * K + L + d), k, acc[r]);
   }
-  for (int r = 0; r < NR; ++r) s[r * ld] = _mm512_reduce_add_ps(acc[r]) * scale;
+  for (int r = 0; r < NR; ++r) s[r * ld] = reduce_add(acc[r]) * scale;
 }
 
 template <typename T>
@@ -134,21 +137,21 @@ inline void score_rows(int count, const float* qp, int64_t K, int64_t L, int64_t
 template <int NR, typename T>
 inline void value_rows(const float* p, int64_t ld, const int64_t* keys, int64_t n, const T* cache,
                        const int64_t* table, int64_t block_size, int64_t L, int64_t c0, int nb, float* acc_mem) {
-  __m512 acc[NR][VB];
+  f32x16 acc[NR][VBV];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < VB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < VBV; ++c) acc[r][c] = zero_f();
   for (int64_t j = 0; j < n; ++j) {
     const T* lat = cache + (table[j / block_size] * block_size + j % block_size) * L + c0;
-    __m512 v[VB];
+    f32x16 v[VBV];
     for (int c = 0; c < nb; ++c) v[c] = load16(lat + 16 * c);
     for (int r = 0; r < NR; ++r) {
-      const __mmask16 live = j < keys[r] ? (__mmask16)0xFFFF : (__mmask16)0;
-      const __m512 w = _mm512_set1_ps(p[r * ld + j]);
-      for (int c = 0; c < nb; ++c) acc[r][c] = _mm512_mask3_fmadd_ps(w, v[c], acc[r][c], live);
+      if (j >= keys[r]) continue;  // a key the row does not see: not added, not even as a zero
+      const f32x16 w = set1(p[r * ld + j]);
+      for (int c = 0; c < nb; ++c) acc[r][c] = fmadd(w, v[c], acc[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < nb; ++c) _mm512_storeu_ps(acc_mem + r * L + c0 + 16 * c, acc[r][c]);
+    for (int c = 0; c < nb; ++c) store(acc_mem + r * L + c0 + 16 * c, acc[r][c]);
 }
 
 template <typename T>
@@ -202,20 +205,19 @@ void attend(const Rows& rows, const Query& q, const Shape& sh, const Weights& w,
     const int64_t keys = rows.keys[r];
     float m = -INFINITY;
     for (int64_t j = 0; j < keys; ++j) m = std::max(m, s[j]);
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
+    const f32x16 mv = set1(m);
+    f32x16 sum = zero_f();
     for (int64_t j = 0; j < ld; j += 16) {
-      const int64_t live_n = std::max<int64_t>(0, std::min<int64_t>(16, keys - j));
-      const __mmask16 live = (__mmask16)((1u << live_n) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), mv)));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
+      const lanes live = first_lanes(keys - j);
+      const f32x16 e = select(live, exp(sub(load_masked(s + j, live), mv)), zero_f());
+      store(s + j, e);
+      sum = add(sum, e);
     }
-    inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[r] = 1.0f / reduce_add(sum);
   }
-  // The weighted latents, VB vectors of the latent and SR rows at a time, then normalized.
-  for (int64_t c0 = 0; c0 < L; c0 += 16 * VB) {
-    const int nb = (int)std::min<int64_t>(VB, (L - c0) / 16);
+  // The weighted latents, VBV vectors of the latent and SR rows at a time, then normalized.
+  for (int64_t c0 = 0; c0 < L; c0 += 16 * VBV) {
+    const int nb = (int)std::min<int64_t>(VBV, (L - c0) / 16);
     for (int r0 = 0; r0 < rows.count; r0 += SR) {
       const int cnt = std::min(SR, rows.count - r0);
       int64_t rn = 0;
@@ -227,8 +229,8 @@ void attend(const Rows& rows, const Query& q, const Shape& sh, const Weights& w,
   // Normalized, then through w_uv[h] (summed over the latent dims in order).
   for (int r = 0; r < rows.count; ++r) {
     float* o = sc.lat.data() + r * L;
-    const __m512 scale_v = _mm512_set1_ps(inv[r]);
-    for (int64_t d = 0; d < L; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_v));
+    const f32x16 scale_v = set1(inv[r]);
+    for (int64_t d = 0; d < L; d += 16) store(o + d, mul(load(o + d), scale_v));
     const float* w_uv = w.w_uv + rows.head[r] * w.uv_h;
     float* dst = out + (rows.token[r] * sh.heads + rows.head[r]) * sh.V;
     if (w.uv_v == 1) row_times_matrix(o, L, w_uv, w.uv_l, sh.V, dst);
