@@ -14,14 +14,14 @@ import grpc
 import pytest
 
 from tests.server_process import ServerProcess
-from tests.streams import Trace, trace
+from tests.streams import Trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.plan import cpu_isa
 
 
 def chat(text: str) -> pb.Messages:
-    return pb.Messages(messages=[pb.Message(role="user", content=text)])
+    return pb.Messages(messages=[pb.ChatMessage(role="user", content=text)])
 
 
 SEEDED = pb.GenerateRequest(

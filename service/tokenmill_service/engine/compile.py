@@ -34,6 +34,26 @@ def configure_inductor() -> None:
     # Keep every rounding the code asks for: float32 activations reach the bfloat16 kernels as
     # hi = bf16(x) and lo = bf16(x - hi), which is only right if hi is really rounded.
     inductor_config.emulate_precision_casts = True
+    pin_vector_width(inductor_config)
+
+
+def pin_vector_width(inductor_config: Any) -> None:
+    """Name the CPU vector width inductor generates code for in its config, which its FX graph cache
+    is keyed on. It picks the widest vector ISA the CPU runs, or the one ``ATEN_CPU_CAPABILITY``
+    names, but does not key the cache on it: a graph cached under AVX-512 (loops of 16 lanes) was
+    reused under ``ATEN_CPU_CAPABILITY=avx2`` (or from a cache directory another CPU filled) and
+    compiled for 8-lane vectors, leaving half of each output unwritten (garbage, NaNs). With the
+    width named, inductor picks the same ISA and a cache entry holds for that width only."""
+    from torch._inductor import cpu_vec_isa
+
+    if inductor_config.cpp.simdlen is not None:
+        return
+    isa = cpu_vec_isa.pick_vec_isa()
+    if not isa.bit_width():
+        return
+    inductor_config.cpp.simdlen = isa.bit_width()
+    if type(cpu_vec_isa.pick_vec_isa()) is not type(isa):  # another ISA of that width comes first: leave it
+        inductor_config.cpp.simdlen = None
 
 
 def compiled_region(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
 """The triton backend: the hot operations as Triton kernels, one file each, tested against kernels/torch_ops.py.
 
 Selected with ``--backend triton``. On a GPU the kernels are compiled; with ``TRITON_INTERPRET=1``
-they run in Triton's interpreter on the CPU (slow; for tests), where the model runs float32.
+they run in Triton's interpreter on the CPU (slow; for tests), where the model runs float32 and ``tl.dot``
+is interpreter.py's: each element of a product the same wherever it lies in the tile, as on a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from tokenmill_service.kernels import latent_attention as reference_latent
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import LatentCacheLayout, Ops, register_ops
+from tokenmill_service.kernels.triton import interpreter
 from tokenmill_service.kernels.triton.attention import paged_attention
 from tokenmill_service.kernels.triton.latent_attention import latent_attention
 from tokenmill_service.kernels.triton.rms_norm import rms_norm
@@ -26,6 +28,13 @@ if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
 
 log = structlog.get_logger(__name__)
+
+if interpreter_enabled() and not interpreter.install():
+    log.warning(
+        "triton_interpreter_dot",
+        message="this Triton's interpreter has no create_dot to replace: its tl.dot is the host BLAS's, whose rows "
+        "may depend on their place in a tile (OpenBLAS's AVX2 kernels), so results may vary with the batch",
+    )
 
 
 @register_ops("triton")

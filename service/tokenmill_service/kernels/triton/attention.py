@@ -15,7 +15,9 @@ Both do exactly the same arithmetic per query row, in the same order, with the s
 shapes, and a split or tile beyond a query's position, or wholly before its sliding window (which
 is why such splits are skipped), adds exact zeros: a query's result depends
 only on its sequence, its position and the constants here, never on the batch around it or on
-whether its prefix was prefilled or decoded.
+whether its prefix was prefilled or decoded. (A query's row in its tile does vary with the batch: that
+takes a ``tl.dot`` whose rows do not depend on their place in the tile, as a GPU's do, and as
+interpreter.py makes the interpreter's, which is the host BLAS's otherwise.)
 
 Attention sinks (gpt-oss: a logit per head in the softmax's denominator, weighing no value) fold
 into a query's state after its last split, in both paths alike, as one more state: (sink, 1, 0).
