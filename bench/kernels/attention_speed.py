@@ -3,13 +3,16 @@ reading its keys and values from memory as a decoding step does, in one process:
 
     python bench/kernels/attention_speed.py --old-rev main --context 4000
     python bench/kernels/attention_speed.py --old-rev main --head-dim 128 --kv-cache-dtype float16
+    TOKENMILL_CPU_ISA=avx2 python bench/kernels/attention_speed.py --old-rev main --old-isa avx2
 
 One token attends over ``--context`` keys of each of ``--layers`` layers' caches (16 by default: more
 than the caches of the CPU hold), its sequence's blocks scattered over the pool as a pool in use hands
 them out. The old and the new kernel take the layers in turn, alternately, ``--repeats`` times; printed
 are each one's min and median time for the layers and the rate at which it read their keys and values.
 The outputs must be the same bits (the script checks). ``--old-rev .`` times the working tree's kernel
-against itself: how far apart two runs of the same code come out on this machine.
+against itself: how far apart two runs of the same code come out on this machine. The new kernel is built
+for the process's instruction set (TOKENMILL_CPU_ISA), the old one for ``--old-isa``: every build gives the
+same bits.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def main() -> int:
     parser.add_argument(
         "--old-rev", default="main", help="the git revision whose kernel is the reference ('.': the working tree's own)"
     )
+    parser.add_argument(
+        "--old-isa",
+        default="avx512",
+        help="the instruction set the reference is built for (revisions before simd.h build for avx512 only)",
+    )
     parser.add_argument("--context", type=int, default=4000, help="keys the token attends over")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -59,10 +67,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="tm-old-kernels-") as tmp:
         new = build.load("paged_attention")
-        libs = {
-            "old": new if args.old_rev == "." else old_library(args.old_rev, "paged_attention", Path(tmp)),
-            "new": new,
-        }
+        old = new if args.old_rev == "." else old_library(args.old_rev, "paged_attention", Path(tmp), args.old_isa)
+        libs = {"old": old, "new": new}
         outs = {label: torch.empty(args.layers, 1, heads, dim) for label in libs}
 
         def run(label: str) -> float:

@@ -7,9 +7,8 @@
 // exponentials, then the weighted sum of values in key order. So a query's result is bit-for-bit
 // the same whatever else is in the batch, and whether it arrives in a prefill chunk or as a decode
 // token. What a tile shares is only loads: the query heads that share a key/value head, and up to
-// 48 (token, head) rows of a prefill chunk, are scored together against each 64 keys (16 where a
-// vector takes more than one register) while those are in L1, and then take their values the same
-// way; no row's arithmetic depends on the others.
+// 48 (token, head) rows of a prefill chunk, are scored together against each 64 keys while those
+// are in L1, and then take their values the same way; no row's arithmetic depends on the others.
 //
 // A sliding-window layer's query at p sees keys p - window + 1 .. p only: the keys below its window
 // get weight exactly 0 (and the tile starts at the 16 keys holding its rows' first visible key), so
@@ -54,10 +53,14 @@ inline const T* key_block(const T* k_cache, int64_t block, int64_t kv_heads, int
 
 constexpr int MAX_ROWS = 48;  // query rows (token x head) of a tile
 // Rows scored together against SC columns of 16 keys: SR x SC accumulators and the SC columns in the
-// vector registers (AVX-512's 32: 6 x 4 + 4; the 8 of AVX2 and NEON: 6 x 1 + 1, measured on AVX2 faster
-// than 2 x 2 + 2 and 4 x 1 + 1). Only loads are shared: no score depends on SR or SC.
+// vector registers (AVX-512's 32: 6 x 4 + 4; the 8 of AVX2 and NEON: 6 x 1 + 1, which measured on AVX2
+// faster than 2 x 2 + 2 and than AVX-512's tile spilled). Only loads are shared: no score depends on them.
 constexpr int SR = 6;
 constexpr int SC = VECTOR_REGISTERS >= 32 ? 4 : 1;
+// Columns of 16 keys per pass over the keys, SC at a time: the next pass's keys are prefetched a pass
+// ahead (on AVX2, passes of 16 keys measured 3-5% slower decoding than 64).
+constexpr int PASS_COLUMNS = 4;
+static_assert(PASS_COLUMNS % SC == 0, "whole groups of columns");
 
 // The rows of one tile: up to MAX_ROWS (token, head) pairs of one sequence and one key/value head.
 struct Rows {
@@ -226,7 +229,7 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
             const int64_t* table, int64_t block_size, float scale, float softcap, std::vector<float>& scratch,
             std::vector<T>& kbuf) {
   constexpr int64_t D = DV * 16;
-  constexpr int64_t W = 16 * SC;  // keys scored per pass over the rows
+  constexpr int64_t W = 16 * PASS_COLUMNS;  // keys scored per pass over the rows
   int64_t n_max = 0, j_first = INT64_MAX;
   for (int r = 0; r < rows.count; ++r) {
     n_max = std::max(n_max, rows.keys[r]);
@@ -235,7 +238,7 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
   j_first = j_first / 16 * 16;  // whole columns of 16 keys, at the same absolute keys for every tile
   const int64_t ld = (n_max + 15) / 16 * 16;
   scratch.resize(rows.count * ld);
-  kbuf.resize(SC * D * 16);
+  kbuf.resize(PASS_COLUMNS * D * 16);
   float* scores = scratch.data();
   alignas(64) float qp[MAX_ROWS * D];
   // Scores in base 2, scaled as they are summed; soft-capped ones are capped first (below).
@@ -248,13 +251,15 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
     for (int64_t jn = j + W; jn < std::min(n_max, j + 2 * W); jn += 16)  // the next pass's keys: D rows of 16
       prefetch_runs(key_block(k_cache, table[jn / block_size], kv_heads, kvh, D, block_size) + jn % block_size, D,
                     block_size, 16 * (int64_t)sizeof(T));
-    const T* col[SC];
-    int64_t stride[SC];
-    for (int c = 0; c < SC && j + 16 * c < n_max; ++c)
+    const T* col[PASS_COLUMNS];
+    int64_t stride[PASS_COLUMNS];
+    for (int c = 0; c < PASS_COLUMNS && j + 16 * c < n_max; ++c)
       col[c] = key_columns(k_cache, table, j + 16 * c, n_max, kv_heads, kvh, D, block_size, kbuf.data() + c * D * 16,
                            stride[c]);
     // The last keys: only the columns holding some.
-    score_all<SC, D>((int)std::min<int64_t>(SC, (n_max - j + 15) / 16), rows, qp, col, stride, scores, ld, j, mx);
+    const int cols = (int)std::min<int64_t>(PASS_COLUMNS, (n_max - j + 15) / 16);
+    for (int c = 0; c < cols; c += SC)
+      score_all<SC, D>(std::min(SC, cols - c), rows, qp, col + c, stride + c, scores, ld, j + 16 * c, mx);
   }
   if (softcap > 0.0f) {  // each visible score s -> tanh(s / cap) * cap (in base 2), and the rows' maxima again
     const f32x16 cap = set1(softcap), log2e = set1(LOG2E);
@@ -276,9 +281,10 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
   // the row's own key count), then their sum with the values, in key order.
   // Each pass over the values takes VR rows and a slice of VD vectors of the head dimension: VR x VD
   // accumulators and VD values in the vector registers (32: 6 x 4 + 4; 8: 6 x 1 + 1). A slice, rather
-  // than the whole head dimension with fewer rows, loads each value for 6 rows: AVX-512 prefilling 256
-  // tokens over 1024 keys (one thread) measured 1.4x faster at head_dim 256 (one row a pass before),
-  // 1.15x at 128; decoding alike. No sum depends on VR or VD.
+  // than the whole head dimension with fewer rows, loads each value for 6 rows: prefilling 256 tokens
+  // over 1024 keys (one thread) measured 1.4x faster on AVX-512 at head_dim 256 (one row a pass
+  // before), 1.15x at 128, and on AVX2 1.3-1.5x faster than 3 rows of the whole head dimension;
+  // decoding within 5% either way. No sum depends on VR or VD.
   constexpr int VD = std::min(DV, VECTOR_REGISTERS / 8);
   constexpr int VR = 6;
   static_assert(DV % VD == 0, "whole slices of the head dimension");
