@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QType
 from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
@@ -238,6 +238,15 @@ def _sources(prefix: str, config: ModelConfig) -> list[str]:
 def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> set[QType | None]:
     """How the checkpoint stores the tensors a layer is made of (None: not a GGUF tensor)."""
     return {types.get(name) for name in _sources(prefix, config)}
+
+
+def stored_bytes(prefix: str, config: ModelConfig, types: dict[str, QType], weights: int) -> int | None:
+    """Bytes the file's blocks of the layer at ``prefix`` take, ``weights`` weights of them (what the
+    native kernels keep), or None where the layer is not stored in one block format."""
+    kinds = _stored_types(prefix, config, types)
+    if len(kinds) != 1 or (qtype := next(iter(kinds))) is None or qtype not in BLOCK_WEIGHTS:
+        return None
+    return weights // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
 
 
 def _fp8_layer_method(sources: list[str], fp8: frozenset[str], config: ModelConfig) -> tuple[str, str]:
