@@ -33,6 +33,24 @@ def test_make_install_keeps_pip_quiet() -> None:
     assert any("editable_mode=strict" in line for line in installs)
 
 
+def test_make_run_without_a_compiler_says_what_to_install_and_still_starts(tmp_path: Path) -> None:
+    """No C++ compiler on PATH: `make run` says, before the server starts, what the native kernels'
+    absence costs and what to install, then starts it all the same (a stand-in server here, which prints
+    its flags; tests/service/test_without_native_kernels.py serves from the real one without a compiler)."""
+    server = tmp_path / "tokenmill-server"
+    server.write_text('#!/bin/sh\necho "server started: $*"\n')
+    server.chmod(0o755)
+    make = ["make", "-C", str(REPO), "-o", STAMP, "-o", LINKED, "run", f"BIN={tmp_path}"]
+    missing = subprocess.run([*make, "CXX=/nonexistent/g++"], capture_output=True, text=True, timeout=60, check=False)
+    assert missing.returncode == 0, missing.stderr
+    assert "make: no C++ compiler (/nonexistent/g++) on PATH" in missing.stderr
+    assert "apt-get install g++" in missing.stderr and "slower" in missing.stderr
+    assert "server started: --host 127.0.0.1" in missing.stdout
+    present = subprocess.run([*make, f"CXX={sys.executable}"], capture_output=True, text=True, timeout=60, check=False)
+    assert present.returncode == 0 and "compiler" not in present.stderr
+    assert "server started" in present.stdout
+
+
 @pytest.fixture(scope="module")
 def make_run() -> Iterator[tuple[PtySession, int, int]]:
     """`make run` on free ports, as a person starts it (with the install step counted as done: `make test`

@@ -68,7 +68,14 @@ def test_without_a_compiler_auto_serves_torchs_kernels_and_says_why(smollm: Chec
     facts = DeviceFacts(native_missing=dict.fromkeys(NATIVE_KERNELS, NO_COMPILER))
     p = plan(smollm, facts)
     assert p.skipped["gguf-vnni"] == p.skipped["gguf"] == NO_COMPILER
-    assert p.method_counts == {"int4": 120, "none": 1}  # the Q8_0 head dense, exactly dequantized
+    # Every layer dense float32, exactly dequantized (the Q4_1 layers too: not torch's int4 kernel, which
+    # rounds to bfloat16), by torch's sliced product; the embedding table kept as the file stores it.
+    assert p.method_counts == {"none": 121} and p.act_dtype.value == "float32"
+    assert {c.kernel for c in p.layers.values()} == {"sliced-matmul"} and p.embed_dtype == "gguf-blocks"
+    why = p.quant_reasons["none"]
+    assert why.startswith("Q4_1 tensors, dense (exactly dequantized): no native kernel serves here")
+    assert "torch's int4 kernel rounds to bfloat16, outside the default's fidelity bounds" in why
+    assert "--quantization int4" in why and "Q8_0 tensors, dense (exactly dequantized)" in why
     assert p.ops.value == "torch" and NO_COMPILER in p.ops.reason
     assert p.executor.value == "eager" and "not tokenmill's native kernel" in p.executor.reason
     with pytest.raises(
@@ -77,6 +84,20 @@ def test_without_a_compiler_auto_serves_torchs_kernels_and_says_why(smollm: Chec
         plan(smollm, facts, quantization="gguf")
     with pytest.raises(PlanRefused, match="float16 needs tokenmill's native attention kernel: no C\\+\\+ compiler"):
         plan(smollm, facts, kv_cache_dtype="float16")
+
+
+def test_with_the_native_kernels_turned_off_auto_stays_faithful_and_int4_is_asked_for(smollm: Checkpoint) -> None:
+    """TOKENMILL_NATIVE_KERNELS=0 plans as a missing compiler does; torch's int4 kernel serves only when
+    asked (--quantization int4), or on a GPU, where the native kernels never run."""
+    off = DeviceFacts(native_missing=dict.fromkeys(NATIVE_KERNELS, "TOKENMILL_NATIVE_KERNELS=0"))
+    p = plan(smollm, off)
+    assert p.method_counts == {"none": 121} and p.skipped["native-ops"] == "TOKENMILL_NATIVE_KERNELS=0"
+    assert p.executor.value == "eager"
+    asked = plan(smollm, off, quantization="int4")
+    assert asked.method_counts == {"int4": 120, "int8": 1} and asked.quant_reasons["int4"] == "asked (--quantization)"
+    gpu = plan(smollm, DeviceFacts(device="cuda:0"))
+    assert gpu.method_counts == {"int4": 120, "none": 1}
+    assert gpu.quant_reasons["int4"] == "Q4_0/Q4_1 blocks kept as int4 exactly as stored (no native kernel serves here)"
 
 
 def test_without_vnni_auto_takes_the_float32_block_kernel_and_says_why(smollm: Checkpoint) -> None:

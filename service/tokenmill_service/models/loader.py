@@ -16,8 +16,9 @@ import structlog
 import torch
 
 from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.models.builder import build_model
-from tokenmill_service.models.checkpoint import open_checkpoint
+from tokenmill_service.models.checkpoint import Checkpoint, open_checkpoint
 from tokenmill_service.models.llama import LlamaForCausalLM
 from tokenmill_service.models.paths import (
     DEFAULT_MODEL_INSTALL_HINT,
@@ -29,7 +30,7 @@ from tokenmill_service.models.resident_memory import release_freed_heap
 from tokenmill_service.plan.device import probe_device
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import LoadPlan, PlanRefused
-from tokenmill_service.plan.resolve import NATIVE_METHODS, dtype_name, resolve_plan
+from tokenmill_service.plan.resolve import NATIVE_METHODS, dtype_name, resolve_plan, stored_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
     plan = resolve_plan(options, checkpoint, facts)
     _log_refusals(plan)
     model = build_model(plan, checkpoint, tp)
+    _warn_without_native_kernels(plan, checkpoint, model)
     checkpoint.release_pages()
     released = release_freed_heap()
     log.info(
@@ -86,6 +88,56 @@ def _log_refusals(plan: LoadPlan) -> None:
     if plan.cpu_isa is not None and plan.cpu_isa.value == "scalar" and plan.options.cpu_isa == "auto":
         # The same bits as the vector builds, at a fraction of their speed: said once, where people look.
         log.warning("native_kernels_scalar", reason=plan.cpu_isa.reason)
+
+
+# What to run to get a C++ compiler, for the warning below (the kernels build with g++, or $CXX).
+COMPILER_INSTALL_HINT = (
+    "install a C++ compiler (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++; "
+    "macOS: xcode-select --install) and restart: the kernels build on first use, a few seconds each"
+)
+# Whether this process has warned that it serves without the native kernels (once, whatever it loads).
+_warned_without_native = False
+
+
+def _warn_without_native_kernels(plan: LoadPlan, checkpoint: Checkpoint, model: LlamaForCausalLM) -> None:
+    """Once per process, at warning level: the model serves on a CPU without tokenmill's native kernels
+    (no linear layer and no attention in them), what is missing, what it costs, and what to install."""
+    global _warned_without_native
+    if _warned_without_native or plan.device != "cpu" or plan.ops.value == "native":
+        return
+    missing = sorted({why for what, why in plan.skipped.items() if what in (*NATIVE_METHODS, "native-ops")})
+    linear = [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
+    if not missing or any(m.quant.native_kernel is not None for _, m in linear):
+        return
+    _warned_without_native = True
+    # The bytes of weights served (as model_loaded counts them), and as many with each linear layer the
+    # native kernels would serve as the file stores it.
+    config, types = checkpoint.config, checkpoint.tensor_types
+    served = stored = model.weight_bytes()
+    for name, m in linear:
+        as_stored = stored_bytes(name, config, types, m.in_features * m.out_features)
+        stored += 0 if as_stored is None else as_stored - m.quant.weight_bytes(m)
+    # Measured on the embedded model, one thread: a decode step 83 ms against gguf-vnni's 7 ms (README).
+    cost = "torch's kernels and the layers one by one in Python: decoding about 10 times slower on the embedded model"
+    if served > stored:
+        cost += (
+            f"; {served / 2**20:.0f} MiB of weights where the native kernels keep the file's "
+            f"{stored / 2**20:.0f} MiB ({served / stored:.1f}x)"
+        )
+    if any("compiler" in why for why in missing):
+        fix = COMPILER_INSTALL_HINT
+    elif "TOKENMILL_NATIVE_KERNELS=0" in missing:
+        fix = "unset TOKENMILL_NATIVE_KERNELS (=0 turns them off)"
+    else:
+        fix = "see missing"
+    log.warning(
+        "native_kernels_unavailable",
+        missing="; ".join(missing),
+        cost=cost,
+        fix=fix,
+        weight_mib=round(served / 2**20, 1),
+        native_weight_mib=round(stored / 2**20, 1),
+    )
 
 
 def load_model(

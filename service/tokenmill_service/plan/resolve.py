@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QType
 from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.kernels import Ops, ops_class
 from tokenmill_service.layers.quant import quant_method_class
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS
+from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
 from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
@@ -76,7 +76,11 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     layout = _kv_cache_layout(family, ops_cls, config)
     executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
     experts = _experts(facts, ops_cls, act_dtype, layers, config)
-    quantized = any(c.method != "none" for c in layers.values())
+    # A GGUF's blocks under auto are quantized weights even where no native kernel serves and every layer
+    # is dense: the embedding table stays as stored then too, only the looked-up rows dequantized.
+    quantized = any(c.method != "none" for c in layers.values()) or (
+        options.quantization == "auto" and any(t in BLOCK_WEIGHTS for t in types.values())
+    )
     rope_choice = getattr(family, "rope_choice", None)
     return LoadPlan(
         options=options,
@@ -208,7 +212,7 @@ def _linear_layers(
         if fp8 and setting in ("auto", FP8_METHOD):
             method, reason = _fp8_layer_method(_sources(prefix, checkpoint.config), fp8, checkpoint.config)
         else:
-            method, reason = _layer_method(setting, native, kinds, prefix)
+            method, reason = _layer_method(setting, native, kinds, prefix, facts.kind == "cpu")
         cls = quant_method_class(method)
         layers[prefix] = LayerChoice(method, cls.kernel_for(facts, act))
         if method in native:
@@ -237,6 +241,15 @@ def _stored_types(prefix: str, config: ModelConfig, types: dict[str, QType]) -> 
     return {types.get(name) for name in _sources(prefix, config)}
 
 
+def stored_bytes(prefix: str, config: ModelConfig, types: dict[str, QType], weights: int) -> int | None:
+    """Bytes the file's blocks of the layer at ``prefix`` take, ``weights`` weights of them (what the
+    native kernels keep), or None where the layer is not stored in one block format."""
+    kinds = _stored_types(prefix, config, types)
+    if len(kinds) != 1 or (qtype := next(iter(kinds))) is None or qtype not in BLOCK_WEIGHTS:
+        return None
+    return weights // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+
+
 def _fp8_layer_method(sources: list[str], fp8: frozenset[str], config: ModelConfig) -> tuple[str, str]:
     """A layer of a checkpoint with FP8 block-scaled weights, under --quantization auto or fp8-block."""
     stored = {name in fp8 for name in sources}
@@ -253,8 +266,9 @@ def _fp8_layer_method(sources: list[str], fp8: frozenset[str], config: ModelConf
     return "none", "FP8 and float tensors packed together, dense (exactly dequantized)"
 
 
-def _layer_method(setting: str, native: list[str], kinds: set[QType | None], prefix: str) -> tuple[str, str]:
-    """The method of one layer under ``--quantization setting`` (``native``: the GGUF methods that may run)."""
+def _layer_method(setting: str, native: list[str], kinds: set[QType | None], prefix: str, cpu: bool) -> tuple[str, str]:
+    """The method of one layer under ``--quantization setting`` (``native``: the GGUF methods that may run;
+    ``cpu``: the model is on a CPU, where a layer no native kernel serves is dense float32, never int4)."""
     names = "/".join(sorted(k.name if k is not None else "float" for k in kinds))
     if setting == "auto" or setting in NATIVE_METHODS:
         served: set[QType] = set()
@@ -264,10 +278,17 @@ def _layer_method(setting: str, native: list[str], kinds: set[QType | None], pre
             if kinds <= method_serves and (len(kinds) == 1 or mixes):
                 return method, "the GGUF file's blocks, multiplied as stored"
             served |= method_serves
+        reason = f"{names} tensors, dense (exactly dequantized)"
         if kinds <= _INT4_TYPES:
             why = "no native kernel serves here" if not native else "stored in mixed formats"
-            return "int4", f"Q4_0/Q4_1 blocks kept as int4 exactly as stored ({why})"
-        reason = f"{names} tensors, dense (exactly dequantized)"
+            if not cpu:
+                return "int4", f"Q4_0/Q4_1 blocks kept as int4 exactly as stored ({why})"
+            # On a CPU torch's int4 kernel is fast only in bfloat16, and its bfloat16 scales and products
+            # put the embedded model's prompt logprobs 2e-2 off the reference: over the default's bounds.
+            return "none", (
+                f"{reason}: {why}, and torch's int4 kernel rounds to bfloat16, outside the default's fidelity "
+                "bounds (--quantization int4 takes it, at a sixth of the memory)"
+            )
         unread = "/".join(sorted(k.name for k in kinds if k in BLOCK_WEIGHTS and k not in served))
         if native and unread:
             reason += f": no native kernel reads {unread} yet"
