@@ -45,10 +45,10 @@ from tokenmill_service.engine.request import (
     TopLogprob,
 )
 from tokenmill_service.engine.sampler import sample
-from tokenmill_service.kernels.cpu.sampling import log_softmax
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
 from tokenmill_service.engine.token_masks import MaskFiller, MaskJob, allowed_tokens
+from tokenmill_service.kernels.cpu.sampling import log_softmax
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
