@@ -37,7 +37,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.kernels.cpu import abi, build
+from tokenmill_service.kernels.cpu import abi, build, instruction_sets
 
 KERNEL_DIR = "service/tokenmill_service/kernels/cpu"
 # Where each format's float16 scales sit in its GGUF block (the rest of a block is any bytes).
@@ -65,15 +65,19 @@ def kernel_of(qtype: QType) -> tuple[str, str]:
     return ("kquant_gemm", "tm_kquant") if qtype in KQUANTS else ("vnni_gemm", "tm_vnni")
 
 
-def old_library(rev: str, name: str, out: Path) -> ctypes.CDLL:
-    """Kernel ``name`` as revision ``rev`` has it, compiled into ``out``."""
+def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
+    """Kernel ``name`` as revision ``rev`` has it, compiled for instruction set ``isa`` into ``out``."""
     root = Path(
         subprocess.run(
             ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
         ).stdout.strip()
     )
     files = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], capture_output=True, text=True, check=True, cwd=root
+        ["git", "ls-tree", "-r", "--name-only", f"{rev}:{KERNEL_DIR}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
     ).stdout.split()
     src = out / rev.replace("/", "_")
     src.mkdir(exist_ok=True)
@@ -82,9 +86,10 @@ def old_library(rev: str, name: str, out: Path) -> ctypes.CDLL:
             text = subprocess.run(
                 ["git", "show", f"{rev}:{KERNEL_DIR}/{f}"], capture_output=True, text=True, check=True, cwd=root
             ).stdout
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
             (src / f).write_text(text)
     target = src / f"{name}.so"
-    build.compile_source("g++", src / f"{name}.cpp", target)
+    build.compile_source("g++", src / f"{name}.cpp", target, isa)
     return abi.bind(ctypes.CDLL(str(target)), name)
 
 
@@ -205,6 +210,12 @@ def main() -> int:
     parser.add_argument(
         "--from-memory", type=int, default=0, metavar="MB", help="cycle each call over copies of the weight filling MB"
     )
+    parser.add_argument(
+        "--old-isa",
+        default="avx512",
+        help="the instruction set the old revision is built for (before simd.h the kernels built for avx512 only); "
+        "the new one is the process's (TOKENMILL_CPU_ISA)",
+    )
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
@@ -212,7 +223,8 @@ def main() -> int:
     libs = {}
     with tempfile.TemporaryDirectory(prefix="tm-old-kernels-") as tmp:
         for name in sorted({kernel_of(q)[0] for q in names}):
-            libs[name] = (old_library(args.old_rev, name, Path(tmp)), build.load(name))
+            libs[name] = (old_library(args.old_rev, name, Path(tmp), args.old_isa), build.load(name))
+        print(f"old: {args.old_rev} built for {args.old_isa}; new: the working tree's, {instruction_sets.selected()}")
         ok = True
         if not args.no_check:
             ok = check(libs, names)
