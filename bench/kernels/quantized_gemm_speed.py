@@ -73,7 +73,11 @@ def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
         ).stdout.strip()
     )
     files = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], capture_output=True, text=True, check=True, cwd=root
+        ["git", "ls-tree", "-r", "--name-only", f"{rev}:{KERNEL_DIR}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
     ).stdout.split()
     src = out / rev.replace("/", "_")
     src.mkdir(exist_ok=True)
@@ -82,6 +86,7 @@ def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
             text = subprocess.run(
                 ["git", "show", f"{rev}:{KERNEL_DIR}/{f}"], capture_output=True, text=True, check=True, cwd=root
             ).stdout
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
             (src / f).write_text(text)
     target = src / f"{name}.so"
     build.compile_source("g++", src / f"{name}.cpp", target, isa)

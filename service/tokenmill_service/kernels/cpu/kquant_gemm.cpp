@@ -1,7 +1,8 @@
 // y[M, N] = x[M, K] @ W[N, K]^T for W in llama.cpp's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
 // super-blocks of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
-// per block of 32 (vnni_common.h), weights as unsigned integers, vpdpbusd (a few rows) or vpdpwssd (more), exact
-// int32 sums.
+// per block of 32 (vnni_common.h), weights as unsigned integers, products of bytes (dot_u7s8 / dot_u8s8) or of
+// int16 pairs (dot_s16; which for how many rows depends on the backend: MAX_DIGIT_ROWS), exact int32 sums.
+// Written in simd.h's ops: the same bits on every CPU.
 //
 // What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
 //   Q4_K, Q5_K: 8 sub-blocks of 32, each with a 6-bit scale sc and minimum m; the super-block has
@@ -28,7 +29,7 @@
 // order (block after block along K), and the activations are quantized row by row, so a row's
 // result never depends on the other rows, the tiling or the thread count.
 //
-// Layout (tm_kquant_pack): rows in groups of 16 (the 16 int32 lanes of vpdpbusd are 16 outputs);
+// Layout (tm_kquant_pack): rows in groups of 16 (a product's 16 int32 lanes are 16 outputs);
 // per group and super-block, for each of its 8 blocks of 32:
 //   Q4_K, Q5_K, Q6_K, IQ4_XS: the low four bits of every weight as vnni_gemm.cpp packs Q4_0 (4 x 64 bytes:
 //               byte i of part s holds, for row i / 4 and weight i % 4, step 2s's weight in its low
@@ -36,17 +37,17 @@
 //               then, right after the block's nibbles, their higher bits (q >> 4: one bit, two bits)
 //               in 64-byte planes laid out as the nibbles are, byte i for the same row and weight of
 //               each step: Q5_K one plane, bit t for step t; Q6_K two, plane p's bits 2u, 2u + 1 for
-//               step 4p + u. A step's higher bits are one shift and one bitwise select (vpternlogd)
+//               step 4p + u. A step's higher bits are one shift and one bitwise select (or_and)
 //               into its nibbles, and a thread reads its weights as one stream. Measured on an AMD
 //               EPYC, one decoding row: Q5_K as fast a byte as Q4_K, 2.7 times the speed of its bits as
 //               64-bit masks kept after all 8 blocks' nibbles (a second stream 2 KB ahead); Q6_K 1.2-1.3
 //               times its speed a byte a weight, and the file's size instead of 1.31 times it;
 //   IQ4_XS:     its 4-bit indices as the others' nibbles, each turned into level + 128 by one byte
-//               shuffle (vpshufb over the 16 levels) in the loop;
+//               lookup (lookup16 over the 16 levels) in the loop;
 //   Q3_K:       the low two bits of every weight in two 64-byte planes (byte i as the nibbles', plane p's
 //               bits 2u, 2u + 1 for step 4p + u), then its hmask bit in one plane as Q5_K's fifth bit
 //               (bit t for step t): 192 bytes, 3 bits a weight. A step's q is one shift and a mask for
-//               the low bits and one shift and a vpternlogd select for the high bit, in one stream;
+//               the low bits and one shift and an or_and select for the high bit, in one stream;
 //   Q2_K:       its two bits in two 64-byte planes as Q3_K's low bits, and nothing above them: 128 bytes;
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
@@ -62,12 +63,9 @@
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "kquant_gemm needs AVX-512F/BW, AVX-512 VNNI and F16C"
-#endif
-
 namespace {
 
+using namespace simd;
 using vnni::Activations;
 using vnni::dword_at;
 using vnni::G;
@@ -81,14 +79,30 @@ constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-bloc
 static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K &&
                   TM_BLOCK_WEIGHTS_Q2_K == QK_K && TM_BLOCK_WEIGHTS_Q3_K == QK_K,
               "k-quants: one super-block size");
+// The register tiles and the activations' form (neither changes an output's bits). AVX-512's 32 registers hold
+// one vector each: words tiles of 4 rows x 2 groups, and digits (one group, 4 rows) up to 4 rows, as measured
+// on Zen 4. Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2,
+// measured on an AMD EPYC (one thread, Q4_K and Q6_K, K = 2048): words for every row count (a byte product is
+// 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 4 rows x 1 group
+// (4 x 2: 1.1 times as long at 64 and 256 rows; 2 x 1 and 3 x 1 0.93-1.05 times). NEON (not measured): digits
+// for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
+// their sums and weights, the 32 registers).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #define KQUANT_MT 4
-#define KQUANT_NG 2
+#define KQUANT_NG (VECTOR_REGISTERS >= 32 ? 2 : 1)
+#define KQUANT_MT_DIGITS (VECTOR_REGISTERS >= 32 ? 4 : 2)
+#if defined(TM_ISA_AVX512)
+#define KQUANT_DIGIT_ROWS 4
+#elif defined(TM_ISA_NEON)
+#define KQUANT_DIGIT_ROWS INT64_MAX
+#else
+#define KQUANT_DIGIT_ROWS 0
+#endif
 #endif
 constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
-constexpr int MT_DIGITS = 4;   // activation rows per register tile as digits (a few rows: one group a tile)
-constexpr int64_t MAX_DIGIT_ROWS = 4;  // products of at most this many rows take the digits (see tile)
+constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
+constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 
 enum Format : int {
   Q2_K = TM_FORMAT_Q2_K,
@@ -296,66 +310,64 @@ int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   }
 }
 
-inline __m512 bytes_as_floats(const uint8_t* p, bool is_signed) {
-  const __m128i v = _mm_loadu_si128((const __m128i*)p);
-  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+inline f32x16 bytes_as_floats(const uint8_t* p, bool is_signed) {
+  return to_float(is_signed ? load_s8_i((const int8_t*)p) : load_u8_i(p));
 }
 
 // Each byte's field starting at bit `from` moved to start at bit `to`, the byte's other bits left for the
 // caller to mask (16-bit shifts: the bits a byte takes from its neighbour land outside the field).
-inline __m512i shifted(__m512i plane, int from, int to) {
+inline u8x64 shifted(u8x64 plane, int from, int to) {
   const int shift = to - from;
-  return shift > 0 ? _mm512_slli_epi16(plane, shift) : shift < 0 ? _mm512_srli_epi16(plane, -shift) : plane;
+  return shift > 0 ? shl16(plane, shift) : shift < 0 ? shr16(plane, -shift) : plane;
 }
 
 // Step t's low bits (LOW of them, from the block's first planes) as bytes.
 template <int LOW>
-inline __m512i low_bits_of(const uint8_t* bq, int t) {
-  const __m512i plane = _mm512_loadu_si512(bq + plane_of(LOW, t) * 64);
-  return _mm512_and_si512(shifted(plane, shift_of(LOW, t), 0), _mm512_set1_epi8((char)((1 << LOW) - 1)));
+inline u8x64 low_bits_of(const uint8_t* bq, int t) {
+  const u8x64 plane = load_b(bq + plane_of(LOW, t) * 64);
+  return and_b(shifted(plane, shift_of(LOW, t), 0), set1_b((uint8_t)((1 << LOW) - 1)));
 }
 
 // Step t's low bits w with their higher bits (the planes after the low ones) set above them.
 template <int LOW, int BITS>
-inline __m512i with_high_bits(__m512i w, const __m512i planes[2], int t) {
-  const __m512i high = shifted(planes[plane_of(BITS, t)], shift_of(BITS, t), LOW);
-  // w | (high & bits LOW .. LOW + BITS - 1): 0xF8 is A | (B & C) for A = w, B = high, C = the mask.
-  return _mm512_ternarylogic_epi32(w, high, _mm512_set1_epi8((char)(((1 << BITS) - 1) << LOW)), 0xF8);
+inline u8x64 with_high_bits(u8x64 w, const u8x64 planes[2], int t) {
+  const u8x64 high = shifted(planes[plane_of(BITS, t)], shift_of(BITS, t), LOW);
+  // w | (high & bits LOW .. LOW + BITS - 1): one instruction on AVX-512 (vpternlogd).
+  return or_and(w, high, set1_b((uint8_t)(((1 << BITS) - 1) << LOW)));
 }
 
 // Step 2s's and step 2s + 1's weights q (4 each of 16 rows) as unsigned bytes, from block bq's planes.
 template <int F>
-inline void step_bytes(const uint8_t* bq, int s, __m512i& w0, __m512i& w1) {
+inline void step_bytes(const uint8_t* bq, int s, u8x64& w0, u8x64& w1) {
   constexpr int LOW = low_bits(F), BITS = (int)high_bits(F);
   if constexpr (LOW == 4) {
-    const __m512i v = _mm512_loadu_si512(bq + s * 64), nibble = _mm512_set1_epi8(0x0F);
-    w0 = _mm512_and_si512(v, nibble);
-    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const u8x64 v = load_b(bq + s * 64), nibble = set1_b(0x0F);
+    w0 = and_b(v, nibble);
+    w1 = and_b(shr16(v, 4), nibble);
   } else {
     w0 = low_bits_of<LOW>(bq, 2 * s);
     w1 = low_bits_of<LOW>(bq, 2 * s + 1);
   }
   if constexpr (BITS > 0) {
-    __m512i planes[2];
-    for (int pl = 0; pl < BITS; ++pl) planes[pl] = _mm512_loadu_si512(bq + 64 * LOW + pl * 64);
+    u8x64 planes[2];
+    for (int pl = 0; pl < BITS; ++pl) planes[pl] = load_b(bq + 64 * LOW + pl * 64);
     w0 = with_high_bits<LOW, BITS>(w0, planes, 2 * s);
     w1 = with_high_bits<LOW, BITS>(w1, planes, 2 * s + 1);
   }
   if constexpr (level_indices(F)) {
-    // IQ4_NL's levels + 128 in every 16-byte lane, for vpshufb to look the indices up in.
-    const __m512i levels = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)IQ4_Q));
-    w0 = _mm512_shuffle_epi8(levels, w0);
-    w1 = _mm512_shuffle_epi8(levels, w1);
+    // The indices looked up in IQ4_NL's levels + 128.
+    w0 = lookup16(IQ4_Q, w0);
+    w1 = lookup16(IQ4_Q, w1);
   }
 }
 
-// The same weights q0 .. q7 of each row as int16 pairs, vpdpwssd's operand (vnni_common.h's order).
+// The same weights q0 .. q7 of each row as int16 pairs, dot_s16's operand (vnni_common.h's order).
 template <int F>
-inline void step_words(const uint8_t* bq, int s, __m512i wq[4]) {
+inline void step_words(const uint8_t* bq, int s, u8x64 wq[4]) {
   if constexpr (low_bits(F) == 4 && high_bits(F) == 0 && !level_indices(F)) {
-    vnni::nibbles_as_words(_mm512_loadu_si512(bq + s * 64), wq);  // Q4_K: straight from the nibbles
+    vnni::nibbles_as_words(load_b(bq + s * 64), wq);  // Q4_K: straight from the nibbles
   } else {
-    __m512i w0, w1;
+    u8x64 w0, w1;
     step_bytes<F>(bq, s, w0, w1);
     vnni::bytes_as_words(w0, w1, wq);
   }
@@ -364,73 +376,84 @@ inline void step_words(const uint8_t* bq, int s, __m512i wq[4]) {
 // An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset
 // -offset * sum_h a (s16[h]) in the units of total (the lo digits' sum for digits).
 template <int F, bool WORDS, int P>
-inline void start_sums(__m512i (&parts)[P], const int32_t* s16, int64_t h) {
-  for (int u = 0; u < P; ++u) parts[u] = _mm512_setzero_si512();
-  if constexpr (signed_scales(F)) parts[WORDS ? 0 : 1] = _mm512_set1_epi32(-q_offset(F) * s16[h]);
+inline void start_sums(i32x16 (&parts)[P], const int32_t* s16, int64_t h) {
+  for (int u = 0; u < P; ++u) parts[u] = zero_i();
+  if constexpr (signed_scales(F)) parts[WORDS ? 0 : 1] = set1_i(-q_offset(F) * s16[h]);
+}
+
+// A byte product for format F's weights: below 128 but for IQ4_XS's levels + 128 (some backends have a faster
+// product for those: AVX2's vpmaddubsw cannot saturate there, NEON's SDOT takes them as signed bytes).
+template <int F>
+inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
+  if constexpr (level_indices(F)) return dot_u8s8(acc, q, a4);
+  else return dot_u7s8(acc, q, a4);
 }
 
 // y[i, 16g + l] for M activation rows and NGT groups starting at w. WORDS: the activations as one int16 each
-// (quantize_row_words) and vpdpwssd, one product a pair of weights; else as two int8 digits (quantize_row) and
-// vpdpbusd, two products (one a digit) a quad of weights. The integer sums are the same, so are the outputs.
+// (quantize_row_words) and dot_s16, one product a pair of weights; else as two int8 digits (quantize_row) and
+// byte products (dot_q), two (one a digit) a quad of weights. The integer sums are the same, so are the outputs.
 // Words take no second sum per output nor the digits' (hi << 8) + lo each block, so more rows fit in the
-// registers (MT), but two more shifts or masks a quad of weights: the digits for the few rows of decoding.
-// What bounds the words on Zen 4 is the float fold of each block: its multiply and FMAs share vpdpwssd's two
-// pipes (3 of them a block per output against 16 products; Q4_K measured 1.22 times as fast with them taken
-// out, Q6_K 1.17), and they must stay, one rounding at a time in this order, for the outputs' bits.
+// registers (MT), but two more shifts or masks a quad of weights: on AVX-512 the digits for the few rows of
+// decoding (which form each backend takes: MAX_DIGIT_ROWS).
+// What bounds the words on Zen 4 (AVX-512) is the float fold of each block: its multiply and FMAs share
+// vpdpwssd's two pipes (3 of them a block per output against 16 products; Q4_K measured 1.22 times as fast
+// with them taken out, Q6_K 1.17), and they must stay, one rounding at a time in this order, for the outputs' bits.
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
 template <int F, int M, int NGT, bool WORDS>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid) {
-  // Partial sums per output: digits hi and lo; words enough independent chains of vpdpwssd (4 cycles'
+  // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 (on AVX-512 4 cycles'
   // latency, one a cycle) in flight.
   constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
-  __m512 acc[M][NGT];
+  f32x16 acc[M][NGT];
+  // The block's sums and a pass's weights, declared here rather than in the loops that use them: GCC 12 at -O3
+  // gave the scalar build's sums and weights one stack slot (fine with -fstack-reuse=none), their scopes
+  // ending inside the unrolled loops.
+  i32x16 qa[M][NGT][PARTS];
+  u8x64 wq[NGT][4], w0[NGT], w1[NGT];
   for (int i = 0; i < M; ++i)
-    for (int g = 0; g < NGT; ++g) acc[i][g] = _mm512_setzero_ps();
+    for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t sb = 0; sb < k / QK_K; ++sb) {
-    __m512 d[NGT], dmin[NGT];
-    // One group a tile (decoding): the thread's weights are one stream, fetched ahead of it.
-    if constexpr (NGT == 1 && !WORDS)
+    f32x16 d[NGT], dmin[NGT];
+    // One group a tile in the form decoding takes (decoding): the thread's weights are one stream, fetched ahead
+    // of it (AVX2's words without it: up to 1.5 times as long from memory).
+    if constexpr (NGT == 1 && WORDS == (MAX_DIGIT_ROWS == 0))
       if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(Packed(F, w, gstride, 0, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
-      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p.scales));
-      dmin[g] = signed_scales(F) ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p.scales + 2 * G)));
+      d[g] = load_half((const uint16_t*)p.scales);
+      dmin[g] = signed_scales(F) ? zero_f() : load_half((const uint16_t*)(p.scales + 2 * G));
     }
     for (int64_t j = 0; j < SUBS; ++j) {
       const int64_t b = sb * SUBS + j;
       // sum q a of the block (or half block) so far, exact, in PARTS sums per output; for the formats with an
       // offset, sum (q - offset) a: the sums start from -offset * sum a (in the units of total: the lo digits'
       // sum for digits), which takes no subtraction per half block.
-      __m512i qa[M][NGT][PARTS];
       for (int i = 0; i < M; ++i)
         for (int g = 0; g < NGT; ++g) start_sums<F, WORDS>(qa[i][g], act.s16, i * 2 * blocks + 2 * b);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
         if constexpr (WORDS) {
-          __m512i wq[NGT][4];
           for (int g = 0; g < NGT; ++g) step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
           for (int i = 0; i < M; ++i) {
             const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 16 * s;  // the 8 activations' words
             for (int u = 0; u < 4; ++u) {
-              const __m512i au = _mm512_set1_epi32(dword_at(ai + 4 * u));
-              for (int g = 0; g < NGT; ++g) qa[i][g][u % PARTS] = _mm512_dpwssd_epi32(qa[i][g][u % PARTS], wq[g][u], au);
+              const int32_t au = dword_at(ai + 4 * u);
+              for (int g = 0; g < NGT; ++g) qa[i][g][u % PARTS] = dot_s16(qa[i][g][u % PARTS], wq[g][u], au);
             }
           }
         } else {
-          __m512i w0[NGT], w1[NGT];
           for (int g = 0; g < NGT; ++g)
             step_bytes<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, w0[g], w1[g]);
           for (int i = 0; i < M; ++i) {
             const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
-            const __m512i h0 = _mm512_set1_epi32(dword_at(ai)), h1 = _mm512_set1_epi32(dword_at(ai + 4));
-            const __m512i l0 = _mm512_set1_epi32(dword_at(ai + QK)), l1 = _mm512_set1_epi32(dword_at(ai + QK + 4));
+            const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4), l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
             for (int g = 0; g < NGT; ++g) {
-              qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w0[g], h0);
-              qa[i][g][0] = _mm512_dpbusd_epi32(qa[i][g][0], w1[g], h1);
-              qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w0[g], l0);
-              qa[i][g][1] = _mm512_dpbusd_epi32(qa[i][g][1], w1[g], l1);
+              qa[i][g][0] = dot_q<F>(qa[i][g][0], w0[g], h0);
+              qa[i][g][0] = dot_q<F>(qa[i][g][0], w1[g], h1);
+              qa[i][g][1] = dot_q<F>(qa[i][g][1], w0[g], l0);
+              qa[i][g][1] = dot_q<F>(qa[i][g][1], w1[g], l1);
             }
           }
         }
@@ -440,14 +463,14 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           const int64_t half = 2 * j + s / 2;
           for (int g = 0; g < NGT; ++g) {
             const Packed p(F, w, gstride, g, sb);
-            const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 4 * G + half * G, false));  // exact
-            const __m512 dm = _mm512_mul_ps(dmin[g], bytes_as_floats(p.scales + 4 * G + 16 * G + half * G, false));
+            const f32x16 de = mul(d[g], bytes_as_floats(p.scales + 4 * G + half * G, false));  // exact
+            const f32x16 dm = mul(dmin[g], bytes_as_floats(p.scales + 4 * G + 16 * G + half * G, false));
             for (int i = 0; i < M; ++i) {
               const float dx = act.dx[i * blocks + b];
-              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), _mm512_mul_ps(de, _mm512_set1_ps(dx)), acc[i][g]);
+              acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), mul(de, set1(dx)), acc[i][g]);
               const float sxh = dx * (float)act.s16[i * 2 * blocks + 2 * b + s / 2];
-              acc[i][g] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sxh), acc[i][g]);
-              for (int u = 0; u < PARTS; ++u) qa[i][g][u] = _mm512_setzero_si512();
+              acc[i][g] = fnmadd(dm, set1(sxh), acc[i][g]);
+              for (int u = 0; u < PARTS; ++u) qa[i][g][u] = zero_i();
             }
           }
         }
@@ -457,10 +480,10 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           const int64_t half = 2 * j + s / 2;
           for (int g = 0; g < NGT; ++g) {
             const Packed p(F, w, gstride, g, sb);
-            const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 2 * G + half * G, true));  // exact
+            const f32x16 de = mul(d[g], bytes_as_floats(p.scales + 2 * G + half * G, true));  // exact
             for (int i = 0; i < M; ++i) {
-              const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
-              acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred
+              const f32x16 scale = mul(de, set1(act.dx[i * blocks + b]));
+              acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred
               if (s == 1) start_sums<F, WORDS>(qa[i][g], act.s16, i * 2 * blocks + 2 * b + 1);
             }
           }
@@ -469,12 +492,12 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
       if constexpr (!half_scales(F)) {
         for (int g = 0; g < NGT; ++g) {
           const Packed p(F, w, gstride, g, sb);
-          const __m512 de = _mm512_mul_ps(d[g], bytes_as_floats(p.scales + 4 * G + j * G, false));  // exact
-          const __m512 dm = _mm512_mul_ps(dmin[g], bytes_as_floats(p.scales + 4 * G + SUBS * G + j * G, false));
+          const f32x16 de = mul(d[g], bytes_as_floats(p.scales + 4 * G + j * G, false));  // exact
+          const f32x16 dm = mul(dmin[g], bytes_as_floats(p.scales + 4 * G + SUBS * G + j * G, false));
           for (int i = 0; i < M; ++i) {
-            const __m512 scale = _mm512_mul_ps(de, _mm512_set1_ps(act.dx[i * blocks + b]));
-            acc[i][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total<WORDS>(qa[i][g])), scale, acc[i][g]);
-            acc[i][g] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(act.sx[i * blocks + b]), acc[i][g]);
+            const f32x16 scale = mul(de, set1(act.dx[i * blocks + b]));
+            acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), scale, acc[i][g]);
+            acc[i][g] = fnmadd(dm, set1(act.sx[i * blocks + b]), acc[i][g]);
           }
         }
       }
@@ -483,8 +506,8 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   for (int g = 0; g < NGT; ++g) {
     const int64_t left = n_valid - g * G;
     if (left <= 0) break;
-    const __mmask16 mask = left >= G ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    for (int i = 0; i < M; ++i) _mm512_mask_storeu_ps(y + i * ldy + g * G, mask, acc[i][g]);
+    const lanes mask = first_lanes(left);
+    for (int i = 0; i < M; ++i) store_masked(y + i * ldy + g * G, mask, acc[i][g]);
   }
 }
 
@@ -577,7 +600,7 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
     const int64_t g = r / G, row = r % G;
     for (int64_t sb = 0; sb < supers; ++sb) {
       const Packed p(fmt, w, gstride, g, sb);
-      const float d = _cvtsh_ss(half_bits(p.scales + row * 2));
+      const float d = half_to_float(half_bits(p.scales + row * 2));
       for (int j = 0; j < QK_K; ++j) {
         const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
         const uint8_t* bq = p.quants + blk * block_quant_bytes(fmt);
@@ -591,7 +614,7 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
           value = de * (float)(q - q_offset(fmt));
         } else {
           const int subs = fmt == Q2_K ? 16 : 8, sub = fmt == Q2_K ? j / 16 : blk;
-          const float dmin = _cvtsh_ss(half_bits(p.scales + G * 2 + row * 2));
+          const float dmin = half_to_float(half_bits(p.scales + G * 2 + row * 2));
           const float de = d * (float)p.scales[4 * G + sub * G + row];
           const float dm = dmin * (float)p.scales[4 * G + subs * G + sub * G + row];
           value = de * (float)q - dm;
