@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install run native-kernels-check test test-quick test-arm lint proto tools clean
+.PHONY: install run native-kernels-check test test-quick test-avx2 test-arm lint proto tools clean
 
 install: $(STAMP) $(LINKED)
 
@@ -65,6 +65,13 @@ test-arm: install
 # The inner loop: the unit and kernel tiers (under a minute here), stopping at the first failure.
 test-quick: install
 	$(BIN)/python -m pytest -q -x -m "unit or kernels" tests
+
+# The unit and kernel tiers as an AVX2-only CPU (AMD Zen 3 and older, many Intel desktops) runs them, on any
+# x86-64 CPU: NumPy's OpenBLAS (the triton interpreter's host), torch's own kernels and inductor, and MKL held
+# to their AVX2 code. The native kernels keep this CPU's build: add TOKENMILL_CPU_ISA=avx2 for theirs.
+AVX2_ENV := TOKENMILL_CPU_ISA=avx2 OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-avx2: install
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -m "unit or kernels" tests
 
 lint: install
 	$(BIN)/ruff check .
