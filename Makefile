@@ -68,7 +68,7 @@ test-quick: install
 
 # The unit and kernel tiers as an AVX2-only CPU (AMD Zen 3 and older, many Intel desktops) runs them, on any
 # x86-64 CPU: NumPy's OpenBLAS (the triton interpreter's host), torch's own kernels and inductor, and MKL held
-# to their AVX2 code. The native kernels keep this CPU's build: add TOKENMILL_CPU_ISA=avx2 for theirs.
+# to their AVX2 code, and tokenmill's own kernels built for AVX2 (TOKENMILL_CPU_ISA).
 AVX2_ENV := TOKENMILL_CPU_ISA=avx2 OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-avx2: install
 	$(AVX2_ENV) $(BIN)/python -m pytest -q -m "unit or kernels" tests
