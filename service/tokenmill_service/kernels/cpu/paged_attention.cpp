@@ -214,7 +214,8 @@ struct ValueDispatch {
                   const T* v_cache, const int64_t* table, int64_t block_size, int64_t head_stride, int64_t j0,
                   int64_t j1) {
     if (count == R) value_rows<VD, R>(acc, acc_ld, keys, pr, ld, v_cache, table, block_size, head_stride, j0, j1);
-    else ValueDispatch<VD, R - 1, T>::run(count, acc, acc_ld, keys, pr, ld, v_cache, table, block_size, head_stride, j0, j1);
+    else ValueDispatch<VD, R - 1, T>::run(count, acc, acc_ld, keys, pr, ld, v_cache, table, block_size, head_stride,
+                                          j0, j1);
   }
 };
 template <int VD, typename T>
