@@ -74,7 +74,8 @@ void check_stores(const Kernels& a, const Kernels& b, check::Report& report, che
       std::vector<uint16_t> c2 = c1, v1 = c1, v2 = c1;
       a.keys_f16(src.data(), stride, t, kv, D, slots.data(), c1.data(), bs);
       b.keys_f16(src.data(), stride, t, kv, D, slots.data(), c2.data(), bs);
-      snprintf(what, sizeof what, "tm_store_keys_f16 t=%ld kv=%ld D=%ld block=%ld", (long)t, (long)kv, (long)D, (long)bs);
+      snprintf(what, sizeof what, "tm_store_keys_f16 t=%ld kv=%ld D=%ld block=%ld", (long)t, (long)kv, (long)D,
+               (long)bs);
       report.same(what, c1, c2);
       a.values_f16(src.data(), stride, t, kv * D, slots.data(), v1.data());
       b.values_f16(src.data(), stride, t, kv * D, slots.data(), v2.data());
@@ -154,7 +155,8 @@ void check_attention(const Kernels& a, const Kernels& b, check::Report& report, 
               c.window, c.softcap, sp, o2.data(), threads);
     }
     snprintf(what, sizeof what,
-             "%s D=%ld heads=%ld/%ld block=%ld chunk=%ld of %ld, %ld seqs, window=%ld softcap=%g sinks=%d q*%g threads=%d",
+             "%s D=%ld heads=%ld/%ld block=%ld chunk=%ld of %ld, %ld seqs, window=%ld softcap=%g sinks=%d q*%g "
+             "threads=%d",
              c.f16 ? "f16" : "f32", (long)D, (long)c.heads, (long)kv, (long)bs, (long)c.chunk, (long)c.lengths[0],
              (long)S, (long)c.window, c.softcap, c.sinks, c.q_scale, threads);
     if (r1 != 0 || r2 != 0) {
@@ -178,10 +180,11 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
   {
     std::vector<float> q(2 * 96), o(2 * 96), cache(16 * 96);
     const int64_t pos = 0, seq = 0, table = 0;
-    const int r1 = a.plain(q.data(), 1, 2, 1, 96, cache.data(), cache.data(), 16, &pos, &seq, &table, 1, 1.0f, o.data(), 1);
-    const int r2 = b.plain(q.data(), 1, 2, 1, 96, cache.data(), cache.data(), 16, &pos, &seq, &table, 1, 1.0f, o.data(), 1);
-    const int r3 = a.plain(q.data(), 1, 3, 2, 64, cache.data(), cache.data(), 16, &pos, &seq, &table, 1, 1.0f, o.data(), 1);
-    const int r4 = b.plain(q.data(), 1, 3, 2, 64, cache.data(), cache.data(), 16, &pos, &seq, &table, 1, 1.0f, o.data(), 1);
+    auto call = [&](Attention f, int64_t heads, int64_t kv, int64_t d) {
+      return f(q.data(), 1, heads, kv, d, cache.data(), cache.data(), 16, &pos, &seq, &table, 1, 1.0f, o.data(), 1);
+    };
+    const int r1 = call(a.plain, 2, 1, 96), r2 = call(b.plain, 2, 1, 96);
+    const int r3 = call(a.plain, 3, 2, 64), r4 = call(b.plain, 3, 2, 64);
     if (r1 != -1 || r2 != -1 || r3 != -2 || r4 != -2) {
       fprintf(stderr, "refusals: %d %d %d %d (want -1 -1 -2 -2)\n", r1, r2, r3, r4);
       ++report.failures;

@@ -214,7 +214,8 @@ struct ValueDispatch {
                   const T* v_cache, const int64_t* table, int64_t block_size, int64_t head_stride, int64_t j0,
                   int64_t j1) {
     if (count == R) value_rows<VD, R>(acc, acc_ld, keys, pr, ld, v_cache, table, block_size, head_stride, j0, j1);
-    else ValueDispatch<VD, R - 1, T>::run(count, acc, acc_ld, keys, pr, ld, v_cache, table, block_size, head_stride, j0, j1);
+    else ValueDispatch<VD, R - 1, T>::run(count, acc, acc_ld, keys, pr, ld, v_cache, table, block_size, head_stride,
+                                          j0, j1);
   }
 };
 template <int VD, typename T>
@@ -308,14 +309,17 @@ void attend(const Rows& rows, const T* k_cache, const T* v_cache, int64_t kv_hea
         const int64_t n = std::min(rows.keys[r], j0 + VW);
         hi = std::max(hi, rows.keys[r]);
         float* s = scores + r * ld;
+        const f32x16 mr = mv[r];
+        f32x16 sr = sum[r];  // in a register across the chunk
         for (int64_t j = j0; j < n; j += 16) {
           // Keys below the row's window (and past its last) weigh exactly 0.
           const lanes m = first_lanes(n - j);
           const lanes live = live_keys(j, rows.first[r], n);
-          const f32x16 e = select(live, exp2_nonpositive(sub(load_masked(s + j, live), mv[r])), zero_f());
+          const f32x16 e = select(live, exp2_nonpositive(sub(load_masked(s + j, live), mr)), zero_f());
           store_masked(s + j, m, e);
-          sum[r] = add(sum[r], e);
+          sr = add(sr, e);
         }
+        sum[r] = sr;
       }
       if (j0 < hi)
         for (int d0 = 0; d0 < DV; d0 += VD)
