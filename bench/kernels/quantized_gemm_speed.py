@@ -86,6 +86,7 @@ def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
             text = subprocess.run(
                 ["git", "show", f"{rev}:{KERNEL_DIR}/{f}"], capture_output=True, text=True, check=True, cwd=root
             ).stdout
+            # With its isa/ backends (else simd.h's includes would find the working tree's).
             (src / f).parent.mkdir(parents=True, exist_ok=True)
             (src / f).write_text(text)
     target = src / f"{name}.so"

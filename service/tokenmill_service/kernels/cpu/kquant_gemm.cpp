@@ -407,9 +407,9 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
-  // The block's sums and a pass's weights, declared here rather than in the loops that use them: GCC 12 at -O3
-  // gave the scalar build's sums and weights one stack slot (fine with -fstack-reuse=none), their scopes
-  // ending inside the unrolled loops.
+  // The block's sums and a pass's weights, declared here rather than in the loops that use them: so declared,
+  // GCC 12.2 at -O3 miscompiled the scalar build's Q2_K tile of 4 rows x 2 groups (its first group's sums
+  // started from garbage; right with -fstack-reuse=none: its sharing of stack slots between scopes).
   i32x16 qa[M][NGT][PARTS];
   u8x64 wq[NGT][4], w0[NGT], w1[NGT];
   for (int i = 0; i < M; ++i)
