@@ -30,7 +30,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     if not _native(x):
         return torch.log_softmax(x, dim=-1)
     rows = x if x.dim() == 2 else x[None]
-    out = torch.empty(rows.shape, dtype=torch.float32)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     _lib().tm_log_softmax(
         rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr(), torch.get_num_threads()
     )
