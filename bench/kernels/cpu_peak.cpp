@@ -20,6 +20,18 @@ double seconds() {
 }
 
 constexpr long kSteps = 20000000;
+
+// The eight lanes' sum, for the checksums.
+double sum8(__m256 v) {
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  return double(t[0]) + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
+double sum8(__m256i v) {
+  int t[8];
+  _mm256_storeu_si256((__m256i*)t, v);
+  return double(t[0]) + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
 constexpr double kInstructions = kSteps * 24.0;
 
 }  // namespace
@@ -49,11 +61,7 @@ int main() {
   {
     using V = __m256;
     auto init = [](int i) { return _mm256_set1_ps(0.01f * i); };
-    auto total = [](V v) {
-      float t[8];
-      _mm256_storeu_ps(t, v);
-      return double(t[0]) + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    };
+    auto total = [](V v) { return sum8(v); };
     const V a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-4f);
 #define OP(x) _mm256_fmadd_ps(a, x, b)
     MEASURE("float32 vfmadd231ps-ymm", 8)
@@ -64,11 +72,7 @@ int main() {
     // the dwords added: three instructions for 32 multiply-adds, counted as one step.
     using V = __m256i;
     auto init = [](int i) { return _mm256_set1_epi32(i); };
-    auto total = [](V v) {
-      int t[8];
-      _mm256_storeu_si256((__m256i*)t, v);
-      return double(t[0]) + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    };
+    auto total = [](V v) { return sum8(v); };
     const V u = _mm256_set1_epi8(3), s = _mm256_set1_epi8(5), ones = _mm256_set1_epi16(1);
 #define OP(x) _mm256_add_epi32(x, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones))
     MEASURE("int8 vpmaddubsw-ymm", 32)
@@ -77,11 +81,7 @@ int main() {
   {
     using V = __m256i;
     auto init = [](int i) { return _mm256_set1_epi32(i); };
-    auto total = [](V v) {
-      int t[8];
-      _mm256_storeu_si256((__m256i*)t, v);
-      return double(t[0]) + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    };
+    auto total = [](V v) { return sum8(v); };
     const V w = _mm256_set1_epi16(3), a = _mm256_set1_epi16(5);
 #define OP(x) _mm256_add_epi32(x, _mm256_madd_epi16(w, a))
     MEASURE("int16 vpmaddwd-ymm", 16)
