@@ -4,6 +4,7 @@ session), and each test's tier marked from its folder: unit, kernels, engine, se
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,19 @@ from tests.server_process import ServerProcess
 
 DATA = Path(__file__).parent / "data"
 TIERS = ("unit", "kernels", "engine", "service", "deploy")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every kernel built at once for every instruction set this CPU runs, a compiler a core (cached: a few
+    seconds once built), rather than one at a time as the tests first load them (half the time on a fresh
+    machine)."""
+    import shutil
+
+    from tokenmill_service.kernels.cpu import build
+    from tokenmill_service.plan import cpu_isa
+
+    if shutil.which(os.environ.get("CXX", "g++")) is not None:
+        build.prebuild(isas=cpu_isa.runnable())
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

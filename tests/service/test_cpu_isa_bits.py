@@ -1,7 +1,8 @@
 """The same tokens and logprobs on every CPU: a server whose kernels are built for another instruction set
 (``--cpu-isa scalar``, ``avx2``, ``avx512``, ``neon``) answers a request with exactly the default server's
-bits, greedy and seeded, alone and among 15 others (decodes and a long prompt prefilled in chunks), prompt
-logprobs included. So a stream resumed on a replica with another CPU goes on bit for bit. This machine
+bits, greedy and seeded, alone and among 15 others (decodes and a long prompt, which the instruction set's
+server prefills in two chunks of its smaller steps where the default server takes it whole), prompt logprobs
+included. So a stream resumed on a replica with another CPU goes on bit for bit. This machine
 serves every instruction set it runs, with torch's own kernels as each CPU would pick them; the ARM64 kernels' bits are checked under qemu (test_arm64.py)."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ async def results(address: str) -> dict[str, Any]:
             )
             for i in range(14)
         ]
-        # A long prompt (over one 512-token step) prefilled in chunks beside the decodes.
+        # A long prompt beside the decodes: over one of the instruction set's server's steps (STEP_TOKENS).
         others.append(
             pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=[(97 * j) % 40000 + 100 for j in range(LONG)]),
@@ -79,7 +80,11 @@ def default_results(server_address: str) -> dict[str, Any]:
     return asyncio.run(results(server_address))
 
 
-LONG = 540  # tokens: two prefill chunks of the default 512-token steps
+# The instruction sets' servers take steps of STEP_TOKENS: LONG is two of their prefill chunks and one of the
+# default server's 512-token steps, so the bits hold across chunkings too. (Small, for the plain C++ build's sake:
+# its prefill runs at about 2 tokens a second a core.)
+STEP_TOKENS = 128
+LONG = 200
 
 ATEN_CAPABILITY = {"scalar": "default", "avx2": "avx2", "avx512": "avx512"}
 
@@ -92,7 +97,9 @@ def isa_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, ServerProc
     # torch's own kernels as that CPU would pick them too (ATen's vector width), for what runs outside tokenmill's
     # kernels: the server's bits must not depend on them either.
     env = {"ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[isa]} if isa in ATEN_CAPABILITY else {}
-    proc = ServerProcess("--cpu-isa", isa, "--drain-seconds", "2", env=env).start(timeout=600)
+    proc = ServerProcess(
+        "--cpu-isa", isa, "--max-batch-tokens", str(STEP_TOKENS), "--drain-seconds", "2", env=env
+    ).start(timeout=600)
     yield isa, proc
     proc.stop()
 

@@ -25,6 +25,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -116,20 +118,24 @@ def built(name: str, isa: str, cxx: str | None = None, source: Path | None = Non
     return _build(name, found, isa, source)
 
 
-def prebuild() -> dict[str, str]:
-    """Builds every kernel for every instruction set of this machine's architecture, whether this CPU runs it or
-    not (a container image is built on one CPU and run on others): "kernel/isa" -> the library's path, or why it
-    could not be built."""
+def prebuild(isas: Sequence[str] | None = None, jobs: int | None = None) -> dict[str, str]:
+    """Builds every kernel for every instruction set of this machine's architecture (or those in ``isas``),
+    whether this CPU runs it or not (a container image is built on one CPU and run on others), ``jobs`` compilers
+    at a time (default: one a core): "kernel/isa" -> the library's path, or why it could not be built."""
     names = sorted(p.stem for p in HERE.glob("*.cpp"))
-    isas = [s.name for s in instruction_sets.INSTRUCTION_SETS if s.machine in (None, instruction_sets.machine())]
-    out = {}
-    for name in names:
-        for isa in isas:
-            try:
-                out[f"{name}/{isa}"] = str(built(name, isa))
-            except NativeKernelUnavailable as e:
-                out[f"{name}/{isa}"] = str(e)
-    return out
+    if isas is None:
+        isas = [s.name for s in instruction_sets.INSTRUCTION_SETS if s.machine in (None, instruction_sets.machine())]
+    # The slowest first (the plain C++ builds of the large kernels), so that no long build starts last.
+    order = sorted(((n, i) for n in names for i in isas), key=lambda pair: pair[1] != "scalar")
+
+    def one(pair: tuple[str, str]) -> str:
+        try:
+            return str(built(*pair))
+        except NativeKernelUnavailable as e:
+            return str(e)
+
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return {f"{n}/{i}": out for (n, i), out in zip(order, pool.map(one, order), strict=True)}
 
 
 def library(name: str, isa: str | None = None) -> ctypes.CDLL | NativeKernelUnavailable:
