@@ -256,7 +256,10 @@ class GenerationService:
                     )
                 if self.router.draining:
                     raise Unavailable("the server is shutting down; retry on another replica")
-                engine_request = build_request(request, self.tokenizer, self.limits())
+                # Tokenizing and rendering a chat take time in proportion to the prompt (a second or more for
+                # megabytes): in a thread, so that the event loop goes on serving every other call, health
+                # checks and the workers' heartbeats meanwhile.
+                engine_request = await asyncio.to_thread(build_request, request, self.tokenizer, self.limits())
                 if engine_request.constraint is not None:
                     await self.check_constraint(engine_request.constraint)
             except InvalidRequest as exc:

@@ -95,7 +95,9 @@ async def serve(settings: Settings) -> int:
 
     metrics.bind_state(lambda: engine_totals(router))
     metrics.bind_adapters(lambda: adapter_state(router, settings.max_loras))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", settings.request_bytes_limit)]
+    )
     servicer = GenerationServicer(settings, router, tokenizer, metrics)
     add_generation_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # (grpc-stubs' health.pyi has no aio)
