@@ -157,6 +157,13 @@ class Settings:
         default="", metadata={"help": "a Jinja chat template file, used instead of the checkpoint's (default: none)"}
     )
     kv_cache_memory: str = field(default="", metadata={"help": "KV cache pool per worker, e.g. 2GiB (default: auto)"})
+    max_request_bytes: str = field(
+        default="4MiB",
+        metadata={
+            "help": "largest request body (HTTP: 413) and gRPC message (RESOURCE_EXHAUSTED) taken, e.g. 16MiB: "
+            "a bound on what one request can make the server read and tokenize"
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     log_format: str = field(default="", metadata={"help": "json or console (default: console on a terminal)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
@@ -290,6 +297,8 @@ class Settings:
             raise ValueError("--max-model-len must not be negative (0: the model's own context)")
         self.chat_template_source()  # an unreadable or broken template stops the server at start
         parse_size(self.kv_cache_memory)
+        if self.request_bytes_limit < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1KiB; given {self.max_request_bytes!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both to serve over TLS")
         if self.tls_client_ca and not self.tls_cert:
@@ -366,6 +375,10 @@ class Settings:
     @property
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
+
+    @property
+    def request_bytes_limit(self) -> int:
+        return parse_size(self.max_request_bytes)
 
     def resolved_log_format(self) -> str:
         return self.log_format or ("console" if sys.stderr.isatty() else "json")

@@ -145,6 +145,13 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
             task.cancel()
 
 
+def bearer_token(authorization: str | None) -> str:
+    """The token of an Authorization value in the Bearer scheme, whose name is case-insensitive ("Bearer",
+    "bearer": RFC 9110 section 11.1); "" for another scheme or none."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 class GenerationService:
     """The front-end-independent half of the server: what every Generate call goes through."""
 
@@ -157,7 +164,7 @@ class GenerationService:
         # worker (which compiles it again from its own cache): the engine loop never stalls on a bad one.
         self.grammars = GrammarCompiler(tokenizer)
         # Compared in constant time, each of them, so the time taken tells nothing about any token.
-        self._tokens = [f"Bearer {t}".encode() for t in settings.auth_tokens()]
+        self._tokens = [t.encode() for t in settings.auth_tokens()]
 
     def model_name(self) -> str:
         """What callers know the model as: --served-model-name, else the checkpoint's name ("" while loading)."""
@@ -204,7 +211,7 @@ class GenerationService:
         """`authorization` is the caller's 'Bearer TOKEN' value; `where` says where it belongs."""
         if not self._tokens:
             return
-        given = (authorization or "").encode()
+        given = bearer_token(authorization).encode()
         matched = False
         for token in self._tokens:
             matched |= hmac.compare_digest(given, token)
@@ -249,7 +256,10 @@ class GenerationService:
                     )
                 if self.router.draining:
                     raise Unavailable("the server is shutting down; retry on another replica")
-                engine_request = build_request(request, self.tokenizer, self.limits())
+                # Tokenizing and rendering a chat take time in proportion to the prompt (a second or more for
+                # megabytes): in a thread, so that the event loop goes on serving every other call, health
+                # checks and the workers' heartbeats meanwhile.
+                engine_request = await asyncio.to_thread(build_request, request, self.tokenizer, self.limits())
                 if engine_request.constraint is not None:
                     await self.check_constraint(engine_request.constraint)
             except InvalidRequest as exc:

@@ -82,7 +82,9 @@ def error_response(
 
 
 def bad_request(exc: BadRequest) -> JSONResponse:
-    return error_response(400, "invalid_request_error", str(exc), exc.param, exc.code)
+    return error_response(
+        413 if isinstance(exc, BodyTooLarge) else 400, "invalid_request_error", str(exc), exc.param, exc.code
+    )
 
 
 def service_error_json(exc: ServiceError, names: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -97,6 +99,32 @@ def service_error_response(exc: ServiceError, names: dict[str, str] | None = Non
     status, body = service_error_json(exc, names)
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyTooLarge(BadRequest):
+    """A request body over --max-request-bytes (413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the request body is over this server's limit of {limit} bytes (--max-request-bytes)",
+            code="request_too_large",
+        )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (BodyTooLarge) as soon as it is known to pass ``limit`` bytes: from its
+    Content-Length before a byte is read, else while it arrives."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -270,15 +298,17 @@ class HttpApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            parsed: ParsedRequest = parse_request(json.loads(await request.body() or b"null"), chat)
-        except json.JSONDecodeError as exc:
-            return error_response(
-                400, "invalid_request_error", f"the body is not valid JSON: {exc}", code="invalid_json"
-            )
+            parsed: ParsedRequest = parse_request(await self._json_body(request), chat)
+        except ServiceError as exc:
+            return service_error_response(exc)
         except BadRequest as exc:
             return bad_request(exc)
         except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
             return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
+        except RecursionError:  # (a body within the size limit can still nest deeper than Python recurses)
+            return error_response(
+                400, "invalid_request_error", "the request is nested too deeply", code="invalid_value"
+            )
         if parsed.chat and tools_in_use(parsed.request) and not self.service.tokenizer.harmony:
             # (A harmony model's calls never reach the text: its channel reader keeps them apart.)
             parsed.tool_marker = start_marker(family(self.service.tokenizer))
@@ -349,21 +379,26 @@ class HttpApi:
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def _json_body(self, request: Request) -> Any:
-        """The body as JSON, after the caller's token is checked (ServiceError or BadRequest otherwise)."""
+        """The body as JSON, read only after the caller's token is checked and only up to --max-request-bytes
+        (ServiceError, BodyTooLarge or BadRequest otherwise)."""
         self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        body = await read_body(request, self.service.settings.request_bytes_limit)
         try:
-            return json.loads(await request.body() or b"null")
+            return json.loads(body or b"null")
         except json.JSONDecodeError as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise BadRequest("the body's JSON is nested too deeply to read", code="invalid_json") from None
 
     async def tokenize(self, request: Request) -> Response:
         tokenizer = self.service.tokenizer
         try:
             body = parse_tokenize(await self._json_body(request))
             if body.chat is not None:
-                ids = tokenizer.encode_chat(chat_messages(body.chat, tokenizer)[0], body.add_generation_prompt)
+                chat = chat_messages(body.chat, tokenizer)[0]
+                ids = await asyncio.to_thread(tokenizer.encode_chat, chat, body.add_generation_prompt)
             else:
-                ids = tokenizer.encode(body.prompt or "")
+                ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "")  # off the event loop
                 if body.add_special_tokens and tokenizer.add_bos and tokenizer.bos_token_id is not None:
                     ids = [tokenizer.bos_token_id, *ids]
         except ServiceError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -94,12 +95,18 @@ async def serve(settings: Settings) -> int:
 
     metrics.bind_state(lambda: engine_totals(router))
     metrics.bind_adapters(lambda: adapter_state(router, settings.max_loras))
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", settings.request_bytes_limit)]
+    )
     servicer = GenerationServicer(settings, router, tokenizer, metrics)
     add_generation_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # (grpc-stubs' health.pyi has no aio)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+    enable_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+        server,
+        servicer.service.authorized if settings.auth_tokens() else None,
+    )
     address = f"{settings.host}:{settings.port}"
     try:
         credentials = server_credentials(settings)
@@ -125,6 +132,14 @@ async def serve(settings: Settings) -> int:
             abandon_start()
             log.error("cannot_listen", address=f"{settings.host}:{settings.http_port}", error=str(exc))
             return 1
+
+    if not settings.auth_tokens() and not loopback(settings.host):
+        log.warning(
+            "listening_without_auth",
+            host=settings.host,
+            message="anyone who reaches this address can generate: set --auth-token or --auth-token-file, "
+            "or listen on 127.0.0.1 behind a proxy that authenticates",
+        )
 
     async def set_health(status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -229,6 +244,16 @@ async def serve(settings: Settings) -> int:
         shutting_down.result()
     log.info("server_stopped", exit_code=exit_code)
     return exit_code
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (--host) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def check_tensor_parallel(settings: Settings, model_path: Path) -> None:

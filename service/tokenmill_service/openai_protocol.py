@@ -84,7 +84,12 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, minimum: int = 0) -> int | None:
+UINT32_MAX = 2**32 - 1
+
+
+def _integer(body: dict[str, Any], name: str, minimum: int = 0, maximum: int = UINT32_MAX) -> int | None:
+    """An integer field within [minimum, maximum] (the range of the request's field it goes to: uint32 unless
+    said), else a 400 naming it."""
     value = body.get(name)
     if value is None:
         return None
@@ -92,6 +97,8 @@ def _integer(body: dict[str, Any], name: str, minimum: int = 0) -> int | None:
         raise BadRequest(f"'{name}' must be an integer; given {value!r}", name)
     if value < minimum:
         raise BadRequest(f"'{name}' must be >= {minimum}; given {value}", name)
+    if value > maximum:
+        raise BadRequest(f"'{name}' must be <= {maximum}; given {value}", name)
     return value
 
 
@@ -209,9 +216,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     temperature = _number(body, "temperature")
     sampling.temperature = 1.0 if temperature is None else temperature
     sampling.top_p = _number(body, "top_p") or 0.0
-    sampling.top_k = _integer(body, "top_k", minimum=-(2**31)) or 0
+    sampling.top_k = _integer(body, "top_k", minimum=-(2**31), maximum=2**31 - 1) or 0
     sampling.repetition_penalty = _number(body, "repetition_penalty") or 0.0
-    seed = _integer(body, "seed", minimum=0)
+    seed = _integer(body, "seed", minimum=0, maximum=2**64 - 1)
     if seed is not None:
         sampling.seed = seed
     sampling.presence_penalty = _number(body, "presence_penalty") or 0.0

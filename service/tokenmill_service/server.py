@@ -6,6 +6,7 @@ successful message. Every log line of a request carries its request_id.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import uuid
 from collections.abc import AsyncIterator
@@ -91,7 +92,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> pb.TokenizeResponse:
         try:
             self._authorize(context)
-            ids = prompt_ids(request, self.tokenizer, self.tokenizer.vocab_size)
+            ids = await asyncio.to_thread(
+                prompt_ids, request, self.tokenizer, self.tokenizer.vocab_size
+            )  # off the loop
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ServiceError as exc:

@@ -247,6 +247,11 @@ def test_frequency_and_presence_penalties_steer_away_from_repeats_over_http_and_
     ("params", "names"),
     [
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        # Integers beyond what the request's fields hold: refused by name (they were "Value out of range").
+        ({"max_completion_tokens": 10**12}, "'max_completion_tokens' must be <= 4294967295"),
+        ({"seed": 2**70}, "'seed' must be <= 18446744073709551615"),
+        ({"n": 2**33}, "'n' must be <= 4294967295"),
+        ({"extra_body": {"top_k": 2**40}}, "'top_k' must be <= 2147483647"),
         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
         ({"logit_bias": {"49152": 1}}, "logit_bias names token 49152, outside the vocabulary"),
         ({"logit_bias": {"5": 101}}, "logit_bias[5] must be in [-100, 100]"),

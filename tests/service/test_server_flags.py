@@ -9,6 +9,7 @@ and the 401 that says how to authenticate.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -142,3 +143,19 @@ def test_every_new_flag_is_also_an_environment_variable(tmp_path: Path) -> None:
             load_settings(["--chat-template", bad], {})
     with pytest.raises(ValueError, match="--max-model-len"):
         load_settings(["--max-model-len", "-1"], {})
+
+
+def test_a_server_open_beyond_this_machine_without_a_token_warns_at_start() -> None:
+    from tokenmill_service.main import loopback
+
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("[::1]") and loopback("localhost")
+    assert not loopback("0.0.0.0") and not loopback("::") and not loopback("10.1.2.3") and not loopback("my-host")
+    proc = ServerProcess(host="0.0.0.0").launch()
+    try:
+        deadline = time.monotonic() + 120
+        while "listening_without_auth" not in proc.logs() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        line = next(json.loads(x) for x in proc.logs().splitlines() if "listening_without_auth" in x)
+    finally:
+        proc.stop()
+    assert line["level"] == "warning" and line["host"] == "0.0.0.0" and "--auth-token" in line["message"]

@@ -77,6 +77,38 @@ def test_calls_without_the_bearer_token_are_unauthenticated(stub: pb_grpc.Genera
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
+    # RFC 9110: "bearer" and "BEARER" name the scheme as "Bearer" does; another scheme with the token does not.
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("authorization", f"{scheme}  {TOKEN}")], timeout=30)
+        with openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            client.models.list(extra_headers={"Authorization": f"{scheme} {TOKEN}"})
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("authorization", f"Basic {TOKEN}")], timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_reflection_wants_the_bearer_token_too(server: ServerProcess) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    with grpc.insecure_channel(server.address) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                response_deserializer=rpb.ServerReflectionResponse.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--auth-token" in str(err.value.details())
+            (reply,) = call(iter([rpb.ServerReflectionRequest(list_services="")]), metadata=AUTH, timeout=30)
+            assert "tokenmill.v1.Generation" in {s.name for s in reply.list_services_response.service}
+
+
+def test_a_token_set_means_no_warning_about_listening_without_one(server: ServerProcess) -> None:
+    assert "listening_without_auth" not in server.logs()
+
+
 def scrape(url: str, token: str | None) -> tuple[int, str, str | None]:
     """A /metrics scrape: status, body, WWW-Authenticate."""
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})

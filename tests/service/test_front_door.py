@@ -1,0 +1,88 @@
+"""The front door under abuse, on the default server: a body over --max-request-bytes is refused before it is
+read (413; gRPC RESOURCE_EXHAUSTED), JSON nested past what Python parses is a 400, and a prompt that takes
+seconds to tokenize does not hold up anyone else: health checks and other calls answer meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.server_process import ServerProcess
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
+from tokenmill_service.config import Settings, parse_size
+
+LIMIT = parse_size(Settings().max_request_bytes)
+
+
+def post(url: str, body: bytes) -> tuple[int, dict[str, Any], float]:
+    """Status, JSON reply and seconds taken."""
+    start = time.monotonic()
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read()), time.monotonic() - start
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), time.monotonic() - start
+
+
+def test_a_body_over_the_limit_is_413_at_once_and_the_server_goes_on(server: ServerProcess) -> None:
+    prompt = "word " * (LIMIT // 5 + 1000)
+    body = json.dumps({"model": "tokenmill", "prompt": prompt, "max_tokens": 1}).encode()
+    assert len(body) > LIMIT
+    for route in ("/v1/completions", "/tokenize"):
+        status, reply, seconds = post(server.http_url + route, body)
+        assert status == 413 and reply["error"]["code"] == "request_too_large", route
+        assert f"limit of {LIMIT} bytes (--max-request-bytes)" in reply["error"]["message"]
+        assert seconds < 5
+    status, _, _ = post(server.http_url + "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+    assert status == 200
+
+
+def test_a_grpc_message_over_the_limit_is_resource_exhausted(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(prompt="x" * (LIMIT + 1)), timeout=60))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("depth", [2_000, 100_000])
+def test_json_nested_too_deeply_is_a_400(server: ServerProcess, depth: int) -> None:
+    nested = "[" * depth + "]" * depth
+    body = ('{"model": "tokenmill", "prompt": "Hi", "max_tokens": 1, "metadata": ' + nested + "}").encode()
+    for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        status, reply, _ = post(server.http_url + route, body)
+        assert 400 <= status < 500, (route, status, reply)
+        assert "error" in reply
+
+
+def test_a_prompt_that_takes_seconds_to_tokenize_holds_up_no_one(server: ServerProcess) -> None:
+    # Under the body limit, far over the context: refused once tokenized, which takes a while. Meanwhile
+    # health checks and a short request are answered as if it were not there.
+    prompt = "lorem ipsum dolor sit amet, " * (LIMIT // 30)
+    body = json.dumps({"model": "tokenmill", "prompt": prompt, "max_tokens": 1}).encode()
+    assert len(body) < LIMIT
+    outcome: list[tuple[int, dict[str, Any], float]] = []
+    big = threading.Thread(target=lambda: outcome.append(post(server.http_url + "/v1/completions", body)))
+    big.start()
+    time.sleep(0.3)  # under way
+    waits = []
+    while big.is_alive() and len(waits) < 50:
+        start = time.monotonic()
+        assert urllib.request.urlopen(server.http_url + "/health", timeout=10).status == 200
+        waits.append(time.monotonic() - start)
+        time.sleep(0.05)
+    small = post(server.http_url + "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+    big.join(120)
+    ((status, reply, seconds),) = outcome
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert waits and max(waits) < 1.0, (max(waits), seconds)
+    assert small[0] == 200 and small[2] < max(2.0, seconds), (small, seconds)
