@@ -88,3 +88,22 @@ def test_a_prompt_that_takes_seconds_to_tokenize_holds_up_no_one(server: ServerP
     # (Tokenized on the event loop it let one health check through, after 0.87 s.)
     assert len(waits) >= 5 and max(waits) < 0.3, (waits, seconds)
     assert small[0] == 200 and small[2] < max(2.0, seconds), (small, seconds)
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ('{"type": "integer", "minimum": 1e400}', "minimum is beyond the numbers JSON holds"),
+        ('{"type": "integer", "maximum": -1e300}', "maximum is -1e+300: a bound must lie within"),
+        ('{"type": "integer", "minimum": NaN}', "holds NaN, which is not a JSON number"),
+    ],
+)
+def test_a_schema_number_beyond_json_or_the_grammar_is_invalid_argument(
+    server: ServerProcess, schema: str, says: str
+) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(prompt="A number:", json_schema=schema), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in str(err.value.details()) and "json_schema" in str(err.value.details())

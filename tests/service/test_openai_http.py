@@ -247,6 +247,23 @@ def test_frequency_and_presence_penalties_steer_away_from_repeats_over_http_and_
     ("params", "names"),
     [
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        # Schema numbers beyond JSON's (1e400: infinity) or the grammar's 64-bit bounds: refused, not clamped.
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"minimum": 1e400}}}},
+            "holds Infinity, which is not a JSON number",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "schema": {"properties": {"a": {"type": "integer", "minimum": 1e300}}},
+                    },
+                }
+            },
+            "properties.a.minimum is 1e+300: a bound must lie within",
+        ),
         # Integers beyond what the request's fields hold: refused by name (they were "Value out of range").
         ({"max_completion_tokens": 10**12}, "'max_completion_tokens' must be <= 4294967295"),
         ({"seed": 2**70}, "'seed' must be <= 18446744073709551615"),

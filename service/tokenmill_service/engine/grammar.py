@@ -19,6 +19,7 @@ constraint's canonical text; each sequence gets a cheap copy of the compiled mat
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -73,11 +74,14 @@ def _own_grammar_text(constraint: Constraint) -> str:
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         case "json_schema":
             try:
-                schema = json.loads(constraint.text)
+                schema = json.loads(constraint.text, parse_constant=_not_json)
             except json.JSONDecodeError as exc:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ConstraintError("the JSON schema is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise ConstraintError("the JSON schema must be a JSON object (or true/false)")
+            check_numbers(schema)
             return llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema, separators=(",", ":"), ensure_ascii=False), defaults=JSON_OPTIONS
             )
@@ -97,6 +101,38 @@ def _own_grammar_text(constraint: Constraint) -> str:
             except ValueError as exc:
                 raise ConstraintError(f"the {constraint.syntax} grammar does not parse: {exc}") from None
     raise ConstraintError(f"unknown constraint kind {constraint.kind!r}")
+
+
+# The grammar engine's integers are 64-bit: a bound beyond them would be clamped (an integer "minimum": 1e300
+# allowed 9223372036854775807), which breaks the schema silently; such a schema is refused instead.
+LARGEST_BOUND = 2**63 - 1
+BOUND_KEYWORDS = frozenset(
+    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength",
+     "minItems", "maxItems", "minProperties", "maxProperties", "minContains", "maxContains"}
+)  # fmt: skip
+
+
+def _not_json(name: str) -> float:
+    raise ConstraintError(
+        f"the JSON schema holds {name}, which is not a JSON number (a number beyond float64's, such as 1e400, reads "
+        "as one)"
+    )
+
+
+def check_numbers(schema: object) -> None:
+    """ConstraintError naming where (properties.age.minimum) the schema holds a number JSON cannot (1e400 parses
+    as infinity) or a bound beyond the grammar engine's 64-bit integers."""
+    stack: list[tuple[object, str, str]] = [(schema, "", "")]
+    while stack:  # (iterative: a schema nested deeper than Python recurses is refused by the parser already)
+        node, at, key = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((value, f"{at}.{k}" if at else str(k), str(k)) for k, value in node.items())
+        elif isinstance(node, list):
+            stack.extend((value, f"{at}[{i}]", "") for i, value in enumerate(node))
+        elif isinstance(node, float) and not math.isfinite(node):
+            raise ConstraintError(f"{at} is beyond the numbers JSON holds")
+        elif key in BOUND_KEYWORDS and isinstance(node, int | float) and abs(node) > LARGEST_BOUND:
+            raise ConstraintError(f"{at} is {node:g}: a bound must lie within +-{LARGEST_BOUND} (64-bit integers)")
 
 
 def lltokenizer(tokenizer: Tokenizer) -> llg.LLTokenizer:
