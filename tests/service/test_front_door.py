@@ -96,9 +96,13 @@ def test_a_prompt_that_takes_seconds_to_tokenize_holds_up_no_one(server: ServerP
         ('{"type": "integer", "minimum": 1e400}', "minimum is beyond the numbers JSON holds"),
         ('{"type": "integer", "maximum": -1e300}', "maximum is -1e+300: a bound must lie within"),
         ('{"type": "integer", "minimum": NaN}', "holds NaN, which is not a JSON number"),
+        # Schemas no value matches: every answer would have been empty.
+        ('{"$ref": "#"}', "admits no value"),
+        ('{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}', "admits no value"),
+        ("false", "which no value matches"),
     ],
 )
-def test_a_schema_number_beyond_json_or_the_grammar_is_invalid_argument(
+def test_a_schema_beyond_json_or_the_grammar_or_matching_nothing_is_invalid_argument(
     server: ServerProcess, schema: str, says: str
 ) -> None:
     with grpc.insecure_channel(server.address) as channel:

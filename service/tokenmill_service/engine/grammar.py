@@ -81,10 +81,16 @@ def _own_grammar_text(constraint: Constraint) -> str:
                 raise ConstraintError("the JSON schema is nested too deeply") from None
             if not isinstance(schema, dict | bool):
                 raise ConstraintError("the JSON schema must be a JSON object (or true/false)")
+            if schema is False:
+                raise ConstraintError("the JSON schema is false, which no value matches")
             check_numbers(schema)
-            return llg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema, separators=(",", ":"), ensure_ascii=False), defaults=JSON_OPTIONS
-            )
+            try:
+                return llg.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema if schema is not True else {}, separators=(",", ":"), ensure_ascii=False),
+                    defaults=JSON_OPTIONS,
+                )
+            except ValueError as exc:
+                raise ConstraintError(f"the JSON schema cannot be used: {exc}") from None
         case "regex":
             if not constraint.text:
                 raise ConstraintError("the regex is empty")
@@ -186,11 +192,16 @@ class GrammarCompiler:
         lltok = self.lltok
         start = time.perf_counter()
         compiled = llg.LLMatcher(lltok, key, log_level=0, limits=LIMITS)
+        first = compiled.deep_copy()
         if not compiled.is_error():
             # Matchers build their lexer lazily: the first mask is part of compiling.
-            compiled.deep_copy().compute_bitmask()
+            first.compute_bitmask()
         if compiled.is_error():
             raise ConstraintError(f"the {constraint.kind} cannot be used: {_first_line(compiled.get_error())}")
+        if constraint.kind == "json_schema" and first.is_stopped():
+            # (llguidance compiles {"$ref": "#"}, a schema that is only itself, into a grammar that has ended
+            # before its first token: every answer would be empty.)
+            raise ConstraintError("the json_schema admits no value (a schema that only refers to itself, say)")
         log.debug("grammar_compiled", kind=constraint.kind, ms=round((time.perf_counter() - start) * 1000, 2))
         with self._lock:
             self.misses += 1
