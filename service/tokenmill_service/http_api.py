@@ -285,8 +285,13 @@ class HttpApi:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
             ],
-            exception_handlers={404: self._not_found, 405: self._not_allowed},
+            exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal_error},
         )
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        """A bug of ours: logged with its traceback, answered in OpenAI's shape (not a plain-text 500)."""
+        log.error("http_internal_error", path=request.url.path, error=repr(exc), exc_info=exc)
+        return error_response(500, "server_error", f"internal error: {type(exc).__name__}", code="internal_error")
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return error_response(
@@ -479,7 +484,7 @@ class _ToStructlog(logging.Handler):
     """uvicorn logs through the standard library; its lines go out through structlog like ours."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        log.log(record.levelno, "uvicorn", message=record.getMessage())
+        log.log(record.levelno, "uvicorn", message=record.getMessage(), exc_info=record.exc_info or None)
 
 
 class _Server(uvicorn.Server):
