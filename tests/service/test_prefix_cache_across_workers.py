@@ -1,6 +1,6 @@
 """The prefix cache across two workers of one server (`--workers 2 --routing prefix
---kv-events-endpoint tcp://*:PORT`): requests sharing a long prompt prefix go to the worker that
-cached it, unrelated requests still spread over both, and each worker publishes what it stores in
+--kv-events-endpoint tcp://*:PORT`): requests sharing a prompt prefix go to the worker that cached
+it until it runs more than the other, unrelated requests spread over both, and each worker publishes what it stores in
 and evicts from its cache as vLLM's KV events (ZMQ + msgpack), on the port plus its id."""
 
 from __future__ import annotations
@@ -95,15 +95,22 @@ def concurrently(stub: pb_grpc.GenerationStub, prompts: dict[str, str]) -> None:
         t.join()
 
 
-def test_requests_sharing_a_long_prefix_go_to_the_same_worker(
+def test_requests_sharing_a_prefix_go_where_it_is_cached_until_that_worker_is_busier(
     server: ServerProcess, stub: pb_grpc.GenerationStub
 ) -> None:
-    # At once, so that least-load would spread them: the prefix keeps them together.
-    ids = [f"shared-{i}" for i in range(6)]
-    concurrently(
-        stub, {request_id: f"{SYSTEM}\nQuestion {i}: what is {i} plus {i}?" for i, request_id in enumerate(ids)}
-    )
+    # One at a time (where least-load would take turns): each goes to the worker that cached the prefix.
+    ids = [f"shared-{i}" for i in range(4)]
+    for i, request_id in enumerate(ids):
+        run(stub, request_id, f"{SYSTEM}\nQuestion {i}: what is {i} plus {i}?")
     assert len(set(workers_of(server, ids).values())) == 1
+    # Eight at once: the worker holding it takes a request more than the other, not all eight; the other
+    # caches the prefix too and the two share them.
+    together = [f"shared-together-{i}" for i in range(8)]
+    concurrently(
+        stub, {request_id: f"{SYSTEM}\nQuestion {i}: what is {i} times {i}?" for i, request_id in enumerate(together)}
+    )
+    counts = [list(workers_of(server, together).values()).count(w) for w in (0, 1)]
+    assert min(counts) >= 3, counts
 
 
 def test_unrelated_requests_still_spread_over_the_workers(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:

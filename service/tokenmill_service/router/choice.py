@@ -1,12 +1,18 @@
 """Which replica runs a request: the least loaded (``--routing least-load``), or the one best placed
-by the endpoint picker's kind of score (``--routing prefix``, the default):
+by a score of the endpoint picker's kind, the prefill a replica would save against the load it already
+carries (``--routing prefix``, the default):
 
-    score = hit − (load − affinity) / max_batch_size
+    score = cached / TOKENS_PER_REQUEST − (load − least load − affinity)
 
-``hit`` is the share of the prompt's full blocks the replica probably holds (``PrefixIndex``, keyed
-by the request's LoRA adapter as the workers' prefix caches are), ``load`` the requests it runs or
-queues. A replica holding the whole prefix keeps winning until its running batch is full; past that,
-the queue it would join outweighs the prefill it would save.
+``cached`` is the prompt's tokens in full blocks the replica probably holds (``PrefixIndex``, keyed by
+the request's LoRA adapter as the workers' prefix caches are), ``load`` the requests it runs or queues.
+Each request a replica runs beyond the least loaded one costs the newcomer a share of every step it
+takes there (a CPU's steps, and a GPU's past a point, grow with the batch), TOKENS_PER_REQUEST tokens of
+prefill saved make up for one. So requests that share a short prefix (a system prompt) go where it is
+cached until that replica runs a request or two more than another, then spread, and the other replica
+caches it too; a long conversation cached on one replica stays there unless it is far busier. (The
+score once divided the load by --max-batch-size: a cached prefix outweighed any queue short of a full
+batch, and eight chats with one system prompt ran on one of two workers while the other sat idle.)
 
 ``affinity`` keeps a LoRA adapter's requests together (the endpoint picker's LoRA affinity prefers a
 server whose ``vllm:lora_requests_info`` names the adapter): a step reads the weights of every
@@ -32,17 +38,18 @@ from tokenmill_service.router.prefix_index import PrefixIndex
 ROUTINGS = ("prefix", "least-load")
 
 # Requests of load a replica running most of an adapter's requests is let carry above another, for
-# that adapter's next request (the score's units: requests / max_batch_size).
+# that adapter's next request (the score's units: requests).
 ADAPTER_AFFINITY = 4
+# Tokens of prefill a cached prefix must save to be worth one request more on its replica.
+TOKENS_PER_REQUEST = 256
 
 
 class ReplicaChooser:
-    def __init__(self, routing: str, block_size: int, max_batch_size: int) -> None:
+    def __init__(self, routing: str, block_size: int) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r}: {' or '.join(ROUTINGS)}")
         self.routing = routing
         self.block_size = block_size
-        self.max_batch_size = max(1, max_batch_size)
         self.index = PrefixIndex()
         self._turn = 0
 
@@ -68,7 +75,8 @@ class ReplicaChooser:
             return min(ids, key=lambda r: loads[r])
         hashes = full_block_hashes(prompt_ids, self.block_size, adapter_key=adapter)
         affinity = self._affinity(ids, users or {}) if adapter else dict.fromkeys(ids, 0.0)
-        scores = {r: self._score(r, hashes, loads[r] - affinity[r]) for r in ids}
+        lightest = min(loads[r] for r in ids)
+        scores = {r: self._score(r, hashes, loads[r] - lightest - affinity[r]) for r in ids}
         best = max(scores.values())
         tied = [r for r in ids if scores[r] == best]
         least = min(loads[r] for r in tied)
@@ -85,5 +93,5 @@ class ReplicaChooser:
         return {r: ADAPTER_AFFINITY * users.get(r, 0) / most if most else 0.0 for r in ids}
 
     def _score(self, replica: int, hashes: list[int], load: float) -> float:
-        hit = self.index.matched(replica, hashes) / len(hashes) if hashes else 0.0
-        return hit - load / self.max_batch_size
+        cached = self.index.matched(replica, hashes) * self.block_size if hashes else 0
+        return cached / TOKENS_PER_REQUEST - load

@@ -44,7 +44,7 @@ class Router:
         # Requests whose replica died while no other could take them; admitted on the next Ready.
         self.parked: list[InFlight] = []
         self.draining = False
-        self.chooser = ReplicaChooser(settings.routing, settings.block_size, settings.max_batch_size)
+        self.chooser = ReplicaChooser(settings.routing, settings.block_size)
         # LoRA adapters: loaded and unloaded on every replica; a request's adapter checked on admission.
         self.adapters = Adapters(self.pool, self.adapter_users)
 
