@@ -111,3 +111,16 @@ def test_a_schema_beyond_json_or_the_grammar_or_matching_nothing_is_invalid_argu
             list(stub.Generate(pb.GenerateRequest(prompt="A number:", json_schema=schema), timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in str(err.value.details()) and "json_schema" in str(err.value.details())
+
+
+def test_a_schema_number_beyond_json_in_an_http_body_is_a_400_naming_the_field(server: ServerProcess) -> None:
+    # 1e400 is JSON's syntax but beyond float64 (an SDK will not even send it): the body as a client could write it.
+    body = (
+        b'{"model": "tokenmill", "messages": [{"role": "user", "content": "A number?"}], "max_tokens": 4, '
+        b'"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": '
+        b'{"type": "integer", "minimum": 1e400}}}}'
+    )
+    status, reply, _ = post(server.http_url + "/v1/chat/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == "response_format"
+    assert "the JSON schema holds Infinity, which is not a JSON number" in reply["error"]["message"]
