@@ -331,3 +331,20 @@ def test_256_streams_survive_two_worker_kills(two_workers: ServerProcess) -> Non
     for ids, _, usage in got:
         assert len(ids) == usage == 8
     assert health_status(two_workers.address) == 1
+
+
+def test_a_held_up_server_process_does_not_declare_its_healthy_workers_dead() -> None:
+    # The server process (router and front) stopped for twice --heartbeat-timeout while its workers go on:
+    # their heartbeats wait unread in the pipes. Once it runs again it must read them, not restart the workers
+    # (a front stalled by a 10 MB prompt once did: 33 s to recover).
+    with ServerProcess("--heartbeat-timeout", "1.5", "--drain-seconds", "2") as proc:
+        assert proc.proc is not None
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        time.sleep(3.5)
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        time.sleep(2.0)  # a few of the supervisor's rounds
+        with grpc.insecure_channel(proc.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingParams(max_new_tokens=2))
+            assert list(stub.Generate(request, timeout=60))[-1].finish_reason
+        assert '"worker_died"' not in proc.logs(), [x for x in proc.logs().splitlines() if "worker_died" in x]

@@ -296,6 +296,10 @@ class ReplicaPool:
             for w in list(self.replicas):
                 if not w.serving:
                     continue  # a starting replica is bounded by its restart's own timeout
+                if w.alive and w.conn.poll():
+                    # Its messages are waiting to be read: the replica talks, this process was the one held
+                    # up (a long stall of the event loop, or the server process stopped and continued).
+                    continue
                 silent = now - w.last_heard
                 if silent > self.settings.heartbeat_timeout:
                     self._fail(
