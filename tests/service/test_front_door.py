@@ -124,3 +124,30 @@ def test_a_schema_number_beyond_json_in_an_http_body_is_a_400_naming_the_field(s
     assert status == 400, reply
     assert reply["error"]["param"] == "response_format"
     assert "the JSON schema holds Infinity, which is not a JSON number" in reply["error"]["message"]
+
+
+def test_eight_ten_megabyte_prompts_at_once_are_413_within_a_second_and_health_never_waits(
+    server: ServerProcess,
+) -> None:
+    body = json.dumps({"model": "tokenmill", "prompt": "word " * 2_000_000, "max_tokens": 1}).encode()
+    assert len(body) > 10_000_000
+    died_before = server.logs().count('"worker_died"')
+    outcomes: list[tuple[int, dict[str, Any], float]] = []
+    senders = [
+        threading.Thread(target=lambda: outcomes.append(post(server.http_url + "/v1/completions", body)))
+        for _ in range(8)
+    ]
+    for sender in senders:
+        sender.start()
+    waits = []
+    while any(sender.is_alive() for sender in senders):
+        start = time.monotonic()
+        assert urllib.request.urlopen(server.http_url + "/health", timeout=10).status == 200
+        waits.append(time.monotonic() - start)
+        time.sleep(0.02)
+    for sender in senders:
+        sender.join()
+    assert [status for status, _, _ in outcomes] == [413] * 8
+    assert max(seconds for _, _, seconds in outcomes) < 1.0, outcomes
+    assert max(waits, default=0.0) < 1.0, waits
+    assert server.logs().count('"worker_died"') == died_before
