@@ -27,7 +27,9 @@ from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 
 TOKEN = "s3cret"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
-LONG = pb.StoppingParams(max_new_tokens=400, ignore_eos=True)
+# Long enough to be still running when the test is done with it (then cancelled): 400 tokens, with speculative
+# drafts kept, once ended within the test's half second and let a request in that should have been refused.
+LONG = pb.StoppingParams(max_new_tokens=4000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
