@@ -56,15 +56,17 @@ using vnni::QK;
 using vnni::total;
 using vnni::quantize_row;
 
-constexpr int64_t MAX_DIGIT_ROWS = 4;  // products of at most this many rows take the digits (see kquant_gemm.cpp)
+// Products of at most this many rows take the digits where the backend's byte products pay (FORM; see kquant_gemm.cpp).
+constexpr int64_t MAX_DIGIT_ROWS = 4;
 
 // Which form the integer products take, per backend: digits (two passes of byte products) or words (one of
 // int16 products). The sums are the same integers, so the choice, like the tiles below, changes the speed only.
 //   AVX-512: vpdpbusd and vpdpwssd are one instruction each: digits up to MAX_DIGIT_ROWS rows, past that words
 //            for the formats whose unpacking takes more than a mask and a shift (see words_past_digit_rows).
 //   AVX2:    no byte product: dot_u7s8 takes three instructions a register and dot_u8s8 four, for the two passes
-//            of digits, where dot_s16 takes two for the one pass of words: words at every M, measured 1.1-1.15
-//            times (4 and 5 bits) and 2.2-2.6 times (Q8_0, IQ4_NL, MXFP4) as fast as digits on Zen 4, in cache.
+//            of digits, where dot_s16 takes two for the one pass of words: words at every M, measured on Zen 4
+//            (in cache) 1.05-1.15 times (4 and 5 bits) and 2.2-2.6 times (Q8_0, IQ4_NL, MXFP4) as fast as digits
+//            at 1-4 rows, Q4_0 1.2 and Q8_0 2.4 times at 17-64.
 //   NEON:    SDOT multiplies 16 bytes in one instruction where dot_s16 takes four for 8 words: digits at every M.
 //   scalar:  words at every M, as AVX2: one pass of int16 products where digits take two (the compiler turns
 //            dot_s16's loop into the baseline's pmaddwd); the suite's plain C++ server measured twice as fast.
@@ -82,7 +84,7 @@ constexpr Form FORM = VNNI_FORM;
 
 // Register tiles: activation rows by groups of 16 outputs. AVX-512's 32 registers hold 4 rows by 2 groups (3 as
 // digits); the other backends' 16 ymm or 32 q registers (two or four a vector) 2 rows by 1 group, measured the
-// fastest of 1-4 rows by 1-2 groups on AVX2 (Zen 4) at 1-4 and 17-64 rows.
+// fastest of 1-4 rows by 1-2 groups on AVX2 (Zen 4) at 1-4 and 17-64 rows (NEON's speed is unmeasured).
 #ifndef VNNI_MT  // (a dev script may try other tiles)
 #define VNNI_MT (VECTOR_REGISTERS >= 32 ? 4 : 2)
 #define VNNI_NG (VECTOR_REGISTERS >= 32 ? 2 : 1)
