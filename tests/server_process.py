@@ -36,6 +36,20 @@ def health_status(address: str, timeout: float = 2.0) -> int | None:
         return int(reply.status)
 
 
+def reflected_services(address: str, version: str, metadata: list[tuple[str, str]] | None = None) -> set[str]:
+    """The services server reflection (``version``: v1 or v1alpha) lists; grpc.RpcError where it refuses."""
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+            response_deserializer=rpb.ServerReflectionResponse.FromString,
+        )
+        (reply,) = call(iter([rpb.ServerReflectionRequest(list_services="")]), metadata=metadata, timeout=30)
+        return {s.name for s in reply.list_services_response.service}
+
+
 class ServerProcess:
     def __init__(
         self,

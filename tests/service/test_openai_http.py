@@ -18,7 +18,7 @@ import grpc
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, reflected_services
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import Settings
@@ -597,19 +597,10 @@ def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(
 
 
 def test_server_reflection_answers_as_v1_and_v1alpha(server: ServerProcess) -> None:
-    from grpc_reflection.v1alpha import reflection_pb2 as rpb
-
-    with grpc.insecure_channel(server.address) as channel:
-        for version in ("v1", "v1alpha"):
-            call = channel.stream_stream(
-                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                request_serializer=rpb.ServerReflectionRequest.SerializeToString,
-                response_deserializer=rpb.ServerReflectionResponse.FromString,
-            )
-            (reply,) = call(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=30)
-            names = {s.name for s in reply.list_services_response.service}
-            assert {"tokenmill.v1.Generation", "grpc.health.v1.Health"} <= names, version
-            assert "grpc.reflection.v1.ServerReflection" in names
+    for version in ("v1", "v1alpha"):
+        names = reflected_services(server.address, version)
+        assert {"tokenmill.v1.Generation", "grpc.health.v1.Health"} <= names, version
+        assert "grpc.reflection.v1.ServerReflection" in names
 
 
 def test_metrics_have_build_info_cache_gauges_and_no_created_series(

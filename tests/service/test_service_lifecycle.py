@@ -21,7 +21,7 @@ import grpc
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, health_status
+from tests.server_process import ServerProcess, health_status, reflected_services
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 
@@ -91,20 +91,11 @@ def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, stub: pb_g
 
 
 def test_reflection_wants_the_bearer_token_too(server: ServerProcess) -> None:
-    from grpc_reflection.v1alpha import reflection_pb2 as rpb
-
-    with grpc.insecure_channel(server.address) as channel:
-        for version in ("v1", "v1alpha"):
-            call = channel.stream_stream(
-                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                request_serializer=rpb.ServerReflectionRequest.SerializeToString,
-                response_deserializer=rpb.ServerReflectionResponse.FromString,
-            )
-            with pytest.raises(grpc.RpcError) as err:
-                list(call(iter([rpb.ServerReflectionRequest(list_services="")]), timeout=30))
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--auth-token" in str(err.value.details())
-            (reply,) = call(iter([rpb.ServerReflectionRequest(list_services="")]), metadata=AUTH, timeout=30)
-            assert "tokenmill.v1.Generation" in {s.name for s in reply.list_services_response.service}
+    for version in ("v1", "v1alpha"):
+        with pytest.raises(grpc.RpcError) as err:
+            reflected_services(server.address, version)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--auth-token" in str(err.value.details())
+        assert "tokenmill.v1.Generation" in reflected_services(server.address, version, AUTH)
 
 
 def test_a_token_set_means_no_warning_about_listening_without_one(server: ServerProcess) -> None:
