@@ -43,6 +43,7 @@ from tokenmill_service.router import (
     RequestStream,
     Router,
     RouterError,
+    ShuttingDown,
     Unavailable,
 )
 from tokenmill_service.tokenizer import Tokenizer
@@ -255,7 +256,7 @@ class GenerationService:
                         request_id, "the x-request-id header" if api == "http" else "the x-request-id metadata"
                     )
                 if self.router.draining:
-                    raise Unavailable("the server is shutting down; retry on another replica")
+                    raise ShuttingDown()
                 # Tokenizing and rendering a chat take time in proportion to the prompt (a second or more for
                 # megabytes): in a thread, so that the event loop goes on serving every other call, health
                 # checks and the workers' heartbeats meanwhile.

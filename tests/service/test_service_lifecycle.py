@@ -248,6 +248,17 @@ def drain(server: ServerProcess, stub: pb_grpc.GenerationStub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(pb.GenerateRequest(prompt="Too late"), metadata=AUTH, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # One server with one replica: the refusal must not send the caller to "another replica" it does not have.
+    assert "shutting down" in err.value.details() and "replica" not in err.value.details(), err.value.details()
+    late = urllib.request.Request(
+        server.http_url + "/v1/completions",
+        data=json.dumps({"prompt": "Too late", "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as http_late:
+        urllib.request.urlopen(late, timeout=30)
+    message = json.loads(http_late.value.read())["error"]["message"]
+    assert http_late.value.code == 503 and "shutting down" in message and "replica" not in message, message
     thread.join(150)
     assert results == {"finish": pb.FINISH_REASON_LENGTH, "tokens": DRAINED_TOKENS}
     assert server.proc.wait(60) == 0

@@ -18,6 +18,7 @@ from tokenmill_service.router.errors import (
     Overloaded,
     Rejected,
     RouterError,
+    ShuttingDown,
     Unavailable,
     WorkerStartError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "RequestStream",
     "Router",
     "RouterError",
+    "ShuttingDown",
     "Unavailable",
     "WorkerStartError",
 ]

@@ -26,7 +26,7 @@ from tokenmill_service.messages import AdapterResult, AddRequest, Cancel
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.router.adapters import Adapters
 from tokenmill_service.router.choice import ReplicaChooser
-from tokenmill_service.router.errors import Overloaded, Rejected, Unavailable
+from tokenmill_service.router.errors import Overloaded, Rejected, ShuttingDown, Unavailable
 from tokenmill_service.router.replicas import Replica, ReplicaPool
 from tokenmill_service.router.streams import InFlight, RequestStream
 
@@ -106,7 +106,7 @@ class Router:
         """Admit requests that belong together (the choices of one request, n > 1) on one replica, so
         they can share their prompt's KV blocks; all or none (Unavailable / Overloaded at once)."""
         if self.draining:
-            raise Unavailable("the server is shutting down; retry on another replica")
+            raise ShuttingDown()
         for request in requests:
             self.adapters.check(request.adapter)
         if not self.pool.serving():

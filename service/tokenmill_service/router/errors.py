@@ -11,6 +11,17 @@ class Unavailable(RouterError):
     """No replica can take the request now (none ready, all dead, shutting down): UNAVAILABLE."""
 
 
+class ShuttingDown(Unavailable):
+    """The server is draining (SIGTERM, Ctrl-C): it admits nothing new, whatever its replicas. The message
+    holds for one server as for several behind one address, since the server cannot know which it is."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the server is shutting down and takes no new requests; retry when it is back, "
+            "or on another server if one serves this address"
+        )
+
+
 class Overloaded(RouterError):
     """Every replica's batch and the admission queue are full: RESOURCE_EXHAUSTED."""
 
