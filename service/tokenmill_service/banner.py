@@ -1,8 +1,9 @@
 """What a person who just ran `make run` sees once the server is ready: commands to copy and paste.
 
-Only on a terminal (a log collector gets the structured `server_ready` line alone). The commands
-name the real paths of the tools (`.venv/bin/tokenmill-client`, `.tools/bin/grpcurl`) when they
-are there, so they work as pasted from the repository's root.
+`--banner auto` (the server's default) shows it on a terminal only, so a log collector gets the
+structured `server_ready` line alone; `make run` passes `--banner on`, so it shows whatever its output
+is piped to. The commands name the real paths of the tools (`.venv/bin/tokenmill-client`,
+`.tools/bin/grpcurl`) when they are there, so they work as pasted from the repository's root.
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ def ready_banner(settings: Settings, model: str) -> str:
         )
     if grpcurl == "grpcurl":  # not installed under .tools/bin
         lines.append("  (grpcurl: `make tools` installs it under .tools/bin; or github.com/fullstorydev/grpcurl)")
+    lines.append(
+        "  (other ports: make run PORT=50052 HTTP_PORT=8001, or tokenmill-server --port 50052 --http-port 8001)"
+    )
     lines += ["", "Ctrl-C stops the server.", ""]
     return "\n".join(lines) + "\n"
 
 
 def show_ready_banner(settings: Settings, model: str) -> None:
-    if sys.stderr.isatty():
+    if settings.banner == "on" or (settings.banner == "auto" and sys.stderr.isatty()):
         sys.stderr.write(ready_banner(settings, model))
         sys.stderr.flush()

@@ -167,6 +167,14 @@ class Settings:
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     log_format: str = field(default="", metadata={"help": "json or console (default: console on a terminal)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    banner: str = field(
+        default="auto",
+        metadata={
+            "help": "once ready, print the commands that call the server on stderr; auto = on a terminal only "
+            "(a log collector gets the server_ready line alone), on = always (make run), off = never",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     drain_seconds: float = field(default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0: off)"})
     metrics_without_auth: bool = field(
@@ -281,6 +289,8 @@ class Settings:
             raise ValueError("--tensor-parallel must be at least 1")
         if self.log_format not in ("", "json", "console"):
             raise ValueError("--log-format must be json or console")
+        if self.banner not in ("auto", "on", "off"):
+            raise ValueError(f"--banner must be auto, on or off; given {self.banner!r}")
         for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

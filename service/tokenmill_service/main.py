@@ -185,7 +185,7 @@ async def serve(settings: Settings) -> int:
         )
         watcher = asyncio.ensure_future(follow_workers(router, set_health))
         log.info("server_ready", address=address, http_port=settings.http_port or None)
-        # On a terminal, the commands to try, plain and copy-pasteable (not inside a log line).
+        # The commands to try, plain and copy-pasteable (not inside a log line): on a terminal, or as --banner says.
         show_ready_banner(settings, info.model_name)
         await stopping
         watcher.cancel()

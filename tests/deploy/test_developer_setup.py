@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,39 @@ def test_make_install_keeps_pip_quiet() -> None:
     for line in installs:
         assert "-qq" in line and "--disable-pip-version-check" in line, line
     assert any("editable_mode=strict" in line for line in installs)
+
+
+# A stand-in for python3 and the venv's python: prints each pip run on stdout (so its place among make's own
+# lines shows), makes the venv it is asked for, and has no torch.
+STAND_IN_PYTHON = """#!/bin/sh
+case "$1 $2" in
+  "-m venv") mkdir -p "$3/bin" && cp "$0" "$3/bin/python" ;;
+  "-m pip") echo "ran: pip $*" ;;
+  "-c import torch") exit 1 ;;
+esac
+exit 0
+"""
+
+
+def test_a_first_make_install_says_what_each_step_installs_before_it_runs(tmp_path: Path) -> None:
+    """A fresh clone's `make run` spends minutes in pip, which is quiet: a line before each step says what is
+    being installed, so the output (a terminal or not) is never silent for minutes."""
+    python = tmp_path / "python3"
+    python.write_text(STAND_IN_PYTHON)
+    python.chmod(0o755)
+    venv = tmp_path / "venv"
+    make = ["make", "--no-print-directory", "-C", str(REPO), "install", f"VENV={venv}", f"PYTHON={python}"]
+    done = subprocess.run(make, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "a few minutes" in lines[0], lines
+    steps = [line for line in lines if line.startswith("make: [")]
+    assert [step.split("]")[0] for step in steps] == [f"make: [{i}/5" for i in range(1, 6)], lines
+    assert "torch" in steps[2] and "minutes" in steps[2] and "SmolLM2" in steps[4], steps
+    pips = [i for i, line in enumerate(lines) if line.startswith("ran: pip")]
+    assert len(pips) == 5, lines  # pip itself, torch, tokenmill, the model, and the link of the sources
+    for i in pips:
+        assert lines[i - 1].startswith("make: "), (lines[i - 1], lines[i])
 
 
 def test_make_run_without_a_compiler_says_what_to_install_and_still_starts(tmp_path: Path) -> None:
@@ -72,6 +106,32 @@ def make_run() -> Iterator[tuple[PtySession, int, int]]:
         if session.proc.poll() is None:
             os.killpg(session.proc.pid, signal.SIGTERM)
         session.close()
+
+
+@pytest.mark.timeout(300)
+def test_make_run_prints_the_banner_and_other_ports_when_its_output_is_not_a_terminal(tmp_path: Path) -> None:
+    """Written to a file (an IDE's console, CI, `| tee`), `make run` still says how to call the server, on the
+    ports it was given, and how to choose others."""
+    port, http_port = free_port(), free_port()
+    make = shutil.which("make") or "make"
+    argv = [make, "-C", str(REPO), "-o", STAMP, "-o", LINKED, "run", f"PORT={port}", f"HTTP_PORT={http_port}"]
+    log = tmp_path / "make-run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops the server." not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        output = log.read_text()
+        assert "tokenmill is ready: " in output, output[-3000:]
+        assert "generate -l 32 " in output and f"127.0.0.1:{port} tokenmill.v1.Generation/Generate" in output
+        assert f"curl -N http://127.0.0.1:{http_port}/v1/chat/completions" in output
+        assert "make run PORT=" in output and "HTTP_PORT=" in output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # make and the server: it drains (nothing in flight) and stops
+        proc.wait(120)
 
 
 def run_as_pasted(command: str, port: int, timeout: float = 300) -> subprocess.CompletedProcess[str]:
