@@ -78,8 +78,8 @@ class Settings:
             "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
             "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built, on any CPU: "
             "gguf-vnni, integer products on 16-bit fixed-point activations, "
-            "else gguf, float32 products; a GGUF's k-quants by gguf-kquant; without a C++ compiler Q4_0/Q4_1 "
-            "as int4; FP8 block-scaled safetensors, DeepSeek-V3's, by fp8-block), gguf-vnni / gguf-kquant / "
+            "else gguf, float32 products; a GGUF's k-quants by gguf-kquant; without a C++ compiler dense float32 "
+            "on a CPU, Q4_0/Q4_1 as int4 on a GPU; FP8 block-scaled safetensors, DeepSeek-V3's, by fp8-block), gguf-vnni / gguf-kquant / "
             "gguf / fp8-block = that method or fail, none = dense",
             "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "fp8-block", "none", "int8", "int4"],
         },
