@@ -11,7 +11,7 @@ ratio (the target is at least 0.7). Last, the time to load one adapter through
 ``POST /v1/load_lora_adapter`` (and unload it again), ``--load-trials`` (5) times: p50 and max, and the
 time to first token of the one-token request that then uses it (which writes it into a slot).
 
-    tokenmill-bench lora --json bench/results-lora.json
+    tokenmill-bench lora --json bench/results/results-lora.json
     tokenmill-bench lora --model /models/Llama-3.2-1B-Instruct --concurrency 16,64
 """
 

@@ -11,8 +11,8 @@ enough for that: it is read from the server's Prometheus endpoint). ``--workload
 every request its own first token, so nothing is shared: the control, where prefix-aware routing
 must do no worse than least-load.
 
-    tokenmill-bench routing --json bench/results-routing.json
-    tokenmill-bench routing --workload distinct --json bench/results-routing-distinct.json
+    tokenmill-bench routing --json bench/results/results-routing.json
+    tokenmill-bench routing --workload distinct --json bench/results/results-routing-distinct.json
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Both servers should serve the same model (tokenmill a checkpoint, llama-server i
 to compare; the model each side names is recorded.
 
     tokenmill-bench structured --tokenmill http://127.0.0.1:8000 --llama-server http://127.0.0.1:8089 \\
-        --json bench/results-structured.json
+        --json bench/results/results-structured.json
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class Settings:
         metadata={
             "help": "compile the forward pass with torch.compile, every graph built during start-up; auto = "
             "where it can (CPU, torch backend, one rank, a C++ compiler), else eager with a log line saying why. "
-            "Off by default: on CPU it measured no faster (bench/RESULTS.md) and adds 10-40 s to a worker's start",
+            "Off by default: on CPU it measured no faster (bench/history.md) and adds 10-40 s to a worker's start",
             "choices": ["auto", "off"],
         },
     )

@@ -115,7 +115,7 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
 
 
 def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
-    """bench/kernels/cpu_peak.cpp, which RESULTS.md's arithmetic ceiling quotes, still builds and runs: AVX2's
+    """bench/kernels/cpu_peak.cpp, which history.md's arithmetic ceiling quotes, still builds and runs: AVX2's
     rates on any x86 CPU with AVX2, AVX-512's too where the CPU has them."""
     from tokenmill_service.plan import cpu_isa
 
@@ -253,7 +253,7 @@ def test_the_plots_labels_do_not_overlap(name: str) -> None:
 
     from tokenmill_bench.plot import draw
 
-    fig = draw(json.loads((Path(__file__).parents[2] / "bench" / name).read_text()))
+    fig = draw(json.loads((Path(__file__).parents[2] / "bench" / "results" / name).read_text()))
     try:
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
