@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +36,31 @@ def test_the_client_its_examples_the_service_and_the_bench_pass_mypy_strict() ->
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_readme_python_example_passes_mypy_strict(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    script = tmp_path / "readme_example.py"
-    script.write_text(example)
+PYTHON_BLOCK = re.compile(r"^```py(?:thon)?\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+# The user documents: the README, docs/, and the chart's and the benchmark's documents.
+USER_DOCS = (
+    "README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+    "bench/README.md",
+    "bench/RESULTS.md",
+    "bench/history.md",
+    "helm/tokenmill/README.md",
+)
+
+
+def test_the_python_examples_of_the_readme_and_docs_pass_mypy_strict(tmp_path: Path) -> None:
+    """Every Python block of the README and docs/ (the typed client's and the `openai` SDK's examples), each
+    as a module of its own, in one mypy run: what a reader copies type-checks as their own code would."""
+    scripts = []
+    for doc in ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))):
+        for i, example in enumerate(PYTHON_BLOCK.findall((ROOT / doc).read_text())):
+            script = tmp_path / f"{Path(doc).stem.replace('-', '_')}_{i}.py"
+            script.write_text(example)
+            scripts.append(str(script))
+    assert len(scripts) >= 4, scripts  # the README's client, the docs' client, structured output and tools
     result = subprocess.run(
-        [str(BIN / "mypy"), "--strict", "--no-incremental", str(script)],
+        [str(BIN / "mypy"), "--strict", "--no-incremental", *scripts],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -53,13 +72,13 @@ def test_the_readme_python_example_passes_mypy_strict(tmp_path: Path) -> None:
 
 
 def test_the_user_docs_name_no_internal_process_words() -> None:
-    """The README, the chart's and bench/'s docs speak to users: no issue numbers, no lettered runs of
-    a work session, no paths of the machine they were written on."""
-    import re
-
+    """The README, docs/, the chart's and bench/'s docs speak to users: no issue numbers, no lettered runs
+    of a work session, no paths of the machine they were written on."""
     internal = re.compile(
         r"\bissue \d+|\bissue's\b|\b[Rr]uns? [A-I]\b(?![-\w])|/work/|\bseams issue\b|\bthis session\b"
+        r"|\bthis task\b"
     )
-    for doc in ("README.md", "bench/README.md", "bench/RESULTS.md", "helm/tokenmill/README.md"):
+    assert len(USER_DOCS) > 8  # docs/ is read
+    for doc in USER_DOCS:
         for number, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
             assert not internal.search(line), f"{doc}:{number}: {line}"
