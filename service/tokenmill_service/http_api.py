@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front-end: Starlette routes served by uvicorn on the server's own loop.
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
+    POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic's Messages API: anthropic_protocol.py)
     GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
          token like the rest unless --metrics-without-auth)
     POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
@@ -34,6 +35,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from tokenmill_service.anthropic_protocol import MESSAGES, count_tokens_json, parse_messages
+from tokenmill_service.anthropic_protocol import error_body as anthropic_error
 from tokenmill_service.generation import GenerationService, ServiceError
 from tokenmill_service.openai_protocol import (
     CHAT,
@@ -50,7 +53,7 @@ from tokenmill_service.openai_protocol import (
 from tokenmill_service.proto import pb
 from tokenmill_service.tool_calls import start_marker
 from tokenmill_service.tool_validation import family, tools_in_use
-from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids
+from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids, prompt_ids
 
 log = structlog.get_logger("tokenmill.http")
 
@@ -289,6 +292,8 @@ class HttpApi:
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/messages", self._dialect(MESSAGES), methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
@@ -352,6 +357,24 @@ class HttpApi:
         echo_texts = [self._prompt_text(one) for one in parsed.requests] if parsed.echo else []
         builder = dialect.builder(parsed, request_id, adapter or self.service.model_name(), echo_texts)
         return GenerationResponse(streams, builder, request_id)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's: the tokens of the prompt /v1/messages makes of the body (tools included)."""
+        names: dict[str, str] = {}
+        try:
+            parsed = parse_messages(await self._json_body(request, MESSAGES), count_only=True)
+            names = parsed.field_names
+            vocab_size = self.service.limits().vocab_size
+            ids = await asyncio.to_thread(prompt_ids, parsed.request, self.service.tokenizer, vocab_size)
+        except InvalidRequest as exc:
+            status, body = service_error_json(
+                ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code), names
+            )
+        except (ServiceError, ValueError, RecursionError) as exc:
+            status, body = refusal_json(exc)
+        else:
+            return JSONResponse(count_tokens_json(len(ids)))
+        return JSONResponse(anthropic_error(status, body), status_code=status)
 
     def _adapter(self, model: str) -> str:
         """The LoRA adapter a request's ``model`` names ("": the base). With adapters on (--max-loras), a
