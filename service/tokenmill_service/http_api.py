@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
     POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic's Messages API: anthropic_protocol.py)
+    POST /v1/responses                                 (OpenAI's Responses API: responses_protocol.py)
     GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
          token like the rest unless --metrics-without-auth)
     POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
@@ -51,6 +52,7 @@ from tokenmill_service.openai_protocol import (
     parse_tokenize,
 )
 from tokenmill_service.proto import pb
+from tokenmill_service.responses_protocol import RESPONSES
 from tokenmill_service.tool_calls import start_marker
 from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids, prompt_ids
@@ -294,6 +296,7 @@ class HttpApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/messages", self._dialect(MESSAGES), methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                Route("/v1/responses", self._dialect(RESPONSES), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
