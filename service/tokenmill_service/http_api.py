@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP front-end: Starlette routes served by uvicorn on the server's own loop.
 
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
+    POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic's Messages API: anthropic_protocol.py)
+    POST /v1/responses                                 (OpenAI's Responses API: responses_protocol.py)
     GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
          token like the rest unless --metrics-without-auth)
     POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
@@ -21,7 +23,7 @@ import json
 import logging
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -34,21 +36,26 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from tokenmill_service.anthropic_protocol import MESSAGES, count_tokens_json, parse_messages
+from tokenmill_service.anthropic_protocol import error_body as anthropic_error
 from tokenmill_service.generation import GenerationService, ServiceError
 from tokenmill_service.openai_protocol import (
+    CHAT,
+    COMPLETIONS,
     BadRequest,
+    Dialect,
     ParsedRequest,
     ResponseBuilder,
     error_json,
     openai_error,
     parse_detokenize,
-    parse_request,
     parse_tokenize,
 )
 from tokenmill_service.proto import pb
+from tokenmill_service.responses_protocol import RESPONSES
 from tokenmill_service.tool_calls import start_marker
 from tokenmill_service.tool_validation import family, tools_in_use
-from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids
+from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids, prompt_ids
 
 log = structlog.get_logger("tokenmill.http")
 
@@ -93,6 +100,20 @@ def service_error_json(exc: ServiceError, names: dict[str, str] | None = None) -
     status, kind, code = _HTTP_ERRORS.get(exc.code, _SERVER_ERROR)
     message, param = openai_error(exc.message, exc.field, names)
     return status, error_json(message, kind, param, exc.reason or code)
+
+
+def refusal_json(exc: ServiceError | ValueError | RecursionError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error of a request refused before it reached the service."""
+    if isinstance(exc, ServiceError):
+        return service_error_json(exc)
+    if isinstance(exc, BadRequest):
+        return 413 if isinstance(exc, BodyTooLarge) else 400, error_json(
+            str(exc), "invalid_request_error", exc.param, exc.code
+        )
+    if isinstance(exc, RecursionError):  # (a body within the size limit can still nest deeper than Python recurses)
+        return 400, error_json("the request is nested too deeply", "invalid_request_error", code="invalid_value")
+    # A value protobuf refuses, e.g. an integer out of range.
+    return 400, error_json(str(exc), "invalid_request_error", code="invalid_value")
 
 
 def service_error_response(exc: ServiceError, names: dict[str, str] | None = None) -> JSONResponse:
@@ -220,9 +241,9 @@ class GenerationResponse(Response):
         await JSONResponse(whole, headers=self.headers_)(scope, receive, send)
 
     def _error(self, exc: ServiceError) -> Response:
-        response = service_error_response(exc, self.builder.parsed.field_names)
-        response.headers.update(self.headers_)
-        return response
+        status, body = service_error_json(exc, self.builder.parsed.field_names)
+        headers = {**self.headers_, "www-authenticate": "Bearer"} if status == 401 else self.headers_
+        return JSONResponse(self.builder.error_body(status, body), status_code=status, headers=headers)
 
     async def _stream(
         self, first: pb.GenerateResponse, responses: AsyncIterator[pb.GenerateResponse], send: Send
@@ -231,22 +252,24 @@ class GenerationResponse(Response):
         headers += [(k.encode(), v.encode()) for k, v in self.headers_.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         for opening in self.builder.first_chunks():
-            await _send_event(send, opening)
+            await self._send_event(send, opening)
         try:
             # Read to the generator's end (not only to the finish reason) so the request ends as completed.
             async for response in _prepend(first, responses):
-                chunk = self.builder.chunk(response)
-                if chunk is not None:
-                    await _send_event(send, chunk)
+                for event in self.builder.events(response):
+                    await self._send_event(send, event)
         except ServiceError as exc:
             # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
-            _, body = service_error_json(exc, self.builder.parsed.field_names)
-            await _send_event(send, body)
+            status, body = service_error_json(exc, self.builder.parsed.field_names)
+            await self._send_event(send, self.builder.error_event(status, body))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        if self.builder.parsed.include_usage:
-            await _send_event(send, self.builder.usage_chunk())
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        for event in self.builder.last_events():
+            await self._send_event(send, event)
+        await send({"type": "http.response.body", "body": self.builder.STREAM_END, "more_body": False})
+
+    async def _send_event(self, send: Send, event: dict[str, Any]) -> None:
+        await send({"type": "http.response.body", "body": self.builder.sse(event), "more_body": True})
 
 
 def _string_field(body: Any, name: str) -> str:
@@ -262,11 +285,6 @@ async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
         yield item
 
 
-async def _send_event(send: Send, data: dict[str, Any]) -> None:
-    body = b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    await send({"type": "http.response.body", "body": body, "more_body": True})
-
-
 class HttpApi:
     """The routes, bound to one GenerationService."""
 
@@ -276,6 +294,9 @@ class HttpApi:
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/messages", self._dialect(MESSAGES), methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                Route("/v1/responses", self._dialect(RESPONSES), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
@@ -303,41 +324,60 @@ class HttpApi:
         return error_response(405, "invalid_request_error", message, code="method_not_allowed")
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, CHAT)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, COMPLETIONS)
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    def _dialect(self, dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
+        """The route of another API served through the chat path (anthropic_protocol.py, responses_protocol.py)."""
+
+        async def endpoint(request: Request) -> Response:
+            return await self._generate(request, dialect)
+
+        return endpoint
+
+    async def _generate(self, request: Request, dialect: Dialect) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            parsed: ParsedRequest = parse_request(await self._json_body(request), chat)
-        except ServiceError as exc:
-            return service_error_response(exc)
-        except BadRequest as exc:
-            return bad_request(exc)
-        except ValueError as exc:  # a value protobuf refuses, e.g. an integer out of range
-            return error_response(400, "invalid_request_error", str(exc), code="invalid_value")
-        except RecursionError:  # (a body within the size limit can still nest deeper than Python recurses)
-            return error_response(
-                400, "invalid_request_error", "the request is nested too deeply", code="invalid_value"
-            )
+            parsed: ParsedRequest = dialect.parse(await self._json_body(request, dialect))
+        except (ServiceError, ValueError, RecursionError) as exc:
+            status, body = refusal_json(exc)
+            headers = {"www-authenticate": "Bearer"} if status == 401 else None
+            return JSONResponse(dialect.builder.error_body(status, body), status_code=status, headers=headers)
         if parsed.chat and tools_in_use(parsed.request) and not self.service.tokenizer.harmony:
             # (A harmony model's calls never reach the text: its channel reader keeps them apart.)
             parsed.tool_marker = start_marker(family(self.service.tokenizer))
         adapter = self._adapter(parsed.model)
         many = len(parsed.requests) > 1
+        authorization, where = self._authorization(request, dialect)
         streams = []
         for i, one in enumerate(parsed.requests):
             # Each prompt is its own sequence, under its own id (the engine refuses two alike).
             one.request_id = f"{request_id}-{i}" if many else request_id
             one.adapter = adapter
-            streams.append(
-                self.service.generate(one, one.request_id, request.headers.get("authorization"), AUTH_WHERE, api="http")
-            )
+            streams.append(self.service.generate(one, one.request_id, authorization, where, api="http"))
         echo_texts = [self._prompt_text(one) for one in parsed.requests] if parsed.echo else []
-        builder = ResponseBuilder(parsed, request_id, adapter or self.service.model_name(), echo_texts)
+        builder = dialect.builder(parsed, request_id, adapter or self.service.model_name(), echo_texts)
         return GenerationResponse(streams, builder, request_id)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's: the tokens of the prompt /v1/messages makes of the body (tools included)."""
+        names: dict[str, str] = {}
+        try:
+            parsed = parse_messages(await self._json_body(request, MESSAGES), count_only=True)
+            names = parsed.field_names
+            vocab_size = self.service.limits().vocab_size
+            ids = await asyncio.to_thread(prompt_ids, parsed.request, self.service.tokenizer, vocab_size)
+        except InvalidRequest as exc:
+            status, body = service_error_json(
+                ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code), names
+            )
+        except (ServiceError, ValueError, RecursionError) as exc:
+            status, body = refusal_json(exc)
+        else:
+            return JSONResponse(count_tokens_json(len(ids)))
+        return JSONResponse(anthropic_error(status, body), status_code=status)
 
     def _adapter(self, model: str) -> str:
         """The LoRA adapter a request's ``model`` names ("": the base). With adapters on (--max-loras), a
@@ -391,10 +431,21 @@ class HttpApi:
             return bad_request(exc)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
-    async def _json_body(self, request: Request) -> Any:
+    def _authorization(self, request: Request, dialect: Dialect) -> tuple[str | None, str]:
+        """The caller's Authorization value and where a refusal says the token goes; a dialect's own key
+        header (the anthropic SDK's x-api-key) stands in for a bearer token."""
+        authorization = request.headers.get("authorization")
+        if dialect.key_header is None:
+            return authorization, AUTH_WHERE
+        key = request.headers.get(dialect.key_header)
+        if key is not None and not self.service.authorized(authorization):
+            authorization = f"Bearer {key}"
+        return authorization, f"{AUTH_WHERE} or {dialect.key_header}"
+
+    async def _json_body(self, request: Request, dialect: Dialect = CHAT) -> Any:
         """The body as JSON, read only after the caller's token is checked and only up to --max-request-bytes
         (ServiceError, BodyTooLarge or BadRequest otherwise)."""
-        self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        self.service.authorize(*self._authorization(request, dialect))
         body = await read_body(request, self.service.settings.request_bytes_limit)
         try:
             return json.loads(body or b"null")

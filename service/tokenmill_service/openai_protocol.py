@@ -7,12 +7,13 @@ tokenmill has no equivalent for). Responses are built from `GenerateResponse` me
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from tokenmill_service.openai_constraint import ConstraintParamError, apply_constraint
 from tokenmill_service.openai_tools import HeldText, ToolParamError, apply_tools, message_tool_fields, tool_calls_json
@@ -73,6 +74,8 @@ class ParsedRequest:
     tool_marker: str | None = None
     # Choices per prompt (`n`): prompt i's choice j is the answer's choice i * n + j.
     n: int = 1
+    # What another API's answer repeats of its request (the Responses API echoes its parameters).
+    echoed: dict[str, Any] = field(default_factory=dict)
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -310,6 +313,18 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
 
 # -- errors ------------------------------------------------------------------------------------
 
+
+def renamed(exc: BadRequest, names: dict[str, str]) -> BadRequest:
+    """A refusal by parse_request in the words of another API that reads its body through it: each parameter
+    of ``names`` (and each field under it) as that API calls it, where the message quotes it and in ``param``."""
+    message, param = str(exc), exc.param
+    for old, new in sorted(names.items(), key=lambda item: -len(item[0])):
+        message = re.sub(rf"'{re.escape(old)}(?=['.\[])", f"'{new}", message)
+        if param is not None and (param == old or param.startswith(old + ".")):
+            param = new + param[len(old) :]
+    return BadRequest(message, param, exc.code)
+
+
 # The GenerateRequest's field paths (what validation's messages name) as OpenAI's API names them;
 # any other sampling.* or stopping.* field is one of tokenmill's extras, named by its last part.
 _OPENAI_FIELDS = {
@@ -447,7 +462,17 @@ class ResponseBuilder:
 
     ``echo_texts``: with echo, each prompt's text (what the answer starts with), one per request.
     With n > 1 a prompt's responses interleave its choices (GenerateResponse.index); prompt i's
-    choice j is the answer's choice i * n + j, as OpenAI numbers them."""
+    choice j is the answer's choice i * n + j, as OpenAI numbers them.
+
+    Another API served through the chat path (anthropic_protocol.py, responses_protocol.py) subclasses it:
+    its answer is the chat answer reshaped, and a stream's events, their framing and its errors are its own
+    (the methods from ``events`` down)."""
+
+    # What ends a stream, after its last event.
+    STREAM_END: ClassVar[bytes] = b"data: [DONE]\n\n"
+    # A stream's events as bare `data:` lines (OpenAI's chat and completions), or each named by its type
+    # (`event: TYPE`, as Anthropic's and the Responses API's are).
+    NAMED_EVENTS: ClassVar[bool] = False
 
     def __init__(self, parsed: ParsedRequest, request_id: str, model: str, echo_texts: Sequence[str] = ()) -> None:
         self.parsed = parsed
@@ -550,6 +575,29 @@ class ResponseBuilder:
         chunk["usage"] = usage_json(self.usage)
         return chunk
 
+    def events(self, response: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """A stream's events for one response (OpenAI's: a chunk, or none)."""
+        chunk = self.chunk(response)
+        return [] if chunk is None else [chunk]
+
+    def last_events(self) -> list[dict[str, Any]]:
+        """What a stream sends after its last response."""
+        return [self.usage_chunk()] if self.parsed.include_usage else []
+
+    def sse(self, event: dict[str, Any]) -> bytes:
+        """One event as server-sent."""
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        return (f"event: {event['type']}\n" if self.NAMED_EVENTS else "").encode() + f"data: {data}\n\n".encode()
+
+    @staticmethod
+    def error_body(status: int, body: dict[str, Any]) -> dict[str, Any]:
+        """A refusal's body, from OpenAI's error JSON (``error_json``) and its HTTP status."""
+        return body
+
+    def error_event(self, status: int, body: dict[str, Any]) -> dict[str, Any]:
+        """A failure after a stream's status was sent, from OpenAI's error JSON: the stream's last event."""
+        return body
+
     def whole(self, results: Sequence[Sequence[pb.GenerateResponse]]) -> dict[str, Any]:
         """The non-streaming answer: per request (prompt) and choice, every response's text and tokens
         joined. Usage counts each prompt once and every choice's tokens."""
@@ -598,3 +646,18 @@ class ResponseBuilder:
 
 def error_json(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """One HTTP API that generates through this module's request: how its body becomes a ParsedRequest, and the
+    ResponseBuilder that shapes its answers and errors."""
+
+    parse: Callable[[Any], ParsedRequest]
+    builder: type[ResponseBuilder] = ResponseBuilder
+    # A header that may carry the API key instead of Authorization's bearer token (Anthropic's x-api-key).
+    key_header: str | None = None
+
+
+CHAT = Dialect(lambda body: parse_request(body, chat=True))
+COMPLETIONS = Dialect(lambda body: parse_request(body, chat=False))

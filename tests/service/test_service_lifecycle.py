@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -147,6 +148,29 @@ def test_http_calls_without_the_bearer_token_are_401(server: ServerProcess) -> N
             client.models.list()
     # Probes need no token.
     assert urllib.request.urlopen(server.http_url + "/health", timeout=10).status == 200
+
+
+def test_the_messages_api_takes_the_token_as_x_api_key_or_bearer_and_refuses_in_its_shape(
+    server: ServerProcess,
+) -> None:
+    ask: Any = {"model": "tokenmill", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    # The anthropic SDK sends api_key as x-api-key, auth_token as a bearer token (Claude Code's two settings).
+    for key in ({"api_key": TOKEN}, {"auth_token": TOKEN}):
+        with anthropic.Anthropic(base_url=server.http_url, max_retries=0, timeout=60, **key) as client:
+            assert client.messages.create(**ask).usage.output_tokens == 1
+            assert client.messages.count_tokens(model="tokenmill", messages=ask["messages"]).input_tokens > 0
+    with anthropic.Anthropic(base_url=server.http_url, api_key="wrong", max_retries=0, timeout=60) as client:
+        with pytest.raises(anthropic.AuthenticationError) as err:
+            client.messages.create(**ask)
+        body: Any = err.value.body
+        assert err.value.status_code == 401 and body["type"] == "error"
+        assert body["error"]["type"] == "authentication_error" and "x-api-key" in body["error"]["message"]
+        with pytest.raises(anthropic.AuthenticationError):
+            client.messages.count_tokens(model="tokenmill", messages=ask["messages"])
+    # x-api-key is the Messages API's: the other routes want the bearer token.
+    other = openai.OpenAI(base_url=server.http_url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+    with other, pytest.raises(openai.AuthenticationError):
+        other.responses.create(model="tokenmill", input="Hi", extra_headers={"x-api-key": TOKEN})
 
 
 def test_http_calls_beyond_the_queue_are_429(server: ServerProcess) -> None:
