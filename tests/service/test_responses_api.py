@@ -208,3 +208,19 @@ def test_bad_input_is_a_400_naming_the_field(
     assert status == 400, reply
     error = reply["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and message in error["message"]
+
+
+def test_the_openai_agents_sdk_runs_an_agent_on_the_server(server: ServerProcess, france: Any) -> None:
+    """The README's Agents SDK example: an agent on OpenAIResponsesModel answers as the chat route does."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    agent_client = openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    agent = Agent(
+        name="helper",
+        instructions=INSTRUCTIONS,
+        model=OpenAIResponsesModel(MODEL, agent_client),
+        model_settings=ModelSettings(temperature=0, max_tokens=12),
+    )
+    result = Runner.run_sync(agent, QUESTION)
+    assert result.final_output == france.choices[0].message.content
