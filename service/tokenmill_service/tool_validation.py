@@ -133,5 +133,5 @@ def chat_with_tools(
 def _arguments(call: pb.ToolCall) -> Any:
     try:
         return json.loads(call.arguments or "{}")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (given as text: the template shows it as it is)
         return call.arguments

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
-# Schema nodes visited at most: past it the schema counts as admitting a value (its compile is bounded anyway).
+# Schema nodes (or grammar items) visited at most: past it the constraint counts as able to end, so that the check
+# stays within a few tenths of a second of a compile's time limit.
 MAX_VISITS = 200_000
 
 
@@ -316,8 +317,13 @@ class _Lark:
 
     def productive(self) -> dict[str, bool]:
         done = dict.fromkeys(self.rules, False)
+        visits = 0
 
         def ok(atom: Any) -> bool:
+            nonlocal visits
+            visits += 1
+            if visits > MAX_VISITS:  # (a long chain of rules, each defined before the one it needs)
+                raise _Unknown
             if isinstance(atom, bool):
                 return atom
             if isinstance(atom, str):
