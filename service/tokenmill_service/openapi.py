@@ -1,9 +1,11 @@
 """The HTTP API described as OpenAPI 3.1, served at GET /openapi.json.
 
 One ``Operation`` per route of http_api.py (a unit test holds the two lists equal): its request body's schema and
-its answers, with the error statuses it can give. The bodies' schemas live in openai_schema.py, beside the parser
-whose rules they state, and take the server's limits, so the document says what this server enforces. Describing a
-new route is one more ``Operation`` in ``OPERATIONS``.
+its answers, with the error statuses it can give. The request bodies' schemas live in openai_schema.py, beside the
+parser whose rules they state, and take the server's limits, so the document says what this server enforces; the
+answers' are in openai_response_schema.py. Describing a new route (/v1/embeddings, say) is one more ``Operation``
+in ``OPERATIONS``: its method, path, summary, 200 content, request schema (a function of the limits) and error
+statuses; tests/unit/test_openapi.py fails until every route has one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill_service import openai_response_schema as answers
 from tokenmill_service import openai_schema as s
 from tokenmill_service.validation import Limits
 
@@ -179,16 +182,16 @@ def document(limits: Limits, version: str) -> dict[str, Any]:
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method.lower()] = _operation(op, limits)
     schemas = {
-        "ChatCompletion": s.CHAT_COMPLETION,
-        "ChatCompletionChunk": s.CHAT_COMPLETION_CHUNK,
-        "Completion": s.COMPLETION,
-        "CompletionChunk": s.COMPLETION_CHUNK,
-        "Models": s.MODELS,
-        "TokenizeResponse": s.TOKENIZE_RESPONSE,
-        "DetokenizeResponse": s.DETOKENIZE_RESPONSE,
-        "TokenizerInfo": s.TOKENIZER_INFO,
-        "Health": s.HEALTH,
-        "Error": s.ERROR,
+        "ChatCompletion": answers.CHAT_COMPLETION,
+        "ChatCompletionChunk": answers.CHAT_COMPLETION_CHUNK,
+        "Completion": answers.COMPLETION,
+        "CompletionChunk": answers.COMPLETION_CHUNK,
+        "Models": answers.MODELS,
+        "TokenizeResponse": answers.TOKENIZE_RESPONSE,
+        "DetokenizeResponse": answers.DETOKENIZE_RESPONSE,
+        "TokenizerInfo": answers.TOKENIZER_INFO,
+        "Health": answers.HEALTH,
+        "Error": answers.ERROR,
     }
     return {
         "openapi": "3.1.0",
