@@ -4,7 +4,7 @@
     POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic's Messages API: anthropic_protocol.py)
     POST /v1/responses                                 (OpenAI's Responses API: responses_protocol.py)
     GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
-         token like the rest unless --metrics-without-auth)
+         token like the rest unless --metrics-without-auth), GET /openapi.json (this API described; open)
     POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
                                                             tokenizes through them)
 
@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from tokenmill_service import __version__, openapi
 from tokenmill_service.anthropic_protocol import MESSAGES, count_tokens_json, parse_messages
 from tokenmill_service.anthropic_protocol import error_body as anthropic_error
 from tokenmill_service.generation import GenerationService, ServiceError
@@ -55,7 +56,7 @@ from tokenmill_service.proto import pb
 from tokenmill_service.responses_protocol import RESPONSES
 from tokenmill_service.tool_calls import start_marker
 from tokenmill_service.tool_validation import family, tools_in_use
-from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids, prompt_ids
+from tokenmill_service.validation import InvalidRequest, Limits, chat_messages, check_token_ids, prompt_ids
 
 log = structlog.get_logger("tokenmill.http")
 
@@ -305,6 +306,7 @@ class HttpApi:
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed, Exception: self._internal_error},
         )
@@ -451,6 +453,8 @@ class HttpApi:
             return json.loads(body or b"null")
         except json.JSONDecodeError as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        except UnicodeDecodeError as exc:  # (json.loads reads bytes as UTF-8, -16 or -32, by their first bytes)
+            raise BadRequest(f"the body is not JSON in UTF-8: {exc}", code="invalid_json") from None
         except RecursionError:
             raise BadRequest("the body's JSON is nested too deeply to read", code="invalid_json") from None
 
@@ -529,6 +533,15 @@ class HttpApi:
             except ServiceError as exc:
                 return service_error_response(exc)
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, request: Request) -> Response:
+        """Every route described (openapi.py), with this server's limits."""
+        try:
+            limits = self.service.limits()
+        except ServiceError:  # still loading: the model's own bounds are not known yet
+            s = self.service.settings
+            limits = Limits(0, 0, s.max_new_tokens_limit, s.max_top_logprobs, s.max_stop_strings)
+        return JSONResponse(openapi.document(limits, __version__))
 
 
 class _ToStructlog(logging.Handler):

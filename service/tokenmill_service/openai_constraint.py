@@ -66,6 +66,8 @@ def _response_format(value: Any) -> tuple[str, Any] | None:
             raise ConstraintParamError(
                 "'response_format.json_schema' must be an object with a 'schema'", "response_format"
             )
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ConstraintParamError("'response_format.json_schema.strict' must be true or false", "response_format")
         if "schema" not in spec:
             return "json_object", pb.JsonObject()
         return "json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema")
@@ -128,7 +130,8 @@ def apply_constraint(body: dict[str, Any], request: pb.GenerateRequest) -> str |
         names = ", ".join(f"'{name}'" for name, _, _ in found)
         raise ConstraintParamError(f"give at most one output constraint; given {names}", found[1][0])
     param, field_name, value = found[0]
-    if param == "response_format" and field_name == "json_schema":
+    if param == "response_format" and body["response_format"]["type"] == "json_schema":
+        # (Checked without a schema too, where the answer is any object: the name is still the caller's mistake.)
         _describe(body["response_format"]["json_schema"], request)
     if field_name == "json_object" or field_name == "grammar":
         getattr(request, field_name).CopyFrom(value)

@@ -30,19 +30,59 @@ class BadRequest(ValueError):
         self.code = code
 
 
-# OpenAI's parameters tokenmill cannot honour: refused when set to anything but a value that asks for
-# nothing (what SDKs and frameworks send by default). Parameters not listed here and not read below
-# (user, metadata, parallel_tool_calls, service_tier, ...) change nothing a server does and are ignored.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    "suffix": ("",),
-    "best_of": (1,),
-    "store": (False,),
-    "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
+# The parameters each endpoint reads; any other top-level field is refused the way OpenAI's API refuses it
+# ("Unrecognized request argument supplied: NAME"). openai_schema.py describes each of them for /openapi.json.
+_READ_BY_BOTH = (
+    "model", "n", "echo", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "presence_penalty",
+    "frequency_penalty", "logit_bias", "max_tokens", "max_completion_tokens", "stop", "ignore_eos", "stop_token_ids",
+    "logprobs", "stream", "stream_options", "response_format", "guided_json", "guided_regex", "guided_grammar",
+    "guided_choice", "structured_outputs",
+)  # fmt: skip
+_READ_BY_CHAT = ("messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+_READ_BY_COMPLETIONS = ("prompt",)
+
+# Parameters that change nothing a server does (who asks, how it is billed or kept, how hard a reasoning model
+# thinks): accepted when of their type, and ignored.
+IGNORED: dict[str, type] = {
+    "user": str,
+    "metadata": dict,
+    "service_tier": str,
+    "prompt_cache_key": str,
+    "safety_identifier": str,
+    "reasoning_effort": str,
+    "verbosity": str,
 }
+
+# Parameters tokenmill cannot honour: refused when set to anything but a value that asks for nothing (what SDKs
+# and frameworks send by default), OpenAI's and vLLM's extras alike.
+_NEUTRAL_IN_BOTH: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+}
+NEUTRAL_ONLY: dict[bool, dict[str, tuple[Any, ...]]] = {  # by chat (True) or completions (False)
+    True: {
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "store": (False,),
+        "modalities": (["text"],),
+        "audio": (),
+        "prediction": (),
+        "web_search_options": (),
+        **_NEUTRAL_IN_BOTH,
+    },
+    False: {"suffix": ("",), "best_of": (1,), **_NEUTRAL_IN_BOTH},
+}
+
+
+def parameters(chat: bool) -> frozenset[str]:
+    """Every top-level field a chat (or completions) body may hold."""
+    own = _READ_BY_CHAT if chat else _READ_BY_COMPLETIONS
+    return frozenset((*_READ_BY_BOTH, *own, *IGNORED, *NEUTRAL_ONLY[chat]))
+
 
 _FINISH = {
     pb.FINISH_REASON_LENGTH: "length",
@@ -114,6 +154,9 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
 def _logit_bias(value: Any) -> dict[int, float]:
     """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to numbers."""
     if value is None:
@@ -122,12 +165,10 @@ def _logit_bias(value: Any) -> dict[int, float]:
         raise BadRequest("'logit_bias' must be an object of token id -> bias", "logit_bias")
     bias: dict[int, float] = {}
     for key, number in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise BadRequest(f"'logit_bias' keys must be token ids; given {key!r}", "logit_bias") from None
-        if token < 0:
-            raise BadRequest(f"'logit_bias' keys must be token ids >= 0; given {key!r}", "logit_bias")
+        # Digits only: int() would also take " 5", "+5" and other scripts' digits.
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise BadRequest(f"'logit_bias' keys must be token ids; given {key!r}", "logit_bias")
+        token = int(key)
         if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
             raise BadRequest(f"'logit_bias' values must be numbers; given {number!r} for {key}", "logit_bias")
         bias[token] = float(number)
@@ -155,7 +196,10 @@ def _messages(value: Any) -> pb.Messages:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role' string", "messages")
-        message = chat.messages.add(role=m["role"], content=_content(m.get("content") or "", f"messages[{i}].content"))
+        content = m.get("content")
+        message = chat.messages.add(
+            role=m["role"], content="" if content is None else _content(content, f"messages[{i}].content")
+        )
         try:
             message_tool_fields(m, message, f"messages[{i}]")
         except ToolParamError as exc:
@@ -165,6 +209,11 @@ def _messages(value: Any) -> pb.Messages:
 
 # Prompts of one completions request (each its own sequence, answered as one choice), at most.
 MAX_PROMPTS = 64
+
+
+def _is_id(value: Any) -> bool:
+    """A token id: an integer >= 0 (JSON's true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_ids(value: Any) -> bool:
@@ -192,11 +241,20 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     """Turn an OpenAI request body into a GenerateRequest (its limits are checked later, by validation.py)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name, neutral in _UNSUPPORTED.items():
+    known = parameters(chat)
+    for name in body:
+        if name not in known:
+            raise BadRequest(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+    for name, neutral in NEUTRAL_ONLY[chat].items():
         value = body.get(name)
         # Compared with their types too: True == 1 and 0 == False, but neither is the neutral value.
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             raise BadRequest(f"'{name}' is not supported by tokenmill; given {value!r}", name, "unsupported_parameter")
+    for name, kind in IGNORED.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise BadRequest(f"'{name}' must be {'an object' if kind is dict else 'a string'}; given {value!r}", name)
+    _model(body)
     request = pb.GenerateRequest()
     # Choices per prompt; validation.py checks the upper bound (and names it `n`).
     n = _integer(body, "n", minimum=1) or 1
@@ -230,11 +288,11 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
 
     stopping = request.stopping
     names: dict[str, str] = {}
-    max_tokens = _integer(body, "max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        # Scoring a prompt (lm-evaluation-harness) asks for its echo and no completion.
-        max_tokens = _integer(body, "max_tokens", minimum=0 if echo else 1)
-    else:
+    # Scoring a prompt (lm-evaluation-harness) asks for its echo and no completion.
+    max_tokens = _integer(body, "max_tokens", minimum=0 if echo else 1)
+    newer = _integer(body, "max_completion_tokens", minimum=1)
+    if newer is not None:  # OpenAI's newer name wins where both are given
+        max_tokens = newer
         names["stopping.max_new_tokens"] = "max_completion_tokens"
     echo_only = echo and max_tokens == 0
     stopping.max_new_tokens = 1 if echo_only else max_tokens or 0
@@ -248,7 +306,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     stopping.ignore_eos = _boolean(body, "ignore_eos")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and t >= 0 for t in stop_ids):
+        if not isinstance(stop_ids, list) or not all(_is_id(t) for t in stop_ids):
             raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
         stopping.stop_token_ids.extend(stop_ids)
 
@@ -270,8 +328,6 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
             apply_tools(body, request)
         except ToolParamError as exc:
             raise BadRequest(str(exc), exc.param) from None
-    elif body.get("tools"):
-        raise BadRequest("'tools' is a chat completions parameter", "tools", "unsupported_parameter")
     try:
         param = apply_constraint(body, request)
     except ConstraintParamError as exc:
@@ -292,7 +348,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         elif prompt is not None:
             one.token_ids.ids.extend(prompt)
         requests.append(one)
-    options = body.get("stream_options") or {}
+    options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     include_usage = _boolean(options, "include_usage")
@@ -302,7 +358,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         chat,
         stream,
         include_usage,
-        model if isinstance(model, str) else "",
+        model or "",
         names,
         requests,
         echo,
@@ -368,9 +424,16 @@ class TokenizeBody:
     return_token_strs: bool
 
 
+def _model(body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"'model' must be a string; given {model!r}", "model")
+
+
 def parse_tokenize(body: Any) -> TokenizeBody:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _model(body)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise BadRequest("give exactly one of 'prompt' (a string) and 'messages' (a chat)", "prompt")
@@ -393,6 +456,7 @@ def parse_tokenize(body: Any) -> TokenizeBody:
 def parse_detokenize(body: Any) -> list[int]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _model(body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise BadRequest("'tokens' must be a list of token ids", "tokens")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill_service.proto import pb
+from tokenmill_service.tool_calls import TOOL_NAME
 
 
 class ToolParamError(ValueError):
@@ -29,6 +30,13 @@ def apply_tools(body: dict[str, Any], request: pb.GenerateRequest) -> None:
             parameters = fn.get("parameters")
             if parameters is not None and not isinstance(parameters, dict):
                 raise ToolParamError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            if not TOOL_NAME.fullmatch(fn["name"]):
+                raise ToolParamError(
+                    f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'; given {fn['name']!r}",
+                    "tools",
+                )
+            if fn.get("description") is not None and not isinstance(fn["description"], str):
+                raise ToolParamError(f"tools[{i}].function.description must be a string", "tools")
             request.tools.add(
                 name=fn["name"],
                 description=fn.get("description") or "",
@@ -41,7 +49,11 @@ def apply_tools(body: dict[str, Any], request: pb.GenerateRequest) -> None:
         request.tool_choice = pb.TOOL_CHOICE_NONE
     elif choice == "required":
         request.tool_choice = pb.TOOL_CHOICE_REQUIRED
-    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+    elif (
+        isinstance(choice, dict)
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    ):
         request.tool_choice = pb.TOOL_CHOICE_FUNCTION
         request.tool_choice_function = choice["function"]["name"]
     else:
@@ -72,14 +84,14 @@ def message_tool_fields(m: dict[str, Any], message: pb.ChatMessage, where: str) 
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments)
             message.tool_calls.add(id=str(call.get("id") or ""), name=fn["name"], arguments=arguments)
-    if isinstance(m.get("tool_call_id"), str):
-        message.tool_call_id = m["tool_call_id"]
-    # The reasoning of an earlier answer (``reasoning_content``, as it came back; vLLM's ``reasoning``).
-    reasoning = m.get("reasoning_content", m.get("reasoning"))
-    if isinstance(reasoning, str):
-        message.reasoning = reasoning
-    if isinstance(m.get("name"), str):
-        message.name = m["name"]
+    # The reasoning of an earlier answer is ``reasoning_content``, as it came back (vLLM's ``reasoning``).
+    for key in ("tool_call_id", "name", "reasoning", "reasoning_content"):
+        value = m.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ToolParamError(f"{where}.{key} must be a string", "messages")
+    message.tool_call_id = m.get("tool_call_id") or ""
+    message.name = m.get("name") or ""
+    message.reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
 
 
 def tool_calls_json(calls: Sequence[pb.ToolCall], delta: bool = False) -> list[dict[str, Any]]:

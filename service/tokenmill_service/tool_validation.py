@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill_service import harmony_tools
+from tokenmill_service.engine.grammar_finite import unproductive_refs
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.proto import pb
 from tokenmill_service.tokenizer import Tokenizer
@@ -48,8 +49,15 @@ def parse_tools(request: pb.GenerateRequest) -> list[Tool]:
                 parameters = json.loads(t.parameters)
             except json.JSONDecodeError as exc:
                 raise ToolError(f"tools[{i}].parameters is not valid JSON: {exc}", "tools") from None
+            except RecursionError:
+                raise ToolError(f"tools[{i}].parameters is nested too deeply", "tools") from None
             if not isinstance(parameters, dict):
                 raise ToolError(f"tools[{i}].parameters must be a JSON schema object", "tools")
+            if unproductive_refs(parameters) is not None:
+                # (A call could never be completed: its grammar would run until max_new_tokens.)
+                raise ToolError(
+                    f"tools[{i}].parameters admits no finite value: every value would have to hold another", "tools"
+                )
         tools.append(Tool(t.name, t.description, parameters))
     if request.tool_choice == pb.TOOL_CHOICE_FUNCTION and not any(
         t.name == request.tool_choice_function for t in tools
@@ -125,5 +133,5 @@ def chat_with_tools(
 def _arguments(call: pb.ToolCall) -> Any:
     try:
         return json.loads(call.arguments or "{}")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (given as text: the template shows it as it is)
         return call.arguments

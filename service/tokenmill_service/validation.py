@@ -140,6 +140,8 @@ def described_format(request: pb.GenerateRequest | pb.TokenizeRequest) -> Respon
         schema = json.loads(request.json_schema)
     except ValueError as exc:
         raise InvalidRequest(f"json_schema is not valid JSON: {exc}", "json_schema") from None
+    except RecursionError:
+        raise InvalidRequest("json_schema is nested too deeply", "json_schema") from None
     return ResponseFormat(schema, format_name(request), request.json_schema_description)
 
 

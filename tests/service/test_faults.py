@@ -140,6 +140,17 @@ def test_bytes_that_are_not_a_request_are_invalid_argument_with_a_precise_messag
             assert err.value.details().startswith("the request is not a valid tokenmill.v1.GenerateRequest: ")
 
 
+def test_tool_parameters_nested_past_what_json_reads_are_invalid_argument(server: ServerProcess) -> None:
+    # (json.loads raised RecursionError, which ended the call with UNKNOWN; bench/fuzz_grpc.py found it.)
+    request = pb.GenerateRequest(
+        chat=FRANCE.chat, tools=[pb.Tool(name="add", parameters="[" * 5000 + "]" * 5000)], stopping=FRANCE.stopping
+    )
+    with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as err:
+        list(pb_grpc.GenerationStub(channel).Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "tools[0].parameters is nested too deeply"
+
+
 def test_a_denormal_temperature_is_greedy_and_long_request_ids_are_refused(server: ServerProcess) -> None:
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.GenerationStub(channel)

@@ -20,6 +20,16 @@ from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import Settings, parse_size
 
 LIMIT = parse_size(Settings().max_request_bytes)
+# An object whose required "next" is another of itself: no finite value.
+CYCLE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """A schema of ``levels`` objects, each the required property of the one above (2 JSON levels each)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 def post(url: str, body: bytes) -> tuple[int, dict[str, Any], float]:
@@ -100,6 +110,9 @@ def test_a_prompt_that_takes_seconds_to_tokenize_holds_up_no_one(server: ServerP
         ('{"$ref": "#"}', "admits no value"),
         ('{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}', "admits no value"),
         ("false", "which no value matches"),
+        # A value that must hold another of itself: it generated until max_new_tokens and stopped mid-value.
+        (json.dumps({"$defs": {"n": CYCLE}, "$ref": "#/$defs/n"}), "admits no finite value"),
+        (json.dumps(nested(300)), "nested 601 levels deep (objects and arrays); at most 128"),
     ],
 )
 def test_a_schema_beyond_json_or_the_grammar_or_matching_nothing_is_invalid_argument(
@@ -111,6 +124,66 @@ def test_a_schema_beyond_json_or_the_grammar_or_matching_nothing_is_invalid_argu
             list(stub.Generate(pb.GenerateRequest(prompt="A number:", json_schema=schema), timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in str(err.value.details()) and "json_schema" in str(err.value.details())
+
+
+@pytest.mark.parametrize(
+    ("grammar", "says"),
+    [
+        (pb.Grammar(text='start: "a" start'), "lark grammar can never end: no finite text completes rule start"),
+        (
+            pb.Grammar(text='root ::= "a" loop\nloop ::= "b" loop', syntax=pb.GRAMMAR_SYNTAX_GBNF),
+            "gbnf grammar can never end: no finite text completes rule root, loop",
+        ),
+    ],
+)
+def test_a_grammar_that_can_never_end_is_invalid_argument(
+    server: ServerProcess, grammar: pb.Grammar, says: str
+) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(prompt="Go:", grammar=grammar), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in str(err.value.details())
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {**CYCLE, "$defs": {"n": CYCLE}}},
+                }
+            },
+            "response_format",
+            "admits no finite value",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": nested(300)}}},
+            "response_format",
+            "nested 601 levels deep",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "walk", "parameters": {**CYCLE, "$defs": {"n": CYCLE}}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "tools[0].parameters admits no finite value",
+        ),
+    ],
+)
+def test_a_schema_without_a_finite_value_or_nested_300_deep_is_a_400_naming_it(
+    server: ServerProcess, extra: dict[str, Any], param: str, says: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 8, **extra}
+    status, reply, _ = post(server.http_url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and says in reply["error"]["message"], reply
 
 
 def test_a_schema_number_beyond_json_in_an_http_body_is_a_400_naming_the_field(server: ServerProcess) -> None:

@@ -441,6 +441,47 @@ def test_a_bad_parameter_is_a_400_naming_it_as_the_caller_did_with_param_and_cod
     assert (body["param"], body["code"]) == (param, code)
 
 
+def test_an_unknown_parameter_is_a_400_naming_it_as_openai_does(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, extra_body={"temprature": 0.5})  # type: ignore[arg-type]
+    assert isinstance(err.value.body, dict) and err.value.body["message"] == (
+        "Unrecognized request argument supplied: temprature"
+    )
+    assert (err.value.body["param"], err.value.body["code"]) == ("temprature", "unknown_parameter")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # Each was a 500 (a TypeError, an AttributeError in the parser).
+        {"tools": [{"type": "function", "function": {"name": "add", "description": 5}}]},
+        {"tools": [{"type": "function", "function": {"name": "add"}}], "tool_choice": {"function": 5}},
+    ],
+)
+def test_a_tool_field_of_the_wrong_type_is_a_400(client: openai.OpenAI, params: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, **params)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize", "/detokenize", "/v1/load_lora_adapter"])
+def test_a_body_that_is_not_utf8_is_a_400(server: ServerProcess, route: str) -> None:
+    # (json.loads raised UnicodeDecodeError, which every route but the generating ones answered with a 500.)
+    request = urllib.request.Request(server.http_url + route, b"\xff\xfe{", {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400 and json.loads(err.value.read())["error"]["code"] == "invalid_json"
+
+
+def test_the_api_describes_itself_at_openapi_json(server: ServerProcess) -> None:
+    status, body = get(server.http_url + "/openapi.json")
+    doc = json.loads(body)
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    request = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert request["properties"]["max_tokens"]["maximum"] == Settings().max_new_tokens_limit
+    assert {"200", "400", "413"} <= set(chat["responses"])
+
+
 def test_the_completions_logprobs_count_is_named_logprobs(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logprobs=50)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import structlog
 
+from tokenmill_service.engine.grammar_finite import endless_rules, unproductive_refs
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.harmony_constraint import answer_grammar
 from tokenmill_service.tokenizer import Tokenizer
@@ -83,6 +84,7 @@ def _own_grammar_text(constraint: Constraint) -> str:
                 raise ConstraintError("the JSON schema must be a JSON object (or true/false)")
             if schema is False:
                 raise ConstraintError("the JSON schema is false, which no value matches")
+            check_depth(schema)
             check_numbers(schema)
             try:
                 return llg.LLMatcher.grammar_from_json_schema(
@@ -123,6 +125,27 @@ def _not_json(name: str) -> float:
         f"the JSON schema holds {name}, which is not a JSON number (a number beyond float64's, such as 1e400, reads "
         "as one)"
     )
+
+
+# The deepest nesting of objects and arrays a JSON schema may have. llguidance refuses deeper ones (from about 180
+# levels) with its parser's "recursion limit exceeded at line 1 column N", which says nothing of the schema.
+MAX_SCHEMA_DEPTH = 128
+
+
+def check_depth(schema: object) -> None:
+    """ConstraintError when the schema nests objects and arrays more than MAX_SCHEMA_DEPTH deep."""
+    stack: list[tuple[object, int]] = [(schema, 1)]
+    deepest = 0
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((value, depth + 1) for value in (node.values() if isinstance(node, dict) else node))
+    if deepest > MAX_SCHEMA_DEPTH:
+        raise ConstraintError(
+            f"the JSON schema is nested {deepest} levels deep (objects and arrays); at most {MAX_SCHEMA_DEPTH} are "
+            "allowed"
+        )
 
 
 def check_numbers(schema: object) -> None:
@@ -202,6 +225,9 @@ class GrammarCompiler:
             # (llguidance compiles {"$ref": "#"}, a schema that is only itself, into a grammar that has ended
             # before its first token: every answer would be empty.)
             raise ConstraintError("the json_schema admits no value (a schema that only refers to itself, say)")
+        endless = never_ends(constraint)
+        if endless:
+            raise ConstraintError(endless)
         log.debug("grammar_compiled", kind=constraint.kind, ms=round((time.perf_counter() - start) * 1000, 2))
         with self._lock:
             self.misses += 1
@@ -209,6 +235,25 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled.deep_copy()
+
+
+def never_ends(constraint: Constraint) -> str | None:
+    """Why no finite text can match the constraint (grammar_finite.py), or None. (Such a constraint compiles,
+    and its sequences generated until max_tokens.)"""
+    if constraint.kind == "json_schema":
+        refs = unproductive_refs(json.loads(constraint.text))
+        if refs is None:
+            return None
+        where = f" (the schema at {', '.join(refs[:3])} requires another of itself)" if refs else ""
+        return f"the json_schema admits no finite value: every value would have to hold another, without end{where}"
+    if constraint.kind == "grammar" and constraint.syntax in GRAMMAR_SYNTAXES:
+        rules = endless_rules(llg.grammar_from(constraint.syntax, constraint.text))  # type: ignore[arg-type]
+        if rules is None:
+            return None
+        if constraint.syntax == "gbnf":  # (llguidance's Lark names GBNF's root rule start)
+            rules = ["root" if rule == "start" else rule for rule in rules]
+        return f"the {constraint.syntax} grammar can never end: no finite text completes rule {', '.join(rules)}"
+    return None
 
 
 def _first_line(error: str) -> str:

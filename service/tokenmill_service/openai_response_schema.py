@@ -1,0 +1,180 @@
+"""The HTTP API's answers as JSON Schema, for /openapi.json: what openai_protocol.py's ResponseBuilder and
+http_api.py's routes write (test_openapi_conformance.py checks each answer of a live server against them)."""
+
+from __future__ import annotations
+
+from tokenmill_service.openai_schema import BOOLEAN, INTEGER, NULL, STRING, Schema, nullable
+
+FINISH_REASON: Schema = {"enum": ["stop", "length", "tool_calls", None]}
+USAGE: Schema = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
+TOOL_CALL_OUT: Schema = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "index": INTEGER,
+        "id": STRING,
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": STRING, "arguments": STRING},
+        },
+    },
+}
+_ALTERNATIVE: Schema = {
+    "type": "object",
+    "required": ["token", "logprob", "bytes"],
+    "properties": {"token": STRING, "logprob": {"type": "number"}, "bytes": {"type": "array", "items": INTEGER}},
+}
+CHAT_LOGPROBS: Schema = nullable(
+    {
+        "type": "object",
+        "required": ["content"],
+        "properties": {
+            "content": {
+                "type": "array",
+                "items": {
+                    **_ALTERNATIVE,
+                    "required": [*_ALTERNATIVE["required"], "top_logprobs"],
+                    "properties": {
+                        **_ALTERNATIVE["properties"],
+                        "top_logprobs": {"type": "array", "items": _ALTERNATIVE},
+                    },
+                },
+            }
+        },
+    }
+)
+COMPLETION_LOGPROBS: Schema = nullable(
+    {
+        "type": "object",
+        "description": "OpenAI's legacy shape; with echo the prompt's tokens come first (the first without a logprob)",
+        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {
+            "tokens": {"type": "array", "items": STRING},
+            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+            "top_logprobs": {
+                "type": "array",
+                "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+            },
+            "text_offset": {"type": "array", "items": INTEGER},
+        },
+    }
+)
+_MESSAGE_OUT_PROPERTIES: Schema = {
+    "role": {"const": "assistant"},
+    "content": nullable(STRING),
+    "reasoning_content": STRING,
+    "tool_calls": {"type": "array", "items": TOOL_CALL_OUT},
+}
+
+
+def _envelope(obj: str, choice: Schema, usage: Schema) -> Schema:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": STRING,
+            "object": {"const": obj},
+            "created": INTEGER,
+            "model": STRING,
+            "choices": {"type": "array", "items": choice},
+            "usage": usage,
+        },
+    }
+
+
+def _choice(**properties: Schema) -> Schema:
+    return {
+        "type": "object",
+        "required": ["index", *properties, "finish_reason"],
+        "properties": {"index": {"type": "integer", "minimum": 0}, **properties, "finish_reason": FINISH_REASON},
+    }
+
+
+CHAT_COMPLETION = _envelope(
+    "chat.completion",
+    _choice(
+        message={"type": "object", "required": ["role", "content"], "properties": _MESSAGE_OUT_PROPERTIES},
+        logprobs=CHAT_LOGPROBS,
+    ),
+    USAGE,
+)
+CHAT_COMPLETION_CHUNK = _envelope(
+    "chat.completion.chunk",
+    _choice(delta={"type": "object", "properties": _MESSAGE_OUT_PROPERTIES}, logprobs=CHAT_LOGPROBS),
+    nullable(USAGE),
+)
+COMPLETION = _envelope("text_completion", _choice(text=STRING, logprobs=COMPLETION_LOGPROBS), USAGE)
+COMPLETION_CHUNK = _envelope("text_completion", _choice(text=STRING, logprobs=COMPLETION_LOGPROBS), nullable(USAGE))
+
+MODELS: Schema = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "object", "created", "owned_by", "parent"],
+                "properties": {
+                    "id": STRING,
+                    "object": {"const": "model"},
+                    "created": INTEGER,
+                    "owned_by": STRING,
+                    "root": {"type": "string", "description": "a LoRA adapter's path"},
+                    "parent": {"type": ["string", "null"], "description": "a LoRA adapter's base model"},
+                },
+            },
+        },
+    },
+}
+TOKENIZE_RESPONSE: Schema = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens", "token_strs"],
+    "properties": {
+        "count": INTEGER,
+        "max_model_len": INTEGER,
+        "tokens": {"type": "array", "items": INTEGER},
+        "token_strs": {"type": ["array", "null"], "items": STRING},
+    },
+}
+DETOKENIZE_RESPONSE: Schema = {"type": "object", "required": ["prompt"], "properties": {"prompt": STRING}}
+TOKENIZER_INFO: Schema = {
+    "type": "object",
+    "required": ["tokenizer_class", "eos_token", "bos_token", "add_bos_token", "chat_template", "model_max_length"],
+    "properties": {
+        "tokenizer_class": STRING,
+        "eos_token": STRING,
+        "bos_token": nullable(STRING),
+        "pad_token": NULL,
+        "add_bos_token": BOOLEAN,
+        "chat_template": nullable(STRING),
+        "model_max_length": INTEGER,
+        "vocab_size": INTEGER,
+    },
+}
+HEALTH: Schema = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ready", "not ready"]}}}
+ERROR: Schema = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": STRING,
+                "type": {"type": "string", "description": "invalid_request_error, authentication_error, ..."},
+                "param": {"type": ["string", "null"], "description": "the parameter at fault, as the request named it"},
+                "code": {"type": ["string", "null"], "description": "what is wrong: invalid_value, ..."},
+            },
+        }
+    },
+}
