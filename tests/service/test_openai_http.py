@@ -286,35 +286,6 @@ def test_a_value_out_of_range_or_not_neutral_is_a_400_naming_it(
 # -- a prompt near the end of the context -------------------------------------------------------
 
 
-def test_a_long_prompt_without_a_limit_gets_the_room_left_and_a_limit_too_large_is_refused(
-    client: openai.OpenAI, stub: pb_grpc.GenerationStub
-) -> None:
-    context = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).context_length
-    left = 12  # far below the server's default limit (1024)
-    prompt = [28] * (context - left)
-    reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
-    assert reply.choices[0].finish_reason == "length"
-    assert reply.usage is not None and reply.usage.completion_tokens == left
-    assert reply.usage.total_tokens == context
-
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stopping=pb.StoppingParams(ignore_eos=True))
-    last = list(stub.Generate(request, timeout=600))[-1]
-    assert last.finish_reason == pb.FINISH_REASON_CONTEXT_LIMIT and last.usage.completion_tokens == left
-
-    # A limit the caller set is theirs: too large for the room left is an error, not a shorter answer.
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=left + 1)
-    assert f"must be <= {context}" in err.value.message and "max_tokens" in err.value.message
-    assert "max_new_tokens" not in err.value.message
-    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_tokens"
-    assert err.value.body["code"] == "context_length_exceeded"
-    request.stopping.max_new_tokens = left + 1
-    with pytest.raises(grpc.RpcError) as rpc_err:
-        list(stub.Generate(request, timeout=600))
-    assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"given {context - left} prompt tokens and max_new_tokens {left + 1}" in rpc_err.value.details()
-
-
 # -- echo, prompt logprobs and lists of prompts (what lm-evaluation-harness sends) -----------------
 
 

@@ -16,11 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
 from tests.server_process import ServerProcess
 from tokenmill_client import AuthenticationError, Client
+from tokenmill_client._proto import generate_pb2 as pb
+from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import load_settings
 
 KEY = "sk-local"
@@ -89,13 +92,32 @@ def test_the_chat_template_file_replaces_the_checkpoints(server: ServerProcess, 
 
 
 def test_max_model_len_caps_the_context(server: ServerProcess, client: openai.OpenAI) -> None:
-    prompt = [28] * (CONTEXT - 5)
+    """A long prompt without a limit gets the room left (HTTP and gRPC); a limit the caller set is theirs: too
+    large for the room left is an error naming it, not a shorter answer. (At a small --max-model-len so that the
+    prompt is short; the rule is the same at the default context.)"""
+    left = 5
+    prompt = [28] * (CONTEXT - left)
     reply = client.completions.create(model=NAME, prompt=prompt, extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length" and reply.usage is not None
-    assert reply.usage.total_tokens == CONTEXT
+    assert reply.usage.completion_tokens == left and reply.usage.total_tokens == CONTEXT
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=NAME, prompt=prompt, max_tokens=6)
-    assert f"must be <= {CONTEXT}" in err.value.message
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=left + 1)
+    assert f"must be <= {CONTEXT}" in err.value.message and "max_tokens" in err.value.message
+    assert "max_new_tokens" not in err.value.message
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "max_tokens"
+    assert err.value.body["code"] == "context_length_exceeded"
+
+    auth = (("authorization", f"Bearer {KEY}"),)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stopping=pb.StoppingParams(ignore_eos=True))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        last = list(stub.Generate(request, timeout=600, metadata=auth))[-1]
+        assert last.finish_reason == pb.FINISH_REASON_CONTEXT_LIMIT and last.usage.completion_tokens == left
+        request.stopping.max_new_tokens = left + 1
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            list(stub.Generate(request, timeout=600, metadata=auth))
+    assert rpc_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"given {CONTEXT - left} prompt tokens and max_new_tokens {left + 1}" in rpc_err.value.details()
     status, tokenized, _ = post(server.http_url + "/tokenize", {"prompt": "Hello"})
     assert status == 200 and tokenized["max_model_len"] == CONTEXT
 
