@@ -119,10 +119,11 @@ async def send_all(address: str, payloads: list[bytes], concurrency: int = 64) -
 
 
 def test_fuzzed_requests_and_random_bytes_get_a_status_never_unknown_or_internal(server: ServerProcess) -> None:
-    fuzzed = collect(requests(), 5000)
-    raw = collect(st.binary(max_size=120), 500)
+    # (1,500 here to keep the suite's time; bench/fuzz_grpc.py sends 5,000 of a wider generator.)
+    fuzzed = collect(requests(), 1500)
+    raw = collect(st.binary(max_size=120), 300)
     codes = asyncio.run(send_all(server.address, fuzzed + raw))
-    assert sum(codes.values()) == 5500
+    assert sum(codes.values()) == 1800
     assert codes.get("INVALID_ARGUMENT", 0) > 0 and codes.get("OK", 0) > 0, codes
     # The server still answers a normal chat correctly.
     with grpc.insecure_channel(server.address) as channel:
