@@ -4,7 +4,6 @@ session), and each test's tier marked from its folder: unit, kernels, engine, se
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,16 +17,12 @@ TIERS = ("unit", "kernels", "engine", "service", "deploy")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Every kernel built at once for every instruction set this CPU runs, a compiler a core (cached: a few
-    seconds once built), rather than one at a time as the tests first load them (half the time on a fresh
-    machine)."""
-    import shutil
+    """Every kernel built ahead, a compiler a core (cached: a few seconds once built), rather than one at a time
+    as the tests first load them (half the time on a fresh machine); the ones only the bit-for-bit checks load in
+    the background (tests/native/runner.py)."""
+    from tests.native import runner
 
-    from tokenmill_service.kernels.cpu import build
-    from tokenmill_service.plan import cpu_isa
-
-    if shutil.which(os.environ.get("CXX", "g++")) is not None:
-        build.prebuild(isas=cpu_isa.runnable())
+    runner.prebuild_for_the_suite()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

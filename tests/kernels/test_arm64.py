@@ -15,6 +15,7 @@ from tests.native import runner
 def prebuilt() -> None:
     """Every library the checks load, cross-compiled ahead on both cores (cached beside the server's kernels)."""
     if runner.arm_tools_missing() is None:
+        runner.wait_for_the_other_builds()
         runner.build_all([(c, "neon") for c in runner.checks()], cxx=runner.ARM_CXX)
 
 

@@ -20,6 +20,7 @@ VECTOR_ISAS = [s.name for s in cpu_isa.INSTRUCTION_SETS if s.name != "scalar"]
 def prebuilt() -> None:
     """Every library the checks below load, built ahead on both cores (cached as the server's kernels are)."""
     if shutil.which("g++") is not None:
+        runner.wait_for_the_other_builds()
         runner.build_all([(c, isa) for c in runner.checks() for isa in VECTOR_ISAS if cpu_isa.missing(isa) is None])
 
 

@@ -9,10 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.native import runner
 from tokenmill_service.kernels.cpu import build
 from tokenmill_service.plan import cpu_isa
 
 ISAS = [s.name for s in cpu_isa.INSTRUCTION_SETS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _other_builds_done() -> None:
+    runner.wait_for_the_other_builds()
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

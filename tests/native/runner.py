@@ -5,12 +5,15 @@ qemu-aarch64 (``make test-arm``)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill_service.kernels.cpu import build
+from tokenmill_service.plan import cpu_isa
 
 HERE = Path(__file__).parent
 KERNELS = build.HERE
@@ -81,3 +84,38 @@ def run_check(check: Check, isa: str, workdir: Path, cxx: str = "g++") -> subpro
     if cxx == ARM_CXX:
         cmd = [QEMU, "-L", ARM_SYSROOT, *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+
+# -- the suite's builds ------------------------------------------------------------------------------------
+
+
+_background: threading.Thread | None = None
+
+
+def prebuild_for_the_suite() -> None:
+    """At the suite's start: the kernels this CPU's servers load (its own instruction set's) built now, a
+    compiler a core; the other instruction sets' builds and the ARM64 cross builds, which only the bit-for-bit
+    checks load, in the background at the lowest priority, on what CPU the first tests leave idle (a fresh
+    machine's builds take two minutes of both cores). ``wait_for_the_other_builds`` before loading them."""
+    global _background
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return
+    own = cpu_isa.selected()
+    build.prebuild(isas=[own])
+
+    def others() -> None:
+        # (Linux: the priority is this thread's, and the threads and compilers it starts inherit it.)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        build.prebuild(isas=[isa for isa in cpu_isa.runnable() if isa != own])
+        if arm_tools_missing() is None:
+            build_all([(c, "neon") for c in checks()], cxx=ARM_CXX)
+
+    _background = threading.Thread(target=others, name="other-kernel-builds", daemon=True)
+    _background.start()
+
+
+def wait_for_the_other_builds() -> None:
+    """Until the background builds are done (at once when there are none), so that a check does not build the
+    same library again beside them, at full priority."""
+    if _background is not None:
+        _background.join()

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.native import runner
 from tests.server_process import ServerProcess
 from tests.streams import prompt_and_trace
 from tokenmill_client._proto import generate_pb2 as pb
@@ -84,6 +85,7 @@ def isa_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, ServerProc
     isa = str(request.param)
     if (why := cpu_isa.missing(isa)) is not None:
         pytest.skip(f"--cpu-isa {isa} cannot run here: {why}")
+    runner.wait_for_the_other_builds()  # (its server loads them)
     # torch's own kernels as that CPU would pick them too (ATen's vector width), for what runs outside tokenmill's
     # kernels: the server's bits must not depend on them either.
     env = {"ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[isa]} if isa in ATEN_CAPABILITY else {}
