@@ -195,7 +195,7 @@ class Fuzz:
         else:
             syntax = self.pick([0, 1, 2, 2, 7, -1]) if self.chance(0.9) else self.r.randint(-(2**31), 2**31 - 1)
             r.grammar.text = self.pick(GRAMMARS) if self.chance(0.8) else self.text()
-            r.grammar.syntax = syntax  # type: ignore[assignment] - an open enum: unknown values travel
+            r.grammar.syntax = syntax  # type: ignore[assignment]  # an open enum: unknown values travel
 
     def chat(self, r: pb.GenerateRequest) -> None:
         for _ in range(self.r.randint(0, 4)):
@@ -218,7 +218,7 @@ class Fuzz:
             )
             name = self.pick(["", "a b", "x" * 65, self.text()]) if self.wild() else self.pick(["add", "get_weather"])
             r.tools.add(name=name, description=self.text(), parameters=parameters)
-        r.tool_choice = self.pick([9, -5]) if self.wild() else self.pick([0, 1, 2, 3])  # type: ignore[assignment]
+        r.tool_choice = self.pick([9, -5]) if self.wild() else self.pick([0, 1, 2, 3])
         if self.chance(0.5):
             r.tool_choice_function = self.pick(["add", "get_weather", "nope", ""])
         if self.chance(0.5):

@@ -28,7 +28,10 @@ def test_the_code_is_ruff_formatted() -> None:
 
 # Every package in one mypy run (as `make lint` runs it), so that the standard library's and torch's
 # stubs are read once.
-MYPY_TARGETS = ("client/tokenmill_client", "client/examples", "service/tokenmill_service", "bench/tokenmill_bench")
+MYPY_TARGETS = (
+    "client/tokenmill_client", "client/examples", "service/tokenmill_service", "bench/tokenmill_bench",
+    "bench/fuzz_grpc.py", "bench/soak.py",
+)  # fmt: skip
 
 
 def test_the_client_its_examples_the_service_and_the_bench_pass_mypy_strict() -> None:
