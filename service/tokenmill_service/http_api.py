@@ -46,8 +46,6 @@ from tokenmill_service.openai_protocol import (
     parse_tokenize,
 )
 from tokenmill_service.proto import pb
-from tokenmill_service.tool_calls import start_marker
-from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import InvalidRequest, chat_messages, check_token_ids
 
 log = structlog.get_logger("tokenmill.http")
@@ -322,9 +320,6 @@ class HttpApi:
             return error_response(
                 400, "invalid_request_error", "the request is nested too deeply", code="invalid_value"
             )
-        if parsed.chat and tools_in_use(parsed.request) and not self.service.tokenizer.harmony:
-            # (A harmony model's calls never reach the text: its channel reader keeps them apart.)
-            parsed.tool_marker = start_marker(family(self.service.tokenizer))
         adapter = self._adapter(parsed.model)
         many = len(parsed.requests) > 1
         streams = []
