@@ -140,6 +140,14 @@ class Settings:
     )
     max_top_logprobs: int = field(default=20, metadata={"help": "largest top_logprobs a request may ask"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings in one request"})
+    json_schema_permissive: bool = field(
+        default=False,
+        metadata={
+            "help": "read JSON schemas (response_format, guided_json, tools' parameters) as JSON Schema does: an "
+            "object schema that does not say additionalProperties admits any further key, an array schema "
+            "without items any items (default: only the keys and items it declares, as xgrammar's strict mode)"
+        },
+    )
     max_model_len: int = field(
         default=0,
         metadata={

@@ -47,7 +47,7 @@ from tokenmill_service.router import (
     Unavailable,
 )
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import ToolCall, parse_calls
+from tokenmill_service.tool_calls import HeldText, ToolCall, parse_calls, repeats_a_call
 from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import (
     CONSTRAINT_FIELDS,
@@ -191,6 +191,7 @@ class GenerationService:
             max_top_logprobs=s.max_top_logprobs,
             max_stop_strings=s.max_stop_strings,
             default_max_new_tokens=s.default_max_new_tokens,
+            json_schema_permissive=s.json_schema_permissive,
         )
 
     async def check_constraint(self, constraint: Constraint) -> None:
@@ -274,14 +275,16 @@ class GenerationService:
                 if harmony_chat
                 else None
             )
-            # Other families' calls are read from each choice's whole answer when it ends (its text streams
-            # as it comes).
+            # Other families' calls are read from each choice's whole answer when it ends; its text streams
+            # as it comes, but for what may be a call (held back, and shown only if it was none).
             tool_family = family(self.tokenizer) if tools_in_use(request) and not harmony_chat else None
             streams = self.router.submit_group(choice_requests(engine_request, max(1, request.n)))
             structlog.contextvars.bind_contextvars(worker_id=streams[0].worker_id)
             completion_lens = [0] * len(streams)
             last_at = [arrival] * len(streams)
             answers = [""] * len(streams)
+            held = [HeldText(tool_family) for _ in streams] if tool_family is not None else []
+            ended = [False] * len(streams)
             queue_s = 0.0
             if timeout_s is not None:
                 # One timer per stream (not a task per message): it ends the stream with an error.
@@ -290,6 +293,8 @@ class GenerationService:
             try:
                 async with contextlib.aclosing(merged(streams)) as outputs:  # type: ignore[type-var]
                     async for index, out in outputs:
+                        if ended[index]:
+                            continue  # (a choice ended early, below: what its replica sent meanwhile is dropped)
                         now = time.monotonic()
                         if out.queue_s is not None:
                             queue_s = out.queue_s
@@ -315,15 +320,24 @@ class GenerationService:
                             response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
                         if readers is not None:
                             response.reasoning_text, response.text = readers[index].feed([t.id for t in out.tokens])
+                        end = out.finish_reason
                         if tool_family is not None:
                             answers[index] += out.text
-                        if out.finish_reason is not None:
-                            finish = out.finish_reason
-                            response.finish_reason = FINISH_REASONS[out.finish_reason]
+                            response.text = held[index].add(out.text)
+                            if end is None and held[index].in_call and repeats_a_call(answers[index], tool_family):
+                                # It makes a call it already made: the answer ends here, as if it had ended
+                                # itself (tool_calls.repeats_a_call), and its replica stops generating it.
+                                end = FinishReason.EOS
+                                streams[index].close()
+                        if end is not None:
+                            ended[index] = True
+                            finish = end
+                            response.finish_reason = FINISH_REASONS[end]
                             # Calls completed before a length limit are kept, under the finish reason LENGTH.
                             calls: list[ToolCall] = []
                             if tool_family is not None:
                                 calls = parse_calls(answers[index], tool_family)[1]
+                                response.text += held[index].end(bool(calls), finish is FinishReason.EOS)
                             elif readers is not None:
                                 calls = readers[index].calls
                             response.tool_calls.extend(
@@ -337,6 +351,8 @@ class GenerationService:
                             response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
                             response.timing.total_ms = (now - arrival) * 1000
                         yield response
+                        if all(ended):
+                            break
             finally:
                 for stream in streams:
                     stream.close()

@@ -20,6 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tokenmill_service.engine.closed_schema import close_schema
 from tokenmill_service.harmony_constraint import ANALYSIS_RULES
 from tokenmill_service.tool_calls import TOOL_NAME, X_GUIDANCE, Tool
 
@@ -89,13 +90,15 @@ def _check_name(name: str, where: str) -> None:
         raise ValueError(f"{where} function name must be 1 to 64 letters, digits, '_' or '-'; given {name!r}")
 
 
-def call_grammar(tools: Sequence[Tool]) -> str:
+def call_grammar(tools: Sequence[Tool], permissive: bool = False) -> str:
     """A Lark grammar admitting what a harmony answer that must call one of ``tools`` may be: an optional
     analysis message, then ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`` with
-    arguments valid against NAME's schema, and ``<|call|>``."""
+    arguments valid against NAME's schema (closed unless ``permissive``: engine/closed_schema.py), and
+    ``<|call|>``."""
     calls = []
     for t in tools:
-        schema = {**(t.parameters or {"type": "object"}), "x-guidance": X_GUIDANCE}
+        arguments = json.loads(json.dumps(t.parameters)) if t.parameters else {"type": "object", "properties": {}}
+        schema = {**(arguments if permissive else close_schema(arguments)), "x-guidance": X_GUIDANCE}
         header = json.dumps(f"commentary to={NAMESPACE}.{t.name} ")
         calls.append(f'<|channel|> {header} <|constrain|> "json" <|message|> %json {json.dumps(schema)} <|call|>')
     return "start: analysis? call\n" + ANALYSIS_RULES + f"call: {' | '.join(calls)}\n"

@@ -54,8 +54,6 @@ from tokenmill_service.openai_protocol import (
 )
 from tokenmill_service.proto import pb
 from tokenmill_service.responses_protocol import RESPONSES
-from tokenmill_service.tool_calls import start_marker
-from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import InvalidRequest, Limits, chat_messages, check_token_ids, prompt_ids
 
 log = structlog.get_logger("tokenmill.http")
@@ -347,9 +345,6 @@ class HttpApi:
             status, body = refusal_json(exc)
             headers = {"www-authenticate": "Bearer"} if status == 401 else None
             return JSONResponse(dialect.builder.error_body(status, body), status_code=status, headers=headers)
-        if parsed.chat and tools_in_use(parsed.request) and not self.service.tokenizer.harmony:
-            # (A harmony model's calls never reach the text: its channel reader keeps them apart.)
-            parsed.tool_marker = start_marker(family(self.service.tokenizer))
         adapter = self._adapter(parsed.model)
         many = len(parsed.requests) > 1
         authorization, where = self._authorization(request, dialect)

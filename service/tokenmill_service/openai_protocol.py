@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tokenmill_service.openai_constraint import ConstraintParamError, apply_constraint
-from tokenmill_service.openai_tools import HeldText, ToolParamError, apply_tools, message_tool_fields, tool_calls_json
+from tokenmill_service.openai_tools import ToolParamError, apply_tools, message_tool_fields, tool_calls_json
 from tokenmill_service.proto import pb
 from tokenmill_service.validation import CONSTRAINT_FIELDS
 
@@ -110,8 +110,6 @@ class ParsedRequest:
     echo: bool = False
     # echo with max_tokens 0: one token is generated (the engine always makes one) and left out.
     echo_only: bool = False
-    # With tools: the text that opens a call in this model's syntax (a stream holds text back from it).
-    tool_marker: str | None = None
     # Choices per prompt (`n`): prompt i's choice j is the answer's choice i * n + j.
     n: int = 1
     # What another API's answer repeats of its request (the Responses API echoes its parameters).
@@ -551,8 +549,6 @@ class ResponseBuilder:
         self.echoed: set[int] = set()
         self.prompt_tokens: Sequence[pb.Token] = ()  # with echo: choice 0's, shown with every choice
         self.usage = pb.Usage()  # a stream's, summed as its choices finish
-        # With tools: each choice's text held back from where a call may start (its own HeldText).
-        self.held: dict[int, HeldText] = {}
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -604,11 +600,6 @@ class ResponseBuilder:
             self.echoed.add(index)
             text, prompt_tokens = self.echo_texts[0] + text, self.prompt_tokens
         calls = tool_calls_json(response.tool_calls, delta=True) if reason is not None else []
-        if self.parsed.tool_marker:
-            held = self.held.setdefault(index, HeldText(self.parsed.tool_marker))
-            text = held.add(text)
-            if reason is not None and not calls:
-                text += held.flush()
         reasoning = response.reasoning_text
         if not text and not reasoning and not tokens and not prompt_tokens and reason is None:
             return None
@@ -689,9 +680,8 @@ class ResponseBuilder:
                     if reasoning := "".join(r.reasoning_text for r in mine):
                         choice["message"]["reasoning_content"] = reasoning
                     if last.tool_calls:
-                        # The text before the calls (a harmony model's calls are never in its text).
-                        content = HeldText(self.parsed.tool_marker).add(text) if self.parsed.tool_marker else text
-                        choice["message"]["content"] = content.strip() or None
+                        # The text before the calls (the calls' own text is never in it).
+                        choice["message"]["content"] = text.strip() or None
                         choice["message"]["tool_calls"] = tool_calls_json(last.tool_calls)
                 else:
                     choice["text"] = text

@@ -17,6 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill_service.engine.closed_schema import close_schema
+
 # Tool-call JSON written the way the JSON schema constraint writes it (engine/grammar.py).
 # What a tool's name may be.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -90,25 +92,35 @@ def call_text(name: str, arguments: str, family: ToolFamily) -> str:
     return family.start + body + family.end
 
 
-def call_grammar(tools: list[Tool], family: ToolFamily, parallel: bool) -> str:
+def call_grammar(tools: list[Tool], family: ToolFamily, parallel: bool, permissive: bool = False) -> str:
     """A Lark grammar (llguidance's, with %json) that only admits calls of ``tools`` whose arguments are
-    valid against their schemas: one call, or with ``parallel`` one or more."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, family.arguments_key: t.parameters or {"type": "object"}},
-            "required": ["name", family.arguments_key],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": X_GUIDANCE}
+    valid against their schemas (closed unless ``permissive``: engine/closed_schema.py): exactly one call,
+    after which the answer can only end, or with ``parallel`` one or more.
+
+    A line break may follow the last of several calls: a model that writes the one it usually ends a call
+    with is not thereby committed to another call (SmolLM2, held to Hermes' "\n" separator, wrote the same
+    call again)."""
+    options = []
+    for t in tools:
+        arguments = json.loads(json.dumps(t.parameters)) if t.parameters else {"type": "object", "properties": {}}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, family.arguments_key: arguments},
+                "required": ["name", family.arguments_key],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if not permissive:
+        close_schema(schema)
+    schema = {**schema, "x-guidance": X_GUIDANCE}
     parts = [json.dumps(family.start)] if family.start else []
     parts.append(f"%json {json.dumps(schema)}")
     parts += [json.dumps(family.end)] if family.end else []
     call = " ".join(parts)
     if parallel:
-        return f"start: call ({json.dumps(family.separator)} call)*\ncall: {call}\n"
+        return f'start: call ({json.dumps(family.separator)} call)* "\\n"?\ncall: {call}\n'
     return f"start: call\ncall: {call}\n"
 
 
@@ -118,7 +130,25 @@ def start_marker(family: ToolFamily) -> str:
 
 
 def parse_calls(text: str, family: ToolFamily) -> tuple[str, list[ToolCall]]:
-    """(content before the calls, the calls) read from generated text; no calls: (text, [])."""
+    """(content before the calls, the calls) read from generated text; no calls: (text, []). A call made
+    again with the same arguments is read once (see repeats_a_call)."""
+    content, calls = _read_calls(text, family)
+    distinct: list[ToolCall] = []
+    for call in calls:
+        if not any(c.name == call.name and c.arguments == call.arguments for c in distinct):
+            distinct.append(call)
+    return content, distinct
+
+
+def repeats_a_call(text: str, family: ToolFamily) -> bool:
+    """Whether the text makes a call it already made, with the same arguments: a small model that a grammar
+    lets make several calls may repeat one until max_new_tokens, which a grammar fixed before the answer
+    cannot forbid; the answer ends there instead (generation.py)."""
+    calls = _read_calls(text, family)[1]
+    return len({(c.name, c.arguments) for c in calls}) < len(calls)
+
+
+def _read_calls(text: str, family: ToolFamily) -> tuple[str, list[ToolCall]]:
     marker = start_marker(family)
     at = text.find(marker)
     if at < 0 or (not family.start and text[:at].strip()):
@@ -153,3 +183,61 @@ def parse_calls(text: str, family: ToolFamily) -> tuple[str, list[ToolCall]]:
                 break
             pos += sep.end()
     return (content.strip(), calls) if calls else (text, [])
+
+
+class HeldText:
+    """An answer's text as it streams, held back from where a call may begin, so that a call's markup never
+    reaches the caller as text: the calls read from it take its place. Held text is shown only when the
+    answer ended by itself and no call could be read from it (the model wrote something else); a call cut
+    off (max_new_tokens, a stop string) is never shown as text."""
+
+    def __init__(self, family: ToolFamily) -> None:
+        self.marker = start_marker(family)
+        # A family whose call is the whole answer (Llama 3's): a call can only begin it.
+        self.anywhere = bool(family.start)
+        self.pending = ""
+        self.in_call = False
+        self.shown_any = False
+
+    def add(self, text: str) -> str:
+        """What of the text so far can be shown now."""
+        self.pending += text
+        if self.in_call:
+            return ""
+        if not self.anywhere:
+            if self.shown_any:
+                return self.flush()
+            head = self.pending.lstrip()
+            if head.startswith(self.marker):
+                self.in_call = True
+                return ""
+            if not head or self.marker.startswith(head):
+                return ""
+            self.shown_any = True
+            return self.flush()
+        at = self.pending.find(self.marker)
+        if at >= 0:
+            shown, self.pending, self.in_call = self.pending[:at], self.pending[at:], True
+            return shown
+        # Keep back the longest tail that could still grow into the marker.
+        keep = next(
+            (
+                k
+                for k in range(min(len(self.marker) - 1, len(self.pending)), 0, -1)
+                if self.marker.startswith(self.pending[-k:])
+            ),
+            0,
+        )
+        shown = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return shown
+
+    def end(self, read_calls: bool, ended_by_itself: bool) -> str:
+        """What is left to show when the answer ends."""
+        if read_calls or (self.in_call and not ended_by_itself):
+            self.pending = ""
+        return self.flush()
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text

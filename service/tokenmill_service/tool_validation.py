@@ -43,7 +43,8 @@ def parse_tools(request: pb.GenerateRequest) -> list[Tool]:
             raise ToolError(f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-'; given {t.name!r}", "tools")
         if any(other.name == t.name for other in tools):
             raise ToolError(f"tools[{i}].name {t.name!r} is given twice", "tools")
-        parameters: Any = {"type": "object"}
+        # OpenAI's reading: a function given no parameters takes none.
+        parameters: Any = {"type": "object", "properties": {}}
         if t.parameters:
             try:
                 parameters = json.loads(t.parameters)
@@ -70,18 +71,24 @@ def parse_tools(request: pb.GenerateRequest) -> list[Tool]:
     return tools
 
 
-def tool_constraint(request: pb.GenerateRequest, tools: Sequence[Tool], tokenizer: Tokenizer) -> Constraint | None:
-    """The grammar that forces a call (tool_choice required or a function); None when the model decides."""
+def tool_constraint(
+    request: pb.GenerateRequest, tools: Sequence[Tool], tokenizer: Tokenizer, permissive: bool = False
+) -> Constraint | None:
+    """The grammar that forces a call (tool_choice required or a function); None when the model decides.
+    A named function is called exactly once, as OpenAI's API does; required makes one or more calls unless
+    parallel_tool_calls is false. ``permissive``: the arguments' schemas read as JSON Schema reads them
+    (engine/closed_schema.py)."""
     if request.tool_choice == pb.TOOL_CHOICE_REQUIRED:
         allowed = list(tools)
+        parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
     elif request.tool_choice == pb.TOOL_CHOICE_FUNCTION:
         allowed = [t for t in tools if t.name == request.tool_choice_function]
+        parallel = False
     else:
         return None
     if tokenizer.harmony:  # one call per turn: <|call|> ends it
-        return Constraint("grammar", harmony_tools.call_grammar(allowed), "lark")
-    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
-    return Constraint("grammar", call_grammar(allowed, family(tokenizer), parallel), "lark")
+        return Constraint("grammar", harmony_tools.call_grammar(allowed, permissive), "lark")
+    return Constraint("grammar", call_grammar(allowed, family(tokenizer), parallel, permissive), "lark")
 
 
 def chat_with_tools(

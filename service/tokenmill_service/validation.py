@@ -71,6 +71,8 @@ class Limits:
     max_stop_strings: int
     # Used when a request sets no max_new_tokens, so a greedy loop cannot run to the end of the context.
     default_max_new_tokens: int = 0
+    # JSON schemas (and tools' arguments) read as JSON Schema reads them (--json-schema-permissive).
+    json_schema_permissive: bool = False
 
 
 # Where each kind of prompt is, as a field path.
@@ -262,8 +264,9 @@ CONSTRAINT_FIELDS = {
 }
 
 
-def constraint(request: pb.GenerateRequest) -> Constraint | None:
-    """The request's constraint, its form checked (whether it compiles is the grammar compiler's to say)."""
+def constraint(request: pb.GenerateRequest, permissive: bool = False) -> Constraint | None:
+    """The request's constraint, its form checked (whether it compiles is the grammar compiler's to say).
+    ``permissive``: a JSON schema read as JSON Schema reads it (engine/closed_schema.py)."""
     which = request.WhichOneof("constraint")
     if which is None:
         return None
@@ -280,7 +283,7 @@ def constraint(request: pb.GenerateRequest) -> Constraint | None:
             format_name(request)
     if not text.strip():
         raise InvalidRequest(f"{CONSTRAINT_FIELDS[which]} is empty", CONSTRAINT_FIELDS[which])
-    return Constraint(which, text, syntax)
+    return Constraint(which, text, syntax, permissive=permissive and which == "json_schema")
 
 
 def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
@@ -325,16 +328,18 @@ def build_request(request: pb.GenerateRequest, tokenizer: Tokenizer, limits: Lim
         logprobs=request.logprobs or request.top_logprobs > 0,
         top_logprobs=request.top_logprobs,
         prompt_logprobs=request.prompt_logprobs,
-        constraint=_constraint_or_tool_call(request, tokenizer),
+        constraint=_constraint_or_tool_call(request, tokenizer, limits.json_schema_permissive),
         adapter=request.adapter,
     )
 
 
-def _constraint_or_tool_call(request: pb.GenerateRequest, tokenizer: Tokenizer) -> Constraint | None:
+def _constraint_or_tool_call(
+    request: pb.GenerateRequest, tokenizer: Tokenizer, permissive: bool = False
+) -> Constraint | None:
     """The request's own constraint, or the grammar its tool_choice asks for (not both)."""
-    own = constraint(request)
+    own = constraint(request, permissive)
     tools = offered_tools(request)
-    forced = tool_constraint(request, tools, tokenizer) if tools else None
+    forced = tool_constraint(request, tools, tokenizer, permissive) if tools else None
     if own is not None and forced is not None:
         raise InvalidRequest(
             f"{CONSTRAINT_FIELDS[own.kind]} cannot be combined with a tool_choice that forces a call", "tool_choice"

@@ -77,3 +77,19 @@ def test_preempted_and_resumed_sequences_replay_their_grammar(served_model: Any,
         r.resume_ids = sent
         resumed.add_request(r)
         assert trace(run_all(resumed)[r.request_id]) == expected[r.request_id][5:]
+
+
+def test_a_drafted_stop_token_after_the_grammar_ends_leaves_its_matcher_as_it_was(default_tokenizer: Any) -> None:
+    """The prompt-lookup drafter proposes the answer's end and the turn's end together when the prompt shows
+    them (a forced tool call's example): the masks computed over those drafts must leave the matcher able to
+    take the answer's last token (it once refused it, and the answer ended one token short)."""
+    from tokenmill_service.engine.grammar import GrammarCompiler
+    from tokenmill_service.engine.token_masks import MaskFiller, MaskJob
+
+    matcher = GrammarCompiler(default_tokenizer).matcher(Constraint("json_schema", json.dumps({"enum": ["alpha"]})))
+    ids = default_tokenizer.encode('"alpha"')
+    stops = sorted(default_tokenizer.stop_token_ids)
+    assert matcher.consume_tokens(ids[:-1])
+    drafts = [ids[-1], stops[0], ids[0]]
+    MaskFiller(default_tokenizer.vocab_size).submit([MaskJob(0, matcher, drafts, stops)], len(drafts) + 1).result()
+    assert matcher.consume_token(ids[-1]) and matcher.is_accepting(), matcher.get_error()

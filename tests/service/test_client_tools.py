@@ -187,6 +187,35 @@ def test_a_history_with_a_call_and_its_result_continues_the_conversation(
     assert client.tokenize(as_dicts).ids == client.tokenize(history).ids
 
 
+# As a library sends it: no additionalProperties, no maxLength.
+CITY: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def raw_text(events: list[GenerateEvent]) -> str:
+    """What the model wrote: its tokens (the text leaves the calls out)."""
+    return "".join(t.text for e in events for t in e.tokens)
+
+
+def test_a_call_repeated_ends_the_answer_and_a_call_cut_off_is_neither_text_nor_a_call(client: Client) -> None:
+    repeated = list(client.generate(messages=QUESTION, tools=[CITY], tool_choice="required", max_new_tokens=200))
+    assert raw_text(repeated).count("<tool_call>") == 2  # the model made its call again ...
+    last = repeated[-1]  # ... and the answer ended there, with the call once
+    assert last.finish_reason is FinishReason.TOOL_CALLS and [c.parsed_arguments() for c in last.tool_calls] == [
+        {"city": "Rome"}
+    ]
+    assert "".join(e.text for e in repeated) == ""
+    cut = list(client.generate(messages=QUESTION, tools=[CITY], tool_choice="required", max_new_tokens=8))
+    assert raw_text(cut).startswith("<tool_call>")
+    assert cut[-1].finish_reason is FinishReason.LENGTH and not cut[-1].tool_calls
+    assert "".join(e.text for e in cut) == ""
+
+
 def test_cli_tools_print_the_calls_as_json_lines(server_address: str, tmp_path: Path) -> None:
     tools_file = tmp_path / "tools.json"
     tools_file.write_text(json.dumps(OPENAI_TOOLS))
@@ -195,6 +224,7 @@ def test_cli_tools_print_the_calls_as_json_lines(server_address: str, tmp_path: 
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"id"')]
     (call,) = lines
+    assert "<tool_call>" not in proc.stdout  # the parsed call, not the model's markup
     assert call["type"] == "function" and call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_PARAMS)
     proc = run_cli(*base, "--tool-choice", "required", "--no-parallel-tool-calls", "--json")
@@ -203,6 +233,9 @@ def test_cli_tools_print_the_calls_as_json_lines(server_address: str, tmp_path: 
     assert last["finish_reason"] == "tool_calls" and last["tool_calls"]
     for c in last["tool_calls"]:
         jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+    # A call cut off by the length limit: no markup printed, and no call.
+    proc = run_cli(*base[:-4], "-l", "8", "--tools", str(tools_file), "--tool-choice", "required")
+    assert proc.returncode == 0 and "<tool_call>" not in proc.stdout and '{"id"' not in proc.stdout, proc.stdout
     proc = run_cli(*base, "--tool-choice", "get_news")
     (line,) = error_lines(proc.stderr)
     assert proc.returncode == 2 and "--tool-choice 'get_news'" in line, line

@@ -1,6 +1,6 @@
 """The flags people bring from vLLM and llama.cpp, on a real server: --served-model-name,
---chat-template, --max-model-len, --api-key and --metrics-without-auth (some given as flags, some as
-TOKENMILL_* variables),
+--chat-template, --max-model-len, --api-key, --metrics-without-auth and --json-schema-permissive (some given
+as flags, some as TOKENMILL_* variables),
 and the 401 that says how to authenticate.
 
 /tokenize and /detokenize in the default configuration are in test_openai_http.py.
@@ -42,6 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     template.write_text(TEMPLATE)
     env = {"TOKENMILL_MAX_MODEL_LEN": str(CONTEXT), "TOKENMILL_CHAT_TEMPLATE": str(template)}
     env["TOKENMILL_METRICS_WITHOUT_AUTH"] = "true"
+    env["TOKENMILL_JSON_SCHEMA_PERMISSIVE"] = "true"
     proc = ServerProcess("--served-model-name", NAME, "--api-key", KEY, env=env, metrics=True).start()
     yield proc
     proc.stop()
@@ -181,3 +182,19 @@ def test_a_server_open_beyond_this_machine_without_a_token_warns_at_start() -> N
     finally:
         proc.stop()
     assert line["level"] == "warning" and line["host"] == "0.0.0.0" and "--auth-token" in line["message"]
+
+
+def test_json_schema_permissive_reads_a_schema_as_json_schema_does(client: openai.OpenAI) -> None:
+    """An array schema without items admits any items here (the default server refuses this one: closed, it
+    admits no item, yet needs one: test_structured_clients.py)."""
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Numbers."}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"guided_json": {"type": "array", "minItems": 1}},
+    )
+    assert (reply.choices[0].message.content or "").startswith("[")
+    assert load_settings([], {"TOKENMILL_JSON_SCHEMA_PERMISSIVE": "true"}).json_schema_permissive
+    assert load_settings(["--json-schema-permissive"], {}).json_schema_permissive
+    assert not load_settings([], {}).json_schema_permissive

@@ -182,7 +182,8 @@ def test_a_named_function_streams_tool_call_deltas_and_the_history_renders(clien
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not "".join(d.content or "" for d in deltas).strip(), "a call leaked into the content"
     calls = [tc for d in deltas for tc in d.tool_calls or []]
-    assert calls and calls[0].function and calls[0].function.name == "add"
+    # Exactly one call of a named function (the model made the same call two or three times when it could).
+    assert len(calls) == 1 and calls[0].function and calls[0].function.name == "add"
     args = json.loads(calls[0].function.arguments or "")
     jsonschema.validate(args, SCHEMAS["add"])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
@@ -218,3 +219,48 @@ def test_langchain_bind_tools(server: ServerProcess) -> None:
     message = llm.bind_tools([WEATHER], tool_choice="required", parallel_tool_calls=False).invoke("Weather in Tokyo?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"  # type: ignore[attr-defined]
     jsonschema.validate(message.tool_calls[0]["args"], SCHEMAS["get_weather"])  # type: ignore[attr-defined]
+
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_forced_calls_are_distinct_and_end_the_answer_within_the_default_limits(client: openai.OpenAI) -> None:
+    """A schema as a library sends it (no additionalProperties, no maxLength) and no max_tokens: a named
+    function is called once; with required the model repeats get_weather {"city": "Rome"}, and the answer
+    ends at the repeat with the call once."""
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=ask("What's the weather in Rome?"),
+            tools=[CITY],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            temperature=0,
+        )
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.content is None, reply
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == [  # type: ignore[union-attr]
+            ("get_weather", {"city": "Rome"})
+        ]
+
+
+def test_a_call_cut_off_by_max_tokens_is_neither_content_nor_a_call(client: openai.OpenAI) -> None:
+    ask_for: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ask("What's the weather in Rome?"),
+        "tools": [CITY],
+        "tool_choice": "required",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**ask_for).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.content and not whole.message.tool_calls, whole
+    chunks = [c.choices[0] for c in client.chat.completions.create(**ask_for, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "" and not any(c.delta.tool_calls for c in chunks)
+    assert chunks[-1].finish_reason == "length"

@@ -183,7 +183,9 @@ def test_grpc_tools_a_forced_call_comes_back_parsed_with_finish_reason_tool_call
     last = replies[-1]
     assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS and len(last.tool_calls) == 1
     call = last.tool_calls[0]
-    assert call.name == "get_weather" and text.startswith("<tool_call>")
+    # The call's text is the model's (its tokens), never the answer's text.
+    assert call.name == "get_weather" and text == ""
+    assert "".join(t.text for r in replies for t in r.tokens).startswith("<tool_call>")
     jsonschema.validate(json.loads(call.arguments), params)
     bad = pb.GenerateRequest(prompt="x", tools=[pb.Tool(name="f")])
     with pytest.raises(grpc.RpcError) as err:

@@ -23,11 +23,13 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import llguidance as llg
 import structlog
 
+from tokenmill_service.engine.closed_schema import close_schema
 from tokenmill_service.engine.grammar_finite import endless_rules, unproductive_refs
 from tokenmill_service.engine.request import Constraint
 from tokenmill_service.harmony_constraint import answer_grammar
@@ -86,13 +88,15 @@ def _own_grammar_text(constraint: Constraint) -> str:
                 raise ConstraintError("the JSON schema is false, which no value matches")
             check_depth(schema)
             check_numbers(schema)
+            if not constraint.permissive:
+                schema = close_schema(schema)
             try:
                 return llg.LLMatcher.grammar_from_json_schema(
                     json.dumps(schema if schema is not True else {}, separators=(",", ":"), ensure_ascii=False),
                     defaults=JSON_OPTIONS,
                 )
             except ValueError as exc:
-                raise ConstraintError(f"the JSON schema cannot be used: {exc}") from None
+                raise ConstraintError(f"the JSON schema cannot be used: {exc}{_closed_hint(constraint)}") from None
         case "regex":
             if not constraint.text:
                 raise ConstraintError("the regex is empty")
@@ -220,7 +224,9 @@ class GrammarCompiler:
             # Matchers build their lexer lazily: the first mask is part of compiling.
             first.compute_bitmask()
         if compiled.is_error():
-            raise ConstraintError(f"the {constraint.kind} cannot be used: {_first_line(compiled.get_error())}")
+            raise ConstraintError(
+                f"the {constraint.kind} cannot be used: {_first_line(compiled.get_error())}{_closed_hint(constraint)}"
+            )
         if constraint.kind == "json_schema" and first.is_stopped():
             # (llguidance compiles {"$ref": "#"}, a schema that is only itself, into a grammar that has ended
             # before its first token: every answer would be empty.)
@@ -254,6 +260,23 @@ def never_ends(constraint: Constraint) -> str | None:
             rules = ["root" if rule == "start" else rule for rule in rules]
         return f"the {constraint.syntax} grammar can never end: no finite text completes rule {', '.join(rules)}"
     return None
+
+
+def _closed_hint(constraint: Constraint) -> str:
+    """Why a JSON schema that JSON Schema's own reading would take is refused, when that is the reason: it
+    needs more keys or items than it declares (closed_schema.py)."""
+    if constraint.kind != "json_schema" or constraint.permissive:
+        return ""
+    try:
+        text = _own_grammar_text(replace(constraint, permissive=True))
+    except ConstraintError:
+        return ""
+    if not llg.LLMatcher.validate_grammar_with_warnings(text, limits=LIMITS)[0]:
+        return (
+            " (an object schema without additionalProperties admits only the keys it declares, an array schema "
+            "without items only its prefixItems; say additionalProperties or items in the schema)"
+        )
+    return ""
 
 
 def _first_line(error: str) -> str:

@@ -84,12 +84,15 @@ class Constraint:
 
     kind: "json_schema" (text: the schema as JSON), "json_object" (any JSON object; text unused),
     "regex" (text: the pattern, matched whole) or "grammar" (text in ``syntax``: "lark" or "gbnf").
-    harmony: the answer of a harmony chat, whose final channel's text must match (harmony_constraint.py)."""
+    harmony: the answer of a harmony chat, whose final channel's text must match (harmony_constraint.py).
+    permissive: a json_schema read as JSON Schema reads it, where it does not say otherwise any further key of
+    an object and any item of an array; else nothing more than it declares (closed_schema.py)."""
 
     kind: str
     text: str = ""
     syntax: str = ""
     harmony: bool = False
+    permissive: bool = False
 
 
 @dataclass(slots=True)

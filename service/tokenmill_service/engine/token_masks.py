@@ -53,10 +53,13 @@ class MaskFiller:
         base = bitmask.data_ptr()
         for job in jobs:
             m = job.matcher
-            valid = m.validate_tokens(job.drafts) if job.drafts else 0
+            # A drafted stop token ends the sequence where it is kept, so no row after it is used; and a
+            # matcher rolled back over a stop token it consumed refuses what it allowed before (llguidance).
+            drafts = job.drafts[: next((k for k, t in enumerate(job.drafts) if t in job.fallback), len(job.drafts))]
+            valid = m.validate_tokens(drafts) if drafts else 0
             for j in range(valid + 1):
                 if j > 0:
-                    m.consume_token(job.drafts[j - 1])
+                    m.consume_token(drafts[j - 1])
                 row = job.first_row + j
                 m.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
                 if m.is_error() or not bitmask[row].any():
