@@ -17,12 +17,25 @@ TIERS = ("unit", "kernels", "engine", "service", "deploy")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Every kernel built ahead, a compiler a core (cached: a few seconds once built), rather than one at a time
-    as the tests first load them (half the time on a fresh machine); the ones only the bit-for-bit checks load in
-    the background (tests/native/runner.py)."""
+    """Every kernel this CPU's servers load built ahead, a compiler a core, rather than one at a time as the tests
+    first load them (half the time on a fresh machine)."""
     from tests.native import runner
 
-    runner.prebuild_for_the_suite()
+    runner.prebuild_own()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The builds only the bit-for-bit checks load, in the background, when the session runs them."""
+    from tests.native import runner
+
+    if any(item.path.name in runner.LOAD_OTHER_BUILDS for item in session.items):
+        runner.start_the_other_builds()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.native import runner
+
+    runner.stop_the_other_builds()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -88,29 +88,56 @@ def run_check(check: Check, isa: str, workdir: Path, cxx: str = "g++") -> subpro
 
 # -- the suite's builds ------------------------------------------------------------------------------------
 
+# The test files that load other instruction sets' builds than this CPU's own (or the ARM64 cross builds).
+LOAD_OTHER_BUILDS = frozenset({"test_arm64.py", "test_instruction_sets.py", "test_native_builds.py", "test_cpu_isa_bits.py"})  # fmt: skip
 
 _background: threading.Thread | None = None
+_stop = threading.Event()
 
 
-def prebuild_for_the_suite() -> None:
-    """At the suite's start: the kernels this CPU's servers load (its own instruction set's) built now, a
-    compiler a core; the other instruction sets' builds and the ARM64 cross builds, which only the bit-for-bit
-    checks load, in the background at the lowest priority, on what CPU the first tests leave idle (a fresh
-    machine's builds take two minutes of both cores). ``wait_for_the_other_builds`` before loading them."""
+def prebuild_own() -> None:
+    """At the suite's start: the kernels this CPU's servers load (its own instruction set's), a compiler a core
+    (cached: a few seconds once built), rather than one at a time as the tests first load them."""
+    if shutil.which(os.environ.get("CXX", "g++")) is not None:
+        build.prebuild(isas=[cpu_isa.selected()])
+
+
+def start_the_other_builds() -> None:
+    """The other instruction sets' builds and the ARM64 cross builds, which only the bit-for-bit checks load, in
+    the background at the lowest priority, on what CPU the tests before them leave idle (on a fresh machine they
+    take two minutes of both cores). ``wait_for_the_other_builds`` before loading them."""
     global _background
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    if shutil.which(os.environ.get("CXX", "g++")) is None or _background is not None:
         return
     own = cpu_isa.selected()
-    build.prebuild(isas=[own])
+    jobs: list[tuple[str, str, str | None, Path | None]] = [
+        (name, isa, None, None)
+        for isa in sorted((i for i in cpu_isa.runnable() if i != own), key=lambda i: i != "scalar")  # slowest first
+        for name in sorted(p.stem for p in KERNELS.glob("*.cpp"))
+    ]
+    if arm_tools_missing() is None:
+        jobs += [
+            (c.name if c.name != "simd" else "simd_probe", which, ARM_CXX, c.library_source if c.name == "simd" else None)
+            for c in checks()
+            for which in ("scalar", "neon")
+        ]  # fmt: skip
 
-    def others() -> None:
+    def one(job: tuple[str, str, str | None, Path | None]) -> None:
+        if not _stop.is_set():
+            try:
+                build.built(*job)
+            except build.NativeKernelUnavailable:
+                pass  # (the test that loads it says why)
+
+    def run() -> None:
         # (Linux: the priority is this thread's, and the threads and compilers it starts inherit it.)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        build.prebuild(isas=[isa for isa in cpu_isa.runnable() if isa != own])
-        if arm_tools_missing() is None:
-            build_all([(c, "neon") for c in checks()], cxx=ARM_CXX)
+        from concurrent.futures import ThreadPoolExecutor
 
-    _background = threading.Thread(target=others, name="other-kernel-builds", daemon=True)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(one, jobs))
+
+    _background = threading.Thread(target=run, name="other-kernel-builds", daemon=True)
     _background.start()
 
 
@@ -119,3 +146,11 @@ def wait_for_the_other_builds() -> None:
     same library again beside them, at full priority."""
     if _background is not None:
         _background.join()
+
+
+def stop_the_other_builds() -> None:
+    """At the session's end: no new build starts, and the one under way is let finish (its compiler's file is
+    renamed into the cache only when whole)."""
+    _stop.set()
+    if _background is not None:
+        _background.join(timeout=120)

@@ -1,5 +1,5 @@
 """The Messages and Responses APIs' streams as the HTTP layer sends them, from made-up engine outputs: what the
-embedded model does not do on its own (text, then a call whose text is held back; a failure midway), framed as
+embedded model does not do on its own (text, then a call; a failure midway), framed as
 named server-sent events."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from tokenmill_service.proto import pb
 from tokenmill_service.responses_protocol import RESPONSES, ResponsesBuilder
 
 CALL = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Rome"}')
-# Text, then a call in the Hermes syntax (held back from "<tool_call>" on), ending the answer.
+# Text, then a call (the generation service holds a call's markup back: what reaches the HTTP layer is the text
+# before it, then the parsed call), ending the answer.
 WITH_CALL = [
-    pb.GenerateResponse(text="Let me check. <tool"),
-    pb.GenerateResponse(text='_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+    pb.GenerateResponse(text="Let me check. "),
     pb.GenerateResponse(
         finish_reason=pb.FINISH_REASON_TOOL_CALLS,
         tool_calls=[CALL],
@@ -36,8 +36,6 @@ def streamed(
 ) -> list[tuple[str, dict[str, Any]]]:
     """The (event name, data) pairs a stream sends."""
     parsed = dialect.parse({**body, "stream": True})
-    if parsed.request.tools:
-        parsed.tool_marker = "<tool_call>"
 
     async def responses() -> AsyncIterator[pb.GenerateResponse]:
         for out in outputs:
