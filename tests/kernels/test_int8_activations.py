@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from gguf import quants as gguf_quants
 
 from tests.engine.test_gguf_loader import random_blocks
-from tokenmill_service.kernels.cpu import vnni_gemm
+from tokenmill_service.kernels.cpu import kquant_gemm, vnni_gemm
 
 pytestmark = pytest.mark.skipif(
     vnni_gemm.unavailable_reason() is not None, reason=f"VNNI kernel: {vnni_gemm.unavailable_reason()}"
@@ -115,3 +116,61 @@ def test_the_product_is_the_exact_integer_sums_folded_in_the_documented_order(qt
     exact = torch.from_numpy(x).double() @ weight.t()
     sixteen = vnni_gemm.vnni_gemm(torch.from_numpy(x), packed, int(qtype), n)
     assert (sixteen.double() - exact).abs().max() < (full.double() - exact).abs().max()
+
+
+def _kquant_weights(raw: np.ndarray, qtype: QType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """k-quant super-blocks [n, k / 256, bytes] as the kernel multiplies them: q int64 [n, k / 32, 32] (Q6_K:
+    q - 32), and per block of 32 (Q6_K: per half block, [n, k / 16]) the exact scale d * sc and (Q4_K, Q5_K)
+    minimum dmin * m. The integers come from gguf's own dequantization of the blocks with d = 1 and every
+    scale 1 (Q4_K, Q5_K: minimums 0)."""
+    n, supers = raw.shape[:2]
+    flat = raw.reshape(n * supers, -1)
+    unit = flat.copy()
+    if qtype == QType.Q6_K:  # ql[128] qh[64] scales[16] (int8) d
+        sc = flat[:, 192:208].view(np.int8).astype(F32)
+        d = flat[:, 208:210].copy().view(np.float16).astype(F32)
+        unit[:, 192:208] = 1
+        unit[:, 208:210] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        q = gguf_quants.dequantize(unit, qtype).astype(np.int64)
+        return q.reshape(n, -1, 32), (d * sc).reshape(n, -1).astype(F32), np.zeros(0, F32)
+    # Q4_K, Q5_K: d dmin scales[12] ...
+    d = flat[:, 0:2].copy().view(np.float16).astype(F32)
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(F32)
+    sc, m = gguf_quants.Q4_K.get_scale_min(flat[:, 4:16])
+    unit[:, 0:4] = np.array([1.0, 0.0], dtype=np.float16).view(np.uint8)
+    unit[:, 4:8], unit[:, 8:12], unit[:, 12:16] = 1, 0, 1  # sc 0-3, m 0-3 (and high bits), low bits of 4-7
+    q = gguf_quants.dequantize(unit, qtype).astype(np.int64)
+    return q.reshape(n, -1, 32), (d * sc.astype(F32)).reshape(n, -1), (dmin * m.astype(F32)).reshape(n, -1)
+
+
+def _kquant_reference(x: np.ndarray, raw: np.ndarray, qtype: QType) -> np.ndarray:
+    a, dx = _quantize(x)
+    q, de, dm = _kquant_weights(raw, qtype)
+    rows, blocks = x.shape[0], x.shape[1] // 32
+    a = a.reshape(rows, blocks, 32).astype(np.int64)
+    acc = np.zeros((rows, q.shape[0]), dtype=F32)
+    for b in range(blocks):
+        prod = a[:, None, b, :] * q[None, :, b, :]
+        if qtype == QType.Q6_K:  # per half block: its own scale, the sum of (q - 32) a
+            for h in range(2):
+                scale = (de[None, :, 2 * b + h] * dx[:, b, None]).astype(F32)
+                acc = _fma32(prod[..., 16 * h : 16 * h + 16].sum(-1).astype(F32), scale, acc)
+            continue
+        scale = (de[None, :, b] * dx[:, b, None]).astype(F32)
+        sx = (dx[:, b] * a[:, b, :].sum(-1).astype(F32)).astype(F32)
+        acc = _fma32(prod.sum(-1).astype(F32), scale, acc)
+        acc = _fma32(np.broadcast_to(-dm[None, :, b], acc.shape), np.broadcast_to(sx[:, None], acc.shape), acc)
+    return acc
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q5_K, QType.Q6_K], ids=lambda t: t.name)
+def test_the_kquant_product_is_the_exact_integer_sums_folded_in_the_documented_order(qtype: QType) -> None:
+    n, k = 37, 512
+    raw = random_blocks(qtype, n, k, np.random.default_rng(int(qtype)), 0.02).reshape(n, k // 256, -1)
+    packed = kquant_gemm.pack(torch.from_numpy(raw), int(qtype))
+    x = _activations(17, k, int(qtype) + 1)
+    full = kquant_gemm.kquant_gemm(torch.from_numpy(x), packed, int(qtype), n, int8=True)
+    assert np.array_equal(full.numpy(), _kquant_reference(x, raw, qtype))
+    for rows in (1, 2, 3, 4, 5, 8):
+        part = kquant_gemm.kquant_gemm(torch.from_numpy(x[-rows:]), packed, int(qtype), n, int8=True)
+        assert torch.equal(part, full[-rows:]), rows
