@@ -84,6 +84,16 @@ class Settings:
             "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "fp8-block", "none", "int8", "int4"],
         },
     )
+    activations: str = field(
+        default="auto",
+        metadata={
+            "help": "what the native integer-product kernels (gguf-vnni, gguf-kquant) round the activations to per "
+            "block of 32; auto = 16-bit fixed point (logprobs within about 1e-3 of float32); int8 = 8-bit integers "
+            "as llama.cpp's Q8_0 does (one byte product a weight: faster, less precise). Refused where no layer "
+            "is served by those kernels. Either keeps a sequence's results independent of its batch",
+            "choices": ["auto", "int8"],
+        },
+    )
     cpu_isa: str = field(
         default="auto",
         metadata={

@@ -1,7 +1,8 @@
 // kquant_gemm.cpp, two builds side by side: every exported function (tm_kquant_packed_bytes, _pack, _gemm,
 // _dequantize) on the same pseudo-random super-blocks of every k-quant and a mixed (segmented) layer, for
 // row counts that take each tile (digits up to 4 rows, words above), group counts with a tail of rows,
-// one and two threads, and the error returns.
+// one and two threads, and the error returns; the products with 16-bit and with 8-bit activations
+// (tm_kquant_gemm_int8).
 #include "check.h"
 
 typedef int64_t (*PackedBytes)(int, int64_t, int64_t);
@@ -30,11 +31,13 @@ struct Kernel {
   Pack pack;
   Gemm gemm;
   Dequantize dequantize;
+  Gemm gemm_int8;
   explicit Kernel(const check::Lib& lib)
       : packed_bytes(lib.fn<PackedBytes>("tm_kquant_packed_bytes")),
         pack(lib.fn<Pack>("tm_kquant_pack")),
         gemm(lib.fn<Gemm>("tm_kquant_gemm")),
-        dequantize(lib.fn<Dequantize>("tm_kquant_dequantize")) {}
+        dequantize(lib.fn<Dequantize>("tm_kquant_dequantize")),
+        gemm_int8(lib.fn<Gemm>("tm_kquant_gemm_int8")) {}
 };
 
 // n rows of k weights as random super-blocks, their scales small float16 (a weight a few hundredths).
@@ -92,6 +95,13 @@ void products(const Kernel& a, const Kernel& b, int fmt, const std::vector<uint8
                (long long)n, threads);
       report.same(what, &ra, &rb, sizeof ra);
       report.same(what, ya, yb);
+      std::vector<float> ia(m * n, -1.0f), ib(m * n, -2.0f);
+      const int ia_rc = a.gemm_int8(fmt, x.data(), m, k, w.data(), n, ia.data(), threads);
+      const int ib_rc = b.gemm_int8(fmt, x.data(), m, k, w.data(), n, ib.data(), threads);
+      snprintf(what, sizeof what, "%s gemm_int8 m=%lld k=%lld n=%lld threads=%d", name, (long long)m, (long long)k,
+               (long long)n, threads);
+      report.same(what, &ia_rc, &ib_rc, sizeof ia_rc);
+      report.same(what, ia, ib);
     }
   std::vector<float> da(n * k), db(n * k);
   const int ra = a.dequantize(fmt, w.data(), n, k, da.data()), rb = b.dequantize(fmt, w.data(), n, k, db.data());
@@ -163,6 +173,10 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
         a.pack(14, src.data(), 1, 200, (uint8_t*)out.data()), b.pack(14, src.data(), 1, 200, (uint8_t*)out.data()),
         a.gemm(99, x.data(), 1, 256, out.data(), 16, y.data(), 1), b.gemm(99, x.data(), 1, 256, out.data(), 16, y.data(), 1),
         a.gemm(14, x.data(), 1, 200, out.data(), 16, y.data(), 1), b.gemm(14, x.data(), 1, 200, out.data(), 16, y.data(), 1),
+        a.gemm_int8(99, x.data(), 1, 256, out.data(), 16, y.data(), 1),
+        b.gemm_int8(99, x.data(), 1, 256, out.data(), 16, y.data(), 1),
+        a.gemm_int8(14, x.data(), 1, 200, out.data(), 16, y.data(), 1),
+        b.gemm_int8(14, x.data(), 1, 200, out.data(), 16, y.data(), 1),
         a.dequantize(99, out.data(), 1, 256, y.data()), b.dequantize(99, out.data(), 1, 256, y.data()),
         a.dequantize(14, out.data(), 1, 200, y.data()), b.dequantize(14, out.data(), 1, 200, y.data()),
     };

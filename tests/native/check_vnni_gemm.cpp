@@ -1,6 +1,7 @@
 // vnni_gemm.cpp, every export, two builds side by side: the same GGUF blocks of each format packed, multiplied
 // by the same activations (rows 1..5, 8, 17: the tiles change with M; n not a multiple of 16; k long enough for
-// the decoding tiles' prefetch), dequantized and quantized, on 1 and 2 threads.
+// the decoding tiles' prefetch), dequantized and quantized, on 1 and 2 threads; with 16-bit and with 8-bit
+// activations (tm_vnni_gemm_int8).
 #include "check.h"
 
 typedef int64_t (*PackedBytes)(int, int64_t, int64_t);
@@ -8,6 +9,7 @@ typedef int (*Pack)(int, const uint8_t*, int64_t, int64_t, uint8_t*);
 typedef int (*Gemm)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int);
 typedef int (*Dequantize)(int, const uint8_t*, int64_t, int64_t, float*);
 typedef int (*Quantize)(const float*, int64_t, int64_t, int16_t*, float*);
+typedef int (*QuantizeInt8)(const float*, int64_t, int64_t, int8_t*, float*);
 
 struct Format {
   const char* name;
@@ -27,12 +29,16 @@ struct Fns {
   Gemm gemm;
   Dequantize dequantize;
   Quantize quantize;
+  Gemm gemm_int8;
+  QuantizeInt8 quantize_int8;
   explicit Fns(const check::Lib& lib)
       : packed_bytes(lib.fn<PackedBytes>("tm_vnni_packed_bytes")),
         pack(lib.fn<Pack>("tm_vnni_pack")),
         gemm(lib.fn<Gemm>("tm_vnni_gemm")),
         dequantize(lib.fn<Dequantize>("tm_vnni_dequantize")),
-        quantize(lib.fn<Quantize>("tm_vnni_quantize")) {}
+        quantize(lib.fn<Quantize>("tm_vnni_quantize")),
+        gemm_int8(lib.fn<Gemm>("tm_vnni_gemm_int8")),
+        quantize_int8(lib.fn<QuantizeInt8>("tm_vnni_quantize_int8")) {}
 };
 
 // n rows of k / 32 random blocks: random weight bytes, scales of either sign (a few zero), MXFP4's exponents
@@ -106,6 +112,14 @@ void run(const check::Lib& ref_lib, const check::Lib& cand_lib, check::Report& r
                    (long long)sh.k, threads);
           report.same(what, &rc1, &rc2, sizeof rc1);
           report.same(what, y1, y2);
+          std::fill(y1.begin(), y1.end(), -1.0f);
+          std::fill(y2.begin(), y2.end(), -1.0f);
+          rc1 = ref.gemm_int8(f.id, x.data(), m, sh.k, w1.data(), sh.n, y1.data(), threads);
+          rc2 = cand.gemm_int8(f.id, x.data(), m, sh.k, w1.data(), sh.n, y2.data(), threads);
+          snprintf(what, sizeof what, "%s gemm_int8 m=%lld n=%lld k=%lld threads=%d", f.name, (long long)m,
+                   (long long)sh.n, (long long)sh.k, threads);
+          report.same(what, &rc1, &rc2, sizeof rc1);
+          report.same(what, y1, y2);
         }
       }
     }
@@ -130,10 +144,14 @@ void run(const check::Lib& ref_lib, const check::Lib& cand_lib, check::Report& r
     std::vector<float> x(64), y(4);
     const int codes1[] = {ref.pack(5, w.data(), 1, 32, w.data()),
                           ref.gemm(2, x.data(), 1, 48, w.data(), 1, y.data(), 1),
-                          ref.dequantize(99, w.data(), 1, 32, x.data())};
+                          ref.dequantize(99, w.data(), 1, 32, x.data()),
+                          ref.gemm_int8(5, x.data(), 1, 32, w.data(), 1, y.data(), 1),
+                          ref.gemm_int8(2, x.data(), 1, 48, w.data(), 1, y.data(), 1)};
     const int codes2[] = {cand.pack(5, w.data(), 1, 32, w.data()),
                           cand.gemm(2, x.data(), 1, 48, w.data(), 1, y.data(), 1),
-                          cand.dequantize(99, w.data(), 1, 32, x.data())};
+                          cand.dequantize(99, w.data(), 1, 32, x.data()),
+                          cand.gemm_int8(5, x.data(), 1, 32, w.data(), 1, y.data(), 1),
+                          cand.gemm_int8(2, x.data(), 1, 48, w.data(), 1, y.data(), 1)};
     report.same("error codes", codes1, codes2, sizeof codes1);
   }
   // The activations as the product sees them.
@@ -147,6 +165,13 @@ void run(const check::Lib& ref_lib, const check::Lib& cand_lib, check::Report& r
       snprintf(what, sizeof what, "quantize m=%lld k=%lld", (long long)m, (long long)k);
       report.same(what, &rc1, &rc2, sizeof rc1);
       report.same(what, q1, q2);
+      report.same(what, dq1, dq2);
+      std::vector<int8_t> b1((size_t)(m * k)), b2(b1.size());
+      const int rc3 = ref.quantize_int8(x.data(), m, k, b1.data(), dq1.data());
+      const int rc4 = cand.quantize_int8(x.data(), m, k, b2.data(), dq2.data());
+      snprintf(what, sizeof what, "quantize_int8 m=%lld k=%lld", (long long)m, (long long)k);
+      report.same(what, &rc3, &rc4, sizeof rc3);
+      report.same(what, b1, b2);
       report.same(what, dq1, dq2);
     }
 }

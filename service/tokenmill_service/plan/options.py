@@ -28,6 +28,8 @@ class LoadOptions:
     backend: str = "torch"
     # What the KV cache stores: auto (the activations' dtype), float32 or float16.
     kv_cache_dtype: str = "auto"
+    # What the native integer-product kernels round the activations to: auto (16-bit fixed point) or int8.
+    activations: str = "auto"
     # The instruction set of the native CPU kernels: auto, scalar, avx2, avx512 or neon (the same bits each).
     cpu_isa: str = "auto"
     # torch.compile the forward pass where it can (auto) or not (off).
@@ -55,6 +57,7 @@ class LoadOptions:
             quantization=settings.quantization,
             backend=settings.backend,
             kv_cache_dtype=settings.kv_cache_dtype,
+            activations=settings.activations,
             cpu_isa=settings.cpu_isa,
             compile=settings.compile,
             tensor_parallel=settings.tensor_parallel,

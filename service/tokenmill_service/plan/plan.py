@@ -67,6 +67,8 @@ class LoadPlan:
     rope: Decision | None = None
     # On a CPU: the instruction set of the native kernels (every one gives the same bits); None elsewhere.
     cpu_isa: Decision | None = None
+    # The integer-product kernels' activations: "16-bit" or "int8" (--activations); None where no layer takes them.
+    activations: Decision | None = None
 
     def quant_method(self, prefix: str) -> LayerChoice:
         """The method of the linear layer at ``prefix`` (vLLM's ``get_quant_method(layer, prefix)``)."""
@@ -93,6 +95,7 @@ class LoadPlan:
             "device": self.device,
             **({"cpu_isa": _shown(self.cpu_isa)} if self.cpu_isa is not None else {}),
             "dtype": _shown(self.act_dtype),
+            **({"activations": _shown(self.activations)} if self.activations is not None else {}),
             "embedding_dtype": self.embed_dtype,
             "ops": _shown(self.ops),
             "kv_cache_dtype": _shown(self.kv_cache_dtype),

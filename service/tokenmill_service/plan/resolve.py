@@ -29,6 +29,9 @@ from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRef
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
+ACTIVATIONS = ("auto", "int8")
+# The kernels that take 8-bit activations (--activations int8), by the kernel they replace.
+INT8_KERNELS = {"vnni_gemm": "vnni_gemm_int8", "kquant_gemm": "kquant_gemm_int8"}
 COMPILE_SETTINGS = ("auto", "off")
 # The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first
 # (each serves its own formats: a layer gets the first available one that serves how it is stored).
@@ -57,6 +60,8 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         raise PlanRefused(
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache_dtype!r}"
         )
+    if options.activations not in ACTIVATIONS:
+        raise PlanRefused(f"--activations must be one of {', '.join(ACTIVATIONS)}, not {options.activations!r}")
     if options.compile not in COMPILE_SETTINGS:
         raise PlanRefused(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, not {options.compile!r}")
     if options.quantization != "auto":
@@ -69,6 +74,7 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     act_dtype = DTYPES[act.value]
     prefixes = family.linear_prefixes(config) + _mtp_prefixes(options, family, config)
     layers, quant_reasons, skipped = _linear_layers(options, prefixes, checkpoint, facts, act_dtype)
+    activations = _activations_precision(options, layers, config)
     _check_tensor_parallel(options, config, types)
     ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
     ops_cls = ops_class(ops.value)
@@ -103,6 +109,37 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         lora_dtype=_lora_dtype(options, facts),
         rope=None if rope_choice is None else rope_choice(config, options.max_model_len),
         cpu_isa=Decision(facts.cpu_isa, facts.cpu_isa_reason) if facts.cpu_isa else None,
+        activations=activations,
+    )
+
+
+def _activations_precision(
+    options: LoadOptions, layers: dict[str, LayerChoice], config: ModelConfig
+) -> Decision | None:
+    """What the integer-product kernels round the activations to (None: no layer has them). Under
+    --activations int8 their layers take the int8 kernels (``layers`` rewritten in place), or the plan refuses."""
+    integer = [prefix for prefix, choice in layers.items() if choice.kernel in INT8_KERNELS]
+    if options.activations == "auto":
+        if not integer:
+            return None
+        return Decision("16-bit", "fixed point per block of 32 (--activations auto): logprobs within about 1e-3")
+    if not integer:
+        methods = ", ".join(sorted({c.method for c in layers.values()}))
+        raise PlanRefused(
+            "--activations int8 needs tokenmill's native integer-product kernels (--quantization gguf-vnni or "
+            f"gguf-kquant on a GGUF's blocks, on a CPU), and no layer of this plan has them (methods: {methods})"
+        )
+    if config.extra_int("num_experts"):
+        raise PlanRefused(
+            "--activations int8 does not serve mixture-of-experts models: their experts' kernel has no int8 form"
+        )
+    for prefix in integer:
+        choice = layers[prefix]
+        layers[prefix] = LayerChoice(choice.method, INT8_KERNELS[choice.kernel])
+    return Decision(
+        "int8",
+        f"asked (--activations int8): 8-bit per block of 32 as llama.cpp's Q8_0, {len(integer)} of {len(layers)} "
+        "linear layers; less precise than 16-bit",
     )
 
 

@@ -102,6 +102,11 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         ),
         "int tm_vnni_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
         "int tm_vnni_quantize(const float* x, int64_t m, int64_t k, int16_t* q, float* dq)",
+        (
+            "int tm_vnni_gemm_int8(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, "
+            "float* y, int threads)"
+        ),
+        "int tm_vnni_quantize_int8(const float* x, int64_t m, int64_t k, int8_t* q, float* d)",
     ),
     "kquant_gemm": (
         "int64_t tm_kquant_packed_bytes(int fmt, int64_t n, int64_t k)",
@@ -111,6 +116,10 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "float* y, int threads)"
         ),
         "int tm_kquant_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out)",
+        (
+            "int tm_kquant_gemm_int8(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, "
+            "float* y, int threads)"
+        ),
     ),
     "sampling": (
         "void tm_log_softmax(const float* x, int64_t rows, int64_t n, int64_t x_stride, float* out, int threads)",

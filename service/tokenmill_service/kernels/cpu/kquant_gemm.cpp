@@ -2,7 +2,8 @@
 // super-blocks of 256 weights), with the integer products of vnni_gemm.cpp: the activations as 16-bit fixed point
 // per block of 32 (vnni_common.h), weights as unsigned integers, products of bytes (dot_u7s8 / dot_u8s8) or of
 // int16 pairs (dot_s16; which for how many rows depends on the backend: MAX_DIGIT_ROWS), exact int32 sums.
-// Written in simd.h's ops: the same bits on every CPU.
+// Written in simd.h's ops: the same bits on every CPU. Opted into (tm_kquant_gemm_int8, --activations int8): the
+// activations as 8-bit integers per block (vnni_gemm.cpp), one pass of byte products at every M.
 //
 // What a weight is (exactly as gguf.quants dequantizes it; every product below is exact in float32):
 //   Q4_K, Q5_K: 8 sub-blocks of 32, each with a 6-bit scale sc and minimum m; the super-block has
@@ -103,6 +104,8 @@ constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
+// int8 activations: up to this many rows the decoding tiles (MT_DIGITS rows, one group), past it MT x NG.
+constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;
 
 enum Format : int {
   Q2_K = TM_FORMAT_Q2_K,
@@ -378,7 +381,7 @@ inline void step_words(const uint8_t* bq, int s, u8x64 wq[4]) {
 template <int F, bool WORDS, int P>
 inline void start_sums(i32x16 (&parts)[P], const int32_t* s16, int64_t h) {
   for (int u = 0; u < P; ++u) parts[u] = zero_i();
-  if constexpr (signed_scales(F)) parts[WORDS ? 0 : 1] = set1_i(-q_offset(F) * s16[h]);
+  if constexpr (signed_scales(F)) parts[WORDS ? 0 : P - 1] = set1_i(-q_offset(F) * s16[h]);  // int8: one part
 }
 
 // A byte product for format F's weights: below 128 but for IQ4_XS's levels + 128 (some backends have a faster
@@ -398,13 +401,19 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 // What bounds the words on Zen 4 (AVX-512) is the float fold of each block: its multiply and FMAs share
 // vpdpwssd's two pipes (3 of them a block per output against 16 products; Q4_K measured 1.22 times as fast
 // with them taken out, Q6_K 1.17), and they must stay, one rounding at a time in this order, for the outputs' bits.
+// INT8 (with WORDS false): the activations as one int8 digit (quantize_row_int8), the digits' byte products with
+// the lo pass left out, one partial sum per output. Exact as the digits' are: dot_q's weights are below 128 but
+// for IQ4_XS's levels + 128, which take dot_u8s8 (on AVX2 both operands widened to int16 and vpmaddwd, since
+// u8 x s8 pairs reach 2 * 241 * 128 > 32767; below 128 vpmaddubsw's pairs stay within 2 * 127 * 128), and the
+// offsets' -offset * sum a start the one sum (s16: the half blocks' sums of the int8 values).
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
-template <int F, int M, int NGT, bool WORDS>
+template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid) {
   // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 (on AVX-512 4 cycles'
   // latency, one a cycle) in flight.
-  constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
+  static_assert(!(WORDS && INT8), "int8 activations are one digit");
+  constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
   // The block's sums and a pass's weights, declared here rather than in the loops that use them: so declared,
@@ -418,7 +427,8 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
     f32x16 d[NGT], dmin[NGT];
     // One group a tile in the form decoding takes (decoding): the thread's weights are one stream, fetched ahead
     // of it (AVX2's words without it: up to 1.5 times as long from memory).
-    if constexpr (NGT == 1 && WORDS == (MAX_DIGIT_ROWS == 0))
+    // int8 (unmeasured): its decoding tiles are one group a tile in every backend, so they ask ahead too.
+    if constexpr (NGT == 1 && (INT8 || WORDS == (MAX_DIGIT_ROWS == 0)))
       if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(Packed(F, w, gstride, 0, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
@@ -448,12 +458,17 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
             step_bytes<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, w0[g], w1[g]);
           for (int i = 0; i < M; ++i) {
             const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
-            const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4), l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
+            const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
             for (int g = 0; g < NGT; ++g) {
               qa[i][g][0] = dot_q<F>(qa[i][g][0], w0[g], h0);
               qa[i][g][0] = dot_q<F>(qa[i][g][0], w1[g], h1);
-              qa[i][g][1] = dot_q<F>(qa[i][g][1], w0[g], l0);
-              qa[i][g][1] = dot_q<F>(qa[i][g][1], w1[g], l1);
+            }
+            if constexpr (!INT8) {
+              const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
+              for (int g = 0; g < NGT; ++g) {
+                qa[i][g][PARTS - 1] = dot_q<F>(qa[i][g][PARTS - 1], w0[g], l0);
+                qa[i][g][PARTS - 1] = dot_q<F>(qa[i][g][PARTS - 1], w1[g], l1);
+              }
             }
           }
         }
@@ -511,34 +526,36 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   }
 }
 
-// tile<F, M, ng, WORDS> for ng = NGT, NGT - 1, ..., 1.
-template <int F, int M, bool WORDS, int NGT = NG>
+// tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
+template <int F, int M, bool WORDS, bool INT8, int NGT = NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                         int64_t ldy, int64_t n_valid) {
   if constexpr (NGT > 1)
-    if (ng < NGT) return tile_groups<F, M, WORDS, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid);
-  tile<F, M, NGT, WORDS>(act, k, w, gstride, y, ldy, n_valid);
+    if (ng < NGT) return tile_groups<F, M, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid);
+  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid);
 }
 
-// tile_groups<F, rows, WORDS> for rows = M, M - 1, ..., 1.
-template <int F, bool WORDS, int M = WORDS ? MT : MT_DIGITS>
+// tile_groups<F, rows, WORDS, INT8> for rows = M, M - 1, ..., 1.
+template <int F, bool WORDS, bool INT8, int M>
 inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                       int64_t ldy, int64_t n_valid) {
   if constexpr (M > 1)
-    if (rows < M) return tile_rows<F, WORDS, M - 1>(rows, ng, act, k, w, gstride, y, ldy, n_valid);
-  tile_groups<F, M, WORDS>(ng, act, k, w, gstride, y, ldy, n_valid);
+    if (rows < M) return tile_rows<F, WORDS, INT8, M - 1>(rows, ng, act, k, w, gstride, y, ldy, n_valid);
+  tile_groups<F, M, WORDS, INT8>(ng, act, k, w, gstride, y, ldy, n_valid);
 }
 
-template <bool WORDS>
+// M rows a tile: MT as words, MT_DIGITS as digits; int8 activations (one sum an output, as words) MT past
+// MAX_DIGIT_ROWS rows, MT_DIGITS up to them.
+template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS>
 inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
                         float* y, int64_t ldy, int64_t n_valid) {
   switch (fmt) {
-    case Q4_K: tile_rows<Q4_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case Q5_K: tile_rows<Q5_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case Q2_K: tile_rows<Q2_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case Q3_K: tile_rows<Q3_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case IQ4_XS: tile_rows<IQ4_XS, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    default: tile_rows<Q6_K, WORDS>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q4_K: tile_rows<Q4_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q5_K: tile_rows<Q5_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q2_K: tile_rows<Q2_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case Q3_K: tile_rows<Q3_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    case IQ4_XS: tile_rows<IQ4_XS, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
+    default: tile_rows<Q6_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
   }
 }
 
@@ -571,25 +588,31 @@ int segments_of(int fmt, const uint8_t* w, int64_t n, Segment out[TM_KQUANT_MAX_
   return rows == n ? (int)count : 0;
 }
 
-void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, int64_t n, float* y, int threads) {
+void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, int64_t n, float* y, int threads,
+          bool int8) {
   int64_t rows[TM_KQUANT_MAX_SEGMENTS];
   bool half_sums = false;
   for (int s = 0; s < count; ++s) {
     rows[s] = segs[s].rows;
     half_sums |= half_scales(segs[s].fmt);
   }
-  const bool words = m > MAX_DIGIT_ROWS;
-  vnni::drive(x, m, k, y, n, rows, count, half_sums, words ? MT : MT_DIGITS, NG, threads,
+  const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
+  const int mt = int8 ? (wide ? MT : MT_DIGITS) : words ? MT : MT_DIGITS;
+  vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
                 const int fmt = segs[s].fmt;
                 const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
                 const uint8_t* wg = segs[s].w + g0 * gstride;
-                if (words)
+                if (int8 && wide)
+                  tile_format<false, true, MT>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                else if (int8)
+                  tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                else if (words)
                   tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
                 else
                   tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
               },
-              words);
+              words, int8);
 }
 
 // One segment's packed weights [rows, k] as float32, exactly gguf's dequantized values (row stride k).
@@ -650,7 +673,20 @@ int tm_kquant_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t*
   Segment segs[TM_KQUANT_MAX_SEGMENTS];
   const int count = segments_of(fmt, w, n, segs);
   if (!count) return -3;
-  gemm(segs, count, x, m, k, n, y, threads);
+  gemm(segs, count, x, m, k, n, y, threads, false);
+  return 0;
+}
+
+// tm_kquant_gemm with the activations as 8-bit integers per block of 32 (vnni_gemm.cpp's tm_vnni_quantize_int8),
+// the opt-in faster, less precise mode. The same return codes.
+int tm_kquant_gemm_int8(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
+                        int threads) {
+  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
+  if (k % QK_K) return -2;
+  Segment segs[TM_KQUANT_MAX_SEGMENTS];
+  const int count = segments_of(fmt, w, n, segs);
+  if (!count) return -3;
+  gemm(segs, count, x, m, k, n, y, threads, true);
   return 0;
 }
 

@@ -89,27 +89,29 @@ def unpack(packed: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
     return out
 
 
-def _gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+def _gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, int8: bool) -> torch.Tensor:
     if x.shape[-1] % SUPER_BLOCK:
         check_status(-2, fmt)
-    return run_product(_lib().tm_kquant_gemm, x, packed, fmt, n, check_status)
+    lib = _lib()
+    return run_product(lib.tm_kquant_gemm_int8 if int8 else lib.tm_kquant_gemm, x, packed, fmt, n, check_status)
 
 
 @torch.library.custom_op("tokenmill::kquant_gemm", mutates_args=())
-def _kquant_gemm_op(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
-    return _gemm(x, packed, fmt, n)
+def _kquant_gemm_op(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, int8: bool) -> torch.Tensor:
+    return _gemm(x, packed, fmt, n, int8)
 
 
 @_kquant_gemm_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, int8: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
-def kquant_gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+def kquant_gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, int8: bool = False) -> torch.Tensor:
     """``x [M, K] @ W.T`` as float32 [M, n] for ``packed`` (from ``pack`` or ``pack_segments``) in format
     ``fmt``, with ``x`` rounded to 16-bit fixed point per block of 32 first (as ``vnni_gemm.quantize``
-    shows it). Each row's result is independent of M."""
+    shows it), or with ``int8`` to 8-bit integers (as ``vnni_gemm.quantize_int8`` shows it). Each row's
+    result is independent of M."""
     if torch.compiler.is_compiling():
-        y: torch.Tensor = _kquant_gemm_op(x, packed, fmt, n)  # (a custom op's call is untyped)
+        y: torch.Tensor = _kquant_gemm_op(x, packed, fmt, n, int8)  # (a custom op's call is untyped)
         return y
-    return _gemm(x, packed, fmt, n)
+    return _gemm(x, packed, fmt, n, int8)

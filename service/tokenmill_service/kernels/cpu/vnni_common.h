@@ -99,7 +99,13 @@ inline void put_planes(const uint8_t* q, uint8_t* plane) {
   }
 }
 
-template <bool WORDS>
+// INT8 (quantize_row_int8, the opt-in 8-bit activations): only the high digits hi8 = round(x / d), the unit d
+// itself (dq = d, sx = d * sum(hi)), llama.cpp's Q8_0 activations (d = max|x| / 127, round to nearest even). They
+// sit where WORDS false puts the hi digits (the row keeps its 2k bytes; the lo half is never read), so a tile
+// reads them as digits with the second pass left out.
+enum class Layout { DIGITS, WORDS, INT8 };
+
+template <Layout L>
 inline void quantize_row_as(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
   alignas(64) static const int32_t word_order[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
   const i32x16 order = load_i(word_order);
@@ -113,9 +119,11 @@ inline void quantize_row_as(const float* x, int64_t k, int8_t* a, float* dq, flo
     for (int h = 0; h < 2; ++h) {
       i32x16 hi8, lo8;
       digits(t[h], id, hi8, lo8);
-      const i32x16 value = add_i(shl_i(hi8, 8), lo8);  // in int16 (above)
-      if constexpr (WORDS) {
+      const i32x16 value = L == Layout::INT8 ? hi8 : add_i(shl_i(hi8, 8), lo8);  // in int16 (above)
+      if constexpr (L == Layout::WORDS) {
         store_i16((int16_t*)(a + b * 2 * QK + h * 32), permute_i(value, order));
+      } else if constexpr (L == Layout::INT8) {
+        store_i8(a + b * 2 * QK + h * 16, hi8);
       } else {
         store_i8(a + b * 2 * QK + h * 16, hi8);
         store_i8(a + b * 2 * QK + QK + h * 16, lo8);
@@ -124,17 +132,21 @@ inline void quantize_row_as(const float* x, int64_t k, int8_t* a, float* dq, flo
       if (s16) s16[2 * b + h] = half;
       sum += half;
     }
-    dq[b] = d * (1.0f / 256.0f);
+    dq[b] = L == Layout::INT8 ? d : d * (1.0f / 256.0f);
     sx[b] = dq[b] * (float)sum;
   }
 }
 
 inline void quantize_row(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
-  quantize_row_as<false>(x, k, a, dq, sx, s16);
+  quantize_row_as<Layout::DIGITS>(x, k, a, dq, sx, s16);
 }
 
 inline void quantize_row_words(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
-  quantize_row_as<true>(x, k, a, dq, sx, s16);
+  quantize_row_as<Layout::WORDS>(x, k, a, dq, sx, s16);
+}
+
+inline void quantize_row_int8(const float* x, int64_t k, int8_t* a, float* dq, float* sx, int32_t* s16) {
+  quantize_row_as<Layout::INT8>(x, k, a, dq, sx, s16);
 }
 
 // A step's weights as vpdpwssd's int16 pairs, in the order of quantize_row_words's activations: wq = (q0, q2),
@@ -159,10 +171,11 @@ inline void bytes_as_words(u8x64 w0, u8x64 w1, u8x64 wq[4]) {
   wq[3] = shr16(w1, 8);
 }
 
-// An output's sum q a from its partial sums (exact): for digits, (sum q hi << 8) + sum q lo.
+// An output's sum q a from its partial sums (exact): for two digits, (sum q hi << 8) + sum q lo; for one digit
+// (int8 activations) or words, the parts' sum.
 template <bool WORDS, int P>
 inline i32x16 total(const i32x16 (&parts)[P]) {
-  if constexpr (!WORDS) return add_i(shl_i(parts[0], 8), parts[1]);
+  if constexpr (!WORDS && P == 2) return add_i(shl_i(parts[0], 8), parts[1]);
   i32x16 sum = parts[0];
   for (int u = 1; u < P; ++u) sum = add_i(sum, parts[u]);
   return sum;
@@ -188,10 +201,10 @@ struct Activations {
 // computes `rows` (at most mt) activation rows against groups g0 .. g0 + ng - 1 (ng at most
 // ng_wide) of segment s into y (row stride ldy), of which the first n_valid outputs exist. The
 // activations are quantized once for every segment.
-// words: the activations as quantize_row_words makes them (else quantize_row).
+// words: the activations as quantize_row_words makes them; int8: as quantize_row_int8 (else quantize_row).
 template <class Tile>
 void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const int64_t* rows, int segments,
-           bool half_sums, int mt, int ng_wide, int threads, Tile tile, bool words = false) {
+           bool half_sums, int mt, int ng_wide, int threads, Tile tile, bool words = false, bool int8 = false) {
   const int64_t blocks = k / QK;
   std::vector<int8_t> a(m * 2 * k);
   std::vector<float> dx(m * blocks), sx(m * blocks);
@@ -218,7 +231,7 @@ void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const in
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m; ++i) {
       const Activations row = acts.at(i);
-      (words ? quantize_row_words : quantize_row)(x + i * k, k, const_cast<int8_t*>(row.a), const_cast<float*>(row.dx),
+      (int8 ? quantize_row_int8 : words ? quantize_row_words : quantize_row)(x + i * k, k, const_cast<int8_t*>(row.a), const_cast<float*>(row.dx),
                                                   const_cast<float*>(row.sx), const_cast<int32_t*>(row.s16));
     }
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -19,6 +19,10 @@
 // same speed); where unpacking takes more instructions (Q5_0, Q5_1, k-quants' higher bits) words measured
 // 5-20 % faster. Other instruction sets weigh the two forms differently (FORM below).
 //
+// Opted into (tm_vnni_gemm_int8, --activations int8): only hi, llama.cpp's Q8_0 activations (x ~ d * hi with
+// d = max|x| / 127, hi = round(x / d), ties to even), one pass of byte products at every M on every backend:
+// the digits' form with the second digit left out, half the products, at the precision cost above.
+//
 // Batch-invariant: the integer sums are exact, every float32 step is done per output in one fixed
 // order (block after block along K), and the activations are quantized row by row, so a row's
 // result never depends on the other rows, the tiling or the thread count.
@@ -276,14 +280,19 @@ inline void step_words(const uint8_t* p, int s, u8x64 wq[4]) {
 
 // y[i, 16g + l] for M activation rows (a: stride 2k bytes) and NGT groups starting at w. WORDS: the activations
 // as one int16 each (quantize_row_words) and dot_s16; else as two int8 digits and dot_u7s8 / dot_u8s8: the same
-// integer sums (see kquant_gemm.cpp's tile).
+// integer sums (see kquant_gemm.cpp's tile). INT8 (with WORDS false): the activations as one int8 digit
+// (quantize_row_int8), one pass of the same byte products: dot_u7s8 for weights below 128 (on AVX2 vpmaddubsw,
+// whose pair sums 2 * 127 * 128 cannot saturate int16, then vpmaddwd by ones), dot_u8s8 for 8-bit q (Q8_0's
+// signed weights + 128, the levels + 128: on AVX2 both operands widened to int16 and vpmaddwd, since u8 x s8
+// pairs reach 2 * 255 * 128 > 32767; on AVX-512 VNNI vpdpbusd, exact for every byte): exact int32 sums either way.
 // Not inlined: inlined into the driver's loop, the one-row tile ran 1.15 times as long (Q8_0, in cache).
-template <int F, int M, int NGT, bool WORDS>
+template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w, int64_t gstride,
                  float* y, int64_t ldy, int64_t n_valid) {
   // Partial sums per output as words: more where few outputs leave the products' latency exposed (AVX-512's
   // vpdpwssd; on AVX2 one part or these measured the same).
-  constexpr int PARTS = !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
+  static_assert(!(WORDS && INT8), "int8 activations are one digit");
+  constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
   for (int i = 0; i < M; ++i)
@@ -316,12 +325,16 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
         for (int i = 0; i < M; ++i) {
           const int8_t* ai = a + i * 2 * k + b * 2 * QK + 8 * s;
           const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
-          const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
           for (int g = 0; g < NGT; ++g) {
             qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w0[g], h0);
             qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w1[g], h1);
-            qa[i][g][1] = dot_bytes<F>(qa[i][g][1], w0[g], l0);
-            qa[i][g][1] = dot_bytes<F>(qa[i][g][1], w1[g], l1);
+          }
+          if constexpr (!INT8) {
+            const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
+            for (int g = 0; g < NGT; ++g) {
+              qa[i][g][PARTS - 1] = dot_bytes<F>(qa[i][g][PARTS - 1], w0[g], l0);
+              qa[i][g][PARTS - 1] = dot_bytes<F>(qa[i][g][PARTS - 1], w1[g], l1);
+            }
           }
         }
       }
@@ -346,22 +359,22 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
   }
 }
 
-// tile<F, M, ng, WORDS> for ng = NGT, NGT - 1, ..., 1.
-template <int F, int M, bool WORDS, int NGT>
+// tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
+template <int F, int M, bool WORDS, int NGT, bool INT8 = false>
 inline void tile_groups(int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
                         int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
   if constexpr (NGT > 1)
-    if (ng < NGT) return tile_groups<F, M, WORDS, NGT - 1>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
-  tile<F, M, NGT, WORDS>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
+    if (ng < NGT) return tile_groups<F, M, WORDS, NGT - 1, INT8>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+  tile<F, M, NGT, WORDS, INT8>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
-// tile_groups<F, rows, WORDS, NGT> for rows = M, M - 1, ..., 1.
-template <int F, bool WORDS, int M, int NGT>
+// tile_groups<F, rows, WORDS, NGT, INT8> for rows = M, M - 1, ..., 1.
+template <int F, bool WORDS, int M, int NGT, bool INT8 = false>
 inline void tile_rows(int rows, int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
                       int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
   if constexpr (M > 1)
-    if (rows < M) return tile_rows<F, WORDS, M - 1, NGT>(rows, ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
-  tile_groups<F, M, WORDS, NGT>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+    if (rows < M) return tile_rows<F, WORDS, M - 1, NGT, INT8>(rows, ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+  tile_groups<F, M, WORDS, NGT, INT8>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
 // With Form::WORDS_PAST_DIGIT_ROWS (AVX-512, measured there): words pay where unpacking takes more than a mask and
@@ -394,6 +407,26 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
               words);
 }
 
+// The product with 8-bit activations (quantize_row_int8): one digit's byte products at every M and on every
+// backend (no words form: an int8 activation pairs with one byte weight as it comes), up to MAX_DIGIT_ROWS rows
+// in the decoding tiles (one group each), past that in the words' MT x NG tiles (one partial sum an output, as
+// words take).
+template <int F>
+void gemm_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
+  const int64_t gstride = (k / QK) * group_block_bytes(F);
+  const bool wide = m > MAX_DIGIT_ROWS;
+  vnni::drive(x, m, k, y, n, &n, 1, false, wide ? MT : MT_DIGITS, NG, threads,
+              [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
+                  int64_t n_valid) {
+                const uint8_t* wg = w + g0 * gstride;
+                if (wide)
+                  tile_rows<F, false, MT, NG, true>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
+                else
+                  tile_rows<F, false, MT_DIGITS, 1, true>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
+              },
+              false, true);
+}
+
 }  // namespace
 
 extern "C" {
@@ -423,6 +456,24 @@ int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w
     case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); break;
     case MXFP4: gemm<MXFP4>(x, m, k, w, n, y, threads); break;
     default: gemm<Q8_0>(x, m, k, w, n, y, threads); break;
+  }
+  return 0;
+}
+
+// tm_vnni_gemm with the activations as 8-bit integers per block of 32 (tm_vnni_quantize_int8), the opt-in
+// faster, less precise mode: one byte product per weight. The same return codes.
+int tm_vnni_gemm_int8(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
+                      int threads) {
+  if (!source_block_bytes(fmt)) return -1;
+  if (k % QK) return -2;
+  switch (fmt) {
+    case Q4_0: gemm_int8<Q4_0>(x, m, k, w, n, y, threads); break;
+    case Q4_1: gemm_int8<Q4_1>(x, m, k, w, n, y, threads); break;
+    case Q5_0: gemm_int8<Q5_0>(x, m, k, w, n, y, threads); break;
+    case Q5_1: gemm_int8<Q5_1>(x, m, k, w, n, y, threads); break;
+    case IQ4_NL: gemm_int8<IQ4_NL>(x, m, k, w, n, y, threads); break;
+    case MXFP4: gemm_int8<MXFP4>(x, m, k, w, n, y, threads); break;
+    default: gemm_int8<Q8_0>(x, m, k, w, n, y, threads); break;
   }
   return 0;
 }
@@ -461,6 +512,20 @@ int tm_vnni_quantize(const float* x, int64_t m, int64_t k, int16_t* q, float* dq
     quantize_row(x + i * k, k, a.data(), dq + i * blocks, sx.data(), nullptr);
     for (int64_t b = 0; b < blocks; ++b)
       for (int j = 0; j < QK; ++j) q[i * k + b * QK + j] = (int16_t)(a[b * 2 * QK + j] * 256 + a[b * 2 * QK + QK + j]);
+  }
+  return 0;
+}
+
+// x as tm_vnni_gemm_int8 sees it: q [m, k] = round(x / d) (int8, ties to even) and each block's d = max|x| / 127
+// [m, k / 32].
+int tm_vnni_quantize_int8(const float* x, int64_t m, int64_t k, int8_t* q, float* d) {
+  if (k % QK) return -2;
+  const int64_t blocks = k / QK;
+  std::vector<int8_t> a(2 * k);
+  std::vector<float> sx(blocks);
+  for (int64_t i = 0; i < m; ++i) {
+    vnni::quantize_row_int8(x + i * k, k, a.data(), d + i * blocks, sx.data(), nullptr);
+    for (int64_t b = 0; b < blocks; ++b) memcpy(q + i * k + b * QK, a.data() + b * 2 * QK, QK);
   }
   return 0;
 }

@@ -96,7 +96,11 @@ class GGUFBlocksVnniMethod(GGUFBlocksMethod):
     within about 1e-3 of the float32 reference. Rows stay independent, each output reduced in a
     fixed order, so a sequence's results do not depend on its batch."""
 
-    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {"vnni_gemm": ("vnni_gemm", "tm_vnni_gemm")}
+    # vnni_gemm_int8: the plan's choice under --activations int8 (the same signature, 8-bit activations).
+    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {
+        "vnni_gemm": ("vnni_gemm", "tm_vnni_gemm"),
+        "vnni_gemm_int8": ("vnni_gemm", "tm_vnni_gemm_int8"),
+    }
 
     @classmethod
     def kernel_for(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str:
@@ -107,7 +111,7 @@ class GGUFBlocksVnniMethod(GGUFBlocksMethod):
         layer.blocks = vnni.pack(layer.blocks, self._format(layer))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        y = vnni.vnni_gemm(x, layer.blocks, self._format(layer), layer.out_features)
+        y = vnni.vnni_gemm(x, layer.blocks, self._format(layer), layer.out_features, self.kernel == "vnni_gemm_int8")
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantized(self, layer: LinearBase) -> torch.Tensor:

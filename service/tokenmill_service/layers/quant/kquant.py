@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 @register_quantization("gguf-kquant")
 class GGUFKQuantMethod(GGUFBlocksMethod):
-    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {"kquant_gemm": ("kquant_gemm", "tm_kquant_gemm")}
+    # kquant_gemm_int8: the plan's choice under --activations int8 (the same signature, 8-bit activations).
+    native_entry_points: ClassVar[dict[str, tuple[str, str]]] = {
+        "kquant_gemm": ("kquant_gemm", "tm_kquant_gemm"),
+        "kquant_gemm_int8": ("kquant_gemm", "tm_kquant_gemm_int8"),
+    }
     served_types: ClassVar[frozenset[QType]] = frozenset(QType(fmt) for fmt in kq.FORMATS)
     block_weights: ClassVar[int] = kq.SUPER_BLOCK
     # One layer may hold row ranges in different served formats (segments of the packed weight).
@@ -73,7 +77,7 @@ class GGUFKQuantMethod(GGUFBlocksMethod):
         layer.formats = "/".join(sorted({qtype.name for qtype, _ in segments}))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        y = kq.kquant_gemm(x, layer.blocks, layer.fmt, layer.out_features)
+        y = kq.kquant_gemm(x, layer.blocks, layer.fmt, layer.out_features, self.kernel == "kquant_gemm_int8")
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def native_operands(self, layer: LinearBase) -> tuple[torch.Tensor, int]:
