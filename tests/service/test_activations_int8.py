@@ -15,14 +15,12 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.engine.invariance import assert_alone_equals_crowd
 from tests.server_process import ServerProcess
 from tests.service.test_cpu_isa_bits import results
 from tests.streams import prompt_and_trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.models.loader import load
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import probe_device
 from tokenmill_service.plan.resolve import resolve_plan
@@ -83,11 +81,3 @@ def test_int8_is_refused_where_no_layer_has_the_integer_product_kernels(default_
     default = resolve_plan(LoadOptions(), checkpoint, probe_device("cpu"))
     assert default.activations is not None and default.activations.value == "16-bit"
     assert {c.kernel for c in default.layers.values()} == {"vnni_gemm"}
-
-
-def test_the_int8_model_passes_the_batch_invariance_check(default_model_path: Path) -> None:
-    model = load(LoadOptions(model=str(default_model_path), activations="int8"), "cpu", None)
-    assert model.plan is not None and model.plan.activations is not None
-    assert model.plan.activations.value == "int8"
-    prompt = json.loads(REFERENCE.read_text())["prompt_logprobs"][4]["ids"]  # 51 ids
-    assert_alone_equals_crowd(model, prompt)
