@@ -156,7 +156,15 @@ def resident_mib(server_pid: int) -> dict[str, float]:
     out = {"server": root.memory_info().rss / 2**20}
     for n, child in enumerate(sorted(root.children(recursive=True), key=lambda p: p.pid)):
         try:
-            name = "worker" if "worker" in " ".join(child.cmdline()) else child.name()
+            command = " ".join(child.cmdline())
+            # (Workers are multiprocessing's spawned children; its resource tracker is another child.)
+            name = (
+                "resource-tracker"
+                if "resource_tracker" in command
+                else "worker"
+                if "spawn" in command
+                else child.name()
+            )
             out[f"{name}-{n} (pid {child.pid})"] = child.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             pass
