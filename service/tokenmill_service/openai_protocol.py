@@ -573,7 +573,9 @@ class ResponseBuilder:
         if not self.chat:
             return []
         return [
-            self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            self._chunk(
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            )
             for i in range(self.parsed.n)
         ]
 
