@@ -176,7 +176,8 @@ def _output_format(value: Any) -> dict[str, Any]:
 
 
 def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
-    """The chat completions body a Messages body means (``count_only``: count_tokens', with no max_tokens)."""
+    """The chat completions body a Messages body means (``count_only``: count_tokens', only what makes the prompt:
+    no max_tokens, stop_sequences, sampling or stream)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -187,9 +188,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
         max_tokens = body.get("max_tokens")
         if max_tokens is None:
             raise BadRequest("'max_tokens' is required", "max_tokens", "missing_required_parameter")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest(f"'max_tokens' must be an integer; given {max_tokens!r}", "max_tokens")
-        chat["max_tokens"] = max_tokens
+        chat["max_tokens"] = max_tokens  # (checked as the chat path checks it)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
@@ -198,14 +197,15 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     for i, m in enumerate(messages):
         turns += _turn(m, i)
     chat["messages"] = turns
-    stop = body.get("stop_sequences")
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("'stop_sequences' must be a list of strings", "stop_sequences")
-        chat["stop"] = stop
-    for name in ("temperature", "top_p", "top_k", "stream"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
+    if not count_only:  # (what shapes the answer, not the prompt: count_tokens takes none of it, as Anthropic's)
+        stop = body.get("stop_sequences")
+        if stop is not None:
+            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                raise BadRequest("'stop_sequences' must be a list of strings", "stop_sequences")
+            chat["stop"] = stop
+        for name in ("temperature", "top_p", "top_k", "stream"):
+            if body.get(name) is not None:
+                chat[name] = body[name]
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:

@@ -136,6 +136,8 @@ def _integer(body: dict[str, Any], name: str, minimum: int = 0, maximum: int = U
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # (JSON's 5.0 is the integer 5, as JSON Schema and this API's description read it)
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest(f"'{name}' must be an integer; given {value!r}", name)
     if value < minimum:
