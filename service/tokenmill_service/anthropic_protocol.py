@@ -36,7 +36,7 @@ _PARAMS = {
     "response_format": "output_config.format",
 }
 
-_STOP_REASONS = {
+STOP_REASONS = {
     pb.FINISH_REASON_EOS: "end_turn",
     pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
     pb.FINISH_REASON_LENGTH: "max_tokens",
@@ -45,7 +45,7 @@ _STOP_REASONS = {
 }
 
 # HTTP status -> Anthropic's error type.
-_ERROR_TYPES = {
+ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -56,6 +56,7 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+OTHER_ERROR = "api_error"  # (any other status: a 500, a bug of ours)
 
 
 def _text_blocks(value: Any, where: str, param: str) -> str:
@@ -236,7 +237,7 @@ def count_tokens_json(prompt_tokens: int) -> dict[str, Any]:
 
 def error_body(status: int, body: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's error JSON (openai_protocol.error_json) in Anthropic's shape."""
-    kind = _ERROR_TYPES.get(status, "api_error")
+    kind = ERROR_TYPES.get(status, OTHER_ERROR)
     return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 
 
@@ -272,7 +273,7 @@ class MessagesBuilder(ResponseBuilder):
         self.tokens_text = ""
 
     def _stop(self, last: pb.GenerateResponse, text: str, tokens_text: str) -> tuple[str, str | None]:
-        reason = _STOP_REASONS.get(last.finish_reason, "end_turn")
+        reason = STOP_REASONS.get(last.finish_reason, "end_turn")
         if reason != "stop_sequence":
             return reason, None
         return reason, _matched_stop(self.parsed.request.stopping.stop, text, tokens_text)

@@ -40,7 +40,7 @@ _PARAMS = {
 }
 _NO_STATE = "this server keeps no responses (as with store: false); send the whole conversation in 'input'"
 # Parameters that ask for what tokenmill cannot do: refused unless absent (or this value, which asks nothing).
-_REFUSED: dict[str, tuple[Any, str]] = {
+REFUSED: dict[str, tuple[Any, str]] = {
     "previous_response_id": (None, _NO_STATE),
     "conversation": (None, _NO_STATE),
     "background": (False, "responses are answered in the request that asks for them"),
@@ -189,7 +189,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     """The chat completions body a Responses body means."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name, (neutral, why) in _REFUSED.items():
+    for name, (neutral, why) in REFUSED.items():
         value = body.get(name)
         if value is not None and not (type(value) is type(neutral) and value == neutral):
             raise BadRequest(f"'{name}' is not supported: {why}", name, "unsupported_parameter")
