@@ -36,7 +36,7 @@ _PARAMS = {
     "response_format": "output_config.format",
 }
 
-_STOP_REASONS = {
+STOP_REASONS = {
     pb.FINISH_REASON_EOS: "end_turn",
     pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
     pb.FINISH_REASON_LENGTH: "max_tokens",
@@ -45,7 +45,7 @@ _STOP_REASONS = {
 }
 
 # HTTP status -> Anthropic's error type.
-_ERROR_TYPES = {
+ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -56,6 +56,7 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+OTHER_ERROR = "api_error"  # (any other status: a 500, a bug of ours)
 
 
 def _text_blocks(value: Any, where: str, param: str) -> str:
@@ -176,7 +177,8 @@ def _output_format(value: Any) -> dict[str, Any]:
 
 
 def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
-    """The chat completions body a Messages body means (``count_only``: count_tokens', with no max_tokens)."""
+    """The chat completions body a Messages body means (``count_only``: count_tokens', only what makes the prompt:
+    no max_tokens, stop_sequences, sampling or stream)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -187,9 +189,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
         max_tokens = body.get("max_tokens")
         if max_tokens is None:
             raise BadRequest("'max_tokens' is required", "max_tokens", "missing_required_parameter")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest(f"'max_tokens' must be an integer; given {max_tokens!r}", "max_tokens")
-        chat["max_tokens"] = max_tokens
+        chat["max_tokens"] = max_tokens  # (checked as the chat path checks it)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
@@ -198,14 +198,15 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     for i, m in enumerate(messages):
         turns += _turn(m, i)
     chat["messages"] = turns
-    stop = body.get("stop_sequences")
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("'stop_sequences' must be a list of strings", "stop_sequences")
-        chat["stop"] = stop
-    for name in ("temperature", "top_p", "top_k", "stream"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
+    if not count_only:  # (what shapes the answer, not the prompt: count_tokens takes none of it, as Anthropic's)
+        stop = body.get("stop_sequences")
+        if stop is not None:
+            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                raise BadRequest("'stop_sequences' must be a list of strings", "stop_sequences")
+            chat["stop"] = stop
+        for name in ("temperature", "top_p", "top_k", "stream"):
+            if body.get(name) is not None:
+                chat[name] = body[name]
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -236,7 +237,7 @@ def count_tokens_json(prompt_tokens: int) -> dict[str, Any]:
 
 def error_body(status: int, body: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's error JSON (openai_protocol.error_json) in Anthropic's shape."""
-    kind = _ERROR_TYPES.get(status, "api_error")
+    kind = ERROR_TYPES.get(status, OTHER_ERROR)
     return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 
 
@@ -272,7 +273,7 @@ class MessagesBuilder(ResponseBuilder):
         self.tokens_text = ""
 
     def _stop(self, last: pb.GenerateResponse, text: str, tokens_text: str) -> tuple[str, str | None]:
-        reason = _STOP_REASONS.get(last.finish_reason, "end_turn")
+        reason = STOP_REASONS.get(last.finish_reason, "end_turn")
         if reason != "stop_sequence":
             return reason, None
         return reason, _matched_stop(self.parsed.request.stopping.stop, text, tokens_text)

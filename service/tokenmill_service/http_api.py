@@ -374,7 +374,8 @@ class HttpApi:
             status, body = refusal_json(exc)
         else:
             return JSONResponse(count_tokens_json(len(ids)))
-        return JSONResponse(anthropic_error(status, body), status_code=status)
+        headers = {"www-authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse(anthropic_error(status, body), status_code=status, headers=headers)
 
     def _adapter(self, model: str) -> str:
         """The LoRA adapter a request's ``model`` names ("": the base). With adapters on (--max-loras), a

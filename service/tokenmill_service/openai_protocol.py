@@ -134,6 +134,8 @@ def _integer(body: dict[str, Any], name: str, minimum: int = 0, maximum: int = U
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # (JSON's 5.0 is the integer 5, as JSON Schema and this API's description read it)
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest(f"'{name}' must be an integer; given {value!r}", name)
     if value < minimum:
@@ -569,7 +571,9 @@ class ResponseBuilder:
         if not self.chat:
             return []
         return [
-            self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            self._chunk(
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            )
             for i in range(self.parsed.n)
         ]
 

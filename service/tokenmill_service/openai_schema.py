@@ -5,7 +5,7 @@ Each request schema describes what the parser beside it (openai_protocol.py) rea
 validation.py enforce, taken from the same constants and the server's own limits (``Limits``: its vocabulary,
 --max-new-tokens-limit, --max-top-logprobs, --max-stop-strings). A chat or completions body's properties are
 exactly ``parameters(chat)``, the fields the parser accepts: describing a new parameter is one entry in
-``_parameters``, and a unit test checks that the parser reads every field described and nothing else.
+``parameter_schemas``, and a unit test checks that the parser reads every field described and nothing else.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ NULL: Schema = {"type": "null"}
 STRING: Schema = {"type": "string"}
 INTEGER: Schema = {"type": "integer"}
 BOOLEAN: Schema = {"type": "boolean"}
+OBJECT: Schema = {"type": "object"}
+COUNT: Schema = {"type": "integer", "minimum": 0}
 
 
 def nullable(schema: Schema) -> Schema:
@@ -47,13 +49,28 @@ def nullable(schema: Schema) -> Schema:
     return {"anyOf": [schema, NULL]}
 
 
-def _between(kind: str, minimum: float | None = None, maximum: float | None = None, **rest: Any) -> Schema:
+def between(kind: str, minimum: float | None = None, maximum: float | None = None, **rest: Any) -> Schema:
     schema: Schema = {"type": kind, **rest}
     if minimum is not None:
         schema["minimum"] = minimum
     if maximum is not None:
         schema["maximum"] = maximum
     return schema
+
+
+def block(kind: str | list[str], *required: str, **properties: Schema) -> Schema:
+    """An object whose ``type`` is ``kind`` (or one of several; Anthropic's content blocks, the Responses API's items
+    and every event of theirs), with ``properties``, ``type`` and the ``required`` ones required."""
+    return {
+        "type": "object",
+        "required": ["type", *required],
+        "properties": {"type": {"const": kind} if isinstance(kind, str) else {"enum": kind}, **properties},
+    }
+
+
+def by_type(*blocks: Schema) -> dict[str, Schema]:
+    """Blocks (a stream's events) by their ``type``."""
+    return {schema["properties"]["type"]["const"]: schema for schema in blocks}
 
 
 def pattern(regex: Any) -> str:
@@ -63,7 +80,7 @@ def pattern(regex: Any) -> str:
 
 def token_id(limits: Limits) -> Schema:
     top = limits.vocab_size - 1 if limits.vocab_size else UINT32_MAX
-    return _between("integer", 0, top, description="a token id, below the model's vocabulary size")
+    return between("integer", 0, top, description="a token id, below the model's vocabulary size")
 
 
 # -- chat messages and tools ------------------------------------------------------------------------
@@ -186,12 +203,14 @@ def _prompt(limits: Limits) -> Schema:
     }
 
 
+STOP_STRING: Schema = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_LENGTH}
+
+
 def _stop(limits: Limits) -> Schema:
-    one: Schema = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_LENGTH}
-    return {"anyOf": [one, {"type": "array", "maxItems": limits.max_stop_strings, "items": one}, NULL]}
+    return {"anyOf": [STOP_STRING, {"type": "array", "maxItems": limits.max_stop_strings, "items": STOP_STRING}, NULL]}
 
 
-def _parameters(limits: Limits, chat: bool) -> dict[str, Schema]:
+def parameter_schemas(limits: Limits, chat: bool) -> dict[str, Schema]:
     """Every parameter of a chat (or completions) body, described."""
     most_tokens = limits.max_new_tokens
     penalty = {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
@@ -199,25 +218,25 @@ def _parameters(limits: Limits, chat: bool) -> dict[str, Schema]:
         "model": nullable(
             {"type": "string", "description": "any name: the server has one model (or a LoRA adapter's)"}
         ),
-        "n": nullable(_between("integer", 1, MAX_CHOICES, description="choices of each prompt")),
-        "temperature": nullable(_between("number", 0, description="0 = greedy; absent = 1")),
-        "top_p": nullable(_between("number", 0, 1)),
-        "top_k": nullable(_between("integer", 0, 2**31 - 1, description="0 = off")),
-        "repetition_penalty": nullable(_between("number", 0, description="0 or 1 = off")),
-        "seed": nullable(_between("integer", 0, 2**64 - 1)),
-        "presence_penalty": nullable(_between("number", **penalty)),
-        "frequency_penalty": nullable(_between("number", **penalty)),
+        "n": nullable(between("integer", 1, MAX_CHOICES, description="choices of each prompt")),
+        "temperature": nullable(between("number", 0, description="0 = greedy; absent = 1")),
+        "top_p": nullable(between("number", 0, 1)),
+        "top_k": nullable(between("integer", 0, 2**31 - 1, description="0 = off")),
+        "repetition_penalty": nullable(between("number", 0, description="0 or 1 = off")),
+        "seed": nullable(between("integer", 0, 2**64 - 1)),
+        "presence_penalty": nullable(between("number", **penalty)),
+        "frequency_penalty": nullable(between("number", **penalty)),
         "logit_bias": nullable(
             {
                 "type": "object",
                 "description": "token id (below the vocabulary size) -> bias",
                 "maxProperties": MAX_LOGIT_BIAS,
                 "propertyNames": {"pattern": pattern(TOKEN_ID_KEY)},
-                "additionalProperties": _between("number", -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE),
+                "additionalProperties": between("number", -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE),
             }
         ),
         "max_tokens": nullable(
-            _between(
+            between(
                 "integer",
                 1 if chat else 0,
                 most_tokens,
@@ -225,7 +244,7 @@ def _parameters(limits: Limits, chat: bool) -> dict[str, Schema]:
                 "fit the context" + ("" if chat else "; 0 only with echo"),
             )
         ),
-        "max_completion_tokens": nullable(_between("integer", 1, most_tokens, description="wins over max_tokens")),
+        "max_completion_tokens": nullable(between("integer", 1, most_tokens, description="wins over max_tokens")),
         "stop": _stop(limits),
         "ignore_eos": nullable(BOOLEAN),
         "stop_token_ids": nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": token_id(limits)}),
@@ -243,7 +262,7 @@ def _parameters(limits: Limits, chat: bool) -> dict[str, Schema]:
             "messages": MESSAGES,
             "echo": {"enum": [False, None], "description": "a completions parameter"},
             "logprobs": nullable(BOOLEAN),
-            "top_logprobs": nullable(_between("integer", 0, limits.max_top_logprobs, description="needs logprobs")),
+            "top_logprobs": nullable(between("integer", 0, limits.max_top_logprobs, description="needs logprobs")),
             "tools": nullable({"type": "array", "items": TOOL}),
             "tool_choice": TOOL_CHOICE,
             "parallel_tool_calls": nullable(BOOLEAN),
@@ -252,7 +271,7 @@ def _parameters(limits: Limits, chat: bool) -> dict[str, Schema]:
         described |= {
             "prompt": _prompt(limits),
             "echo": nullable(BOOLEAN),
-            "logprobs": nullable(_between("integer", 0, limits.max_top_logprobs, description="alternatives per token")),
+            "logprobs": nullable(between("integer", 0, limits.max_top_logprobs, description="alternatives per token")),
         }
     for name, kind in IGNORED.items():
         described[name] = nullable({"type": "object" if kind is dict else "string", "description": "ignored"})
@@ -263,7 +282,7 @@ def _parameters(limits: Limits, chat: bool) -> dict[str, Schema]:
 
 def request_schema(limits: Limits, chat: bool) -> Schema:
     """A /v1/chat/completions (or /v1/completions) body: only the fields ``parameters(chat)`` names."""
-    described = _parameters(limits, chat)
+    described = parameter_schemas(limits, chat)
     if set(described) != parameters(chat):  # (a parameter added to the parser without its description)
         raise AssertionError(f"described but not read, or read but not described: {set(described) ^ parameters(chat)}")
     return {

@@ -3,9 +3,11 @@
 One ``Operation`` per route of http_api.py (a unit test holds the two lists equal): its request body's schema and
 its answers, with the error statuses it can give. The request bodies' schemas live in openai_schema.py, beside the
 parser whose rules they state, and take the server's limits, so the document says what this server enforces; the
-answers' are in openai_response_schema.py. Describing a new route (/v1/embeddings, say) is one more ``Operation``
-in ``OPERATIONS``: its method, path, summary, 200 content, request schema (a function of the limits) and error
-statuses; tests/unit/test_openapi.py fails until every route has one.
+answers' are in openai_response_schema.py. The other APIs served through the chat path have a module each, bodies
+and answers: anthropic_schema.py (the Messages API, its errors in Anthropic's shape) and responses_schema.py (the
+Responses API). Describing a new route (/v1/embeddings, say) is one more ``Operation`` in ``OPERATIONS``: its
+method, path, summary, 200 content, request schema (a function of the limits) and error statuses;
+tests/unit/test_openapi.py fails until every route has one.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill_service import anthropic_schema as anthropic
 from tokenmill_service import openai_response_schema as answers
 from tokenmill_service import openai_schema as s
+from tokenmill_service import responses_schema as responses
+from tokenmill_service.anthropic_protocol import MESSAGES
 from tokenmill_service.validation import Limits
 
 Schema = dict[str, Any]
@@ -38,7 +43,9 @@ TEXT = {"text/plain": {"schema": s.STRING}}
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One route: ``body`` is its JSON request body's schema (None: no body), ``answer`` its 200 content by media
-    type, ``errors`` the other statuses it gives (see ERRORS; 503 for /health's not ready)."""
+    type, ``errors`` the other statuses it gives (see ERRORS; 503 for /health's not ready), each with the body
+    ``error`` gives for it (None: OpenAI's Error); ``key_header`` a header that may carry the token instead of
+    the bearer one."""
 
     method: str
     path: str
@@ -48,6 +55,20 @@ class Operation:
     errors: tuple[int, ...] = ()
     auth: bool = True
     headers: tuple[str, ...] = ()
+    error: Callable[[int], Schema] | None = None
+    key_header: str | None = None
+    examples: dict[str, Any] | None = None
+
+
+def _examples(summary: str, body: dict[str, Any], stream: bool = True) -> dict[str, Any]:
+    """A body's example, and the same one streamed."""
+    examples = {"whole": {"summary": summary, "value": body}}
+    if stream:
+        examples["stream"] = {"summary": summary + ", streamed", "value": {**body, "stream": True}}
+    return examples
+
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _json(name: str) -> dict[str, Any]:
@@ -64,14 +85,36 @@ def _generation(name: str, chunk: str) -> dict[str, Any]:
                 "type": "string",
                 "description": f"a {chunk} as JSON; the last event's data is [DONE]; an error after the status was "
                 "sent comes as an event holding an Error",
-                "contentMediaType": "application/json",
-                "contentSchema": {
-                    "anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/Error"}]
+                "if": {"const": "[DONE]"},
+                "else": {
+                    "contentMediaType": "application/json",
+                    "contentSchema": {
+                        "anyOf": [{"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/Error"}]
+                    },
                 },
             }
         },
     }
     return {**_json(name), "text/event-stream": {"schema": events}}
+
+
+def _named_events(name: str, events: dict[str, Schema]) -> dict[str, Any]:
+    """The whole answer, or (``stream``) its events, each named by its type (``event: TYPE``) and its data that
+    type's JSON; the stream ends with the last event."""
+    each = {
+        "type": "object",
+        "description": "a failure after the status was sent comes as the error event",
+        "required": ["event", "data"],
+        "properties": {"event": {"enum": list(events)}, "data": s.STRING},
+        "allOf": [
+            {
+                "if": {"properties": {"event": {"const": kind}}},
+                "then": {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": schema}}},
+            }
+            for kind, schema in events.items()
+        ],
+    }
+    return {**_json(name), "text/event-stream": {"schema": each}}
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -83,6 +126,7 @@ OPERATIONS: tuple[Operation, ...] = (
         lambda limits: s.request_schema(limits, chat=True),
         GENERATION_ERRORS,
         headers=("x-request-id",),
+        examples=_examples("A question", {"messages": FRANCE, "max_tokens": 16}),
     ),
     Operation(
         "POST",
@@ -92,6 +136,43 @@ OPERATIONS: tuple[Operation, ...] = (
         lambda limits: s.request_schema(limits, chat=False),
         GENERATION_ERRORS,
         headers=("x-request-id",),
+        examples=_examples("A prompt", {"prompt": "The capital of France is", "max_tokens": 16}),
+    ),
+    Operation(
+        "POST",
+        "/v1/messages",
+        "A chat's answer (Anthropic's Messages API)",
+        _named_events("Message", anthropic.EVENTS),
+        anthropic.request_schema,
+        GENERATION_ERRORS,
+        headers=("x-request-id",),
+        error=anthropic.error,
+        key_header=MESSAGES.key_header,
+        examples=_examples("A question", {"max_tokens": 16, "system": "Answer in one sentence.", "messages": FRANCE}),
+    ),
+    Operation(
+        "POST",
+        "/v1/messages/count_tokens",
+        "The tokens of the prompt a Messages body makes, tools included (Anthropic's)",
+        _json("MessageTokensCount"),
+        lambda limits: anthropic.request_schema(limits, count_only=True),
+        (400, 401, 413, 503),
+        error=anthropic.error,
+        key_header=MESSAGES.key_header,
+        examples=_examples("A question", {"system": "Answer in one sentence.", "messages": FRANCE}, stream=False),
+    ),
+    Operation(
+        "POST",
+        "/v1/responses",
+        "A response, without server-side state (OpenAI's Responses API)",
+        _named_events("Response", responses.EVENTS),
+        responses.request_schema,
+        GENERATION_ERRORS,
+        headers=("x-request-id",),
+        examples=_examples(
+            "A question",
+            {"instructions": "Answer in one sentence.", "input": FRANCE[0]["content"], "max_output_tokens": 16},
+        ),
     ),
     Operation("GET", "/v1/models", "The model served, and its LoRA adapters", _json("Models"), errors=(401,)),
     Operation(
@@ -156,9 +237,17 @@ def _responses(op: Operation) -> dict[str, Any]:
         if op.path == "/health" and status == 503:
             responses["503"] = {"description": "not ready (loading, or no worker)", "content": _json("Health")}
             continue
-        error: dict[str, Any] = {"description": ERRORS[status], "content": _json("Error")}
+        content = _json("Error") if op.error is None else {"application/json": {"schema": op.error(status)}}
+        error: dict[str, Any] = {"description": ERRORS[status], "content": content}
+        if status == 400 and op.error is not None:  # (an error of another shape has no param or code)
+            error["description"] = "the request is invalid: the message names the parameter"
         if status == 401:
             error["headers"] = {"www-authenticate": {"schema": {"const": "Bearer"}}}
+            if op.key_header:
+                error["description"] = (
+                    f"a missing or wrong token (Authorization: Bearer TOKEN, or the {op.key_header} header), when "
+                    "the server has one"
+                )
         responses[str(status)] = error
     return responses
 
@@ -170,9 +259,14 @@ def _operation(op: Operation, limits: Limits) -> dict[str, Any]:
         "responses": _responses(op),
     }
     if op.body is not None:
-        described["requestBody"] = {"required": True, "content": {"application/json": {"schema": op.body(limits)}}}
+        body: dict[str, Any] = {"schema": op.body(limits)}
+        if op.examples:
+            body["examples"] = op.examples
+        described["requestBody"] = {"required": True, "content": {"application/json": body}}
     if not op.auth:
         described["security"] = []
+    elif op.key_header:
+        described["security"] = [{"bearer": []}, {op.key_header: []}, {}]
     return described
 
 
@@ -192,19 +286,27 @@ def document(limits: Limits, version: str) -> dict[str, Any]:
         "TokenizerInfo": answers.TOKENIZER_INFO,
         "Health": answers.HEALTH,
         "Error": answers.ERROR,
+        "Message": anthropic.MESSAGE,
+        "MessageTokensCount": anthropic.COUNT_TOKENS,
+        "Response": responses.RESPONSE,
     }
+    schemes: dict[str, Any] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for op in OPERATIONS:
+        if op.key_header:
+            schemes[op.key_header] = {"type": "apiKey", "in": "header", "name": op.key_header}
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "tokenmill",
             "version": version,
-            "description": "OpenAI's chat completions and completions, vLLM's tokenizer and LoRA routes, health and "
-            "metrics. Every generation goes through the same validation, limits and admission as the gRPC API.",
+            "description": "OpenAI's chat completions and completions, Anthropic's Messages API, OpenAI's Responses "
+            "API, vLLM's tokenizer and LoRA routes, health and metrics. Every generation goes through the same "
+            "validation, limits and admission as the gRPC API.",
         },
         "paths": paths,
         "components": {
             "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": schemes,
         },
         # The token is needed only where the server has one (--auth-token).
         "security": [{"bearer": []}, {}],

@@ -33,13 +33,14 @@ _FIELDS = {
 }
 # parse_request's parameter names for what this API calls otherwise.
 _PARAMS = {
+    "messages": "input",
     "max_tokens": "max_output_tokens",
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
 }
 _NO_STATE = "this server keeps no responses (as with store: false); send the whole conversation in 'input'"
 # Parameters that ask for what tokenmill cannot do: refused unless absent (or this value, which asks nothing).
-_REFUSED: dict[str, tuple[Any, str]] = {
+REFUSED: dict[str, tuple[Any, str]] = {
     "previous_response_id": (None, _NO_STATE),
     "conversation": (None, _NO_STATE),
     "background": (False, "responses are answered in the request that asks for them"),
@@ -144,10 +145,10 @@ def _tools(value: Any) -> list[dict[str, Any]]:
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise BadRequest(f"tools[{i}].parameters must be a JSON schema object", "tools")
-        description = tool.get("description") or ""
-        if not isinstance(description, str):
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
             raise BadRequest(f"tools[{i}].description must be a string", "tools")
-        function = {"name": tool["name"], "description": description, "parameters": parameters}
+        function = {"name": tool["name"], "description": description or "", "parameters": parameters}
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -175,7 +176,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
-        if "schema" not in spec:
+        if spec.get("schema") is None:
             raise BadRequest("'text.format' of type json_schema needs a 'schema'", "text.format")
         described = {k: spec[k] for k in ("name", "description", "schema", "strict") if spec.get(k) is not None}
         return {"type": "json_schema", "json_schema": described}
@@ -188,7 +189,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     """The chat completions body a Responses body means."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name, (neutral, why) in _REFUSED.items():
+    for name, (neutral, why) in REFUSED.items():
         value = body.get(name)
         if value is not None and not (type(value) is type(neutral) and value == neutral):
             raise BadRequest(f"'{name}' is not supported: {why}", name, "unsupported_parameter")
@@ -201,7 +202,10 @@ def chat_body(body: Any) -> dict[str, Any]:
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("'instructions' must be a string", "instructions")
     system = [{"role": "system", "content": instructions}] if instructions else []
-    chat: dict[str, Any] = {"model": model, "messages": [*system, *_input(body["input"])]}
+    messages = [*system, *_input(body["input"])]
+    if not messages:
+        raise BadRequest("'input' holds no message: reasoning items alone are no prompt", "input")
+    chat: dict[str, Any] = {"model": model, "messages": messages}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     for name in ("temperature", "top_p", "stream", "parallel_tool_calls"):
@@ -213,16 +217,19 @@ def chat_body(body: Any) -> dict[str, Any]:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("text") is not None and (response_format := _response_format(body["text"])) is not None:
         chat["response_format"] = response_format
-    # store, include, reasoning, truncation, metadata, user and the like change nothing this server does: ignored.
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):  # (changes nothing, but the answer repeats it)
+        raise BadRequest(f"'metadata' must be an object; given {metadata!r}", "metadata")
+    # store, include, reasoning, truncation, user and the like change nothing this server does: ignored.
     return chat
 
 
-def _echoed(body: dict[str, Any]) -> dict[str, Any]:
+def _echoed(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:
     """The request's parameters, as a response repeats them."""
     text = body.get("text") or {}
     return {
         "instructions": body.get("instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
+        "max_output_tokens": parsed.request.stopping.max_new_tokens or None,  # (as read: 3, where 3.0 was sent)
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
         "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
         "tools": body.get("tools") or [],
@@ -239,7 +246,7 @@ def parse_responses(body: Any) -> ParsedRequest:
     except BadRequest as exc:
         raise renamed(exc, _PARAMS) from None
     parsed.field_names.update(_FIELDS)
-    parsed.echoed = _echoed(body)
+    parsed.echoed = _echoed(body, parsed)
     return parsed
 
 

@@ -218,6 +218,21 @@ def test_bad_input_is_a_400_in_anthropics_error_shape(
     assert "stopping." not in reply["error"]["message"] and "max_new_tokens" not in reply["error"]["message"]
 
 
+def test_an_integer_written_with_a_zero_fraction_is_taken_as_that_integer(server: ServerProcess) -> None:
+    # (JSON Schema's integer, as /openapi.json describes max_tokens and top_k: schemathesis sent 228.0.)
+    status, reply = post(server, "/v1/messages", {"model": MODEL, "max_tokens": 3.0, "top_k": 1.0, "messages": FRANCE})
+    assert status == 200, reply
+    assert reply["stop_reason"] == "max_tokens" and reply["usage"]["output_tokens"] == 3
+
+
+def test_count_tokens_reads_only_what_makes_the_prompt(server: ServerProcess) -> None:
+    # As Anthropic's: sampling, stop sequences, stream and max_tokens change the answer, not the prompt.
+    status, plain = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": FRANCE})
+    assert status == 200, plain
+    others = {"max_tokens": 0, "temperature": "hot", "stop_sequences": [""], "stream": 1}
+    assert post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": FRANCE, **others}) == (200, plain)
+
+
 def test_the_sdk_raises_its_bad_request_error(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model=MODEL, max_tokens=5, messages=FRANCE, stop_sequences=[""])

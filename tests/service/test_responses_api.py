@@ -197,6 +197,21 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
         "'text.format.name' must be",
     ),
     ({"input": "hi", "background": True}, "background", "'background' is not supported"),
+    # Each was taken before /openapi.json described the body (schemathesis sent them): metadata was repeated in the
+    # answer whatever it was, a tool's description of 0 read as none, a null schema as any JSON object, and reasoning
+    # items alone were refused as 'messages'.
+    ({"input": "hi", "metadata": "team"}, "metadata", "'metadata' must be an object"),
+    (
+        {"input": "hi", "tools": [{"type": "function", "name": "f", "description": 0}]},
+        "tools",
+        "tools[0].description must be a string",
+    ),
+    (
+        {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": None}}},
+        "text.format",
+        "needs a 'schema'",
+    ),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'input' holds no message"),
 ]
 
 
@@ -208,6 +223,13 @@ def test_bad_input_is_a_400_naming_the_field(
     assert status == 400, reply
     error = reply["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and message in error["message"]
+
+
+def test_an_integer_written_with_a_zero_fraction_is_taken_as_that_integer(server: ServerProcess) -> None:
+    # (JSON Schema's integer, as /openapi.json describes max_output_tokens: schemathesis sent 228.0.)
+    status, reply = post(server, {"model": MODEL, "input": QUESTION, "max_output_tokens": 3.0, "temperature": 0})
+    assert status == 200, reply
+    assert reply["usage"]["output_tokens"] <= 3 and type(reply["max_output_tokens"]) is int
 
 
 def test_the_openai_agents_sdk_runs_an_agent_on_the_server(server: ServerProcess, france: Any) -> None:

@@ -165,8 +165,10 @@ def test_the_messages_api_takes_the_token_as_x_api_key_or_bearer_and_refuses_in_
         body: Any = err.value.body
         assert err.value.status_code == 401 and body["type"] == "error"
         assert body["error"]["type"] == "authentication_error" and "x-api-key" in body["error"]["message"]
-        with pytest.raises(anthropic.AuthenticationError):
+        assert err.value.response.headers["www-authenticate"] == "Bearer"
+        with pytest.raises(anthropic.AuthenticationError) as err:
             client.messages.count_tokens(model="tokenmill", messages=ask["messages"])
+        assert err.value.response.headers["www-authenticate"] == "Bearer"  # (as /openapi.json says every 401 has)
     # x-api-key is the Messages API's: the other routes want the bearer token.
     other = openai.OpenAI(base_url=server.http_url + "/v1", api_key="wrong", max_retries=0, timeout=60)
     with other, pytest.raises(openai.AuthenticationError):

@@ -1,6 +1,6 @@
 """The Messages and Responses APIs' streams as the HTTP layer sends them, from made-up engine outputs: what the
-embedded model does not do on its own (text, then a call; a failure midway), framed as
-named server-sent events."""
+embedded model does not do on its own (text, then a call; a failure midway), framed as named server-sent
+events, each as /openapi.json describes it."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+import jsonschema
 
 from tokenmill_service.anthropic_protocol import MESSAGES, MessagesBuilder, _matched_stop
 from tokenmill_service.generation import ServiceError
 from tokenmill_service.http_api import GenerationResponse
 from tokenmill_service.openai_protocol import Dialect, ResponseBuilder
+from tokenmill_service.openapi import document
 from tokenmill_service.proto import pb
 from tokenmill_service.responses_protocol import RESPONSES, ResponsesBuilder
+from tokenmill_service.validation import Limits
 
 CALL = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Rome"}')
 # Text, then a call (the generation service holds a call's markup back: what reaches the HTTP layer is the text
@@ -29,6 +32,18 @@ WITH_CALL = [
         usage=pb.Usage(prompt_tokens=20, completion_tokens=9),
     ),
 ]
+
+
+DOCUMENT = document(Limits(8192, 49152, 4096, 20, 16), "1")
+ROUTES = {MESSAGES: "/v1/messages", RESPONSES: "/v1/responses"}
+
+
+def described(dialect: Dialect, name: str, data: dict[str, Any]) -> None:
+    """``data`` is what the description says an event named ``name`` holds (the schemas of its route's stream)."""
+    stream = DOCUMENT["paths"][ROUTES[dialect]]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert name in stream["properties"]["event"]["enum"]
+    (rule,) = (rule for rule in stream["allOf"] if rule["if"]["properties"]["event"]["const"] == name)
+    jsonschema.validate(data, rule["then"]["properties"]["data"]["contentSchema"])
 
 
 def streamed(
@@ -65,6 +80,7 @@ def streamed(
         name, data = message["body"].decode().removesuffix("\n\n").split("\n")
         event = json.loads(data.removeprefix("data: "))
         assert name == f"event: {event['type']}"
+        described(dialect, event["type"], event)
         events.append(event)
     return [(e["type"], e) for e in events]
 

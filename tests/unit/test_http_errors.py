@@ -54,6 +54,9 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_naming_the_callers_
     )
     *chunks, event = stream_events(error, {"max_completion_tokens": 5})
     assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "Hel"}]
+    # Every chunk's choice has its logprobs (null without them), the role's first one too, as OpenAI's and the
+    # description's do.
+    assert [c["choices"][0]["logprobs"] for c in chunks] == [None, None]
     assert event == {
         "error": {
             "message": "prompt tokens + max_completion_tokens must be <= 64; given 60 prompt tokens and "

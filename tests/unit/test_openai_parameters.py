@@ -167,3 +167,12 @@ def test_what_tokenmill_cannot_honour_is_refused_as_unsupported(extra: dict[str,
 )
 def test_a_parameter_of_the_wrong_type_is_refused_by_name(extra: dict[str, Any], param: str) -> None:
     assert refused({"messages": HI, **extra}, chat=True).param == param
+
+
+def test_an_integer_written_with_a_zero_fraction_is_that_integer() -> None:
+    # JSON Schema (and so /openapi.json's "integer") reads 5.0 as the integer 5: schemathesis sent such bodies.
+    body = {"messages": HI, "max_tokens": 5.0, "n": 2.0, "top_k": 40.0, "seed": 7.0}
+    request = parse_request(body, chat=True).request
+    assert (request.stopping.max_new_tokens, request.n, request.sampling.top_k, request.sampling.seed) == (5, 2, 40, 7)
+    assert refused({"messages": HI, "max_tokens": 5.5}, chat=True).param == "max_tokens"
+    assert refused({"messages": HI, "max_tokens": float("inf")}, chat=True).param == "max_tokens"

@@ -1,21 +1,25 @@
-"""/openapi.json describes every route the HTTP API serves, in valid JSON Schema, and a chat or completions body's
-description names exactly the fields the parser reads (a field read but not described would be refused as unknown,
-one described but not read would be a lie)."""
+"""/openapi.json describes every route the HTTP API serves, in valid JSON Schema, and each body's description names
+exactly the fields its parser reads (a chat or completions field read but not described would be refused as
+unknown, one described but not read would be a lie), with the bounds it enforces."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import jsonschema
 import pytest
 from starlette.routing import Route
 
+from tokenmill_service import anthropic_schema, responses_schema
+from tokenmill_service.anthropic_protocol import parse_messages
 from tokenmill_service.generation import GenerationService
 from tokenmill_service.http_api import HttpApi
 from tokenmill_service.openai_protocol import parameters, parse_request
 from tokenmill_service.openai_schema import request_schema
 from tokenmill_service.openapi import document
-from tokenmill_service.validation import MAX_CHOICES, Limits
+from tokenmill_service.responses_protocol import parse_responses
+from tokenmill_service.validation import MAX_CHOICES, MAX_STOP_STRING_LENGTH, Limits
 
 LIMITS = Limits(context_length=8192, vocab_size=49152, max_new_tokens=4096, max_top_logprobs=20, max_stop_strings=16)
 
@@ -56,6 +60,24 @@ def test_every_schema_in_the_document_is_valid_json_schema() -> None:
     assert found > 20
 
 
+def test_each_example_body_is_valid_and_taken_by_its_parser() -> None:
+    parsers = {
+        "/v1/chat/completions": lambda body: parse_request(body, chat=True),
+        "/v1/completions": lambda body: parse_request(body, chat=False),
+        "/v1/messages": parse_messages,
+        "/v1/messages/count_tokens": lambda body: parse_messages(body, count_only=True),
+        "/v1/responses": parse_responses,
+    }
+    found = set()
+    for path, ops in document(LIMITS, "1")["paths"].items():
+        content = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json", {})
+        for example in content.get("examples", {}).values():
+            jsonschema.Draft202012Validator(content["schema"]).validate(example["value"])
+            parsers[path](example["value"])
+            found.add(path)
+    assert found == set(parsers)
+
+
 class Reads(dict[str, Any]):
     """A body that notes every field the parser looks at."""
 
@@ -84,6 +106,28 @@ def test_a_body_is_described_by_exactly_the_fields_the_parser_reads(chat: bool) 
     assert described == parameters(chat) == body.read
 
 
+HI = [{"role": "user", "content": "Hi"}]
+# Each other API's route: its parser, a body it takes, and its body's description.
+DIALECTS: dict[str, tuple[Callable[[Any], object], dict[str, Any], dict[str, Any]]] = {
+    "messages": (parse_messages, {"max_tokens": 5, "messages": HI}, anthropic_schema.request_schema(LIMITS)),
+    "count_tokens": (
+        lambda body: parse_messages(body, count_only=True),
+        {"messages": HI},
+        anthropic_schema.request_schema(LIMITS, count_only=True),
+    ),
+    "responses": (parse_responses, {"input": "Hi"}, responses_schema.request_schema(LIMITS)),
+}
+
+
+@pytest.mark.parametrize("route", DIALECTS)
+def test_another_apis_body_is_described_by_exactly_the_fields_its_parser_reads(route: str) -> None:
+    parse, minimal, schema = DIALECTS[route]
+    body = Reads(minimal)
+    parse(body)
+    assert set(schema["properties"]) == body.read
+    jsonschema.Draft202012Validator(schema).validate(minimal)
+
+
 def test_the_bounds_described_are_the_ones_enforced() -> None:
     chat = request_schema(LIMITS, chat=True)["properties"]
     assert chat["n"]["maximum"] == MAX_CHOICES
@@ -95,4 +139,27 @@ def test_the_bounds_described_are_the_ones_enforced() -> None:
     base: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}]}
     assert validator.is_valid({**base, "n": MAX_CHOICES, "presence_penalty": 2, "logit_bias": {"7": -100}})
     for past in ({"n": MAX_CHOICES + 1}, {"presence_penalty": 2.5}, {"logit_bias": {" 7": 1}}, {"foo": 1}):
+        assert not validator.is_valid({**base, **past}), past
+
+
+def test_the_other_apis_bounds_are_the_chat_paths() -> None:
+    messages = anthropic_schema.request_schema(LIMITS)["properties"]
+    assert messages["max_tokens"]["maximum"] == LIMITS.max_new_tokens
+    assert messages["stop_sequences"]["type"] == ["array", "null"]
+    assert messages["stop_sequences"]["maxItems"] == LIMITS.max_stop_strings
+    assert messages["stop_sequences"]["items"]["maxLength"] == MAX_STOP_STRING_LENGTH
+    responses = responses_schema.request_schema(LIMITS)["properties"]
+    assert responses["max_output_tokens"]["maximum"] == LIMITS.max_new_tokens
+    chat = request_schema(LIMITS, chat=True)["properties"]
+    assert messages["temperature"] == responses["temperature"] == chat["temperature"]
+    base: dict[str, Any] = {"max_tokens": 5, "messages": HI}
+    validator = jsonschema.Draft202012Validator(anthropic_schema.request_schema(LIMITS))
+    assert validator.is_valid({**base, "max_tokens": LIMITS.max_new_tokens, "stop_sequences": ["x"] * 16})
+    for past in (
+        {"max_tokens": LIMITS.max_new_tokens + 1},
+        {"stop_sequences": ["x"] * 17},
+        {"stop_sequences": "END"},
+        {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "1", "name": "f"}]}]},
+        {"tools": [{"name": "bad name!", "input_schema": {}}]},
+    ):
         assert not validator.is_valid({**base, **past}), past
