@@ -11,6 +11,7 @@ from typing import Generic, TypeVar, cast
 import grpc
 import grpc.aio
 
+from ._chat import MessageLike
 from ._connect import ChannelWatch
 from ._convert import (
     ChoicesBuilder,
@@ -20,6 +21,7 @@ from ._convert import (
     model_info_from_proto,
     tokenization_from_proto,
 )
+from ._options import GenerateOptions, GenerateOverrides, resolve_options
 from ._proto import generate_pb2 as pb
 from ._transport import (
     HEALTH_CHECK,
@@ -34,17 +36,7 @@ from ._transport import (
     encode_health_request,
     retry_delay,
 )
-from ._types import (
-    GenerateEvent,
-    GenerateOptions,
-    GenerateOverrides,
-    GenerateResult,
-    HealthStatus,
-    MessageLike,
-    ModelInfo,
-    Tokenization,
-    resolve_options,
-)
+from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
 from .errors import TokenmillError, error_from_rpc
 
 _Req = TypeVar("_Req")

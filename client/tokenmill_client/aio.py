@@ -12,22 +12,14 @@ import grpc
 import grpc.aio
 
 from . import _core
+from ._chat import MessageLike
 from ._connect import Connections
 from ._convert import event_from_proto
 from ._core import ClientCore, UnaryCall, cancel
+from ._options import GenerateOptions, GenerateOverrides, resolve_options
 from ._proto import generate_pb2 as pb
 from ._transport import GENERATE, ChannelOptions, RetryHook, make_settings
-from ._types import (
-    GenerateEvent,
-    GenerateOptions,
-    GenerateOverrides,
-    GenerateResult,
-    HealthStatus,
-    MessageLike,
-    ModelInfo,
-    Tokenization,
-    resolve_options,
-)
+from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
 
 if TYPE_CHECKING:
     # Annotations only (never evaluated at run time): typing.Self and typing.Unpack need Python 3.11.

@@ -43,11 +43,11 @@ from tokenmill_client import (
     UnavailableError,
     Usage,
 )
+from tokenmill_client._chat import to_chat_messages
 from tokenmill_client._convert import build_generate_request
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc
 from tokenmill_client._transport import decode_health_response, encode_health_request
-from tokenmill_client._types import to_chat_messages
 
 QUESTION = "What is the capital of France?"
 
@@ -686,9 +686,11 @@ def test_unary_calls_retry_unavailable_and_share_one_deadline_in_both_clients() 
             with pytest.raises(UnavailableError, match="scripted unavailable"):
                 await aclient.tokenize("ab")
 
-    with scripted_server(["unavailable", "unavailable", "ok"]) as (address, servicer):
-        with Client(address, max_retries=2) as client:
-            assert client.tokenize("ab", timeout=30).pieces == ("a", "b")
+    with (
+        scripted_server(["unavailable", "unavailable", "ok"]) as (address, servicer),
+        Client(address, max_retries=2) as client,
+    ):
+        assert client.tokenize("ab", timeout=30).pieces == ("a", "b")
     assert servicer.calls == 3
     assert all(d is not None and d <= 31 for d in servicer.deadlines)  # each retry has what is left of 30 s
     with scripted_server(["unavailable", "unavailable", "ok", "unavailable"]) as (address, servicer):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .._types import ChatMessage, ModelInfo
+from .._chat import ChatMessage
+from .._types import ModelInfo
 from .connect import client_from_args
 from .report import EXIT_FAILED, json_line, out
 

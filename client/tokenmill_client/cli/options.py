@@ -8,7 +8,9 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._types import ChatMessage, FunctionChoice, GenerateEvent, GenerateOptions, GenerateResult, Tool, ToolChoice
+from .._chat import ChatMessage, FunctionChoice, Tool, ToolChoice
+from .._options import GenerateOptions
+from .._types import GenerateEvent, GenerateResult
 from ..client import Client
 from .report import UsageError, fmt_num
 

@@ -8,7 +8,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._types import ChatMessage, FinishReason, GenerateOptions, GenerateOverrides
+from .._chat import ChatMessage
+from .._options import GenerateOptions, GenerateOverrides
+from .._types import FinishReason
 from ..client import Client
 from ..errors import TokenmillError
 from .options import GenSettings

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._types import GenerateEvent, Token, ToolCall
+from .._chat import ToolCall
+from .._types import GenerateEvent, Token
 from ..errors import (
     AuthenticationError,
     DeadlineExceededError,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._types import ChatMessage, GenerateEvent
+from .._chat import ChatMessage
+from .._types import GenerateEvent
 from ..client import Client
 from .options import GenSettings
 from .report import json_line, out, token_line, tool_call_lines
