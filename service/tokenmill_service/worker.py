@@ -336,6 +336,7 @@ def _kv_event_publisher(spec: WorkerSpec) -> Any:
 
 def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None) -> None:
     from tokenmill_service.distributed.step_broadcast import Idle, Stop
+    from tokenmill_service.kernels.cpu.stack_profile import read_and_reset as stack_profile
 
     conn = channel.conn
     max_step_tokens = engine.config.max_batch_tokens
@@ -390,6 +391,7 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
                 engine_ms=round((stepped - started - engine.runner.last_execute_s) * 1000, 3),
                 send_ms=round((sent - stepped) * 1000, 3),
                 between_steps_ms=None if last_sent is None else round((started - last_sent) * 1000, 3),
+                **stack_profile(),
             )
             last_sent = sent
         else:
