@@ -50,11 +50,12 @@ def write_tiny_bert(directory: Path) -> Path:
 
 
 def sentence_transformer(directory: Path, pooling: str, normalize: bool = True, **transformer: Any) -> Any:
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
-    module = models.Transformer(str(directory), **transformer)
-    modules = [module, models.Pooling(module.get_embedding_dimension(), pooling_mode=pooling)]
-    return SentenceTransformer(modules=[*modules, models.Normalize()] if normalize else modules, device="cpu")
+    module = Transformer(str(directory), **transformer)
+    modules = [module, Pooling(module.get_embedding_dimension(), pooling_mode=pooling)]
+    return SentenceTransformer(modules=[*modules, Normalize()] if normalize else modules, device="cpu")
 
 
 def write_bert_gguf(directory: Path, path: Path, pooling_type: int) -> Path:

@@ -187,12 +187,12 @@ def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, Checkpoin
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
-                    if name.startswith(_BASE_MODEL_PREFIXES):  # a base model's (Qwen3-Embedding's): no "model."
-                        name = f"model.{name}"
-                    pieces = unfused(family, name, config)
                     tensor: CheckpointTensor = f.get_tensor(name)
                     if name in scales:
                         tensor = _fp8_blocks(tensor, scales[name], name, config)
+                    if name.startswith(_BASE_MODEL_PREFIXES):  # a base model's (Qwen3-Embedding's): no "model."
+                        name = f"model.{name}"
+                    pieces = unfused(family, name, config)
                     for piece, start, rows in pieces:
                         yield piece, tensor if rows < 0 else tensor.narrow(0, start, rows)
 
