@@ -181,10 +181,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "Each input's vector (OpenAI's embeddings; the model must embed: an encoder or a pooling checkpoint)",
         _json("Embeddings"),
         embeddings.request_schema,
-        (400, 401, 404, 413, 429, 503),
-        examples=_examples(
-            "Two texts", {"input": ["The capital of France", "Paris"], "model": "tokenmill"}, stream=False
-        ),
+        (400, 401, 404, 413, 429, 503),  # (no example body: the default model, a chat model, refuses it)
     ),
     Operation("GET", "/v1/models", "The model served, and its LoRA adapters", _json("Models"), errors=(401,)),
     Operation(

@@ -17,7 +17,13 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.embedding_checkpoints import TEXTS, sentence_transformer, write_bert_gguf, write_tiny_bert, write_tiny_qwen3_embedding
+from tests.embedding_checkpoints import (
+    TEXTS,
+    sentence_transformer,
+    write_bert_gguf,
+    write_tiny_bert,
+    write_tiny_qwen3_embedding,
+)
 from tests.server_process import ServerProcess
 
 openai = pytest.importorskip("openai")
