@@ -12,6 +12,7 @@ import pytest
 
 from tests.embedding_checkpoints import TEXTS, write_tiny_qwen3_embedding
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
+from tests.lora_adapters import make_adapter
 from tokenmill_service.models.embedder import Embedder, decoder_hidden_states
 from tokenmill_service.models.embedding_spec import EmbeddingSpec, read_embedding_spec
 from tokenmill_service.models.loader import load_model
@@ -45,3 +46,18 @@ def test_a_qwen3_embedding_gguf_gives_sentence_transformers_last_token_vectors(t
     assert float(np.abs(got - expected).max()) <= 1e-5
     # An input's vector is its own: alone, or after others.
     assert embedder.embed([ids[2]])[0] == embedder.embed(ids)[2]
+
+
+def test_a_decoder_with_lora_slots_embeds_with_the_base_weights_whatever_the_last_step_used(tmp_path: Path) -> None:
+    directory, reference = write_tiny_qwen3_embedding(tmp_path / "qwen3-embedding")
+    spec = read_embedding_spec(directory)
+    assert spec is not None
+    model = load_model(directory, max_loras=1)
+    assert model.lora is not None
+    base = transformers.Qwen3ForCausalLM(transformers.AutoConfig.from_pretrained(directory))
+    model.lora.load(0, "adapter", str(make_adapter(base, tmp_path / "adapter", rank=4, seed=1)))
+    embedder = Embedder(decoder_hidden_states(model), spec, model.config.hidden_size, model.device)
+    model.lora.batch.set([0] * 32, model.device)  # what a step of 32 tokens on the adapter left behind
+    ids = reference.tokenizer(TEXTS[3])["input_ids"]
+    got = np.frombuffer(embedder.embed([ids])[0], dtype="<f4")
+    assert float(np.abs(got - reference.encode([TEXTS[3]], convert_to_numpy=True)[0]).max()) <= 1e-5

@@ -78,6 +78,9 @@ def decoder_hidden_states(model: Any) -> HiddenStates:
         raise EmbeddingConfigError("a decoder split over --tensor-parallel ranks does not embed here")
 
     def hidden_states(input_ids: torch.Tensor) -> torch.Tensor:
+        slots = getattr(model, "lora", None)
+        if slots is not None:  # the base model's vector: no adapter, whatever the last step's tokens used
+            slots.batch.set([-1] * input_ids.shape[0], input_ids.device)
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         x = decoder.embed(input_ids)
         residual: torch.Tensor | None = None
