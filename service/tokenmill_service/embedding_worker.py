@@ -134,7 +134,7 @@ def _load_encoder(spec: WorkerSpec) -> tuple[Embedder, str]:
     embedder.context_length = _context(embedding.max_tokens, config.max_position_embeddings, spec.options.max_model_len)
     embedder.vocab_size = load_tokenizer(path).vocab_size
     embedder.embed([[*embedding.prefix_ids, *embedding.suffix_ids] or [0]])  # warm-up: nothing lazy left
-    return embedder, config.name if not Path(path).is_dir() else Path(path).resolve().name
+    return embedder, config.name  # the directory's or the file's name, as a decoder's
 
 
 def _context(st_limit: int, positions: int, asked: int) -> int:
