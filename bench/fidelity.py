@@ -90,7 +90,7 @@ def _reference_model(model_path: Path) -> Any:
         from transformers import AutoModelForCausalLM
 
         _MODELS[model_path] = AutoModelForCausalLM.from_pretrained(
-            model_path.parent, gguf_file=model_path.name, torch_dtype=torch.float32
+            model_path.parent, gguf_file=model_path.name, dtype=torch.float32
         ).eval()
     return _MODELS[model_path]
 
