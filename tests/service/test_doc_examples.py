@@ -1,0 +1,112 @@
+"""Every shell and Python example of the README and docs/ runs against a real server, as a reader pastes it.
+
+The examples are written for `make run`'s server (gRPC on localhost:50051, HTTP on 127.0.0.1:8000, the
+tools under .venv/bin and .tools/bin); each runs here with those addresses pointed at the shared test server.
+The blocks of one document run side by side (the server batches them), and each must exit 0 and print
+something. A block that needs what the suite cannot give (a cluster, a GPU, model files, a download, `make run`
+itself) says so in the Markdown, on the line before it: ``<!-- not run: why -->``; each is reported as
+skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.server_process import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+BLOCK = re.compile(
+    r"(?:^<!-- not run: (?P<why>[^\n]*?) -->\n)?^```(?P<lang>sh|bash|py|python)\n(?P<body>.*?)^```",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    doc: str
+    line: int
+    lang: str
+    body: str
+    not_run: str | None
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def examples(doc: str) -> list[Example]:
+    text = (ROOT / doc).read_text()
+    return [
+        Example(doc, text.count("\n", 0, m.start("body")), m["lang"], m["body"], m["why"])
+        for m in BLOCK.finditer(text)
+    ]
+
+
+ALL = [example for doc in DOCS for example in examples(doc)]
+NOT_RUN = [example for example in ALL if example.not_run is not None]
+RUN_DOCS = sorted({example.doc for example in ALL if example.not_run is None})
+
+
+def grpcurl() -> str | None:
+    found = ROOT / ".tools" / "bin" / "grpcurl"  # where `make tools` (and `make test`) puts it
+    return str(found) if found.is_file() else shutil.which("grpcurl")
+
+
+def as_run_here(example: Example, server: ServerProcess) -> str:
+    """The block with `make run`'s addresses and paths replaced by the test server's and this environment's."""
+    body = re.sub(r"\b(localhost|127\.0\.0\.1):50051\b", server.address, example.body)
+    body = re.sub(r"\b(localhost|127\.0\.0\.1):8000\b", f"127.0.0.1:{server.http_port}", body)
+    if example.lang in ("sh", "bash"):
+        body = body.replace(".venv/bin/", f"{BIN}/").replace(".tools/bin/grpcurl", grpcurl() or "grpcurl")
+    return body
+
+
+def test_the_docs_have_examples_and_each_one_not_run_says_why() -> None:
+    assert len(ALL) >= 30, len(ALL)
+    assert len(ALL) - len(NOT_RUN) >= 15, [e.where for e in ALL if e.not_run is None]
+    assert all(e.not_run and len(e.not_run) > 10 for e in NOT_RUN), [e.where for e in NOT_RUN]
+
+
+@pytest.mark.parametrize("example", NOT_RUN, ids=[e.where for e in NOT_RUN])
+def test_an_example_marked_not_run(example: Example) -> None:
+    pytest.skip(f"{example.where}: not run: {example.not_run}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("doc", RUN_DOCS)
+def test_every_example_of_the_document_runs_as_written(doc: str, server: ServerProcess) -> None:
+    runnable = [e for e in examples(doc) if e.not_run is None]
+    if any(".tools/bin/grpcurl" in e.body for e in runnable) and grpcurl() is None:
+        pytest.skip("grpcurl is not installed (`make tools` installs it)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_TOKEN", "TOKENMILL_SERVER")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    running = []
+    for example in runnable:
+        body = as_run_here(example, server)
+        command = ["bash", "-e", "-o", "pipefail", "-c", body] if example.lang in ("sh", "bash") else [sys.executable]
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE if example.lang.startswith("py") else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        running.append((example, body, proc))
+    failed = []
+    for example, body, proc in running:
+        out, err = proc.communicate(body if example.lang.startswith("py") else None, timeout=240)
+        if proc.returncode != 0 or not out.strip():
+            failed.append(f"{example.where} exited {proc.returncode}:\n{body}\n--- stderr:\n{err[-2000:]}")
+    assert not failed, "\n\n".join(failed)
