@@ -58,7 +58,7 @@ def paragraph(comment: str) -> str:
 
 def descriptor_set(proto_root: Path = PROTO_ROOT) -> d.FileDescriptorSet:
     """Every .proto under ``proto_root`` compiled by protoc, with the comments (source info) kept."""
-    from grpc_tools import protoc  # the dev extra's; the pinned version that `make proto` uses
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # the dev extra's, pinned for `make proto`
 
     protos = sorted(str(p.relative_to(proto_root)) for p in proto_root.rglob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,9 +173,7 @@ class _Proto:
                     oneof = oneofs[field.oneof_index]
                     group = self.comment(*path, _MESSAGE_ONEOF, field.oneof_index)
                     about = f"One of `{oneof}`{' (' + group + ')' if group else ''}. {about}"
-                lines.append(
-                    f"| `{field.name}` | {field.number} | {self.field_type(field, maps)} | {cell(about)} |"
-                )
+                lines.append(f"| `{field.name}` | {field.number} | {self.field_type(field, maps)} | {cell(about)} |")
         lines += ["", "## Enum types"]
         for name, enum, path in self.enums():
             lines += ["", f"### {name}", ""]

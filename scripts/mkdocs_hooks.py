@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,17 @@ from mkdocs.structure.pages import Page
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # api_reference.py, beside this file
 
-import api_reference  # noqa: E402
+import api_reference
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 # (alt or text, target): a Markdown link or image, as the docs write them (inline, no title).
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
-REFERENCE = {"reference/grpc.md": api_reference.grpc_reference, "reference/http.md": api_reference.http_reference}
+REFERENCE: dict[str, Callable[[], str]] = {
+    "reference/grpc.md": api_reference.grpc_reference,
+    "reference/http.md": api_reference.http_reference,
+}
 
 
 def site_link(target: str, source: Path, page_uri: str, docs: Path, repo_url: str, image: bool) -> str:

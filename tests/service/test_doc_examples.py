@@ -2,7 +2,7 @@
 
 The examples are written for `make run`'s server (gRPC on localhost:50051, HTTP on 127.0.0.1:8000, the
 tools under .venv/bin and .tools/bin); each runs here with those addresses pointed at the shared test server.
-The blocks of one document run side by side (the server batches them), and each must exit 0 and print
+(That server stops a request that sets no token limit at 64 tokens.) The blocks of one document run side by side (the server batches them), and each must exit 0 and print
 something. A block that needs what the suite cannot give (a cluster, a GPU, model files, a download, `make run`
 itself) says so in the Markdown, on the line before it: ``<!-- not run: why -->``; each is reported as
 skipped with its reason.
@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +48,7 @@ class Example:
 def examples(doc: str) -> list[Example]:
     text = (ROOT / doc).read_text()
     return [
-        Example(doc, text.count("\n", 0, m.start("body")), m["lang"], m["body"], m["why"])
-        for m in BLOCK.finditer(text)
+        Example(doc, text.count("\n", 0, m.start("body")), m["lang"], m["body"], m["why"]) for m in BLOCK.finditer(text)
     ]
 
 
@@ -71,6 +71,14 @@ def as_run_here(example: Example, server: ServerProcess) -> str:
     return body
 
 
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """The default server, but that a request that sets no limit stops at 64 tokens rather than 1024: the
+    examples that set none (a tool round trip, an agent) then take seconds, as they would on a reader's GPU."""
+    with ServerProcess("--default-max-new-tokens", "64", "--drain-seconds", "5") as proc:
+        yield proc
+
+
 def test_the_docs_have_examples_and_each_one_not_run_says_why() -> None:
     assert len(ALL) >= 30, len(ALL)
     assert len(ALL) - len(NOT_RUN) >= 15, [e.where for e in ALL if e.not_run is None]
@@ -88,7 +96,8 @@ def test_every_example_of_the_document_runs_as_written(doc: str, server: ServerP
     runnable = [e for e in examples(doc) if e.not_run is None]
     if any(".tools/bin/grpcurl" in e.body for e in runnable) and grpcurl() is None:
         pytest.skip("grpcurl is not installed (`make tools` installs it)")
-    env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_TOKEN", "TOKENMILL_SERVER")}
+    env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TOKEN"}
+    env["TOKENMILL_SERVER"] = server.address  # the CLI's default address, localhost:50051 under `make run`
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     running = []
     for example in runnable:
