@@ -86,7 +86,8 @@ test-avx2: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict client/tokenmill_client client/examples service/tokenmill_service bench/tokenmill_bench
+	$(BIN)/mypy --strict client/tokenmill_client client/examples service/tokenmill_service bench/tokenmill_bench \
+		scripts/api_reference.py scripts/mkdocs_hooks.py
 
 proto: install
 	$(BIN)/python scripts/gen_proto.py

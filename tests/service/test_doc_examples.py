@@ -1,9 +1,10 @@
 """Every shell and Python example of the README and docs/ runs against a real server, as a reader pastes it.
 
 The examples are written for `make run`'s server (gRPC on localhost:50051, HTTP on 127.0.0.1:8000, the
-tools under .venv/bin and .tools/bin); each runs here with those addresses pointed at the shared test server.
-(That server stops a request that sets no token limit at 64 tokens.) The blocks of one document run side by side (the server batches them), and each must exit 0 and print
-something. A block that needs what the suite cannot give (a cluster, a GPU, model files, a download, `make run`
+tools under .venv/bin and .tools/bin); each runs here with those addresses pointed at this module's server,
+which stops a request that sets no token limit at 64 tokens. A Python block runs as one program, a shell block
+as one process per command (as a reader pastes its lines); all run at once (the server batches them), and each
+must exit 0, each block having printed something. A block that needs what the suite cannot give (a cluster, a GPU, model files, a download, `make run`
 itself) says so in the Markdown, on the line before it: ``<!-- not run: why -->``; each is reported as
 skipped with its reason.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,7 +56,6 @@ def examples(doc: str) -> list[Example]:
 
 ALL = [example for doc in DOCS for example in examples(doc)]
 NOT_RUN = [example for example in ALL if example.not_run is not None]
-RUN_DOCS = sorted({example.doc for example in ALL if example.not_run is None})
 
 
 def grpcurl() -> str | None:
@@ -90,32 +91,55 @@ def test_an_example_marked_not_run(example: Example) -> None:
     pytest.skip(f"{example.where}: not run: {example.not_run}")
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("doc", RUN_DOCS)
-def test_every_example_of_the_document_runs_as_written(doc: str, server: ServerProcess) -> None:
-    runnable = [e for e in examples(doc) if e.not_run is None]
+def commands(example: Example, body: str) -> list[list[str]]:
+    """What runs for a block: a Python block as one program; a shell block a process per command (its lines
+    with their continuations joined, comments left out), as a reader pastes them one by one."""
+    if example.lang.startswith("py"):
+        return [[sys.executable, "-c", body]]
+    found, pending = [], ""
+    for line in body.replace("\\\n", " ").splitlines():
+        pending += line + "\n"
+        try:
+            complete = bool(shlex.split(pending, comments=True))
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        if complete:
+            found.append(["bash", "-e", "-o", "pipefail", "-c", pending])
+        pending = ""
+    assert not pending.strip(), f"{example.where}: an unfinished command: {pending}"
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_every_example_runs_as_written(server: ServerProcess) -> None:
+    runnable = [e for e in ALL if e.not_run is None]
     if any(".tools/bin/grpcurl" in e.body for e in runnable) and grpcurl() is None:
         pytest.skip("grpcurl is not installed (`make tools` installs it)")
     env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_TOKEN"}
     env["TOKENMILL_SERVER"] = server.address  # the CLI's default address, localhost:50051 under `make run`
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    running = []
+    # Every command at once, as several readers would (the server batches them); one that two documents
+    # both show (the CLI's, in the README and docs/client.md) runs once for both.
+    where: dict[tuple[str, ...], list[Example]] = {}
     for example in runnable:
-        body = as_run_here(example, server)
-        command = ["bash", "-e", "-o", "pipefail", "-c", body] if example.lang in ("sh", "bash") else [sys.executable]
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE if example.lang.startswith("py") else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+        for command in commands(example, as_run_here(example, server)):
+            where.setdefault(tuple(command), []).append(example)
+    assert len(where) >= 20, len(where)
+    running = [
+        (command, subprocess.Popen(
+            command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
-        )
-        running.append((example, body, proc))
+        ))
+        for command in where
+    ]  # fmt: skip
+    printed: dict[str, str] = {}
     failed = []
-    for example, body, proc in running:
-        out, err = proc.communicate(body if example.lang.startswith("py") else None, timeout=240)
-        if proc.returncode != 0 or not out.strip():
-            failed.append(f"{example.where} exited {proc.returncode}:\n{body}\n--- stderr:\n{err[-2000:]}")
+    for command, proc in running:
+        out, err = proc.communicate(timeout=540)
+        places = ", ".join(e.where for e in where[command])
+        for example in where[command]:
+            printed[example.where] = printed.get(example.where, "") + out
+        if proc.returncode != 0:
+            failed.append(f"{places} exited {proc.returncode}: {command[-1]}\n--- stderr:\n{err[-2000:]}")
+    failed += [f"{place} printed nothing" for place, out in printed.items() if not out.strip()]
     assert not failed, "\n\n".join(failed)
