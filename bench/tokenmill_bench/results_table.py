@@ -133,6 +133,8 @@ def not_compared(result: Any) -> str:
         return "routing policies against each other (`tokenmill-bench routing`), no peer"
     if "load" in result and "levels" in result:
         return "LoRA adapters against the base model (`tokenmill-bench lora`), no peer"
+    if "sides" in result and "generated" in result:
+        return "logprobs against the float32 reference (`bench/fidelity.py`), not speed"
     if "minutes" in result and "samples" in result:
         return "an hour's soak (`bench/soak.py`): failures and memory growth, no peer"
     if result.get("tool") == "tokenmill-bench":
