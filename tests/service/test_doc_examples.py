@@ -122,8 +122,8 @@ def test_every_example_runs_as_written(server: ServerProcess) -> None:
     # both show (the CLI's, in the README and docs/client.md) runs once for both.
     where: dict[tuple[str, ...], list[Example]] = {}
     for example in runnable:
-        for command in commands(example, as_run_here(example, server)):
-            where.setdefault(tuple(command), []).append(example)
+        for argv in commands(example, as_run_here(example, server)):
+            where.setdefault(tuple(argv), []).append(example)
     assert len(where) >= 20, len(where)
     running = [
         (command, subprocess.Popen(
