@@ -3,6 +3,7 @@
 tokenmill-bench [--server ADDRESS] [--json PATH] [--plot PNG] [options]   # measure
 tokenmill-bench plot RESULTS.json OUT.png                                 # redraw the plot
 tokenmill-bench lora [options]                                            # adapters against the base
+tokenmill-bench results [--check]                                         # bench/RESULTS.md from bench/results/
 
 The measuring run's flags are in arguments.py, its steps in run.py (measure.py the measurement itself,
 results.py the document it writes); each other command has a module of its own.
@@ -86,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenmill_bench.lora import lora_main
 
         return lora_main(arguments[1:])
+    if arguments[:1] == ["results"]:
+        from tokenmill_bench.results_table import results_main
+
+        return results_main(arguments[1:])
     if arguments[:1] == ["run"]:
         arguments = arguments[1:]
     args = parse_run_args(arguments)
