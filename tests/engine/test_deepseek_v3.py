@@ -32,7 +32,7 @@ from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.hf_loader import read_hf_config
 from tokenmill_service.models.llama import LlamaMLP
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.models.registry import model_class
+from tokenmill_service.models.registry import family as family_spec
 from tokenmill_service.plan.plan import PlanRefused
 from tokenmill_service.plan.resolve import kv_cache_bytes_per_token
 
@@ -199,7 +199,7 @@ def test_deepseek_v3s_real_config_caches_70272_bytes_a_token_against_4997120(tmp
     real = transformers.DeepseekV3Config()
     (tmp_path / "config.json").write_text(json.dumps({**real.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}))
     config = read_hf_config(tmp_path)
-    family = model_class(config.architecture)
+    family = family_spec(config.architecture)
     latent, per_head = family.kv_cache_values_per_token(config)
     assert latent == 61 * (512 + 64) == 35136
     assert per_head == 61 * 128 * ((128 + 64) + 128) == 2498560

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
+from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
@@ -39,10 +40,8 @@ from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
-from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
 from tokenmill_service.models.llama import (
-    GGUF_LAYER_NAMES,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -50,7 +49,9 @@ from tokenmill_service.models.llama import (
     LlamaModel,
     Regions,
 )
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import GGUF_LAYER_NAMES, ConfigReader, Facts, FamilySpec, GGUFField, Names, Tensors
 
 GEMMA_GGUF_LAYER_NAMES = {
     **GGUF_LAYER_NAMES,
@@ -81,17 +82,9 @@ def _optional(value: object) -> float | None:
 
 
 class Gemma2Attention(LlamaAttention):
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
+        config = p.config
         self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
         self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
 
@@ -103,34 +96,26 @@ class Gemma2Attention(LlamaAttention):
 
 
 class GemmaMLP(LlamaMLP):
-    activation: ClassVar[str] = "gelu_tanh"
+    """GeGLU: gate/up, GELU (tanh) and mul, down."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
-    mlp_type: ClassVar[type[LlamaMLP]] = GemmaMLP
-    sandwich_norms: ClassVar[bool] = True
+    """Sandwich norms: attention's and the MLP's outputs each normed before their residual add, the MLP's
+    input by ``pre_feedforward_layernorm`` (``gemma_post_attention``)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        act_dtype: torch.dtype,
-        tp: TensorParallel,
-        attention_type: type[LlamaAttention] = Gemma2Attention,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, act_dtype, tp, attention_type)
-        hidden = config.hidden_size
+    def __init__(self, p: LayerParams, attention_type: type[LlamaAttention] = Gemma2Attention) -> None:
+        super().__init__(p, attention_type)
+        config, ops, act_dtype, hidden = p.config, p.ops, p.act_dtype, p.config.hidden_size
         self.input_layernorm = gemma_norm(config, hidden, ops, act_dtype)
         self.post_attention_layernorm = gemma_norm(config, hidden, ops, act_dtype)
         self.pre_feedforward_layernorm = gemma_norm(config, hidden, ops, act_dtype)
         self.post_feedforward_layernorm = gemma_norm(config, hidden, ops, act_dtype)
+
+    def make_mlp(self, p: LayerParams) -> nn.Module:
+        return GemmaMLP(p.config, p.prefix, p.ops, p.quant, p.tp)
 
 
 def gemma_post_attention(
@@ -196,7 +181,7 @@ def read_gemma_hf_config(raw: dict[str, Any], config: ModelConfig, defaults: dic
 
 
 def read_gemma_gguf_config(
-    field: Callable[[str], Any], arch: str, config: ModelConfig, window: int | None, pattern: int, big: int
+    field: GGUFField, arch: str, config: ModelConfig, window: int | None, pattern: int, big: int
 ) -> None:
     """What Gemma 2 and 3 GGUFs say, as llama.cpp reads them: the window (``window`` where absent;
     None: no sliding layers), the local layers (``sliding_window_pattern``: every ``pattern``-th
@@ -218,34 +203,11 @@ def read_gemma_gguf_config(
     extra["query_pre_attn_scalar"] = float(per_head)
 
 
-@register_model("gemma2")
 class Gemma2ForCausalLM(LlamaForCausalLM):
     attention_type: ClassVar[type[LlamaAttention]] = Gemma2Attention
     model_type: ClassVar[type[LlamaModel]] = GemmaModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = GemmaDecoderLayer
     regions_type: ClassVar[type[Regions]] = GemmaRegions
-    hf_architectures: ClassVar[dict[str, str]] = {"Gemma2ForCausalLM": "gemma2"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"gemma2": "gemma2"}
-    gguf_permuted: ClassVar[frozenset[str]] = frozenset()
-    gguf_layer_names: ClassVar[dict[str, str]] = GEMMA_GGUF_LAYER_NAMES
-    hf_activation: ClassVar[tuple[str, str]] = ("hidden_activation", "gelu_pytorch_tanh")
-
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        defaults = {
-            "query_pre_attn_scalar": 256,
-            "sliding_window": 4096,
-            "attn_logit_softcapping": 50.0,
-            "final_logit_softcapping": 30.0,
-        }
-        read_gemma_hf_config(raw, config, defaults, pattern=2)
-
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        read_gemma_gguf_config(field, gguf_architecture, config, window=4096, pattern=2, big=46)
-        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
-            value = field(f"{gguf_architecture}.{key}")
-            config.extra[key] = default if value is None else float(value)
 
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -261,3 +223,44 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    defaults = {
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+    read_gemma_hf_config(raw, config, defaults, pattern=2)
+
+
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    read_gemma_gguf_config(field, gguf_architecture, config, window=4096, pattern=2, big=46)
+    for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        value = field(f"{gguf_architecture}.{key}")
+        config.extra[key] = default if value is None else float(value)
+
+
+# What the Gemma families' specs state of their layers: sandwich norms, GeGLU, soft caps, scaled embeddings,
+# every other layer (Gemma 2's) windowed.
+GEMMA_FACTS = Facts(
+    norms="sandwich",
+    activation="gelu_tanh",
+    sliding_windows=True,
+    attention_softcap=True,
+    logit_softcap=True,
+    scaled_embeddings=True,
+)
+GEMMA_HF_ACTIVATION = ("hidden_activation", "gelu_pytorch_tanh")
+
+GEMMA2 = register_family(
+    FamilySpec(
+        ("gemma2",),
+        Gemma2ForCausalLM,
+        Names({"Gemma2ForCausalLM": "gemma2"}, {"gemma2": "gemma2"}),
+        ConfigReader(_read_hf, _read_gguf, hf_activation=GEMMA_HF_ACTIVATION),
+        Tensors(gguf_layer=GEMMA_GGUF_LAYER_NAMES),
+        GEMMA_FACTS,
+    )
+)

@@ -7,43 +7,35 @@ hidden / heads (``ModelConfig.head_dim`` is read from the checkpoint).
 
 ``q_norm`` / ``k_norm`` weights are [head_dim], shared by every head: under tensor parallelism each
 rank keeps them whole, whichever heads it holds. The native decoder stack (one C++ call for every
-layer) runs the same norm on the same rows (``qk_norm = "heads"``).
+layer) runs the same norm on the same rows (its spec's ``qk_norm="heads"``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
-from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import (
+    GGUF_LAYER_NAMES,
+    ConfigReader,
+    Facts,
+    FamilySpec,
+    Names,
+    SlidingWindows,
+    Tensors,
+)
 
 
 class Qwen3Attention(LlamaAttention):
-    qk_norm: ClassVar[str] = "heads"
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
         # Normed q and k stay in the projection's dtype, as rotary and attention take them.
-        act_dtype = self.qkv_proj.quant.act_dtype
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, act_dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, act_dtype)
+        act_dtype, config = self.qkv_proj.quant.act_dtype, p.config
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, p.ops, act_dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, p.ops, act_dtype)
 
     def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
@@ -57,13 +49,20 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return normed.view(tokens, heads, head_dim)
 
 
-@register_model("qwen3")
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
-    hf_architectures: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"qwen3": "qwen3"}
-    gguf_layer_names: ClassVar[dict[str, str]] = {
-        **GGUF_LAYER_NAMES,
-        "attn_q_norm": "self_attn.q_norm",  # [head_dim] each
-        "attn_k_norm": "self_attn.k_norm",
-    }
+    attention_type = Qwen3Attention
+
+
+# llama.cpp's names of the q/k norms ([head_dim] each), beside Llama's.
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+QWEN3 = register_family(
+    FamilySpec(
+        ("qwen3",),
+        Qwen3ForCausalLM,
+        Names({"Qwen3ForCausalLM": "qwen3"}, {"qwen3": "qwen3"}),
+        ConfigReader(windows=SlidingWindows(every_layer=False, flagged=True, default=4096)),
+        Tensors(gguf_layer={**GGUF_LAYER_NAMES, **QK_NORM_NAMES}),
+        Facts(qk_norm="heads", sliding_windows=True),
+    )
+)
