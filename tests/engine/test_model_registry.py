@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from tokenmill_service.models import registry
+from tokenmill_service.models.decoder import DecoderForCausalLM
 from tokenmill_service.models.gguf_loader import GGUFError, load_gguf
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.llama import LLAMA, LlamaForCausalLM
+from tokenmill_service.models.llama import LLAMA
 from tokenmill_service.models.registry import family, gguf_architectures, hf_architectures, register_family
 from tokenmill_service.models.spec import FamilySpec, Names
 
@@ -48,7 +49,7 @@ def test_a_name_already_registered_is_refused(
     family("llama")  # the built-in families registered first
     before = (hf_architectures(), gguf_architectures())
     with pytest.raises(ValueError, match=clash):
-        register_family(FamilySpec(names, LlamaForCausalLM, Names(hf, gguf_names)))
+        register_family(FamilySpec(names, DecoderForCausalLM, Names(hf, gguf_names)))
     assert (hf_architectures(), gguf_architectures()) == before  # nothing half-registered
     with pytest.raises(ValueError, match="'new' has no model here"):
         family("new")

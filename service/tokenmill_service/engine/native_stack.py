@@ -155,7 +155,7 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     layers = model.model.layers
     # A family overriding the Llama layer's ``branch`` does more than the multiplier (named, not imported: the
     # engine does not import the models).
-    if any(type(ly).branch.__qualname__ != "LlamaDecoderLayer.branch" for ly in layers):
+    if any(type(ly).branch.__qualname__ != "DecoderLayer.branch" for ly in layers):
         raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
     multipliers = {float(ly.residual_multiplier) for ly in layers}
     if facts.latent_attention:  # DeepSeek's multi-head latent attention

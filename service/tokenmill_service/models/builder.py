@@ -15,7 +15,7 @@ from tokenmill_service.kernels import get_ops
 from tokenmill_service.layers.embedding import VocabParallelEmbedding
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
-from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.models.decoder import DecoderForCausalLM
 from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.models.registry import family
 from tokenmill_service.plan.plan import LoadPlan
@@ -25,7 +25,7 @@ from tokenmill_service.plan.resolve import DTYPES
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> DecoderForCausalLM:
     """A ready-to-run model (eval mode, no gradients): the plan carried out on the checkpoint."""
     config, spec = checkpoint.config, family(plan.architecture)
     if plan.rope is not None:  # the rotary factors the plan chose for the served context
@@ -67,6 +67,6 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
             attach_lora(model, plan.options.max_loras, plan.options.max_lora_rank, TORCH_DTYPES[plan.lora_dtype.value])
     model.eval()
     model.requires_grad_(False)
-    if not isinstance(model, LlamaForCausalLM):  # every family's module is one (the spec's type is untyped)
-        raise TypeError(f"the {plan.architecture!r} family's {type(model).__name__} is not a LlamaForCausalLM")
+    if not isinstance(model, DecoderForCausalLM):  # every family's module is one (the spec's type is untyped)
+        raise TypeError(f"the {plan.architecture!r} family's {type(model).__name__} is not a DecoderForCausalLM")
     return model

@@ -31,7 +31,7 @@ from tokenmill_service.layers.embedding import ParallelLMHead
 from tokenmill_service.layers.linear import QuantFactory, ReplicatedLinear
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaDecoderLayer, post_attention, pre_attention
+from tokenmill_service.models.decoder import DecoderLayer, post_attention, pre_attention
 from tokenmill_service.models.params import LayerParams
 
 # The parts of an MTP layer that are its own (the rest is its decoder block's).
@@ -84,7 +84,7 @@ class SharedHead(nn.Module):
 class DeepseekMTPLayer(nn.Module):
     """One MTP layer (see the module's docstring); its block is layer ``layer_idx`` of the latent cache."""
 
-    def __init__(self, p: LayerParams, make_block: Callable[[LayerParams], LlamaDecoderLayer]) -> None:
+    def __init__(self, p: LayerParams, make_block: Callable[[LayerParams], DecoderLayer]) -> None:
         super().__init__()
         config, quant, ops = p.config, p.quant, p.ops
         hidden, eps = config.hidden_size, config.rms_norm_eps

@@ -61,6 +61,7 @@ from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.decoder import DecoderLayer, DecoderModel, GatedMLP
 from tokenmill_service.models.deepseek_config import (
     GGUF_LAYER_NAMES,
     kv_cache_values_per_token,
@@ -73,7 +74,6 @@ from tokenmill_service.models.deepseek_config import (
     unserved_reason,
 )
 from tokenmill_service.models.deepseek_mtp import DeepseekMTPLayer, mtp_layer_count, mtp_name, mtp_prefix
-from tokenmill_service.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from tokenmill_service.models.moe import MOE_FACTS, MoEForCausalLM, moe_settings, unfuse_stacked
 from tokenmill_service.models.params import LayerParams
 from tokenmill_service.models.registry import register_family
@@ -211,17 +211,17 @@ class DeepseekV3MoE(FusedMoE):
         routing: GroupedTopK = config.extra["moe_routing"]  # type: ignore[assignment]
         super().__init__(config.hidden_size, width, experts, per_token, renormalize, prefix, ops, quant, tp, routing)
         shared = int(config.extra["shared_expert_width"])  # type: ignore[call-overload]
-        self.shared_experts: LlamaMLP | None = None
+        self.shared_experts: GatedMLP | None = None
         if shared:
             shape = dataclasses.replace(config, intermediate_size=shared)
-            self.shared_experts = LlamaMLP(shape, f"{prefix}.shared_experts", ops, quant, tp)
+            self.shared_experts = GatedMLP(shape, f"{prefix}.shared_experts", ops, quant, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+class DeepseekV3DecoderLayer(DecoderLayer):
     """A Llama layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
 
     def make_mlp(self, p: LayerParams) -> nn.Module:
@@ -231,10 +231,10 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
         first_moe = config.extra_int("first_k_dense_replace")
         if p.layer_idx >= first_moe and "num_experts" in config.extra:
             return DeepseekV3MoE(config, p.prefix, p.ops, p.quant, p.tp)
-        return LlamaMLP(config, p.prefix, p.ops, p.quant, p.tp)
+        return GatedMLP(config, p.prefix, p.ops, p.quant, p.tp)
 
 
-class DeepseekV3Model(LlamaModel):
+class DeepseekV3Model(DecoderModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         d = mla_dims(config)
         yarn: Yarn | None = config.extra.get("yarn")  # type: ignore[assignment]
@@ -245,8 +245,8 @@ class DeepseekV3Model(LlamaModel):
 
 class DeepseekV3ForCausalLM(MoEForCausalLM):
     attention_type = DeepseekV3Attention  # type: ignore[assignment]  # not a Llama's: latent, with its own project/attend
-    model_type: ClassVar[type[LlamaModel]] = DeepseekV3Model
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = DeepseekV3DecoderLayer
+    model_type: ClassVar[type[DecoderModel]] = DeepseekV3Model
+    layer_type: ClassVar[type[DecoderLayer]] = DeepseekV3DecoderLayer
     # The attention's projections keep their own names; only the dense MLP packs gate/up.
     packed_modules: ClassVar[Mapping[str, tuple[str, str | int]]] = {
         "gate_proj": ("gate_up_proj", 0),

@@ -34,19 +34,16 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
-from tokenmill_service.models.llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaModel,
+from tokenmill_service.models.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
     Regions,
 )
 from tokenmill_service.models.params import LayerParams
@@ -81,32 +78,29 @@ def _optional(value: object) -> float | None:
     return float(cast(float, value)) if value else None
 
 
-class Gemma2Attention(LlamaAttention):
+class Gemma2Attention(DecoderAttention):
     def __init__(self, p: LayerParams) -> None:
         super().__init__(p)
         config = p.config
         self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
         self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
-        return out.flatten(1)
+    def attention_options(self) -> dict[str, Any]:
+        return {"window": self.window, "softcap": self.softcap}
 
 
-class GemmaMLP(LlamaMLP):
+class GemmaMLP(GatedMLP):
     """GeGLU: gate/up, GELU (tanh) and mul, down."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
-class GemmaDecoderLayer(LlamaDecoderLayer):
+class GemmaDecoderLayer(DecoderLayer):
     """Sandwich norms: attention's and the MLP's outputs each normed before their residual add, the MLP's
     input by ``pre_feedforward_layernorm`` (``gemma_post_attention``)."""
 
-    def __init__(self, p: LayerParams, attention_type: type[LlamaAttention] = Gemma2Attention) -> None:
+    def __init__(self, p: LayerParams, attention_type: type[DecoderAttention] = Gemma2Attention) -> None:
         super().__init__(p, attention_type)
         config, ops, act_dtype, hidden = p.config, p.ops, p.act_dtype, p.config.hidden_size
         self.input_layernorm = gemma_norm(config, hidden, ops, act_dtype)
@@ -134,35 +128,17 @@ class GemmaRegions(Regions):
     post_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gemma_post_attention
 
 
-GEMMA_EAGER = GemmaRegions()
-
-
-class GemmaModel(LlamaModel):
-    def __init__(
-        self,
-        config: ModelConfig,
-        ops: Ops,
-        quant: QuantFactory,
-        act_dtype: torch.dtype,
-        embed_dtype: torch.dtype,
-        head_dtype: torch.dtype,
-        tp: TensorParallel,
-        attention_type: type[LlamaAttention] = Gemma2Attention,
-        layer_type: type[LlamaDecoderLayer] = GemmaDecoderLayer,
-    ) -> None:
-        super().__init__(config, ops, quant, act_dtype, embed_dtype, head_dtype, tp, attention_type, layer_type)
-        self.norm = gemma_norm(config, config.hidden_size, ops, head_dtype)
-        self.act_dtype = act_dtype
+class GemmaModel(DecoderModel):
+    def __init__(self, config: ModelConfig, *args: Any) -> None:
+        super().__init__(config, *args)
         # sqrt(hidden) as a number of the activations' dtype (transformers: a tensor cast to it).
-        self.normalizer = float(torch.tensor(math.sqrt(config.hidden_size), dtype=act_dtype))
+        self.normalizer = float(torch.tensor(math.sqrt(config.hidden_size), dtype=self.act_dtype))
+
+    def make_norm(self, config: ModelConfig, ops: Ops, out_dtype: torch.dtype) -> RMSNorm:
+        return gemma_norm(config, config.hidden_size, ops, out_dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.embed_tokens(input_ids)).to(self.act_dtype) * self.normalizer
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
-    ) -> torch.Tensor:
-        return super().forward(input_ids, positions, meta, run)
 
 
 def read_gemma_hf_config(raw: dict[str, Any], config: ModelConfig, defaults: dict[str, Any], pattern: int) -> None:
@@ -203,23 +179,18 @@ def read_gemma_gguf_config(
     extra["query_pre_attn_scalar"] = float(per_head)
 
 
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Gemma2Attention
-    model_type: ClassVar[type[LlamaModel]] = GemmaModel
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = GemmaDecoderLayer
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    attention_type: ClassVar[type[DecoderAttention]] = Gemma2Attention
+    model_type: ClassVar[type[DecoderModel]] = GemmaModel
+    layer_type: ClassVar[type[DecoderLayer]] = GemmaDecoderLayer
     regions_type: ClassVar[type[Regions]] = GemmaRegions
 
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.final_softcap = _optional(config.extra.get("final_logit_softcapping"))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
-    ) -> torch.Tensor:
-        return cast(torch.Tensor, self.model(input_ids, positions, meta, run))
-
-    def compute_logits(self, hidden: torch.Tensor, run: Regions = GEMMA_EAGER) -> torch.Tensor:
-        logits = run.head_logits(self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor, run: Regions | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, run)
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -28,6 +28,7 @@ import torch
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import SLIDING, ModelConfig
+from tokenmill_service.models.decoder import DecoderAttention, DecoderModel
 from tokenmill_service.models.gemma2 import (
     GEMMA_FACTS,
     GEMMA_GGUF_LAYER_NAMES,
@@ -40,14 +41,13 @@ from tokenmill_service.models.gemma2 import (
     read_gemma_hf_config,
 )
 from tokenmill_service.models.hf_loader import rope_type
-from tokenmill_service.models.llama import LlamaAttention, LlamaModel
 from tokenmill_service.models.params import LayerParams
-from tokenmill_service.models.qwen3 import QK_NORM_NAMES, _norm_heads
+from tokenmill_service.models.qwen3 import QK_NORM_NAMES, HeadNormedAttention
 from tokenmill_service.models.registry import register_family
 from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names, Tensors
 
 
-class Gemma3Attention(Gemma2Attention):
+class Gemma3Attention(HeadNormedAttention, Gemma2Attention):
     """Gemma 2's, q and k normed per head before rotary (the native stack runs it as Qwen3's)."""
 
     def __init__(self, p: LayerParams) -> None:
@@ -55,9 +55,6 @@ class Gemma3Attention(Gemma2Attention):
         act_dtype, config = self.qkv_proj.quant.act_dtype, p.config
         self.q_norm = gemma_norm(config, config.head_dim, p.ops, act_dtype)
         self.k_norm = gemma_norm(config, config.head_dim, p.ops, act_dtype)
-
-    def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
 
 
 def scaled_rotary(config: ModelConfig, theta: float, linear_factor: float, ops: Ops) -> RotaryEmbedding:
@@ -78,7 +75,7 @@ class Gemma3Model(GemmaModel):
         local = scaled_rotary(config, cast(float, config.extra["rope_local_theta"]), 1.0, ops)
         for layer, kind in zip(self.layers, cast(list[str], config.extra["layer_types"])):
             if kind == SLIDING:
-                cast(LlamaAttention, layer.self_attn).rotary = local
+                cast(DecoderAttention, layer.self_attn).rotary = local
 
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         return scaled_rotary(config, config.rope_theta, cast(float, config.extra["rope_linear_factor"]), ops)
@@ -109,8 +106,8 @@ def _linear_factor(params: dict[str, Any]) -> float:
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Gemma3Attention
-    model_type: ClassVar[type[LlamaModel]] = Gemma3Model
+    attention_type: ClassVar[type[DecoderAttention]] = Gemma3Attention
+    model_type: ClassVar[type[DecoderModel]] = Gemma3Model
 
 
 def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:

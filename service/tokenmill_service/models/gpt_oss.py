@@ -30,7 +30,6 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.layer import ExpertMLP
@@ -38,8 +37,8 @@ from tokenmill_service.layers.linear import RowParallelLinear
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense, describe
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
+from tokenmill_service.models.decoder import DecoderAttention, DecoderModel
 from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import LlamaAttention, LlamaModel
 from tokenmill_service.models.moe import (
     MOE_FACTS,
     MOE_LAYER_NAMES,
@@ -64,7 +63,7 @@ _EXPERT_BIAS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up
 _ROUTER = re.compile(r"(model\.layers\.\d+\.mlp)\.router\.(weight|bias)")
 
 
-class GptOssAttention(LlamaAttention):
+class GptOssAttention(DecoderAttention):
     """Llama attention with an output bias, a sliding window on the layers that have one and a sink per head."""
 
     sinks: torch.Tensor
@@ -81,11 +80,8 @@ class GptOssAttention(LlamaAttention):
         """The checkpoint's sinks [heads]: this rank's heads'."""
         self.sinks.copy_(dense(tensor).float()[self.first_head : self.first_head + self.num_heads])
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, sinks=self.sinks)
-        return out.flatten(1)
+    def attention_options(self) -> dict[str, Any]:
+        return {"window": self.window, "sinks": self.sinks}
 
 
 class GptOssExpert(ExpertMLP):
@@ -129,7 +125,7 @@ class YarnRotaryEmbedding(RotaryEmbedding):
             self.cos, self.sin = freqs.cos() * yarn.cos_sin_factor, freqs.sin() * yarn.cos_sin_factor
 
 
-class GptOssModel(LlamaModel):
+class GptOssModel(DecoderModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         yarn = cast(Yarn | None, config.extra.get("yarn"))
         return YarnRotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, yarn, ops)

@@ -1,9 +1,9 @@
 """Granite 3 (dense): a Llama-family decoder with four scalars of its own (transformers' modeling_granite.py).
 
-- ``embedding_multiplier`` scales the token embeddings (``LlamaModel.embed``);
+- ``embedding_multiplier`` scales the token embeddings (``DecoderModel.embed``);
 - ``attention_multiplier`` is the attention scale, in place of 1/sqrt(head_dim);
 - ``residual_multiplier`` scales each sub-layer's output, attention's and the MLP's, before its
-  residual add (``LlamaDecoderLayer.branch``: ``residual_multiplier``);
+  residual add (``DecoderLayer.branch``: ``residual_multiplier``);
 - ``logits_scaling`` divides the logits.
 
 Everything else is llama.py's. They are read from config.json, or from a GGUF's ``granite.*`` keys
@@ -21,12 +21,11 @@ from typing import Any
 import torch
 
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import (
-    EAGER,
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
+from tokenmill_service.models.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderModel,
     Regions,
 )
 from tokenmill_service.models.params import LayerParams
@@ -46,19 +45,19 @@ def _multiplier(config: ModelConfig, key: str) -> float:
     return float(config.extra[key])  # type: ignore[arg-type]
 
 
-class GraniteAttention(LlamaAttention):
+class GraniteAttention(DecoderAttention):
     def __init__(self, p: LayerParams) -> None:
         super().__init__(p)
         self.scale = _multiplier(p.config, "attention_multiplier")
 
 
-class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, p: LayerParams, attention_type: type[LlamaAttention] = GraniteAttention) -> None:
+class GraniteDecoderLayer(DecoderLayer):
+    def __init__(self, p: LayerParams, attention_type: type[DecoderAttention] = GraniteAttention) -> None:
         super().__init__(p, attention_type)
-        self.residual_multiplier = _multiplier(p.config, "residual_multiplier")  # LlamaDecoderLayer.branch's
+        self.residual_multiplier = _multiplier(p.config, "residual_multiplier")  # DecoderLayer.branch's
 
 
-class GraniteModel(LlamaModel):
+class GraniteModel(DecoderModel):
     def __init__(self, config: ModelConfig, *args: Any) -> None:
         super().__init__(config, *args)
         self.embedding_multiplier = _multiplier(config, "embedding_multiplier")
@@ -68,7 +67,7 @@ class GraniteModel(LlamaModel):
         return rows * self.embedding_multiplier
 
 
-class GraniteForCausalLM(LlamaForCausalLM):
+class GraniteForCausalLM(DecoderForCausalLM):
     attention_type = GraniteAttention
     model_type = GraniteModel
     layer_type = GraniteDecoderLayer
@@ -77,7 +76,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         super().__init__(config, *args, **kwargs)
         self.logits_scaling = _multiplier(config, "logits_scaling")
 
-    def compute_logits(self, hidden: torch.Tensor, run: Regions = EAGER) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, run: Regions | None = None) -> torch.Tensor:
         return super().compute_logits(hidden, run) / self.logits_scaling
 
 

@@ -1,7 +1,7 @@
 """What the mixture-of-experts families (mixtral.py, qwen3_moe.py, olmoe.py; deepseek_v3.py with its own
 routing, shared experts and layers) share on llama.py's seams.
 
-- The decoder layer's MLP (``LlamaDecoderLayer.make_mlp``) is a ``FusedMoE`` in the layers that have
+- The decoder layer's MLP (``DecoderLayer.make_mlp``) is a ``FusedMoE`` in the layers that have
   experts, a dense MLP in the others (Qwen3-MoE's ``mlp_only_layers``).
 - The load plan sees every expert's projections as linear layers of their own
   (``model.layers.N.mlp.experts.E.gate_up_proj``, ``...down_proj``) and the router as ``mlp.gate``,
@@ -30,7 +30,7 @@ from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill_service.models.decoder import DecoderForCausalLM, DecoderLayer, GatedMLP
 from tokenmill_service.models.params import LayerParams
 from tokenmill_service.models.spec import GGUF_LAYER_NAMES, Facts, Tensors
 
@@ -110,18 +110,18 @@ def moe_tensors(gguf_layer: dict[str, str] | None = None) -> Tensors:
     return Tensors(gguf_layer=gguf_layer or MOE_LAYER_NAMES, linear_prefixes=moe_linear_prefixes, unfuse=unfuse_stacked)
 
 
-class MoEDecoderLayer(LlamaDecoderLayer):
+class MoEDecoderLayer(DecoderLayer):
     def make_mlp(self, p: LayerParams) -> nn.Module:
         experts, per_token, width, renormalize, moe_layers = moe_settings(p.config)
         if p.layer_idx not in moe_layers:
-            return LlamaMLP(p.config, p.prefix, p.ops, p.quant, p.tp)
+            return GatedMLP(p.config, p.prefix, p.ops, p.quant, p.tp)
         return FusedMoE(p.config.hidden_size, width, experts, per_token, renormalize, p.prefix, p.ops, p.quant, p.tp)
 
 
-class MoEForCausalLM(LlamaForCausalLM):
+class MoEForCausalLM(DecoderForCausalLM):
     """The module of the mixture-of-experts families (registered by each family's spec)."""
 
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = MoEDecoderLayer
+    layer_type: ClassVar[type[DecoderLayer]] = MoEDecoderLayer
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token's forward pass reads: every layer's, but of each layer's experts

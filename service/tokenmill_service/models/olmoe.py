@@ -17,14 +17,14 @@ import torch
 
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaAttention
+from tokenmill_service.models.decoder import DecoderAttention
 from tokenmill_service.models.moe import MOE_FACTS, MOE_LAYER_NAMES, MoEForCausalLM, moe_tensors, set_moe
 from tokenmill_service.models.params import LayerParams
 from tokenmill_service.models.registry import register_family
 from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names
 
 
-class OlmoeAttention(LlamaAttention):
+class OlmoeAttention(DecoderAttention):
     def __init__(self, p: LayerParams) -> None:
         if p.tp.size > 1:
             raise ValueError("OLMoE's q/k norms span every attention head: it does not run tensor-parallel")

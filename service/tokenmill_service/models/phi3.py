@@ -42,8 +42,8 @@ import torch
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.decoder import DecoderForCausalLM, DecoderModel
 from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import LlamaForCausalLM, LlamaModel
 from tokenmill_service.models.registry import register_family
 from tokenmill_service.models.spec import (
     GGUF_LAYER_NAMES,
@@ -95,7 +95,7 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
         return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
-class Phi3Model(LlamaModel):
+class Phi3Model(DecoderModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         # The factors the load plan chose (``with_rope``); LongRoPE's short ones for a model built without it.
         chosen = config.extra.get("rope_factors", config.extra.get("rope_short_factor"))
@@ -144,7 +144,7 @@ SHORT, LONG = "short-factors", "long-factors"
 PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(DecoderForCausalLM):
     model_type = Phi3Model
 
 

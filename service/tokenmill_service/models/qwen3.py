@@ -1,6 +1,6 @@
 """Qwen3 (dense): a Llama-family decoder whose attention RMS-normalizes each head of q and of k.
 
-Everything else is llama.py's: the norm sits in ``LlamaAttention.before_rotary`` (after the q/k/v
+Everything else is llama.py's: the norm sits in ``DecoderAttention.before_rotary`` (after the q/k/v
 projection, before rotary) and goes through the ops backend's ``rms_norm``, so the native, torch
 and triton backends all serve it. Qwen3 has no q/k/v bias and its ``head_dim`` need not be
 hidden / heads (``ModelConfig.head_dim`` is read from the checkpoint).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill_service.layers.norm import RMSNorm
-from tokenmill_service.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill_service.models.decoder import DecoderAttention, DecoderForCausalLM
 from tokenmill_service.models.params import LayerParams
 from tokenmill_service.models.registry import register_family
 from tokenmill_service.models.spec import (
@@ -29,16 +29,24 @@ from tokenmill_service.models.spec import (
 )
 
 
-class Qwen3Attention(LlamaAttention):
+class HeadNormedAttention(DecoderAttention):
+    """q and k RMS-normed per head between the projection and rotary (``q_norm``, ``k_norm``: [head_dim] each,
+    made by the family's subclass): Qwen3's, Gemma 3's."""
+
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+
+    def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
+
+
+class Qwen3Attention(HeadNormedAttention):
     def __init__(self, p: LayerParams) -> None:
         super().__init__(p)
         # Normed q and k stay in the projection's dtype, as rotary and attention take them.
         act_dtype, config = self.qkv_proj.quant.act_dtype, p.config
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, p.ops, act_dtype)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, p.ops, act_dtype)
-
-    def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
 
 
 def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +57,7 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return normed.view(tokens, heads, head_dim)
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+class Qwen3ForCausalLM(DecoderForCausalLM):
     attention_type = Qwen3Attention
 
 
