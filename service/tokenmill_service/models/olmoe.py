@@ -24,10 +24,14 @@ from tokenmill_service.models.registry import register_family
 from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names
 
 
-class OlmoeAttention(DecoderAttention):
+class WholeNormedAttention(DecoderAttention):
+    """q and k RMS-normed over each token's whole projection (all heads at once) before rotary: OLMoE's, OLMo 2's."""
+
     def __init__(self, p: LayerParams) -> None:
         if p.tp.size > 1:
-            raise ValueError("OLMoE's q/k norms span every attention head: it does not run tensor-parallel")
+            raise ValueError(
+                f"{p.config.architecture}'s q/k norms span every attention head: it does not run tensor-parallel"
+            )
         super().__init__(p)
         act_dtype, eps = self.qkv_proj.quant.act_dtype, p.config.rms_norm_eps
         self.q_norm = RMSNorm(self.qkv_proj.q_size, eps, p.ops, act_dtype)
@@ -45,7 +49,7 @@ def _norm_all_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 class OlmoeForCausalLM(MoEForCausalLM):
-    attention_type = OlmoeAttention
+    attention_type = WholeNormedAttention
 
 
 def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:

@@ -34,6 +34,7 @@ BUILTIN_FAMILIES = (
     "tokenmill_service.models.mixtral",
     "tokenmill_service.models.qwen3_moe",
     "tokenmill_service.models.olmoe",
+    "tokenmill_service.models.olmo2",
     "tokenmill_service.models.gpt_oss",
 )
 

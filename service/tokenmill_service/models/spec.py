@@ -24,9 +24,9 @@ GGUFField = Callable[[str], Any]
 # What a family does to q and k before rotary (the native stack's abi.QK_NORM_MODES): nothing, an RMSNorm
 # of each token's whole q and k projections (OLMoE's, OLMo 2's), or of each head (Qwen3's, Gemma 3's).
 QKNorm = Literal["none", "whole", "heads"]
-# Where a layer's norms are: before attention and the MLP (Llama's), or also after each (Gemma's
-# "sandwich": attention's and the MLP's outputs normed before their residual add).
-NormPlacement = Literal["pre", "sandwich"]
+# Where a layer's norms are: before attention and the MLP (Llama's), also after each (Gemma's "sandwich":
+# attention's and the MLP's outputs normed before their residual add), or only after each (OLMo 2's).
+NormPlacement = Literal["pre", "sandwich", "post"]
 
 # llama.cpp's names (convert_hf_to_gguf.py) of the tensors outside the layers, and of a layer's parts.
 GGUF_GLOBAL_NAMES: Mapping[str, str] = {
