@@ -1,6 +1,6 @@
 """What the engine needs of a model: the interface it is written against (no model module imported).
 
-``models/llama.py``'s ``LlamaForCausalLM`` is one; a test can hand the engine anything that fits.
+``models/decoder.py``'s ``DecoderForCausalLM`` (every family's module) is one; a test can hand the engine anything that fits.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The decoder every family's module is built on, as a plain ``nn.Module``: attention (q/k/v packed in one
 projection, rotary, paged attention within the layer's window), a gated MLP, pre-norm layers with a float32
 residual stream, the final norm and the head. Llama's, Mistral's and Qwen2's module is this one unchanged
-(llama.py holds their specs); a family that differs overrides a seam (``before_rotary``, ``attend``,
+(llama.py holds their specs); a family that differs overrides a seam (``before_rotary``, ``attention_options``,
 ``make_mlp``, ``make_rotary``, ``embed``, ``branch``) in a subclass of its own.
 
 Built from ``layers/`` (linear layers with their quantization method, vocabulary-parallel

@@ -222,7 +222,7 @@ class DeepseekV3MoE(FusedMoE):
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
-    """A Llama layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
+    """The decoder's layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
 
     def make_mlp(self, p: LayerParams) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``,

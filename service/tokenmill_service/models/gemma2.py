@@ -1,4 +1,4 @@
-"""Gemma 2: a Llama-family decoder with Gemma's norms, GeGLU, soft-capping and sliding-window layers
+"""Gemma 2: the decoder (decoder.py) with Gemma's norms, GeGLU, soft-capping and sliding-window layers
 (transformers' modeling_gemma2.py is the reference).
 
 - Token embeddings are scaled by sqrt(hidden), the factor rounded to the activations' dtype first,
@@ -20,7 +20,7 @@ keeps no query_pre_attn_scalar: it scales by head_dim ** -0.5, or (hidden / head
 
 The native decoder stack runs Gemma's layers too (engine/native_stack.py): its GeGLU is elementwise.cpp's
 (the native ops' ``gelu_tanh_and_mul``, so the eager loop's bits), the layer's sandwich norms
-(``sandwich_norms``) and its attention's scale, window and soft cap go with it; the embeddings' scale
+(its spec's ``norms="sandwich"``) and its attention's scale, window and soft cap go with it; the embeddings' scale
 and the final logit soft cap stay here (``GemmaModel.embed``, ``compute_logits``).
 """
 

@@ -14,7 +14,7 @@ absent), ``rope.scaling.type`` ``linear`` and ``rope.scaling.factor`` (global la
 applies them), ``attention.sliding_window`` (none: every layer global) with the pattern of 6, and
 ``attn_q_norm`` / ``attn_k_norm``.
 
-The native decoder stack runs it as Gemma 2's, with its per-head q/k norms (``qk_norm``) and each layer's
+The native decoder stack runs it as Gemma 2's, with its per-head q/k norms (its spec's ``qk_norm="heads"``) and each layer's
 rotary tables (the local layers' their own).
 """
 

@@ -190,7 +190,7 @@ def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's q/k row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py).
 
     Per head, the converter interleaves the two rotary halves (rows 0, d/2, 1, d/2+1, ...) for
-    ggml's pairwise RoPE; ``llama.py`` rotates halves, so rows go back as ``[first half, second half]``.
+    ggml's pairwise RoPE; the decoder rotates halves, so rows go back as ``[first half, second half]``.
     """
     return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
 
@@ -249,7 +249,7 @@ def iter_gguf(
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and dequantized state dict (``llama.py`` names, ``dtype``, on CPU) of a GGUF checkpoint;
+    """Config and dequantized state dict (Hugging Face names, ``dtype``, on CPU) of a GGUF checkpoint;
     tied checkpoints get no ``lm_head.weight`` entry. The server loads through ``iter_gguf`` instead."""
     config, _, items = iter_gguf(path)
     state = {}

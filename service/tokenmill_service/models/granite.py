@@ -6,7 +6,7 @@
   residual add (``DecoderLayer.branch``: ``residual_multiplier``);
 - ``logits_scaling`` divides the logits.
 
-Everything else is llama.py's. They are read from config.json, or from a GGUF's ``granite.*`` keys
+Everything else is the decoder's (decoder.py). They are read from config.json, or from a GGUF's ``granite.*`` keys
 (llama.cpp's converter writes ``embedding_scale``, ``attention.scale``, ``residual_scale`` and
 ``logit_scale``, and permutes q/k as for Llama), into ``ModelConfig.extra``. The native decoder stack
 runs Granite's layers: it scales each sub-layer's output by the residual multiplier as the eager layer

@@ -23,7 +23,7 @@ from tokenmill_service.models.registry import family, hf_architectures, unfused
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
-# Buffers some older checkpoints saved; llama.py recomputes them.
+# Buffers some older checkpoints saved; the decoder recomputes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # FP8 block-scaled weights: the scales of ``<name>.weight`` are ``<name>.weight_scale_inv`` (read with it).
 FP8_SCALE_SUFFIX = ".weight_scale_inv"

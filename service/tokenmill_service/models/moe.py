@@ -1,5 +1,5 @@
 """What the mixture-of-experts families (mixtral.py, qwen3_moe.py, olmoe.py; deepseek_v3.py with its own
-routing, shared experts and layers) share on llama.py's seams.
+routing, shared experts and layers) share on the decoder's seams (decoder.py).
 
 - The decoder layer's MLP (``DecoderLayer.make_mlp``) is a ``FusedMoE`` in the layers that have
   experts, a dense MLP in the others (Qwen3-MoE's ``mlp_only_layers``).

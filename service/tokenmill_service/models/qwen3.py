@@ -1,6 +1,6 @@
 """Qwen3 (dense): a Llama-family decoder whose attention RMS-normalizes each head of q and of k.
 
-Everything else is llama.py's: the norm sits in ``DecoderAttention.before_rotary`` (after the q/k/v
+Everything else is the decoder's (decoder.py): the norm sits in ``DecoderAttention.before_rotary`` (after the q/k/v
 projection, before rotary) and goes through the ops backend's ``rms_norm``, so the native, torch
 and triton backends all serve it. Qwen3 has no q/k/v bias and its ``head_dim`` need not be
 hidden / heads (``ModelConfig.head_dim`` is read from the checkpoint).
