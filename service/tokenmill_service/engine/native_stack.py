@@ -25,7 +25,7 @@ Granite's scaling) stay the model's own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -33,9 +33,6 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import decoder_stack
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.native import why_not_native
-
-if TYPE_CHECKING:
-    from tokenmill_service.models.spec import Facts
 
 
 def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
@@ -119,7 +116,7 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
     )  # fmt: skip
 
 
-def _layer(ly: Any, facts: Facts, rotary: Any) -> decoder_stack.LayerSpec:
+def _layer(ly: Any, facts: Any, rotary: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if facts.qk_norm != "none" else (None, None)
     qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
@@ -149,7 +146,7 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
     """The stack for ``model`` (a decoder whose every linear layer has a native kernel), built from what its
     family's spec states of its layers (``model.facts``: norm placement, q/k norms, activation, soft caps,
     sinks, latent attention) and its layers' own numbers (windows, scales, multipliers, rotary tables)."""
-    facts: Facts = model.facts
+    facts = model.facts  # models/spec.py's Facts (named, not imported: the engine imports no model module)
     if facts.native_stack_gap:
         raise ValueError(f"{type(model).__name__} has no native stack: {facts.native_stack_gap}")
     layers = model.model.layers
