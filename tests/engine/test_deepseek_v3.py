@@ -27,12 +27,12 @@ from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
 from tokenmill_service.kernels.cpu import latent_attention
 from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
+from tokenmill_service.models.decoder import GatedMLP
 from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
 from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.hf_loader import read_hf_config
-from tokenmill_service.models.llama import LlamaMLP
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.models.registry import model_class
+from tokenmill_service.models.registry import family as family_spec
 from tokenmill_service.plan.plan import PlanRefused
 from tokenmill_service.plan.resolve import kv_cache_bytes_per_token
 
@@ -199,7 +199,7 @@ def test_deepseek_v3s_real_config_caches_70272_bytes_a_token_against_4997120(tmp
     real = transformers.DeepseekV3Config()
     (tmp_path / "config.json").write_text(json.dumps({**real.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}))
     config = read_hf_config(tmp_path)
-    family = model_class(config.architecture)
+    family = family_spec(config.architecture)
     latent, per_head = family.kv_cache_values_per_token(config)
     assert latent == 61 * (512 + 64) == 35136
     assert per_head == 61 * 128 * ((128 + 64) + 128) == 2498560
@@ -239,7 +239,7 @@ def test_expert_layers_give_the_transformers_logits_and_prompt_logprobs(moe_chec
     directory, hf_model = moe_checkpoint
     model = load_model(directory, dtype=torch.float32, quantization="none")
     kinds = [type(layer.mlp) for layer in model.model.layers]
-    assert kinds == [LlamaMLP, DeepseekV3MoE, DeepseekV3MoE]
+    assert kinds == [GatedMLP, DeepseekV3MoE, DeepseekV3MoE]
     moe = model.model.layers[1].mlp
     assert moe.grouped == GroupedTopK(n_group=2, topk_group=1, scaling=2.5) and moe.top_k == 2 and moe.renormalize
     assert moe.shared_experts is not None  # moe_intermediate_size x 1 shared expert wide

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.models.decoder import DecoderForCausalLM
 from tokenmill_service.models.loader import load_model, resolve_model_path
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
@@ -31,13 +31,13 @@ def prompts() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def model_f32(default_model: LlamaForCausalLM) -> LlamaForCausalLM:
+def model_f32(default_model: DecoderForCausalLM) -> DecoderForCausalLM:
     # The session's shared float32 load (conftest.py), so the suite loads the model once.
     assert default_model.act_dtype == torch.float32 and default_model.quantization == "none"
     return default_model
 
 
-def prompt_logprobs(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def prompt_logprobs(model: DecoderForCausalLM, ids: list[int]) -> torch.Tensor:
     """Log-softmax over the vocabulary at each prompt position, one no-cache pass: [T, vocab]."""
     with torch.inference_mode():
         return torch.log_softmax(model.compute_logits(forward_prompt(model, ids)), dim=-1)
@@ -63,7 +63,7 @@ def _tolerated_top5_difference(ours: list[int], ref_top: list[list[float]], logp
 
 
 def test_float32_prompt_logprobs_match_the_reference(
-    model_f32: LlamaForCausalLM, prompts: list[dict[str, Any]]
+    model_f32: DecoderForCausalLM, prompts: list[dict[str, Any]]
 ) -> None:
     max_error = 0.0
     tolerated: list[str] = []
@@ -110,7 +110,7 @@ def test_bfloat16_model_roughly_agrees_with_the_reference(prompts: list[dict[str
     assert agree / total >= 0.95
 
 
-def test_default_model_is_configured_as_smollm2(model_f32: LlamaForCausalLM) -> None:
+def test_default_model_is_configured_as_smollm2(model_f32: DecoderForCausalLM) -> None:
     config = model_f32.config
     assert config.name == "SmolLM2-135M-Instruct.Q4_1"
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)

@@ -3,19 +3,21 @@ registry, a name is registered once, and an unsupported checkpoint is refused na
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import ClassVar
 
 import gguf
 import numpy as np
 import pytest
 
 from tokenmill_service.models import registry
+from tokenmill_service.models.decoder import DecoderForCausalLM
 from tokenmill_service.models.gguf_loader import GGUFError, load_gguf
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.llama import LlamaForCausalLM
-from tokenmill_service.models.registry import gguf_architectures, hf_architectures, model_class, register_model
+from tokenmill_service.models.llama import LLAMA
+from tokenmill_service.models.registry import family, gguf_architectures, hf_architectures, register_family
+from tokenmill_service.models.spec import FamilySpec, Names
 
 
 def test_the_loaders_names_come_from_the_families() -> None:
@@ -28,8 +30,8 @@ def test_the_loaders_names_come_from_the_families() -> None:
     assert hf["Qwen3ForCausalLM"] == "qwen3"
     assert gguf_architectures()["mistral"] == "llama"  # llama-shaped, permuted q/k as llama's
     for name, arch in {**hf, **gguf_architectures()}.items():
-        family = model_class(arch)
-        assert name in {**vars(family).get("hf_architectures", {}), **vars(family).get("gguf_architectures", {})}
+        spec = family(arch)
+        assert name in {**spec.names.hf, **spec.names.gguf}
 
 
 @pytest.mark.parametrize(
@@ -44,35 +46,25 @@ def test_the_loaders_names_come_from_the_families() -> None:
 def test_a_name_already_registered_is_refused(
     names: tuple[str, ...], hf: dict[str, str], gguf_names: dict[str, str], clash: str
 ) -> None:
-    model_class("llama")  # the built-in families registered first
+    family("llama")  # the built-in families registered first
     before = (hf_architectures(), gguf_architectures())
-
-    class Clash(LlamaForCausalLM):
-        hf_architectures: ClassVar[dict[str, str]] = hf
-        gguf_architectures: ClassVar[dict[str, str]] = gguf_names
-
     with pytest.raises(ValueError, match=clash):
-        register_model(*names)(Clash)
+        register_family(FamilySpec(names, DecoderForCausalLM, Names(hf, gguf_names)))
     assert (hf_architectures(), gguf_architectures()) == before  # nothing half-registered
     with pytest.raises(ValueError, match="'new' has no model here"):
-        model_class("new")
+        family("new")
 
 
 def test_a_new_family_is_found_by_both_loaders_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    model_class("llama")
+    family("llama")
     for table in ("_FAMILIES", "_HF_NAMES", "_GGUF_NAMES"):
         monkeypatch.setattr(registry, table, dict(getattr(registry, table)))
-
-    @register_model("newfam")
-    class NewFamily(LlamaForCausalLM):
-        hf_architectures: ClassVar[dict[str, str]] = {"NewForCausalLM": "newfam"}
-        gguf_architectures: ClassVar[dict[str, str]] = {"newfam": "newfam"}
-
-    assert model_class("newfam") is NewFamily
+    # A Llama-shaped family is a spec: Llama's module under names of its own.
+    new = dataclasses.replace(
+        LLAMA, architectures=("newfam",), names=Names({"NewForCausalLM": "newfam"}, {"newfam": "newfam"})
+    )
+    assert register_family(new) is new and family("newfam") is new
     assert hf_architectures()["NewForCausalLM"] == "newfam" and gguf_architectures()["newfam"] == "newfam"
-    # A subclass that declares no names of its own takes none of its parent's.
-    register_model("quiet")(type("Quiet", (LlamaForCausalLM,), {}))
-    assert "quiet" not in hf_architectures().values()
 
 
 def test_an_unsupported_hf_architecture_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:

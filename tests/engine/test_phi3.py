@@ -10,6 +10,7 @@ it, as the load plan says; the fused split shown to matter, and what is not serv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -27,10 +28,11 @@ from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_eq
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.models import registry
 from tokenmill_service.models.config import layer_window
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 from tokenmill_service.models.loader import load_model
-from tokenmill_service.models.phi3 import LONG, SHORT, Phi3ForCausalLM
+from tokenmill_service.models.phi3 import LONG, PHI3, SHORT
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,15 +108,16 @@ def test_a_wrong_fused_split_is_far_from_transformers(
     """Guards the comparison above: rows cut from the fused tensors in another order load (the shapes fit)
     but give other logits. For q/k/v the k and v pieces swap (same size under grouped-query attention)."""
     directory, hf_model = checkpoint
-    real = Phi3ForCausalLM.unfuse.__func__  # type: ignore[attr-defined]
+    real = PHI3.tensors.unfuse
 
-    def wrong(cls: type, name: str, config: Any) -> list[tuple[str, int, int]] | None:
-        pieces = real(cls, name, config)
+    def wrong(name: str, config: Any) -> list[tuple[str, int, int]] | None:
+        pieces = real(name, config)
         if pieces is None or fused not in name:
             return pieces
         return [pieces[0], *_swap(pieces[1:])] if fused == "qkv_proj" else _swap(pieces)
 
-    monkeypatch.setattr(Phi3ForCausalLM, "unfuse", classmethod(wrong))
+    wrong_spec = dataclasses.replace(PHI3, tensors=dataclasses.replace(PHI3.tensors, unfuse=wrong))
+    monkeypatch.setitem(registry._FAMILIES, "phi3", wrong_spec)
     model = load_model(directory)
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     assert (actual - hf_logits(hf_model, PROMPT)).abs().max() > 1e-2
@@ -123,16 +126,16 @@ def test_a_wrong_fused_split_is_far_from_transformers(
 def test_unfuse_names_the_rows_of_each_piece(checkpoint: tuple[Path, Any]) -> None:
     config = read_hf_config(checkpoint[0])
     q, kv, inter = 4 * 64, 2 * 64, 128
-    assert Phi3ForCausalLM.unfuse("model.layers.1.self_attn.qkv_proj.weight", config) == [
+    assert PHI3.tensors.unfuse("model.layers.1.self_attn.qkv_proj.weight", config) == [
         ("model.layers.1.self_attn.q_proj.weight", 0, q),
         ("model.layers.1.self_attn.k_proj.weight", q, kv),
         ("model.layers.1.self_attn.v_proj.weight", q + kv, kv),
     ]
-    assert Phi3ForCausalLM.unfuse("model.layers.0.mlp.gate_up_proj.weight", config) == [
+    assert PHI3.tensors.unfuse("model.layers.0.mlp.gate_up_proj.weight", config) == [
         ("model.layers.0.mlp.gate_proj.weight", 0, inter),
         ("model.layers.0.mlp.up_proj.weight", inter, inter),
     ]
-    assert Phi3ForCausalLM.unfuse("model.layers.0.self_attn.o_proj.weight", config) is None
+    assert PHI3.tensors.unfuse("model.layers.0.self_attn.o_proj.weight", config) is None
 
 
 def test_the_plan_runs_the_native_stack_with_partial_rotary(checkpoint: tuple[Path, Any]) -> None:
@@ -245,7 +248,8 @@ def test_the_served_context_chooses_longrope_factors_in_the_plan(checkpoint: tup
     assert rope.startswith(f"{LONG} (LongRoPE: the served context (the model's own: 256) exceeds the original 32")
     assert served_whole.max_positions == 256
     config = read_hf_config(directory)
-    assert Phi3ForCausalLM.rope_choice(config, ORIGINAL + 1).value == LONG  # type: ignore[union-attr]
+    assert PHI3.rope_choice is not None
+    assert PHI3.rope_choice(config, ORIGINAL + 1).value == LONG  # type: ignore[union-attr]
     short = load_model(directory, max_model_len=ORIGINAL)
     assert short.plan.summary()["rope"].startswith(f"{SHORT} (LongRoPE: the served context (--max-model-len 32: 32)")
     assert short.max_positions == ORIGINAL

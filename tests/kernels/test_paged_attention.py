@@ -19,7 +19,7 @@ import torch
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import allocate_kv_cache, forward_prompt
 from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.models.decoder import DecoderForCausalLM
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 BLOCK_SIZE = 4
@@ -29,12 +29,12 @@ NUM_BLOCKS = 16
 class Cache:
     """A KV cache of our own for one of the session's models (conftest.py)."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: DecoderForCausalLM) -> None:
         self.k, self.v = allocate_kv_cache(model, NUM_BLOCKS, BLOCK_SIZE)
 
 
 @pytest.fixture(params=["reference", "served", "compiled"])
-def model(request: pytest.FixtureRequest) -> Iterator[LlamaForCausalLM]:
+def model(request: pytest.FixtureRequest) -> Iterator[DecoderForCausalLM]:
     """float32 unquantized; the server's default (the GGUF's blocks); the same with --compile auto."""
     yield request.getfixturevalue(
         {"reference": "default_model", "served": "served_model"}.get(request.param, "compiled_model")
@@ -47,7 +47,7 @@ def prompts() -> list[list[int]]:
     return [p["ids"] for p in sorted(data, key=lambda p: -len(p["ids"]))]
 
 
-def full_pass_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def full_pass_logits(model: DecoderForCausalLM, ids: list[int]) -> torch.Tensor:
     """Logits of every position from one prefill of the whole sequence (its own cache, 16-token blocks)."""
     return model.compute_logits(forward_prompt(model, ids))
 
@@ -64,7 +64,7 @@ class Sequence:
         return self.blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
 
 
-def run_step(model: LlamaForCausalLM, cache: Cache, steps: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
+def run_step(model: DecoderForCausalLM, cache: Cache, steps: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
     """Run the next ``n`` tokens of each sequence in one flat batch; the logits of each, in order."""
     ids: list[int] = []
     positions: list[int] = []
@@ -84,7 +84,7 @@ def run_step(model: LlamaForCausalLM, cache: Cache, steps: list[tuple[Sequence, 
 
 
 @torch.inference_mode()
-def test_chunked_prefill_then_decode_matches_a_full_pass(model: LlamaForCausalLM, prompts: list[list[int]]) -> None:
+def test_chunked_prefill_then_decode_matches_a_full_pass(model: DecoderForCausalLM, prompts: list[list[int]]) -> None:
     ids = prompts[0][:17]
     expected = full_pass_logits(model, ids)
     seq = Sequence(ids, blocks=[9, 3, 12, 5, 0])  # 17 tokens need 5 blocks of 4
@@ -99,7 +99,7 @@ def test_chunked_prefill_then_decode_matches_a_full_pass(model: LlamaForCausalLM
 
 @torch.inference_mode()
 def test_two_sequences_batched_through_the_cache_match_their_full_passes(
-    model: LlamaForCausalLM, prompts: list[list[int]]
+    model: DecoderForCausalLM, prompts: list[list[int]]
 ) -> None:
     a_ids, b_ids = prompts[0][:14], prompts[1][:11]
     expected_a, expected_b = full_pass_logits(model, a_ids), full_pass_logits(model, b_ids)

@@ -1,6 +1,6 @@
 """What the engine needs of a model: the interface it is written against (no model module imported).
 
-``models/llama.py``'s ``LlamaForCausalLM`` is one; a test can hand the engine anything that fits.
+``models/decoder.py``'s ``DecoderForCausalLM`` (every family's module) is one; a test can hand the engine anything that fits.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import nn
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 
@@ -23,6 +24,8 @@ class CausalLM(Protocol):
     plan: LoadPlan | None  # the load plan it was built from (None: built by hand, runs eager)
     # The functions a forward pass runs between attention calls (an executor may compile them).
     regions_type: ClassVar[type[Any]]
+    # Its multi-token-prediction layers, the draft model of ``--speculative-method mtp`` (empty: none).
+    mtp: nn.ModuleList
 
     @property
     def config(self) -> BaseDims:

@@ -26,7 +26,7 @@ and carries only those kept from the step before (one per sequence), which no ot
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -76,13 +76,13 @@ class DraftSink(Protocol):
 
 def first_mtp_layer(model: CausalLM) -> MTPLayer:
     """The model's first multi-token-prediction layer, the one the drafts chain (a clear error without)."""
-    layers = getattr(model, "mtp", None)
-    if not layers:
+    layers = model.mtp
+    if not len(layers):
         raise ValueError(
             "speculative_method mtp needs the model's multi-token-prediction layers loaded "
             "(load it with speculative_method='mtp'; only DeepSeek-V3 checkpoints have them)"
         )
-    layer: MTPLayer = layers[0]
+    layer = cast(MTPLayer, layers[0])
     return layer
 
 

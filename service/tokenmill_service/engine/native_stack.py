@@ -1,24 +1,26 @@
-"""The native decoder stack as an executor: a Llama-family model's layers and final norm described
-to ``kernels/cpu/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
+"""The native decoder stack as an executor: a decoder's layers and final norm described to
+``kernels/cpu/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
 as one native call a step with the bits of the model's own loop (tests/kernels/test_decoder_stack.py).
 
 The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
-this only describes a model the plan chose it for. A model with LoRA adapter slots (``--max-loras``)
-hands each linear layer's slots to the stack, and every step the tokens of each slot in use. A family's
-q/k norms are its attention's ``qk_norm`` (none, over the whole projection, per head); a
-mixture-of-experts layer hands the stack its router and its experts' native call (``FusedMoE.native``).
-A projection's bias goes with it; a layer's sliding window and attention sinks (gpt-oss's ``sinks``) with
-its attention, and each step's KV-cache groups with the step's metadata. Gemma's layers (``sandwich_norms``)
-hand the stack their norms of attention's and the MLP's outputs, their MLP's activation (``activation``:
-GeGLU) and their soft cap; a layer whose rotary tables are not the first layer's (Gemma 3's global ones)
-hands its own. A rotary that turns only the first dims of each head (``rotary_dim``: Phi-4-mini's partial
-rotary) says how many; the layers' residual multiplier (Granite's) goes with them. The embeddings (Gemma's
-scaled by sqrt(hidden), Granite's by its embedding multiplier) and the logits (Gemma 2's soft cap,
-Granite's logits scaling) stay the model's own. DeepSeek-V3's layers (a family with a latent cache) hand the
-stack their latent attention: the query projection (q_proj, or q_a_proj, its norm and q_b_proj),
-kv_a_proj_with_mqa and its latent's norm, kv_b_proj's weight as the attention absorbed it, the rotary tables
-and whether their dims are interleaved; a mixture-of-experts layer its grouped routing (``GroupedTopK`` and the
-score-correction bias) and its shared experts' dense MLP; the first layers their dense MLP.
+this only describes a model the plan chose it for, from what its family's spec states of its layers
+(``model.facts``, models/spec.py's ``Facts``) and the layers' own numbers:
+
+- the q/k norms (``facts.qk_norm``: none, over the whole projection, per head); the MLP's activation
+  (``facts.activation``: SiLU, or Gemma's GeGLU); the norms' placement (``facts.norms``: Gemma's sandwich
+  norms hand the stack their norms of attention's and the MLP's outputs); attention's soft cap (Gemma 2's)
+  and sinks (gpt-oss's) where the facts say the family has them;
+- each layer's sliding window, a projection's bias, the residual multiplier (Granite's), a rotary that turns
+  only the first dims of each head (Phi-4-mini's) and a layer's own rotary tables (Gemma 3's global ones);
+- a mixture-of-experts layer's router and its experts' native call (``FusedMoE.native``);
+- with latent attention (``facts.latent_attention``: DeepSeek-V3's), the query projection (q_proj, or q_a_proj,
+  its norm and q_b_proj), kv_a_proj_with_mqa and its latent's norm, kv_b_proj's weight as the attention
+  absorbed it, the rotary tables and whether their dims are interleaved; grouped routing (``GroupedTopK`` and
+  the score-correction bias), the shared experts' dense MLP, the first layers' dense MLP.
+
+A model with LoRA adapter slots (``--max-loras``) hands each linear layer's slots to the stack, and every step
+the tokens of each slot in use. The embeddings (Gemma's and Granite's scaled) and the logits (soft caps,
+Granite's scaling) stay the model's own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
     if lin.quant.native_kernel is None:
         raise ValueError(f"the {name} projection has no native kernel to call")
     lora = None
-    if getattr(lin, "lora", None) is not None:
+    if lin.lora is not None:
         lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
     weights, fmt = lin.quant.native_operands(lin)
     bias = None if lin.bias is None else lin.bias.detach()
@@ -49,7 +51,7 @@ def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
     DeepSeek-V3's grouped sigmoid with its score-correction bias), every expert native."""
     if mlp.placement.count != mlp.num_experts:
         raise ValueError("the native stack runs every expert of a layer; this rank holds some of them")
-    if getattr(mlp.gate, "lora", None) is not None:
+    if mlp.gate.lora is not None:
         raise ValueError("the native stack's router product has no LoRA adapter slots")
     experts = mlp.native()
     if experts is None:
@@ -61,7 +63,7 @@ def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
 
 
 def _no_lora(*linears: Any) -> None:
-    if any(getattr(lin, "lora", None) is not None for lin in linears):
+    if any(lin.lora is not None for lin in linears):
         raise ValueError("the native stack's latent attention and shared experts have no LoRA adapter slots")
 
 
@@ -80,11 +82,9 @@ def _latent_layer(ly: Any) -> decoder_stack.LayerSpec:
     qkv, o = _linear("q", q), _linear("o", attn.o_proj)
     mlp, moe = ly.mlp, None
     if isinstance(ly.mlp, FusedMoE):
-        moe, mlp = _moe(ly.mlp), getattr(ly.mlp, "shared_experts", None)
+        moe, mlp = _moe(ly.mlp), ly.mlp.shared_experts
     gate_up = down = None
     if mlp is not None:
-        if getattr(type(mlp), "activation", "silu") != "silu":
-            raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
         _no_lora(mlp.gate_up_proj, mlp.down_proj)
         gate_up, down = _linear("gate_up", mlp.gate_up_proj), _linear("down", mlp.down_proj)
     return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, moe, latent=latent)
@@ -116,23 +116,22 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
     )  # fmt: skip
 
 
-def _layer(ly: Any, qk_norm: str, rotary: Any) -> decoder_stack.LayerSpec:
+def _layer(ly: Any, facts: Any, rotary: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
-    q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm != "none" else (None, None)
+    q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if facts.qk_norm != "none" else (None, None)
     qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
     # What the layer's attend() hands the attention op: its window, its soft cap (Gemma 2's) and its sinks
-    # (gpt-oss's) where it has them; its rotary tables where they are not the stack's.
-    sinks = getattr(attn, "sinks", None)
+    # (gpt-oss's) where the family has them; its rotary tables where they are not the stack's.
     attention: dict[str, Any] = {
         "window": attn.window,
-        "softcap": getattr(attn, "softcap", None),
-        "sinks": None if sinks is None else sinks.detach(),
+        "softcap": attn.softcap if facts.attention_softcap else None,
+        "sinks": attn.sinks.detach() if facts.attention_sinks else None,
     }
     if attn.rotary is not rotary:
         attention.update(cos=attn.rotary.cos, sin=attn.rotary.sin)
     # Gemma's sandwich norms: attention's and the MLP's outputs normed, the MLP's input by its own norm.
-    if getattr(type(ly), "sandwich_norms", False):
+    if facts.norms == "sandwich":
         norms = (ly.input_layernorm.weight, ly.pre_feedforward_layernorm.weight)
         attention.update(
             attn_out_norm=ly.post_attention_layernorm.weight, mlp_out_norm=ly.post_feedforward_layernorm.weight
@@ -144,41 +143,38 @@ def _layer(ly: Any, qk_norm: str, rotary: Any) -> decoder_stack.LayerSpec:
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
-    """The stack for ``model`` (a Llama-family module whose every linear layer has a native kernel)."""
-    if not getattr(type(model), "native_stack", False):
-        # The stack would run Llama's layers and silently skip what the family adds (Granite's multipliers).
-        gap = getattr(type(model), "native_stack_gap", "")
-        raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
-    attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
+    """The stack for ``model`` (a decoder whose every linear layer has a native kernel), built from what its
+    family's spec states of its layers (``model.facts``: norm placement, q/k norms, activation, soft caps,
+    sinks, latent attention) and its layers' own numbers (windows, scales, multipliers, rotary tables)."""
+    facts = model.facts  # models/spec.py's Facts (named, not imported: the engine imports no model module)
+    if facts.native_stack_gap:
+        raise ValueError(f"{type(model).__name__} has no native stack: {facts.native_stack_gap}")
+    layers = model.model.layers
     # A family overriding the Llama layer's ``branch`` does more than the multiplier (named, not imported: the
     # engine does not import the models).
-    if any(type(ly).branch.__qualname__ != "LlamaDecoderLayer.branch" for ly in model.model.layers):
+    if any(type(ly).branch.__qualname__ != "DecoderLayer.branch" for ly in layers):
         raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
-    if getattr(type(model), "latent_cache", False):  # DeepSeek's multi-head latent attention
-        if any(float(ly.residual_multiplier) != 1.0 for ly in model.model.layers):
+    multipliers = {float(ly.residual_multiplier) for ly in layers}
+    if facts.latent_attention:  # DeepSeek's multi-head latent attention
+        if multipliers != {1.0}:
             raise ValueError("the native stack's latent layers scale no sub-layer's output")
-        if any(getattr(type(ly.mlp), "activation", "silu") != "silu" for ly in model.model.layers):
+        if facts.activation != "silu":
             raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
         return _latent_stack(model)
-    if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
+    attn, rotary = layers[0].self_attn, layers[0].self_attn.rotary
+    if any(ly.self_attn.scale != attn.scale for ly in layers):
         raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
-    multipliers = {float(ly.residual_multiplier) for ly in model.model.layers}
     if len(multipliers) != 1:
         raise ValueError(f"the native stack has one residual multiplier; this model's has {sorted(multipliers)}")
-    if multipliers != {1.0} and any(getattr(type(ly), "sandwich_norms", False) for ly in model.model.layers):
+    if multipliers != {1.0} and facts.norms == "sandwich":
         raise ValueError("a sandwich-normed layer's regions scale no branch; the stack would scale them")
-    activations = {getattr(type(ly.mlp), "activation", "silu") for ly in model.model.layers}
-    if len(activations) != 1:
-        raise ValueError(f"the native stack runs one MLP activation; this model's layers have {sorted(activations)}")
-    qk_norm = type(attn).qk_norm  # what the family's before_rotary does, which the stack does instead
-    layers = [_layer(ly, qk_norm, rotary) for ly in model.model.layers]
     return decoder_stack.DecoderStack(
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
-            scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight, layers=layers,
-            kv_dtype=model.kv_dtype, qk_norm=qk_norm, activation=activations.pop(),
-            rotary_dim=getattr(rotary, "rotary_dim", attn.head_dim), residual_multiplier=multipliers.pop(),
+            scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight,
+            layers=[_layer(ly, facts, rotary) for ly in layers], kv_dtype=model.kv_dtype, qk_norm=facts.qk_norm,
+            activation=facts.activation, rotary_dim=rotary.cos.shape[1] * 2, residual_multiplier=multipliers.pop(),
         )
     )  # fmt: skip
 

@@ -15,18 +15,21 @@ from tokenmill_service.kernels import get_ops
 from tokenmill_service.layers.embedding import VocabParallelEmbedding
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.models.checkpoint import Checkpoint
-from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.models.decoder import DecoderForCausalLM
 from tokenmill_service.models.paths import ModelLoadError
-from tokenmill_service.models.registry import model_class
+from tokenmill_service.models.registry import family
 from tokenmill_service.plan.plan import LoadPlan
 from tokenmill_service.plan.resolve import DTYPES
 
+# The dtypes a plan names for the KV cache and the adapter slots.
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+
+def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | None = None) -> DecoderForCausalLM:
     """A ready-to-run model (eval mode, no gradients): the plan carried out on the checkpoint."""
-    config = checkpoint.config
+    config, spec = checkpoint.config, family(plan.architecture)
     if plan.rope is not None:  # the rotary factors the plan chose for the served context
-        config = model_class(plan.architecture).with_rope(config, plan.rope.value)
+        config = spec.with_rope(config, plan.rope.value)
     act_dtype = DTYPES[plan.act_dtype.value]
     tp = dataclasses.replace(tp or TensorParallel(), expert_parallel=plan.options.expert_parallel)
 
@@ -36,7 +39,7 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
 
     # Built on the target device, so that each layer packs its weights for the kernel it will run.
     with torch.device(plan.device):
-        model = model_class(plan.architecture)(
+        model = spec.module(
             config,
             get_ops(plan.ops.value),
             quant,
@@ -54,18 +57,16 @@ def build_model(plan: LoadPlan, checkpoint: Checkpoint, tp: TensorParallel | Non
         model.load_weights(checkpoint.tensors)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{checkpoint.path}: weights do not fit the configuration: {e}") from e
-    model.kv_dtype = getattr(torch, plan.kv_cache_dtype.value)
+    model.kv_dtype = TORCH_DTYPES[plan.kv_cache_dtype.value]
     model.quantization = plan.quantization
     model.plan = plan
     if plan.options.max_loras > 0:
         from tokenmill_service.layers.lora import attach_lora
 
         with torch.device(plan.device):
-            attach_lora(
-                model, plan.options.max_loras, plan.options.max_lora_rank, getattr(torch, plan.lora_dtype.value)
-            )
+            attach_lora(model, plan.options.max_loras, plan.options.max_lora_rank, TORCH_DTYPES[plan.lora_dtype.value])
     model.eval()
     model.requires_grad_(False)
-    if not isinstance(model, LlamaForCausalLM):  # every family is one (the registry's classes are untyped)
-        raise TypeError(f"the {plan.architecture!r} family's {type(model).__name__} is not a LlamaForCausalLM")
+    if not isinstance(model, DecoderForCausalLM):  # every family's module is one (the spec's type is untyped)
+        raise TypeError(f"the {plan.architecture!r} family's {type(model).__name__} is not a DecoderForCausalLM")
     return model

@@ -20,7 +20,7 @@ from tokenmill_service.models.gguf_loader import iter_gguf
 from tokenmill_service.models.gguf_reader import open_gguf, release_pages
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.paths import ModelLoadError
-from tokenmill_service.models.registry import model_class
+from tokenmill_service.models.registry import family
 
 
 @dataclass(eq=False)
@@ -51,7 +51,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     if is_hf_checkpoint(path):
         config, hf_items = iter_hf(path)
         config.name = path.resolve().name
-        return Checkpoint(path, config, model_class(config.architecture).hf_stored_types(config), hf_items)
+        return Checkpoint(path, config, family(config.architecture).tensors.hf_stored_types(config), hf_items)
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory without config.json; expected a Hugging Face checkpoint")
     raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")

@@ -30,9 +30,9 @@ from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.embedding import ParallelLMHead
 from tokenmill_service.layers.linear import QuantFactory, ReplicatedLinear
 from tokenmill_service.layers.norm import RMSNorm
-from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaDecoderLayer, post_attention, pre_attention
+from tokenmill_service.models.decoder import DecoderLayer, post_attention, pre_attention
+from tokenmill_service.models.params import LayerParams
 
 # The parts of an MTP layer that are its own (the rest is its decoder block's).
 _OWN_PARTS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
@@ -84,26 +84,16 @@ class SharedHead(nn.Module):
 class DeepseekMTPLayer(nn.Module):
     """One MTP layer (see the module's docstring); its block is layer ``layer_idx`` of the latent cache."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        act_dtype: torch.dtype,
-        tp: TensorParallel,
-        make_block: Callable[..., LlamaDecoderLayer],
-    ) -> None:
+    def __init__(self, p: LayerParams, make_block: Callable[[LayerParams], DecoderLayer]) -> None:
         super().__init__()
+        config, quant, ops = p.config, p.quant, p.ops
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, False, quant(f"{prefix}.eh_proj"))
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden, False, quant(f"{p.prefix}.eh_proj"))
         proj_dtype = self.eh_proj.quant.act_dtype
         self.enorm = RMSNorm(hidden, eps, ops, proj_dtype)
         self.hnorm = RMSNorm(hidden, eps, ops, proj_dtype)
-        self.block = make_block(config, f"{prefix}.block", layer_idx, rotary, ops, quant, act_dtype, tp)
-        self.shared_head = SharedHead(config, f"{prefix}.shared_head", ops, quant, tp)
+        self.block = make_block(p.under("block"))
+        self.shared_head = SharedHead(config, f"{p.prefix}.shared_head", ops, quant, p.tp)
 
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor, meta: AttentionMetadata

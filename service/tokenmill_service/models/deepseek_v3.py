@@ -44,10 +44,8 @@ experts split as a dense MLP.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import structlog
@@ -63,11 +61,24 @@ from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.decoder import DecoderLayer, DecoderModel, GatedMLP
+from tokenmill_service.models.deepseek_config import (
+    GGUF_LAYER_NAMES,
+    kv_cache_values_per_token,
+    latent_stack_gap,
+    linear_prefixes,
+    mla_dims,
+    mtp_linear_prefixes,
+    read_gguf,
+    read_hf,
+    unserved_reason,
+)
 from tokenmill_service.models.deepseek_mtp import DeepseekMTPLayer, mtp_layer_count, mtp_name, mtp_prefix
-from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from tokenmill_service.models.moe import GGUF_MOE_NAMES, MoEForCausalLM, moe_settings, set_moe
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.moe import MOE_FACTS, MoEForCausalLM, moe_settings, unfuse_stacked
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import ConfigReader, FamilySpec, Names, Tensors
+from tokenmill_service.models.yarn import YARN_TYPES, Yarn
 
 log = structlog.get_logger(__name__)
 
@@ -76,79 +87,8 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # An expert's tensor in a multi-token-prediction layer's block, as ``_mtp_names`` renames it.
 _MTP_EXPERT = re.compile(r"mtp\.(\d+)\.block\.mlp\.experts\.(\d+)\.")
 _SCORE_BIAS = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction(?:_bias|\.bias)")
-# llama.cpp's expert_gating_func values (gguf's ExpertGatingFuncType).
-GGUF_GATING = {1: "softmax", 2: "sigmoid", 3: "sqrtsoftplus"}
 # transformers' DeepseekV3RMSNorm default: the latent norms do not take the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-YARN_TYPES = frozenset({"yarn", "deepseek_yarn"})
-
-
-@dataclass(frozen=True, slots=True)
-class MLADims:
-    """The attention sizes of a DeepSeek config (``ModelConfig.extra["mla"]``)."""
-
-    q_lora_rank: int  # 0: queries straight from q_proj
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-def mla_dims(config: ModelConfig) -> MLADims:
-    dims = config.extra["mla"]
-    assert isinstance(dims, MLADims)
-    return dims
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Yarn:
-    """YaRN's parameters as transformers' ``_compute_yarn_parameters`` reads them."""
-
-    factor: float
-    original_max_positions: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(self.original_max_positions / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-        pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        extrapolation = 1 - ramp
-        return (1.0 / (self.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-
-    @property
-    def cos_sin_factor(self) -> float:
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
-        return yarn_mscale(self.factor)
-
-    @property
-    def softmax_factor(self) -> float:
-        """DeepSeek's correction of the softmax scale (transformers' ``yarn_apply_mscale``)."""
-        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
 
 class DeepseekRotaryEmbedding(RotaryEmbedding):
@@ -180,20 +120,15 @@ class DeepseekV3Attention(nn.Module):
 
     w_kv_b: torch.Tensor
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
+    # No sliding window: every layer attends to the whole context.
+    window: int | None = None
+
+    def __init__(self, p: LayerParams) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        config, ops, quant, prefix, tp = p.config, p.ops, p.quant, p.prefix, p.tp
+        self.layer_idx = p.layer_idx
+        self.rotary = p.rotary
         self.ops = ops
-        self.rotary = rotary
         self.dims = d = mla_dims(config)
         hidden, heads, bias = config.hidden_size, config.num_heads, config.attention_bias
         self.num_heads = tp.split(heads, "attention heads")
@@ -276,31 +211,30 @@ class DeepseekV3MoE(FusedMoE):
         routing: GroupedTopK = config.extra["moe_routing"]  # type: ignore[assignment]
         super().__init__(config.hidden_size, width, experts, per_token, renormalize, prefix, ops, quant, tp, routing)
         shared = int(config.extra["shared_expert_width"])  # type: ignore[call-overload]
-        self.shared_experts: LlamaMLP | None = None
+        self.shared_experts: GatedMLP | None = None
         if shared:
             shape = dataclasses.replace(config, intermediate_size=shared)
-            self.shared_experts = LlamaMLP(shape, f"{prefix}.shared_experts", ops, quant, tp)
+            self.shared_experts = GatedMLP(shape, f"{prefix}.shared_experts", ops, quant, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = super().forward(x)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(LlamaDecoderLayer):
-    """A Llama layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
+class DeepseekV3DecoderLayer(DecoderLayer):
+    """The decoder's layer whose attention is MLA and whose feed-forward block is chosen per layer (``make_mlp``)."""
 
-    def make_mlp(
-        self, config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
-    ) -> nn.Module:
+    def make_mlp(self, p: LayerParams) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``: dense (gate/up/down) before ``first_k_dense_replace``,
         routed and shared experts from it on."""
-        first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
-        if layer_idx >= first_moe and "num_experts" in config.extra:
-            return DeepseekV3MoE(config, prefix, ops, quant, tp)
-        return LlamaMLP(config, prefix, ops, quant, tp)
+        config = p.config
+        first_moe = config.extra_int("first_k_dense_replace")
+        if p.layer_idx >= first_moe and "num_experts" in config.extra:
+            return DeepseekV3MoE(config, p.prefix, p.ops, p.quant, p.tp)
+        return GatedMLP(config, p.prefix, p.ops, p.quant, p.tp)
 
 
-class DeepseekV3Model(LlamaModel):
+class DeepseekV3Model(DecoderModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         d = mla_dims(config)
         yarn: Yarn | None = config.extra.get("yarn")  # type: ignore[assignment]
@@ -309,268 +243,15 @@ class DeepseekV3Model(LlamaModel):
         )
 
 
-@register_model("deepseek_v3")
 class DeepseekV3ForCausalLM(MoEForCausalLM):
-    # The native decoder stack runs its layers: latent attention, grouped routing, shared experts, dense first
-    # layers (engine/native_stack.py); kv_b_proj is absorbed at load (``absorb``), never applied by its kernel.
-    native_stack: ClassVar[bool] = True
-    absorbed_projections: ClassVar[frozenset[str]] = frozenset({"kv_b_proj"})
-    attention_type: ClassVar[type[LlamaAttention]] = DeepseekV3Attention  # type: ignore[assignment]
-    model_type: ClassVar[type[LlamaModel]] = DeepseekV3Model
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = DeepseekV3DecoderLayer
+    attention_type = DeepseekV3Attention  # type: ignore[assignment]  # not a Llama's: latent, with its own project/attend
+    model_type: ClassVar[type[DecoderModel]] = DeepseekV3Model
+    layer_type: ClassVar[type[DecoderLayer]] = DeepseekV3DecoderLayer
     # The attention's projections keep their own names; only the dense MLP packs gate/up.
-    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
+    packed_modules: ClassVar[Mapping[str, tuple[str, str | int]]] = {
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    hf_architectures: ClassVar[dict[str, str]] = {"DeepseekV3ForCausalLM": "deepseek_v3"}
-    # llama.cpp converts DeepSeek-V2/V3 as "deepseek2" (convert_hf_to_gguf.py's DeepseekV2Model).
-    gguf_architectures: ClassVar[dict[str, str]] = {"deepseek2": "deepseek_v3"}
-    gguf_layer_names: ClassVar[dict[str, str]] = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_q_a": "self_attn.q_a_proj",
-        "attn_q_a_norm": "self_attn.q_a_layernorm",
-        "attn_q_b": "self_attn.q_b_proj",
-        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-        "attn_kv_b": "self_attn.kv_b_proj",
-        # Newer converters split kv_b into its key half (each head's transposed) and its value half.
-        "attn_k_b": "self_attn.k_b_proj",
-        "attn_v_b": "self_attn.v_b_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        **GGUF_MOE_NAMES,
-        "exp_probs_b": "mlp.gate.e_score_correction",  # its ".bias": transformers' e_score_correction_bias
-        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp": "mlp.shared_experts.up_proj",
-        "ffn_down_shexp": "mlp.shared_experts.down_proj",
-    }
-    gguf_reads_attention: ClassVar[bool] = True
-    hf_rope_types: ClassVar[frozenset[str]] = YARN_TYPES
-    # Its cache is the backend's latent layout (``LatentCacheLayout``), not keys and values per head.
-    latent_cache: ClassVar[bool] = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The multi-token-prediction layers, where served (``attach_mtp``; none: left aside).
-        self.mtp = nn.ModuleList()
-
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        q_lora = raw.get("q_lora_rank")
-        dims = MLADims(
-            q_lora_rank=int(q_lora or 0),
-            kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
-            qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
-            qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)),
-            v_head_dim=int(raw.get("v_head_dim", 128)),
-            rope_interleave=bool(raw.get("rope_interleave", True)),
-        )
-        if dims.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim {dims.qk_rope_head_dim} is odd: rotary rotates pairs")
-        config.extra["mla"] = dims
-        config.extra["mtp_layers"] = int(raw.get("num_nextn_predict_layers") or 0)
-        config.head_dim = dims.qk_rope_head_dim  # as transformers' config: the rotated part of a head
-        params = rope_params(raw)
-        if rope_type(params) in YARN_TYPES:
-            factor = params.get("factor")
-            original = int(
-                params.get("original_max_position_embeddings")
-                or raw.get("original_max_position_embeddings")
-                or config.max_position_embeddings
-            )
-            attention_factor = params.get("attention_factor")
-            config.extra["yarn"] = Yarn(
-                factor=float(factor) if factor is not None else config.max_position_embeddings / original,
-                original_max_positions=original,
-                beta_fast=float(params.get("beta_fast") or 32),
-                beta_slow=float(params.get("beta_slow") or 1),
-                mscale=float(params.get("mscale") or 0),
-                mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-                attention_factor=None if attention_factor is None else float(attention_factor),
-                truncate=bool(params.get("truncate", True)),
-            )
-        routed = int(raw.get("n_routed_experts") or 0)
-        first_dense = raw.get("first_k_dense_replace")
-        # transformers' DeepseekV3Config defaults (DeepSeek-V3's own values) where the file says nothing.
-        cls._set_experts(
-            config,
-            routed=routed,
-            first_dense=config.num_layers if not routed or first_dense is None else int(first_dense),
-            per_token=int(raw.get("num_experts_per_tok") or 8),
-            width=int(raw.get("moe_intermediate_size") or 2048),
-            shared=int(raw.get("n_shared_experts") or 0),
-            renormalize=bool(raw.get("norm_topk_prob", True)),
-            routing=GroupedTopK(
-                int(raw.get("n_group") or 1),
-                int(raw.get("topk_group") or 1),
-                float(raw.get("routed_scaling_factor", 2.5)),
-            ),
-            scoring=str(raw.get("scoring_func") or "sigmoid"),
-        )
-
-    @classmethod
-    def _set_experts(
-        cls,
-        config: ModelConfig,
-        routed: int,
-        first_dense: int,
-        per_token: int,
-        width: int,
-        shared: int,
-        renormalize: bool,
-        routing: GroupedTopK,
-        scoring: str,
-    ) -> None:
-        """The routed experts' settings (``set_moe``'s, where any layer has experts) and DeepSeek's own:
-        ``moe_routing``, ``shared_expert_width``, ``moe_scoring`` (the score function, only sigmoid served)."""
-        first_dense = min(first_dense, config.num_layers)
-        config.extra |= {
-            "first_k_dense_replace": first_dense,
-            "n_routed_experts": routed,
-            "moe_routing": routing,
-            "shared_expert_width": width * shared,
-            "moe_scoring": scoring,
-        }
-        if first_dense < config.num_layers:
-            set_moe(config, routed, per_token, width, renormalize, range(first_dense, config.num_layers))
-
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        """llama.cpp's deepseek2 keys: it writes MLA as one key/value head of kv_lora_rank + rope dims
-        (``key_length``), the per-head sizes as ``key_length_mla`` / ``value_length_mla`` (older files:
-        ``key_length`` / ``value_length`` are the per-head ones), and DeepSeek's rope always interleaved."""
-
-        def key(name: str) -> Any:
-            return field(f"{gguf_architecture}.{name}")
-
-        kv_lora, rope = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
-        if key("attention.key_length_mla") is not None:
-            qk_head, v_head = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
-        else:
-            qk_head, v_head = config.head_dim, int(key("attention.value_length"))
-        config.extra["mla"] = MLADims(
-            int(key("attention.q_lora_rank") or 0), kv_lora, qk_head - rope, rope, v_head, True
-        )
-        config.head_dim = rope
-        config.num_kv_heads = config.num_heads
-        scaling = key("rope.scaling.type")
-        if scaling == "yarn":
-            # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's configs have mscale equal to it.
-            mscale = float(key("rope.scaling.yarn_log_multiplier") or 0) / 0.1
-            attention_factor = key("rope.scaling.yarn_attn_factor")
-            config.extra["yarn"] = Yarn(
-                factor=float(key("rope.scaling.factor")),
-                original_max_positions=int(key("rope.scaling.original_context_length")),
-                beta_fast=float(key("rope.scaling.yarn_beta_fast") or 32),
-                beta_slow=float(key("rope.scaling.yarn_beta_slow") or 1),
-                mscale=mscale,
-                mscale_all_dim=mscale,
-                attention_factor=None if attention_factor is None else float(attention_factor),
-            )
-        elif scaling not in (None, "none"):
-            raise ValueError(f"RoPE scaling type {scaling!r} is not supported (supported: yarn)")
-        experts = int(key("expert_count") or 0)
-        dense = key("leading_dense_block_count")
-        norm, scale, gating = key("expert_weights_norm"), key("expert_weights_scale"), key("expert_gating_func")
-        # As llama.cpp reads deepseek2: no gating function written is softmax (DeepSeek-V2's), no
-        # scale 1, no norm false, no groups one group.
-        cls._set_experts(
-            config,
-            routed=experts,
-            first_dense=config.num_layers if not experts else int(dense or 0),
-            per_token=int(key("expert_used_count") or 0),
-            width=int(key("expert_feed_forward_length") or 0),
-            shared=int(key("expert_shared_count") or 0),
-            renormalize=bool(norm) if norm is not None else False,
-            routing=GroupedTopK(
-                int(key("expert_group_count") or 1),
-                int(key("expert_group_used_count") or 1),
-                float(scale) if scale is not None else 1.0,
-            ),
-            scoring=GGUF_GATING.get(int(gating), f"gating function {gating}") if gating is not None else "softmax",
-        )
-
-    @classmethod
-    def unserved_reason(cls, config: ModelConfig) -> str | None:
-        """Why this checkpoint cannot be served (the plan refuses it), or None: routing other than
-        DeepSeek-V3's sigmoid one, or groups that cannot hold a token's experts."""
-        if "num_experts" not in config.extra:
-            return None  # every layer dense
-        scoring = config.extra["moe_scoring"]
-        if scoring != "sigmoid":
-            return (
-                f"this DeepSeek checkpoint routes its experts by {scoring} scores; only DeepSeek-V3's sigmoid "
-                "routing (with its score-correction bias and expert groups) is served"
-            )
-        experts, per_token, _, _, _ = moe_settings(config)
-        routing: GroupedTopK = config.extra["moe_routing"]  # type: ignore[assignment]
-        try:
-            routing.check(experts, per_token)
-        except ValueError as e:
-            return f"this DeepSeek-V3 checkpoint's routing cannot be served: {e}"
-        return None
-
-    @classmethod
-    def latent_stack_gap(cls, config: ModelConfig) -> str | None:
-        """Why the native decoder stack cannot run this checkpoint's latent attention (the plan's
-        ``native_stack_missing``), or None: latent_attention.cpp takes latent, rotary and value dims in 16s
-        (otherwise the layers' attention is the reference's)."""
-        d = mla_dims(config)
-        if any(n % 16 for n in (d.kv_lora_rank, d.qk_rope_head_dim, d.v_head_dim)):
-            return (
-                f"native latent attention takes latent, rotary and value dims in 16s, not "
-                f"{d.kv_lora_rank}, {d.qk_rope_head_dim}, {d.v_head_dim}"
-            )
-        return None
-
-    @classmethod
-    def kv_cache_values_per_token(cls, config: ModelConfig, tensor_parallel: int = 1) -> tuple[int, int]:
-        """Values one token of context caches on a rank: the latent layout's (latent + rotary key per
-        layer, every rank all of it), and an equivalent per-head cache's (each of the rank's heads a
-        key of qk_nope + qk_rope dims and a value of v_head_dim), for comparison."""
-        d = mla_dims(config)
-        heads = config.num_heads // tensor_parallel
-        latent = config.num_layers * (d.kv_lora_rank + d.qk_rope_head_dim)
-        per_head = config.num_layers * heads * (d.qk_head_dim + d.v_head_dim)
-        return latent, per_head
-
-    @classmethod
-    def linear_prefixes(cls, config: ModelConfig) -> list[str]:
-        prefixes = []
-        for i in range(config.num_layers):
-            prefixes += cls._layer_linear_prefixes(config, f"model.layers.{i}", i)
-        return [*prefixes, "lm_head"]
-
-    @classmethod
-    def mtp_linear_prefixes(cls, config: ModelConfig) -> list[str]:
-        """The linear layers of the multi-token-prediction layer served (``attach_mtp``)."""
-        prefixes = []
-        for i in range(min(1, mtp_layer_count(config))):
-            prefix = mtp_prefix(i)
-            block = cls._layer_linear_prefixes(config, f"{prefix}.block", config.num_layers + i)
-            prefixes += [f"{prefix}.eh_proj", *block, f"{prefix}.shared_head.head"]
-        return prefixes
-
-    @classmethod
-    def _layer_linear_prefixes(cls, config: ModelConfig, layer: str, index: int) -> list[str]:
-        q = ("q_a_proj", "q_b_proj") if mla_dims(config).q_lora_rank else ("q_proj",)
-        prefixes = [f"{layer}.self_attn.{leaf}" for leaf in (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
-        first_moe = int(config.extra["first_k_dense_replace"])  # type: ignore[call-overload]
-        experts = int(config.extra.get("num_experts", 0))  # type: ignore[call-overload]
-        shared = int(config.extra["shared_expert_width"])  # type: ignore[call-overload]
-        if index < first_moe or not experts:
-            return [*prefixes, f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
-        prefixes.append(f"{layer}.mlp.gate")
-        for e in range(experts):
-            prefixes += [f"{layer}.mlp.experts.{e}.gate_up_proj", f"{layer}.mlp.experts.{e}.down_proj"]
-        if shared:
-            prefixes += [f"{layer}.mlp.shared_experts.gate_up_proj", f"{layer}.mlp.shared_experts.down_proj"]
-        return prefixes
 
     def attach_mtp(self, quant: QuantFactory) -> None:
         """Build the checkpoint's first multi-token-prediction layer (before ``load_weights``), the draft
@@ -578,18 +259,12 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
         loaded then, its block's latents cached as one layer after the decoder's; further ones are left aside."""
         config = self.config
         rotary: RotaryEmbedding = self.model.layers[0].self_attn.rotary  # type: ignore[union-attr,assignment]
-        block_type: Any = self.layer_type
         self.mtp = nn.ModuleList(
             DeepseekMTPLayer(
-                config,
-                mtp_prefix(i),
-                config.num_layers + i,
-                rotary,
-                self.ops,
-                quant,
-                self.act_dtype,
-                self.tp,
-                lambda *args: block_type(*args, self.attention_type),
+                LayerParams(
+                    config, mtp_prefix(i), config.num_layers + i, rotary, self.ops, quant, self.tp, self.act_dtype
+                ),
+                lambda p: DeepseekV3DecoderLayer(p, DeepseekV3Attention),  # type: ignore[arg-type]
             )
             for i in range(min(1, mtp_layer_count(config)))
         )
@@ -692,3 +367,26 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
                 yield f"{attn}.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
         if halves:
             raise ValueError(f"the checkpoint holds one half of kv_b_proj only in {', '.join(sorted(halves))}")
+
+
+# The native decoder stack runs its layers: latent attention, grouped routing, shared experts, dense first
+# layers (engine/native_stack.py); kv_b_proj is absorbed at load (``absorb``), never applied by its kernel.
+DEEPSEEK_V3 = register_family(
+    FamilySpec(
+        ("deepseek_v3",),
+        DeepseekV3ForCausalLM,
+        Names({"DeepseekV3ForCausalLM": "deepseek_v3"}, {"deepseek2": "deepseek_v3"}),
+        ConfigReader(read_hf, read_gguf, hf_rope_types=YARN_TYPES, gguf_reads_attention=True),
+        Tensors(
+            gguf_layer=GGUF_LAYER_NAMES,
+            linear_prefixes=linear_prefixes,
+            mtp_linear_prefixes=mtp_linear_prefixes,
+            unfuse=unfuse_stacked,
+            absorbed=frozenset({"kv_b_proj"}),
+        ),
+        dataclasses.replace(MOE_FACTS, latent_attention=True),
+        unserved_reason=unserved_reason,
+        kv_cache_values_per_token=kv_cache_values_per_token,
+        latent_stack_gap=latent_stack_gap,
+    )
+)

@@ -58,18 +58,18 @@ class Embedder:
 def decoder_hidden_states(model: Any) -> HiddenStates:
     """The final-normed hidden states of a Llama-family decoder for one sequence, attending causally within it.
     EmbeddingConfigError for a family whose forward pass is not Llama's (its layers run otherwise)."""
-    from tokenmill_service.models.llama import (
-        LlamaDecoderLayer,
-        LlamaModel,
+    from tokenmill_service.models.decoder import (
+        DecoderLayer,
+        DecoderModel,
         final_norm,
         post_attention,
         pre_attention,
     )
 
     decoder = model.model
-    if type(decoder).forward is not LlamaModel.forward or not all(
-        isinstance(layer, LlamaDecoderLayer) for layer in decoder.layers
-    ):
+    # The plain decoder's model and layers only: a family with its own (Gemma's norms, Granite's multipliers,
+    # experts) runs its layers otherwise.
+    if type(decoder) is not DecoderModel or not all(type(layer) is DecoderLayer for layer in decoder.layers):
         raise EmbeddingConfigError(
             f"the {model.config.architecture} family does not embed here: only decoders whose layers run as Llama's "
             "(Llama, Mistral, Qwen2, Qwen3) do"

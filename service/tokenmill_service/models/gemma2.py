@@ -1,4 +1,4 @@
-"""Gemma 2: a Llama-family decoder with Gemma's norms, GeGLU, soft-capping and sliding-window layers
+"""Gemma 2: the decoder (decoder.py) with Gemma's norms, GeGLU, soft-capping and sliding-window layers
 (transformers' modeling_gemma2.py is the reference).
 
 - Token embeddings are scaled by sqrt(hidden), the factor rounded to the activations' dtype first,
@@ -20,7 +20,7 @@ keeps no query_pre_attn_scalar: it scales by head_dim ** -0.5, or (hidden / head
 
 The native decoder stack runs Gemma's layers too (engine/native_stack.py): its GeGLU is elementwise.cpp's
 (the native ops' ``gelu_tanh_and_mul``, so the eager loop's bits), the layer's sandwich norms
-(``sandwich_norms``) and its attention's scale, window and soft cap go with it; the embeddings' scale
+(its spec's ``norms="sandwich"``) and its attention's scale, window and soft cap go with it; the embeddings' scale
 and the final logit soft cap stay here (``GemmaModel.embed``, ``compute_logits``).
 """
 
@@ -32,25 +32,23 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
+from torch import nn
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
-from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
-from tokenmill_service.models.llama import (
-    GGUF_LAYER_NAMES,
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaModel,
+from tokenmill_service.models.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
     Regions,
 )
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import GGUF_LAYER_NAMES, ConfigReader, Facts, FamilySpec, GGUFField, Names, Tensors
 
 GEMMA_GGUF_LAYER_NAMES = {
     **GGUF_LAYER_NAMES,
@@ -80,57 +78,38 @@ def _optional(value: object) -> float | None:
     return float(cast(float, value)) if value else None
 
 
-class Gemma2Attention(LlamaAttention):
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
+class Gemma2Attention(DecoderAttention):
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
+        config = p.config
         self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
         self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
-        return out.flatten(1)
+    def attention_options(self) -> dict[str, Any]:
+        return {"window": self.window, "softcap": self.softcap}
 
 
-class GemmaMLP(LlamaMLP):
-    activation: ClassVar[str] = "gelu_tanh"
+class GemmaMLP(GatedMLP):
+    """GeGLU: gate/up, GELU (tanh) and mul, down."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x))))
 
 
-class GemmaDecoderLayer(LlamaDecoderLayer):
-    mlp_type: ClassVar[type[LlamaMLP]] = GemmaMLP
-    sandwich_norms: ClassVar[bool] = True
+class GemmaDecoderLayer(DecoderLayer):
+    """Sandwich norms: attention's and the MLP's outputs each normed before their residual add, the MLP's
+    input by ``pre_feedforward_layernorm`` (``gemma_post_attention``)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        act_dtype: torch.dtype,
-        tp: TensorParallel,
-        attention_type: type[LlamaAttention] = Gemma2Attention,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, act_dtype, tp, attention_type)
-        hidden = config.hidden_size
+    def __init__(self, p: LayerParams, attention_type: type[DecoderAttention] = Gemma2Attention) -> None:
+        super().__init__(p, attention_type)
+        config, ops, act_dtype, hidden = p.config, p.ops, p.act_dtype, p.config.hidden_size
         self.input_layernorm = gemma_norm(config, hidden, ops, act_dtype)
         self.post_attention_layernorm = gemma_norm(config, hidden, ops, act_dtype)
         self.pre_feedforward_layernorm = gemma_norm(config, hidden, ops, act_dtype)
         self.post_feedforward_layernorm = gemma_norm(config, hidden, ops, act_dtype)
+
+    def make_mlp(self, p: LayerParams) -> nn.Module:
+        return GemmaMLP(p.config, p.prefix, p.ops, p.quant, p.tp)
 
 
 def gemma_post_attention(
@@ -149,35 +128,17 @@ class GemmaRegions(Regions):
     post_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gemma_post_attention
 
 
-GEMMA_EAGER = GemmaRegions()
-
-
-class GemmaModel(LlamaModel):
-    def __init__(
-        self,
-        config: ModelConfig,
-        ops: Ops,
-        quant: QuantFactory,
-        act_dtype: torch.dtype,
-        embed_dtype: torch.dtype,
-        head_dtype: torch.dtype,
-        tp: TensorParallel,
-        attention_type: type[LlamaAttention] = Gemma2Attention,
-        layer_type: type[LlamaDecoderLayer] = GemmaDecoderLayer,
-    ) -> None:
-        super().__init__(config, ops, quant, act_dtype, embed_dtype, head_dtype, tp, attention_type, layer_type)
-        self.norm = gemma_norm(config, config.hidden_size, ops, head_dtype)
-        self.act_dtype = act_dtype
+class GemmaModel(DecoderModel):
+    def __init__(self, config: ModelConfig, *args: Any) -> None:
+        super().__init__(config, *args)
         # sqrt(hidden) as a number of the activations' dtype (transformers: a tensor cast to it).
-        self.normalizer = float(torch.tensor(math.sqrt(config.hidden_size), dtype=act_dtype))
+        self.normalizer = float(torch.tensor(math.sqrt(config.hidden_size), dtype=self.act_dtype))
+
+    def make_norm(self, config: ModelConfig, ops: Ops, out_dtype: torch.dtype) -> RMSNorm:
+        return gemma_norm(config, config.hidden_size, ops, out_dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.embed_tokens(input_ids)).to(self.act_dtype) * self.normalizer
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
-    ) -> torch.Tensor:
-        return super().forward(input_ids, positions, meta, run)
 
 
 def read_gemma_hf_config(raw: dict[str, Any], config: ModelConfig, defaults: dict[str, Any], pattern: int) -> None:
@@ -196,7 +157,7 @@ def read_gemma_hf_config(raw: dict[str, Any], config: ModelConfig, defaults: dic
 
 
 def read_gemma_gguf_config(
-    field: Callable[[str], Any], arch: str, config: ModelConfig, window: int | None, pattern: int, big: int
+    field: GGUFField, arch: str, config: ModelConfig, window: int | None, pattern: int, big: int
 ) -> None:
     """What Gemma 2 and 3 GGUFs say, as llama.cpp reads them: the window (``window`` where absent;
     None: no sliding layers), the local layers (``sliding_window_pattern``: every ``pattern``-th
@@ -218,46 +179,59 @@ def read_gemma_gguf_config(
     extra["query_pre_attn_scalar"] = float(per_head)
 
 
-@register_model("gemma2")
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Gemma2Attention
-    model_type: ClassVar[type[LlamaModel]] = GemmaModel
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = GemmaDecoderLayer
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    attention_type: ClassVar[type[DecoderAttention]] = Gemma2Attention
+    model_type: ClassVar[type[DecoderModel]] = GemmaModel
+    layer_type: ClassVar[type[DecoderLayer]] = GemmaDecoderLayer
     regions_type: ClassVar[type[Regions]] = GemmaRegions
-    hf_architectures: ClassVar[dict[str, str]] = {"Gemma2ForCausalLM": "gemma2"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"gemma2": "gemma2"}
-    gguf_permuted: ClassVar[frozenset[str]] = frozenset()
-    gguf_layer_names: ClassVar[dict[str, str]] = GEMMA_GGUF_LAYER_NAMES
-    hf_activation: ClassVar[tuple[str, str]] = ("hidden_activation", "gelu_pytorch_tanh")
-
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        defaults = {
-            "query_pre_attn_scalar": 256,
-            "sliding_window": 4096,
-            "attn_logit_softcapping": 50.0,
-            "final_logit_softcapping": 30.0,
-        }
-        read_gemma_hf_config(raw, config, defaults, pattern=2)
-
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        read_gemma_gguf_config(field, gguf_architecture, config, window=4096, pattern=2, big=46)
-        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
-            value = field(f"{gguf_architecture}.{key}")
-            config.extra[key] = default if value is None else float(value)
 
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.final_softcap = _optional(config.extra.get("final_logit_softcapping"))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, run: Regions = GEMMA_EAGER
-    ) -> torch.Tensor:
-        return cast(torch.Tensor, self.model(input_ids, positions, meta, run))
-
-    def compute_logits(self, hidden: torch.Tensor, run: Regions = GEMMA_EAGER) -> torch.Tensor:
-        logits = run.head_logits(self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor, run: Regions | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, run)
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    defaults = {
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+    read_gemma_hf_config(raw, config, defaults, pattern=2)
+
+
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    read_gemma_gguf_config(field, gguf_architecture, config, window=4096, pattern=2, big=46)
+    for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        value = field(f"{gguf_architecture}.{key}")
+        config.extra[key] = default if value is None else float(value)
+
+
+# What the Gemma families' specs state of their layers: sandwich norms, GeGLU, soft caps, scaled embeddings,
+# every other layer (Gemma 2's) windowed.
+GEMMA_FACTS = Facts(
+    norms="sandwich",
+    activation="gelu_tanh",
+    sliding_windows=True,
+    attention_softcap=True,
+    logit_softcap=True,
+    scaled_embeddings=True,
+)
+GEMMA_HF_ACTIVATION = ("hidden_activation", "gelu_pytorch_tanh")
+
+GEMMA2 = register_family(
+    FamilySpec(
+        ("gemma2",),
+        Gemma2ForCausalLM,
+        Names({"Gemma2ForCausalLM": "gemma2"}, {"gemma2": "gemma2"}),
+        ConfigReader(_read_hf, _read_gguf, hf_activation=GEMMA_HF_ACTIVATION),
+        Tensors(gguf_layer=GEMMA_GGUF_LAYER_NAMES),
+        GEMMA_FACTS,
+    )
+)

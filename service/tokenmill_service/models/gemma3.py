@@ -14,24 +14,25 @@ absent), ``rope.scaling.type`` ``linear`` and ``rope.scaling.factor`` (global la
 applies them), ``attention.sliding_window`` (none: every layer global) with the pattern of 6, and
 ``attn_q_norm`` / ``attn_k_norm``.
 
-The native decoder stack runs it as Gemma 2's, with its per-head q/k norms (``qk_norm``) and each layer's
+The native decoder stack runs it as Gemma 2's, with its per-head q/k norms (its spec's ``qk_norm="heads"``) and each layer's
 rotary tables (the local layers' their own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any, ClassVar, cast
 
 import torch
 
-from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import SLIDING, ModelConfig
+from tokenmill_service.models.decoder import DecoderAttention, DecoderModel
 from tokenmill_service.models.gemma2 import (
+    GEMMA_FACTS,
     GEMMA_GGUF_LAYER_NAMES,
+    GEMMA_HF_ACTIVATION,
     Gemma2Attention,
     Gemma2ForCausalLM,
     GemmaModel,
@@ -40,31 +41,20 @@ from tokenmill_service.models.gemma2 import (
     read_gemma_hf_config,
 )
 from tokenmill_service.models.hf_loader import rope_type
-from tokenmill_service.models.llama import LlamaAttention, LlamaModel
-from tokenmill_service.models.qwen3 import _norm_heads
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.qwen3 import QK_NORM_NAMES, HeadNormedAttention
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names, Tensors
 
 
-class Gemma3Attention(Gemma2Attention):
-    qk_norm: ClassVar[str] = "heads"  # before_rotary's, which the native stack runs as Qwen3's
+class Gemma3Attention(HeadNormedAttention, Gemma2Attention):
+    """Gemma 2's, q and k normed per head before rotary (the native stack runs it as Qwen3's)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
-        act_dtype = self.qkv_proj.quant.act_dtype
-        self.q_norm = gemma_norm(config, config.head_dim, ops, act_dtype)
-        self.k_norm = gemma_norm(config, config.head_dim, ops, act_dtype)
-
-    def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
+        act_dtype, config = self.qkv_proj.quant.act_dtype, p.config
+        self.q_norm = gemma_norm(config, config.head_dim, p.ops, act_dtype)
+        self.k_norm = gemma_norm(config, config.head_dim, p.ops, act_dtype)
 
 
 def scaled_rotary(config: ModelConfig, theta: float, linear_factor: float, ops: Ops) -> RotaryEmbedding:
@@ -85,7 +75,7 @@ class Gemma3Model(GemmaModel):
         local = scaled_rotary(config, cast(float, config.extra["rope_local_theta"]), 1.0, ops)
         for layer, kind in zip(self.layers, cast(list[str], config.extra["layer_types"])):
             if kind == SLIDING:
-                cast(LlamaAttention, layer.self_attn).rotary = local
+                cast(DecoderAttention, layer.self_attn).rotary = local
 
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         return scaled_rotary(config, config.rope_theta, cast(float, config.extra["rope_linear_factor"]), ops)
@@ -115,42 +105,51 @@ def _linear_factor(params: dict[str, Any]) -> float:
     return float(params["factor"])
 
 
-@register_model("gemma3")
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Gemma3Attention
-    model_type: ClassVar[type[LlamaModel]] = Gemma3Model
-    hf_architectures: ClassVar[dict[str, str]] = {"Gemma3ForCausalLM": "gemma3"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"gemma3": "gemma3"}
-    gguf_layer_names: ClassVar[dict[str, str]] = {
-        **GEMMA_GGUF_LAYER_NAMES,
-        "attn_q_norm": "self_attn.q_norm",  # [head_dim] each
-        "attn_k_norm": "self_attn.k_norm",
+    attention_type: ClassVar[type[DecoderAttention]] = Gemma3Attention
+    model_type: ClassVar[type[DecoderModel]] = Gemma3Model
+
+
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    defaults = {
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
     }
-    hf_rope_types: ClassVar[frozenset[str]] = frozenset({"linear"})
-    gguf_rope_types: ClassVar[frozenset[str]] = frozenset({"linear"})
+    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+    read_gemma_hf_config(raw, config, defaults, pattern)
+    config.extra["attn_logit_softcapping"] = None  # transformers' Gemma 3 attention never applies it
+    config.rope_theta, params = _global_rope(raw)
+    config.extra["rope_linear_factor"] = _linear_factor(params)
+    config.extra["rope_local_theta"] = _local_theta(raw)
 
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        defaults = {
-            "query_pre_attn_scalar": 256,
-            "sliding_window": 4096,
-            "final_logit_softcapping": None,
-        }
-        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
-        read_gemma_hf_config(raw, config, defaults, pattern)
-        config.extra["attn_logit_softcapping"] = None  # transformers' Gemma 3 attention never applies it
-        config.rope_theta, params = _global_rope(raw)
-        config.extra["rope_linear_factor"] = _linear_factor(params)
-        config.extra["rope_local_theta"] = _local_theta(raw)
 
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        arch = gguf_architecture
-        read_gemma_gguf_config(field, arch, config, window=None, pattern=6, big=62)
-        config.extra["attn_logit_softcapping"] = None
-        final = field(f"{arch}.final_logit_softcapping")
-        config.extra["final_logit_softcapping"] = float(final) if final else None
-        scaling = field(f"{arch}.rope.scaling.type")
-        config.extra["rope_linear_factor"] = float(field(f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0
-        local = field(f"{arch}.rope.freq_base_swa")
-        config.extra["rope_local_theta"] = float(local) if local else 10_000.0
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    arch = gguf_architecture
+    read_gemma_gguf_config(field, arch, config, window=None, pattern=6, big=62)
+    config.extra["attn_logit_softcapping"] = None
+    final = field(f"{arch}.final_logit_softcapping")
+    config.extra["final_logit_softcapping"] = float(final) if final else None
+    scaling = field(f"{arch}.rope.scaling.type")
+    config.extra["rope_linear_factor"] = float(field(f"{arch}.rope.scaling.factor")) if scaling == "linear" else 1.0
+    local = field(f"{arch}.rope.freq_base_swa")
+    config.extra["rope_local_theta"] = float(local) if local else 10_000.0
+
+
+GEMMA3 = register_family(
+    FamilySpec(
+        ("gemma3",),
+        Gemma3ForCausalLM,
+        Names({"Gemma3ForCausalLM": "gemma3"}, {"gemma3": "gemma3"}),
+        ConfigReader(
+            _read_hf,
+            _read_gguf,
+            hf_activation=GEMMA_HF_ACTIVATION,
+            hf_rope_types=frozenset({"linear"}),
+            gguf_rope_types=frozenset({"linear"}),
+        ),
+        Tensors(gguf_layer={**GEMMA_GGUF_LAYER_NAMES, **QK_NORM_NAMES}),
+        # transformers' Gemma 3 attention soft-caps no score.
+        dataclasses.replace(GEMMA_FACTS, qk_norm="heads", attention_softcap=False),
+    )
+)

@@ -25,7 +25,8 @@ from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, FLOAT_TYPE
 from tokenmill_service.layers.rotary import rope_inv_freq
 from tokenmill_service.models.config import ModelConfig, RopeScaling
 from tokenmill_service.models.gguf_reader import open_gguf
-from tokenmill_service.models.registry import gguf_architectures, model_class, unfused
+from tokenmill_service.models.registry import family, gguf_architectures, unfused
+from tokenmill_service.models.spec import FamilySpec
 
 log = structlog.get_logger(__name__)
 
@@ -81,13 +82,13 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     num_heads = int(_required(reader, f"{arch}.attention.head_count"))
     key_length = _field(reader, f"{arch}.attention.key_length")
     head_dim = int(key_length) if key_length is not None else hidden // num_heads
-    family = model_class(supported[arch])
-    if not family.gguf_reads_attention:  # else the family reads its own head sizes and RoPE scaling
+    spec = family(supported[arch])
+    if not spec.config.gguf_reads_attention:  # else the family reads its own head sizes and RoPE scaling
         rope_dims = _field(reader, f"{arch}.rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != head_dim:
             raise GGUFError(f"partial rotary embeddings (rope.dimension_count {rope_dims} != head_dim {head_dim})")
         scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-        if scaling_type not in (None, "none", *family.gguf_rope_types):
+        if scaling_type not in (None, "none", *spec.config.gguf_rope_types):
             raise GGUFError(f"RoPE scaling type {scaling_type!r} is not supported")
 
     name = _field(reader, "general.name")
@@ -112,10 +113,10 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         factors = dequantize_tensor(next(t for t in reader.tensors if t.name == _ROPE_FREQS))
         config.rope_scaling = _llama3_scaling_from_factors(factors, config)
     for t in reader.tensors:  # tensors that are the family's settings, not weights (Phi-3's LongRoPE factors)
-        if t.name in family.gguf_config_tensors:
-            config.extra[family.gguf_config_tensors[t.name]] = dequantize_tensor(t).flatten().tolist()
+        if t.name in spec.config.gguf_config_tensors:
+            config.extra[spec.config.gguf_config_tensors[t.name]] = dequantize_tensor(t).flatten().tolist()
     try:  # what only this family reads (Granite's multipliers, ...)
-        model_class(config.architecture).read_gguf_config(lambda key: _field(reader, key), arch, config)
+        spec.config.gguf(lambda key: _field(reader, key), arch, config)
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from None
     return config
@@ -189,7 +190,7 @@ def unpermute_index(rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's q/k row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py).
 
     Per head, the converter interleaves the two rotary halves (rows 0, d/2, 1, d/2+1, ...) for
-    ggml's pairwise RoPE; ``llama.py`` rotates halves, so rows go back as ``[first half, second half]``.
+    ggml's pairwise RoPE; the decoder rotates halves, so rows go back as ``[first half, second half]``.
     """
     return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
 
@@ -203,16 +204,17 @@ def unpermute_qk(weight: GGUFTensor, num_heads: int) -> GGUFTensor:
 # --- the whole checkpoint -----------------------------------------------------------------------
 
 
-def hf_name(gguf_name: str, family: Any) -> str:
+def hf_name(gguf_name: str, spec: FamilySpec) -> str:
     """The model's (Hugging Face) name of a GGUF tensor, by the family's map of llama.cpp's names;
     unknown tensors are an error, not skipped."""
-    if gguf_name in family.gguf_global_names:
-        return str(family.gguf_global_names[gguf_name])
+    names = spec.tensors
+    if gguf_name in names.gguf_global:
+        return names.gguf_global[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in family.gguf_layer_names:
+    if match and match.group(2) in names.gguf_layer:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{family.gguf_layer_names[part]}.{kind}"
-    raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the {family.__name__} model")
+        return f"model.layers.{layer}.{names.gguf_layer[part]}.{kind}"
+    raise GGUFError(f"GGUF tensor {gguf_name!r} has no counterpart in the {spec.module.__name__} model")
 
 
 def iter_gguf(
@@ -223,19 +225,19 @@ def iter_gguf(
     layer takes its slice. ``reader``: the file already opened (``open_gguf``)."""
     reader = reader if reader is not None else open_gguf(path)
     config = read_config(reader, path)
-    family = model_class(config.architecture)
-    permuted = config.extra["gguf_architecture"] in family.gguf_permuted
+    spec = family(config.architecture)
+    permuted = config.extra["gguf_architecture"] in spec.names.gguf_permuted
     # rope_freqs and the family's settings tensors are folded into the config (read_config).
-    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS and t.name not in family.gguf_config_tensors]
+    tensors = [t for t in reader.tensors if t.name != _ROPE_FREQS and t.name not in spec.config.gguf_config_tensors]
     for t in tensors:
         _check_type(QType(t.tensor_type))
-    names = {t.name: hf_name(t.name, family) for t in tensors}
-    types = {piece: QType(t.tensor_type) for t in tensors for piece, _, _ in unfused(family, names[t.name], config)}
+    names = {t.name: hf_name(t.name, spec) for t in tensors}
+    types = {piece: QType(t.tensor_type) for t in tensors for piece, _, _ in unfused(spec, names[t.name], config)}
 
     def items() -> Iterator[tuple[str, GGUFTensor]]:
         for t in tensors:
             whole = checkpoint_tensor(t.data, QType(t.tensor_type), tensor_shape(t))
-            for name, start, rows in unfused(family, names[t.name], config):
+            for name, start, rows in unfused(spec, names[t.name], config):
                 weight = whole if rows < 0 else whole.narrow(0, start, rows)
                 if permuted and ".self_attn.q_proj." in name:
                     weight = unpermute_qk(weight, config.num_heads)
@@ -247,7 +249,7 @@ def iter_gguf(
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and dequantized state dict (``llama.py`` names, ``dtype``, on CPU) of a GGUF checkpoint;
+    """Config and dequantized state dict (Hugging Face names, ``dtype``, on CPU) of a GGUF checkpoint;
     tied checkpoints get no ``lm_head.weight`` entry. The server loads through ``iter_gguf`` instead."""
     config, _, items = iter_gguf(path)
     state = {}

@@ -21,28 +21,38 @@ MXFP4 blocks (layers/quant/mxfp4.py) and the same cut serves.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, cast
 
 import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.fused_moe.layer import ExpertMLP
-from tokenmill_service.layers.linear import QuantFactory, RowParallelLinear
+from tokenmill_service.layers.linear import RowParallelLinear
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, dense, describe
 from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import FULL, SLIDING, ModelConfig, layer_window
-from tokenmill_service.models.deepseek_v3 import YARN_TYPES, Yarn
+from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
+from tokenmill_service.models.decoder import DecoderAttention, DecoderModel
 from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
-from tokenmill_service.models.moe import MoEDecoderLayer, MoEForCausalLM, moe_settings, set_moe
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.moe import (
+    MOE_FACTS,
+    MOE_LAYER_NAMES,
+    MoEDecoderLayer,
+    MoEForCausalLM,
+    moe_settings,
+    moe_tensors,
+    set_moe,
+    unfuse_stacked,
+)
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names
+from tokenmill_service.models.yarn import YARN_TYPES, Yarn, hf_yarn
 
 _SINKS = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks(?:\.weight)?")
 # llama.cpp's stacked experts' biases ([experts, rows]; their weights are moe.py's).
@@ -53,25 +63,16 @@ _EXPERT_BIAS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up
 _ROUTER = re.compile(r"(model\.layers\.\d+\.mlp)\.router\.(weight|bias)")
 
 
-class GptOssAttention(LlamaAttention):
+class GptOssAttention(DecoderAttention):
     """Llama attention with an output bias, a sliding window on the layers that have one and a sink per head."""
 
     sinks: torch.Tensor
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
+        config, tp = p.config, p.tp
         hidden, heads = config.hidden_size, config.num_heads * config.head_dim
-        self.o_proj = RowParallelLinear(heads, hidden, config.attention_bias, quant(f"{prefix}.o_proj"), tp)
-        self.window = layer_window(config, layer_idx)
+        self.o_proj = RowParallelLinear(heads, hidden, config.attention_bias, p.quant(f"{p.prefix}.o_proj"), tp)
         self.first_head = tp.rank * self.num_heads
         self.register_buffer("sinks", torch.zeros(self.num_heads, dtype=torch.float32), persistent=False)
 
@@ -79,11 +80,8 @@ class GptOssAttention(LlamaAttention):
         """The checkpoint's sinks [heads]: this rank's heads'."""
         self.sinks.copy_(dense(tensor).float()[self.first_head : self.first_head + self.num_heads])
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, sinks=self.sinks)
-        return out.flatten(1)
+    def attention_options(self) -> dict[str, Any]:
+        return {"window": self.window, "sinks": self.sinks}
 
 
 class GptOssExpert(ExpertMLP):
@@ -107,11 +105,10 @@ class GptOssMoE(FusedMoE):
 
 
 class GptOssDecoderLayer(MoEDecoderLayer):
-    def make_mlp(
-        self, config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
-    ) -> nn.Module:
+    def make_mlp(self, p: LayerParams) -> nn.Module:
+        config = p.config
         experts, per_token, width, _, _ = moe_settings(config)
-        moe = GptOssMoE(config.hidden_size, width, experts, per_token, True, prefix, ops, quant, tp)
+        moe = GptOssMoE(config.hidden_size, width, experts, per_token, True, p.prefix, p.ops, p.quant, p.tp)
         swiglu = (float(cast(float, config.extra["swiglu_alpha"])), float(cast(float, config.extra["swiglu_limit"])))
         for expert in moe.experts.values():
             cast(GptOssExpert, expert).swiglu = swiglu
@@ -128,102 +125,16 @@ class YarnRotaryEmbedding(RotaryEmbedding):
             self.cos, self.sin = freqs.cos() * yarn.cos_sin_factor, freqs.sin() * yarn.cos_sin_factor
 
 
-class GptOssModel(LlamaModel):
+class GptOssModel(DecoderModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         yarn = cast(Yarn | None, config.extra.get("yarn"))
         return YarnRotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, yarn, ops)
 
 
-@register_model("gpt_oss")
 class GptOssForCausalLM(MoEForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = GptOssAttention
-    model_type: ClassVar[type[LlamaModel]] = GptOssModel
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = GptOssDecoderLayer
-    hf_architectures: ClassVar[dict[str, str]] = {"GptOssForCausalLM": "gpt_oss"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"gpt-oss": "gpt_oss"}
-    gguf_permuted: ClassVar[frozenset[str]] = frozenset()
-    gguf_layer_names: ClassVar[dict[str, str]] = {
-        **MoEForCausalLM.gguf_layer_names,
-        "post_attention_norm": "post_attention_layernorm",
-        "attn_sinks": "self_attn.sinks",
-    }
-    hf_rope_types: ClassVar[frozenset[str]] = YARN_TYPES
-    gguf_rope_types: ClassVar[frozenset[str]] = frozenset({"yarn"})
-
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        experts, per_token = int(raw["num_local_experts"]), int(raw["num_experts_per_tok"])
-        set_moe(config, experts, per_token, config.intermediate_size, True, range(config.num_layers))
-        extra = config.extra
-        extra["swiglu_alpha"] = float(raw.get("swiglu_alpha", 1.702))
-        extra["swiglu_limit"] = float(raw.get("swiglu_limit", 7.0))
-        extra["sliding_window"] = int(raw.get("sliding_window") or 128)
-        types = raw.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(config.num_layers)]
-        if len(types) != config.num_layers or set(types) - {SLIDING, FULL}:
-            raise ValueError(f"layer_types {types} are not {config.num_layers} of {SLIDING!r} / {FULL!r}")
-        extra["layer_types"] = list(types)
-        params = rope_params(raw)
-        if rope_type(params) in YARN_TYPES:
-            original = int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
-            factor = params.get("factor")
-            attention_factor = params.get("attention_factor")
-            extra["yarn"] = Yarn(
-                factor=float(factor) if factor is not None else config.max_position_embeddings / original,
-                original_max_positions=original,
-                beta_fast=float(params.get("beta_fast") or 32),
-                beta_slow=float(params.get("beta_slow") or 1),
-                mscale=float(params.get("mscale") or 0),
-                mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-                attention_factor=None if attention_factor is None else float(attention_factor),
-                truncate=bool(params.get("truncate", True)),
-            )
-
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        """llama.cpp's "gpt-oss" GGUFs: its expert counts, the window (every even layer's, as llama.cpp
-        lays them out), YaRN; alpha and limit are not written (llama.cpp fixes them at gpt-oss's)."""
-        arch = gguf_architecture
-        experts, per_token = int(field(f"{arch}.expert_count")), int(field(f"{arch}.expert_used_count") or 0)
-        width = int(field(f"{arch}.expert_feed_forward_length") or config.intermediate_size)
-        set_moe(config, experts, per_token, width, True, range(config.num_layers))
-        window = field(f"{arch}.attention.sliding_window")
-        config.extra |= {
-            "swiglu_alpha": 1.702,
-            "swiglu_limit": 7.0,
-            "sliding_window": int(window or 128),
-            "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(config.num_layers)],
-        }
-        if field(f"{arch}.rope.scaling.type") == "yarn":
-            config.extra["yarn"] = Yarn(
-                factor=float(field(f"{arch}.rope.scaling.factor")),
-                original_max_positions=int(field(f"{arch}.rope.scaling.original_context_length")),
-                beta_fast=float(field(f"{arch}.rope.scaling.yarn_beta_fast") or 32),
-                beta_slow=float(field(f"{arch}.rope.scaling.yarn_beta_slow") or 1),
-                truncate=False,  # gpt-oss's YaRN (its config.json says so; GGUF has no key for it)
-            )
-
-    @classmethod
-    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
-        """moe.py's stacked expert weights, and llama.cpp's stacked expert biases [experts, rows] by expert."""
-        match = _STACKED_BIAS.fullmatch(name)
-        if match is None:
-            return super().unfuse(name, config)
-        layer, projection = match.groups()
-        experts = moe_settings(config)[0]
-        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.bias", e, 1) for e in range(experts)]
-
-    @classmethod
-    def hf_stored_types(cls, config: ModelConfig) -> dict[str, QType]:
-        """openai's MXFP4 checkpoints: every expert's matrices (as the load plan names their sources)."""
-        if not config.extra.get("mxfp4"):
-            return {}
-        experts = moe_settings(config)[0]
-        return {
-            f"model.layers.{i}.mlp.experts.{e}.{projection}.weight": QType.MXFP4
-            for i in range(config.num_layers)
-            for e in range(experts)
-            for projection in ("gate_proj", "up_proj", "down_proj")
-        }
+    attention_type = GptOssAttention
+    model_type = GptOssModel
+    layer_type = GptOssDecoderLayer
 
     def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         missing = {f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)}
@@ -269,6 +180,69 @@ class GptOssForCausalLM(MoEForCausalLM):
                 yield f"{prefix}.up_proj.{kind}", _contiguous(_rows(rows, 1))
 
 
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    experts, per_token = int(raw["num_local_experts"]), int(raw["num_experts_per_tok"])
+    set_moe(config, experts, per_token, config.intermediate_size, True, range(config.num_layers))
+    extra = config.extra
+    extra["swiglu_alpha"] = float(raw.get("swiglu_alpha", 1.702))
+    extra["swiglu_limit"] = float(raw.get("swiglu_limit", 7.0))
+    extra["sliding_window"] = int(raw.get("sliding_window") or 128)
+    types = raw.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(config.num_layers)]
+    if len(types) != config.num_layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types {types} are not {config.num_layers} of {SLIDING!r} / {FULL!r}")
+    extra["layer_types"] = list(types)
+    params = rope_params(raw)
+    if rope_type(params) in YARN_TYPES:
+        extra["yarn"] = hf_yarn(params, None, config)
+
+
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    """llama.cpp's "gpt-oss" GGUFs: its expert counts, the window (every even layer's, as llama.cpp
+    lays them out), YaRN; alpha and limit are not written (llama.cpp fixes them at gpt-oss's)."""
+    arch = gguf_architecture
+    experts, per_token = int(field(f"{arch}.expert_count")), int(field(f"{arch}.expert_used_count") or 0)
+    width = int(field(f"{arch}.expert_feed_forward_length") or config.intermediate_size)
+    set_moe(config, experts, per_token, width, True, range(config.num_layers))
+    window = field(f"{arch}.attention.sliding_window")
+    config.extra |= {
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "sliding_window": int(window or 128),
+        "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(config.num_layers)],
+    }
+    if field(f"{arch}.rope.scaling.type") == "yarn":
+        config.extra["yarn"] = Yarn(
+            factor=float(field(f"{arch}.rope.scaling.factor")),
+            original_max_positions=int(field(f"{arch}.rope.scaling.original_context_length")),
+            beta_fast=float(field(f"{arch}.rope.scaling.yarn_beta_fast") or 32),
+            beta_slow=float(field(f"{arch}.rope.scaling.yarn_beta_slow") or 1),
+            truncate=False,  # gpt-oss's YaRN (its config.json says so; GGUF has no key for it)
+        )
+
+
+def _unfuse(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """moe.py's stacked expert weights, and llama.cpp's stacked expert biases [experts, rows] by expert."""
+    match = _STACKED_BIAS.fullmatch(name)
+    if match is None:
+        return unfuse_stacked(name, config)
+    layer, projection = match.groups()
+    experts = moe_settings(config)[0]
+    return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.bias", e, 1) for e in range(experts)]
+
+
+def _hf_stored_types(config: ModelConfig) -> dict[str, QType]:
+    """openai's MXFP4 checkpoints: every expert's matrices (as the load plan names their sources)."""
+    if not config.extra.get("mxfp4"):
+        return {}
+    experts = moe_settings(config)[0]
+    return {
+        f"model.layers.{i}.mlp.experts.{e}.{projection}.weight": QType.MXFP4
+        for i in range(config.num_layers)
+        for e in range(experts)
+        for projection in ("gate_proj", "up_proj", "down_proj")
+    }
+
+
 def _rows(t: torch.Tensor | GGUFBlocks, first: int) -> torch.Tensor | GGUFBlocks:
     """Every other row of t from ``first``: gate (0) or up (1) of an interleaved gate/up."""
     return t.rows(slice(first, None, 2)) if isinstance(t, GGUFBlocks) else t[first::2]
@@ -276,3 +250,21 @@ def _rows(t: torch.Tensor | GGUFBlocks, first: int) -> torch.Tensor | GGUFBlocks
 
 def _contiguous(t: CheckpointTensor) -> CheckpointTensor:
     return t.contiguous() if isinstance(t, torch.Tensor) else t
+
+
+GPT_OSS = register_family(
+    FamilySpec(
+        ("gpt_oss",),
+        GptOssForCausalLM,
+        Names({"GptOssForCausalLM": "gpt_oss"}, {"gpt-oss": "gpt_oss"}),
+        ConfigReader(_read_hf, _read_gguf, hf_rope_types=YARN_TYPES, gguf_rope_types=frozenset({"yarn"})),
+        dataclasses.replace(
+            moe_tensors(
+                {**MOE_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+            ),
+            unfuse=_unfuse,
+            hf_stored_types=_hf_stored_types,
+        ),
+        dataclasses.replace(MOE_FACTS, sliding_windows=True, attention_sinks=True),
+    )
+)

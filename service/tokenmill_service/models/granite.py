@@ -1,12 +1,12 @@
 """Granite 3 (dense): a Llama-family decoder with four scalars of its own (transformers' modeling_granite.py).
 
-- ``embedding_multiplier`` scales the token embeddings (``LlamaModel.embed``);
+- ``embedding_multiplier`` scales the token embeddings (``DecoderModel.embed``);
 - ``attention_multiplier`` is the attention scale, in place of 1/sqrt(head_dim);
 - ``residual_multiplier`` scales each sub-layer's output, attention's and the MLP's, before its
-  residual add (``LlamaDecoderLayer.branch``: ``residual_multiplier``);
+  residual add (``DecoderLayer.branch``: ``residual_multiplier``);
 - ``logits_scaling`` divides the logits.
 
-Everything else is llama.py's. They are read from config.json, or from a GGUF's ``granite.*`` keys
+Everything else is the decoder's (decoder.py). They are read from config.json, or from a GGUF's ``granite.*`` keys
 (llama.cpp's converter writes ``embedding_scale``, ``attention.scale``, ``residual_scale`` and
 ``logit_scale``, and permutes q/k as for Llama), into ``ModelConfig.extra``. The native decoder stack
 runs Granite's layers: it scales each sub-layer's output by the residual multiplier as the eager layer
@@ -16,25 +16,21 @@ family's; the embeddings and the logits stay the model's (``embed``, ``compute_l
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.linear import QuantFactory
-from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import (
-    EAGER,
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
+from tokenmill_service.models.decoder import (
+    DecoderAttention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderModel,
     Regions,
 )
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import ConfigReader, Facts, FamilySpec, GGUFField, Names
 
 # ModelConfig.extra key -> (config.json key, GGUF key after "granite.")
 MULTIPLIERS = {
@@ -49,28 +45,19 @@ def _multiplier(config: ModelConfig, key: str) -> float:
     return float(config.extra[key])  # type: ignore[arg-type]
 
 
-class GraniteAttention(LlamaAttention):
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
-        self.scale = _multiplier(config, "attention_multiplier")
+class GraniteAttention(DecoderAttention):
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
+        self.scale = _multiplier(p.config, "attention_multiplier")
 
 
-class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: ModelConfig, *args: Any) -> None:
-        super().__init__(config, *args)
-        self.residual_multiplier = _multiplier(config, "residual_multiplier")  # LlamaDecoderLayer.branch's
+class GraniteDecoderLayer(DecoderLayer):
+    def __init__(self, p: LayerParams, attention_type: type[DecoderAttention] = GraniteAttention) -> None:
+        super().__init__(p, attention_type)
+        self.residual_multiplier = _multiplier(p.config, "residual_multiplier")  # DecoderLayer.branch's
 
 
-class GraniteModel(LlamaModel):
+class GraniteModel(DecoderModel):
     def __init__(self, config: ModelConfig, *args: Any) -> None:
         super().__init__(config, *args)
         self.embedding_multiplier = _multiplier(config, "embedding_multiplier")
@@ -80,32 +67,39 @@ class GraniteModel(LlamaModel):
         return rows * self.embedding_multiplier
 
 
-@register_model("granite")
-class GraniteForCausalLM(LlamaForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = GraniteAttention
-    model_type: ClassVar[type[LlamaModel]] = GraniteModel
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = GraniteDecoderLayer
-    hf_architectures: ClassVar[dict[str, str]] = {"GraniteForCausalLM": "granite"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"granite": "granite"}
-    gguf_permuted: ClassVar[frozenset[str]] = frozenset({"granite"})
-
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        for key, (hf_key, _) in MULTIPLIERS.items():
-            config.extra[key] = float(raw.get(hf_key, 1.0))  # transformers' defaults: all 1
-
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        for key, (_, gguf_key) in MULTIPLIERS.items():
-            value = field(f"{gguf_architecture}.{gguf_key}")
-            # llama.cpp leaves out a scale that is not there (0 is "absent" to it as well).
-            config.extra[key] = float(value) if value else 1.0
-        if not field(f"{gguf_architecture}.attention.scale"):
-            config.extra["attention_multiplier"] = config.head_dim**-0.5  # llama.cpp's default
+class GraniteForCausalLM(DecoderForCausalLM):
+    attention_type = GraniteAttention
+    model_type = GraniteModel
+    layer_type = GraniteDecoderLayer
 
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.logits_scaling = _multiplier(config, "logits_scaling")
 
-    def compute_logits(self, hidden: torch.Tensor, run: Regions = EAGER) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, run: Regions | None = None) -> torch.Tensor:
         return super().compute_logits(hidden, run) / self.logits_scaling
+
+
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    for key, (hf_key, _) in MULTIPLIERS.items():
+        config.extra[key] = float(raw.get(hf_key, 1.0))  # transformers' defaults: all 1
+
+
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    for key, (_, gguf_key) in MULTIPLIERS.items():
+        value = field(f"{gguf_architecture}.{gguf_key}")
+        # llama.cpp leaves out a scale that is not there (0 is "absent" to it as well).
+        config.extra[key] = float(value) if value else 1.0
+    if not field(f"{gguf_architecture}.attention.scale"):
+        config.extra["attention_multiplier"] = config.head_dim**-0.5  # llama.cpp's default
+
+
+GRANITE = register_family(
+    FamilySpec(
+        ("granite",),
+        GraniteForCausalLM,
+        Names({"GraniteForCausalLM": "granite"}, {"granite": "granite"}, frozenset({"granite"})),
+        ConfigReader(_read_hf, _read_gguf),
+        facts=Facts(residual_multiplier=True, scaled_embeddings=True),
+    )
+)

@@ -18,12 +18,12 @@ from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
 from tokenmill_service.layers.quant.mxfp4 import from_openai
 from tokenmill_service.models.config import ModelConfig, RopeScaling
-from tokenmill_service.models.registry import hf_architectures, model_class, unfused
+from tokenmill_service.models.registry import family, hf_architectures, unfused
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
-# Buffers some older checkpoints saved; llama.py recomputes them.
+# Buffers some older checkpoints saved; the decoder recomputes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A base model's tensors (transformers' Qwen3Model, as sentence-transformers saves an embedding model) are
 # named without the "model." of the causal LM's.
@@ -57,7 +57,7 @@ def _rope_scaling(raw: dict[str, Any], family_types: frozenset[str] = frozenset(
     params = rope_params(raw)
     kind = rope_type(params)
     if kind == "default" or kind in family_types:
-        return None  # a family's own type: its read_hf_config reads it
+        return None  # a family's own type: its spec's config reader reads it
     if kind != "llama3":
         raise HFCheckpointError(f"RoPE scaling type {kind!r} is not supported (supported: llama3)")
     defaults = RopeScaling()
@@ -87,8 +87,8 @@ def read_hf_config(directory: Path) -> ModelConfig:
         raise HFCheckpointError(
             f"{directory / 'config.json'}: architectures {archs} not supported (supported: {', '.join(sorted(supported))})"
         )
-    family = model_class(supported[arch])
-    act_key, activation = family.hf_activation
+    spec = family(supported[arch])
+    act_key, activation = spec.config.hf_activation
     if raw.get(act_key, activation) != activation:
         raise HFCheckpointError(f"{act_key} {raw[act_key]!r} is not supported (only {activation})")
     if raw.get("mlp_bias", False):
@@ -105,7 +105,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
         head_dim=int(raw.get("head_dim") or 0),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(raw),
-        rope_scaling=_rope_scaling(raw, family.hf_rope_types),
+        rope_scaling=_rope_scaling(raw, spec.config.hf_rope_types),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         architecture=supported[arch],
@@ -114,7 +114,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
     )
     _read_quantization(raw, config)
     try:  # what only this family reads (Qwen2's biases, Mistral's window, ...)
-        family.read_hf_config(raw, arch, config)
+        spec.config.read_hf(raw, arch, config)
     except ValueError as e:
         raise HFCheckpointError(f"{directory / 'config.json'}: {e}") from None
     return config
@@ -161,7 +161,7 @@ def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, Checkpoin
     a time. A tied checkpoint's ``lm_head.weight`` copy is skipped: the head is loaded from the embedding."""
     config = read_hf_config(directory)
     files = _weight_files(directory)
-    family = model_class(config.architecture)
+    spec = family(config.architecture)
     scales: dict[str, Path] = {}  # FP8 weight name -> the file holding its weight_scale_inv
     if "fp8_block" in config.extra:
         for file in files:
@@ -192,7 +192,7 @@ def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, Checkpoin
                         tensor = _fp8_blocks(tensor, scales[name], name, config)
                     if name.startswith(_BASE_MODEL_PREFIXES):  # a base model's (Qwen3-Embedding's): no "model."
                         name = f"model.{name}"
-                    pieces = unfused(family, name, config)
+                    pieces = unfused(spec, name, config)
                     for piece, start, rows in pieces:
                         yield piece, tensor if rows < 0 else tensor.narrow(0, start, rows)
 

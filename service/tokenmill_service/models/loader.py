@@ -19,7 +19,7 @@ from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.models.builder import build_model
 from tokenmill_service.models.checkpoint import Checkpoint, open_checkpoint
-from tokenmill_service.models.llama import LlamaForCausalLM
+from tokenmill_service.models.decoder import DecoderForCausalLM
 from tokenmill_service.models.paths import (
     DEFAULT_MODEL_INSTALL_HINT,
     ModelLoadError,
@@ -35,7 +35,7 @@ from tokenmill_service.plan.resolve import NATIVE_METHODS, dtype_name, resolve_p
 log = structlog.get_logger(__name__)
 
 
-def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | None = None) -> DecoderForCausalLM:
     """The model ``options`` ask for, on ``device`` (default: ``options.device``), as this rank of ``tp``."""
     start = time.perf_counter()
     path = resolve_model_path(options.model or None)
@@ -99,7 +99,7 @@ COMPILER_INSTALL_HINT = (
 _warned_without_native = False
 
 
-def _warn_without_native_kernels(plan: LoadPlan, checkpoint: Checkpoint, model: LlamaForCausalLM) -> None:
+def _warn_without_native_kernels(plan: LoadPlan, checkpoint: Checkpoint, model: DecoderForCausalLM) -> None:
     """Once per process, at warning level: the model serves on a CPU without tokenmill's native kernels
     (no linear layer and no attention in them), what is missing, what it costs, and what to install."""
     global _warned_without_native
@@ -153,7 +153,7 @@ def load_model(
     max_lora_rank: int = 16,
     speculative_method: str = "ngram",
     max_model_len: int = 0,
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """``load`` with the options as arguments; the defaults are the reference configuration
     (float32 activations, dense weights). ``tp.expert_parallel``: as ``--expert-parallel``;
     ``max_model_len``: as ``--max-model-len`` (0: the model's own context)."""

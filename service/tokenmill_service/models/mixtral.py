@@ -9,44 +9,47 @@ for Llama, ``feed_forward_length`` the experts' width. ``sliding_window`` applie
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import read_sliding_window
-from tokenmill_service.models.moe import MoEForCausalLM, set_moe
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.moe import MOE_FACTS, MoEForCausalLM, moe_tensors, set_moe, unfuse_stacked
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names, SlidingWindows
 
 _HF_NAME = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.weight")
 _EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-@register_model("mixtral")
-class MixtralForCausalLM(MoEForCausalLM):
-    hf_architectures: ClassVar[dict[str, str]] = {"MixtralForCausalLM": "mixtral"}
-    gguf_architectures: ClassVar[dict[str, str]] = {}  # "llama" with experts (llama.py's read_gguf_config)
-    gguf_permuted: ClassVar[frozenset[str]] = frozenset({"llama"})
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    experts = int(raw["num_local_experts"])
+    set_moe(config, experts, int(raw["num_experts_per_tok"]), config.intermediate_size, True, range(config.num_layers))
 
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        experts = int(raw["num_local_experts"])
-        set_moe(
-            config, experts, int(raw["num_experts_per_tok"]), config.intermediate_size, True, range(config.num_layers)
-        )
-        read_sliding_window(raw, hf_architecture, config)
 
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        experts, per_token = int(field("llama.expert_count")), int(field("llama.expert_used_count") or 0)
-        set_moe(config, experts, per_token, config.intermediate_size, True, range(config.num_layers))
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    experts, per_token = int(field("llama.expert_count")), int(field("llama.expert_used_count") or 0)
+    set_moe(config, experts, per_token, config.intermediate_size, True, range(config.num_layers))
 
-    @classmethod
-    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
-        match = _HF_NAME.fullmatch(name)
-        if match is None:
-            return super().unfuse(name, config)
-        layer, part, projection = match.groups()
-        if projection is not None:
-            part = part.removesuffix(projection) + _EXPERT_PROJECTIONS[projection]
-        return [(f"{layer}mlp.{part}.weight", 0, -1)]
+
+def _unfuse(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    match = _HF_NAME.fullmatch(name)
+    if match is None:
+        return unfuse_stacked(name, config)
+    layer, part, projection = match.groups()
+    if projection is not None:
+        part = part.removesuffix(projection) + _EXPERT_PROJECTIONS[projection]
+    return [(f"{layer}mlp.{part}.weight", 0, -1)]
+
+
+# No GGUF name of its own: llama.cpp writes it as "llama" with experts (llama.py's reader sends it here).
+MIXTRAL = register_family(
+    FamilySpec(
+        ("mixtral",),
+        MoEForCausalLM,
+        Names({"MixtralForCausalLM": "mixtral"}, {}, frozenset({"llama"})),
+        ConfigReader(_read_hf, _read_gguf, windows=SlidingWindows()),
+        dataclasses.replace(moe_tensors(), unfuse=_unfuse),
+        MOE_FACTS,
+    )
+)

@@ -1,7 +1,7 @@
 """What the mixture-of-experts families (mixtral.py, qwen3_moe.py, olmoe.py; deepseek_v3.py with its own
-routing, shared experts and layers) share on llama.py's seams.
+routing, shared experts and layers) share on the decoder's seams (decoder.py).
 
-- The decoder layer's MLP (``LlamaDecoderLayer.make_mlp``) is a ``FusedMoE`` in the layers that have
+- The decoder layer's MLP (``DecoderLayer.make_mlp``) is a ``FusedMoE`` in the layers that have
   experts, a dense MLP in the others (Qwen3-MoE's ``mlp_only_layers``).
 - The load plan sees every expert's projections as linear layers of their own
   (``model.layers.N.mlp.experts.E.gate_up_proj``, ``...down_proj``) and the router as ``mlp.gate``,
@@ -26,13 +26,13 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.layers.linear import LinearBase, QuantFactory
+from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill_service.models.decoder import DecoderForCausalLM, DecoderLayer, GatedMLP
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.spec import GGUF_LAYER_NAMES, Facts, Tensors
 
 # llama.cpp's names of a MoE layer's router and stacked experts.
 GGUF_MOE_NAMES = {
@@ -71,50 +71,57 @@ def set_moe(
     }
 
 
-class MoEDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(
-        self, config: ModelConfig, prefix: str, layer_idx: int, ops: Ops, quant: QuantFactory, tp: TensorParallel
-    ) -> nn.Module:
-        experts, per_token, width, renormalize, moe_layers = moe_settings(config)
-        if layer_idx not in moe_layers:
-            return LlamaMLP(config, prefix, ops, quant, tp)
-        return FusedMoE(config.hidden_size, width, experts, per_token, renormalize, prefix, ops, quant, tp)
+# Why ``--compile auto`` leaves a mixture of experts eager (read by the plan): each step's grouping of tokens
+# by expert is data-dependent, which a compiled graph would guard on and rebuild for.
+COMPILE_GAP = "a mixture of experts groups each step's tokens by expert, which graphs cannot hold"
+# What the mixture-of-experts families' specs state of their layers.
+MOE_FACTS = Facts(experts=True, compile_gap=COMPILE_GAP)
+MOE_LAYER_NAMES = {**GGUF_LAYER_NAMES, **GGUF_MOE_NAMES}
 
 
-class MoEForCausalLM(LlamaForCausalLM):
-    """The base of the mixture-of-experts families (not registered itself)."""
+def moe_linear_prefixes(config: ModelConfig) -> list[str]:
+    experts, _, _, _, moe_layers = moe_settings(config)
+    prefixes = []
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}"
+        prefixes += [f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj"]
+        if i in moe_layers:
+            prefixes.append(f"{layer}.mlp.gate")
+            for e in range(experts):
+                prefixes += [f"{layer}.mlp.experts.{e}.gate_up_proj", f"{layer}.mlp.experts.{e}.down_proj"]
+        else:
+            prefixes += [f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
+    return [*prefixes, "lm_head"]
 
-    # Why ``--compile auto`` leaves the family eager (read by the plan): each step's grouping of tokens
-    # by expert is data-dependent, which a compiled graph would guard on and rebuild for.
-    compile_gap: ClassVar[str] = "a mixture of experts groups each step's tokens by expert, which graphs cannot hold"
-    layer_type: ClassVar[type[LlamaDecoderLayer]] = MoEDecoderLayer
-    gguf_layer_names: ClassVar[dict[str, str]] = {**GGUF_LAYER_NAMES, **GGUF_MOE_NAMES}
 
-    @classmethod
-    def linear_prefixes(cls, config: ModelConfig) -> list[str]:
-        experts, _, _, _, moe_layers = moe_settings(config)
-        prefixes = []
-        for i in range(config.num_layers):
-            layer = f"model.layers.{i}"
-            prefixes += [f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn.o_proj"]
-            if i in moe_layers:
-                prefixes.append(f"{layer}.mlp.gate")
-                for e in range(experts):
-                    prefixes += [f"{layer}.mlp.experts.{e}.gate_up_proj", f"{layer}.mlp.experts.{e}.down_proj"]
-            else:
-                prefixes += [f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
-        return [*prefixes, "lm_head"]
+def unfuse_stacked(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """A GGUF's stacked experts (read as [experts * rows, cols]) -> each expert's rows, by id."""
+    match = _STACKED.fullmatch(name)
+    if match is None:
+        return None
+    layer, projection = match.groups()
+    experts, _, width, _, _ = moe_settings(config)
+    rows = config.hidden_size if projection == "down_proj" else width
+    return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", e * rows, rows) for e in range(experts)]
 
-    @classmethod
-    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
-        """A GGUF's stacked experts (read as [experts * rows, cols]) -> each expert's rows, by id."""
-        match = _STACKED.fullmatch(name)
-        if match is None:
-            return None
-        layer, projection = match.groups()
-        experts, _, width, _, _ = moe_settings(config)
-        rows = config.hidden_size if projection == "down_proj" else width
-        return [(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight", e * rows, rows) for e in range(experts)]
+
+def moe_tensors(gguf_layer: dict[str, str] | None = None) -> Tensors:
+    """A mixture-of-experts family's tensors: every expert's projections a linear layer, GGUF stacks cut."""
+    return Tensors(gguf_layer=gguf_layer or MOE_LAYER_NAMES, linear_prefixes=moe_linear_prefixes, unfuse=unfuse_stacked)
+
+
+class MoEDecoderLayer(DecoderLayer):
+    def make_mlp(self, p: LayerParams) -> nn.Module:
+        experts, per_token, width, renormalize, moe_layers = moe_settings(p.config)
+        if p.layer_idx not in moe_layers:
+            return GatedMLP(p.config, p.prefix, p.ops, p.quant, p.tp)
+        return FusedMoE(p.config.hidden_size, width, experts, per_token, renormalize, p.prefix, p.ops, p.quant, p.tp)
+
+
+class MoEForCausalLM(DecoderForCausalLM):
+    """The module of the mixture-of-experts families (registered by each family's spec)."""
+
+    layer_type: ClassVar[type[DecoderLayer]] = MoEDecoderLayer
 
     def weight_bytes(self) -> int:
         """Bytes of weights one token's forward pass reads: every layer's, but of each layer's experts

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import structlog
 import torch
@@ -43,9 +42,19 @@ import torch
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.layers.rotary import RotaryEmbedding
 from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.models.decoder import DecoderForCausalLM, DecoderModel
 from tokenmill_service.models.hf_loader import rope_params, rope_type
-from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaForCausalLM, LlamaModel, read_sliding_window
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import (
+    GGUF_LAYER_NAMES,
+    ConfigReader,
+    Facts,
+    FamilySpec,
+    GGUFField,
+    Names,
+    SlidingWindows,
+    Tensors,
+)
 from tokenmill_service.plan.plan import Decision
 
 log = structlog.get_logger(__name__)
@@ -86,7 +95,7 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
         return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
-class Phi3Model(LlamaModel):
+class Phi3Model(DecoderModel):
     def make_rotary(self, config: ModelConfig, ops: Ops) -> RotaryEmbedding:
         # The factors the load plan chose (``with_rope``); LongRoPE's short ones for a model built without it.
         chosen = config.extra.get("rope_factors", config.extra.get("rope_short_factor"))
@@ -135,129 +144,140 @@ SHORT, LONG = "short-factors", "long-factors"
 PHI3_GGUF_LAYER_NAMES = {**GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
-@register_model("phi3")
-class Phi3ForCausalLM(LlamaForCausalLM):
-    model_type: ClassVar[type[LlamaModel]] = Phi3Model
-    hf_architectures: ClassVar[dict[str, str]] = {"Phi3ForCausalLM": "phi3"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"phi3": "phi3"}
-    gguf_permuted: ClassVar[frozenset[str]] = frozenset()  # the converter writes Phi-3's q/k rows as they are
-    gguf_layer_names: ClassVar[dict[str, str]] = PHI3_GGUF_LAYER_NAMES
-    gguf_config_tensors: ClassVar[dict[str, str]] = {
-        "rope_factors_short.weight": "rope_short_factor",
-        "rope_factors_long.weight": "rope_long_factor",
-    }
-    gguf_reads_attention: ClassVar[bool] = True  # partial rotary (rope.dimension_count) is read here
-    hf_rope_types: ClassVar[frozenset[str]] = LONGROPE_TYPES
+class Phi3ForCausalLM(DecoderForCausalLM):
+    model_type = Phi3Model
 
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        params = rope_params(raw)
-        factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-        _set_rotary_dim(config, int(config.head_dim * factor), f"partial_rotary_factor {factor}")
-        if rope_type(params) in LONGROPE_TYPES:
-            cls._read_longrope(raw, params, config)
-        read_sliding_window(raw, hf_architecture, config)
 
-    @classmethod
-    def _read_longrope(cls, raw: dict[str, Any], params: dict[str, Any], config: ModelConfig) -> None:
-        original = int(
-            params.get("original_max_position_embeddings")
-            or raw.get("original_max_position_embeddings")
-            or config.max_position_embeddings
-        )
-        # transformers: the default factor is the ratio of the two lengths, the attention factor from it.
-        factor = params.get("factor") or config.max_position_embeddings / original
-        attention_factor = params.get("attention_factor")
-        if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        long = params.get("long_factor")
-        _set_longrope(
-            config,
-            [float(f) for f in params.get("short_factor") or []],
-            None if long is None else [float(f) for f in long],
-            original,
-            float(attention_factor),
-        )
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    params = rope_params(raw)
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    _set_rotary_dim(config, int(config.head_dim * factor), f"partial_rotary_factor {factor}")
+    if rope_type(params) in LONGROPE_TYPES:
+        _read_longrope(raw, params, config)
 
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        """llama.cpp's ``phi3``: ``rope.dimension_count`` the rotary dims, ``attention.sliding_window``
-        (0: none, as Phi-4 writes), and for LongRoPE the ``rope_factors_short/long`` tensors (in
-        ``extra`` already) with ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``."""
-        arch = gguf_architecture
-        rope_dims = field(f"{arch}.rope.dimension_count")
-        _set_rotary_dim(config, int(rope_dims or config.head_dim), f"rope.dimension_count {rope_dims}")
-        window = field(f"{arch}.attention.sliding_window")
-        if window:
-            config.extra["sliding_window"] = int(window)
-        scaling_type = field(f"{arch}.rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported for phi3")
-        short = config.extra.pop("rope_short_factor", None)
-        long = config.extra.pop("rope_long_factor", None)
-        if long is None:
-            return  # no LongRoPE: plain rotary over the whole context
-        if short is None:
-            raise ValueError("the GGUF has rope_factors_long but no rope_factors_short")
-        original = int(field(f"{arch}.rope.scaling.original_context_length") or config.max_position_embeddings)
-        attention_factor = float(field(f"{arch}.rope.scaling.attn_factor") or 1.0)
-        _set_longrope(config, list(short), list(long), original, attention_factor)  # type: ignore[call-overload]
 
-    @classmethod
-    def rope_choice(cls, config: ModelConfig, max_model_len: int) -> Decision | None:
-        """LongRoPE's factors for the served context (``max_model_len``; 0: the model's own), as llama.cpp
-        chooses them: the long ones for every position when it exceeds the original length, else the
-        short ones. None: no LongRoPE."""
-        if config.extra.get("rope_short_factor") is None:
-            return None
-        original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
-        own = config.max_position_embeddings
-        served = min(max_model_len or own, own)
-        asked = f"--max-model-len {max_model_len}" if max_model_len else "the model's own"
-        scale = f"cos/sin scaled by {float(config.extra['rope_attention_factor']):.6g}"  # type: ignore[arg-type]
-        if served <= original:
-            return Decision(
-                SHORT,
-                f"LongRoPE: the served context ({asked}: {served}) is within the original "
-                f"{original} positions; {scale}",
-            )
-        if config.extra.get("rope_long_factor") is None:
-            return Decision(
-                SHORT,
-                f"LongRoPE without long factors: the context is capped at the original {original} positions; {scale}",
-            )
-        return Decision(
-            LONG,
-            f"LongRoPE: the served context ({asked}: {served}) exceeds the original {original} "
-            f"positions: the long factors at every position; {scale}",
-        )
+def _read_longrope(raw: dict[str, Any], params: dict[str, Any], config: ModelConfig) -> None:
+    original = int(
+        params.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
+    # transformers: the default factor is the ratio of the two lengths, the attention factor from it.
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    long = params.get("long_factor")
+    _set_longrope(
+        config,
+        [float(f) for f in params.get("short_factor") or []],
+        None if long is None else [float(f) for f in long],
+        original,
+        float(attention_factor),
+    )
 
-    @classmethod
-    def with_rope(cls, config: ModelConfig, choice: str) -> ModelConfig:
-        """``config`` with the factors the plan chose (``rope_choice``); the short ones cap the context at
-        the original length (logged)."""
-        long = choice == LONG
-        out = dataclasses.replace(config, extra={**config.extra})
-        out.extra["rope_factors"] = config.extra["rope_long_factor" if long else "rope_short_factor"]
-        if not long:
-            original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
-            _cap_context(out, original, "longrope_short_factors")
-        return out
 
-    @classmethod
-    def unfuse(cls, name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
-        parent, _, leaf = name.rpartition(".")  # "model.layers.N.self_attn.qkv_proj", "weight"
-        layer, _, fused = parent.rpartition(".")
-        if leaf != "weight":
-            return None
-        if fused == "qkv_proj":
-            q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-            return [
-                (f"{layer}.q_proj.weight", 0, q),
-                (f"{layer}.k_proj.weight", q, kv),
-                (f"{layer}.v_proj.weight", q + kv, kv),
-            ]
-        if fused == "gate_up_proj":
-            size = config.intermediate_size
-            return [(f"{layer}.gate_proj.weight", 0, size), (f"{layer}.up_proj.weight", size, size)]
+def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) -> None:
+    """llama.cpp's ``phi3``: ``rope.dimension_count`` the rotary dims, ``attention.sliding_window``
+    (0: none, as Phi-4 writes), and for LongRoPE the ``rope_factors_short/long`` tensors (in
+    ``extra`` already) with ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``."""
+    arch = gguf_architecture
+    rope_dims = field(f"{arch}.rope.dimension_count")
+    _set_rotary_dim(config, int(rope_dims or config.head_dim), f"rope.dimension_count {rope_dims}")
+    window = field(f"{arch}.attention.sliding_window")
+    if window:
+        config.extra["sliding_window"] = int(window)
+    scaling_type = field(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported for phi3")
+    short = config.extra.pop("rope_short_factor", None)
+    long = config.extra.pop("rope_long_factor", None)
+    if long is None:
+        return  # no LongRoPE: plain rotary over the whole context
+    if short is None:
+        raise ValueError("the GGUF has rope_factors_long but no rope_factors_short")
+    original = int(field(f"{arch}.rope.scaling.original_context_length") or config.max_position_embeddings)
+    attention_factor = float(field(f"{arch}.rope.scaling.attn_factor") or 1.0)
+    _set_longrope(config, list(short), list(long), original, attention_factor)  # type: ignore[call-overload]
+
+
+def rope_choice(config: ModelConfig, max_model_len: int) -> Decision | None:
+    """LongRoPE's factors for the served context (``max_model_len``; 0: the model's own), as llama.cpp
+    chooses them: the long ones for every position when it exceeds the original length, else the
+    short ones. None: no LongRoPE."""
+    if config.extra.get("rope_short_factor") is None:
         return None
+    original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
+    own = config.max_position_embeddings
+    served = min(max_model_len or own, own)
+    asked = f"--max-model-len {max_model_len}" if max_model_len else "the model's own"
+    scale = f"cos/sin scaled by {float(config.extra['rope_attention_factor']):.6g}"  # type: ignore[arg-type]
+    if served <= original:
+        return Decision(
+            SHORT,
+            f"LongRoPE: the served context ({asked}: {served}) is within the original {original} positions; {scale}",
+        )
+    if config.extra.get("rope_long_factor") is None:
+        return Decision(
+            SHORT,
+            f"LongRoPE without long factors: the context is capped at the original {original} positions; {scale}",
+        )
+    return Decision(
+        LONG,
+        f"LongRoPE: the served context ({asked}: {served}) exceeds the original {original} "
+        f"positions: the long factors at every position; {scale}",
+    )
+
+
+def with_rope(config: ModelConfig, choice: str) -> ModelConfig:
+    """``config`` with the factors the plan chose (``rope_choice``); the short ones cap the context at
+    the original length (logged)."""
+    long = choice == LONG
+    out = dataclasses.replace(config, extra={**config.extra})
+    out.extra["rope_factors"] = config.extra["rope_long_factor" if long else "rope_short_factor"]
+    if not long:
+        original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
+        _cap_context(out, original, "longrope_short_factors")
+    return out
+
+
+def _unfuse(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    parent, _, leaf = name.rpartition(".")  # "model.layers.N.self_attn.qkv_proj", "weight"
+    layer, _, fused = parent.rpartition(".")
+    if leaf != "weight":
+        return None
+    if fused == "qkv_proj":
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [
+            (f"{layer}.q_proj.weight", 0, q),
+            (f"{layer}.k_proj.weight", q, kv),
+            (f"{layer}.v_proj.weight", q + kv, kv),
+        ]
+    if fused == "gate_up_proj":
+        size = config.intermediate_size
+        return [(f"{layer}.gate_proj.weight", 0, size), (f"{layer}.up_proj.weight", size, size)]
+    return None
+
+
+PHI3 = register_family(
+    FamilySpec(
+        ("phi3",),
+        Phi3ForCausalLM,
+        Names({"Phi3ForCausalLM": "phi3"}, {"phi3": "phi3"}),  # the converter writes q/k rows as they are
+        ConfigReader(
+            _read_hf,
+            _read_gguf,
+            hf_rope_types=LONGROPE_TYPES,
+            gguf_reads_attention=True,  # partial rotary (rope.dimension_count) is read here
+            gguf_config_tensors={
+                "rope_factors_short.weight": "rope_short_factor",
+                "rope_factors_long.weight": "rope_long_factor",
+            },
+            windows=SlidingWindows(),
+        ),
+        Tensors(gguf_layer=PHI3_GGUF_LAYER_NAMES, unfuse=_unfuse),
+        Facts(sliding_windows=True),
+        rope_choice=rope_choice,
+        with_rope=with_rope,
+    )
+)

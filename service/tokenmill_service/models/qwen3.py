@@ -1,52 +1,52 @@
 """Qwen3 (dense): a Llama-family decoder whose attention RMS-normalizes each head of q and of k.
 
-Everything else is llama.py's: the norm sits in ``LlamaAttention.before_rotary`` (after the q/k/v
+Everything else is the decoder's (decoder.py): the norm sits in ``DecoderAttention.before_rotary`` (after the q/k/v
 projection, before rotary) and goes through the ops backend's ``rms_norm``, so the native, torch
 and triton backends all serve it. Qwen3 has no q/k/v bias and its ``head_dim`` need not be
 hidden / heads (``ModelConfig.head_dim`` is read from the checkpoint).
 
 ``q_norm`` / ``k_norm`` weights are [head_dim], shared by every head: under tensor parallelism each
 rank keeps them whole, whichever heads it holds. The native decoder stack (one C++ call for every
-layer) runs the same norm on the same rows (``qk_norm = "heads"``).
+layer) runs the same norm on the same rows (its spec's ``qk_norm="heads"``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.linear import QuantFactory
 from tokenmill_service.layers.norm import RMSNorm
-from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import GGUF_LAYER_NAMES, LlamaAttention, LlamaForCausalLM
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.decoder import DecoderAttention, DecoderForCausalLM
+from tokenmill_service.models.params import LayerParams
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import (
+    GGUF_LAYER_NAMES,
+    ConfigReader,
+    Facts,
+    FamilySpec,
+    Names,
+    SlidingWindows,
+    Tensors,
+)
 
 
-class Qwen3Attention(LlamaAttention):
-    qk_norm: ClassVar[str] = "heads"
+class HeadNormedAttention(DecoderAttention):
+    """q and k RMS-normed per head between the projection and rotary (``q_norm``, ``k_norm``: [head_dim] each,
+    made by the family's subclass): Qwen3's, Gemma 3's."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        prefix: str,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        ops: Ops,
-        quant: QuantFactory,
-        tp: TensorParallel,
-    ) -> None:
-        super().__init__(config, prefix, layer_idx, rotary, ops, quant, tp)
-        # Normed q and k stay in the projection's dtype, as rotary and attention take them.
-        act_dtype = self.qkv_proj.quant.act_dtype
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, act_dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, act_dtype)
+    q_norm: RMSNorm
+    k_norm: RMSNorm
 
     def before_rotary(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
+
+
+class Qwen3Attention(HeadNormedAttention):
+    def __init__(self, p: LayerParams) -> None:
+        super().__init__(p)
+        # Normed q and k stay in the projection's dtype, as rotary and attention take them.
+        act_dtype, config = self.qkv_proj.quant.act_dtype, p.config
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, p.ops, act_dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, p.ops, act_dtype)
 
 
 def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -57,14 +57,21 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return normed.view(tokens, heads, head_dim)
 
 
-@register_model("qwen3")
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
-    # Qwen3Model: the decoder without its head, as sentence-transformers saves an embedding model.
-    hf_architectures: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"qwen3": "qwen3"}
-    gguf_layer_names: ClassVar[dict[str, str]] = {
-        **GGUF_LAYER_NAMES,
-        "attn_q_norm": "self_attn.q_norm",  # [head_dim] each
-        "attn_k_norm": "self_attn.k_norm",
-    }
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    attention_type = Qwen3Attention
+
+
+# llama.cpp's names of the q/k norms ([head_dim] each), beside Llama's.
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+QWEN3 = register_family(
+    FamilySpec(
+        ("qwen3",),
+        Qwen3ForCausalLM,
+        # Qwen3Model: the decoder without its head, as sentence-transformers saves an embedding model.
+        Names({"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3"}, {"qwen3": "qwen3"}),
+        ConfigReader(windows=SlidingWindows(every_layer=False, flagged=True, default=4096)),
+        Tensors(gguf_layer={**GGUF_LAYER_NAMES, **QK_NORM_NAMES}),
+        Facts(qk_norm="heads", sliding_windows=True),
+    )
+)

@@ -9,44 +9,48 @@ always renormalize (``expert_weights_norm``, where written, says otherwise).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+import dataclasses
+from typing import Any
 
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.llama import LlamaAttention, read_sliding_window
-from tokenmill_service.models.moe import MoEForCausalLM, set_moe
-from tokenmill_service.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
-from tokenmill_service.models.registry import register_model
+from tokenmill_service.models.moe import MOE_FACTS, MOE_LAYER_NAMES, MoEForCausalLM, moe_tensors, set_moe
+from tokenmill_service.models.qwen3 import QK_NORM_NAMES, Qwen3Attention
+from tokenmill_service.models.registry import register_family
+from tokenmill_service.models.spec import ConfigReader, FamilySpec, GGUFField, Names, SlidingWindows
 
 
-@register_model("qwen3_moe")
 class Qwen3MoeForCausalLM(MoEForCausalLM):
-    attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
-    hf_architectures: ClassVar[dict[str, str]] = {"Qwen3MoeForCausalLM": "qwen3_moe"}
-    gguf_architectures: ClassVar[dict[str, str]] = {"qwen3moe": "qwen3_moe"}
-    gguf_layer_names: ClassVar[dict[str, str]] = {
-        **MoEForCausalLM.gguf_layer_names,
-        **Qwen3ForCausalLM.gguf_layer_names,
-    }
+    attention_type = Qwen3Attention
 
-    @classmethod
-    def read_hf_config(cls, raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
-        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
-        step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or [])
-        layers = [i for i in range(config.num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
-        width = int(raw["moe_intermediate_size"])
-        set_moe(config, experts, int(raw["num_experts_per_tok"]), width, bool(raw.get("norm_topk_prob")), layers)
-        read_sliding_window(raw, hf_architecture, config)
 
-    @classmethod
-    def read_gguf_config(cls, field: Callable[[str], Any], gguf_architecture: str, config: ModelConfig) -> None:
-        arch = gguf_architecture
-        norm = field(f"{arch}.expert_weights_norm")
-        set_moe(
-            config,
-            int(field(f"{arch}.expert_count")),
-            int(field(f"{arch}.expert_used_count") or 0),
-            int(field(f"{arch}.expert_feed_forward_length")),
-            True if norm is None else bool(norm),
-            range(config.num_layers),
-        )
+def _read_hf(raw: dict[str, Any], hf_architecture: str, config: ModelConfig) -> None:
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or [])
+    layers = [i for i in range(config.num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+    width = int(raw["moe_intermediate_size"])
+    set_moe(config, experts, int(raw["num_experts_per_tok"]), width, bool(raw.get("norm_topk_prob")), layers)
+
+
+def _read_gguf(field: GGUFField, arch: str, config: ModelConfig) -> None:
+    norm = field(f"{arch}.expert_weights_norm")
+    set_moe(
+        config,
+        int(field(f"{arch}.expert_count")),
+        int(field(f"{arch}.expert_used_count") or 0),
+        int(field(f"{arch}.expert_feed_forward_length")),
+        True if norm is None else bool(norm),
+        range(config.num_layers),
+    )
+
+
+QWEN3_MOE = register_family(
+    FamilySpec(
+        ("qwen3_moe",),
+        Qwen3MoeForCausalLM,
+        Names({"Qwen3MoeForCausalLM": "qwen3_moe"}, {"qwen3moe": "qwen3_moe"}),
+        # transformers' Qwen3-MoE: a window only with use_sliding_window, then on every layer.
+        ConfigReader(_read_hf, _read_gguf, windows=SlidingWindows(flagged=True, default=4096)),
+        moe_tensors({**MOE_LAYER_NAMES, **QK_NORM_NAMES}),
+        dataclasses.replace(MOE_FACTS, qk_norm="heads", sliding_windows=True),
+    )
+)

@@ -9,8 +9,6 @@ the executor (the model's loop, the native decoder stack, or compiled regions). 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from gguf import GGMLQuantizationType as QType
 
@@ -22,7 +20,8 @@ from tokenmill_service.models.checkpoint import Checkpoint
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
-from tokenmill_service.models.registry import model_class
+from tokenmill_service.models.registry import family
+from tokenmill_service.models.spec import FamilySpec
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused
@@ -52,9 +51,8 @@ SPECULATIVE_METHODS = ("ngram", "mtp")
 
 def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
     config, types = checkpoint.config, checkpoint.tensor_types
-    family = model_class(config.architecture)
-    unserved = getattr(family, "unserved_reason", None)
-    if unserved is not None and (why := unserved(config)) is not None:
+    spec = family(config.architecture)
+    if (why := spec.unserved_reason(config)) is not None:
         raise PlanRefused(why)
     if options.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise PlanRefused(
@@ -72,14 +70,14 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         raise PlanRefused(f"--quantization {FP8_METHOD} serves FP8 block-scaled weights; {checkpoint.path} has none")
     act = _activations(options, bool(types) or bool(fp8), facts)
     act_dtype = DTYPES[act.value]
-    prefixes = family.linear_prefixes(config) + _mtp_prefixes(options, family, config)
+    prefixes = spec.tensors.linear_prefixes(config) + _mtp_prefixes(options, spec, config)
     layers, quant_reasons, skipped = _linear_layers(options, prefixes, checkpoint, facts, act_dtype)
     activations = _activations_precision(options, layers, config)
     _check_tensor_parallel(options, config, types)
     ops = _ops(options, ops_cls, facts, act_dtype, config.head_dim, skipped)
     ops_cls = ops_class(ops.value)
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
-    layout = _kv_cache_layout(family, ops_cls, config)
+    layout = _kv_cache_layout(spec, ops_cls, config)
     executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
     experts = _experts(facts, ops_cls, act_dtype, layers, config)
     # A GGUF's blocks under auto are quantized weights even where no native kernel serves and every layer
@@ -87,7 +85,6 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     quantized = any(c.method != "none" for c in layers.values()) or (
         options.quantization == "auto" and any(t in BLOCK_WEIGHTS for t in types.values())
     )
-    rope_choice = getattr(family, "rope_choice", None)
     return LoadPlan(
         options=options,
         device=facts.device,
@@ -103,11 +100,11 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         quant_reasons=quant_reasons,
         tensor_parallel=options.tensor_parallel,
         kv_cache_bytes_per_token=kv_cache_bytes_per_token(
-            family, config, kv.value, options.tensor_parallel, int(options.speculative_method == "mtp")
+            spec, config, kv.value, options.tensor_parallel, int(options.speculative_method == "mtp")
         ),
         skipped=skipped,
         lora_dtype=_lora_dtype(options, facts),
-        rope=None if rope_choice is None else rope_choice(config, options.max_model_len),
+        rope=None if spec.rope_choice is None else spec.rope_choice(config, options.max_model_len),
         cpu_isa=Decision(facts.cpu_isa, facts.cpu_isa_reason) if facts.cpu_isa else None,
         activations=activations,
     )
@@ -154,9 +151,9 @@ def _lora_dtype(options: LoadOptions, facts: DeviceFacts) -> Decision:
     return Decision("bfloat16", "adapter weights in 16 bits, products accumulated in float32")
 
 
-def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
+def _kv_cache_layout(spec: FamilySpec, ops: type[Ops], config: ModelConfig) -> str:
     """The backend's cache layout for this family: keys and values per head, or a latent per token."""
-    if not getattr(family, "latent_cache", False):
+    if not spec.facts.latent_attention:
         return ops.kv_cache_layout.name
     if ops.latent_cache_layout is None:
         raise PlanRefused(
@@ -167,12 +164,12 @@ def _kv_cache_layout(family: type, ops: type[Ops], config: ModelConfig) -> str:
 
 
 def kv_cache_bytes_per_token(
-    family: type, config: ModelConfig, kv_dtype: str, tensor_parallel: int, draft_layers: int = 0
+    spec: FamilySpec, config: ModelConfig, kv_dtype: str, tensor_parallel: int, draft_layers: int = 0
 ) -> Decision:
     """Bytes of cache a token of context takes on a rank, with what they are and, for a family that
     caches less than keys and values per head, its saving against such a cache; ``draft_layers``: the
     draft model's layers cached beside the decoder's (``--speculative-method mtp``), as many more layers."""
-    values, per_head = family.kv_cache_values_per_token(config, tensor_parallel)  # type: ignore[attr-defined]
+    values, per_head = spec.kv_cache_values_per_token(config, tensor_parallel)
     if draft_layers:
         layers = config.num_layers
         values, per_head = values * (layers + draft_layers) // layers, per_head * (layers + draft_layers) // layers
@@ -387,7 +384,7 @@ def _ops(
     return Decision(asked.name, "asked (--backend)")
 
 
-def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> list[str]:
+def _mtp_prefixes(options: LoadOptions, spec: FamilySpec, config: ModelConfig) -> list[str]:
     """The linear layers of the multi-token-prediction layers ``--speculative-method mtp`` serves as
     its draft model ([] for another method); refused where the checkpoint has none or they cannot run."""
     if options.speculative_method not in SPECULATIVE_METHODS:
@@ -396,7 +393,7 @@ def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> lis
         )
     if options.speculative_method != "mtp":
         return []
-    prefixes = getattr(family, "mtp_linear_prefixes", None)
+    prefixes = spec.tensors.mtp_linear_prefixes
     if prefixes is None or not config.extra_int("mtp_layers"):
         raise PlanRefused(
             f"--speculative-method mtp drafts with a checkpoint's multi-token-prediction layers "
@@ -432,8 +429,7 @@ def _executor(
         # The adapters' grouped products change shape with the step's adapters: not inside the regions.
         skipped["compile"] = "LoRA adapters (--max-loras) are not run inside compiled regions"
     elif options.compile == "auto":
-        family = model_class(config.architecture)
-        why = getattr(family, "compile_gap", "") or compile_missing(options, facts, ops)
+        why = family(config.architecture).facts.compile_gap or compile_missing(options, facts, ops)
         if why is None:
             return Decision("compiled", "asked (--compile auto)")
         skipped["compile"] = why
@@ -450,7 +446,7 @@ def _experts(
     (``NativeCpuOps.moe_experts``) or one by one; layers/fused_moe/native.py checks the same."""
     if not config.extra_int("num_experts"):
         return None
-    gap = getattr(model_class(config.architecture), "native_experts_gap", "")
+    gap = family(config.architecture).facts.native_experts_gap
     why: str | None
     if ops.name != "native":
         why = f"the {ops.name} ops run them through the linear layers"
@@ -498,13 +494,12 @@ def native_stack_missing(
         return "tensor-parallel ranks all-reduce between the layers"
     if act != torch.float32:
         return "it runs float32 activations"
-    family = model_class(config.architecture)
-    if not getattr(family, "native_stack", False):
-        gap = getattr(family, "native_stack_gap", "")
-        return f"the {config.architecture} family has no native stack" + (f": {gap}" if gap else "")
+    spec = family(config.architecture)
+    if spec.facts.native_stack_gap:
+        return f"the {config.architecture} family has no native stack: {spec.facts.native_stack_gap}"
     # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack;
     # a projection the family absorbs at load (DeepSeek's kv_b_proj) is never applied by its kernel.
-    absorbed: frozenset[str] = getattr(family, "absorbed_projections", frozenset())
+    absorbed = spec.tensors.absorbed
     for prefix, choice in layers.items():
         leaf = prefix.rpartition(".")[2]
         if prefix == "lm_head" or leaf in absorbed:
@@ -514,10 +509,10 @@ def native_stack_missing(
     # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel; latent attention's take no adapters.
     lora = ("lora",) if options.max_loras > 0 else ()
     latent: tuple[str, ...] = ()
-    if getattr(family, "latent_cache", False):
+    if spec.facts.latent_attention:
         if options.max_loras > 0:
             return "LoRA adapters on latent attention run through the linear layers (--max-loras)"
-        if (gap := family.latent_stack_gap(config)) is not None:
+        if (gap := spec.latent_stack_gap(config)) is not None:
             return str(gap)
         latent = ("latent_attention",)
     # A mixture of experts: the router's product, softmax top-k and the experts in moe_mlp.cpp's calls.
@@ -525,7 +520,7 @@ def native_stack_missing(
     if config.extra_int("num_experts"):
         if options.max_loras > 0:
             return "LoRA adapters on experts run through the linear layers (--max-loras)"
-        if gap := getattr(family, "native_experts_gap", ""):
+        if gap := spec.facts.native_experts_gap:
             return gap
         experts = ("moe_mlp",)
     return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts, *latent)

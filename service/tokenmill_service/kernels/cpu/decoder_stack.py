@@ -193,69 +193,8 @@ class DecoderStack:
     """``stack(x, positions, meta)``: the final norm's output [T, hidden] for embeddings x [T, hidden]."""
 
     def __init__(self, spec: StackSpec) -> None:
-        if not spec.layers:
-            raise ValueError("a decoder stack needs at least one layer")
-        if spec.qk_norm not in abi.QK_NORM_MODES:
-            raise ValueError(f"q/k norms are one of {', '.join(abi.QK_NORM_MODES)}, not {spec.qk_norm!r}")
-        if spec.activation not in abi.ACTIVATIONS:
-            raise ValueError(f"the MLP's activation is one of {', '.join(abi.ACTIVATIONS)}, not {spec.activation!r}")
-        rotary_dim = spec.head_dim if spec.rotary_dim is None else spec.rotary_dim
-        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > spec.head_dim:
-            raise ValueError(f"rotary turns an even number of a head's {spec.head_dim} dims, not {rotary_dim}")
-        if spec.cos.dim() != 2 or spec.cos.shape[1] != rotary_dim // 2 or spec.sin.shape != spec.cos.shape:
-            raise ValueError(f"the rotary tables are [positions, {rotary_dim // 2}] (rotary dims / 2)")
-        tensors = [spec.cos, spec.sin, spec.final_norm]
-        norms = [spec.final_norm]
-        widths = [0]  # of the layers' LoRA slots: parts * rank
-        for layer in spec.layers:
-            tensors += [layer.input_norm, layer.post_norm]
-            norms += [layer.input_norm, layer.post_norm]
-            _check_mlp(layer, spec.hidden)
-            _check_latent(layer, spec)
-            _check_qk_norm(layer, spec)
-            _check_attention(layer, spec)
-            if layer.sinks is not None:
-                norms.append(layer.sinks)  # read as float32, like the norms
-            norms += [n for n in (layer.attn_out_norm, layer.mlp_out_norm) if n is not None]
-            _check_rotary_and_norms(layer, spec)
-            norms += [r for r in (layer.cos, layer.sin) if r is not None]  # read as float32, like the stack's
-            if spec.qk_norm != "none":
-                assert layer.q_norm is not None and layer.k_norm is not None
-                norms += [layer.q_norm, layer.k_norm]
-            linears: list[LinearSpec | None] = [layer.qkv, layer.o, layer.gate_up, layer.down]
-            if layer.moe is not None:
-                linears.append(layer.moe.router)
-                norms += [layer.moe.score_bias] if layer.moe.score_bias is not None else []  # read as float32
-            if (lat := layer.latent) is not None:
-                linears += [lat.kv_a, lat.q_a]
-                norms += [lat.kv_a_norm, lat.w_kv_b, *([lat.q_a_norm] if lat.q_a_norm is not None else [])]
-            for lin in linears:
-                if lin is None:
-                    continue
-                tensors.append(lin.weights)
-                if lin.bias is not None:
-                    if lin.bias.shape != (lin.out_features,):
-                        raise ValueError(f"a bias is one value per output feature ({lin.out_features})")
-                    norms.append(lin.bias)  # read as float32, like the norms
-                if lin.lora is not None:
-                    a, bt, ranks, parts = lin.lora
-                    if (
-                        a.dtype not in lora_kernel.DTYPES
-                        or bt.dtype != a.dtype
-                        or ranks.dtype != torch.int64
-                        or parts.dtype != torch.int64
-                        or a.dim() != 4
-                        or a.shape[1] != parts.shape[0]
-                        or a.shape[2] != bt.shape[1]
-                        or ranks.shape != a.shape[:2]
-                        or bt.shape[2] != lin.out_features
-                    ):
-                        raise ValueError(
-                            "a layer's LoRA slots are A [slots, parts, rank, in] and B.T [slots, rank, out] "
-                            "(float32 or bfloat16), int64 ranks [slots, parts] and int64 part columns [parts, 2]"
-                        )
-                    tensors += [a, bt, ranks, parts]
-                    widths.append(a.shape[1] * a.shape[2])
+        rotary_dim = _check_stack(spec)
+        tensors, norms, lora_width = _operands(spec)
         for t in tensors + norms:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the native decoder stack reads contiguous CPU tensors")
@@ -263,71 +202,8 @@ class DecoderStack:
             if t.dtype != torch.float32:
                 raise ValueError("the native decoder stack's norms, biases, sinks and rotary tables are float32")
         self.spec = spec  # keeps every tensor the native side points into alive
-
-        def pointer(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
-        def linear(lin: LinearSpec | None) -> ctypes.Structure:  # a _Linear
-            if lin is None:
-                return _Linear()
-            out = _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
-            out.bias = pointer(lin.bias)
-            if lin.lora is not None:
-                a, bt, ranks, parts = lin.lora
-                out.lora_a, out.lora_bt, out.lora_ranks, out.lora_part_rows = (
-                    a.data_ptr(),
-                    bt.data_ptr(),
-                    ranks.data_ptr(),
-                    parts.data_ptr(),
-                )
-                out.lora_rank, out.lora_parts, out.lora_dtype = a.shape[2], a.shape[1], lora_kernel.DTYPES[a.dtype]
-            return out
-
-        def layer_struct(ly: LayerSpec) -> ctypes.Structure:  # a _Layer
-            out = _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(),
-                         linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down),
-                         pointer(ly.q_norm), pointer(ly.k_norm),
-                         linear(ly.moe.router if ly.moe is not None else None),
-                         ly.moe.experts.address() if ly.moe is not None else None,
-                         abi.ROUTING_MODES[ly.moe.routing] if ly.moe is not None else 0,
-                         ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks),
-                         pointer(ly.attn_out_norm), pointer(ly.mlp_out_norm), pointer(ly.cos), pointer(ly.sin))  # fmt: skip
-            if (lat := ly.latent) is not None:
-                out.q_a, out.q_a_norm, out.kv_a = linear(lat.q_a), pointer(lat.q_a_norm), linear(lat.kv_a)
-                out.kv_a_norm, out.w_kv_b = lat.kv_a_norm.data_ptr(), lat.w_kv_b.data_ptr()
-            if ly.moe is not None and ly.moe.grouped is not None:
-                out.score_bias = pointer(ly.moe.score_bias)
-                out.n_group, out.topk_group = ly.moe.grouped.n_group, ly.moe.grouped.topk_group
-                out.route_scale = ly.moe.grouped.scaling
-            return out
-
-        self._layers = (_Layer * len(spec.layers))(*(layer_struct(ly) for ly in spec.layers))
-        moes = [ly.moe for ly in spec.layers if ly.moe is not None]
-        moe = [
-            build.address("moe_mlp", name) if moes else None
-            for name in ("tm_moe_route", "tm_moe_workspace", "tm_moe_mlp")
-        ]
-        self._stack = _Stack(
-            len(spec.layers), spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
-            spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(),
-            ctypes.addressof(self._layers),
-            build.address("elementwise", "tm_rms_norm"), build.address("elementwise", "tm_rotary"),
-            build.address("elementwise", abi.ACTIVATIONS[spec.activation]),
-            *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
-              for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention_window")),
-            build.address("lora", "tm_lora_add") if max(widths) else None, max(widths),
-            abi.QK_NORM_MODES[spec.qk_norm],
-            *moe, max((m.experts.top_k for m in moes), default=0),
-            rotary_dim, spec.residual_multiplier,
-        )  # fmt: skip
-        if (dims := spec.latent) is not None:
-            st = self._stack
-            st.latent, st.nope, st.v_head_dim, st.latent_eps = dims.latent, dims.nope, dims.v_head_dim, dims.eps
-            st.rope_interleave = int(dims.interleave)
-            st.latent_attention = build.address("latent_attention", paged_attention.symbol(
-                "tm_latent_attention", spec.kv_dtype))  # fmt: skip
-        if any(m.grouped is not None for m in moes):
-            self._stack.moe_route_grouped = build.address("moe_mlp", "tm_moe_route_grouped")
+        self._layers = (_Layer * len(spec.layers))(*(_layer_struct(ly) for ly in spec.layers))
+        self._stack = _stack_struct(spec, ctypes.addressof(self._layers), rotary_dim, lora_width)
         self._workspace = torch.empty(0)
         self._lock = threading.Lock()  # one call at a time: they share the workspace
         # Each layer's (KV-cache group, storage tensor) as the last step's metadata placed them, flat.
@@ -397,6 +273,157 @@ class DecoderStack:
 
 # The stack's failure codes: base - layer for a failure in each kind of kernel.
 _FAILURES = (("a product", -100), ("attention", -200), ("the experts", -300))
+
+
+# -- building the native structs from a StackSpec: checked, then pointed into -------------------------
+
+
+def _check_stack(spec: StackSpec) -> int:
+    """The stack-wide settings checked (ValueError naming what is wrong); its rotary dims."""
+    if not spec.layers:
+        raise ValueError("a decoder stack needs at least one layer")
+    if spec.qk_norm not in abi.QK_NORM_MODES:
+        raise ValueError(f"q/k norms are one of {', '.join(abi.QK_NORM_MODES)}, not {spec.qk_norm!r}")
+    if spec.activation not in abi.ACTIVATIONS:
+        raise ValueError(f"the MLP's activation is one of {', '.join(abi.ACTIVATIONS)}, not {spec.activation!r}")
+    rotary_dim = spec.head_dim if spec.rotary_dim is None else spec.rotary_dim
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > spec.head_dim:
+        raise ValueError(f"rotary turns an even number of a head's {spec.head_dim} dims, not {rotary_dim}")
+    if spec.cos.dim() != 2 or spec.cos.shape[1] != rotary_dim // 2 or spec.sin.shape != spec.cos.shape:
+        raise ValueError(f"the rotary tables are [positions, {rotary_dim // 2}] (rotary dims / 2)")
+    return rotary_dim
+
+
+def _operands(spec: StackSpec) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Every layer checked; the tensors the native side reads, those of them it reads as float32 (norms,
+    biases, sinks, rotary tables, latent weights), and the widest LoRA slot (parts * rank; 0: none)."""
+    tensors = [spec.cos, spec.sin, spec.final_norm]
+    norms = [spec.final_norm]
+    widths = [0]
+    for layer in spec.layers:
+        tensors += [layer.input_norm, layer.post_norm]
+        norms += [layer.input_norm, layer.post_norm]
+        _check_mlp(layer, spec.hidden)
+        _check_latent(layer, spec)
+        _check_qk_norm(layer, spec)
+        _check_attention(layer, spec)
+        if layer.sinks is not None:
+            norms.append(layer.sinks)  # read as float32, like the norms
+        norms += [n for n in (layer.attn_out_norm, layer.mlp_out_norm) if n is not None]
+        _check_rotary_and_norms(layer, spec)
+        norms += [r for r in (layer.cos, layer.sin) if r is not None]  # read as float32, like the stack's
+        if spec.qk_norm != "none":
+            assert layer.q_norm is not None and layer.k_norm is not None
+            norms += [layer.q_norm, layer.k_norm]
+        linears: list[LinearSpec | None] = [layer.qkv, layer.o, layer.gate_up, layer.down]
+        if layer.moe is not None:
+            linears.append(layer.moe.router)
+            norms += [layer.moe.score_bias] if layer.moe.score_bias is not None else []  # read as float32
+        if (lat := layer.latent) is not None:
+            linears += [lat.kv_a, lat.q_a]
+            norms += [lat.kv_a_norm, lat.w_kv_b, *([lat.q_a_norm] if lat.q_a_norm is not None else [])]
+        for lin in linears:
+            if lin is None:
+                continue
+            tensors.append(lin.weights)
+            if lin.bias is not None:
+                if lin.bias.shape != (lin.out_features,):
+                    raise ValueError(f"a bias is one value per output feature ({lin.out_features})")
+                norms.append(lin.bias)  # read as float32, like the norms
+            if lin.lora is not None:
+                tensors += _check_lora(lin)
+                widths.append(lin.lora[0].shape[1] * lin.lora[0].shape[2])
+    return tensors, norms, max(widths)
+
+
+def _check_lora(lin: LinearSpec) -> list[torch.Tensor]:
+    assert lin.lora is not None
+    a, bt, ranks, parts = lin.lora
+    if (
+        a.dtype not in lora_kernel.DTYPES
+        or bt.dtype != a.dtype
+        or ranks.dtype != torch.int64
+        or parts.dtype != torch.int64
+        or a.dim() != 4
+        or a.shape[1] != parts.shape[0]
+        or a.shape[2] != bt.shape[1]
+        or ranks.shape != a.shape[:2]
+        or bt.shape[2] != lin.out_features
+    ):
+        raise ValueError(
+            "a layer's LoRA slots are A [slots, parts, rank, in] and B.T [slots, rank, out] "
+            "(float32 or bfloat16), int64 ranks [slots, parts] and int64 part columns [parts, 2]"
+        )
+    return [a, bt, ranks, parts]
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear_struct(lin: LinearSpec | None) -> ctypes.Structure:  # a _Linear
+    if lin is None:
+        return _Linear()
+    out = _Linear(build.address(*lin.kernel), lin.weights.data_ptr(), lin.fmt, lin.out_features)
+    out.bias = _pointer(lin.bias)
+    if lin.lora is not None:
+        a, bt, ranks, parts = lin.lora
+        out.lora_a, out.lora_bt, out.lora_ranks, out.lora_part_rows = (
+            a.data_ptr(),
+            bt.data_ptr(),
+            ranks.data_ptr(),
+            parts.data_ptr(),
+        )
+        out.lora_rank, out.lora_parts, out.lora_dtype = a.shape[2], a.shape[1], lora_kernel.DTYPES[a.dtype]
+    return out
+
+
+def _layer_struct(ly: LayerSpec) -> ctypes.Structure:  # a _Layer
+    linear, pointer = _linear_struct, _pointer
+    out = _Layer(ly.input_norm.data_ptr(), ly.post_norm.data_ptr(),
+                 linear(ly.qkv), linear(ly.o), linear(ly.gate_up), linear(ly.down),
+                 pointer(ly.q_norm), pointer(ly.k_norm),
+                 linear(ly.moe.router if ly.moe is not None else None),
+                 ly.moe.experts.address() if ly.moe is not None else None,
+                 abi.ROUTING_MODES[ly.moe.routing] if ly.moe is not None else 0,
+                 ly.window or 0, ly.softcap or 0.0, pointer(ly.sinks),
+                 pointer(ly.attn_out_norm), pointer(ly.mlp_out_norm), pointer(ly.cos), pointer(ly.sin))  # fmt: skip
+    if (lat := ly.latent) is not None:
+        out.q_a, out.q_a_norm, out.kv_a = linear(lat.q_a), pointer(lat.q_a_norm), linear(lat.kv_a)
+        out.kv_a_norm, out.w_kv_b = lat.kv_a_norm.data_ptr(), lat.w_kv_b.data_ptr()
+    if ly.moe is not None and ly.moe.grouped is not None:
+        out.score_bias = pointer(ly.moe.score_bias)
+        out.n_group, out.topk_group = ly.moe.grouped.n_group, ly.moe.grouped.topk_group
+        out.route_scale = ly.moe.grouped.scaling
+    return out
+
+
+def _stack_struct(spec: StackSpec, layers: int, rotary_dim: int, lora_width: int) -> ctypes.Structure:  # a _Stack
+    """The stack's settings and the kernels' entry points it calls (``layers``: the address of its _Layer array)."""
+    moes = [ly.moe for ly in spec.layers if ly.moe is not None]
+    moe = [
+        build.address("moe_mlp", name) if moes else None for name in ("tm_moe_route", "tm_moe_workspace", "tm_moe_mlp")
+    ]
+    stack = _Stack(
+        len(spec.layers), spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.intermediate,
+        spec.eps, spec.scale, spec.cos.data_ptr(), spec.sin.data_ptr(), spec.final_norm.data_ptr(), layers,
+        build.address("elementwise", "tm_rms_norm"), build.address("elementwise", "tm_rotary"),
+        build.address("elementwise", abi.ACTIVATIONS[spec.activation]),
+        *(build.address("paged_attention", paged_attention.symbol(name, spec.kv_dtype))
+          for name in ("tm_store_keys", "tm_store_values", "tm_paged_attention_window")),
+        build.address("lora", "tm_lora_add") if lora_width else None, lora_width,
+        abi.QK_NORM_MODES[spec.qk_norm],
+        *moe, max((m.experts.top_k for m in moes), default=0),
+        rotary_dim, spec.residual_multiplier,
+    )  # fmt: skip
+    if (dims := spec.latent) is not None:
+        stack.latent, stack.nope, stack.v_head_dim, stack.latent_eps = dims.latent, dims.nope, dims.v_head_dim, dims.eps
+        stack.rope_interleave = int(dims.interleave)
+        stack.latent_attention = build.address("latent_attention", paged_attention.symbol(
+            "tm_latent_attention", spec.kv_dtype))  # fmt: skip
+    if any(m.grouped is not None for m in moes):
+        stack.moe_route_grouped = build.address("moe_mlp", "tm_moe_route_grouped")
+    return stack
 
 
 def _check_mlp(layer: LayerSpec, hidden: int) -> None:
