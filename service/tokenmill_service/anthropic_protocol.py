@@ -13,15 +13,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill_service.openai_protocol import (
-    BadRequest,
-    Dialect,
-    ParsedRequest,
-    ResponseBuilder,
-    parse_request,
-    renamed,
-)
+from tokenmill_service.dialect import Dialect, parse_as_chat
+from tokenmill_service.openai_protocol import ParsedRequest
+from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.proto import pb
+from tokenmill_service.request_fields import BadRequest, check_model, json_object
 
 # The GenerateRequest's field paths as this API names them (what refusals say).
 _FIELDS = {
@@ -179,12 +175,9 @@ def _output_format(value: Any) -> dict[str, Any]:
 def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     """The chat completions body a Messages body means (``count_only``: count_tokens', only what makes the prompt:
     no max_tokens, stop_sequences, sampling or stream)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"'model' must be a string; given {model!r}", "model")
-    chat: dict[str, Any] = {"model": model}
+    body = json_object(body)
+    check_model(body)
+    chat: dict[str, Any] = {"model": body.get("model")}
     if not count_only:
         max_tokens = body.get("max_tokens")
         if max_tokens is None:
@@ -223,12 +216,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
 
 
 def parse_messages(body: Any, count_only: bool = False) -> ParsedRequest:
-    try:
-        parsed = parse_request(chat_body(body, count_only), chat=True)
-    except BadRequest as exc:
-        raise renamed(exc, _PARAMS) from None
-    parsed.field_names.update(_FIELDS)
-    return parsed
+    return parse_as_chat(lambda: chat_body(body, count_only), _PARAMS, _FIELDS)
 
 
 def count_tokens_json(prompt_tokens: int) -> dict[str, Any]:
@@ -236,7 +224,7 @@ def count_tokens_json(prompt_tokens: int) -> dict[str, Any]:
 
 
 def error_body(status: int, body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's error JSON (openai_protocol.error_json) in Anthropic's shape."""
+    """OpenAI's error JSON (openai_errors.error_json) in Anthropic's shape."""
     kind = ERROR_TYPES.get(status, OTHER_ERROR)
     return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 

@@ -39,21 +39,15 @@ from starlette.types import Receive, Scope, Send
 from tokenmill_service import __version__, openapi
 from tokenmill_service.anthropic_protocol import MESSAGES, count_tokens_json, parse_messages
 from tokenmill_service.anthropic_protocol import error_body as anthropic_error
+from tokenmill_service.dialect import CHAT, COMPLETIONS, Dialect
 from tokenmill_service.generation import GenerationService, ServiceError
-from tokenmill_service.openai_protocol import (
-    CHAT,
-    COMPLETIONS,
-    BadRequest,
-    Dialect,
-    ParsedRequest,
-    ResponseBuilder,
-    error_json,
-    openai_error,
-    parse_detokenize,
-    parse_tokenize,
-)
+from tokenmill_service.openai_errors import error_json, openai_error
+from tokenmill_service.openai_protocol import ParsedRequest
+from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.proto import pb
+from tokenmill_service.request_fields import BadRequest
 from tokenmill_service.responses_protocol import RESPONSES
+from tokenmill_service.tokenize_protocol import parse_detokenize, parse_tokenize
 from tokenmill_service.validation import InvalidRequest, Limits, chat_messages, check_token_ids, prompt_ids
 
 log = structlog.get_logger("tokenmill.http")

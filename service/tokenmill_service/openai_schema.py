@@ -13,14 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill_service.engine.grammar import MAX_CONSTRAINT_LENGTH
-from tokenmill_service.openai_protocol import (
-    IGNORED,
-    MAX_PROMPTS,
-    NEUTRAL_ONLY,
-    TOKEN_ID_KEY,
-    UINT32_MAX,
-    parameters,
-)
+from tokenmill_service.openai_protocol import IGNORED, MAX_PROMPTS, NEUTRAL_ONLY, TOKEN_ID_KEY, parameters
+from tokenmill_service.request_fields import UINT32_MAX
 from tokenmill_service.tool_calls import TOOL_NAME
 from tokenmill_service.validation import (
     MAX_CHOICES,
