@@ -124,7 +124,8 @@ async def serve(settings: Settings) -> int:
         return 1
     http_server = None
     if settings.http_port:
-        from tokenmill_service.http_api import HttpApi, HttpServer
+        from tokenmill_service.http_api import HttpApi
+        from tokenmill_service.http_server import HttpServer
 
         try:
             http_server = HttpServer(HttpApi(servicer.service), settings.host, settings.http_port)
