@@ -55,3 +55,8 @@ def parse_as_chat(
         raise renamed(exc, params) from None
     parsed.field_names.update(fields)
     return parsed
+
+
+def given(body: dict[str, Any], *names: str) -> dict[str, Any]:
+    """The fields of ``body`` among ``names`` that are set (neither absent nor null), to pass on as they are."""
+    return {name: body[name] for name in names if body.get(name) is not None}

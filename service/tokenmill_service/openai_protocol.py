@@ -23,6 +23,7 @@ from tokenmill_service.request_fields import (
     is_token_ids,
     json_object,
     number,
+    text_of,
 )
 from tokenmill_service.validation import CONSTRAINT_FIELDS
 
@@ -124,20 +125,6 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return bias
 
 
-def _content(value: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts (the only part type a text model takes)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}[{i}] must be a text part ({{'type': 'text', 'text': ...}})", where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise BadRequest(f"{where} must be a string or a list of text parts", where)
-
-
 def read_messages(value: Any) -> pb.Messages:
     """A body's chat messages (/v1/chat/completions', /tokenize's)."""
     if not isinstance(value, list) or not value:
@@ -148,7 +135,8 @@ def read_messages(value: Any) -> pb.Messages:
             raise BadRequest(f"messages[{i}] must be an object with a 'role' string", "messages")
         content = m.get("content")
         message = chat.messages.add(
-            role=m["role"], content="" if content is None else _content(content, f"messages[{i}].content")
+            role=m["role"],
+            content="" if content is None else text_of(content, f"messages[{i}].content", f"messages[{i}].content"),
         )
         try:
             message_tool_fields(m, message, f"messages[{i}]")

@@ -74,3 +74,18 @@ def boolean(body: dict[str, Any], name: str) -> bool:
 def is_token_ids(value: Any) -> TypeGuard[list[int]]:
     """A list of integers (JSON's true and false are not); which of them are in range is checked where used."""
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def text_of(value: Any, where: str, param: str, kind: str = "part", sep: str = "") -> str:
+    """A string, or a list of text {kind}s (``{'type': 'text', 'text': ...}``; their other keys change nothing)
+    joined by ``sep``: a message's content (OpenAI's parts, Anthropic's blocks)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}[{i}] must be a text {kind} ({{'type': 'text', 'text': ...}})", param)
+            texts.append(part["text"])
+        return sep.join(texts)
+    raise BadRequest(f"{where} must be a string or a list of text {kind}s", param)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill_service.dialect import Dialect, parse_as_chat
+from tokenmill_service.dialect import Dialect, given, parse_as_chat
 from tokenmill_service.openai_protocol import ParsedRequest
 from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.proto import pb
@@ -201,9 +201,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for name in ("temperature", "top_p", "stream", "parallel_tool_calls"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
+    chat.update(given(body, "temperature", "top_p", "stream", "parallel_tool_calls"))
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
