@@ -4,8 +4,6 @@ the shared default server, each answer held against the same request through /v1
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from enum import Enum
 from typing import Any
@@ -16,23 +14,24 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server_process import ServerProcess
+from tests.service.chat_dialects import (
+    INSTRUCTIONS,
+    MODEL,
+    QUESTION,
+    RAIN,
+    WEATHER_DESCRIPTION,
+    WEATHER_SCHEMA,
+    greedy_chat_answer,
+    openai_client,
+)
+from tests.service.chat_dialects import post as post_to
 
-MODEL = "tokenmill"
-INSTRUCTIONS = "Answer in one short sentence."
-QUESTION = "What is the capital of France?"
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
-    "description": "The weather in a city.",
+    "description": WEATHER_DESCRIPTION,
     "parameters": WEATHER_SCHEMA,
 }
-RAIN = "What is the weather in Paris?"
 
 
 class Color(str, Enum):
@@ -47,26 +46,18 @@ class Fruit(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
+    with openai_client(server) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def france(client: openai.OpenAI) -> Any:
     """The greedy chat answer every response about France is held against."""
-    messages: Any = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    return greedy_chat_answer(client)
 
 
 def post(server: ServerProcess, body: Any) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        server.http_url + "/v1/responses", json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_to(server, "/v1/responses", body)
 
 
 def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(client: openai.OpenAI, france: Any) -> None:
