@@ -1,6 +1,6 @@
 """What the tests of the APIs served through the chat path (test_anthropic_messages.py, test_responses_api.py)
-share: the question and the tool they ask about, the greedy chat answer each of their answers is held against,
-and a plain-HTTP post for what their SDKs will not send."""
+share: the question and the tool they ask about, and a plain-HTTP post for what their SDKs will not send (the
+greedy chat answer their answers are held against is conftest.py's ``france``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import json
 import urllib.error
 import urllib.request
 from typing import Any
-
-import openai
 
 from tests.server_process import ServerProcess
 
@@ -24,16 +22,6 @@ WEATHER_SCHEMA = {
     "additionalProperties": False,
 }
 WEATHER_DESCRIPTION = "The weather in a city."
-
-
-def openai_client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def greedy_chat_answer(chat: openai.OpenAI) -> Any:
-    """QUESTION's greedy answer through /v1/chat/completions, under INSTRUCTIONS as the system message."""
-    messages: Any = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
-    return chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
 
 
 def post(server: ServerProcess, path: str, body: Any) -> tuple[int, Any]:

@@ -25,8 +25,6 @@ from tests.service.chat_dialects import (
     RAIN,
     WEATHER_DESCRIPTION,
     WEATHER_SCHEMA,
-    greedy_chat_answer,
-    openai_client,
     post,
 )
 
@@ -39,18 +37,6 @@ WEATHER: Any = {"name": "get_weather", "description": WEATHER_DESCRIPTION, "inpu
 def client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=server.http_url, api_key="none", max_retries=0, timeout=300) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def chat(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai_client(server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def france(chat: openai.OpenAI) -> Any:
-    """The greedy chat answer every Messages answer about France is held against."""
-    return greedy_chat_answer(chat)
 
 
 def test_a_message_is_the_chat_answer_as_a_text_block_with_stop_reason_and_usage(
@@ -118,7 +104,7 @@ def test_max_tokens_reached_is_the_stop_reason(client: anthropic.Anthropic) -> N
 
 
 def test_a_forced_tool_streams_a_tool_use_block_and_its_result_goes_back(
-    client: anthropic.Anthropic, chat: openai.OpenAI
+    client: anthropic.Anthropic, chat_client: openai.OpenAI
 ) -> None:
     question: Any = [{"role": "user", "content": RAIN}]
     with client.messages.stream(
@@ -166,7 +152,7 @@ def test_a_forced_tool_streams_a_tool_use_block_and_its_result_goes_back(
             "function": {"name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER_SCHEMA},
         }
     ]
-    same = chat.chat.completions.create(
+    same = chat_client.chat.completions.create(
         model=MODEL, messages=chat_history, tools=tools, tool_choice="none", max_tokens=10, temperature=0
     )
     assert reply.content and reply.content[0].type == "text"

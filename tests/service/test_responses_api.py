@@ -4,7 +4,6 @@ the shared default server, each answer held against the same request through /v1
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from enum import Enum
 from typing import Any
 
@@ -21,8 +20,6 @@ from tests.service.chat_dialects import (
     RAIN,
     WEATHER_DESCRIPTION,
     WEATHER_SCHEMA,
-    greedy_chat_answer,
-    openai_client,
 )
 from tests.service.chat_dialects import post as post_to
 
@@ -44,24 +41,12 @@ class Fruit(BaseModel):
     color: Color
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai_client(server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def france(client: openai.OpenAI) -> Any:
-    """The greedy chat answer every response about France is held against."""
-    return greedy_chat_answer(client)
-
-
 def post(server: ServerProcess, body: Any) -> tuple[int, Any]:
     return post_to(server, "/v1/responses", body)
 
 
-def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(client: openai.OpenAI, france: Any) -> None:
-    reply = client.responses.create(
+def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(chat_client: openai.OpenAI, france: Any) -> None:
+    reply = chat_client.responses.create(
         model=MODEL, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12, temperature=0, store=False
     )
     assert reply.object == "response" and reply.id.startswith("resp_") and reply.store is False
@@ -75,11 +60,11 @@ def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(client: open
 
 
 def test_a_streamed_response_sends_the_responses_events_in_order_with_the_same_text(
-    client: openai.OpenAI, france: Any
+    chat_client: openai.OpenAI, france: Any
 ) -> None:
     message: Any = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
     events = list(
-        client.responses.create(
+        chat_client.responses.create(
             model=MODEL, instructions=INSTRUCTIONS, input=message, max_output_tokens=12, temperature=0, stream=True
         )
     )
@@ -105,16 +90,16 @@ def test_a_streamed_response_sends_the_responses_events_in_order_with_the_same_t
     assert final.output_text == text and final.usage.output_tokens == france.usage.completion_tokens
 
 
-def test_max_output_tokens_reached_is_incomplete(client: openai.OpenAI) -> None:
-    reply = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0)
+def test_max_output_tokens_reached_is_incomplete(chat_client: openai.OpenAI) -> None:
+    reply = chat_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0)
     assert reply.status == "incomplete" and reply.incomplete_details is not None
     assert reply.incomplete_details.reason == "max_output_tokens"
     assert reply.usage is not None and reply.usage.output_tokens == 3
     assert reply.output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
-def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(client: openai.OpenAI) -> None:
-    with client.responses.stream(
+def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(chat_client: openai.OpenAI) -> None:
+    with chat_client.responses.stream(
         model=MODEL,
         input=RAIN,
         tools=[WEATHER],
@@ -136,7 +121,9 @@ def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(
         call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"},
     ]
-    reply = client.responses.create(model=MODEL, input=follow_up, tools=[WEATHER], max_output_tokens=10, temperature=0)
+    reply = chat_client.responses.create(
+        model=MODEL, input=follow_up, tools=[WEATHER], max_output_tokens=10, temperature=0
+    )
     history: Any = [
         {"role": "user", "content": RAIN},
         {
@@ -149,20 +136,20 @@ def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 24 C"},
     ]
     tools: Any = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
-    same = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=10, temperature=0)
+    same = chat_client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=10, temperature=0)
     assert reply.output_text == same.choices[0].message.content
 
 
-def test_text_format_json_schema_is_parsed_by_the_sdk(client: openai.OpenAI) -> None:
-    reply = client.responses.parse(
+def test_text_format_json_schema_is_parsed_by_the_sdk(chat_client: openai.OpenAI) -> None:
+    reply = chat_client.responses.parse(
         model=MODEL, input="Describe an apple.", text_format=Fruit, max_output_tokens=40, temperature=0
     )
     assert reply.status == "completed" and isinstance(reply.output_parsed, Fruit)
 
 
-def test_previous_response_id_is_refused_the_server_keeps_no_responses(client: openai.OpenAI) -> None:
+def test_previous_response_id_is_refused_the_server_keeps_no_responses(chat_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_123")
+        chat_client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_123")
     assert err.value.status_code == 400 and "keeps no responses" in err.value.message
     assert err.value.param == "previous_response_id"  # type: ignore[attr-defined]
 
