@@ -1,4 +1,4 @@
-"""The HTTP API's answers as JSON Schema, for /openapi.json: what openai_protocol.py's ResponseBuilder and
+"""The HTTP API's answers as JSON Schema, for /openapi.json: what openai_response.py's ResponseBuilder and
 http_api.py's routes write (test_openapi_conformance.py checks each answer of a live server against them)."""
 
 from __future__ import annotations

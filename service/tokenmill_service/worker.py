@@ -24,12 +24,20 @@ from typing import Any
 
 import structlog
 
+from tokenmill_service.embedding_worker import (
+    decoder_embedder,
+    embed_command,
+    embedding_info,
+    encoder_main,
+    serves_an_encoder,
+)
 from tokenmill_service.engine.request import GenerationRequest, RequestError, StoppingParams
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.messages import (
     AdapterResult,
     AddRequest,
     Cancel,
+    Embed,
     Event,
     Failed,
     Heartbeat,
@@ -99,11 +107,15 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         _follower_main(spec, log)
         return
     channel = Channel(conn)
+    if serves_an_encoder(spec):  # no engine, no KV cache: embeddings only (embedding_worker.py)
+        encoder_main(spec, channel, log)
+        return
     publisher = None
     try:
         # Bound before the model loads, so that subscribers are connected by the time events flow.
         publisher = _kv_event_publisher(spec)
         engine = _start_engine(spec, log)
+        embedder = decoder_embedder(engine.model, engine.max_model_len, engine.tokenizer.vocab_size)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
         if _is_usage_error(exc):
             # What was asked cannot be served: the message says why, a traceback would only hide it.
@@ -134,6 +146,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
                 plan=engine.model.plan.summary(),
                 adapters=stats.adapters,
                 kv_per_sequence=engine.kv_per_sequence,
+                embedding=embedding_info(embedder),
             ),
         )
     )
@@ -147,7 +160,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
     beat = threading.Thread(target=channel.heartbeat, args=(spec.heartbeat_interval, stop), daemon=True)
     beat.start()
     try:
-        _serve(engine, channel, log, spec.collective_timeout / 4, publisher)
+        _serve(engine, channel, log, spec.collective_timeout / 4, publisher, embedder)
     except (EOFError, BrokenPipeError):
         log.warning("router_gone")  # the router died: nothing left to serve
     except Exception:
@@ -334,8 +347,11 @@ def _kv_event_publisher(spec: WorkerSpec) -> Any:
     return KVEventPublisher(spec.kv_events_endpoint, spec.worker_id, spec.kv_events_topic, medium)
 
 
-def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None) -> None:
+def _serve(
+    engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None, embedder: Any = None
+) -> None:
     from tokenmill_service.distributed.step_broadcast import Idle, Stop
+    from tokenmill_service.kernels.cpu.stack_profile import read_and_reset as stack_profile
 
     conn = channel.conn
     max_step_tokens = engine.config.max_batch_tokens
@@ -363,6 +379,8 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
                     case LoadAdapter() | UnloadAdapter():
                         channel.send(_adapter_command(engine, cmd))
                         dirty = True
+                    case Embed():  # between steps: each input alone through the same weights
+                        channel.send(embed_command(embedder, cmd, channel))
                     case Shutdown():
                         for rid in list(engine.sequences):
                             engine.cancel(rid)
@@ -390,6 +408,7 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
                 engine_ms=round((stepped - started - engine.runner.last_execute_s) * 1000, 3),
                 send_ms=round((sent - stepped) * 1000, 3),
                 between_steps_ms=None if last_sent is None else round((started - last_sent) * 1000, 3),
+                **stack_profile(),
             )
             last_sent = sent
         else:
