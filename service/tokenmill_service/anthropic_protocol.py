@@ -13,15 +13,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill_service.openai_protocol import (
-    BadRequest,
-    Dialect,
-    ParsedRequest,
-    ResponseBuilder,
-    parse_request,
-    renamed,
-)
+from tokenmill_service.dialect import Dialect, given, parse_as_chat
+from tokenmill_service.openai_protocol import ParsedRequest
+from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.proto import pb
+from tokenmill_service.request_fields import BadRequest, check_model, json_object, text_of
 
 # The GenerateRequest's field paths as this API names them (what refusals say).
 _FIELDS = {
@@ -59,20 +55,6 @@ ERROR_TYPES = {
 OTHER_ERROR = "api_error"  # (any other status: a 500, a bug of ours)
 
 
-def _text_blocks(value: Any, where: str, param: str) -> str:
-    """A string, or a list of text blocks (their other keys, cache_control included, change nothing here)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for i, block in enumerate(value):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise BadRequest(f"{where}[{i}] must be a text block ({{'type': 'text', 'text': ...}})", param)
-            texts.append(block["text"])
-        return "\n\n".join(texts)
-    raise BadRequest(f"{where} must be a string or a list of text blocks", param)
-
-
 def _turn(m: Any, i: int) -> list[dict[str, Any]]:
     """One Messages turn as chat messages: a user turn's tool_result blocks each become a tool message (before
     its text), an assistant turn's tool_use blocks its tool_calls."""
@@ -105,7 +87,7 @@ def _turn(m: Any, i: int) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise BadRequest(f"{at} (tool_result) needs a 'tool_use_id'", "messages")
-            result = _text_blocks(block.get("content", ""), f"{at}.content", "messages")
+            result = text_of(block.get("content", ""), f"{at}.content", "messages", "block", "\n\n")
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # an earlier answer's reasoning: not shown to the model again
@@ -179,12 +161,9 @@ def _output_format(value: Any) -> dict[str, Any]:
 def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     """The chat completions body a Messages body means (``count_only``: count_tokens', only what makes the prompt:
     no max_tokens, stop_sequences, sampling or stream)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"'model' must be a string; given {model!r}", "model")
-    chat: dict[str, Any] = {"model": model}
+    body = json_object(body)
+    check_model(body)
+    chat: dict[str, Any] = {"model": body.get("model")}
     if not count_only:
         max_tokens = body.get("max_tokens")
         if max_tokens is None:
@@ -193,7 +172,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
-    system = "" if body.get("system") is None else _text_blocks(body["system"], "'system'", "system")
+    system = "" if body.get("system") is None else text_of(body["system"], "'system'", "system", "block", "\n\n")
     turns = [{"role": "system", "content": system}] if system else []
     for i, m in enumerate(messages):
         turns += _turn(m, i)
@@ -204,9 +183,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
             if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
                 raise BadRequest("'stop_sequences' must be a list of strings", "stop_sequences")
             chat["stop"] = stop
-        for name in ("temperature", "top_p", "top_k", "stream"):
-            if body.get(name) is not None:
-                chat[name] = body[name]
+        chat.update(given(body, "temperature", "top_p", "top_k", "stream"))
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -223,12 +200,7 @@ def chat_body(body: Any, count_only: bool = False) -> dict[str, Any]:
 
 
 def parse_messages(body: Any, count_only: bool = False) -> ParsedRequest:
-    try:
-        parsed = parse_request(chat_body(body, count_only), chat=True)
-    except BadRequest as exc:
-        raise renamed(exc, _PARAMS) from None
-    parsed.field_names.update(_FIELDS)
-    return parsed
+    return parse_as_chat(lambda: chat_body(body, count_only), _PARAMS, _FIELDS)
 
 
 def count_tokens_json(prompt_tokens: int) -> dict[str, Any]:
@@ -236,7 +208,7 @@ def count_tokens_json(prompt_tokens: int) -> dict[str, Any]:
 
 
 def error_body(status: int, body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's error JSON (openai_protocol.error_json) in Anthropic's shape."""
+    """OpenAI's error JSON (openai_errors.error_json) in Anthropic's shape."""
     kind = ERROR_TYPES.get(status, OTHER_ERROR)
     return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 

@@ -24,6 +24,7 @@ from tokenmill_service.openai_schema import (
     block,
     by_type,
     nullable,
+    obj,
     parameter_schemas,
 )
 from tokenmill_service.validation import Limits
@@ -47,11 +48,7 @@ THINKING: Schema = {
 
 def _turn(role: str, *blocks: Schema) -> Schema:
     content: Schema = {"anyOf": [STRING, {"type": "array", "items": {"anyOf": list(blocks)}}]}
-    return {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {"role": {"const": role}, "content": content},
-    }
+    return obj("role", "content", role={"const": role}, content=content)
 
 
 MESSAGES: Schema = {
@@ -59,16 +56,14 @@ MESSAGES: Schema = {
     "minItems": 1,
     "items": {"anyOf": [_turn("user", TEXT_BLOCK, TOOL_RESULT), _turn("assistant", TEXT_BLOCK, TOOL_USE, THINKING)]},
 }
-TOOL: Schema = {
-    "type": "object",
-    "required": ["name", "input_schema"],
-    "properties": {
-        "type": {"enum": ["custom", None], "description": "client tools only: Anthropic's server tools are refused"},
-        "name": TOOL_NAME_SCHEMA,
-        "description": STRING,
-        "input_schema": {**OBJECT, "description": "a JSON schema of the input"},
-    },
-}
+TOOL: Schema = obj(
+    "name",
+    "input_schema",
+    type={"enum": ["custom", None], "description": "client tools only: Anthropic's server tools are refused"},
+    name=TOOL_NAME_SCHEMA,
+    description=STRING,
+    input_schema={**OBJECT, "description": "a JSON schema of the input"},
+)
 _PARALLEL = {"disable_parallel_tool_use": nullable(BOOLEAN)}
 TOOL_CHOICE: Schema = {
     "anyOf": [
@@ -82,14 +77,7 @@ _JSON_SCHEMA: Schema = {
     "description": f"a JSON schema, at most {MAX_CONSTRAINT_LENGTH} characters as JSON; refused (400) when it cannot "
     "be enforced or admits no finite value",
 }
-OUTPUT_CONFIG: Schema = nullable(
-    {
-        "type": "object",
-        "properties": {
-            "format": nullable(block("json_schema", "schema", schema=_JSON_SCHEMA)),
-        },
-    }
-)
+OUTPUT_CONFIG: Schema = nullable(obj(format=nullable(block("json_schema", "schema", schema=_JSON_SCHEMA))))
 
 
 def request_schema(limits: Limits, count_only: bool = False) -> Schema:
@@ -120,55 +108,51 @@ def request_schema(limits: Limits, count_only: bool = False) -> Schema:
 
 # -- the answers -------------------------------------------------------------------------------------
 
-USAGE: Schema = {
-    "type": "object",
-    "required": ["input_tokens", "output_tokens"],
-    "properties": {"input_tokens": COUNT, "output_tokens": COUNT},
-}
+USAGE: Schema = obj("input_tokens", "output_tokens", input_tokens=COUNT, output_tokens=COUNT)
 STOP_REASON: Schema = {"enum": sorted(set(STOP_REASONS.values()))}
 STOP_SEQUENCE: Schema = {**nullable(STRING), "description": "the stop sequence matched (stop_reason stop_sequence)"}
 
 
 def _message(stop_reason: Schema, content: Schema) -> Schema:
-    return {
-        "type": "object",
-        "required": ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
-        "properties": {
-            "id": STRING,
-            "type": {"const": "message"},
-            "role": {"const": "assistant"},
-            "model": STRING,
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": STOP_SEQUENCE,
-            "usage": USAGE,
-        },
-    }
+    return obj(
+        "id",
+        "type",
+        "role",
+        "model",
+        "content",
+        "stop_reason",
+        "stop_sequence",
+        "usage",
+        id=STRING,
+        type={"const": "message"},
+        role={"const": "assistant"},
+        model=STRING,
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=STOP_SEQUENCE,
+        usage=USAGE,
+    )
 
 
 TOOL_USE_OUT = block("tool_use", "id", "name", "input", id=STRING, name=STRING, input=OBJECT)
 MESSAGE = _message(STOP_REASON, {"type": "array", "items": {"anyOf": [TEXT_BLOCK, TOOL_USE_OUT]}})
-COUNT_TOKENS: Schema = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": COUNT}}
+COUNT_TOKENS: Schema = obj("input_tokens", input_tokens=COUNT)
 
 
 def error(status: int | None = None) -> Schema:
     """Anthropic's error body: of the type ``status`` gives, or any (None)."""
     kinds = sorted({*ERROR_TYPES.values(), OTHER_ERROR})
-    return {
-        "type": "object",
-        "required": ["type", "error"],
-        "properties": {
-            "type": {"const": "error"},
-            "error": {
-                "type": "object",
-                "required": ["type", "message"],
-                "properties": {
-                    "type": {"enum": kinds} if status is None else {"const": ERROR_TYPES[status]},
-                    "message": STRING,
-                },
-            },
-        },
-    }
+    return obj(
+        "type",
+        "error",
+        type={"const": "error"},
+        error=obj(
+            "type",
+            "message",
+            type={"enum": kinds} if status is None else {"const": ERROR_TYPES[status]},
+            message=STRING,
+        ),
+    )
 
 
 # A stream's events, by name (each event's `type`); a failure after the status was sent is the error event.
@@ -203,11 +187,7 @@ EVENTS = by_type(
         "message_delta",
         "delta",
         "usage",
-        delta={
-            "type": "object",
-            "required": ["stop_reason", "stop_sequence"],
-            "properties": {"stop_reason": STOP_REASON, "stop_sequence": STOP_SEQUENCE},
-        },
+        delta=obj("stop_reason", "stop_sequence", stop_reason=STOP_REASON, stop_sequence=STOP_SEQUENCE),
         usage=USAGE,
     ),
     block("message_stop"),

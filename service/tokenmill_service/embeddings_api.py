@@ -19,7 +19,7 @@ import structlog
 from tokenmill_service.embeddings_protocol import EmbeddingsRequest, embeddings_json
 from tokenmill_service.generation import GenerationService, ServiceError
 from tokenmill_service.messages import EmbeddingInfo
-from tokenmill_service.openai_protocol import BadRequest
+from tokenmill_service.request_fields import BadRequest
 from tokenmill_service.router import AdapterNotFound, Overloaded, Rejected, RouterError, Unavailable
 from tokenmill_service.tokenizer import Tokenizer
 

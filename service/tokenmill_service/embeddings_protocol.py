@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill_service.openai_protocol import BadRequest
+from tokenmill_service.request_fields import BadRequest
 
 # The fields the parser reads; any other is refused as the other routes refuse it.
 PARAMETERS = ("input", "model", "dimensions", "encoding_format", "user")

@@ -20,17 +20,15 @@ from typing import Any
 import grpc
 import structlog
 
+from tokenmill_service.choice_responses import ChoiceResponses, RequestTally
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.grammar import COMPILE_TIMEOUT_S, ConstraintError, GrammarCompiler
 from tokenmill_service.engine.request import (
     Constraint,
-    FinishReason,
     GenerationRequest,
     RequestOutput,
-    TokenOutput,
     choice_seed,
 )
-from tokenmill_service.harmony import ChannelReader
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.proto import pb
 from tokenmill_service.router import (
@@ -47,8 +45,6 @@ from tokenmill_service.router import (
     Unavailable,
 )
 from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tool_calls import HeldText, ToolCall, parse_calls, repeats_a_call
-from tokenmill_service.tool_validation import family, tools_in_use
 from tokenmill_service.validation import (
     CONSTRAINT_FIELDS,
     MAX_REQUEST_ID_LENGTH,
@@ -59,13 +55,6 @@ from tokenmill_service.validation import (
 )
 
 log = structlog.get_logger("tokenmill.server")
-
-FINISH_REASONS = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.EOS: pb.FINISH_REASON_EOS,
-    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
-    FinishReason.CONTEXT_LIMIT: pb.FINISH_REASON_CONTEXT_LIMIT,
-}
 
 
 class ServiceError(Exception):
@@ -82,15 +71,6 @@ class ServiceError(Exception):
         self.message = message
         self.field = field
         self.reason = reason
-
-
-def token_proto(t: TokenOutput) -> pb.Token:
-    tok = pb.Token(id=t.id, text=t.text, special=t.special)
-    if t.logprob is not None:
-        tok.logprob = t.logprob
-    for alt in t.top_logprobs:
-        tok.top_logprobs.add(id=alt.id, text=alt.text, logprob=alt.logprob)
-    return tok
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -251,53 +231,14 @@ class GenerationService:
         """Stream one request's responses; raises ServiceError (after logging it) when it fails.
 
         `api` names the front-end in the log line ("grpc" or "http")."""
-        arrival = time.monotonic()
+        tally = RequestTally(arrival=time.monotonic())
         structlog.contextvars.bind_contextvars(request_id=request_id[:MAX_REQUEST_ID_LENGTH], api=api)
-        code = grpc.StatusCode.OK
-        prompt_len = completion_len = 0
-        first_token_at: float | None = None
-        finish: FinishReason | None = None
-        error = ""
-        field: str | None = None
-        reason: str | None = None
         try:
-            try:
-                self.authorize(authorization, auth_where)
-                if not request.request_id:
-                    check_request_id(
-                        request_id, "the x-request-id header" if api == "http" else "the x-request-id metadata"
-                    )
-                if self.router.draining:
-                    raise ShuttingDown()
-                self.check_generates()
-                # Tokenizing and rendering a chat take time in proportion to the prompt (a second or more for
-                # megabytes): in a thread, so that the event loop goes on serving every other call, health
-                # checks and the workers' heartbeats meanwhile.
-                engine_request = await asyncio.to_thread(build_request, request, self.tokenizer, self.limits())
-                if engine_request.constraint is not None:
-                    await self.check_constraint(engine_request.constraint)
-            except InvalidRequest as exc:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
-            prompt_len = len(engine_request.prompt_ids)
-            # A harmony model's chat answers: its analysis channel read apart as the reasoning, and its calls
-            # (messages to functions.NAME) apart from the answer, by a reader per choice (harmony.py).
-            harmony_chat = self.tokenizer.harmony and request.WhichOneof("input") == "chat"
-            readers = (
-                [ChannelReader(self.tokenizer, calls=tools_in_use(request)) for _ in range(max(1, request.n))]
-                if harmony_chat
-                else None
-            )
-            # Other families' calls are read from each choice's whole answer when it ends; its text streams
-            # as it comes, but for what may be a call (held back, and shown only if it was none).
-            tool_family = family(self.tokenizer) if tools_in_use(request) and not harmony_chat else None
+            engine_request = await self._admit(request, request_id, authorization, auth_where, api)
+            tally.prompt_len = len(engine_request.prompt_ids)
+            choices = ChoiceResponses(request, request_id, self.tokenizer, self.metrics, tally)
             streams = self.router.submit_group(choice_requests(engine_request, max(1, request.n)))
             structlog.contextvars.bind_contextvars(worker_id=streams[0].worker_id)
-            completion_lens = [0] * len(streams)
-            last_at = [arrival] * len(streams)
-            answers = [""] * len(streams)
-            held = [HeldText(tool_family) for _ in streams] if tool_family is not None else []
-            ended = [False] * len(streams)
-            queue_s = 0.0
             if timeout_s is not None:
                 # One timer per stream (not a task per message): it ends the stream with an error.
                 for stream in streams:
@@ -305,89 +246,54 @@ class GenerationService:
             try:
                 async with contextlib.aclosing(merged(streams)) as outputs:  # type: ignore[type-var]
                     async for index, out in outputs:
-                        if ended[index]:
-                            continue  # (a choice ended early, below: what its replica sent meanwhile is dropped)
-                        now = time.monotonic()
-                        if out.queue_s is not None:
-                            queue_s = out.queue_s
-                        if out.tokens:
-                            if first_token_at is None:
-                                first_token_at = now
-                                self.metrics.time_to_first_token.observe(now - arrival)
-                                self.metrics.queue_time.observe(queue_s)
-                            elif last_at[index] != arrival:
-                                per_token = (now - last_at[index]) / len(out.tokens)
-                                for _ in out.tokens:
-                                    self.metrics.inter_token_latency.observe(per_token)
-                            last_at[index] = now
-                        completion_lens[index] = out.completion_len or completion_lens[index]
-                        completion_len = sum(completion_lens)
-                        response = pb.GenerateResponse(
-                            request_id=request_id,
-                            text=out.text,
-                            tokens=[token_proto(t) for t in out.tokens],
-                            index=index,
-                        )
-                        if out.prompt_tokens:
-                            response.prompt_tokens.extend(token_proto(t) for t in out.prompt_tokens)
-                        if readers is not None:
-                            response.reasoning_text, response.text = readers[index].feed([t.id for t in out.tokens])
-                        end = out.finish_reason
-                        if tool_family is not None:
-                            answers[index] += out.text
-                            response.text = held[index].add(out.text)
-                            if end is None and held[index].in_call and repeats_a_call(answers[index], tool_family):
-                                # It makes a call it already made: the answer ends here, as if it had ended
-                                # itself (tool_calls.repeats_a_call), and its replica stops generating it.
-                                end = FinishReason.EOS
-                                streams[index].close()
-                        if end is not None:
-                            ended[index] = True
-                            finish = end
-                            response.finish_reason = FINISH_REASONS[end]
-                            # Calls completed before a length limit are kept, under the finish reason LENGTH.
-                            calls: list[ToolCall] = []
-                            if tool_family is not None:
-                                calls = parse_calls(answers[index], tool_family)[1]
-                                response.text += held[index].end(bool(calls), finish is FinishReason.EOS)
-                            elif readers is not None:
-                                calls = readers[index].calls
-                            response.tool_calls.extend(
-                                pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
-                            )
-                            if calls and finish in (FinishReason.EOS, FinishReason.STOP_SEQUENCE):
-                                response.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-                            response.usage.prompt_tokens = prompt_len
-                            response.usage.completion_tokens = completion_lens[index]
-                            response.timing.queue_ms = queue_s * 1000
-                            response.timing.time_to_first_token_ms = ((first_token_at or now) - arrival) * 1000
-                            response.timing.total_ms = (now - arrival) * 1000
+                        response = choices.response(index, out, streams[index])
+                        if response is None:
+                            continue
                         yield response
-                        if all(ended):
+                        if choices.all_ended:
                             break
             finally:
                 for stream in streams:
                     stream.close()
         except ServiceError as exc:
-            code, error, field, reason = exc.code, exc.message, exc.field, exc.reason
-        except DeadlineExceeded as exc:
-            code, error = grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
-        except Rejected as exc:
-            code, error = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except AdapterNotFound as exc:
-            code, error, field, reason = grpc.StatusCode.NOT_FOUND, str(exc), "adapter", "model_not_found"
-        except Overloaded as exc:
-            code, error = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-        except Unavailable as exc:
-            code, error = grpc.StatusCode.UNAVAILABLE, str(exc)
+            tally.code, tally.error, tally.field, tally.reason = exc.code, exc.message, exc.field, exc.reason
+        except RouterError as exc:
+            status = _router_status(exc)
+            if status is None:
+                raise
+            (tally.code, tally.field, tally.reason), tally.error = status, str(exc)
         except (asyncio.CancelledError, GeneratorExit):
             # The caller went away (a cancelled RPC, a closed HTTP connection).
-            code, error = grpc.StatusCode.CANCELLED, "the caller cancelled"
+            tally.code, tally.error = grpc.StatusCode.CANCELLED, "the caller cancelled"
             raise
         finally:
-            self._finished(code, error, prompt_len, completion_len, first_token_at, arrival, finish)
-        if code is not grpc.StatusCode.OK:
-            raise ServiceError(code, error, field, reason)
+            self._finished(tally)
+        if tally.code is not grpc.StatusCode.OK:
+            raise ServiceError(tally.code, tally.error, tally.field, tally.reason)
+
+    async def _admit(
+        self, request: pb.GenerateRequest, request_id: str, authorization: str | None, auth_where: str, api: str
+    ) -> GenerationRequest:
+        """The engine request of a call its caller may make, the server takes now and validation passes
+        (ServiceError otherwise)."""
+        try:
+            self.authorize(authorization, auth_where)
+            if not request.request_id:
+                check_request_id(
+                    request_id, "the x-request-id header" if api == "http" else "the x-request-id metadata"
+                )
+            if self.router.draining:
+                raise ShuttingDown()
+            self.check_generates()
+            # Tokenizing and rendering a chat take time in proportion to the prompt (a second or more for
+            # megabytes): in a thread, so that the event loop goes on serving every other call, health
+            # checks and the workers' heartbeats meanwhile.
+            engine_request = await asyncio.to_thread(build_request, request, self.tokenizer, self.limits())
+            if engine_request.constraint is not None:
+                await self.check_constraint(engine_request.constraint)
+        except InvalidRequest as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.code) from None
+        return engine_request
 
     async def load_adapter(self, name: str, path: str, authorization: str | None, where: str) -> None:
         """Serve the LoRA adapter at ``path`` as ``name`` on every worker (ServiceError when not)."""
@@ -398,35 +304,41 @@ class GenerationService:
         self.authorize(authorization, where)
         await _adapter_call(self.router.adapters.unload(name))
 
-    def _finished(
-        self,
-        code: grpc.StatusCode,
-        error: str,
-        prompt_len: int,
-        completion_len: int,
-        first_token_at: float | None,
-        arrival: float,
-        finish: FinishReason | None,
-    ) -> None:
-        duration = time.monotonic() - arrival
-        self.metrics.requests.labels(code=code.name).inc()
+    def _finished(self, tally: RequestTally) -> None:
+        duration = time.monotonic() - tally.arrival
+        self.metrics.requests.labels(code=tally.code.name).inc()
         self.metrics.request_duration.observe(duration)
-        self.metrics.prompt_tokens.inc(prompt_len)
-        self.metrics.generated_tokens.inc(completion_len)
+        self.metrics.prompt_tokens.inc(tally.prompt_len)
+        self.metrics.generated_tokens.inc(tally.completion_len)
         fields: dict[str, Any] = {
-            "status": code.name,
-            "prompt_tokens": prompt_len,
-            "completion_tokens": completion_len,
+            "status": tally.code.name,
+            "prompt_tokens": tally.prompt_len,
+            "completion_tokens": tally.completion_len,
             "duration_ms": round(duration * 1000, 1),
         }
-        if first_token_at is not None:
-            fields["ttft_ms"] = round((first_token_at - arrival) * 1000, 1)
-        if finish is not None:
-            fields["finish_reason"] = finish.value
-        if error:
-            fields["error"] = error
+        if tally.first_token_at is not None:
+            fields["ttft_ms"] = round((tally.first_token_at - tally.arrival) * 1000, 1)
+        if tally.finish is not None:
+            fields["finish_reason"] = tally.finish.value
+        if tally.error:
+            fields["error"] = tally.error
         log.info("request_finished", **fields)
         structlog.contextvars.unbind_contextvars("request_id", "worker_id", "api")
+
+
+# What a request's stream ends with, as a status and the field and reason a front-end names (the first
+# class the error is an instance of); another RouterError is not the caller's to see.
+_ROUTER_CODES: tuple[tuple[type[RouterError], tuple[grpc.StatusCode, str | None, str | None]], ...] = (
+    (DeadlineExceeded, (grpc.StatusCode.DEADLINE_EXCEEDED, None, None)),
+    (Rejected, (grpc.StatusCode.INVALID_ARGUMENT, None, None)),
+    (AdapterNotFound, (grpc.StatusCode.NOT_FOUND, "adapter", "model_not_found")),
+    (Overloaded, (grpc.StatusCode.RESOURCE_EXHAUSTED, None, None)),
+    (Unavailable, (grpc.StatusCode.UNAVAILABLE, None, None)),
+)
+
+
+def _router_status(exc: RouterError) -> tuple[grpc.StatusCode, str | None, str | None] | None:
+    return next((status for kind, status in _ROUTER_CODES if isinstance(exc, kind)), None)
 
 
 # What a LoRA adapter's load or unload ends with, as a status.

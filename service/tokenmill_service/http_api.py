@@ -10,268 +10,55 @@
                                                             tokenizes through them)
 
 Every generation goes through the same GenerationService as gRPC (auth, validation, limits,
-admission, metrics, the request_finished log line). A response's status is only sent once the
-first engine output arrived, so a refusal (400, 401, 429, 503, 504) is always a plain error
-response in OpenAI's JSON, never a broken stream. A client that disconnects cancels its request
-in the worker at once (its connection is watched, not only noticed at the next write).
+admission, metrics, the request_finished log line), and answers with a GenerationResponse
+(generation_response.py): its status waits for the first engine output, so that a refusal is a
+plain error response in OpenAI's JSON (http_errors.py), never a broken stream. uvicorn serves
+these routes (http_server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
-import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import structlog
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from tokenmill_service import __version__, openapi
 from tokenmill_service.anthropic_protocol import MESSAGES, count_tokens_json, parse_messages
 from tokenmill_service.anthropic_protocol import error_body as anthropic_error
+from tokenmill_service.dialect import CHAT, COMPLETIONS, Dialect
 from tokenmill_service.embeddings_api import create_embeddings
 from tokenmill_service.embeddings_protocol import parse_embeddings
 from tokenmill_service.generation import GenerationService, ServiceError
-from tokenmill_service.openai_protocol import (
-    CHAT,
-    COMPLETIONS,
-    BadRequest,
-    Dialect,
-    ParsedRequest,
-    ResponseBuilder,
-    error_json,
-    openai_error,
-    parse_detokenize,
-    parse_tokenize,
+from tokenmill_service.generation_response import GenerationResponse
+from tokenmill_service.http_body import read_body
+from tokenmill_service.http_errors import (
+    error_response,
+    json_error,
+    refusal_json,
+    refusal_response,
+    service_error_json,
 )
+from tokenmill_service.openai_errors import openai_error
+from tokenmill_service.openai_protocol import ParsedRequest
 from tokenmill_service.proto import pb
+from tokenmill_service.request_fields import BadRequest
 from tokenmill_service.responses_protocol import RESPONSES
+from tokenmill_service.tokenize_protocol import parse_detokenize, parse_tokenize
 from tokenmill_service.validation import InvalidRequest, Limits, chat_messages, check_token_ids, prompt_ids
 
 log = structlog.get_logger("tokenmill.http")
 
 AUTH_WHERE = "the Authorization header"
-
-# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code unless the error says a closer one)
-_HTTP_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error", "model_not_found"),
-    grpc.StatusCode.FAILED_PRECONDITION: (409, "invalid_request_error", "adapter_in_use"),
-}
-_SERVER_ERROR = (500, "server_error", "internal_error")
-
-T = TypeVar("T")
-
-
-class Disconnected(Exception):
-    pass
-
-
-def error_response(
-    status: int, kind: str, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    # RFC 9110: a 401 names the scheme the caller must use.
-    headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_json(message, kind, param, code), status_code=status, headers=headers)
-
-
-def bad_request(exc: BadRequest) -> JSONResponse:
-    return error_response(
-        413 if isinstance(exc, BodyTooLarge) else 400, "invalid_request_error", str(exc), exc.param, exc.code
-    )
-
-
-def service_error_json(exc: ServiceError, names: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and OpenAI error of a failed call. validation.py names the gRPC request's fields;
-    the caller is told them by the names it used (``names``: ParsedRequest.field_names)."""
-    status, kind, code = _HTTP_ERRORS.get(exc.code, _SERVER_ERROR)
-    message, param = openai_error(exc.message, exc.field, names)
-    return status, error_json(message, kind, param, exc.reason or code)
-
-
-def refusal_json(exc: ServiceError | ValueError | RecursionError) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and OpenAI error of a request refused before it reached the service."""
-    if isinstance(exc, ServiceError):
-        return service_error_json(exc)
-    if isinstance(exc, BadRequest):
-        return 413 if isinstance(exc, BodyTooLarge) else 400, error_json(
-            str(exc), "invalid_request_error", exc.param, exc.code
-        )
-    if isinstance(exc, RecursionError):  # (a body within the size limit can still nest deeper than Python recurses)
-        return 400, error_json("the request is nested too deeply", "invalid_request_error", code="invalid_value")
-    # A value protobuf refuses, e.g. an integer out of range.
-    return 400, error_json(str(exc), "invalid_request_error", code="invalid_value")
-
-
-def service_error_response(exc: ServiceError, names: dict[str, str] | None = None) -> JSONResponse:
-    status, body = service_error_json(exc, names)
-    headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-class BodyTooLarge(BadRequest):
-    """A request body over --max-request-bytes (413)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            f"the request body is over this server's limit of {limit} bytes (--max-request-bytes)",
-            code="request_too_large",
-        )
-
-
-# A body over the limit is read to its end and dropped (no copy kept, nothing parsed) up to this size, so that the
-# client, still sending, reads the 413 rather than a reset connection; a larger one is cut off.
-DRAIN_BYTES = 64 * 1024 * 1024
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (BodyTooLarge) once it is known to pass ``limit`` bytes: by its
-    Content-Length or as it arrives. Only up to ``limit`` bytes are ever kept."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max(limit, DRAIN_BYTES):
-        raise BodyTooLarge(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DRAIN_BYTES:
-            break
-        if size <= limit:
-            chunks.append(chunk)
-    if size > limit:
-        raise BodyTooLarge(limit)
-    return b"".join(chunks)
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it (and raising Disconnected) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise Disconnected
-        return task.result()
-    finally:
-        watcher.cancel()
-        if not task.done():  # this handler itself was cancelled
-            task.cancel()
-
-
-class GenerationResponse(Response):
-    """Runs a request's generation (one per prompt of a completions list) while it answers: the status
-    waits for the first output (see module doc)."""
-
-    def __init__(
-        self, responses: Sequence[AsyncIterator[pb.GenerateResponse]], builder: ResponseBuilder, request_id: str
-    ):
-        self.all_responses = responses
-        self.builder = builder
-        self.headers_ = {"x-request-id": request_id}
-        self.background = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with contextlib.suppress(Disconnected):
-            # One task for the whole generation: its log lines share the request's context variables.
-            await until_disconnect(receive, self._respond(scope, receive, send))
-
-    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if len(self.all_responses) > 1:
-            await self._respond_many(scope, receive, send)
-            return
-        async with contextlib.aclosing(self.all_responses[0]) as responses:  # type: ignore[type-var]
-            try:
-                first = await anext(responses)
-            except ServiceError as exc:
-                await self._error(exc)(scope, receive, send)
-                return
-            if self.builder.parsed.stream:
-                await self._stream(first, responses, send)
-                return
-            try:
-                rest = [r async for r in responses]
-            except ServiceError as exc:
-                await self._error(exc)(scope, receive, send)
-                return
-            await JSONResponse(self.builder.whole([[first, *rest]]), headers=self.headers_)(scope, receive, send)
-
-    async def _respond_many(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Several prompts, run side by side (the router batches them); the first failure fails them all."""
-
-        async def collect(stream: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
-            async with contextlib.aclosing(stream) as responses:  # type: ignore[type-var]
-                return [r async for r in responses]
-
-        tasks = [asyncio.ensure_future(collect(r)) for r in self.all_responses]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            for task in tasks:  # a failure (or this handler's cancellation) ends the others
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
-        if failed is not None:
-            error = failed.exception()
-            if not isinstance(error, ServiceError):
-                raise error  # type: ignore[misc]
-            await self._error(error)(scope, receive, send)
-            return
-        whole = self.builder.whole([t.result() for t in tasks])
-        await JSONResponse(whole, headers=self.headers_)(scope, receive, send)
-
-    def _error(self, exc: ServiceError) -> Response:
-        status, body = service_error_json(exc, self.builder.parsed.field_names)
-        headers = {**self.headers_, "www-authenticate": "Bearer"} if status == 401 else self.headers_
-        return JSONResponse(self.builder.error_body(status, body), status_code=status, headers=headers)
-
-    async def _stream(
-        self, first: pb.GenerateResponse, responses: AsyncIterator[pb.GenerateResponse], send: Send
-    ) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        headers += [(k.encode(), v.encode()) for k, v in self.headers_.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        for opening in self.builder.first_chunks():
-            await self._send_event(send, opening)
-        try:
-            # Read to the generator's end (not only to the finish reason) so the request ends as completed.
-            async for response in _prepend(first, responses):
-                for event in self.builder.events(response):
-                    await self._send_event(send, event)
-        except ServiceError as exc:
-            # The status is sent: an error after it is reported as an event, the way OpenAI's streams do.
-            status, body = service_error_json(exc, self.builder.parsed.field_names)
-            await self._send_event(send, self.builder.error_event(status, body))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        for event in self.builder.last_events():
-            await self._send_event(send, event)
-        await send({"type": "http.response.body", "body": self.builder.STREAM_END, "more_body": False})
-
-    async def _send_event(self, send: Send, event: dict[str, Any]) -> None:
-        await send({"type": "http.response.body", "body": self.builder.sse(event), "more_body": True})
 
 
 def _string_field(body: Any, name: str) -> str:
@@ -279,12 +66,6 @@ def _string_field(body: Any, name: str) -> str:
     if not isinstance(value, str) or not value:
         raise BadRequest(f"'{name}' is required: a non-empty string", name, "missing_required_parameter")
     return value
-
-
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 class HttpApi:
@@ -347,8 +128,7 @@ class HttpApi:
             parsed: ParsedRequest = dialect.parse(await self._json_body(request, dialect))
         except (ServiceError, ValueError, RecursionError) as exc:
             status, body = refusal_json(exc)
-            headers = {"www-authenticate": "Bearer"} if status == 401 else None
-            return JSONResponse(dialect.builder.error_body(status, body), status_code=status, headers=headers)
+            return json_error(status, dialect.builder.error_body(status, body))
         adapter = self._adapter(parsed.model)
         many = len(parsed.requests) > 1
         authorization, where = self._authorization(request, dialect)
@@ -367,10 +147,8 @@ class HttpApi:
         try:
             parsed = parse_embeddings(await self._json_body(request))
             return JSONResponse(await create_embeddings(self.service, parsed, self._adapter(parsed.model)))
-        except ServiceError as exc:
-            return service_error_response(exc)
-        except BadRequest as exc:
-            return bad_request(exc)
+        except (ServiceError, BadRequest) as exc:
+            return refusal_response(exc)
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's: the tokens of the prompt /v1/messages makes of the body (tools included)."""
@@ -388,8 +166,7 @@ class HttpApi:
             status, body = refusal_json(exc)
         else:
             return JSONResponse(count_tokens_json(len(ids)))
-        headers = {"www-authenticate": "Bearer"} if status == 401 else None
-        return JSONResponse(anthropic_error(status, body), status_code=status, headers=headers)
+        return json_error(status, anthropic_error(status, body))
 
     def _adapter(self, model: str) -> str:
         """The LoRA adapter a request's ``model`` names ("": the base). With adapters on (--max-loras), a
@@ -408,10 +185,8 @@ class HttpApi:
         return request.prompt
 
     async def models(self, request: Request) -> Response:
-        try:
-            self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
-        except ServiceError as exc:
-            return service_error_response(exc)
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
         name = self.service.model_name()
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenmill", "parent": None}] if name else []
         for adapter, path in sorted(self.service.router.adapters.served.items()):
@@ -426,10 +201,8 @@ class HttpApi:
             body = await self._json_body(request)
             name, path = _string_field(body, "lora_name"), _string_field(body, "lora_path")
             await self.service.load_adapter(name, path, request.headers.get("authorization"), AUTH_WHERE)
-        except ServiceError as exc:
-            return service_error_response(exc)
-        except BadRequest as exc:
-            return bad_request(exc)
+        except (ServiceError, BadRequest) as exc:
+            return refusal_response(exc)
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
@@ -437,11 +210,17 @@ class HttpApi:
         try:
             name = _string_field(await self._json_body(request), "lora_name")
             await self.service.unload_adapter(name, request.headers.get("authorization"), AUTH_WHERE)
-        except ServiceError as exc:
-            return service_error_response(exc)
-        except BadRequest as exc:
-            return bad_request(exc)
+        except (ServiceError, BadRequest) as exc:
+            return refusal_response(exc)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    def _unauthorized(self, request: Request) -> Response | None:
+        """The refusal of a caller without the token (None: it may go on)."""
+        try:
+            self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
+        except ServiceError as exc:
+            return refusal_response(exc)
+        return None
 
     def _authorization(self, request: Request, dialect: Dialect) -> tuple[str | None, str]:
         """The caller's Authorization value and where a refusal says the token goes; a dialect's own key
@@ -479,10 +258,8 @@ class HttpApi:
                 ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "")  # off the event loop
                 if body.add_special_tokens and tokenizer.add_bos and tokenizer.bos_token_id is not None:
                     ids = [tokenizer.bos_token_id, *ids]
-        except ServiceError as exc:
-            return service_error_response(exc)
-        except BadRequest as exc:
-            return bad_request(exc)
+        except (ServiceError, BadRequest) as exc:
+            return refusal_response(exc)
         except InvalidRequest as exc:
             message, param = openai_error(str(exc), exc.field)
             return error_response(400, "invalid_request_error", message, param, exc.code)
@@ -501,10 +278,8 @@ class HttpApi:
         try:
             ids = parse_detokenize(await self._json_body(request))
             check_token_ids("tokens", ids, tokenizer.vocab_size)
-        except ServiceError as exc:
-            return service_error_response(exc)
-        except BadRequest as exc:
-            return bad_request(exc)
+        except (ServiceError, BadRequest) as exc:
+            return refusal_response(exc)
         except InvalidRequest as exc:
             return error_response(400, "invalid_request_error", str(exc), "tokens", exc.code)
         return JSONResponse({"prompt": tokenizer.decode(ids)})
@@ -512,10 +287,8 @@ class HttpApi:
     async def tokenizer_info(self, request: Request) -> Response:
         """What a client needs to tokenize as the server does (vLLM's route): the special tokens' text
         and the chat template. lm-evaluation-harness finds it and then sends token ids."""
-        try:
-            self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
-        except ServiceError as exc:
-            return service_error_response(exc)
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
         tokenizer = self.service.tokenizer
         bos = tokenizer.bos_token_id
         return JSONResponse(
@@ -537,11 +310,9 @@ class HttpApi:
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
-        if not self.service.settings.metrics_without_auth:
-            try:
-                self.service.authorize(request.headers.get("authorization"), AUTH_WHERE)
-            except ServiceError as exc:
-                return service_error_response(exc)
+        refused = None if self.service.settings.metrics_without_auth else self._unauthorized(request)
+        if refused is not None:
+            return refused
         return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: Request) -> Response:
@@ -552,41 +323,3 @@ class HttpApi:
             s = self.service.settings
             limits = Limits(0, 0, s.max_new_tokens_limit, s.max_top_logprobs, s.max_stop_strings)
         return JSONResponse(openapi.document(limits, __version__))
-
-
-class _ToStructlog(logging.Handler):
-    """uvicorn logs through the standard library; its lines go out through structlog like ours."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        log.log(record.levelno, "uvicorn", message=record.getMessage(), exc_info=record.exc_info or None)
-
-
-class _Server(uvicorn.Server):
-    # The server process owns SIGTERM/SIGINT (draining); uvicorn must not take them over.
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        yield
-
-
-class HttpServer:
-    """uvicorn on a socket bound up front (so a taken port fails start-up like the gRPC port does)."""
-
-    def __init__(self, api: HttpApi, host: str, port: int) -> None:
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.port = int(self.sock.getsockname()[1])
-        uvicorn_log = logging.getLogger("uvicorn")
-        uvicorn_log.handlers = [_ToStructlog()]
-        uvicorn_log.setLevel(logging.WARNING)
-        uvicorn_log.propagate = False
-        config = uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1)
-        self.server = _Server(config)
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self.task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        if self.task is not None:
-            await self.task
-        self.sock.close()

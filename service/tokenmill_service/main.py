@@ -7,7 +7,9 @@ import ipaddress
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -22,27 +24,70 @@ from tokenmill_service.proto import pb
 from tokenmill_service.reflection import enable_reflection
 from tokenmill_service.router import Router, WorkerStartError
 from tokenmill_service.server import GenerationServicer, adapter_state, add_generation_servicer, engine_totals
+from tokenmill_service.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenmill_service.http_server import HttpServer
 
 log = structlog.get_logger("tokenmill.main")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-async def serve(settings: Settings) -> int:
-    from tokenmill_service.models.paths import ModelNotFoundError, resolve_model_path
-    from tokenmill_service.tokenizer import load_tokenizer
+class StartRefused(Exception):
+    """Start-up cannot go on (the reason is logged): the process exits with ``exit_code``."""
 
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(exit_code)
+        self.exit_code = exit_code
+
+
+async def serve(settings: Settings) -> int:
     if settings.node_rank > 0:
         # A node above 0 of a replica spanning servers runs its ranks only.
         from tokenmill_service.follower_node import serve_follower_node
 
         return await serve_follower_node(settings)
+    try:
+        model_path = checked_model_path(settings)
+    except StartRefused as exc:
+        return exc.exit_code
+    signals = StopSignals()
+    # The workers start (seconds: their imports, the weights) while this process reads the tokenizer (about a
+    # second for a 128k vocabulary); a failure here kills them, so what is refused is refused as before.
+    metrics = Metrics()
+    router = Router(settings, metrics)
+    starting = asyncio.ensure_future(router.start())
+    try:
+        tokenizer = await load_chat_tokenizer(settings, model_path)
+        metrics.bind_state(lambda: engine_totals(router))
+        metrics.bind_adapters(lambda: adapter_state(router, settings.max_loras))
+        servers = Servers.bind(settings, router, tokenizer, metrics)
+    except StartRefused as exc:
+        starting.cancel()
+        router.kill()
+        return exc.exit_code
+    if not settings.auth_tokens() and not loopback(settings.host):
+        log.warning(
+            "listening_without_auth",
+            host=settings.host,
+            message="anyone who reaches this address can generate: set --auth-token or --auth-token-file, "
+            "or listen on 127.0.0.1 behind a proxy that authenticates",
+        )
+    await servers.start(settings, metrics, model_path, router)
+    exit_code = await run_until_stopped(settings, servers, router, metrics, starting, signals.stop)
+    return await drain(settings, servers, router, signals, exit_code)
+
+
+def checked_model_path(settings: Settings) -> Path:
+    """The model to serve, found, and the parallel degrees asked for checked against it (StartRefused)."""
+    from tokenmill_service.models.paths import ModelNotFoundError, resolve_model_path
 
     try:
         model_path = resolve_model_path(settings.model or None)
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
         log.error("model_unavailable", error=str(exc))
-        return 1
+        raise StartRefused(1) from None
     if settings.tensor_parallel > 1 or settings.expert_parallel:
         try:
             check_tensor_parallel(settings, model_path)
@@ -50,30 +95,30 @@ async def serve(settings: Settings) -> int:
             # A usage error, known before any worker starts: the same exit code as a bad flag.
             log.error("tensor_parallel_refused", error=str(exc))
             sys.stderr.write(f"tokenmill-server: error: {exc}\n")
-            return 2
+            raise StartRefused(2) from None
+    return model_path
 
-    # The first SIGTERM or SIGINT drains; a second one, during the drain, stops at once.
-    stop = asyncio.Event()
-    stop_now = asyncio.Event()
-    received: list[signal.Signals] = []
 
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        (stop_now if stop.is_set() else stop).set()
+class StopSignals:
+    """The first SIGTERM or SIGINT drains (``stop``); a second one, during the drain, stops at once (``stop_now``)."""
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.stop_now = asyncio.Event()
+        self.received: list[signal.Signals] = []
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
 
-    # The workers start (seconds: their imports, the weights) while this process reads the tokenizer (about a
-    # second for a 128k vocabulary); a failure here kills them, so what is refused is refused as before.
-    metrics = Metrics()
-    router = Router(settings, metrics)
-    starting = asyncio.ensure_future(router.start())
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.received.append(sig)
+        (self.stop_now if self.stop.is_set() else self.stop).set()
 
-    def abandon_start() -> None:
-        starting.cancel()
-        router.kill()
+
+async def load_chat_tokenizer(settings: Settings, model_path: Path) -> Tokenizer:
+    """The model's tokenizer, with --chat-template's template where given (StartRefused when unreadable)."""
+    from tokenmill_service.models.paths import ModelNotFoundError
+    from tokenmill_service.tokenizer import load_tokenizer
 
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, model_path)
@@ -82,9 +127,8 @@ async def serve(settings: Settings) -> int:
             # Chats are rendered here, in the server process; the workers never render one.
             tokenizer.chat_template = template
     except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
-        abandon_start()
         log.error("model_unavailable", error=str(exc))
-        return 1
+        raise StartRefused(1) from None
     if tokenizer.harmony:
         from tokenmill_service import harmony
 
@@ -92,122 +136,151 @@ async def serve(settings: Settings) -> int:
             harmony.encoding()
         except harmony.HarmonyUnavailable as exc:
             log.warning("harmony_chats_refused", reason=str(exc))
+    return tokenizer
 
-    metrics.bind_state(lambda: engine_totals(router))
-    metrics.bind_adapters(lambda: adapter_state(router, settings.max_loras))
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", settings.request_bytes_limit)]
-    )
-    servicer = GenerationServicer(settings, router, tokenizer, metrics)
-    add_generation_servicer(servicer, server)
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # (grpc-stubs' health.pyi has no aio)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
-        server,
-        servicer.service.authorized if settings.auth_tokens() else None,
-    )
-    address = f"{settings.host}:{settings.port}"
-    try:
-        credentials = server_credentials(settings)
-        if credentials is None:
-            server.add_insecure_port(address)
-        else:
-            server.add_secure_port(address, credentials)
-    except OSError as exc:
-        abandon_start()
-        log.error("cannot_read_tls_files", error=str(exc))
-        return 1
-    except RuntimeError as exc:
-        abandon_start()
-        log.error("cannot_listen", address=address, error=str(exc))
-        return 1
-    http_server = None
-    if settings.http_port:
-        from tokenmill_service.http_api import HttpApi, HttpServer
 
+@dataclass
+class Servers:
+    """What this process serves: the gRPC server with health and reflection, the plaintext health server
+    (--health-port), the HTTP API (--http-port)."""
+
+    server: grpc.aio.Server
+    servicer: GenerationServicer
+    health_servicer: Any
+    health_server: grpc.aio.Server | None
+    http_server: HttpServer | None
+    address: str
+
+    @classmethod
+    def bind(cls, settings: Settings, router: Router, tokenizer: Tokenizer, metrics: Metrics) -> Servers:
+        """Every server built and its port bound (StartRefused: a port taken, TLS files unreadable)."""
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", settings.request_bytes_limit)]
+        )
+        servicer = GenerationServicer(settings, router, tokenizer, metrics)
+        add_generation_servicer(servicer, server)
+        health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]  # (grpc-stubs' health.pyi has no aio)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        enable_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+            server,
+            servicer.service.authorized if settings.auth_tokens() else None,
+        )
+        address = f"{settings.host}:{settings.port}"
         try:
-            http_server = HttpServer(HttpApi(servicer.service), settings.host, settings.http_port)
+            credentials = server_credentials(settings)
+            if credentials is None:
+                server.add_insecure_port(address)
+            else:
+                server.add_secure_port(address, credentials)
         except OSError as exc:
-            abandon_start()
-            log.error("cannot_listen", address=f"{settings.host}:{settings.http_port}", error=str(exc))
-            return 1
+            log.error("cannot_read_tls_files", error=str(exc))
+            raise StartRefused(1) from None
+        except RuntimeError as exc:
+            log.error("cannot_listen", address=address, error=str(exc))
+            raise StartRefused(1) from None
+        http_server = None
+        if settings.http_port:
+            from tokenmill_service.http_api import HttpApi
+            from tokenmill_service.http_server import HttpServer
 
-    if not settings.auth_tokens() and not loopback(settings.host):
-        log.warning(
-            "listening_without_auth",
-            host=settings.host,
-            message="anyone who reaches this address can generate: set --auth-token or --auth-token-file, "
-            "or listen on 127.0.0.1 behind a proxy that authenticates",
+            try:
+                http_server = HttpServer(HttpApi(servicer.service), settings.host, settings.http_port)
+            except OSError as exc:
+                log.error("cannot_listen", address=f"{settings.host}:{settings.http_port}", error=str(exc))
+                raise StartRefused(1) from None
+        return cls(server, servicer, health_servicer, None, http_server, address)
+
+    async def set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health_servicer.set(name, status)
+
+    async def start(self, settings: Settings, metrics: Metrics, model_path: Path, router: Router) -> None:
+        """Serve, NOT_SERVING until the workers are ready."""
+        # Probes that cannot speak TLS (kubelet's) get the health service alone, in plaintext, on its own port.
+        if settings.health_port:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, self.health_server)
+            self.health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+            await self.health_server.start()
+        await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        if self.http_server is not None:
+            self.http_server.start()
+        if settings.metrics_port:
+            guard = None if settings.metrics_without_auth else self.servicer.service.authorized
+            metrics.serve(settings.metrics_port, settings.host, guard)
+        log.info(
+            "server_listening",
+            address=self.address,
+            tls="mutual" if settings.tls_client_ca else bool(settings.tls_cert),
+            model=str(model_path),
+            workers=router.num_workers,
+            device=settings.device,
+            metrics_port=settings.metrics_port or None,
+            http_port=settings.http_port or None,
         )
 
-    async def set_health(status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, status)
+    async def stop(self, grace: float | None) -> None:
+        """Stop listening (the gRPC server lets its calls finish within ``grace`` seconds)."""
+        await self.server.stop(grace=grace)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=None)
+        if self.http_server is not None:
+            await self.http_server.stop()
 
-    # Probes that cannot speak TLS (kubelet's) get the health service alone, in plaintext, on its own port.
-    health_server: grpc.aio.Server | None = None
-    if settings.health_port:
-        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        health_server.add_insecure_port(f"{settings.host}:{settings.health_port}")
-        await health_server.start()
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    if http_server is not None:
-        http_server.start()
-    if settings.metrics_port:
-        guard = None if settings.metrics_without_auth else servicer.service.authorized
-        metrics.serve(settings.metrics_port, settings.host, guard)
-    log.info(
-        "server_listening",
-        address=address,
-        tls="mutual" if settings.tls_client_ca else bool(settings.tls_cert),
-        model=str(model_path),
-        workers=router.num_workers,
-        device=settings.device,
-        metrics_port=settings.metrics_port or None,
-        http_port=settings.http_port or None,
-    )
 
+async def run_until_stopped(
+    settings: Settings,
+    servers: Servers,
+    router: Router,
+    metrics: Metrics,
+    starting: asyncio.Future[None],
+    stop: asyncio.Event,
+) -> int:
+    """Serve once the workers are ready, until a signal; the exit code so far (the workers' start failed: 1, or
+    2 where the model or the flags cannot be served as asked)."""
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    exit_code = 0
-    if starting.done() and starting.exception() is None:
-        await set_health(health_pb2.HealthCheckResponse.SERVING)
+    either: set[asyncio.Future[Any]] = {starting, stopping}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        return 0
+    failure = starting.exception()
+    if failure is None:
+        await servers.set_health(health_pb2.HealthCheckResponse.SERVING)
         info = next(w.info for w in router.workers if w.info is not None)
         metrics.set_build_info(__version__, info.model_name, settings.backend, info.dtype, info.quantization)
         metrics.bind_endpoint_picker(
             lambda: engine_totals(router),
-            servicer.service.model_name(),
+            servers.servicer.service.model_name(),
             info.kv_block_size,
             sum(w.info.kv_blocks_total for w in router.workers if w.info is not None),
         )
-        watcher = asyncio.ensure_future(follow_workers(router, set_health))
-        log.info("server_ready", address=address, http_port=settings.http_port or None)
+        watcher = asyncio.ensure_future(follow_workers(router, servers.set_health))
+        log.info("server_ready", address=servers.address, http_port=settings.http_port or None)
         # The commands to try, plain and copy-pasteable (not inside a log line): on a terminal, or as --banner says.
         show_ready_banner(settings, info.model_name)
         await stopping
         watcher.cancel()
-    elif starting.done():
-        failure = starting.exception()
-        log.error(
-            "workers_failed_to_start",
-            error=str(failure) if isinstance(failure, WorkerStartError) else repr(failure),
-        )
-        if isinstance(failure, WorkerStartError) and failure.usage:
-            # The model or the flags cannot be served as asked: the same exit code as a bad flag.
-            sys.stderr.write(f"tokenmill-server: error: {failure}\n")
-            exit_code = 2
-        else:
-            exit_code = 1
-    else:
-        starting.cancel()
+        return 0
+    log.error(
+        "workers_failed_to_start",
+        error=str(failure) if isinstance(failure, WorkerStartError) else repr(failure),
+    )
+    if isinstance(failure, WorkerStartError) and failure.usage:
+        # The model or the flags cannot be served as asked: the same exit code as a bad flag.
+        sys.stderr.write(f"tokenmill-server: error: {failure}\n")
+        return 2
+    return 1
 
-    # Drain: refuse new calls, let in-flight ones finish within drain_seconds, then exit.
+
+async def drain(settings: Settings, servers: Servers, router: Router, signals: StopSignals, exit_code: int) -> int:
+    """Refuse new calls, let in-flight ones finish within drain_seconds, then exit; a second signal meanwhile
+    stops at once (exit code 128 + the signal's number)."""
     log.info(
         "draining",
-        signal=received[0].name if received else None,
+        signal=signals.received[0].name if signals.received else None,
         drain_seconds=settings.drain_seconds,
         in_flight=router.inflight_count(),
         hint="send SIGINT (Ctrl-C) or SIGTERM again to stop at once",
@@ -215,29 +288,21 @@ async def serve(settings: Settings) -> int:
 
     async def shut_down() -> None:
         router.draining = True
-        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await servers.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await router.drain(settings.drain_seconds)
-        await server.stop(grace=1.0)
-        if health_server is not None:
-            await health_server.stop(grace=None)
-        if http_server is not None:
-            await http_server.stop()
+        await servers.stop(grace=1.0)
         await router.stop()
 
     shutting_down = asyncio.ensure_future(shut_down())
-    interrupted = asyncio.ensure_future(stop_now.wait())
+    interrupted = asyncio.ensure_future(signals.stop_now.wait())
     await asyncio.wait({shutting_down, interrupted}, return_when=asyncio.FIRST_COMPLETED)
     if not shutting_down.done():
         shutting_down.cancel()
         # A second signal: no more waiting for calls or workers; kill the workers and go.
-        sig = received[-1]
+        sig = signals.received[-1]
         log.warning("stopping_now", signal=sig.name, in_flight=router.inflight_count())
         router.kill()
-        await server.stop(grace=None)
-        if health_server is not None:
-            await health_server.stop(grace=None)
-        if http_server is not None:
-            await http_server.stop()
+        await servers.stop(grace=None)
         exit_code = 128 + sig.value
     else:
         interrupted.cancel()

@@ -13,14 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill_service.engine.grammar import MAX_CONSTRAINT_LENGTH
-from tokenmill_service.openai_protocol import (
-    IGNORED,
-    MAX_PROMPTS,
-    NEUTRAL_ONLY,
-    TOKEN_ID_KEY,
-    UINT32_MAX,
-    parameters,
-)
+from tokenmill_service.openai_protocol import IGNORED, MAX_PROMPTS, NEUTRAL_ONLY, TOKEN_ID_KEY, parameters
+from tokenmill_service.request_fields import UINT32_MAX
 from tokenmill_service.tool_calls import TOOL_NAME
 from tokenmill_service.validation import (
     MAX_CHOICES,
@@ -47,6 +41,15 @@ def nullable(schema: Schema) -> Schema:
     if isinstance(schema.get("type"), str) and "enum" not in schema and "const" not in schema:
         return {**schema, "type": [schema["type"], "null"]}
     return {"anyOf": [schema, NULL]}
+
+
+def obj(*required: str, **properties: Schema) -> Schema:
+    """An object with ``properties``, the ``required`` ones required."""
+    schema: Schema = {"type": "object"}
+    if required:
+        schema["required"] = list(required)
+    schema["properties"] = properties
+    return schema
 
 
 def between(kind: str, minimum: float | None = None, maximum: float | None = None, **rest: Any) -> Schema:
@@ -85,65 +88,39 @@ def token_id(limits: Limits) -> Schema:
 
 # -- chat messages and tools ------------------------------------------------------------------------
 
-TEXT_PART: Schema = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": STRING},
-}
-TOOL_CALL_IN: Schema = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": {"description": "the call's id, as text"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": STRING,
-                "arguments": {"description": "a JSON object, as text or as JSON"},
-            },
-        },
-    },
-}
-MESSAGE: Schema = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "description": "system, user, assistant or tool (the chat template decides)"},
-        "content": {"anyOf": [STRING, {"type": "array", "items": TEXT_PART}, NULL]},
-        "name": nullable(STRING),
-        "tool_call_id": nullable(STRING),
-        "tool_calls": nullable({"type": "array", "items": TOOL_CALL_IN}),
-        "reasoning_content": nullable(STRING),
-        "reasoning": nullable(STRING),
-    },
-}
+TEXT_PART: Schema = obj("type", "text", type={"const": "text"}, text=STRING)
+TOOL_CALL_IN: Schema = obj(
+    "function",
+    id={"description": "the call's id, as text"},
+    function=obj("name", name=STRING, arguments={"description": "a JSON object, as text or as JSON"}),
+)
+MESSAGE: Schema = obj(
+    "role",
+    role={"type": "string", "description": "system, user, assistant or tool (the chat template decides)"},
+    content={"anyOf": [STRING, {"type": "array", "items": TEXT_PART}, NULL]},
+    name=nullable(STRING),
+    tool_call_id=nullable(STRING),
+    tool_calls=nullable({"type": "array", "items": TOOL_CALL_IN}),
+    reasoning_content=nullable(STRING),
+    reasoning=nullable(STRING),
+)
 MESSAGES: Schema = {"type": "array", "minItems": 1, "items": MESSAGE}
 TOOL_NAME_SCHEMA: Schema = {"type": "string", "pattern": pattern(TOOL_NAME)}
-TOOL: Schema = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": TOOL_NAME_SCHEMA,
-                "description": nullable(STRING),
-                "parameters": nullable({"type": "object", "description": "a JSON schema of the arguments"}),
-            },
-        },
-    },
-}
+TOOL: Schema = obj(
+    "type",
+    "function",
+    type={"const": "function"},
+    function=obj(
+        "name",
+        name=TOOL_NAME_SCHEMA,
+        description=nullable(STRING),
+        parameters=nullable({"type": "object", "description": "a JSON schema of the arguments"}),
+    ),
+)
 TOOL_CHOICE: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", "required"]},
-        {
-            "type": "object",
-            "required": ["function"],
-            "properties": {"function": {"type": "object", "required": ["name"], "properties": {"name": STRING}}},
-        },
+        obj("function", function=obj("name", name=STRING)),
         NULL,
     ]
 }
@@ -159,23 +136,18 @@ CONSTRAINT_TEXT: Schema = {"type": "string", "maxLength": MAX_CONSTRAINT_LENGTH}
 CHOICES: Schema = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
 RESPONSE_FORMAT: Schema = {
     "anyOf": [
-        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-        {
-            "type": "object",
-            "required": ["type", "json_schema"],
-            "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": {
-                    "type": "object",
-                    "properties": {
-                        "name": nullable(TOOL_NAME_SCHEMA),
-                        "description": nullable(STRING),
-                        "schema": JSON_SCHEMA_TEXT,
-                        "strict": nullable(BOOLEAN),
-                    },
-                },
-            },
-        },
+        obj("type", type={"enum": ["text", "json_object"]}),
+        obj(
+            "type",
+            "json_schema",
+            type={"const": "json_schema"},
+            json_schema=obj(
+                name=nullable(TOOL_NAME_SCHEMA),
+                description=nullable(STRING),
+                schema=JSON_SCHEMA_TEXT,
+                strict=nullable(BOOLEAN),
+            ),
+        ),
         NULL,
     ]
 }
@@ -249,7 +221,7 @@ def parameter_schemas(limits: Limits, chat: bool) -> dict[str, Schema]:
         "ignore_eos": nullable(BOOLEAN),
         "stop_token_ids": nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": token_id(limits)}),
         "stream": nullable(BOOLEAN),
-        "stream_options": nullable({"type": "object", "properties": {"include_usage": nullable(BOOLEAN)}}),
+        "stream_options": nullable(obj(include_usage=nullable(BOOLEAN))),
         "response_format": RESPONSE_FORMAT,
         "guided_json": nullable(JSON_SCHEMA_TEXT),
         "guided_regex": nullable(CONSTRAINT_TEXT),
@@ -313,11 +285,7 @@ def tokenize_request(limits: Limits) -> Schema:
 
 
 def detokenize_request(limits: Limits) -> Schema:
-    return {
-        "type": "object",
-        "required": ["tokens"],
-        "properties": {"model": nullable(STRING), "tokens": {"type": "array", "items": token_id(limits)}},
-    }
+    return obj("tokens", model=nullable(STRING), tokens={"type": "array", "items": token_id(limits)})
 
 
 def lora_request(limits: Limits, path: bool) -> Schema:

@@ -118,38 +118,44 @@ def _named_events(name: str, events: dict[str, Schema]) -> dict[str, Any]:
     return {**_json(name), "text/event-stream": {"schema": each}}
 
 
+def _generating(
+    path: str,
+    summary: str,
+    answer: dict[str, Any],
+    body: Callable[[Limits], Schema],
+    examples: dict[str, Any],
+    **dialect: Any,
+) -> Operation:
+    """A route that generates: a POST whose answer carries its request's id, refused as every generation is
+    (``dialect``: the error shape and key header of another API served through the chat path)."""
+    return Operation(
+        "POST", path, summary, answer, body, GENERATION_ERRORS, headers=("x-request-id",), examples=examples, **dialect
+    )
+
+
 OPERATIONS: tuple[Operation, ...] = (
-    Operation(
-        "POST",
+    _generating(
         "/v1/chat/completions",
         "A chat's answer (OpenAI's chat completions)",
         _generation("ChatCompletion", "ChatCompletionChunk"),
         lambda limits: s.request_schema(limits, chat=True),
-        GENERATION_ERRORS,
-        headers=("x-request-id",),
-        examples=_examples("A question", {"messages": FRANCE, "max_tokens": 16}),
+        _examples("A question", {"messages": FRANCE, "max_tokens": 16}),
     ),
-    Operation(
-        "POST",
+    _generating(
         "/v1/completions",
         "A prompt's continuation (OpenAI's legacy completions)",
         _generation("Completion", "CompletionChunk"),
         lambda limits: s.request_schema(limits, chat=False),
-        GENERATION_ERRORS,
-        headers=("x-request-id",),
-        examples=_examples("A prompt", {"prompt": "The capital of France is", "max_tokens": 16}),
+        _examples("A prompt", {"prompt": "The capital of France is", "max_tokens": 16}),
     ),
-    Operation(
-        "POST",
+    _generating(
         "/v1/messages",
         "A chat's answer (Anthropic's Messages API)",
         _named_events("Message", anthropic.EVENTS),
         anthropic.request_schema,
-        GENERATION_ERRORS,
-        headers=("x-request-id",),
+        _examples("A question", {"max_tokens": 16, "system": "Answer in one sentence.", "messages": FRANCE}),
         error=anthropic.error,
         key_header=MESSAGES.key_header,
-        examples=_examples("A question", {"max_tokens": 16, "system": "Answer in one sentence.", "messages": FRANCE}),
     ),
     Operation(
         "POST",
@@ -162,15 +168,12 @@ OPERATIONS: tuple[Operation, ...] = (
         key_header=MESSAGES.key_header,
         examples=_examples("A question", {"system": "Answer in one sentence.", "messages": FRANCE}, stream=False),
     ),
-    Operation(
-        "POST",
+    _generating(
         "/v1/responses",
         "A response, without server-side state (OpenAI's Responses API)",
         _named_events("Response", responses.EVENTS),
         responses.request_schema,
-        GENERATION_ERRORS,
-        headers=("x-request-id",),
-        examples=_examples(
+        _examples(
             "A question",
             {"instructions": "Answer in one sentence.", "input": FRANCE[0]["content"], "max_output_tokens": 16},
         ),

@@ -14,15 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill_service.openai_protocol import (
-    BadRequest,
-    Dialect,
-    ParsedRequest,
-    ResponseBuilder,
-    parse_request,
-    renamed,
-)
+from tokenmill_service.dialect import Dialect, given, parse_as_chat
+from tokenmill_service.openai_protocol import ParsedRequest
+from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.proto import pb
+from tokenmill_service.request_fields import BadRequest, check_model, json_object
 
 # The GenerateRequest's field paths as this API names them (what refusals say).
 _FIELDS = {
@@ -187,15 +183,12 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 def chat_body(body: Any) -> dict[str, Any]:
     """The chat completions body a Responses body means."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+    body = json_object(body)
     for name, (neutral, why) in REFUSED.items():
         value = body.get(name)
         if value is not None and not (type(value) is type(neutral) and value == neutral):
             raise BadRequest(f"'{name}' is not supported: {why}", name, "unsupported_parameter")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"'model' must be a string; given {model!r}", "model")
+    check_model(body)
     if body.get("input") is None:
         raise BadRequest("'input' is required: a string or a list of items", "input", "missing_required_parameter")
     instructions = body.get("instructions")
@@ -205,12 +198,10 @@ def chat_body(body: Any) -> dict[str, Any]:
     messages = [*system, *_input(body["input"])]
     if not messages:
         raise BadRequest("'input' holds no message: reasoning items alone are no prompt", "input")
-    chat: dict[str, Any] = {"model": model, "messages": messages}
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for name in ("temperature", "top_p", "stream", "parallel_tool_calls"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
+    chat.update(given(body, "temperature", "top_p", "stream", "parallel_tool_calls"))
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -241,11 +232,7 @@ def _echoed(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:
 
 
 def parse_responses(body: Any) -> ParsedRequest:
-    try:
-        parsed = parse_request(chat_body(body), chat=True)
-    except BadRequest as exc:
-        raise renamed(exc, _PARAMS) from None
-    parsed.field_names.update(_FIELDS)
+    parsed = parse_as_chat(lambda: chat_body(body), _PARAMS, _FIELDS)
     parsed.echoed = _echoed(body, parsed)
     return parsed
 

@@ -23,6 +23,7 @@ from tokenmill_service.openai_schema import (
     block,
     by_type,
     nullable,
+    obj,
     parameter_schemas,
 )
 from tokenmill_service.responses_protocol import REFUSED
@@ -37,15 +38,13 @@ _PART: Schema = {
     ]
 }
 _CONTENT: Schema = {"anyOf": [STRING, {"type": "array", "items": _PART}], "description": "a string or text parts"}
-_MESSAGE_IN: Schema = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "type": {"const": "message", "description": "absent: a message"},
-        "role": {"enum": ["user", "assistant", "system", "developer"]},
-        "content": _CONTENT,
-    },
-}
+_MESSAGE_IN: Schema = obj(
+    "role",
+    "content",
+    type={"const": "message", "description": "absent: a message"},
+    role={"enum": ["user", "assistant", "system", "developer"]},
+    content=_CONTENT,
+)
 _ITEM: Schema = {
     "anyOf": [
         _MESSAGE_IN,
@@ -99,7 +98,7 @@ def request_schema(limits: Limits) -> Schema:
         ),
         "tools": nullable({"type": "array", "items": TOOL}),
         "tool_choice": TOOL_CHOICE,
-        "text": nullable({"type": "object", "properties": {"format": _FORMAT}}),
+        "text": nullable(obj(format=_FORMAT)),
         "metadata": nullable({**OBJECT, "description": "repeated in the answer"}),
         **{name: chat[name] for name in ("temperature", "top_p", "stream", "parallel_tool_calls")},
         **{name: _refused(neutral, why) for name, (neutral, why) in REFUSED.items()},
@@ -150,25 +149,18 @@ def _call(status: Schema) -> Schema:
 DONE: Schema = {"enum": ["completed", "incomplete"]}
 ITEM: Schema = {"anyOf": [_message(DONE, 1), _call({"const": "completed"})]}
 _ADDED: Schema = {"anyOf": [_message({"const": "in_progress"}, 0), _call({"const": "in_progress"})]}
-USAGE: Schema = {
-    "type": "object",
-    "required": ["input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details", "total_tokens"],
-    "properties": {
-        "input_tokens": COUNT,
-        "input_tokens_details": {
-            "type": "object",
-            "required": ["cached_tokens"],
-            "properties": {"cached_tokens": COUNT},
-        },
-        "output_tokens": COUNT,
-        "output_tokens_details": {
-            "type": "object",
-            "required": ["reasoning_tokens"],
-            "properties": {"reasoning_tokens": COUNT},
-        },
-        "total_tokens": COUNT,
-    },
-}
+USAGE: Schema = obj(
+    "input_tokens",
+    "input_tokens_details",
+    "output_tokens",
+    "output_tokens_details",
+    "total_tokens",
+    input_tokens=COUNT,
+    input_tokens_details=obj("cached_tokens", cached_tokens=COUNT),
+    output_tokens=COUNT,
+    output_tokens_details=obj("reasoning_tokens", reasoning_tokens=COUNT),
+    total_tokens=COUNT,
+)
 # What a response repeats of its request (responses_protocol._echoed), defaults filled in.
 _ECHOED: dict[str, Schema] = {
     "instructions": nullable(STRING),
@@ -178,7 +170,7 @@ _ECHOED: dict[str, Schema] = {
     "tools": {"type": "array", "items": OBJECT},
     "tool_choice": {"anyOf": [STRING, OBJECT]},
     "parallel_tool_calls": BOOLEAN,
-    "text": {"type": "object", "required": ["format"], "properties": {"format": OBJECT}},
+    "text": obj("format", format=OBJECT),
     "metadata": OBJECT,
 }
 
@@ -192,7 +184,7 @@ def _response(status: Schema, output: Schema, usage: Schema) -> Schema:
         "error": NULL,
         "incomplete_details": {
             "anyOf": [
-                {"type": "object", "required": ["reason"], "properties": {"reason": {"const": "max_output_tokens"}}},
+                obj("reason", reason={"const": "max_output_tokens"}),
                 NULL,
             ],
             "description": "with status incomplete",

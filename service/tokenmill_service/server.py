@@ -253,23 +253,18 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serve
         "Generate": grpc.unary_stream_rpc_method_handler(
             parsing(pb.GenerateRequest, servicer.Generate),
             response_serializer=pb.GenerateResponse.SerializeToString,
-        ),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            parsing(pb.TokenizeRequest, servicer.Tokenize),
-            response_serializer=pb.TokenizeResponse.SerializeToString,
-        ),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            parsing(pb.GetModelInfoRequest, servicer.GetModelInfo),
-            response_serializer=pb.ModelInfo.SerializeToString,
-        ),
-        "LoadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
-            parsing(pb.LoadLoRAAdapterRequest, servicer.LoadLoRAAdapter),
-            response_serializer=pb.LoadLoRAAdapterResponse.SerializeToString,
-        ),
-        "UnloadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
-            parsing(pb.UnloadLoRAAdapterRequest, servicer.UnloadLoRAAdapter),
-            response_serializer=pb.UnloadLoRAAdapterResponse.SerializeToString,
-        ),
+        )
     }
+    # The unary methods: each one's request and answer.
+    unary: dict[str, tuple[type[Any], Any, type[Any]]] = {
+        "Tokenize": (pb.TokenizeRequest, servicer.Tokenize, pb.TokenizeResponse),
+        "GetModelInfo": (pb.GetModelInfoRequest, servicer.GetModelInfo, pb.ModelInfo),
+        "LoadLoRAAdapter": (pb.LoadLoRAAdapterRequest, servicer.LoadLoRAAdapter, pb.LoadLoRAAdapterResponse),
+        "UnloadLoRAAdapter": (pb.UnloadLoRAAdapterRequest, servicer.UnloadLoRAAdapter, pb.UnloadLoRAAdapterResponse),
+    }
+    for name, (request, method, response) in unary.items():
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            parsing(request, method), response_serializer=response.SerializeToString
+        )
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -9,8 +9,6 @@ whose server has a token.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,49 +18,25 @@ import openai
 import pytest
 
 from tests.server_process import ServerProcess
+from tests.service.chat_dialects import INSTRUCTIONS as SYSTEM
+from tests.service.chat_dialects import (
+    MODEL,
+    QUESTION,
+    RAIN,
+    WEATHER_DESCRIPTION,
+    WEATHER_SCHEMA,
+    post,
+)
 
-MODEL = "tokenmill"
 GREEDY = {"temperature": 0}
-SYSTEM = "Answer in one short sentence."
-FRANCE: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
-WEATHER: Any = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_SCHEMA}
-RAIN = "What is the weather in Paris?"
+FRANCE: list[Any] = [{"role": "user", "content": QUESTION}]
+WEATHER: Any = {"name": "get_weather", "description": WEATHER_DESCRIPTION, "input_schema": WEATHER_SCHEMA}
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=server.http_url, api_key="none", max_retries=0, timeout=300) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def chat(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def france(chat: openai.OpenAI) -> Any:
-    """The greedy chat answer every Messages answer about France is held against."""
-    messages: Any = [{"role": "system", "content": SYSTEM}, *FRANCE]
-    return chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-
-
-def post(server: ServerProcess, path: str, body: Any) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        server.http_url + path, json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def test_a_message_is_the_chat_answer_as_a_text_block_with_stop_reason_and_usage(
@@ -130,7 +104,7 @@ def test_max_tokens_reached_is_the_stop_reason(client: anthropic.Anthropic) -> N
 
 
 def test_a_forced_tool_streams_a_tool_use_block_and_its_result_goes_back(
-    client: anthropic.Anthropic, chat: openai.OpenAI
+    client: anthropic.Anthropic, chat_client: openai.OpenAI
 ) -> None:
     question: Any = [{"role": "user", "content": RAIN}]
     with client.messages.stream(
@@ -178,7 +152,7 @@ def test_a_forced_tool_streams_a_tool_use_block_and_its_result_goes_back(
             "function": {"name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER_SCHEMA},
         }
     ]
-    same = chat.chat.completions.create(
+    same = chat_client.chat.completions.create(
         model=MODEL, messages=chat_history, tools=tools, tool_choice="none", max_tokens=10, temperature=0
     )
     assert reply.content and reply.content[0].type == "text"

@@ -4,9 +4,6 @@ the shared default server, each answer held against the same request through /v1
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from enum import Enum
 from typing import Any
 
@@ -16,23 +13,22 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server_process import ServerProcess
+from tests.service.chat_dialects import (
+    INSTRUCTIONS,
+    MODEL,
+    QUESTION,
+    RAIN,
+    WEATHER_DESCRIPTION,
+    WEATHER_SCHEMA,
+)
+from tests.service.chat_dialects import post as post_to
 
-MODEL = "tokenmill"
-INSTRUCTIONS = "Answer in one short sentence."
-QUESTION = "What is the capital of France?"
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
-    "description": "The weather in a city.",
+    "description": WEATHER_DESCRIPTION,
     "parameters": WEATHER_SCHEMA,
 }
-RAIN = "What is the weather in Paris?"
 
 
 class Color(str, Enum):
@@ -45,32 +41,12 @@ class Fruit(BaseModel):
     color: Color
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def france(client: openai.OpenAI) -> Any:
-    """The greedy chat answer every response about France is held against."""
-    messages: Any = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-
-
 def post(server: ServerProcess, body: Any) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        server.http_url + "/v1/responses", json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_to(server, "/v1/responses", body)
 
 
-def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(client: openai.OpenAI, france: Any) -> None:
-    reply = client.responses.create(
+def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(chat_client: openai.OpenAI, france: Any) -> None:
+    reply = chat_client.responses.create(
         model=MODEL, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12, temperature=0, store=False
     )
     assert reply.object == "response" and reply.id.startswith("resp_") and reply.store is False
@@ -84,11 +60,11 @@ def test_a_response_is_the_chat_answer_as_a_message_item_with_usage(client: open
 
 
 def test_a_streamed_response_sends_the_responses_events_in_order_with_the_same_text(
-    client: openai.OpenAI, france: Any
+    chat_client: openai.OpenAI, france: Any
 ) -> None:
     message: Any = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
     events = list(
-        client.responses.create(
+        chat_client.responses.create(
             model=MODEL, instructions=INSTRUCTIONS, input=message, max_output_tokens=12, temperature=0, stream=True
         )
     )
@@ -114,16 +90,16 @@ def test_a_streamed_response_sends_the_responses_events_in_order_with_the_same_t
     assert final.output_text == text and final.usage.output_tokens == france.usage.completion_tokens
 
 
-def test_max_output_tokens_reached_is_incomplete(client: openai.OpenAI) -> None:
-    reply = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0)
+def test_max_output_tokens_reached_is_incomplete(chat_client: openai.OpenAI) -> None:
+    reply = chat_client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0)
     assert reply.status == "incomplete" and reply.incomplete_details is not None
     assert reply.incomplete_details.reason == "max_output_tokens"
     assert reply.usage is not None and reply.usage.output_tokens == 3
     assert reply.output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
-def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(client: openai.OpenAI) -> None:
-    with client.responses.stream(
+def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(chat_client: openai.OpenAI) -> None:
+    with chat_client.responses.stream(
         model=MODEL,
         input=RAIN,
         tools=[WEATHER],
@@ -145,7 +121,9 @@ def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(
         call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"},
     ]
-    reply = client.responses.create(model=MODEL, input=follow_up, tools=[WEATHER], max_output_tokens=10, temperature=0)
+    reply = chat_client.responses.create(
+        model=MODEL, input=follow_up, tools=[WEATHER], max_output_tokens=10, temperature=0
+    )
     history: Any = [
         {"role": "user", "content": RAIN},
         {
@@ -158,20 +136,20 @@ def test_a_named_function_streams_a_function_call_item_and_its_output_goes_back(
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 24 C"},
     ]
     tools: Any = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
-    same = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=10, temperature=0)
+    same = chat_client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=10, temperature=0)
     assert reply.output_text == same.choices[0].message.content
 
 
-def test_text_format_json_schema_is_parsed_by_the_sdk(client: openai.OpenAI) -> None:
-    reply = client.responses.parse(
+def test_text_format_json_schema_is_parsed_by_the_sdk(chat_client: openai.OpenAI) -> None:
+    reply = chat_client.responses.parse(
         model=MODEL, input="Describe an apple.", text_format=Fruit, max_output_tokens=40, temperature=0
     )
     assert reply.status == "completed" and isinstance(reply.output_parsed, Fruit)
 
 
-def test_previous_response_id_is_refused_the_server_keeps_no_responses(client: openai.OpenAI) -> None:
+def test_previous_response_id_is_refused_the_server_keeps_no_responses(chat_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_123")
+        chat_client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_123")
     assert err.value.status_code == 400 and "keeps no responses" in err.value.message
     assert err.value.param == "previous_response_id"  # type: ignore[attr-defined]
 

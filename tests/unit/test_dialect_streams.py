@@ -13,9 +13,10 @@ import grpc
 import jsonschema
 
 from tokenmill_service.anthropic_protocol import MESSAGES, MessagesBuilder, _matched_stop
+from tokenmill_service.dialect import Dialect
 from tokenmill_service.generation import ServiceError
-from tokenmill_service.http_api import GenerationResponse
-from tokenmill_service.openai_protocol import Dialect, ResponseBuilder
+from tokenmill_service.generation_response import GenerationResponse
+from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.openapi import document
 from tokenmill_service.proto import pb
 from tokenmill_service.responses_protocol import RESPONSES, ResponsesBuilder

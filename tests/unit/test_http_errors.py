@@ -12,8 +12,10 @@ from typing import Any
 import grpc
 
 from tokenmill_service.generation import ServiceError
-from tokenmill_service.http_api import GenerationResponse
-from tokenmill_service.openai_protocol import ResponseBuilder, openai_error, parse_request
+from tokenmill_service.generation_response import GenerationResponse
+from tokenmill_service.openai_errors import openai_error
+from tokenmill_service.openai_protocol import parse_request
+from tokenmill_service.openai_response import ResponseBuilder
 from tokenmill_service.proto import pb
 
 

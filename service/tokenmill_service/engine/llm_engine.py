@@ -13,7 +13,6 @@ batch of one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 
 import structlog
@@ -25,15 +24,9 @@ from tokenmill_service.engine.causal_lm import CausalLM
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.grammar import ConstraintError, GrammarCompiler
-from tokenmill_service.engine.kv_cache_groups import KVCacheGroups, plan_kv_cache_groups
 from tokenmill_service.engine.kv_events import KVEventLog
-from tokenmill_service.engine.model_runner import (
-    ModelRunner,
-    StepLogits,
-    available_memory,
-    default_kv_cache_memory,
-    kv_bytes_per_block,
-)
+from tokenmill_service.engine.kv_pool import KVPoolTooLarge, KVPoolTooSmall, fit_context, kv_cache_groups, pool_blocks
+from tokenmill_service.engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_block
 from tokenmill_service.engine.mtp_drafter import MTPDrafter
 from tokenmill_service.engine.request import (
     EngineStats,
@@ -44,7 +37,7 @@ from tokenmill_service.engine.request import (
     TokenOutput,
     TopLogprob,
 )
-from tokenmill_service.engine.sampler import sample
+from tokenmill_service.engine.sampler import SamplerOutput, sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
 from tokenmill_service.engine.token_masks import MaskFiller, MaskJob, allowed_tokens
@@ -53,75 +46,8 @@ from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
-
-class KVPoolTooSmall(ValueError):
-    """The KV cache pool cannot hold one full context of the length asked for (--max-model-len): what was
-    asked cannot be served (the worker reports it as a refusal, not a failure)."""
-
-
-class KVPoolTooLarge(ValueError):
-    """--kv-cache-memory asks for more memory than the machine has available (the worker reports it as a
-    refusal): the pool's pages are mapped as its blocks are first used, so such a pool would run out under
-    load instead of at start."""
-
-
-def _context_within_pool(
-    asked: int, model_len: int, num_blocks: int, block_size: int, block_bytes: int, blocks_for: Callable[[int], int]
-) -> int:
-    """The context served: ``asked`` (--max-model-len) or the model's own, within what the pool holds,
-    since a sequence can never hold more blocks than the whole pool (``blocks_for(tokens)``: the most a
-    sequence of that many tokens holds; fewer than its context's where layers free blocks behind their
-    window). A length the caller asked for that the pool cannot hold is refused; the model's own is
-    capped, with the memory a full one would need."""
-    wanted = min(asked or model_len, model_len)
-    if blocks_for(wanted) <= num_blocks:
-        return wanted
-    needed = blocks_for(wanted) * block_bytes
-    lo, hi = 0, wanted  # the longest context the pool holds: blocks_for grows with the length
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if blocks_for(mid) <= num_blocks else (lo, mid - 1)
-    pool_tokens = lo
-    if asked:
-        raise KVPoolTooSmall(
-            f"--max-model-len {asked} needs a KV cache pool of {_mib(needed)} ({block_bytes // block_size} "
-            f"bytes per token for this model), but the pool holds {pool_tokens} tokens "
-            f"({_mib(num_blocks * block_bytes)}): raise --kv-cache-memory to at least {_mib(needed)} "
-            f"or lower --max-model-len"
-        )
-    log.warning(
-        "context_capped_to_kv_pool",
-        model_context=model_len,
-        context=pool_tokens,
-        kv_bytes_per_token=block_bytes // block_size,
-        full_context_needs=_mib(needed),
-        hint="--kv-cache-memory sets the pool",
-    )
-    return pool_tokens
-
-
-def kv_cache_groups(model: CausalLM, config: EngineConfig) -> KVCacheGroups:
-    """Which of ``model``'s layers share a block table (engine/kv_cache_groups.py): windowed layers' tables
-    free a sequence's blocks behind the widest window. One group that frees nothing with the MTP drafter,
-    whose layer reads the cache on its own terms, and where the cache holds more layers than attend."""
-    windows = model.attention_windows()
-    if config.speculative_method == "mtp" and any(w is not None for w in windows):
-        return plan_kv_cache_groups(windows, "the MTP drafter's layer reads the cache whole: every block kept")
-    groups = plan_kv_cache_groups(windows)
-    if groups.num_groups > 1 and model.kv_cache_shapes(1, 1)[0][0] != len(windows):
-        return plan_kv_cache_groups(windows, "the cache holds other layers than those that attend: every block kept")
-    return groups
-
-
-def _mib(n: int) -> str:
-    return f"{-(-n // 2**20)} MiB"
-
-
-def _size(n: int) -> str:
-    """Bytes as KiB, MiB (both rounded up) or GiB (one decimal), whichever reads best."""
-    if n < 2**20:
-        return f"{-(-n // 2**10)} KiB"
-    return _mib(n) if n < 2**30 else f"{n / 2**30:.1f} GiB"
+# The pool's refusals are the engine's too (the worker reports them as refusals, not failures).
+__all__ = ["KVPoolTooLarge", "KVPoolTooSmall", "LLMEngine", "kv_cache_groups"]
 
 
 class LLMEngine:
@@ -132,7 +58,6 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         block_size = self.config.block_size
-        num_blocks = self.config.num_kv_blocks
         # Which layers share a block table; a block id stands for one group's layers (all of them
         # but for models that mix windowed and global layers).
         self.kv_groups = kv_cache_groups(model, self.config)
@@ -140,15 +65,9 @@ class LLMEngine:
         block_bytes = kv_bytes_per_block(
             model, block_size, model.kv_dtype, self.kv_groups.group_size if grouped else None
         )
+        num_blocks = self.config.num_kv_blocks
         if num_blocks <= 0:
-            budget = self.config.kv_cache_memory or default_kv_cache_memory(model.device)
-            num_blocks = max(1, budget // block_bytes)
-            available = available_memory() if model.device.type == "cpu" else None
-            if self.config.kv_cache_memory and available is not None and num_blocks * block_bytes > available:
-                raise KVPoolTooLarge(
-                    f"--kv-cache-memory {_size(self.config.kv_cache_memory)} is more than the {_size(available)} "
-                    "of memory this machine has available: lower --kv-cache-memory"
-                )
+            num_blocks = pool_blocks(model, self.config, block_bytes)
         # What enters and leaves the prefix cache, when asked for (the worker publishes it after each step).
         self.kv_events = KVEventLog() if self.config.kv_events else None
         self.block_manager = BlockManager(
@@ -158,45 +77,9 @@ class LLMEngine:
             self.kv_events,
             group_windows=self.kv_groups.windows,
         )
-        window = self.block_manager.window
-        chunk = self.config.max_batch_tokens
-
-        def blocks_for(tokens: int) -> int:
-            return self.block_manager.blocks_per_sequence(tokens, chunk)
-
-        self.max_model_len = _context_within_pool(
-            self.config.max_model_len, model.max_positions, num_blocks, block_size, block_bytes, blocks_for
+        self.max_model_len, self.kv_per_sequence = fit_context(
+            model, self.config, self.block_manager, self.kv_groups, block_bytes
         )
-        # Every layer's blocks of a full context, as a model without windows stores them.
-        full_bytes = -(-self.max_model_len // block_size) * kv_bytes_per_block(model, block_size, model.kv_dtype)
-        held = blocks_for(self.max_model_len)
-        windowed = sum(w is not None for w in self.kv_groups.windows)
-        # What one sequence's KV cache costs at most, as "value (reason)" (GetModelInfo's load plan).
-        blocks = (
-            f"{held} blocks of {self.kv_groups.group_size} layer(s)"
-            if grouped
-            else f"{held * block_size} tokens' blocks"
-        )
-        self.kv_per_sequence = f"{_size(held * block_bytes)}, {blocks} at most (" + (
-            (
-                f"{windowed} of {self.kv_groups.num_groups} layer groups attend within a {window}-token window"
-                if grouped
-                else f"every layer attends within a {window}-token window"
-            )
-            + f": a full context without windows holds {_size(full_bytes)})"
-            if window is not None and held * block_bytes < full_bytes
-            else f"a full context of {self.max_model_len} tokens)"
-        )
-        if window is not None:
-            log.info(
-                "kv_cache_windowed",
-                window=window,
-                kv_groups=self.kv_groups.describe(),
-                context=self.max_model_len,
-                blocks_per_sequence_max=held,
-                kv_bytes_per_sequence_max=held * block_bytes,
-                kv_bytes_per_full_context_without_windows=full_bytes,
-            )
         # LoRA adapters, where the model has slots for them (--max-loras).
         slots = getattr(model, "lora", None)
         self.adapters = None if slots is None else AdapterManager(slots.max_loras, slots.max_rank, model.config)
@@ -437,56 +320,67 @@ class LLMEngine:
         )
         row = 0
         while row < len(seqs):
-            i, seq = logits.sample_seq_indices[row], seqs[row]
+            i = logits.sample_seq_indices[row]
             rows = logits.sample_seq_indices.count(i)
-            out = RequestOutput(request_id=seq.request_id, prompt_len=seq.num_prompt_tokens)
-            if seq.collecting_prompt_logprobs:
-                out.prompt_tokens = seq.prompt_tokens
-                seq.prompt_logprobs_sent = True
-            if seq.num_completion_tokens == 0 and seq.first_scheduled_time is not None:
-                out.queue_s = seq.first_scheduled_time - seq.arrival_time
-            wants_lp = seq.request.logprobs or seq.request.top_logprobs > 0
-            reason = None
-            for j in range(rows):
-                # Keep sampling while each draft equals what was sampled at its position.
-                token_id = result.token_ids[row + j]
-                seq.token_ids.append(token_id)
-                out.tokens.append(
-                    self._token(token_id, result.logprobs[row + j] if wants_lp else None, result.top_logprobs[row + j])
-                )
-                out.text += seq.detokenizer.add(token_id)
-                if seq.matcher is not None and not seq.matcher.consume_token(token_id):
-                    log.warning("grammar_refused_token", request_id=seq.request_id, token_id=token_id)
-                reason = self._finish_reason(seq, token_id)
-                if reason is not None or j == rows - 1 or token_id != seq.drafts[j]:
-                    break
-            if seq.drafts:
-                # Each kept draft is in the cache now (the token sampled after them is not).
-                seq.num_computed_tokens += len(out.tokens) - 1
-                seq.drafts = []
-                self.block_manager.register_computed_blocks(seq)
-                self.drafts_proposed += rows - 1
-                self.drafts_accepted += len(out.tokens) - 1
-                seq.drafts_proposed += rows - 1
-                seq.drafts_accepted += len(out.tokens) - 1
-            if reason is not None and seq.drafts_proposed:
-                log.info(
-                    "speculation_finished",
-                    request_id=seq.request_id,
-                    method=self.config.speculative_method,
-                    drafts_proposed=seq.drafts_proposed,
-                    drafts_accepted=seq.drafts_accepted,
-                    acceptance_rate=round(seq.drafts_accepted / seq.drafts_proposed, 3),
-                )
-            if reason is not None:
-                out.text += seq.detokenizer.flush()
-                out.finish_reason = reason
-                seq.finish_reason = reason
-                self.scheduler.finish(seq)
-                self.sequences.pop(seq.request_id, None)
-            out.completion_len = seq.num_completion_tokens
-            outputs[i] = out
+            outputs[i] = self._accept(seqs[row], result, row, rows)
             row += rows
+
+    def _accept(self, seq: Sequence, result: SamplerOutput, row: int, rows: int) -> RequestOutput:
+        """A sequence's sampled rows ``row`` to ``row + rows`` (its drafts' checks, then the next token) taken as
+        its new tokens, up to the first draft that differs from what was sampled or the end of the sequence."""
+        out = RequestOutput(request_id=seq.request_id, prompt_len=seq.num_prompt_tokens)
+        if seq.collecting_prompt_logprobs:
+            out.prompt_tokens = seq.prompt_tokens
+            seq.prompt_logprobs_sent = True
+        if seq.num_completion_tokens == 0 and seq.first_scheduled_time is not None:
+            out.queue_s = seq.first_scheduled_time - seq.arrival_time
+        wants_lp = seq.request.logprobs or seq.request.top_logprobs > 0
+        reason = None
+        for j in range(rows):
+            # Keep sampling while each draft equals what was sampled at its position.
+            token_id = result.token_ids[row + j]
+            seq.token_ids.append(token_id)
+            out.tokens.append(
+                self._token(token_id, result.logprobs[row + j] if wants_lp else None, result.top_logprobs[row + j])
+            )
+            out.text += seq.detokenizer.add(token_id)
+            if seq.matcher is not None and not seq.matcher.consume_token(token_id):
+                log.warning("grammar_refused_token", request_id=seq.request_id, token_id=token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None or j == rows - 1 or token_id != seq.drafts[j]:
+                break
+        if seq.drafts:
+            self._settle_drafts(seq, rows - 1, len(out.tokens) - 1)
+        if reason is not None:
+            self._finish(seq, reason, out)
+        out.completion_len = seq.num_completion_tokens
+        return out
+
+    def _settle_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Each kept draft is in the cache now (the token sampled after them is not)."""
+        seq.num_computed_tokens += accepted
+        seq.drafts = []
+        self.block_manager.register_computed_blocks(seq)
+        self.drafts_proposed += proposed
+        self.drafts_accepted += accepted
+        seq.drafts_proposed += proposed
+        seq.drafts_accepted += accepted
+
+    def _finish(self, seq: Sequence, reason: FinishReason, out: RequestOutput) -> None:
+        if seq.drafts_proposed:
+            log.info(
+                "speculation_finished",
+                request_id=seq.request_id,
+                method=self.config.speculative_method,
+                drafts_proposed=seq.drafts_proposed,
+                drafts_accepted=seq.drafts_accepted,
+                acceptance_rate=round(seq.drafts_accepted / seq.drafts_proposed, 3),
+            )
+        out.text += seq.detokenizer.flush()
+        out.finish_reason = reason
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self.sequences.pop(seq.request_id, None)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if token_id in seq.stop_token_ids:
