@@ -461,7 +461,7 @@ def test_the_completions_logprobs_count_is_named_logprobs(client: openai.OpenAI)
 
 
 def test_an_unknown_route_is_a_404_in_openai_error_json(server: ServerProcess) -> None:
-    status, body = get(server.http_url + "/v1/embeddings")
+    status, body = get(server.http_url + "/v1/audio/speech")
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
 
 
