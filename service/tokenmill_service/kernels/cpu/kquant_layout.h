@@ -1,0 +1,232 @@
+// The k-quants as kquant_gemm.cpp's tiles read them: the formats' facts, a source block unpacked, a group's
+// packed super-blocks (Packed) and the packing from the file's blocks (the layout: kquant_gemm.cpp's head).
+// Included by kquant_gemm.cpp alone; kept apart so that the products' file holds the products.
+#pragma once
+
+#include "tm_abi.h"       // the block formats (generated from abi.py)
+#include "vnni_common.h"  // the groups, the planes' layout
+
+namespace {
+
+using namespace simd;
+using vnni::Activations;
+using vnni::dword_at;
+using vnni::G;
+using vnni::half_bits;
+using vnni::put_planes;
+using vnni::QK;
+using vnni::total;
+
+constexpr int64_t QK_K = TM_BLOCK_WEIGHTS_Q4_K;  // weights per super-block
+constexpr int64_t SUBS = QK_K / QK;               // blocks of 32 per super-block
+static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && TM_BLOCK_WEIGHTS_IQ4_XS == QK_K &&
+                  TM_BLOCK_WEIGHTS_Q2_K == QK_K && TM_BLOCK_WEIGHTS_Q3_K == QK_K,
+              "k-quants: one super-block size");
+
+enum Format : int {
+  Q2_K = TM_FORMAT_Q2_K,
+  Q3_K = TM_FORMAT_Q3_K,
+  Q4_K = TM_FORMAT_Q4_K,
+  Q5_K = TM_FORMAT_Q5_K,
+  Q6_K = TM_FORMAT_Q6_K,
+  IQ4_XS = TM_FORMAT_IQ4_XS
+};
+
+// IQ4_NL's (and IQ4_XS's) 16 levels, ggml's kvalues_iq4nl.
+constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The same as the unsigned q the product takes (level + 128).
+alignas(16) constexpr uint8_t IQ4_Q[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+constexpr bool iq4_q_matches_levels() {
+  for (int i = 0; i < 16; ++i)
+    if (IQ4_Q[i] != IQ4_LEVELS[i] + 128) return false;
+  return true;
+}
+static_assert(iq4_q_matches_levels(), "IQ4_Q: IQ4_NL's levels + 128");
+
+// Formats with an int8 scale per 16 and no minimum (Q6_K's way), and the offset of their q.
+constexpr bool signed_scales(int fmt) { return fmt == Q6_K || fmt == IQ4_XS || fmt == Q3_K; }
+constexpr int q_offset(int fmt) { return fmt == IQ4_XS ? 128 : fmt == Q3_K ? 4 : 32; }
+// Formats whose nibble is an index into IQ4_NL's levels (q = level + 128) rather than q's low bits.
+constexpr bool level_indices(int fmt) { return fmt == IQ4_XS; }
+// Formats with a scale per 16 weights (folded at each half block of 32) rather than per 32.
+constexpr bool half_scales(int fmt) { return signed_scales(fmt) || fmt == Q2_K; }
+
+int64_t source_block_bytes(int fmt) {
+  switch (fmt) {
+    case Q4_K: return TM_BLOCK_BYTES_Q4_K;
+    case Q5_K: return TM_BLOCK_BYTES_Q5_K;
+    case Q6_K: return TM_BLOCK_BYTES_Q6_K;
+    case Q2_K: return TM_BLOCK_BYTES_Q2_K;
+    case Q3_K: return TM_BLOCK_BYTES_Q3_K;
+    case IQ4_XS: return TM_BLOCK_BYTES_IQ4_XS;
+    default: return 0;
+  }
+}
+
+// A weight's low bits (4: a nibble; Q3_K's 2), and the bits above them.
+constexpr int low_bits(int fmt) { return fmt == Q3_K || fmt == Q2_K ? 2 : 4; }
+constexpr int64_t high_bits(int fmt) { return fmt == Q6_K ? 2 : fmt == Q5_K || fmt == Q3_K ? 1 : 0; }
+// A block's bytes: the planes of its weights' low bits, then those of their higher bits (read in one stream).
+constexpr int64_t block_quant_bytes(int fmt) { return 64 * (low_bits(fmt) + high_bits(fmt)); }
+constexpr int64_t quant_bytes(int fmt) { return SUBS * block_quant_bytes(fmt); }  // a group's super-block
+constexpr int64_t mask_bytes(int) { return 0; }  // the planes sit with their block's nibbles
+// Where step t's low or higher bits sit among their planes: plane t / (8 / bits), bits from (t % (8 / bits)) * bits
+// (for the 4 low bits: plane t / 2, the low nibble for an even step).
+constexpr int plane_of(int bits, int t) { return t / (8 / bits); }
+constexpr int shift_of(int bits, int t) { return (t % (8 / bits)) * bits; }
+constexpr int64_t scale_bytes(int fmt) {
+  return signed_scales(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * (fmt == Q2_K ? 16 : SUBS) * G;
+}
+constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
+
+// One source super-block: its 256 weights as unsigned q (IQ4_XS: the level's 4-bit index), d, dmin (Q6_K, IQ4_XS,
+// Q3_K: 0) as float16 bits, and the sub-block scales and minimums (Q6_K, IQ4_XS, Q3_K: 16 int8 scales, no
+// minimums; Q2_K: 16 of each).
+void unpack_source(int fmt, const uint8_t* b, uint8_t q[QK_K], uint16_t& d, uint16_t& dmin, int sc[16], int m[16]) {
+  if (fmt == Q2_K) {  // scales[16] (low nibble sc, high m) | qs[64] | d | dmin
+    for (int j = 0; j < 16; ++j) {
+      sc[j] = b[j] & 0x0F;
+      m[j] = b[j] >> 4;
+    }
+    // Byte l of each 32-byte half holds weights l, l + 32, l + 64, l + 96 of that half's 128.
+    for (int h = 0; h < 2; ++h)
+      for (int f = 0; f < 4; ++f)
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * f + l] = (b[16 + 32 * h + l] >> (2 * f)) & 3;
+    d = half_bits(b + 80);
+    dmin = half_bits(b + 82);
+    return;
+  }
+  if (fmt == Q3_K) {  // hmask[32] | qs[64] | scales[12] | d
+    // The low bits as Q2_K's; weight i's high bit is bit i / 32 of hmask byte i % 32.
+    for (int h = 0; h < 2; ++h)
+      for (int f = 0; f < 4; ++f)
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * f + l] = (b[32 + 32 * h + l] >> (2 * f)) & 3;
+    for (int bit = 0; bit < 8; ++bit)
+      for (int l = 0; l < 32; ++l) q[32 * bit + l] |= ((b[l] >> bit) & 1) << 2;
+    // Scale s: its low 4 bits nibble s / 8 of byte s % 8, its high 2 bits field s / 4 of byte 8 + s % 4.
+    const uint8_t* s = b + 96;
+    for (int j = 0; j < 16; ++j)
+      sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 0x0F) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+    d = half_bits(b + 108);
+    dmin = 0;
+    return;
+  }
+  if (fmt == IQ4_XS) {  // d | scales_h u16 | scales_l[4] | qs[128]: sub-block s's byte j holds weights j, j + 16
+    const int scales_h = b[2] | b[3] << 8;
+    for (int s = 0; s < 8; ++s) {
+      const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((scales_h >> (2 * s)) & 3) << 4);
+      sc[2 * s] = sc[2 * s + 1] = ls - 32;
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = b[8 + 16 * s + j];
+        q[32 * s + j] = byte & 0x0F;
+        q[32 * s + 16 + j] = byte >> 4;
+      }
+    }
+    d = half_bits(b);
+    dmin = 0;
+    return;
+  }
+  if (fmt == Q6_K) {  // ql[128] qh[64] scales[16] d
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 64; ++l) {
+        q[h * 128 + l] = ql[h * 64 + l] & 0x0F;
+        q[h * 128 + 64 + l] = ql[h * 64 + l] >> 4;
+      }
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) q[h * 128 + s * 32 + l] |= ((qh[h * 32 + l] >> (2 * s)) & 3) << 4;
+    for (int j = 0; j < 16; ++j) sc[j] = (int8_t)b[192 + j];
+    d = half_bits(b + 208);
+    dmin = 0;
+    return;
+  }
+  // Q4_K: d dmin scales[12] qs[128];  Q5_K: d dmin scales[12] qh[32] qs[128]
+  d = half_bits(b);
+  dmin = half_bits(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+  const uint8_t* qs = b + (fmt == Q5_K ? 48 : 16);
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * c + l] = qs[32 * c + l] & 0x0F;
+      q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+  if (fmt == Q5_K)
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) q[32 * j + l] |= ((b[16 + l] >> j) & 1) << 4;
+}
+
+// Where the parts of group g's super-block sb start.
+struct Packed {
+  const uint8_t* quants;  // [8 blocks]: [4 parts][64] nibbles, then [bits][64] planes
+  const uint8_t* masks;   // [8 blocks][bits][64] planes of the bits above the nibbles (Q5_K: 1, Q6_K: 2)
+  const uint8_t* scales;
+  Packed(int fmt, const uint8_t* w, int64_t gstride, int64_t g, int64_t sb) {
+    quants = w + g * gstride + sb * group_super_bytes(fmt);
+    masks = quants + quant_bytes(fmt);
+    scales = masks + mask_bytes(fmt);
+  }
+};
+
+// The format a template argument and each row's bytes of a plane written as one word (put_planes): weight by
+// weight, with the format a variable (a few integer divisions a weight), an 8B file's layers took 33 s to pack,
+// most of its load time; now about 4.
+template <int fmt>
+int pack_format(const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
+  const int64_t supers = k / QK_K, sbytes = source_block_bytes(fmt), gstride = supers * group_super_bytes(fmt);
+  constexpr int low = low_bits(fmt), bits = (int)high_bits(fmt);
+  // Each group of G rows is its own stretch of the output: the groups are packed in parallel.
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < (n + G - 1) / G; ++g) {
+  memset(out + g * gstride, 0, gstride);
+  uint8_t q[QK_K];
+  int sc[16], m[16];
+  for (int64_t r = g * G; r < std::min(n, (g + 1) * G); ++r) {
+    const int64_t row = r % G;
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      uint16_t d, dmin;
+      unpack_source(fmt, src + (r * supers + sb) * sbytes, q, d, dmin, sc, m);
+      const Packed p(fmt, out, gstride, g, sb);
+      uint8_t* quants = const_cast<uint8_t*>(p.quants);
+      uint8_t* scales = const_cast<uint8_t*>(p.scales);
+      for (int blk = 0; blk < SUBS; ++blk) {
+        uint8_t* bq = quants + blk * block_quant_bytes(fmt) + row * 4;
+        put_planes<low, 0>(q + 32 * blk, bq);
+        if constexpr (bits > 0) put_planes<bits, low>(q + 32 * blk, bq + 64 * low);
+      }
+      memcpy(scales + row * 2, &d, 2);
+      if (signed_scales(fmt)) {
+        for (int j = 0; j < 16; ++j) scales[G * 2 + j * G + row] = (uint8_t)(int8_t)sc[j];
+      } else {
+        memcpy(scales + G * 2 + row * 2, &dmin, 2);
+        const int subs = fmt == Q2_K ? 16 : 8;
+        for (int j = 0; j < subs; ++j) {
+          scales[4 * G + j * G + row] = (uint8_t)sc[j];
+          scales[4 * G + subs * G + j * G + row] = (uint8_t)m[j];
+        }
+      }
+    }
+  }
+  }
+  return 0;
+}
+
+int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
+  switch (fmt) {
+    case Q2_K: return pack_format<Q2_K>(src, n, k, out);
+    case Q3_K: return pack_format<Q3_K>(src, n, k, out);
+    case Q4_K: return pack_format<Q4_K>(src, n, k, out);
+    case Q5_K: return pack_format<Q5_K>(src, n, k, out);
+    case Q6_K: return pack_format<Q6_K>(src, n, k, out);
+    case IQ4_XS: return pack_format<IQ4_XS>(src, n, k, out);
+    default: return -1;
+  }
+}
+
+}  // namespace
