@@ -34,7 +34,7 @@ from tokenmill_service.kernels import ops_class
 from tokenmill_service.models.loader import load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import DeviceFacts
-from tokenmill_service.plan.resolve import compile_missing
+from tokenmill_service.plan.executor import compile_missing
 
 
 @torch.inference_mode()
@@ -88,6 +88,56 @@ def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
     assert len(skipped) == 1 and "C++ compiler" in skipped[0]["reason"]
     assert model.plan.executor.value == "native-stack"
     assert "C++ compiler" in model.plan.skipped["compile"]
+
+
+FAILING_COMPILER = """#!/bin/sh
+# Answers like a compiler, fails like a broken one.
+if [ "$1" = "--version" ]; then echo "g++ (broken) 13.2.0"; exit 0; fi
+echo "broken compiler: cannot compile $*" >&2
+exit 1
+"""
+
+
+@torch.inference_mode()
+def test_a_compile_that_fails_at_warm_up_replans_without_it_and_says_why(
+    default_model_path: Path, default_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A C++ compiler that answers but cannot build (inductor finds it, the plan compiles, the warm-up's first
+    graph fails): the plan is made again without compiling, says why in its summary (GetModelInfo's plan),
+    and the engine serves from it."""
+    import torch._inductor.config as inductor_config
+
+    from tokenmill_service.engine import executor as executors
+    from tokenmill_service.engine.llm_engine import EngineConfig, LLMEngine
+    from tokenmill_service.engine.warm_up import warm_up, warmed_engine
+    from tokenmill_service.models.loader import load_planned, replan
+
+    compiler = tmp_path / "g++"
+    compiler.write_text(FAILING_COMPILER)
+    compiler.chmod(0o755)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(compiler)))
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # no graph from an earlier build
+    monkeypatch.setattr(executors, "_COMPILED", {})
+    torch._dynamo.reset()
+    model, inputs = load_planned(LoadOptions(model=str(default_model_path), compile="auto"))
+    assert model.plan.executor.value == "compiled"
+    built: list[LLMEngine] = []
+
+    def make_engine(num_blocks: int | None) -> LLMEngine:
+        built.append(LLMEngine(model, default_tokenizer, EngineConfig(num_kv_blocks=num_blocks or 64)))
+        return built[-1]
+
+    with capture_logs() as logs:
+        engine = warmed_engine(make_engine, lambda failed: replan(model, inputs, failed))
+    torch._dynamo.reset()
+    assert [e.runner.executor.kind for e in built] == ["compiled", "native-stack"]
+    assert engine is built[-1] and engine.block_manager.num_blocks == 64
+    summary = model.plan.summary()
+    assert summary["executor"].startswith("native-stack ("), summary
+    assert summary["skipped.compile"].startswith("torch.compile failed while building the graphs ("), summary
+    changed = [e for e in logs if e["event"] == "plan_changed"]
+    assert len(changed) == 1 and changed[0]["executor"] == "native-stack" and "compiled" in changed[0]["failed"]
+    warm_up(engine)  # it serves
 
 
 def test_compile_settings() -> None:

@@ -57,7 +57,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     # clamped SwiGLU) are one native call a layer.
     assert model.plan.executor.value == "native-stack", model.plan.executor
     assert model.plan.experts is not None and model.plan.experts.value == "native", model.plan.experts
-    assert all(layer.mlp.native() is not None for layer in model.model.layers)
+    assert all(layer.mlp.one_call and layer.mlp.native() is not None for layer in model.model.layers)
 
 
 def test_greedy_tokens_are_the_transformers_ones(checkpoint: tuple[Path, Any]) -> None:

@@ -222,7 +222,7 @@ def test_q8_0_experts_in_the_default_configuration_are_within_bounds_and_batch_i
     # The default serves these experts in one native call a layer, as its plan says.
     assert served.plan.summary()["experts"].startswith("native ("), served.plan.summary()
     moes = [m for m in served.modules() if isinstance(m, FusedMoE)]
-    assert moes and all(m.native() is not None for m in moes)
+    assert moes and all(m.one_call and m.native() is not None for m in moes)
 
 
 def test_expert_parallel_degrees_that_do_not_divide_the_experts_are_refused(checkpoint: tuple[str, Path, Any]) -> None:

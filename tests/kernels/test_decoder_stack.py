@@ -109,19 +109,28 @@ def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
 
 
 def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_model: Any) -> None:
-    layer = default_model.model.layers[1]
-    plain = type(layer)
+    """The plan gives a family whose layers do more to a sub-layer's output than the stack's residual
+    multiplier no native stack, and says why."""
+    from tokenmill_service.kernels import ops_class
+    from tokenmill_service.plan import LoadOptions
+    from tokenmill_service.plan.device import probe_device
+    from tokenmill_service.plan.executor import native_stack_missing
 
-    class Doubled(plain):  # type: ignore[valid-type,misc]
+    family = type(default_model)
+
+    class Doubled(family.layer_type):  # type: ignore[name-defined,misc]
         def branch(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * x
 
-    layer.__class__ = Doubled
-    try:
-        with pytest.raises(ValueError, match="residual_multiplier only"):
-            build_decoder_stack(default_model)
-    finally:
-        layer.__class__ = plain
+    class DoubledFamily(family):  # type: ignore[valid-type,misc]
+        layer_type = Doubled
+
+    facts, native = probe_device("cpu"), ops_class("native")
+    args = (LoadOptions(), facts, native, torch.float32, default_model.plan.layers)
+    if native_stack_missing(*args, family, default_model.config) is not None:
+        pytest.skip("no native stack here")
+    why = native_stack_missing(*args, DoubledFamily, default_model.config)
+    assert why is not None and "residual multiplier" in why
 
 
 @torch.inference_mode()

@@ -2,7 +2,7 @@
 to ``kernels/cpu/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
 as one native call a step with the bits of the model's own loop (tests/kernels/test_decoder_stack.py).
 
-The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
+The load plan decides whether a model runs this way (``plan/executor.py``);
 this only describes a model the plan chose it for. A model with LoRA adapter slots (``--max-loras``)
 hands each linear layer's slots to the stack, and every step the tokens of each slot in use. A family's
 q/k norms are its attention's ``qk_norm`` (none, over the whole projection, per head); a
@@ -30,12 +30,10 @@ import torch
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.kernels.cpu import decoder_stack
 from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.layers.fused_moe.native import why_not_native
 
 
-def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
-    if lin.quant.native_kernel is None:
-        raise ValueError(f"the {name} projection has no native kernel to call")
+def _linear(lin: Any) -> decoder_stack.LinearSpec:
+    assert lin.quant.native_kernel is not None  # the plan chose the stack: every projection has one
     lora = None
     if getattr(lin, "lora", None) is not None:
         lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
@@ -47,22 +45,11 @@ def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
 def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
     """A mixture-of-experts layer as the stack runs it: its routing (softmax top-k, the top-k logits, or
     DeepSeek-V3's grouped sigmoid with its score-correction bias), every expert native."""
-    if mlp.placement.count != mlp.num_experts:
-        raise ValueError("the native stack runs every expert of a layer; this rank holds some of them")
-    if getattr(mlp.gate, "lora", None) is not None:
-        raise ValueError("the native stack's router product has no LoRA adapter slots")
-    experts = mlp.native()
-    if experts is None:
-        raise ValueError(f"the layer's experts have no native call: {why_not_native(mlp)}")
+    experts = mlp.native()  # the plan runs the stack only where they run in one call
     score_bias = None if mlp.grouped is None else mlp.score_bias
     return decoder_stack.MoESpec(
-        _linear("router", mlp.gate), experts, mlp.renormalize, type(mlp).top_logits, mlp.grouped, score_bias
+        _linear(mlp.gate), experts, mlp.renormalize, type(mlp).top_logits, mlp.grouped, score_bias
     )
-
-
-def _no_lora(*linears: Any) -> None:
-    if any(getattr(lin, "lora", None) is not None for lin in linears):
-        raise ValueError("the native stack's latent attention and shared experts have no LoRA adapter slots")
 
 
 def _latent_layer(ly: Any) -> decoder_stack.LayerSpec:
@@ -71,22 +58,18 @@ def _latent_layer(ly: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
     low_rank = hasattr(attn, "q_a_proj")
     q = attn.q_b_proj if low_rank else attn.q_proj
-    _no_lora(q, attn.kv_a_proj_with_mqa, attn.o_proj, *([attn.q_a_proj] if low_rank else []))
     latent = decoder_stack.LatentSpec(
-        _linear("kv_a", attn.kv_a_proj_with_mqa), attn.kv_a_layernorm.weight, attn.w_kv_b,
-        _linear("q_a", attn.q_a_proj) if low_rank else None, attn.q_a_layernorm.weight if low_rank else None,
+        _linear(attn.kv_a_proj_with_mqa), attn.kv_a_layernorm.weight, attn.w_kv_b,
+        _linear(attn.q_a_proj) if low_rank else None, attn.q_a_layernorm.weight if low_rank else None,
     )  # fmt: skip
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
-    qkv, o = _linear("q", q), _linear("o", attn.o_proj)
+    qkv, o = _linear(q), _linear(attn.o_proj)
     mlp, moe = ly.mlp, None
     if isinstance(ly.mlp, FusedMoE):
         moe, mlp = _moe(ly.mlp), getattr(ly.mlp, "shared_experts", None)
     gate_up = down = None
     if mlp is not None:
-        if getattr(type(mlp), "activation", "silu") != "silu":
-            raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
-        _no_lora(mlp.gate_up_proj, mlp.down_proj)
-        gate_up, down = _linear("gate_up", mlp.gate_up_proj), _linear("down", mlp.down_proj)
+        gate_up, down = _linear(mlp.gate_up_proj), _linear(mlp.down_proj)
     return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, moe, latent=latent)
 
 
@@ -96,12 +79,6 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
     layers = model.model.layers
     attn = layers[0].self_attn
     rotary, dims = attn.rotary, attn.dims
-    if any(ly.self_attn.rotary is not rotary for ly in layers):
-        raise ValueError("the native stack rotates every latent layer alike; this model's layers differ")
-    eps = {ly.self_attn.kv_a_layernorm.eps for ly in layers}
-    eps |= {ly.self_attn.q_a_layernorm.eps for ly in layers if hasattr(ly.self_attn, "q_a_layernorm")}
-    if len(eps) != 1:
-        raise ValueError(f"the native stack norms every latent with one epsilon; this model's are {sorted(eps)}")
     specs = [_latent_layer(ly) for ly in layers]
     widths = [ly.gate_up.out_features // 2 for ly in specs if ly.gate_up is not None]
     return decoder_stack.DecoderStack(
@@ -110,7 +87,8 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
             intermediate=max(widths, default=0), eps=model.model.norm.eps, scale=attn.scale, cos=rotary.cos,
             sin=rotary.sin, final_norm=model.model.norm.weight, layers=specs, kv_dtype=model.kv_dtype,
             latent=decoder_stack.LatentDims(
-                dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, eps.pop(), bool(rotary.interleave)
+                dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, attn.kv_a_layernorm.eps,
+                bool(rotary.interleave),
             ),
         )
     )  # fmt: skip
@@ -119,7 +97,7 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
 def _layer(ly: Any, qk_norm: str, rotary: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm != "none" else (None, None)
-    qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
+    qkv, o = _linear(attn.qkv_proj), _linear(attn.o_proj)
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
     # What the layer's attend() hands the attention op: its window, its soft cap (Gemma 2's) and its sinks
     # (gpt-oss's) where it has them; its rotary tables where they are not the stack's.
@@ -139,46 +117,28 @@ def _layer(ly: Any, qk_norm: str, rotary: Any) -> decoder_stack.LayerSpec:
         )
     if isinstance(ly.mlp, FusedMoE):
         return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm, **attention)
-    gate_up, down = _linear("gate_up", ly.mlp.gate_up_proj), _linear("down", ly.mlp.down_proj)
+    gate_up, down = _linear(ly.mlp.gate_up_proj), _linear(ly.mlp.down_proj)
     return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, None, q_norm, k_norm, **attention)
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
-    """The stack for ``model`` (a Llama-family module whose every linear layer has a native kernel)."""
-    if not getattr(type(model), "native_stack", False):
-        # The stack would run Llama's layers and silently skip what the family adds (Granite's multipliers).
-        gap = getattr(type(model), "native_stack_gap", "")
-        raise ValueError(f"{type(model).__name__} has no native stack" + (f": {gap}" if gap else ""))
+    """The stack for ``model``, which its load plan runs this way (plan/executor.py has checked that the
+    family's layers do nothing the stack does not, and that every projection has a native kernel). A
+    family builds every layer from one config: one attention scale, residual multiplier and epsilon."""
     attn, rotary = model.model.layers[0].self_attn, model.model.layers[0].self_attn.rotary
-    # A family overriding the Llama layer's ``branch`` does more than the multiplier (named, not imported: the
-    # engine does not import the models).
-    if any(type(ly).branch.__qualname__ != "LlamaDecoderLayer.branch" for ly in model.model.layers):
-        raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
     if getattr(type(model), "latent_cache", False):  # DeepSeek's multi-head latent attention
-        if any(float(ly.residual_multiplier) != 1.0 for ly in model.model.layers):
-            raise ValueError("the native stack's latent layers scale no sub-layer's output")
-        if any(getattr(type(ly.mlp), "activation", "silu") != "silu" for ly in model.model.layers):
-            raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
         return _latent_stack(model)
-    if any(ly.self_attn.scale != attn.scale for ly in model.model.layers):
-        raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
-    multipliers = {float(ly.residual_multiplier) for ly in model.model.layers}
-    if len(multipliers) != 1:
-        raise ValueError(f"the native stack has one residual multiplier; this model's has {sorted(multipliers)}")
-    if multipliers != {1.0} and any(getattr(type(ly), "sandwich_norms", False) for ly in model.model.layers):
-        raise ValueError("a sandwich-normed layer's regions scale no branch; the stack would scale them")
-    activations = {getattr(type(ly.mlp), "activation", "silu") for ly in model.model.layers}
-    if len(activations) != 1:
-        raise ValueError(f"the native stack runs one MLP activation; this model's layers have {sorted(activations)}")
     qk_norm = type(attn).qk_norm  # what the family's before_rotary does, which the stack does instead
+    first = model.model.layers[0]
     layers = [_layer(ly, qk_norm, rotary) for ly in model.model.layers]
     return decoder_stack.DecoderStack(
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
             scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight, layers=layers,
-            kv_dtype=model.kv_dtype, qk_norm=qk_norm, activation=activations.pop(),
-            rotary_dim=getattr(rotary, "rotary_dim", attn.head_dim), residual_multiplier=multipliers.pop(),
+            kv_dtype=model.kv_dtype, qk_norm=qk_norm, activation=getattr(type(first.mlp), "activation", "silu"),
+            rotary_dim=getattr(rotary, "rotary_dim", attn.head_dim),
+            residual_multiplier=float(first.residual_multiplier),
         )
     )  # fmt: skip
 

@@ -20,8 +20,8 @@ from tokenmill_service.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
-    from tokenmill_service.layers.fused_moe.layer import FusedMoE
-    from tokenmill_service.layers.fused_moe.router import GroupedTopK
+    from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
+    from tokenmill_service.kernels.moe_routing import GroupedTopK
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -122,15 +122,15 @@ class Ops(ABC):
 
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture-of-experts router's choice: logits [T, experts] -> (weights float32, expert ids int64)
-        [T, top_k] by rank, softmax top-k renormalized where asked (layers/fused_moe/router.py)."""
-        from tokenmill_service.layers.fused_moe.router import select_experts
+        [T, top_k] by rank, softmax top-k renormalized where asked (kernels/moe_routing.py)."""
+        from tokenmill_service.kernels.moe_routing import select_experts
 
         return select_experts(logits, top_k, renormalize)
 
     def select_top_logits(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """gpt-oss's router choice: logits [T, experts] -> (weights float32, expert ids int64) [T, top_k] by
-        rank, the top_k logits softmaxed over the chosen (layers/fused_moe/router.py)."""
-        from tokenmill_service.layers.fused_moe.router import select_top_logits
+        rank, the top_k logits softmaxed over the chosen (kernels/moe_routing.py)."""
+        from tokenmill_service.kernels.moe_routing import select_top_logits
 
         return select_top_logits(logits, top_k)
 
@@ -139,16 +139,19 @@ class Ops(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's router choice: logits [T, experts] and the score-correction bias [experts] ->
         (weights float32, expert ids int64) [T, top_k] by rank, group-limited sigmoid routing
-        (layers/fused_moe/router.py's ``select_experts_grouped``)."""
-        from tokenmill_service.layers.fused_moe.router import select_experts_grouped
+        (kernels/moe_routing.py's ``select_experts_grouped``)."""
+        from tokenmill_service.kernels.moe_routing import select_experts_grouped
 
         return select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
 
-    def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """A mixture-of-experts layer's held experts on x [T, hidden] for the router's weights and expert
-        ids [T, top_k] (by rank): float32 [T, hidden], each token's weighted sum in its ranks' order.
-        The reference runs the experts one by one, each through its linear layers' kernels."""
-        return layer.experts_loop(x, weights, ids)
+    def moe_experts(
+        self, experts: NativeExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A mixture-of-experts layer's held experts (their packed weights, formats and biases) on x
+        [T, hidden] float32 for the router's weights and expert ids [T, top_k] (by rank) in one call:
+        float32 [T, hidden], each token's weighted sum in its ranks' order. Only a backend the load plan
+        runs the experts in one call with has it (``LoadPlan.experts``); elsewhere the layer loops."""
+        raise NotImplementedError(f"the {self.name} ops have no experts call")
 
     @abstractmethod
     def store_kv(

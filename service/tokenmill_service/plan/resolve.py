@@ -3,12 +3,13 @@
 Every choice about how a model runs is made here, once, each with its reason: the activations'
 dtype, each linear layer's method and kernel (asking the registered methods where they run), the
 ops backend (asking the registered backends), the KV cache's dtype and layout (the backend's), and
-the executor (the model's loop, the native decoder stack, or compiled regions). A refusal raises
+the executor and a mixture of experts' path (plan/executor.py). A refusal raises
 ``PlanRefused`` saying why and what would run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
 from tokenmill_service.plan.device import DeviceFacts
+from tokenmill_service.plan.executor import executor as choose_executor
+from tokenmill_service.plan.executor import experts_path
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused
 
@@ -50,7 +53,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 SPECULATIVE_METHODS = ("ngram", "mtp")
 
 
-def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
+def resolve_plan(
+    options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts, failed: Mapping[str, str] | None = None
+) -> LoadPlan:
+    """``failed``: choices that failed while they ran (``"compiled"``: torch.compile raised), with what they
+    raised; the plan is made without them and says so."""
+    failed = failed or {}
     config, types = checkpoint.config, checkpoint.tensor_types
     family = model_class(config.architecture)
     unserved = getattr(family, "unserved_reason", None)
@@ -80,8 +88,8 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     ops_cls = ops_class(ops.value)
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
     layout = _kv_cache_layout(family, ops_cls, config)
-    executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
-    experts = _experts(facts, ops_cls, act_dtype, layers, config)
+    experts = experts_path(options, facts, ops_cls, act_dtype, layers, family, config)
+    executor = choose_executor(options, facts, ops_cls, act_dtype, layers, family, config, experts, skipped, failed)
     # A GGUF's blocks under auto are quantized weights even where no native kernel serves and every layer
     # is dense: the embedding table stays as stored then too, only the looked-up rows dequantized.
     quantized = any(c.method != "none" for c in layers.values()) or (
@@ -417,115 +425,3 @@ def _kv_cache_dtype(name: str, act: torch.dtype, ops: type[Ops], facts: DeviceFa
         why = native.unavailable_reason(facts, act, head_dim) or f"the {ops.name} ops run their own attention"
         raise PlanRefused(f"--kv-cache-dtype float16 needs tokenmill's native attention kernel: {why}")
     raise PlanRefused(f"--kv-cache-dtype {name} needs {name} activations; they are {dtype_name(act)}")
-
-
-def _executor(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: dict[str, LayerChoice],
-    config: ModelConfig,
-    skipped: dict[str, str],
-) -> Decision:
-    if options.compile == "auto" and options.max_loras > 0:
-        # The adapters' grouped products change shape with the step's adapters: not inside the regions.
-        skipped["compile"] = "LoRA adapters (--max-loras) are not run inside compiled regions"
-    elif options.compile == "auto":
-        family = model_class(config.architecture)
-        why = getattr(family, "compile_gap", "") or compile_missing(options, facts, ops)
-        if why is None:
-            return Decision("compiled", "asked (--compile auto)")
-        skipped["compile"] = why
-    why = native_stack_missing(options, facts, ops, act, layers, config)
-    if why is None:
-        return Decision("native-stack", "every part of the decoder has a native kernel: one native call a step")
-    return Decision("eager", f"the model's layers one by one: no native stack, as {why}")
-
-
-def _experts(
-    facts: DeviceFacts, ops: type[Ops], act: torch.dtype, layers: dict[str, LayerChoice], config: ModelConfig
-) -> Decision | None:
-    """How a mixture-of-experts model's experts run (None: it has none): one native call a layer
-    (``NativeCpuOps.moe_experts``) or one by one; layers/fused_moe/native.py checks the same."""
-    if not config.extra_int("num_experts"):
-        return None
-    gap = getattr(model_class(config.architecture), "native_experts_gap", "")
-    why: str | None
-    if ops.name != "native":
-        why = f"the {ops.name} ops run them through the linear layers"
-    elif act != torch.float32:
-        why = "the native call takes float32 activations"
-    elif gap:
-        why = gap
-    else:
-        why = next(
-            (
-                f"an expert's {choice.method} weights have no native kernel"
-                for prefix, choice in layers.items()
-                if ".experts." in prefix and choice.kernel not in quant_method_class(choice.method).native_entry_points
-            ),
-            None,
-        ) or facts.native("moe_mlp", "elementwise")
-    if why is None:
-        return Decision("native", "one native call a layer: the experts' products, activation and combine")
-    return Decision("one-by-one", why)
-
-
-def compile_missing(options: LoadOptions, facts: DeviceFacts, ops: type[Ops]) -> str | None:
-    """Why ``--compile auto`` leaves this worker eager, or None when it compiles."""
-    if not ops.compilable:
-        return f"the {ops.name} backend runs its own kernels"
-    if options.tensor_parallel > 1:
-        return "tensor-parallel ranks run eager (collectives inside compiled regions are not supported yet)"
-    if facts.kind != "cpu":
-        return f"compiling for {facts.kind} (CUDA graphs) is not implemented yet"
-    return facts.compiler_missing
-
-
-def native_stack_missing(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: dict[str, LayerChoice],
-    config: ModelConfig,
-) -> str | None:
-    """Why the decoder layers cannot run as one native call, or None when they can."""
-    if ops.name != "native":
-        return "attention is not tokenmill's native kernel"
-    if options.tensor_parallel > 1:
-        return "tensor-parallel ranks all-reduce between the layers"
-    if act != torch.float32:
-        return "it runs float32 activations"
-    family = model_class(config.architecture)
-    if not getattr(family, "native_stack", False):
-        gap = getattr(family, "native_stack_gap", "")
-        return f"the {config.architecture} family has no native stack" + (f": {gap}" if gap else "")
-    # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack;
-    # a projection the family absorbs at load (DeepSeek's kv_b_proj) is never applied by its kernel.
-    absorbed: frozenset[str] = getattr(family, "absorbed_projections", frozenset())
-    for prefix, choice in layers.items():
-        leaf = prefix.rpartition(".")[2]
-        if prefix == "lm_head" or leaf in absorbed:
-            continue
-        if choice.kernel not in quant_method_class(choice.method).native_entry_points:
-            return f"the {leaf.removesuffix('_proj')} projection is {choice.method}, which has no native kernel to call"
-    # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel; latent attention's take no adapters.
-    lora = ("lora",) if options.max_loras > 0 else ()
-    latent: tuple[str, ...] = ()
-    if getattr(family, "latent_cache", False):
-        if options.max_loras > 0:
-            return "LoRA adapters on latent attention run through the linear layers (--max-loras)"
-        if (gap := family.latent_stack_gap(config)) is not None:
-            return str(gap)
-        latent = ("latent_attention",)
-    # A mixture of experts: the router's product, softmax top-k and the experts in moe_mlp.cpp's calls.
-    experts: tuple[str, ...] = ()
-    if config.extra_int("num_experts"):
-        if options.max_loras > 0:
-            return "LoRA adapters on experts run through the linear layers (--max-loras)"
-        if gap := getattr(family, "native_experts_gap", ""):
-            return gap
-        experts = ("moe_mlp",)
-    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts, *latent)
