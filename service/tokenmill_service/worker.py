@@ -213,7 +213,7 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
 def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0
     from tokenmill_service.engine.warm_up import warmed_engine
-    from tokenmill_service.models.loader import load_planned, replan
+    from tokenmill_service.loader import load_planned, replan
     from tokenmill_service.models.paths import resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
@@ -285,7 +285,7 @@ def _follower_main(spec: WorkerSpec, log: Any) -> None:
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, follow
     from tokenmill_service.engine.llm_engine import kv_cache_groups
     from tokenmill_service.engine.model_runner import ModelRunner
-    from tokenmill_service.models.loader import load
+    from tokenmill_service.loader import load
 
     try:
         tp, device = _init_distributed(spec, log)

@@ -31,7 +31,7 @@ from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.kernels import ops_class
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.executor import compile_missing
@@ -75,21 +75,6 @@ def test_no_step_shape_compiles_another_graph_after_the_first_steps(compiled_mod
     assert compiled_graphs() == built
 
 
-def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
-    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import torch._inductor.config as inductor_config
-
-    # What CXX=/nonexistent/g++ in the worker's environment comes to (inductor reads it at import).
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
-    with capture_logs() as logs:
-        model = load_model(default_model_path, compile="auto")
-    skipped = [e for e in logs if e["event"] == "compile_skipped"]
-    assert len(skipped) == 1 and "C++ compiler" in skipped[0]["reason"]
-    assert model.plan.executor.value == "native-stack"
-    assert "C++ compiler" in model.plan.skipped["compile"]
-
-
 FAILING_COMPILER = """#!/bin/sh
 # Answers like a compiler, fails like a broken one.
 if [ "$1" = "--version" ]; then echo "g++ (broken) 13.2.0"; exit 0; fi
@@ -110,25 +95,25 @@ def test_a_compile_that_fails_at_warm_up_replans_without_it_and_says_why(
     from tokenmill_service.engine import executor as executors
     from tokenmill_service.engine.llm_engine import EngineConfig, LLMEngine
     from tokenmill_service.engine.warm_up import warm_up, warmed_engine
-    from tokenmill_service.models.loader import load_planned, replan
+    from tokenmill_service.loader import load_planned, replan
 
     compiler = tmp_path / "g++"
     compiler.write_text(FAILING_COMPILER)
     compiler.chmod(0o755)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(compiler)))
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # no graph from an earlier build
     monkeypatch.setattr(executors, "_COMPILED", {})
-    torch._dynamo.reset()
-    model, inputs = load_planned(LoadOptions(model=str(default_model_path), compile="auto"))
-    assert model.plan.executor.value == "compiled"
     built: list[LLMEngine] = []
 
     def make_engine(num_blocks: int | None) -> LLMEngine:
         built.append(LLMEngine(model, default_tokenizer, EngineConfig(num_kv_blocks=num_blocks or 64)))
         return built[-1]
 
-    with capture_logs() as logs:
-        engine = warmed_engine(make_engine, lambda failed: replan(model, inputs, failed))
+    # No graph from an earlier build: every one goes to the compiler.
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.cxx": (None, str(compiler)), "force_disable_caches": True}):
+        model, inputs = load_planned(LoadOptions(model=str(default_model_path), compile="auto"))
+        assert model.plan.executor.value == "compiled"
+        with capture_logs() as logs:
+            engine = warmed_engine(make_engine, lambda failed: replan(model, inputs, failed))
     torch._dynamo.reset()
     assert [e.runner.executor.kind for e in built] == ["compiled", "native-stack"]
     assert engine is built[-1] and engine.block_manager.num_blocks == 64
@@ -138,6 +123,21 @@ def test_a_compile_that_fails_at_warm_up_replans_without_it_and_says_why(
     changed = [e for e in logs if e["event"] == "plan_changed"]
     assert len(changed) == 1 and changed[0]["executor"] == "native-stack" and "compiled" in changed[0]["failed"]
     warm_up(engine)  # it serves
+
+
+def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._inductor.config as inductor_config
+
+    # What CXX=/nonexistent/g++ in the worker's environment comes to (inductor reads it at import).
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    with capture_logs() as logs:
+        model = load_model(default_model_path, compile="auto")
+    skipped = [e for e in logs if e["event"] == "compile_skipped"]
+    assert len(skipped) == 1 and "C++ compiler" in skipped[0]["reason"]
+    assert model.plan.executor.value == "native-stack"
+    assert "C++ compiler" in model.plan.skipped["compile"]
 
 
 def test_compile_settings() -> None:

@@ -27,8 +27,8 @@ from tests.triton_setup import DEVICE  # before anything imports triton: its int
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.quant.mxfp4 import dequantize_openai
+from tokenmill_service.loader import load, load_model
 from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions
 
 transformers = pytest.importorskip("transformers")

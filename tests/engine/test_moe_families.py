@@ -27,8 +27,8 @@ from tests.triton_setup import DEVICE  # before anything imports triton: its int
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.linear import LinearBase
+from tokenmill_service.loader import load, load_model
 from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import probe_device
 from tokenmill_service.plan.plan import Decision

@@ -27,9 +27,9 @@ from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_eq
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.loader import load_model
 from tokenmill_service.models.config import layer_window
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.phi3 import LONG, SHORT, Phi3ForCausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -245,7 +245,7 @@ def test_the_served_context_chooses_longrope_factors_in_the_plan(checkpoint: tup
     assert rope.startswith(f"{LONG} (LongRoPE: the served context (the model's own: 256) exceeds the original 32")
     assert served_whole.max_positions == 256
     config = read_hf_config(directory)
-    assert Phi3ForCausalLM.rope_choice(config, ORIGINAL + 1).value == LONG  # type: ignore[union-attr]
+    assert Phi3ForCausalLM.rope_choice(config, ORIGINAL + 1)[0] == LONG  # type: ignore[index]
     short = load_model(directory, max_model_len=ORIGINAL)
     assert short.plan.summary()["rope"].startswith(f"{SHORT} (LongRoPE: the served context (--max-model-len 32: 32)")
     assert short.max_positions == ORIGINAL

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from tokenmill_service.kernels import decoder_stack
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.cpu import decoder_stack
 from tokenmill_service.layers.fused_moe import FusedMoE
 
 

@@ -10,6 +10,7 @@ The load plan (plan/resolve.py) asks these; nothing else decides which backend r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -17,12 +18,27 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.plan import choices
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
     from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
     from tokenmill_service.kernels.moe_routing import GroupedTopK
     from tokenmill_service.plan.device import DeviceFacts
+
+
+# LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta).
+LoRADelta = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        list[tuple[int, torch.Tensor]],
+        list[tuple[int, int]] | None,
+    ],
+    list[tuple[torch.Tensor, torch.Tensor]],
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +90,12 @@ class Ops(ABC):
     def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:
         """None where this backend can run a model of ``head_dim`` at ``act_dtype`` on the device of
         ``facts``; otherwise why not (the plan reports it)."""
+        return None
+
+    @classmethod
+    def lora_delta(cls) -> LoRADelta | None:
+        """LoRA's grouped product, where the backend has its own (layers/lora/sgmv.py's ``lora_delta``'s
+        signature); None: the layers' own."""
         return None
 
     @abstractmethod
@@ -219,7 +241,7 @@ class Ops(ABC):
         raise NotImplementedError(f"the {self.name} ops have no latent attention")
 
 
-_BACKENDS: Registry[type[Ops]] = Registry("backend")
+_BACKENDS: Registry[type[Ops]] = Registry("backend", choices.BACKEND)
 
 # Class decorator: make an Ops implementation selectable as ``--backend name``.
 register_ops = _BACKENDS.register

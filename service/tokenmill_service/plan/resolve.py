@@ -24,6 +24,7 @@ from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import model_class
+from tokenmill_service.plan import choices
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.executor import executor as choose_executor
 from tokenmill_service.plan.executor import experts_path
@@ -31,11 +32,8 @@ from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
-ACTIVATIONS = ("auto", "int8")
 # The kernels that take 8-bit activations (--activations int8), by the kernel they replace.
 INT8_KERNELS = {"vnni_gemm": "vnni_gemm_int8", "kquant_gemm": "kquant_gemm_int8"}
-COMPILE_SETTINGS = ("auto", "off")
 # The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first
 # (each serves its own formats: a layer gets the first available one that serves how it is stored).
 NATIVE_METHODS = ("gguf-vnni", "gguf-kquant", "gguf")
@@ -50,9 +48,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-SPECULATIVE_METHODS = ("ngram", "mtp")
-
-
 def resolve_plan(
     options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts, failed: Mapping[str, str] | None = None
 ) -> LoadPlan:
@@ -64,14 +59,7 @@ def resolve_plan(
     unserved = getattr(family, "unserved_reason", None)
     if unserved is not None and (why := unserved(config)) is not None:
         raise PlanRefused(why)
-    if options.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise PlanRefused(
-            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache_dtype!r}"
-        )
-    if options.activations not in ACTIVATIONS:
-        raise PlanRefused(f"--activations must be one of {', '.join(ACTIVATIONS)}, not {options.activations!r}")
-    if options.compile not in COMPILE_SETTINGS:
-        raise PlanRefused(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, not {options.compile!r}")
+    _check_choices(options)
     if options.quantization != "auto":
         quant_method_class(options.quantization)  # an unknown name fails here, before anything else
     ops_cls = ops_class("native" if options.backend == "torch" else options.backend)
@@ -95,7 +83,6 @@ def resolve_plan(
     quantized = any(c.method != "none" for c in layers.values()) or (
         options.quantization == "auto" and any(t in BLOCK_WEIGHTS for t in types.values())
     )
-    rope_choice = getattr(family, "rope_choice", None)
     return LoadPlan(
         options=options,
         device=facts.device,
@@ -115,10 +102,29 @@ def resolve_plan(
         ),
         skipped=skipped,
         lora_dtype=_lora_dtype(options, facts),
-        rope=None if rope_choice is None else rope_choice(config, options.max_model_len),
+        rope=_rope(family, config, options.max_model_len),
         cpu_isa=Decision(facts.cpu_isa, facts.cpu_isa_reason) if facts.cpu_isa else None,
         activations=activations,
     )
+
+
+def _rope(family: Any, config: ModelConfig, max_model_len: int) -> Decision | None:
+    """The family's rotary scaling for the served context, where it depends on it (LongRoPE's factors)."""
+    rope_choice = getattr(family, "rope_choice", None)
+    chosen = None if rope_choice is None else rope_choice(config, max_model_len)
+    return None if chosen is None else Decision(*chosen)
+
+
+def _check_choices(options: LoadOptions) -> None:
+    """Each enumerated option one of its values (plan/choices.py); --quantization and --backend name a
+    registered implementation (or auto), checked where they are looked up."""
+    try:
+        choices.KV_CACHE_DTYPE.check(options.kv_cache_dtype)
+        choices.ACTIVATIONS.check(options.activations)
+        choices.COMPILE.check(options.compile)
+        choices.SPECULATIVE_METHOD.check(options.speculative_method)
+    except ValueError as e:
+        raise PlanRefused(str(e)) from None
 
 
 def _activations_precision(
@@ -398,10 +404,6 @@ def _ops(
 def _mtp_prefixes(options: LoadOptions, family: Any, config: ModelConfig) -> list[str]:
     """The linear layers of the multi-token-prediction layers ``--speculative-method mtp`` serves as
     its draft model ([] for another method); refused where the checkpoint has none or they cannot run."""
-    if options.speculative_method not in SPECULATIVE_METHODS:
-        raise PlanRefused(
-            f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, not {options.speculative_method!r}"
-        )
     if options.speculative_method != "mtp":
         return []
     prefixes = getattr(family, "mtp_linear_prefixes", None)

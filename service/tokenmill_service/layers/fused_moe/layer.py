@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
-from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
+from tokenmill_service.kernels import NativeExperts
 from tokenmill_service.kernels.interface import Ops
 from tokenmill_service.kernels.moe_routing import GroupedTopK
 from tokenmill_service.layers.fused_moe.native import native_experts

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from tokenmill_service.kernels.cpu import moe_mlp
+from tokenmill_service.kernels import moe_mlp
 
 if TYPE_CHECKING:
     from tokenmill_service.layers.fused_moe.layer import ExpertMLP, FusedMoE
