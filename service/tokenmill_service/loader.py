@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import gguf
 import structlog
 import torch
 
@@ -44,12 +45,17 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
 
 
 def load_planned(
-    options: LoadOptions, device: str | None = None, tp: TensorParallel | None = None
+    options: LoadOptions,
+    device: str | None = None,
+    tp: TensorParallel | None = None,
+    path: Path | None = None,
+    reader: gguf.GGUFReader | None = None,
 ) -> tuple[LlamaForCausalLM, PlanInputs]:
-    """``load``, and what its plan was made from (for ``replan``)."""
+    """``load``, and what its plan was made from (for ``replan``). ``path``: ``options.model`` already
+    resolved, and ``reader``: its GGUF file already open, so that a process finds and opens it once."""
     start = time.perf_counter()
-    path = resolve_model_path(options.model or None)
-    checkpoint = open_checkpoint(path)
+    path = path if path is not None else resolve_model_path(options.model or None)
+    checkpoint = open_checkpoint(path, reader)
     try:
         facts = probe_device(device or options.device, compiler=options.compile == "auto", cpu_isa=options.cpu_isa)
     except ValueError as e:  # --cpu-isa names an instruction set this CPU lacks

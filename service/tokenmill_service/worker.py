@@ -214,17 +214,20 @@ def _start_engine(spec: WorkerSpec, log: Any) -> Any:
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0
     from tokenmill_service.engine.warm_up import warmed_engine
     from tokenmill_service.loader import load_planned, replan
+    from tokenmill_service.models.gguf_reader import open_model_file
     from tokenmill_service.models.paths import resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
     # The tokenizer (a second or more for a 128k vocabulary, mostly Python) loads beside the weights,
     # whose packing runs in native code without the GIL.
+    # The model found and its file opened once, for the tokenizer and the weights.
+    path = resolve_model_path(spec.options.model or None)
+    reader = open_model_file(path)
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        path = resolve_model_path(spec.options.model or None)
         # In a copy of this context, so that its log line carries the worker's id and rank.
-        tokenizer_loaded = pool.submit(contextvars.copy_context().run, load_tokenizer, path)
-        model, inputs = load_planned(spec.options, device, tp)
+        tokenizer_loaded = pool.submit(contextvars.copy_context().run, load_tokenizer, path, reader)
+        model, inputs = load_planned(spec.options, device, tp, path, reader)
         tokenizer = tokenizer_loaded.result()
 
     def make_engine(num_blocks: int | None) -> Any:
