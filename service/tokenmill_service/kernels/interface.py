@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from tokenmill_service.kernels import moe_routing
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.moe_routing import GroupedTopK
 from tokenmill_service.plan import choices
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
     from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
-    from tokenmill_service.kernels.moe_routing import GroupedTopK
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -145,16 +146,12 @@ class Ops(ABC):
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture-of-experts router's choice: logits [T, experts] -> (weights float32, expert ids int64)
         [T, top_k] by rank, softmax top-k renormalized where asked (kernels/moe_routing.py)."""
-        from tokenmill_service.kernels.moe_routing import select_experts
-
-        return select_experts(logits, top_k, renormalize)
+        return moe_routing.select_experts(logits, top_k, renormalize)
 
     def select_top_logits(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """gpt-oss's router choice: logits [T, experts] -> (weights float32, expert ids int64) [T, top_k] by
         rank, the top_k logits softmaxed over the chosen (kernels/moe_routing.py)."""
-        from tokenmill_service.kernels.moe_routing import select_top_logits
-
-        return select_top_logits(logits, top_k)
+        return moe_routing.select_top_logits(logits, top_k)
 
     def select_experts_grouped(
         self, logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
@@ -162,9 +159,7 @@ class Ops(ABC):
         """DeepSeek-V3's router choice: logits [T, experts] and the score-correction bias [experts] ->
         (weights float32, expert ids int64) [T, top_k] by rank, group-limited sigmoid routing
         (kernels/moe_routing.py's ``select_experts_grouped``)."""
-        from tokenmill_service.kernels.moe_routing import select_experts_grouped
-
-        return select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
+        return moe_routing.select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
 
     def moe_experts(
         self, experts: NativeExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
