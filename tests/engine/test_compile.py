@@ -188,6 +188,33 @@ def test_a_graph_cached_under_a_wider_vector_isa_is_not_reused_under_avx2(tmp_pa
 # -- through the RPC -------------------------------------------------------------------------
 
 
+def test_a_server_whose_compiler_cannot_build_serves_the_replanned_plan_and_reports_why(tmp_path: Path) -> None:
+    """CXX names a g++ that reports the real one's version (the native kernels' builds stay cached) and
+    builds nothing: the worker's warm-up fails to compile, the plan is made again without compiling, and
+    GetModelInfo's load plan (and the log) say what failed; the server serves."""
+    real = subprocess.run(["sh", "-c", "command -v g++"], capture_output=True, text=True, check=False).stdout.strip()
+    if not real:
+        pytest.skip("no g++ here")
+    compiler = tmp_path / "bin" / "g++"
+    compiler.parent.mkdir()
+    compiler.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then exec {real} --version; fi\nexit 1\n')
+    compiler.chmod(0o755)
+    env = {"CXX": str(compiler), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    server = ServerProcess("--compile", "auto", "--drain-seconds", "1", env=env).start(timeout=300)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            plan = dict(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).load_plan)
+            reply = list(stub.Generate(pb.GenerateRequest(prompt="Hi", stopping=pb.StoppingParams(max_new_tokens=2))))
+        logs = server.logs()
+    finally:
+        server.stop()
+    assert plan["skipped.compile"].startswith("torch.compile failed while building the graphs ("), plan
+    assert not plan["executor"].startswith("compiled"), plan
+    assert '"event": "plan_changed"' in logs and '"event": "compile_failed"' in logs
+    assert reply
+
+
 @pytest.fixture(scope="module")
 def compiled_server() -> Iterator[ServerProcess]:
     proc = ServerProcess("--compile", "auto", "--drain-seconds", "5", metrics=True).start(timeout=300)
