@@ -17,6 +17,7 @@ import torch
 
 from tokenmill_service.kernels import Ops
 from tokenmill_service.layers.quant import quant_method_class
+from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK
 from tokenmill_service.models.config import ModelConfig
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.options import LoadOptions
@@ -85,10 +86,27 @@ def experts_path(
                 if ".experts." in prefix and choice.kernel not in quant_method_class(choice.method).native_entry_points
             ),
             None,
-        ) or facts.native("moe_mlp", "elementwise")
+        ) or (_dense_expert_gap(options, layers, config) or facts.native("moe_mlp", "elementwise"))
     if why is None:
         return Decision("native", "one native call a layer: the experts' products, activation and combine")
     return Decision("one-by-one", why)
+
+
+def _dense_expert_gap(options: LoadOptions, layers: Mapping[str, LayerChoice], config: ModelConfig) -> str | None:
+    """Dense experts multiply in the native float32 product only where a rank's slice of their inputs is whole
+    blocks of 32 (layers/quant/dense.py takes the sliced torch product otherwise): why not, or None."""
+    ranks = 1 if options.expert_parallel else options.tensor_parallel
+    for prefix, choice in layers.items():
+        if ".experts." not in prefix or choice.method != "none":
+            continue
+        down = prefix.endswith("down_proj")
+        columns = config.extra_int("expert_width") // ranks if down else config.hidden_size
+        if columns % QUANT_BLOCK:
+            return (
+                f"an expert's {'down' if down else 'gate/up'} projection takes {columns} inputs on a rank, not whole "
+                f"blocks of {QUANT_BLOCK} for the native float32 product"
+            )
+    return None
 
 
 def compile_missing(options: LoadOptions, facts: DeviceFacts, ops: type[Ops]) -> str | None:
