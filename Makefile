@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install run native-kernels-check test test-quick test-avx2 test-arm lint proto tools clean
+.PHONY: install run native-kernels-check test test-quick test-avx2 test-arm lint proto docs docs-serve tools clean
 
 install: $(STAMP) $(LINKED)
 
@@ -86,14 +86,25 @@ test-avx2: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict client/tokenmill_client client/examples service/tokenmill_service bench/tokenmill_bench
+	$(BIN)/mypy --strict client/tokenmill_client client/examples service/tokenmill_service bench/tokenmill_bench \
+		scripts/api_reference.py scripts/mkdocs_hooks.py
 
 proto: install
 	$(BIN)/python scripts/gen_proto.py
+
+# The documentation site, built into site/ from docs/ and the README (mkdocs.yml), the API reference generated
+# from the .proto and the OpenAPI document as it builds; any broken link, anchor or page fails it (--strict).
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build, says nothing here.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The site served on http://127.0.0.1:8001, rebuilt as you edit.
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # Command-line tools the tests drive (helm, grpcurl), installed under .tools/.
 tools:
 	bash scripts/install_tools.sh
 
 clean:
-	rm -rf $(VENV) $(TOOLS) build dist *.egg-info
+	rm -rf $(VENV) $(TOOLS) build dist site *.egg-info

@@ -187,32 +187,40 @@ def format_comparison(result: dict[str, Any]) -> str:
         if n
     ]
     lines.extend(f"warning: {text}" for text in failed)
+    lines += _long_prompt_lines(comparison["long_prompts"], peer)
+    lines += _first_request_lines(comparison["first_request"], peer)
+    return "\n".join(lines)
 
-    long = comparison["long_prompts"]
-    if long["rows"]:
-        long_rows = [
-            [
-                f"{row['prompt_tokens']} tokens",
-                _fmt(row["tokenmill_ttft_ms"]),
-                _fmt(row["peer_ttft_ms"]),
-                _ratio_cell(row["ratio"]),
-            ]
-            for row in long["rows"]
+
+def _long_prompt_lines(long: dict[str, Any], peer: str) -> list[str]:
+    """The long prompts' time to first token on each side, and how it grows with the length."""
+    if not long["rows"]:
+        return []
+    long_rows = [
+        [
+            f"{row['prompt_tokens']} tokens",
+            _fmt(row["tokenmill_ttft_ms"]),
+            _fmt(row["peer_ttft_ms"]),
+            _ratio_cell(row["ratio"]),
         ]
-        if growth := long["growth"]:
-            long_rows.append(
-                [
-                    f"{growth['to_tokens']} / {growth['from_tokens']} (linear: {growth['length_ratio']:.1f}x)",
-                    _ratio_cell(growth["tokenmill"]),
-                    _ratio_cell(growth["peer"]),
-                    "",
-                ]
-            )
-        long_header = ["long prompt, max_new_tokens 1", "tokenmill TTFT ms", f"{peer} TTFT ms", "tokenmill/" + peer]
-        lines += ["", _table(long_header, long_rows)]
-        lines.extend(f"warning: long prompt: {e}" for row in long["rows"] for e in row["errors"])
+        for row in long["rows"]
+    ]
+    if growth := long["growth"]:
+        long_rows.append(
+            [
+                f"{growth['to_tokens']} / {growth['from_tokens']} (linear: {growth['length_ratio']:.1f}x)",
+                _ratio_cell(growth["tokenmill"]),
+                _ratio_cell(growth["peer"]),
+                "",
+            ]
+        )
+    long_header = ["long prompt, max_new_tokens 1", "tokenmill TTFT ms", f"{peer} TTFT ms", "tokenmill/" + peer]
+    lines = ["", _table(long_header, long_rows)]
+    return lines + [f"warning: long prompt: {e}" for row in long["rows"] for e in row["errors"]]
 
-    first = comparison["first_request"]
+
+def _first_request_lines(first: dict[str, Any], peer: str) -> list[str]:
+    """The cold first request beside the steady state, on each side."""
     first_rows = []
     for label, key, digits in (
         ("first request TTFT ms", "first_ttft_ms", 1),
@@ -221,8 +229,7 @@ def format_comparison(result: dict[str, Any]) -> str:
         ("steady total p50 ms (1 stream)", "steady_total_ms_p50", 0),
     ):
         first_rows.append([label, _fmt(first["tokenmill"][key], digits), _fmt(first["peer"][key], digits)])
-    lines += ["", _table(["cold vs warm", "tokenmill", peer], first_rows)]
-    return "\n".join(lines)
+    return ["", _table(["cold vs warm", "tokenmill", peer], first_rows)]
 
 
 def _fmt_bytes(value: int | None) -> str:

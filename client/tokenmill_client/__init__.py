@@ -13,28 +13,21 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
+from ._chat import ChatMessage, FunctionChoice, MessageLike, Tool, ToolCall, ToolChoice, ToolLike
 from ._connect import Connections
+from ._options import GenerateOptions, GenerateOverrides
 from ._types import (
-    ChatMessage,
     EngineState,
     FinishReason,
-    FunctionChoice,
     GenerateEvent,
-    GenerateOptions,
-    GenerateOverrides,
     GenerateResult,
     HealthStatus,
     Limits,
-    MessageLike,
     ModelInfo,
     RankState,
     Timing,
     Token,
     Tokenization,
-    Tool,
-    ToolCall,
-    ToolChoice,
-    ToolLike,
     TopLogprob,
     Usage,
     WorkerState,

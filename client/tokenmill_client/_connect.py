@@ -109,12 +109,9 @@ class ChannelWatch:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             return self._state(ready=False, every_address=every_address)
-        while every_address and self._ids:
-            state = address_states(self._ids)
-            if state.all_ready or time.monotonic() >= end:
-                return state
+        while (state := self._settled(every_address, lambda: time.monotonic() >= end)) is None:
             time.sleep(_POLL_SECONDS)
-        return self._state(ready=True, every_address=every_address)
+        return state
 
     async def wait_async(self, channel: grpc.aio.Channel, timeout: float, *, every_address: bool) -> Connections:
         """``wait()`` for a grpc.aio channel."""
@@ -124,12 +121,17 @@ class ChannelWatch:
             await asyncio.wait_for(channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
             return self._state(ready=False, every_address=every_address)
-        while every_address and self._ids:
-            state = address_states(self._ids)
-            if state.all_ready or loop.time() >= end:
-                return state
+        while (state := self._settled(every_address, lambda: loop.time() >= end)) is None:
             await asyncio.sleep(_POLL_SECONDS)
-        return self._state(ready=True, every_address=every_address)
+        return state
+
+    def _settled(self, every_address: bool, out_of_time: Callable[[], bool]) -> Connections | None:
+        """Once the channel is READY: the connections when waiting is over (no address to wait for, every
+        one connected, or no time left), else None (poll again)."""
+        if not (every_address and self._ids):
+            return self._state(ready=True, every_address=every_address)
+        state = address_states(self._ids)
+        return state if state.all_ready or out_of_time() else None
 
     def _state(self, *, ready: bool, every_address: bool) -> Connections:
         if every_address and self._ids:

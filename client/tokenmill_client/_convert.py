@@ -5,28 +5,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from ._chat import ChatMessage, FunctionChoice, MessageLike, ToolCall, to_chat_messages, to_tool
+from ._options import GenerateOptions
 from ._proto import generate_pb2 as pb
 from ._types import (
-    ChatMessage,
     EngineState,
     FinishReason,
-    FunctionChoice,
     GenerateEvent,
-    GenerateOptions,
     GenerateResult,
     Limits,
-    MessageLike,
     ModelInfo,
     RankState,
     Timing,
     Token,
     Tokenization,
-    ToolCall,
     TopLogprob,
     Usage,
     WorkerState,
-    to_chat_messages,
-    to_tool,
 )
 
 _FINISH_REASONS: dict[int, FinishReason] = {

@@ -1,4 +1,4 @@
-"""Connection settings, typed gRPC stubs (sync and grpc.aio), retry timing and the hand-coded health check."""
+"""Connection settings, the RPCs (typed, for sync and grpc.aio channels), retry timing and the hand-coded health check."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -33,6 +33,9 @@ _MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # prompt logprobs of a long prompt can pa
 # address that answers) or round_robin (a connection to every address the target resolves to, calls
 # spread over them in turn; with a dns:/// target, a headless Service's pods).
 LOAD_BALANCING_POLICIES = ("pick_first", "round_robin")
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 ChannelOptions = Sequence[tuple[str, Any]]
 # Called before each retry's wait with the retry number (0-based) and the seconds it will wait.
@@ -148,6 +151,53 @@ def retry_delay(code: grpc.StatusCode | None, settings: Settings, deadline: Dead
     return delay
 
 
+@dataclass(frozen=True, slots=True)
+class Method(Generic[_Req, _Resp]):
+    """One RPC: its path and how its messages are written and read (the generated _grpc stub is untyped)."""
+
+    path: str
+    serialize: Callable[[_Req], bytes]
+    deserialize: Callable[[bytes], _Resp]
+
+    def unary(self, channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable[_Req, _Resp]:
+        return channel.unary_unary(self.path, request_serializer=self.serialize, response_deserializer=self.deserialize)
+
+    def aio_unary(self, channel: grpc.aio.Channel) -> grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp]:
+        return channel.unary_unary(self.path, request_serializer=self.serialize, response_deserializer=self.deserialize)
+
+    def stream(self, channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable[_Req, _Resp]:
+        return channel.unary_stream(
+            self.path, request_serializer=self.serialize, response_deserializer=self.deserialize
+        )
+
+    def aio_stream(self, channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable[_Req, _Resp]:
+        return channel.unary_stream(
+            self.path, request_serializer=self.serialize, response_deserializer=self.deserialize
+        )
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+GENERATE: Method[pb.GenerateRequest, pb.GenerateResponse] = Method(
+    GENERATE_METHOD, pb.GenerateRequest.SerializeToString, pb.GenerateResponse.FromString
+)
+TOKENIZE: Method[pb.TokenizeRequest, pb.TokenizeResponse] = Method(
+    TOKENIZE_METHOD, pb.TokenizeRequest.SerializeToString, pb.TokenizeResponse.FromString
+)
+MODEL_INFO: Method[pb.GetModelInfoRequest, pb.ModelInfo] = Method(
+    MODEL_INFO_METHOD, pb.GetModelInfoRequest.SerializeToString, pb.ModelInfo.FromString
+)
+LOAD_ADAPTER: Method[pb.LoadLoRAAdapterRequest, pb.LoadLoRAAdapterResponse] = Method(
+    LOAD_ADAPTER_METHOD, pb.LoadLoRAAdapterRequest.SerializeToString, pb.LoadLoRAAdapterResponse.FromString
+)
+UNLOAD_ADAPTER: Method[pb.UnloadLoRAAdapterRequest, pb.UnloadLoRAAdapterResponse] = Method(
+    UNLOAD_ADAPTER_METHOD, pb.UnloadLoRAAdapterRequest.SerializeToString, pb.UnloadLoRAAdapterResponse.FromString
+)
+HEALTH_CHECK: Method[bytes, bytes] = Method(HEALTH_CHECK_METHOD, _identity, _identity)
+
+
 class Deadline:
     """One call's overall deadline, shared by its retries."""
 
@@ -163,10 +213,6 @@ class Deadline:
         """Whether waiting ``seconds`` still leaves time for another attempt."""
         remaining = self.remaining()
         return remaining is None or remaining > seconds
-
-
-def _identity(data: bytes) -> bytes:
-    return data
 
 
 def encode_health_request(service: str) -> bytes:
@@ -226,81 +272,3 @@ def _decode_varint(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result, pos
         shift += 7
-
-
-class SyncStubs:
-    """Typed callables for the blocking client (the generated _grpc stub is untyped)."""
-
-    def __init__(self, channel: grpc.Channel) -> None:
-        self.generate: grpc.UnaryStreamMultiCallable[pb.GenerateRequest, pb.GenerateResponse] = channel.unary_stream(
-            GENERATE_METHOD,
-            request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.GenerateResponse.FromString,
-        )
-        self.tokenize: grpc.UnaryUnaryMultiCallable[pb.TokenizeRequest, pb.TokenizeResponse] = channel.unary_unary(
-            TOKENIZE_METHOD,
-            request_serializer=pb.TokenizeRequest.SerializeToString,
-            response_deserializer=pb.TokenizeResponse.FromString,
-        )
-        self.model_info: grpc.UnaryUnaryMultiCallable[pb.GetModelInfoRequest, pb.ModelInfo] = channel.unary_unary(
-            MODEL_INFO_METHOD,
-            request_serializer=pb.GetModelInfoRequest.SerializeToString,
-            response_deserializer=pb.ModelInfo.FromString,
-        )
-        self.load_adapter: grpc.UnaryUnaryMultiCallable[pb.LoadLoRAAdapterRequest, pb.LoadLoRAAdapterResponse] = (
-            channel.unary_unary(
-                LOAD_ADAPTER_METHOD,
-                request_serializer=pb.LoadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pb.LoadLoRAAdapterResponse.FromString,
-            )
-        )
-        self.unload_adapter: grpc.UnaryUnaryMultiCallable[pb.UnloadLoRAAdapterRequest, pb.UnloadLoRAAdapterResponse] = (
-            channel.unary_unary(
-                UNLOAD_ADAPTER_METHOD,
-                request_serializer=pb.UnloadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pb.UnloadLoRAAdapterResponse.FromString,
-            )
-        )
-        self.health: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
-            HEALTH_CHECK_METHOD, request_serializer=_identity, response_deserializer=_identity
-        )
-
-
-class AsyncStubs:
-    """Typed callables for the grpc.aio client."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.generate: grpc.aio.UnaryStreamMultiCallable[pb.GenerateRequest, pb.GenerateResponse] = (
-            channel.unary_stream(
-                GENERATE_METHOD,
-                request_serializer=pb.GenerateRequest.SerializeToString,
-                response_deserializer=pb.GenerateResponse.FromString,
-            )
-        )
-        self.tokenize: grpc.aio.UnaryUnaryMultiCallable[pb.TokenizeRequest, pb.TokenizeResponse] = channel.unary_unary(
-            TOKENIZE_METHOD,
-            request_serializer=pb.TokenizeRequest.SerializeToString,
-            response_deserializer=pb.TokenizeResponse.FromString,
-        )
-        self.model_info: grpc.aio.UnaryUnaryMultiCallable[pb.GetModelInfoRequest, pb.ModelInfo] = channel.unary_unary(
-            MODEL_INFO_METHOD,
-            request_serializer=pb.GetModelInfoRequest.SerializeToString,
-            response_deserializer=pb.ModelInfo.FromString,
-        )
-        self.load_adapter: grpc.aio.UnaryUnaryMultiCallable[pb.LoadLoRAAdapterRequest, pb.LoadLoRAAdapterResponse] = (
-            channel.unary_unary(
-                LOAD_ADAPTER_METHOD,
-                request_serializer=pb.LoadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pb.LoadLoRAAdapterResponse.FromString,
-            )
-        )
-        self.unload_adapter: grpc.aio.UnaryUnaryMultiCallable[
-            pb.UnloadLoRAAdapterRequest, pb.UnloadLoRAAdapterResponse
-        ] = channel.unary_unary(
-            UNLOAD_ADAPTER_METHOD,
-            request_serializer=pb.UnloadLoRAAdapterRequest.SerializeToString,
-            response_deserializer=pb.UnloadLoRAAdapterResponse.FromString,
-        )
-        self.health: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
-            HEALTH_CHECK_METHOD, request_serializer=_identity, response_deserializer=_identity
-        )

@@ -4,47 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import grpc.aio
 
-from ._connect import ChannelWatch, Connections
-from ._convert import (
-    ChoicesBuilder,
-    ResultBuilder,
-    build_generate_request,
-    build_tokenize_request,
-    event_from_proto,
-    model_info_from_proto,
-    tokenization_from_proto,
-)
+from . import _core
+from ._chat import MessageLike
+from ._connect import Connections
+from ._convert import event_from_proto
+from ._core import ClientCore, UnaryCall, cancel
+from ._options import GenerateOptions, GenerateOverrides, resolve_options
 from ._proto import generate_pb2 as pb
-from ._transport import (
-    AsyncStubs,
-    ChannelOptions,
-    Deadline,
-    RetryHook,
-    Settings,
-    decode_health_response,
-    encode_health_request,
-    make_settings,
-    retry_delay,
-)
-from ._types import (
-    GenerateEvent,
-    GenerateOptions,
-    GenerateOverrides,
-    GenerateResult,
-    HealthStatus,
-    MessageLike,
-    ModelInfo,
-    Tokenization,
-    resolve_options,
-)
-from .errors import TokenmillError, error_from_rpc
+from ._transport import GENERATE, ChannelOptions, RetryHook, make_settings
+from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
 
 if TYPE_CHECKING:
     # Annotations only (never evaluated at run time): typing.Self and typing.Unpack need Python 3.11.
@@ -52,6 +27,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 _Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 
 class AsyncClient:
@@ -87,7 +63,7 @@ class AsyncClient:
         on_retry: RetryHook | None = None,
         load_balancing: str | None = None,
     ) -> None:
-        self._settings: Settings = make_settings(
+        settings = make_settings(
             target,
             tls=tls,
             root_certificates=root_certificates,
@@ -98,21 +74,19 @@ class AsyncClient:
             on_retry=on_retry,
             load_balancing=load_balancing,
         )
-        self._watch = ChannelWatch(self._settings.target)
-        self._channel = self._settings.aio_channel()
-        self._watch.found()
-        self._stubs = AsyncStubs(self._channel)
+        self._core = ClientCore(settings)
+        self._channel = self._core.open(settings.aio_channel)
+        self._generate = GENERATE.aio_stream(self._channel)
 
     async def wait_for_addresses(self, timeout: float) -> Connections:
         """Connects, and waits up to ``timeout`` seconds until the channel is ready: with round_robin, until
         it is connected to every address the target resolves to (see Client.wait_for_addresses)."""
-        every = self._settings.load_balancing == "round_robin"
-        return await self._watch.wait_async(self._channel, timeout, every_address=every)
+        return await self._core.watch.wait_async(self._channel, timeout, every_address=self._core.every_address)
 
     @property
     def target(self) -> str:
         """The server address."""
-        return self._settings.target
+        return self._core.settings.target
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
@@ -144,9 +118,8 @@ class AsyncClient:
         ``break`` once the generator is collected) cancels it, so the server stops generating;
         ``contextlib.aclosing`` makes a ``break`` take effect at once.
         """
-        resolved = resolve_options("generate", options, overrides)
-        request = build_generate_request(prompt, messages, token_ids, resolved)
-        return self._stream(request, resolved.timeout)
+        request, timeout = self._core.generate_request(prompt, messages, token_ids, options, overrides)
+        return self._stream(request, timeout)
 
     async def generate_text(
         self,
@@ -159,18 +132,10 @@ class AsyncClient:
     ) -> GenerateResult:
         """Generates to the end and returns the whole result (see generate() for the parameters).
         One choice only: generate_choices() returns the n of a request with n > 1."""
-        resolved = resolve_options("generate_text", options, overrides)
-        if resolved.n > 1:
-            raise ValueError(f"generate_text returns one result; use generate_choices for n={resolved.n}")
-        builder = ResultBuilder()
-        async for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
-            builder.add(event)
-        result = builder.result()
-        if result is None:
-            raise TokenmillError(
-                "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
-            )
-        return result
+        collector = self._core.text(options, overrides)
+        async for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=collector.options):
+            collector.add(event)
+        return collector.result()
 
     async def generate_choices(
         self,
@@ -184,16 +149,10 @@ class AsyncClient:
         """Generates ``n`` choices of one prompt (``n=3``; see generate() for the parameters) and returns
         each one's whole result, in choice order. The prompt is computed once for all of them; each has
         its own random stream (choice 0 the seed's, choice i one derived from (seed, i))."""
-        resolved = resolve_options("generate_choices", options, overrides)
-        builder = ChoicesBuilder(resolved.n)
-        async for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
-            builder.add(event)
-        results = builder.results()
-        if results is None:
-            raise TokenmillError(
-                "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
-            )
-        return results
+        collector = self._core.choices(options, overrides)
+        async for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=collector.options):
+            collector.add(event)
+        return collector.result()
 
     async def chat(
         self,
@@ -213,52 +172,40 @@ class AsyncClient:
         self, text_or_messages: str | Sequence[MessageLike], *, timeout: float | None = None
     ) -> Tokenization:
         """Token ids and pieces of raw text, or of a chat rendered with the model's template."""
-        request = build_tokenize_request(text_or_messages)
-        return tokenization_from_proto(await self._unary(self._stubs.tokenize, request, timeout))
+        return await self._unary(_core.tokenize_call(text_or_messages), timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The loaded model, the server's limits and its engines' state."""
-        return model_info_from_proto(await self._unary(self._stubs.model_info, pb.GetModelInfoRequest(), timeout))
+        return await self._unary(_core.model_info_call(), timeout)
 
     async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> None:
         """Serve the LoRA adapter at ``path`` (a PEFT directory on the server's disk) as ``name``, on every
         worker; InvalidArgumentError names what does not fit the base model."""
-        request = pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
-        await self._unary(self._stubs.load_adapter, request, timeout)
+        await self._unary(_core.load_adapter_call(name, path), timeout)
 
     async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
         """Stop serving the LoRA adapter ``name``; refused while requests use it (nothing is broken)."""
-        await self._unary(self._stubs.unload_adapter, pb.UnloadLoRAAdapterRequest(lora_name=name), timeout)
+        await self._unary(_core.unload_adapter_call(name), timeout)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """The grpc.health.v1 status of ``service`` ("" = the whole server)."""
-        return decode_health_response(await self._unary(self._stubs.health, encode_health_request(service), timeout))
+        return await self._unary(_core.health_call(service), timeout)
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self._settings.timeout if timeout is None else timeout
-
-    async def _unary(
-        self, method: grpc.aio.UnaryUnaryMultiCallable[_Req, _T], request: _Req, timeout: float | None
-    ) -> _T:
-        settings = self._settings
-        deadline = Deadline(self._timeout(timeout))
-        retry = 0
+    async def _unary(self, call: UnaryCall[_Req, _Resp, _T], timeout: float | None) -> _T:
+        method = call.method.aio_unary(self._channel)
+        attempts = self._core.attempts(timeout)
         while True:
             try:
-                return await method(request, timeout=deadline.remaining(), metadata=settings.metadata)
+                response = await method(call.request, timeout=attempts.timeout(), metadata=attempts.metadata)
             except grpc.RpcError as err:
-                delay = retry_delay(_code(err), settings, deadline, retry)
-                if delay is None:
-                    raise error_from_rpc(err, settings.target) from err
-                await asyncio.sleep(delay)
-                retry += 1
+                await asyncio.sleep(attempts.delay(err))
+            else:
+                return call.parse(response)
 
     async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGenerator[GenerateEvent, None]:
-        settings = self._settings
-        deadline = Deadline(self._timeout(timeout))
-        retry = 0
+        attempts = self._core.attempts(timeout)
         while True:
-            call = self._stubs.generate(request, timeout=deadline.remaining(), metadata=settings.metadata)
+            call = self._generate(request, timeout=attempts.timeout(), metadata=attempts.metadata)
             received = False
             try:
                 async for response in call:
@@ -266,21 +213,8 @@ class AsyncClient:
                     yield event_from_proto(response)
                 return
             except grpc.RpcError as err:
-                delay = None if received else retry_delay(_code(err), settings, deadline, retry)
-                if delay is None:
-                    raise error_from_rpc(err, settings.target) from err
-                await asyncio.sleep(delay)
-                retry += 1
+                # Once a response has arrived a retry would repeat it: only a call that sent nothing is retried.
+                await asyncio.sleep(attempts.delay(err, retryable=not received))
             finally:
                 # A no-op once the call has finished; otherwise the caller walked away: stop the server.
-                _cancel(call)
-
-
-def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
-    code = getattr(err, "code", None)
-    return code() if callable(code) else None
-
-
-def _cancel(call: grpc.aio.RpcContext) -> None:
-    # grpc-stubs leaves cancel() unannotated.
-    cast("Callable[[], object]", call.cancel)()
+                cancel(call)

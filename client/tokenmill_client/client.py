@@ -4,46 +4,21 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from ._connect import ChannelWatch, Connections
-from ._convert import (
-    ChoicesBuilder,
-    ResultBuilder,
-    build_generate_request,
-    build_tokenize_request,
-    event_from_proto,
-    model_info_from_proto,
-    tokenization_from_proto,
-)
+from . import _core
+from ._chat import MessageLike
+from ._connect import Connections
+from ._convert import event_from_proto
+from ._core import ClientCore, UnaryCall, cancel
+from ._options import GenerateOptions, GenerateOverrides, resolve_options
 from ._proto import generate_pb2 as pb
-from ._transport import (
-    ChannelOptions,
-    Deadline,
-    RetryHook,
-    Settings,
-    SyncStubs,
-    decode_health_response,
-    encode_health_request,
-    make_settings,
-    retry_delay,
-)
-from ._types import (
-    GenerateEvent,
-    GenerateOptions,
-    GenerateOverrides,
-    GenerateResult,
-    HealthStatus,
-    MessageLike,
-    ModelInfo,
-    Tokenization,
-    resolve_options,
-)
-from .errors import TokenmillError, error_from_rpc
+from ._transport import GENERATE, ChannelOptions, RetryHook, make_settings
+from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
 
 if TYPE_CHECKING:
     # Annotations only (never evaluated at run time): typing.Self and typing.Unpack need Python 3.11.
@@ -51,6 +26,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 _Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 
 class Client:
@@ -87,7 +63,7 @@ class Client:
         load_balancing: str | None = None,
         wait_for_addresses: float = 0.0,
     ) -> None:
-        self._settings: Settings = make_settings(
+        settings = make_settings(
             target,
             tls=tls,
             root_certificates=root_certificates,
@@ -98,10 +74,9 @@ class Client:
             on_retry=on_retry,
             load_balancing=load_balancing,
         )
-        self._watch = ChannelWatch(self._settings.target)
-        self._channel = self._settings.sync_channel()
-        self._watch.found()
-        self._stubs = SyncStubs(self._channel)
+        self._core = ClientCore(settings)
+        self._channel = self._core.open(settings.sync_channel)
+        self._generate = GENERATE.stream(self._channel)
         if wait_for_addresses > 0:
             self.wait_for_addresses(wait_for_addresses)
 
@@ -113,13 +88,12 @@ class Client:
         round_robin sends each call to an address it is connected to already, so calls made the moment
         a client is created go to the first server to answer; waiting first spreads them over all.
         """
-        every = self._settings.load_balancing == "round_robin"
-        return self._watch.wait(self._channel, timeout, every_address=every)
+        return self._core.watch.wait(self._channel, timeout, every_address=self._core.every_address)
 
     @property
     def target(self) -> str:
         """The server address."""
-        return self._settings.target
+        return self._core.settings.target
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
@@ -150,9 +124,8 @@ class Client:
         ``next()``; stopping early (``break``, ``close()``, an exception, Ctrl-C) cancels it, so the
         server stops generating.
         """
-        resolved = resolve_options("generate", options, overrides)
-        request = build_generate_request(prompt, messages, token_ids, resolved)
-        return self._stream(request, resolved.timeout)
+        request, timeout = self._core.generate_request(prompt, messages, token_ids, options, overrides)
+        return self._stream(request, timeout)
 
     def generate_text(
         self,
@@ -165,18 +138,10 @@ class Client:
     ) -> GenerateResult:
         """Generates to the end and returns the whole result (see generate() for the parameters).
         One choice only: generate_choices() returns the n of a request with n > 1."""
-        resolved = resolve_options("generate_text", options, overrides)
-        if resolved.n > 1:
-            raise ValueError(f"generate_text returns one result; use generate_choices for n={resolved.n}")
-        builder = ResultBuilder()
-        for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
-            builder.add(event)
-        result = builder.result()
-        if result is None:
-            raise TokenmillError(
-                "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
-            )
-        return result
+        collector = self._core.text(options, overrides)
+        for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=collector.options):
+            collector.add(event)
+        return collector.result()
 
     def generate_choices(
         self,
@@ -190,16 +155,10 @@ class Client:
         """Generates ``n`` choices of one prompt (``n=3``; see generate() for the parameters) and returns
         each one's whole result, in choice order. The prompt is computed once for all of them; each has
         its own random stream (choice 0 the seed's, choice i one derived from (seed, i))."""
-        resolved = resolve_options("generate_choices", options, overrides)
-        builder = ChoicesBuilder(resolved.n)
-        for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=resolved):
-            builder.add(event)
-        results = builder.results()
-        if results is None:
-            raise TokenmillError(
-                "the server ended the stream without a finish reason", grpc.StatusCode.UNKNOWN, target=self.target
-            )
-        return results
+        collector = self._core.choices(options, overrides)
+        for event in self.generate(prompt, messages=messages, token_ids=token_ids, options=collector.options):
+            collector.add(event)
+        return collector.result()
 
     def chat(
         self,
@@ -217,50 +176,40 @@ class Client:
 
     def tokenize(self, text_or_messages: str | Sequence[MessageLike], *, timeout: float | None = None) -> Tokenization:
         """Token ids and pieces of raw text, or of a chat rendered with the model's template."""
-        request = build_tokenize_request(text_or_messages)
-        return tokenization_from_proto(self._unary(self._stubs.tokenize, request, timeout))
+        return self._unary(_core.tokenize_call(text_or_messages), timeout)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The loaded model, the server's limits and its engines' state."""
-        return model_info_from_proto(self._unary(self._stubs.model_info, pb.GetModelInfoRequest(), timeout))
+        return self._unary(_core.model_info_call(), timeout)
 
     def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> None:
         """Serve the LoRA adapter at ``path`` (a PEFT directory on the server's disk) as ``name``, on every
         worker; InvalidArgumentError names what does not fit the base model."""
-        request = pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
-        self._unary(self._stubs.load_adapter, request, timeout)
+        self._unary(_core.load_adapter_call(name, path), timeout)
 
     def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
         """Stop serving the LoRA adapter ``name``; refused while requests use it (nothing is broken)."""
-        self._unary(self._stubs.unload_adapter, pb.UnloadLoRAAdapterRequest(lora_name=name), timeout)
+        self._unary(_core.unload_adapter_call(name), timeout)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
         """The grpc.health.v1 status of ``service`` ("" = the whole server)."""
-        return decode_health_response(self._unary(self._stubs.health, encode_health_request(service), timeout))
+        return self._unary(_core.health_call(service), timeout)
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self._settings.timeout if timeout is None else timeout
-
-    def _unary(self, method: grpc.UnaryUnaryMultiCallable[_Req, _T], request: _Req, timeout: float | None) -> _T:
-        settings = self._settings
-        deadline = Deadline(self._timeout(timeout))
-        retry = 0
+    def _unary(self, call: UnaryCall[_Req, _Resp, _T], timeout: float | None) -> _T:
+        method = call.method.unary(self._channel)
+        attempts = self._core.attempts(timeout)
         while True:
             try:
-                return method(request, timeout=deadline.remaining(), metadata=settings.metadata)
+                response = method(call.request, timeout=attempts.timeout(), metadata=attempts.metadata)
             except grpc.RpcError as err:
-                delay = retry_delay(_code(err), settings, deadline, retry)
-                if delay is None:
-                    raise error_from_rpc(err, settings.target) from err
-                time.sleep(delay)
-                retry += 1
+                time.sleep(attempts.delay(err))
+            else:
+                return call.parse(response)
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Generator[GenerateEvent, None, None]:
-        settings = self._settings
-        deadline = Deadline(self._timeout(timeout))
-        retry = 0
+        attempts = self._core.attempts(timeout)
         while True:
-            call = self._stubs.generate(request, timeout=deadline.remaining(), metadata=settings.metadata)
+            call = self._generate(request, timeout=attempts.timeout(), metadata=attempts.metadata)
             received = False
             try:
                 for response in call:
@@ -268,21 +217,8 @@ class Client:
                     yield event_from_proto(response)
                 return
             except grpc.RpcError as err:
-                delay = None if received else retry_delay(_code(err), settings, deadline, retry)
-                if delay is None:
-                    raise error_from_rpc(err, settings.target) from err
-                time.sleep(delay)
-                retry += 1
+                # Once a response has arrived a retry would repeat it: only a call that sent nothing is retried.
+                time.sleep(attempts.delay(err, retryable=not received))
             finally:
                 # A no-op once the call has finished; otherwise the caller walked away: stop the server.
-                _cancel(call)
-
-
-def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
-    code = getattr(err, "code", None)
-    return code() if callable(code) else None
-
-
-def _cancel(call: grpc.RpcContext) -> None:
-    # grpc-stubs leaves cancel() unannotated.
-    cast("Callable[[], object]", call.cancel)()
+                cancel(call)

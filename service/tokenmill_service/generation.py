@@ -194,6 +194,17 @@ class GenerationService:
             json_schema_permissive=s.json_schema_permissive,
         )
 
+    def check_generates(self) -> None:
+        """An encoder only embeds: a generation is refused (INVALID_ARGUMENT), saying so."""
+        info = next((w.info for w in self.router.workers if w.info is not None), None)
+        if info is not None and info.embedding is not None and not info.embedding.generates:
+            raise InvalidRequest(
+                f"the model {self.model_name()!r} is an encoder: it embeds only (POST /v1/embeddings) and does not "
+                "generate",
+                "model",
+                "model_does_not_generate",
+            )
+
     async def check_constraint(self, constraint: Constraint) -> None:
         """Compile the constraint (off the event loop; llguidance releases the GIL), or InvalidRequest naming
         the problem; a compile running past COMPILE_TIMEOUT_S is refused (it finishes in the background)."""
@@ -258,6 +269,7 @@ class GenerationService:
                     )
                 if self.router.draining:
                     raise ShuttingDown()
+                self.check_generates()
                 # Tokenizing and rendering a chat take time in proportion to the prompt (a second or more for
                 # megabytes): in a thread, so that the event loop goes on serving every other call, health
                 # checks and the workers' heartbeats meanwhile.

@@ -3,6 +3,7 @@
     POST /v1/chat/completions, POST /v1/completions   (server-sent events when "stream": true)
     POST /v1/messages, POST /v1/messages/count_tokens  (Anthropic's Messages API: anthropic_protocol.py)
     POST /v1/responses                                 (OpenAI's Responses API: responses_protocol.py)
+    POST /v1/embeddings                                (OpenAI's embeddings: embeddings_api.py)
     GET  /v1/models, GET /health (200 ready, 503 not; open), GET /metrics (Prometheus; behind the
          token like the rest unless --metrics-without-auth), GET /openapi.json (this API described; open)
     POST /tokenize, POST /detokenize, GET /tokenizer_info   (vLLM's shapes; lm-evaluation-harness
@@ -39,6 +40,8 @@ from starlette.types import Receive, Scope, Send
 from tokenmill_service import __version__, openapi
 from tokenmill_service.anthropic_protocol import MESSAGES, count_tokens_json, parse_messages
 from tokenmill_service.anthropic_protocol import error_body as anthropic_error
+from tokenmill_service.embeddings_api import create_embeddings
+from tokenmill_service.embeddings_protocol import parse_embeddings
 from tokenmill_service.generation import GenerationService, ServiceError
 from tokenmill_service.openai_protocol import (
     CHAT,
@@ -296,6 +299,7 @@ class HttpApi:
                 Route("/v1/messages", self._dialect(MESSAGES), methods=["POST"]),
                 Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/responses", self._dialect(RESPONSES), methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
@@ -357,6 +361,16 @@ class HttpApi:
         echo_texts = [self._prompt_text(one) for one in parsed.requests] if parsed.echo else []
         builder = dialect.builder(parsed, request_id, adapter or self.service.model_name(), echo_texts)
         return GenerationResponse(streams, builder, request_id)
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings (embeddings_protocol.py parses, embeddings_api.py answers)."""
+        try:
+            parsed = parse_embeddings(await self._json_body(request))
+            return JSONResponse(await create_embeddings(self.service, parsed, self._adapter(parsed.model)))
+        except ServiceError as exc:
+            return service_error_response(exc)
+        except BadRequest as exc:
+            return bad_request(exc)
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's: the tokens of the prompt /v1/messages makes of the body (tools included)."""

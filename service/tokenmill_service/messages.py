@@ -5,8 +5,8 @@ The router imports this module and never torch; each side dispatches on the mess
 gathered in one loop turn as one list; the worker answers each engine step with one
 `StepOutputs` holding every request's outputs of that step (never one message per token).
 
-    router -> worker: list[AddRequest | Cancel | LoadAdapter | UnloadAdapter | Shutdown]
-    worker -> router: Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat | AdapterResult
+    router -> worker: list[AddRequest | Cancel | LoadAdapter | UnloadAdapter | Embed | Shutdown]
+    worker -> router: Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat | AdapterResult | Embedded
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ class WorkerSpec:
 
 
 @dataclass(slots=True)
+class EmbeddingInfo:
+    """How the model served embeds (models/embedding_spec.py read it from the checkpoint)."""
+
+    dimensions: int  # the vector's size (the model's hidden size)
+    pooling: str  # "cls", "mean" or "last": which hidden states make the vector
+    normalize: bool  # the vector is scaled to length 1
+    # The special tokens the model's tokenizer puts around a text ([CLS] ... [SEP]; Qwen3's EOS after it).
+    prefix_ids: list[int] = field(default_factory=list)
+    suffix_ids: list[int] = field(default_factory=list)
+    # The most tokens one input may hold, its special tokens included.
+    max_tokens: int = 0
+    # False: an encoder, which only embeds (the generation routes refuse it).
+    generates: bool = True
+
+
+@dataclass(slots=True)
 class WorkerInfo:
     worker_id: int
     pid: int
@@ -68,6 +84,8 @@ class WorkerInfo:
     adapters: list[str] = field(default_factory=list)
     # What one sequence's KV cache costs at most, with why (LLMEngine.kv_per_sequence).
     kv_per_sequence: str = ""
+    # How the model embeds; None: it does not (a chat model without a pooling configuration).
+    embedding: EmbeddingInfo | None = None
 
 
 # -- router -> worker ---------------------------------------------------------------------------
@@ -105,7 +123,18 @@ class Shutdown:
     """Cancel everything and exit."""
 
 
-Command = AddRequest | Cancel | LoadAdapter | UnloadAdapter | Shutdown
+@dataclass(slots=True)
+class Embed:
+    """Embed each of ``inputs`` (token ids, special tokens included), each as its own sequence; answered by
+    ``Embedded``. ``dimensions``: the size to truncate each vector to (0: whole), renormalized if the model
+    normalizes."""
+
+    request_id: str
+    inputs: list[list[int]]
+    dimensions: int = 0
+
+
+Command = AddRequest | Cancel | LoadAdapter | UnloadAdapter | Embed | Shutdown
 
 
 # -- worker -> router ---------------------------------------------------------------------------
@@ -172,4 +201,14 @@ class AdapterResult:
     kind: str = ""
 
 
-Event = Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat | AdapterResult
+@dataclass(slots=True)
+class Embedded:
+    """The answer to ``Embed``: one vector per input, each little-endian float32 bytes; ``error`` (vectors
+    empty) says why not."""
+
+    request_id: str
+    vectors: list[bytes] = field(default_factory=list)
+    error: str = ""
+
+
+Event = Ready | Failed | StepOutputs | Rejected | Stats | Heartbeat | AdapterResult | Embedded

@@ -5,9 +5,9 @@ its answers, with the error statuses it can give. The request bodies' schemas li
 parser whose rules they state, and take the server's limits, so the document says what this server enforces; the
 answers' are in openai_response_schema.py. The other APIs served through the chat path have a module each, bodies
 and answers: anthropic_schema.py (the Messages API, its errors in Anthropic's shape) and responses_schema.py (the
-Responses API). Describing a new route (/v1/embeddings, say) is one more ``Operation`` in ``OPERATIONS``: its
-method, path, summary, 200 content, request schema (a function of the limits) and error statuses;
-tests/unit/test_openapi.py fails until every route has one.
+Responses API); embeddings_schema.py describes OpenAI's embeddings. Describing a new route is one more
+``Operation`` in ``OPERATIONS``: its method, path, summary, 200 content, request schema (a function of the limits)
+and error statuses; tests/unit/test_openapi.py fails until every route has one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill_service import anthropic_schema as anthropic
+from tokenmill_service import embeddings_schema as embeddings
 from tokenmill_service import openai_response_schema as answers
 from tokenmill_service import openai_schema as s
 from tokenmill_service import responses_schema as responses
@@ -174,6 +175,14 @@ OPERATIONS: tuple[Operation, ...] = (
             {"instructions": "Answer in one sentence.", "input": FRANCE[0]["content"], "max_output_tokens": 16},
         ),
     ),
+    Operation(
+        "POST",
+        "/v1/embeddings",
+        "Each input's vector (OpenAI's embeddings; the model must embed: an encoder or a pooling checkpoint)",
+        _json("Embeddings"),
+        embeddings.request_schema,
+        (400, 401, 404, 413, 429, 503),  # (no example body: the default model, a chat model, refuses it)
+    ),
     Operation("GET", "/v1/models", "The model served, and its LoRA adapters", _json("Models"), errors=(401,)),
     Operation(
         "POST",
@@ -289,6 +298,7 @@ def document(limits: Limits, version: str) -> dict[str, Any]:
         "Message": anthropic.MESSAGE,
         "MessageTokensCount": anthropic.COUNT_TOKENS,
         "Response": responses.RESPONSE,
+        "Embeddings": embeddings.EMBEDDINGS,
     }
     schemes: dict[str, Any] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for op in OPERATIONS:
@@ -299,8 +309,8 @@ def document(limits: Limits, version: str) -> dict[str, Any]:
         "info": {
             "title": "tokenmill",
             "version": version,
-            "description": "OpenAI's chat completions and completions, Anthropic's Messages API, OpenAI's Responses "
-            "API, vLLM's tokenizer and LoRA routes, health and metrics. Every generation goes through the same "
+            "description": "OpenAI's chat completions, completions and embeddings, Anthropic's Messages API, OpenAI's "
+            "Responses API, vLLM's tokenizer and LoRA routes, health and metrics. Every generation goes through the same "
             "validation, limits and admission as the gRPC API.",
         },
         "paths": paths,

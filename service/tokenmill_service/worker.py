@@ -24,12 +24,20 @@ from typing import Any
 
 import structlog
 
+from tokenmill_service.embedding_worker import (
+    decoder_embedder,
+    embed_command,
+    embedding_info,
+    encoder_main,
+    serves_an_encoder,
+)
 from tokenmill_service.engine.request import RequestError
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.messages import (
     AdapterResult,
     AddRequest,
     Cancel,
+    Embed,
     Event,
     Failed,
     Heartbeat,
@@ -99,11 +107,15 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         _follower_main(spec, log)
         return
     channel = Channel(conn)
+    if serves_an_encoder(spec):  # no engine, no KV cache: embeddings only (embedding_worker.py)
+        encoder_main(spec, channel, log)
+        return
     publisher = None
     try:
         # Bound before the model loads, so that subscribers are connected by the time events flow.
         publisher = _kv_event_publisher(spec)
         engine = _start_engine(spec, log)
+        embedder = decoder_embedder(engine.model, engine.max_model_len, engine.tokenizer.vocab_size)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
         if _is_usage_error(exc):
             # What was asked cannot be served: the message says why, a traceback would only hide it.
@@ -112,7 +124,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
             log.error("worker_start_failed", error=str(exc), traceback=traceback.format_exc())
         channel.send(Failed(f"{type(exc).__name__}: {exc}", usage=_is_usage_error(exc)))
         return
-    ready = _ready(spec, engine)
+    ready = _ready(spec, engine, embedder)
     channel.send(ready)
     log.info("worker_ready", pid=os.getpid(), kv_blocks=ready.info.kv_blocks_total)
     if publisher is not None:
@@ -124,7 +136,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
     beat = threading.Thread(target=channel.heartbeat, args=(spec.heartbeat_interval, stop), daemon=True)
     beat.start()
     try:
-        _serve(engine, channel, log, spec.collective_timeout / 4, publisher)
+        _serve(engine, channel, log, spec.collective_timeout / 4, publisher, embedder)
     except (EOFError, BrokenPipeError):
         log.warning("router_gone")  # the router died: nothing left to serve
     except Exception:
@@ -142,7 +154,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         log.info("worker_stopped")
 
 
-def _ready(spec: WorkerSpec, engine: Any) -> Ready:
+def _ready(spec: WorkerSpec, engine: Any, embedder: Any) -> Ready:
     """What the router learns of a started worker: the model, its KV cache and the plan it runs."""
     from tokenmill_service.dtypes import dtype_name
 
@@ -165,6 +177,7 @@ def _ready(spec: WorkerSpec, engine: Any) -> Ready:
             plan=engine.model.plan.summary(),
             adapters=stats.adapters,
             kv_per_sequence=engine.kv_per_sequence,
+            embedding=embedding_info(embedder),
         ),
     )
 
@@ -320,8 +333,11 @@ def _kv_event_publisher(spec: WorkerSpec) -> Any:
     return KVEventPublisher(spec.kv_events_endpoint, spec.worker_id, spec.kv_events_topic, medium)
 
 
-def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None) -> None:
+def _serve(
+    engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None, embedder: Any = None
+) -> None:
     from tokenmill_service.distributed.step_broadcast import Idle, Stop
+    from tokenmill_service.kernels import stack_profile
 
     conn = channel.conn
     max_step_tokens = engine.config.max_batch_tokens
@@ -349,6 +365,8 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
                     case LoadAdapter() | UnloadAdapter():
                         channel.send(_adapter_command(engine, cmd))
                         dirty = True
+                    case Embed():  # between steps: each input alone through the same weights
+                        channel.send(embed_command(embedder, cmd, channel))
                     case Shutdown():
                         for rid in list(engine.sequences):
                             engine.cancel(rid)
@@ -376,6 +394,7 @@ def _serve(engine: Any, channel: Channel, log: Any, idle_tick: float, publisher:
                 engine_ms=round((stepped - started - engine.runner.last_execute_s) * 1000, 3),
                 send_ms=round((sent - stepped) * 1000, 3),
                 between_steps_ms=None if last_sent is None else round((started - last_sent) * 1000, 3),
+                **stack_profile.read_and_reset(),
             )
             last_sent = sent
         else:

@@ -43,11 +43,11 @@ from tokenmill_client import (
     UnavailableError,
     Usage,
 )
+from tokenmill_client._chat import to_chat_messages
 from tokenmill_client._convert import build_generate_request
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc
 from tokenmill_client._transport import decode_health_response, encode_health_request
-from tokenmill_client._types import to_chat_messages
 
 QUESTION = "What is the capital of France?"
 
@@ -491,6 +491,8 @@ class ScriptedGeneration(generate_pb2_grpc.GenerationServicer):  # type: ignore[
         yield pb.GenerateResponse(request_id="scripted", text="Hello", tokens=[pb.Token(id=1, text="Hello")])
         if step == "one-then-unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker died mid-stream")
+        if step == "no-finish":
+            return
         yield pb.GenerateResponse(
             request_id="scripted",
             text="!",
@@ -499,6 +501,15 @@ class ScriptedGeneration(generate_pb2_grpc.GenerationServicer):  # type: ignore[
             usage=pb.Usage(prompt_tokens=3, completion_tokens=2),
             timing=pb.Timing(queue_ms=0.5, time_to_first_token_ms=1.0, total_ms=2.0),
         )
+
+    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        with self.lock:
+            step = self.script[min(self.calls, len(self.script) - 1)]
+            self.calls += 1
+            self.deadlines.append(context.time_remaining())
+        if step == "unavailable":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "scripted unavailable")
+        return pb.TokenizeResponse(ids=[7, 8], pieces=["a", "b"])
 
 
 @contextlib.contextmanager
@@ -666,3 +677,42 @@ def test_async_client_retries_and_maps_errors_like_the_blocking_one() -> None:
         asyncio.run(scenario(address))
     assert servicer.calls == 3
     assert servicer.metadata[1]["authorization"] == "Bearer abc"
+
+
+def test_unary_calls_retry_unavailable_and_share_one_deadline_in_both_clients() -> None:
+    async def scenario(address: str) -> None:
+        async with AsyncClient(address, max_retries=2) as aclient:
+            assert (await aclient.tokenize("ab", timeout=30)).ids == (7, 8)
+            with pytest.raises(UnavailableError, match="scripted unavailable"):
+                await aclient.tokenize("ab")
+
+    with (
+        scripted_server(["unavailable", "unavailable", "ok"]) as (address, servicer),
+        Client(address, max_retries=2) as client,
+    ):
+        assert client.tokenize("ab", timeout=30).pieces == ("a", "b")
+    assert servicer.calls == 3
+    assert all(d is not None and d <= 31 for d in servicer.deadlines)  # each retry has what is left of 30 s
+    with scripted_server(["unavailable", "unavailable", "ok", "unavailable"]) as (address, servicer):
+        asyncio.run(scenario(address))
+    assert servicer.calls == 3 + 3  # the second call's tries: the first and max_retries=2 more
+
+
+def test_a_stream_that_ends_without_a_finish_reason_is_an_error_in_both_clients() -> None:
+    async def scenario(address: str) -> None:
+        async with AsyncClient(address) as aclient:
+            with pytest.raises(TokenmillError, match="without a finish reason") as info:
+                await aclient.generate_text("hi")
+            assert info.value.code is grpc.StatusCode.UNKNOWN and info.value.target == address
+            with pytest.raises(TokenmillError, match="without a finish reason"):
+                await aclient.generate_choices("hi", n=2)
+
+    with scripted_server(["no-finish"]) as (address, servicer):
+        with Client(address) as client:
+            with pytest.raises(TokenmillError, match="without a finish reason") as info:
+                client.generate_text("hi")
+            assert info.value.code is grpc.StatusCode.UNKNOWN and info.value.target == address
+            with pytest.raises(TokenmillError, match="without a finish reason"):
+                client.generate_choices("hi", n=2)
+        asyncio.run(scenario(address))
+    assert servicer.calls == 4  # an ended stream is not retried

@@ -23,9 +23,9 @@ from tokenmill_client import (
     Tool,
     ToolCall,
 )
+from tokenmill_client._chat import to_chat_messages
 from tokenmill_client._convert import ResultBuilder, build_generate_request
 from tokenmill_client._proto import generate_pb2 as pb
-from tokenmill_client._types import to_chat_messages
 
 WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",

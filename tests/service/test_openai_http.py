@@ -632,3 +632,11 @@ def test_metrics_have_build_info_cache_gauges_and_no_created_series(
     assert 0.0 <= values["tokenmill_kv_cache_usage_ratio"] <= 1.0
     assert 0.0 < values["tokenmill_prefix_cache_hit_rate"] < 1.0
     assert 0.0 <= values["tokenmill_draft_acceptance_rate"] <= 1.0
+
+
+def test_a_chat_model_refuses_embeddings_saying_which_models_embed(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=MODEL, input="What is the capital of France?")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "model" and error["code"] == "model_does_not_embed"
+    assert "does not embed" in error["message"] and "sentence-transformers" in error["message"]

@@ -233,7 +233,8 @@ def test_an_integer_written_with_a_zero_fraction_is_taken_as_that_integer(server
 
 
 def test_the_openai_agents_sdk_runs_an_agent_on_the_server(server: ServerProcess, france: Any) -> None:
-    """The README's Agents SDK example: an agent on OpenAIResponsesModel answers as the chat route does."""
+    """The Agents SDK example (docs/messages-and-responses.md): an agent on OpenAIResponsesModel answers as the
+    chat route does."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
 
     set_tracing_disabled(True)

@@ -64,7 +64,7 @@ def test_every_relative_link_in_the_readme_and_docs_points_to_a_file_that_exists
 
 def test_the_readme_is_short_and_links_every_doc() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 300
+    assert len(readme.splitlines()) <= 250  # what a newcomer reads in five minutes; the rest is in docs/
     for doc in sorted((ROOT / "docs").glob("*.md")):
         assert f"](docs/{doc.name})" in readme, f"the README does not link docs/{doc.name}"
 

@@ -12,6 +12,8 @@ def test_the_server_and_router_modules_import_without_torch() -> None:
         "import sys\n"
         "import tokenmill_service.main, tokenmill_service.server, tokenmill_service.router\n"
         "import tokenmill_service.messages, tokenmill_service.worker, tokenmill_service.validation\n"
+        "import tokenmill_service.http_api, tokenmill_service.embeddings_api, tokenmill_service.embedding_worker\n"
+        "import tokenmill_service.models.embedding_spec\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

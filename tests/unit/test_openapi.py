@@ -11,8 +11,9 @@ import jsonschema
 import pytest
 from starlette.routing import Route
 
-from tokenmill_service import anthropic_schema, responses_schema
+from tokenmill_service import anthropic_schema, embeddings_schema, responses_schema
 from tokenmill_service.anthropic_protocol import parse_messages
+from tokenmill_service.embeddings_protocol import parse_embeddings
 from tokenmill_service.generation import GenerationService
 from tokenmill_service.http_api import HttpApi
 from tokenmill_service.openai_protocol import parameters, parse_request
@@ -116,6 +117,7 @@ DIALECTS: dict[str, tuple[Callable[[Any], object], dict[str, Any], dict[str, Any
         anthropic_schema.request_schema(LIMITS, count_only=True),
     ),
     "responses": (parse_responses, {"input": "Hi"}, responses_schema.request_schema(LIMITS)),
+    "embeddings": (parse_embeddings, {"input": "Hi"}, embeddings_schema.request_schema(LIMITS)),
 }
 
 

@@ -403,9 +403,9 @@ def test_nfc_normalizer_is_applied_before_encoding(hf_dir: Path, tmp_path: Path)
         {"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}},
         {"pre_tokenizer": {"type": "Whitespace"}},
         {"normalizer": {"type": "Lowercase"}},
-        {"model": {"type": "WordPiece", "vocab": {}}},
+        {"model": {"type": "WordLevel", "vocab": {}, "unk_token": "[UNK]"}},
     ],
-    ids=["prefix-space", "whitespace", "lowercase", "wordpiece"],
+    ids=["prefix-space", "whitespace", "lowercase", "wordlevel"],
 )
 def test_unsupported_hf_tokenizers_are_refused_clearly(hf_dir: Path, tmp_path: Path, changes: dict[str, Any]) -> None:
     out = _rewrite_tokenizer_json(hf_dir, tmp_path / "bad", **changes)
@@ -491,7 +491,7 @@ def test_gguf_with_merges_out_of_id_order_is_refused(tmp_path: Path) -> None:
         load_tokenizer(_write_gguf(tmp_path / "toy.gguf", tokens, types, [merges[1], merges[0], merges[2]]))
 
 
-@pytest.mark.parametrize(("field", "value"), [("model", "bert"), ("pre", "mystery")])
+@pytest.mark.parametrize(("field", "value"), [("model", "rwkv"), ("pre", "mystery")])
 def test_gguf_with_unsupported_tokenizer_is_refused(tmp_path: Path, field: str, value: str) -> None:
     tokens, types, merges = _toy_vocab()
     path = _write_gguf(tmp_path / "toy.gguf", tokens, types, merges, **{field: value})
@@ -502,7 +502,7 @@ def test_gguf_with_unsupported_tokenizer_is_refused(tmp_path: Path, field: str, 
 def test_gguf_tokenizer_model_refusal_lists_the_supported_kinds(tmp_path: Path) -> None:
     tokens, types, merges = _toy_vocab()
     path = _write_gguf(tmp_path / "toy.gguf", tokens, types, merges, model="t5")
-    with pytest.raises(TokenizerError, match=r"'t5' is not supported \(supported: gpt2, llama\)"):
+    with pytest.raises(TokenizerError, match=r"'t5' is not supported \(supported: bert, gpt2, llama\)"):
         load_tokenizer(path)
 
 

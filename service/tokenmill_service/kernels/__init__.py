@@ -21,6 +21,7 @@ from tokenmill_service.kernels.cpu import (
     kquant_gemm,
     lora,
     moe_mlp,
+    stack_profile,
     vnni_gemm,
 )
 from tokenmill_service.kernels.cpu import ops as cpu_ops  # noqa: F401 - registers "native"
@@ -54,5 +55,6 @@ __all__ = [
     "ops_class",
     "register_ops",
     "softmax",
+    "stack_profile",
     "vnni_gemm",
 ]

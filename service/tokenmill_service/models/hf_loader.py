@@ -25,6 +25,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # Buffers some older checkpoints saved; llama.py recomputes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A base model's tensors (transformers' Qwen3Model, as sentence-transformers saves an embedding model) are
+# named without the "model." of the causal LM's.
+_BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # FP8 block-scaled weights: the scales of ``<name>.weight`` are ``<name>.weight_scale_inv`` (read with it).
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
 # MXFP4 (quant_method mxfp4): ``<name>_blocks`` and its ``<name>_scales`` (read together, in one file).
@@ -184,10 +187,12 @@ def iter_hf(directory: Path) -> tuple[ModelConfig, Iterator[tuple[str, Checkpoin
                         continue
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
-                    pieces = unfused(family, name, config)
                     tensor: CheckpointTensor = f.get_tensor(name)
                     if name in scales:
                         tensor = _fp8_blocks(tensor, scales[name], name, config)
+                    if name.startswith(_BASE_MODEL_PREFIXES):  # a base model's (Qwen3-Embedding's): no "model."
+                        name = f"model.{name}"
+                    pieces = unfused(family, name, config)
                     for piece, start, rows in pieces:
                         yield piece, tensor if rows < 0 else tensor.narrow(0, start, rows)
 

@@ -60,7 +60,8 @@ def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 @register_model("qwen3")
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_type: ClassVar[type[LlamaAttention]] = Qwen3Attention
-    hf_architectures: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3"}
+    # Qwen3Model: the decoder without its head, as sentence-transformers saves an embedding model.
+    hf_architectures: ClassVar[dict[str, str]] = {"Qwen3ForCausalLM": "qwen3", "Qwen3Model": "qwen3"}
     gguf_architectures: ClassVar[dict[str, str]] = {"qwen3": "qwen3"}
     gguf_layer_names: ClassVar[dict[str, str]] = {
         **GGUF_LAYER_NAMES,

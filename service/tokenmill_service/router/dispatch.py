@@ -22,10 +22,11 @@ import structlog
 
 from tokenmill_service.config import Settings
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput
-from tokenmill_service.messages import AdapterResult, AddRequest, Cancel
+from tokenmill_service.messages import AdapterResult, AddRequest, Cancel, Embedded
 from tokenmill_service.metrics import Metrics
 from tokenmill_service.router.adapters import Adapters
 from tokenmill_service.router.choice import ReplicaChooser
+from tokenmill_service.router.embeddings import EmbeddingCalls
 from tokenmill_service.router.errors import Overloaded, Rejected, ShuttingDown, Unavailable
 from tokenmill_service.router.replicas import Replica, ReplicaPool
 from tokenmill_service.router.streams import InFlight, RequestStream
@@ -47,6 +48,8 @@ class Router:
         self.chooser = ReplicaChooser(settings.routing, settings.block_size)
         # LoRA adapters: loaded and unloaded on every replica; a request's adapter checked on admission.
         self.adapters = Adapters(self.pool, self.adapter_users)
+        # Embedding calls: each whole on one replica, between its engine's steps.
+        self.embeddings = EmbeddingCalls(self.pool, lambda replica: len(replica.inflight))
 
     def adapter_users(self, name: str) -> int:
         """Requests in flight (running, queued or parked) with the LoRA adapter ``name``."""
@@ -93,7 +96,7 @@ class Router:
     # -- admission ---------------------------------------------------------------------------
 
     def inflight_count(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self.embeddings)
 
     def capacity(self) -> int:
         return len(self.pool.serving()) * self.settings.max_batch_size + self.settings.max_queue
@@ -135,6 +138,14 @@ class Router:
             "request_dispatched", worker_id=worker.worker_id, load=len(worker.inflight), adapter=requests[0].adapter
         )
         return streams
+
+    async def embed(self, inputs: Sequence[Sequence[int]], dimensions: int) -> list[bytes]:
+        """Each input's vector (little-endian float32 bytes), or Unavailable / Overloaded / Rejected."""
+        if self.draining:
+            raise ShuttingDown()
+        if self.inflight_count() + 1 > self.capacity():
+            raise Overloaded(f"the server is at capacity ({self.capacity()} requests in flight); retry later")
+        return await self.embeddings.embed(inputs, dimensions)
 
     def _pick(self, prompt_ids: Sequence[int], adapter: str) -> Replica | None:
         candidates = {w.worker_id: w for w in self.pool.serving()}
@@ -189,6 +200,12 @@ class Router:
 
     def on_adapter_result(self, replica: Replica, result: AdapterResult) -> None:
         self.adapters.on_result(replica, result)
+
+    def on_embedded(self, replica: Replica, answer: Embedded) -> None:
+        self.embeddings.on_embedded(replica, answer)
+
+    def on_replica_lost(self, replica: Replica, reason: str) -> None:
+        self.embeddings.on_replica_lost(replica, reason)
 
     def on_ready(self, replica: Replica) -> None:
         # A (re)started replica's cache is empty: so is what the router thinks it holds.

@@ -31,6 +31,7 @@ from tokenmill_service.engine.request import EngineStats, RequestOutput
 from tokenmill_service.messages import (
     AdapterResult,
     Command,
+    Embedded,
     Event,
     Failed,
     Heartbeat,
@@ -99,6 +100,12 @@ class ReplicaListener(Protocol):
     def on_ready(self, replica: Replica) -> None: ...
 
     def on_adapter_result(self, replica: Replica, result: AdapterResult) -> None: ...
+
+    def on_embedded(self, replica: Replica, answer: Embedded) -> None: ...
+
+    def on_replica_lost(self, replica: Replica, reason: str) -> None:
+        """A replica died (its embedding calls, which are not resumed, fail)."""
+        ...
 
     def on_lost(self, lost: list[InFlight], reason: str) -> None:
         """A replica died with these requests (to resume, unless the pool is stopping)."""
@@ -250,6 +257,8 @@ class ReplicaPool:
                 self.listener.on_rejected(w, request_id, message)
             case AdapterResult():
                 self.listener.on_adapter_result(w, event)
+            case Embedded():
+                self.listener.on_embedded(w, event)
             case Ready(info=info):
                 w.info, w.ready_at = info, time.monotonic()
                 self.state_changed.set()
@@ -337,6 +346,7 @@ class ReplicaPool:
             p.join(timeout=5)
         lost = list(w.inflight.values())
         w.inflight.clear()
+        self.listener.on_replica_lost(w, reason)
         if w.ready is not None and not w.ready.done():
             w.ready.set_exception(WorkerStartError(f"worker {w.worker_id} failed while starting: {reason}"))
         if self.stopping:

@@ -27,6 +27,7 @@ from tokenmill_service.tokenizer.byte_level import (
 )
 from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_gguf
 from tokenmill_service.tokenizer.tokenizer import Tokenizer, TokenizerError
+from tokenmill_service.tokenizer.wordpiece import wordpiece_from_gguf
 
 log = structlog.get_logger(__name__)
 
@@ -128,4 +129,5 @@ def _byte_level_bpe(name: str, field: GgufField) -> Tokenizer:
 GGUF_TOKENIZER_KINDS: dict[str, Callable[[str, GgufField], Tokenizer]] = {
     "gpt2": _byte_level_bpe,
     "llama": sentencepiece_from_gguf,  # SentencePiece (Llama 2, Mistral, TinyLlama, Phi-3)
+    "bert": wordpiece_from_gguf,  # WordPiece (BERT encoders: bge, all-MiniLM)
 }

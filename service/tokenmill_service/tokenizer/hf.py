@@ -26,6 +26,7 @@ from tokenmill_service.tokenizer.byte_level import (
 )
 from tokenmill_service.tokenizer.sentencepiece import sentencepiece_from_tokenizer_json
 from tokenmill_service.tokenizer.tokenizer import Encoding, Tokenizer, TokenizerError
+from tokenmill_service.tokenizer.wordpiece import wordpiece_from_tokenizer_json
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +52,8 @@ def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
     config = _read_json(root / "tokenizer_config.json") or {}
     model = spec.get("model") or {}
     kind = model.get("type")
+    if kind == "WordPiece":  # an encoder's (BERT's)
+        return wordpiece_from_tokenizer_json(root / "tokenizer.json", config)
     if kind == "BPE" and not model.get("byte_fallback") and _uses_byte_level(spec):
         vocabulary = _byte_level(root.name, spec)
     elif kind in ("BPE", "Unigram"):
@@ -61,8 +64,8 @@ def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
         )
     else:
         raise TokenizerError(
-            f"tokenizer model {kind!r} is not supported; only byte-level BPE, and SentencePiece's BPE with byte "
-            "fallback or Unigram"
+            f"tokenizer model {kind!r} is not supported; only byte-level BPE, SentencePiece's BPE with byte "
+            "fallback or Unigram, and WordPiece"
         )
 
     id_of = vocabulary.id_of

@@ -209,6 +209,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
             "uint8_t* v_cache, int64_t layer_bytes, int64_t v_layer_bytes, int64_t block_size, const TmLoraBatch* lora, "
             "float* workspace, float* out, int threads)"
         ),
+        "void tm_stack_profile(int64_t* out)",
     ),
 }
 

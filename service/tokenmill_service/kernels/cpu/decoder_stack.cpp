@@ -30,9 +30,39 @@
 // the vector work, each the same bits on every CPU).
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include <chrono>
+
 #include "tm_abi.h"  // TmLinear, TmLayer, TmStack, the kernels' pointer types and this file's prototypes
+
+// Where a step's time goes inside the stack, for bench/step_breakdown.py: with TM_STACK_PROFILE=1 in the
+// worker's environment, the nanoseconds spent in the products (their adapters and biases with them), in
+// attention's kernel, in the experts, and in the whole call, summed until tm_stack_profile reads them. Off
+// (the default) each timed call costs one branch on a constant.
+namespace {
+enum Phase { PRODUCTS, ATTENTION, EXPERTS, STACK, PHASES };
+int64_t profile_ns[PHASES];
+int64_t profile_calls;
+const bool profiling = [] {
+  const char* v = getenv("TM_STACK_PROFILE");
+  return v != nullptr && *v != '\0' && strcmp(v, "0") != 0;
+}();
+
+struct Timed {
+  Phase phase;
+  std::chrono::steady_clock::time_point start;
+  explicit Timed(Phase p) : phase(p) {
+    if (profiling) start = std::chrono::steady_clock::now();
+  }
+  ~Timed() {
+    if (profiling)
+      profile_ns[phase] +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  }
+};
+}  // namespace
 
 // Floats of scratch the LoRA products of t tokens need: the shrunk rows, parts * rank each.
 static int64_t lora_scratch(const TmStack* s, int64_t t) {
@@ -52,6 +82,7 @@ static int add_lora(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora
 // layer's product, LoRA and ``y + self.bias``. Nonzero when a kernel fails.
 static int linear(const TmStack* s, const TmLinear& L, const TmLoraBatch* lora, const float* x, int64_t t,
                   int64_t in, float* y, float* scratch, int threads) {
+  const Timed timed(PRODUCTS);
   if (L.gemm((int)L.fmt, x, t, in, L.weights, L.out_features, y, threads)) return 1;
   if (add_lora(s, L, lora, x, in, y, scratch, threads)) return 1;
   if (L.bias) {
@@ -151,10 +182,13 @@ static int latent_attention_layer(const TmStack* s, const TmLayer& L, const TmLo
   s->store_values(lat, Lt, t, Lt, g.slots, kc);
   s->store_values(k_rope, R, t, R, g.slots, vc);
   const int64_t uk_h = (N + V) * Lt;
-  if (s->latent_attention(q, H * QK, QK, q_rope, H * R, R, t, H, N, Lt, R, V, L.w_kv_b, uk_h, Lt, L.w_kv_b + N * Lt,
+  const int rc = [&] {
+    const Timed timed(ATTENTION);
+    return s->latent_attention(q, H * QK, QK, q_rope, H * R, R, t, H, N, Lt, R, V, L.w_kv_b, uk_h, Lt, L.w_kv_b + N * Lt,
                           uk_h, 1, Lt, kc, vc, block_size, positions, seq_of_token, g.tables, g.table_width,
-                          s->scale, out, threads))
-    return 2;
+                          s->scale, out, threads);
+  }();
+  if (rc) return 2;
   return linear(s, L.o, lora, out, t, H * V, y, scratch, threads);
 }
 
@@ -199,6 +233,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
                      const int64_t* seq_of_token, const TmKvGroup* groups, const int64_t* layer_kv, uint8_t* k_cache,
                      uint8_t* v_cache, int64_t layer_bytes, int64_t v_layer_bytes, int64_t block_size,
                      const TmLoraBatch* lora, float* workspace, float* out, int threads) {
+  const Timed whole(STACK);
+  profile_calls += profiling;
   const int64_t H = s->hidden, D = s->head_dim, R = s->rotary_dim, I = widest_mlp(s), K = s->max_top_k;
   const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
   int64_t max_experts, moe_floats;
@@ -260,9 +296,12 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
         s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
       }
       s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
-      if (s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, g.tables,
-                       g.table_width, s->scale, L.window, L.softcap, L.sinks, attn, threads))
-        return -200 - (int)l;
+      const int rc = [&] {
+        const Timed timed(ATTENTION);
+        return s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, g.tables,
+                            g.table_width, s->scale, L.window, L.softcap, L.sinks, attn, threads);
+      }();
+      if (rc) return -200 - (int)l;
       if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
     }
     // Gemma's norm of attention's output (its h_out, the rows themselves, written back in place).
@@ -277,7 +316,11 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
                              L.routing == TM_ROUTING_GROUPED_RENORMALIZED, L.route_scale, route_w, ids);
       else
         s->moe_route(logits, t, e->num_experts, e->top_k, L.routing, route_w, ids);
-      if (s->moe_mlp(e, normed, t, ids, route_w, moe_ws, y, threads)) return -300 - (int)l;
+      const int rc = [&] {
+        const Timed timed(EXPERTS);
+        return s->moe_mlp(e, normed, t, ids, route_w, moe_ws, y, threads);
+      }();
+      if (rc) return -300 - (int)l;
       if (L.gate_up.gemm) {  // shared experts: their MLP on every token, added to the routed sum
         const int64_t W = L.gate_up.out_features / 2;
         if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
@@ -296,5 +339,13 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
   }
   s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
   return 0;
+}
+
+// The profile's sums since the last read (TM_STACK_PROFILE): out[0..3] nanoseconds in the products, attention,
+// the experts and the whole stack, out[4] the stack's calls; all zero when not profiling. Resets them.
+void tm_stack_profile(int64_t* out) {
+  for (int p = 0; p < PHASES; ++p) out[p] = profile_ns[p], profile_ns[p] = 0;
+  out[PHASES] = profile_calls;
+  profile_calls = 0;
 }
 }
