@@ -107,15 +107,17 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         _follower_main(spec, log)
         return
     channel = Channel(conn)
-    if serves_an_encoder(spec):  # no engine, no KV cache: embeddings only (embedding_worker.py)
+    found = _model_file(spec)  # found and opened once: for what the model is, its tokenizer and its weights
+    if found is not None and serves_an_encoder(*found):  # no engine, no KV cache: embeddings (embedding_worker.py)
         encoder_main(spec, channel, log)
         return
     publisher = None
     try:
         # Bound before the model loads, so that subscribers are connected by the time events flow.
         publisher = _kv_event_publisher(spec)
-        engine = _start_engine(spec, log)
-        embedder = decoder_embedder(engine.model, engine.max_model_len, engine.tokenizer.vocab_size)
+        engine = _start_engine(spec, log, found)
+        reader = None if found is None else found[1]
+        embedder = decoder_embedder(engine.model, engine.max_model_len, engine.tokenizer.vocab_size, reader)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
         if _is_usage_error(exc):
             # What was asked cannot be served: the message says why, a traceback would only hide it.
@@ -223,20 +225,31 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
     return TensorParallel(spec.rank, spec.world_size), device
 
 
-def _start_engine(spec: WorkerSpec, log: Any) -> Any:
+def _model_file(spec: WorkerSpec) -> tuple[Any, Any] | None:
+    """The model's path and its GGUF file opened (None for a directory), or None where it cannot be found
+    or read: the start then fails with the reason."""
+    from tokenmill_service.models.gguf_reader import open_model_file
+    from tokenmill_service.models.paths import resolve_model_path
+
+    try:
+        path = resolve_model_path(spec.options.model or None)
+        return path, open_model_file(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _start_engine(spec: WorkerSpec, log: Any, found: tuple[Any, Any] | None) -> Any:
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0
     from tokenmill_service.engine.warm_up import warmed_engine
     from tokenmill_service.loader import load_planned, replan
-    from tokenmill_service.models.gguf_reader import open_model_file
     from tokenmill_service.models.paths import resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
     # The tokenizer (a second or more for a 128k vocabulary, mostly Python) loads beside the weights,
     # whose packing runs in native code without the GIL.
-    # The model found and its file opened once, for the tokenizer and the weights.
-    path = resolve_model_path(spec.options.model or None)
-    reader = open_model_file(path)
+    # Where the model could not be found or read, resolving it again raises why.
+    path, reader = found if found is not None else (resolve_model_path(spec.options.model or None), None)
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         # In a copy of this context, so that its log line carries the worker's id and rank.
         tokenizer_loaded = pool.submit(contextvars.copy_context().run, load_tokenizer, path, reader)
