@@ -28,7 +28,9 @@ print(json.dumps([stack_profile.read_and_reset(), stack_profile.read_and_reset()
 
 def _profiles(env_value: str) -> list[dict[str, float]]:
     env = {**os.environ, "TM_STACK_PROFILE": env_value}
-    result = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     profiles: list[dict[str, float]] = json.loads(result.stdout.strip().splitlines()[-1])
     return profiles
