@@ -55,7 +55,7 @@ def reference() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from tokenmill_service.models.loader import resolve_model_path
+    from tokenmill_service.loader import resolve_model_path
 
     return resolve_model_path(None)
 
@@ -70,7 +70,7 @@ def default_tokenizer(default_model_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def default_model(default_model_path: Path) -> Any:
     """The reference configuration: float32, unquantized (what reproduces ../shared/reference)."""
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     return load_model(default_model_path)
 
@@ -79,7 +79,7 @@ def default_model(default_model_path: Path) -> Any:
 def served_model(default_model_path: Path) -> Any:
     """The model as the server runs it by default: every option at its default (the GGUF's blocks as
     stored, the native decoder stack), loaded as a worker loads it."""
-    from tokenmill_service.models.loader import load
+    from tokenmill_service.loader import load
     from tokenmill_service.plan import LoadOptions
 
     return load(LoadOptions())
@@ -88,7 +88,7 @@ def served_model(default_model_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def compiled_model(default_model_path: Path) -> Any:
     """The served model with --compile auto: its regions through torch.compile (compiled on first use)."""
-    from tokenmill_service.models.loader import load
+    from tokenmill_service.loader import load
     from tokenmill_service.plan import LoadOptions
 
     model = load(LoadOptions(compile="auto"))

@@ -19,7 +19,7 @@ import torch
 
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.models.loader import load_model, resolve_model_path
+from tokenmill_service.loader import load_model, resolve_model_path
 
 BLOCK = 16
 PREFILL = 128

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill_service.kernels.cpu import paged_attention
-from tokenmill_service.models.loader import load_model, resolve_model_path
+from tokenmill_service.loader import load_model, resolve_model_path
 
 BLOCK = 16
 

@@ -18,7 +18,7 @@ import torch
 
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.kernels.cpu import paged_attention
-from tokenmill_service.models.loader import load_model, resolve_model_path
+from tokenmill_service.loader import load_model, resolve_model_path
 
 BLOCK = 16
 DTYPES = (torch.float32, torch.float16)

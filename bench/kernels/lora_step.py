@@ -28,7 +28,7 @@ from tokenmill_bench.lora import base_dims, write_adapter
 from tokenmill_bench.model import default_model_path
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.models.loader import load
+from tokenmill_service.loader import load
 from tokenmill_service.plan.options import LoadOptions
 
 BLOCK = 16

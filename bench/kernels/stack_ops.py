@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill_service.engine.kv_cache_groups import plan_kv_cache_groups
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 
 PROMPT = 40
 

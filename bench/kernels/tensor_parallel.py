@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.distributed.step_broadcast import StepBroadcast, Stop, follow
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.models.loader import load_model, resolve_model_path
+from tokenmill_service.loader import load_model, resolve_model_path
 
 BLOCK = 16
 PREFILL = 128

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tokenmill_service.plan import choices
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2}
 _UNITS |= {"mi": 1024**2, "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3}
@@ -63,64 +65,13 @@ class Settings:
             "attention stays tensor-parallel",
         },
     )
-    backend: str = field(default="torch", metadata={"help": "compute backend", "choices": ["torch", "triton"]})
-    dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "activations (and unquantized weights); auto = float32 with quantized weights, "
-            "else bfloat16 where the CPU/GPU does it natively, else float32",
-            "choices": ["auto", "float32", "bfloat16"],
-        },
-    )
-    quantization: str = field(
-        default="auto",
-        metadata={
-            "help": "weight-only quantization of the linear layers; auto = as the checkpoint stores them "
-            "(a GGUF's blocks multiplied as stored by tokenmill's CPU kernels where they can be built, on any CPU: "
-            "gguf-vnni, integer products on 16-bit fixed-point activations, "
-            "else gguf, float32 products; a GGUF's k-quants by gguf-kquant; without a C++ compiler dense float32 "
-            "on a CPU, Q4_0/Q4_1 as int4 on a GPU; FP8 block-scaled safetensors, DeepSeek-V3's, by fp8-block), gguf-vnni / gguf-kquant / "
-            "gguf / fp8-block = that method or fail, none = dense",
-            "choices": ["auto", "gguf-vnni", "gguf-kquant", "gguf", "fp8-block", "none", "int8", "int4"],
-        },
-    )
-    activations: str = field(
-        default="auto",
-        metadata={
-            "help": "what the native integer-product kernels (gguf-vnni, gguf-kquant) round the activations to per "
-            "block of 32; auto = 16-bit fixed point (logprobs within about 1e-3 of float32); int8 = 8-bit integers "
-            "as llama.cpp's Q8_0 does (one byte product a weight: faster, less precise). Refused where no layer "
-            "is served by those kernels. Either keeps a sequence's results independent of its batch",
-            "choices": ["auto", "int8"],
-        },
-    )
-    cpu_isa: str = field(
-        default="auto",
-        metadata={
-            "help": "the instruction set tokenmill's CPU kernels are built for; auto = the fastest this CPU runs "
-            "(avx512, avx2, neon, else scalar). Every one gives the same tokens and logprobs bit for bit; forcing "
-            "one measures it. One the CPU lacks is refused at start",
-            "choices": ["auto", "scalar", "avx2", "avx512", "neon"],
-        },
-    )
-    kv_cache_dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "what the KV cache stores; auto = the activations' dtype; float16 = half the bytes a decode "
-            "step reads from the cache and twice the tokens a pool holds, for native attention (CPU, float32 "
-            "activations; logprobs move by about 1e-3)",
-            "choices": ["auto", "float32", "float16"],
-        },
-    )
-    compile: str = field(
-        default="off",
-        metadata={
-            "help": "compile the forward pass with torch.compile, every graph built during start-up; auto = "
-            "where it can (CPU, torch backend, one rank, a C++ compiler), else eager with a log line saying why. "
-            "Off by default: on CPU it measured no faster (bench/history.md) and adds 10-40 s to a worker's start",
-            "choices": ["auto", "off"],
-        },
-    )
+    backend: str = field(default="torch", metadata={"option": choices.BACKEND})
+    dtype: str = field(default="auto", metadata={"option": choices.DTYPE})
+    quantization: str = field(default="auto", metadata={"option": choices.QUANTIZATION})
+    activations: str = field(default="auto", metadata={"option": choices.ACTIVATIONS})
+    cpu_isa: str = field(default="auto", metadata={"option": choices.CPU_ISA})
+    kv_cache_dtype: str = field(default="auto", metadata={"option": choices.KV_CACHE_DTYPE})
+    compile: str = field(default="off", metadata={"option": choices.COMPILE})
     threads: int = field(default=0, metadata={"help": "torch threads per worker (0: the cores shared among workers)"})
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
@@ -132,15 +83,7 @@ class Settings:
             "the same step: the same tokens and logprobs as without, more per read of the weights; 0 = off"
         },
     )
-    speculative_method: str = field(
-        default="ngram",
-        metadata={
-            "help": "where draft tokens come from: ngram (prompt lookup: the sequence's own history) or mtp (the "
-            "checkpoint's multi-token-prediction layers, DeepSeek-V3's; --speculative-tokens of them chained, "
-            "1 to 3 pays best)",
-            "choices": ["ngram", "mtp"],
-        },
-    )
+    speculative_method: str = field(default="ngram", metadata={"option": choices.SPECULATIVE_METHOD})
     speculative_max_batch: int = field(
         default=4, metadata={"help": "guess drafts only while at most this many sequences run, per worker"}
     )
@@ -475,12 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tokenmill-server {_version()}")
     for f in fields(Settings):
-        text = f.metadata["help"]
+        option: choices.Option | None = f.metadata.get("option")  # an enumerated load option: its values' own
+        text = option.help if option is not None else f.metadata["help"]
         # The default is shown unless the help already says it.
         shown = "" if "default" in text else f"default: {f.default if f.default != '' else 'none'}, "
         kw: dict[str, Any] = {"help": f"{text} [{shown}env {' or '.join(env_names(f))}]", "default": None}
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
+        if option is not None or "choices" in f.metadata:
+            kw["choices"] = option.values() if option is not None else f.metadata["choices"]
         if str(f.type) == "bool":  # a switch: present or not
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=True, **kw)
             continue

@@ -40,14 +40,13 @@ if TYPE_CHECKING:
 ENCODER_REFUSAL = "the model {name} is an encoder: it embeds only (POST /v1/embeddings) and does not generate"
 
 
-def serves_an_encoder(spec: WorkerSpec) -> bool:
-    """Whether this worker's model is an encoder (False where the path is not even readable: the ordinary
-    start reports that)."""
+def serves_an_encoder(path: Path, reader: Any) -> bool:
+    """Whether this worker's model (found at ``path``, its GGUF file open as ``reader`` or None) is an encoder
+    (False where it is not even readable: the ordinary start reports that)."""
     from tokenmill_service.models.embedding_spec import is_encoder
-    from tokenmill_service.models.paths import resolve_model_path
 
     try:
-        return is_encoder(resolve_model_path(spec.options.model or None))
+        return is_encoder(path, reader)
     except (OSError, ValueError):
         return False
 
@@ -143,9 +142,9 @@ def _context(st_limit: int, positions: int, asked: int) -> int:
     return min(n for n in (st_limit, positions, asked) if n > 0) if positions > 0 else max(st_limit, asked)
 
 
-def decoder_embedder(model: Any, context_length: int, vocab_size: int) -> Embedder | None:
+def decoder_embedder(model: Any, context_length: int, vocab_size: int, reader: Any = None) -> Embedder | None:
     """The embedder of a decoder whose checkpoint says how it embeds (None: it does not; EmbeddingConfigError:
-    it says so in a way not supported)."""
+    it says so in a way not supported). ``reader``: its GGUF file already open."""
     from tokenmill_service.models.embedder import Embedder, decoder_hidden_states
     from tokenmill_service.models.embedding_spec import read_embedding_spec
 
@@ -153,7 +152,7 @@ def decoder_embedder(model: Any, context_length: int, vocab_size: int) -> Embedd
     path = Path(plan.options.model) if plan is not None and plan.options.model else None
     if path is None:
         return None  # the embedded default model, a chat model
-    embedding = read_embedding_spec(path)
+    embedding = read_embedding_spec(path, reader)
     if embedding is None:
         return None
     embedder = Embedder(decoder_hidden_states(model), embedding, model.config.hidden_size, model.device)

@@ -31,7 +31,7 @@ from tokenmill_service.embedding_worker import (
     encoder_main,
     serves_an_encoder,
 )
-from tokenmill_service.engine.request import GenerationRequest, RequestError, StoppingParams
+from tokenmill_service.engine.request import RequestError
 from tokenmill_service.log_setup import configure_logging
 from tokenmill_service.messages import (
     AdapterResult,
@@ -107,15 +107,17 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         _follower_main(spec, log)
         return
     channel = Channel(conn)
-    if serves_an_encoder(spec):  # no engine, no KV cache: embeddings only (embedding_worker.py)
+    found = _model_file(spec)  # found and opened once: for what the model is, its tokenizer and its weights
+    if found is not None and serves_an_encoder(*found):  # no engine, no KV cache: embeddings (embedding_worker.py)
         encoder_main(spec, channel, log)
         return
     publisher = None
     try:
         # Bound before the model loads, so that subscribers are connected by the time events flow.
         publisher = _kv_event_publisher(spec)
-        engine = _start_engine(spec, log)
-        embedder = decoder_embedder(engine.model, engine.max_model_len, engine.tokenizer.vocab_size)
+        engine = _start_engine(spec, log, found)
+        reader = None if found is None else found[1]
+        embedder = decoder_embedder(engine.model, engine.max_model_len, engine.tokenizer.vocab_size, reader)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the router as a message
         if _is_usage_error(exc):
             # What was asked cannot be served: the message says why, a traceback would only hide it.
@@ -124,33 +126,9 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
             log.error("worker_start_failed", error=str(exc), traceback=traceback.format_exc())
         channel.send(Failed(f"{type(exc).__name__}: {exc}", usage=_is_usage_error(exc)))
         return
-    from tokenmill_service.dtypes import dtype_name
-
-    stats = engine.stats()
-    channel.send(
-        Ready(
-            WorkerInfo(
-                worker_id=spec.worker_id,
-                pid=os.getpid(),
-                model_name=engine.model.config.name,
-                context_length=engine.max_model_len,
-                vocab_size=engine.tokenizer.vocab_size,
-                device=str(engine.model.device),
-                dtype=dtype_name(engine.model.act_dtype),
-                kv_blocks_total=stats.kv_blocks_total,
-                kv_block_size=stats.kv_block_size,
-                quantization=engine.model.quantization,
-                weight_bytes=engine.model.weight_bytes(),
-                compiled_graphs=stats.compiled_graphs,
-                backend=spec.options.backend,
-                plan=engine.model.plan.summary(),
-                adapters=stats.adapters,
-                kv_per_sequence=engine.kv_per_sequence,
-                embedding=embedding_info(embedder),
-            ),
-        )
-    )
-    log.info("worker_ready", pid=os.getpid(), kv_blocks=stats.kv_blocks_total)
+    ready = _ready(spec, engine, embedder)
+    channel.send(ready)
+    log.info("worker_ready", pid=os.getpid(), kv_blocks=ready.info.kv_blocks_total)
     if publisher is not None:
         from tokenmill_service.engine.kv_events import AllBlocksCleared
 
@@ -176,6 +154,34 @@ def worker_main(spec: WorkerSpec, conn: Connection | None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         log.info("worker_stopped")
+
+
+def _ready(spec: WorkerSpec, engine: Any, embedder: Any) -> Ready:
+    """What the router learns of a started worker: the model, its KV cache and the plan it runs."""
+    from tokenmill_service.dtypes import dtype_name
+
+    stats = engine.stats()
+    return Ready(
+        WorkerInfo(
+            worker_id=spec.worker_id,
+            pid=os.getpid(),
+            model_name=engine.model.config.name,
+            context_length=engine.max_model_len,
+            vocab_size=engine.tokenizer.vocab_size,
+            device=str(engine.model.device),
+            dtype=dtype_name(engine.model.act_dtype),
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_block_size=stats.kv_block_size,
+            quantization=engine.model.quantization,
+            weight_bytes=engine.model.weight_bytes(),
+            compiled_graphs=stats.compiled_graphs,
+            backend=spec.options.backend,
+            plan=engine.model.plan.summary(),
+            adapters=stats.adapters,
+            kv_per_sequence=engine.kv_per_sequence,
+            embedding=embedding_info(embedder),
+        ),
+    )
 
 
 def _is_usage_error(exc: BaseException) -> bool:
@@ -219,52 +225,55 @@ def _init_distributed(spec: WorkerSpec, log: Any) -> Any:
     return TensorParallel(spec.rank, spec.world_size), device
 
 
-def _start_engine(spec: WorkerSpec, log: Any) -> Any:
+def _model_file(spec: WorkerSpec) -> tuple[Any, Any] | None:
+    """The model's path and its GGUF file opened (None for a directory), or None where it cannot be found
+    or read: the start then fails with the reason."""
+    from tokenmill_service.models.gguf_reader import open_model_file
+    from tokenmill_service.models.paths import resolve_model_path
+
+    try:
+        path = resolve_model_path(spec.options.model or None)
+        return path, open_model_file(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _start_engine(spec: WorkerSpec, log: Any, found: tuple[Any, Any] | None) -> Any:
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0
-    from tokenmill_service.engine.compile import compiled_graphs
-    from tokenmill_service.models.loader import load, resolve_model_path
+    from tokenmill_service.engine.warm_up import warmed_engine
+    from tokenmill_service.loader import load_planned, replan
+    from tokenmill_service.models.paths import resolve_model_path
     from tokenmill_service.tokenizer import load_tokenizer
 
     tp, device = _init_distributed(spec, log)
     # The tokenizer (a second or more for a 128k vocabulary, mostly Python) loads beside the weights,
     # whose packing runs in native code without the GIL.
+    # Where the model could not be found or read, resolving it again raises why.
+    path, reader = found if found is not None else (resolve_model_path(spec.options.model or None), None)
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        path = resolve_model_path(spec.options.model or None)
         # In a copy of this context, so that its log line carries the worker's id and rank.
-        tokenizer_loaded = pool.submit(contextvars.copy_context().run, load_tokenizer, path)
-        model = load(spec.options, device, tp)
+        tokenizer_loaded = pool.submit(contextvars.copy_context().run, load_tokenizer, path, reader)
+        model, inputs = load_planned(spec.options, device, tp, path, reader)
         tokenizer = tokenizer_loaded.result()
-    engine = _engine(model, tokenizer, spec, tp)
-    if tp.size > 1:
-        # The pool size depends on this rank's free memory: every rank takes rank 0's.
-        broadcast_from_rank0(engine.block_manager.num_blocks, tp)
-    if engine.runner.executor.kind != "compiled":
-        _warm_up(engine)
+
+    def make_engine(num_blocks: int | None) -> Any:
+        engine = _engine(model, tokenizer, spec, tp, num_blocks)
+        if tp.size > 1 and num_blocks is None:
+            # The pool size depends on this rank's free memory: every rank takes rank 0's.
+            broadcast_from_rank0(engine.block_manager.num_blocks, tp)
         return engine
-    started = time.monotonic()
-    try:
-        _warm_up(engine)
-    except Exception as exc:  # noqa: BLE001 - whatever the compiler raised: serve eager instead
-        log.warning("compile_failed", error=str(exc).splitlines()[0] if str(exc) else repr(exc), running="eager")
-        num_blocks = engine.block_manager.num_blocks
-        del engine
-        # The same pool size the other ranks already took, and the same broadcast of every step to them.
-        engine = _engine(model, tokenizer, spec, tp, executor="eager", num_blocks=num_blocks)
-        _warm_up(engine)
-        return engine
-    log.info("compiled", graphs=compiled_graphs(), seconds=round(time.monotonic() - started, 1))
-    return engine
+
+    return warmed_engine(make_engine, lambda failed: replan(model, inputs, failed))
 
 
-def _engine(
-    model: Any, tokenizer: Any, spec: WorkerSpec, tp: Any, executor: str | None = None, num_blocks: int | None = None
-) -> Any:
-    """Rank 0's engine with the worker's adapters; under tensor parallelism it broadcasts every step."""
+def _engine(model: Any, tokenizer: Any, spec: WorkerSpec, tp: Any, num_blocks: int | None = None) -> Any:
+    """Rank 0's engine with the worker's adapters, run as the model's plan says; under tensor parallelism it
+    broadcasts every step."""
     from tokenmill_service.distributed.step_broadcast import lead
     from tokenmill_service.engine.llm_engine import LLMEngine
 
     config = spec.engine if num_blocks is None else dataclasses.replace(spec.engine, num_kv_blocks=num_blocks)
-    engine = LLMEngine(model, tokenizer, config, executor=executor)
+    engine = LLMEngine(model, tokenizer, config)
     _load_adapters(engine, spec.lora_modules)
     if tp.size > 1:
         lead(engine, tp)
@@ -300,22 +309,12 @@ def _adapter_command(engine: Any, cmd: LoadAdapter | UnloadAdapter) -> AdapterRe
     return AdapterResult(cmd.name, load)
 
 
-def _warm_up(engine: Any) -> None:
-    """One real prefill and decode, so that the first caller pays for no lazy set-up. Compiled, that
-    builds every graph: each region has one graph for any number of tokens (engine/compile.py), and
-    tests/engine/test_compile.py checks that no step shape builds another afterwards."""
-    tokens = engine.tokenizer.encode("Hello")
-    engine.add_request(GenerationRequest("warmup", tokens, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)))
-    while engine.has_unfinished():
-        engine.step()
-
-
 def _follower_main(spec: WorkerSpec, log: Any) -> None:
     """A rank above 0: load this rank's shard, then run what rank 0 broadcasts until it stops."""
     from tokenmill_service.distributed.step_broadcast import broadcast_from_rank0, follow
     from tokenmill_service.engine.llm_engine import kv_cache_groups
     from tokenmill_service.engine.model_runner import ModelRunner
-    from tokenmill_service.models.loader import load
+    from tokenmill_service.loader import load
 
     try:
         tp, device = _init_distributed(spec, log)
@@ -351,7 +350,7 @@ def _serve(
     engine: Any, channel: Channel, log: Any, idle_tick: float, publisher: Any = None, embedder: Any = None
 ) -> None:
     from tokenmill_service.distributed.step_broadcast import Idle, Stop
-    from tokenmill_service.kernels.cpu.stack_profile import read_and_reset as stack_profile
+    from tokenmill_service.kernels import stack_profile
 
     conn = channel.conn
     max_step_tokens = engine.config.max_batch_tokens
@@ -408,7 +407,7 @@ def _serve(
                 engine_ms=round((stepped - started - engine.runner.last_execute_s) * 1000, 3),
                 send_ms=round((sent - stepped) * 1000, 3),
                 between_steps_ms=None if last_sent is None else round((started - last_sent) * 1000, 3),
-                **stack_profile(),
+                **stack_profile.read_and_reset(),
             )
             last_sent = sent
         else:

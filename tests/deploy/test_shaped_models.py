@@ -12,7 +12,7 @@ import torch
 
 from tokenmill_bench import shaped
 from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.models.loader import load
+from tokenmill_service.loader import load
 from tokenmill_service.plan import LoadOptions
 from tokenmill_service.tokenizer import load_tokenizer
 

@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.loader import load_model
 from tokenmill_service.models.builder import build_model
 from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.models.loader import load_model
 from tokenmill_service.plan import LoadOptions
 from tokenmill_service.plan.device import probe_device
 from tokenmill_service.plan.resolve import resolve_plan

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 
 
 def rank_logits(rank: int, size: int, port: int, runs: list[tuple[str, bool]], prompt: list[int], out: str) -> None:

@@ -20,7 +20,7 @@ from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.llm_engine import LLMEngine, kv_cache_groups
 from tokenmill_service.engine.model_runner import ModelRunner
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 from tokenmill_service.tokenizer.load import load_tokenizer
 
 Drafted = tuple[dict[str, list[RequestOutput]], list[dict[str, list[int]]]]

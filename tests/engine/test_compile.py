@@ -31,10 +31,10 @@ from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.compile import compiled_graphs
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.kernels import ops_class
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import DeviceFacts
-from tokenmill_service.plan.resolve import compile_missing
+from tokenmill_service.plan.executor import compile_missing
 
 
 @torch.inference_mode()
@@ -73,6 +73,56 @@ def test_no_step_shape_compiles_another_graph_after_the_first_steps(compiled_mod
     ):
         runner.execute(step)
     assert compiled_graphs() == built
+
+
+FAILING_COMPILER = """#!/bin/sh
+# Answers like a compiler, fails like a broken one.
+if [ "$1" = "--version" ]; then echo "g++ (broken) 13.2.0"; exit 0; fi
+echo "broken compiler: cannot compile $*" >&2
+exit 1
+"""
+
+
+@torch.inference_mode()
+def test_a_compile_that_fails_at_warm_up_replans_without_it_and_says_why(
+    default_model_path: Path, default_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A C++ compiler that answers but cannot build (inductor finds it, the plan compiles, the warm-up's first
+    graph fails): the plan is made again without compiling, says why in its summary (GetModelInfo's plan),
+    and the engine serves from it."""
+    import torch._inductor.config as inductor_config
+
+    from tokenmill_service.engine import executor as executors
+    from tokenmill_service.engine.llm_engine import EngineConfig, LLMEngine
+    from tokenmill_service.engine.warm_up import warm_up, warmed_engine
+    from tokenmill_service.loader import load_planned, replan
+
+    compiler = tmp_path / "g++"
+    compiler.write_text(FAILING_COMPILER)
+    compiler.chmod(0o755)
+    monkeypatch.setattr(executors, "_COMPILED", {})
+    built: list[LLMEngine] = []
+
+    def make_engine(num_blocks: int | None) -> LLMEngine:
+        built.append(LLMEngine(model, default_tokenizer, EngineConfig(num_kv_blocks=num_blocks or 64)))
+        return built[-1]
+
+    # No graph from an earlier build: every one goes to the compiler.
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.cxx": (None, str(compiler)), "force_disable_caches": True}):
+        model, inputs = load_planned(LoadOptions(model=str(default_model_path), compile="auto"))
+        assert model.plan.executor.value == "compiled"
+        with capture_logs() as logs:
+            engine = warmed_engine(make_engine, lambda failed: replan(model, inputs, failed))
+    torch._dynamo.reset()
+    assert [e.runner.executor.kind for e in built] == ["compiled", "native-stack"]
+    assert engine is built[-1] and engine.block_manager.num_blocks == 64
+    summary = model.plan.summary()
+    assert summary["executor"].startswith("native-stack ("), summary
+    assert summary["skipped.compile"].startswith("torch.compile failed while building the graphs ("), summary
+    changed = [e for e in logs if e["event"] == "plan_changed"]
+    assert len(changed) == 1 and changed[0]["executor"] == "native-stack" and "compiled" in changed[0]["failed"]
+    warm_up(engine)  # it serves
 
 
 def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
@@ -136,6 +186,33 @@ def test_a_graph_cached_under_a_wider_vector_isa_is_not_reused_under_avx2(tmp_pa
 
 
 # -- through the RPC -------------------------------------------------------------------------
+
+
+def test_a_server_whose_compiler_cannot_build_serves_the_replanned_plan_and_reports_why(tmp_path: Path) -> None:
+    """CXX names a g++ that reports the real one's version (the native kernels' builds stay cached) and
+    builds nothing: the worker's warm-up fails to compile, the plan is made again without compiling, and
+    GetModelInfo's load plan (and the log) say what failed; the server serves."""
+    real = subprocess.run(["sh", "-c", "command -v g++"], capture_output=True, text=True, check=False).stdout.strip()
+    if not real:
+        pytest.skip("no g++ here")
+    compiler = tmp_path / "bin" / "g++"
+    compiler.parent.mkdir()
+    compiler.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then exec {real} --version; fi\nexit 1\n')
+    compiler.chmod(0o755)
+    env = {"CXX": str(compiler), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    server = ServerProcess("--compile", "auto", "--drain-seconds", "1", env=env).start(timeout=300)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            plan = dict(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).load_plan)
+            reply = list(stub.Generate(pb.GenerateRequest(prompt="Hi", stopping=pb.StoppingParams(max_new_tokens=2))))
+        logs = server.logs()
+    finally:
+        server.stop()
+    assert plan["skipped.compile"].startswith("torch.compile failed while building the graphs ("), plan
+    assert not plan["executor"].startswith("compiled"), plan
+    assert '"event": "plan_changed"' in logs and '"event": "compile_failed"' in logs
+    assert reply
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from tests.tiny_deepseek import add_mtp_layer, deepseek_v3, quantize_fp8
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.plan.plan import PlanRefused
 from tokenmill_service.tokenizer.load import load_tokenizer

@@ -27,11 +27,11 @@ from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
 from tokenmill_service.kernels.cpu import latent_attention
 from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
+from tokenmill_service.loader import load_model
 from tokenmill_service.models.decoder import GatedMLP
 from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
 from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.hf_loader import read_hf_config
-from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.registry import family as family_spec
 from tokenmill_service.plan.plan import PlanRefused
 from tokenmill_service.plan.resolve import kv_cache_bytes_per_token

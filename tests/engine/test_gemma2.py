@@ -25,7 +25,7 @@ from tests.engine.family_checks import (
 from tests.engine.gemma_checkpoints import PROMPT, WINDOW, convert_gemma_to_gguf, gemma2
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

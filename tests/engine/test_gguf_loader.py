@@ -17,6 +17,7 @@ from tokenmill_service.distributed.degree import check_degree
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.layers.quant import gguf_blocks
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
+from tokenmill_service.loader import load, load_model
 from tokenmill_service.models.checkpoint import open_checkpoint
 from tokenmill_service.models.dims import read_dims
 from tokenmill_service.models.gguf_loader import (
@@ -26,7 +27,6 @@ from tokenmill_service.models.gguf_loader import (
     open_gguf,
     unpermute_qk,
 )
-from tokenmill_service.models.loader import load, load_model
 from tokenmill_service.plan import LoadOptions, PlanRefused
 from tokenmill_service.plan.device import DeviceFacts
 from tokenmill_service.plan.resolve import resolve_plan

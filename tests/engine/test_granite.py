@@ -29,8 +29,8 @@ from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.loader import load_model
 from tokenmill_service.models.hf_loader import read_hf_config
-from tokenmill_service.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.models import paths
-from tokenmill_service.models.config import has_windows, layer_window
-from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.loader import (
+from tokenmill_service.loader import (
     DEFAULT_MODEL_INSTALL_HINT,
     ModelLoadError,
     ModelNotFoundError,
     load_model,
     resolve_model_path,
 )
+from tokenmill_service.models import paths
+from tokenmill_service.models.config import has_windows, layer_window
+from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

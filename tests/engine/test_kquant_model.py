@@ -25,7 +25,7 @@ from tests.engine.test_gguf_loader import (  # noqa: F401 - q4_k_m_files is a fi
 )
 from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.kernels.cpu import decoder_stack, kquant_gemm
-from tokenmill_service.models.loader import load
+from tokenmill_service.loader import load
 from tokenmill_service.plan import LoadOptions
 
 pytestmark = pytest.mark.skipif(

@@ -23,8 +23,8 @@ from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.config import load_settings
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.loader import load_model
 from tokenmill_service.models.checkpoint import Checkpoint, open_checkpoint
-from tokenmill_service.models.loader import load_model
 from tokenmill_service.plan import LoadOptions, LoadPlan, PlanRefused
 from tokenmill_service.plan.device import NATIVE_KERNELS, DeviceFacts, probe_device
 from tokenmill_service.plan.resolve import resolve_plan

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.loader import load_model, resolve_model_path
 from tokenmill_service.models.decoder import DecoderForCausalLM
-from tokenmill_service.models.loader import load_model, resolve_model_path
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 LOGPROB_ATOL = 1e-3

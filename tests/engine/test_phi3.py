@@ -28,10 +28,10 @@ from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_eq
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tokenmill_service.engine.executor import make_executor
 from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.loader import load_model
 from tokenmill_service.models import registry
 from tokenmill_service.models.config import layer_window
 from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.loader import load_model
 from tokenmill_service.models.phi3 import LONG, PHI3, SHORT
 
 transformers = pytest.importorskip("transformers")
@@ -249,7 +249,8 @@ def test_the_served_context_chooses_longrope_factors_in_the_plan(checkpoint: tup
     assert served_whole.max_positions == 256
     config = read_hf_config(directory)
     assert PHI3.rope_choice is not None
-    assert PHI3.rope_choice(config, ORIGINAL + 1).value == LONG  # type: ignore[union-attr]
+    chosen = PHI3.rope_choice(config, ORIGINAL + 1)
+    assert chosen is not None and chosen[0] == LONG
     short = load_model(directory, max_model_len=ORIGINAL)
     assert short.plan.summary()["rope"].startswith(f"{SHORT} (LongRoPE: the served context (--max-model-len 32: 32)")
     assert short.max_positions == ORIGINAL

@@ -45,7 +45,7 @@ def test_memory_freed_while_loading_goes_back_to_the_system() -> None:
 
 
 def test_loading_a_model_returns_the_heap_it_freed(default_model_path: Path) -> None:
-    from tokenmill_service.models.loader import load
+    from tokenmill_service.loader import load
     from tokenmill_service.plan import LoadOptions
 
     with capture_logs() as logs:

@@ -21,12 +21,12 @@ from tokenmill_service.kernels.interface import register_ops
 from tokenmill_service.kernels.torch_ops import TorchOps
 from tokenmill_service.layers.quant.base import register_quantization
 from tokenmill_service.layers.quant.dense import DenseMethod
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 
 CALLS: dict[str, int] = {}
 
 
-@register_quantization("toy-quant")
+@register_quantization("toy-quant", help="dense weights, counting its products")
 class ToyQuant(DenseMethod):
     """Dense weights, counting its products."""
 
@@ -35,7 +35,7 @@ class ToyQuant(DenseMethod):
         return super().apply(layer, x)
 
 
-@register_ops("toy-ops")
+@register_ops("toy-ops", help="the reference ops, counting attention calls")
 class ToyOps(TorchOps):
     """The reference ops, counting attention calls."""
 
@@ -158,3 +158,19 @@ def test_the_device_check_catches_a_tensor_made_without_its_device() -> None:
         torch.tensor([1, 2])
         torch.arange(3, device="cpu")
     assert mode.violations == ["tensor without device="]
+
+
+def test_every_declared_backend_and_quantization_has_its_implementation_and_only_those() -> None:
+    """--backend and --quantization take their values from plan/choices.py; each names a registered
+    implementation (auto aside), and an implementation registers under a declared value only."""
+    from tokenmill_service.kernels.interface import ops_class
+    from tokenmill_service.layers.quant import quant_method_class
+    from tokenmill_service.plan import choices
+
+    for value in choices.BACKEND.values(selectable_only=False):
+        assert ops_class(value).name == value
+    for value in choices.QUANTIZATION.values(selectable_only=False):
+        if value != "auto":
+            assert quant_method_class(value).name == value
+    with pytest.raises(ValueError, match="'made-up' is not a value of --quantization"):
+        register_quantization("made-up")(DenseMethod)

@@ -14,7 +14,7 @@ from tests.tiny_checkpoint import sharpen, write_byte_level_tokenizer
 from tokenmill_service.engine.config import EngineConfig
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, RequestOutput, StoppingParams
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 from tokenmill_service.tokenizer.load import load_tokenizer
 
 WINDOW = 16

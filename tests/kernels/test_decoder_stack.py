@@ -93,7 +93,7 @@ def test_the_served_model_runs_the_native_stack_with_the_python_forwards_bits(se
 
 @torch.inference_mode()
 def test_the_float32_block_product_runs_it_too(default_model_path: Path) -> None:
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     with capture_logs() as logs:
         model = load_model(default_model_path, quantization="gguf")
@@ -109,19 +109,28 @@ def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
 
 
 def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_model: Any) -> None:
-    layer = default_model.model.layers[1]
-    plain = type(layer)
+    """The plan gives a family whose layers do more to a sub-layer's output than the stack's residual
+    multiplier no native stack, and says why."""
+    from tokenmill_service.kernels import ops_class
+    from tokenmill_service.plan import LoadOptions
+    from tokenmill_service.plan.device import probe_device
+    from tokenmill_service.plan.executor import native_stack_missing
 
-    class Doubled(plain):  # type: ignore[valid-type,misc]
+    family = type(default_model)
+
+    class Doubled(family.layer_type):  # type: ignore[name-defined,misc]
         def branch(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * x
 
-    layer.__class__ = Doubled
-    try:
-        with pytest.raises(ValueError, match="residual_multiplier only"):
-            build_decoder_stack(default_model)
-    finally:
-        layer.__class__ = plain
+    class DoubledFamily(family):  # type: ignore[valid-type,misc]
+        layer_type = Doubled
+
+    facts, native = probe_device("cpu"), ops_class("native")
+    args = (LoadOptions(), facts, native, torch.float32, default_model.plan.layers)
+    if native_stack_missing(*args, family, default_model.config) is not None:
+        pytest.skip("no native stack here")
+    why = native_stack_missing(*args, DoubledFamily, default_model.config)
+    assert why is not None and "residual multiplier" in why
 
 
 @torch.inference_mode()
@@ -133,7 +142,7 @@ def test_dense_float32_layers_run_it_too(default_model: Any) -> None:
 def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_forward(
     default_model_path: Path, compiled_model: Any
 ) -> None:
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     # --quantization int8: torch's per-channel kernel, which native code cannot call.
     with capture_logs() as logs:
@@ -165,7 +174,7 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Four layers (windowed, full, windowed, full): two KV-cache groups of two layers each."""
     pytest.importorskip("transformers")
     from tests.engine.gpt_oss_checkpoint import hf_gpt_oss
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     directory = tmp_path_factory.mktemp("tiny-gpt-oss-stack")
     hf_gpt_oss(layers=4).save_pretrained(directory, safe_serialization=True)
@@ -202,7 +211,7 @@ def gemma_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     head_dim 256, Gemma 3 1B's), loaded, and the transformers model saved (the test's to change)."""
     pytest.importorskip("transformers")
     from tests.engine import gemma_checkpoints
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     directory = tmp_path_factory.mktemp(f"tiny-{request.param}-stack")
     hf = gemma_checkpoints.gemma2() if request.param == "gemma2" else gemma_checkpoints.gemma3(head_dim=256)
@@ -248,7 +257,7 @@ def llama_variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     LongRoPE, its long factors chosen for the model's 256-position context), loaded."""
     pytest.importorskip("transformers")
     from tests.engine.granite_phi3_checkpoints import granite, phi3
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     directory = tmp_path_factory.mktemp(f"tiny-{request.param}-stack")
     if request.param == "granite":
@@ -285,7 +294,7 @@ def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     1 shared expert): with the low-rank query path, YaRN and interleaved rotary dims, or q_proj and plain ones."""
     pytest.importorskip("transformers")
     from tests.tiny_deepseek import deepseek_v3
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     directory = tmp_path_factory.mktemp(f"tiny-deepseek-{request.param}-stack")
     deepseek_v3(q_lora=request.param == "q_lora", moe=True).save_pretrained(directory, safe_serialization=True)

@@ -19,6 +19,7 @@ from gguf import quants
 from tests.engine.test_gguf_loader import random_blocks
 from tokenmill_service.distributed.parallel import TensorParallel
 from tokenmill_service.kernels import get_ops
+from tokenmill_service.kernels.cpu import moe_mlp
 from tokenmill_service.layers.fused_moe import (
     ExpertPlacement,
     FusedMoE,
@@ -28,7 +29,7 @@ from tokenmill_service.layers.fused_moe import (
     select_top_logits,
 )
 from tokenmill_service.layers.fused_moe.layer import ExpertMLP
-from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
+from tokenmill_service.layers.fused_moe.native import activation_gap, native_experts
 from tokenmill_service.layers.fused_moe.reference import moe_reference
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.layers.quant import QuantMethod, quant_method_class
@@ -83,7 +84,19 @@ def _moe(
     for module in moe.modules():
         if isinstance(module, LinearBase):
             module.finalize()
+    moe.one_call = _one_call(moe)
     return moe
+
+
+def _one_call(moe: FusedMoE) -> bool:
+    """What the load plan answers for these experts (plan/executor.py's ``experts_path``): one call where the
+    ops are native, the call is built and every expert's products have a native kernel."""
+    products = [lin for e in moe.experts.values() for lin in (e.gate_up_proj, e.down_proj)]
+    return (
+        moe.ops.name == "native"
+        and moe_mlp.unavailable_reason() is None
+        and all(lin.quant.native_kernel is not None for lin in products)
+    )
 
 
 def _reference(moe: FusedMoE, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +136,7 @@ def test_a_tokens_output_is_bitwise_the_same_alone_and_among_others(
 
 def _loop(moe: FusedMoE, x: torch.Tensor, held: range | None = None) -> torch.Tensor:
     """The layer's Python loop (its experts one by one), of the experts in ``held`` (None: all)."""
-    saved, moe._native = moe._native, "the loop, for comparison"
+    saved, moe.one_call = moe.one_call, False  # the loop, for comparison
     saved_experts = moe.experts
     if held is not None:
         moe.experts = torch.nn.ModuleDict({str(e): moe.experts[str(e)] for e in held})
@@ -131,7 +144,7 @@ def _loop(moe: FusedMoE, x: torch.Tensor, held: range | None = None) -> torch.Te
     try:
         return moe(x)
     finally:
-        moe._native, moe.experts = saved, saved_experts
+        moe.one_call, moe.experts = saved, saved_experts
         moe.placement = ExpertPlacement.for_rank(EXPERTS, moe.tp)
 
 
@@ -142,8 +155,8 @@ def test_the_native_experts_are_the_loops_bits(method: str, qtype: QType, hidden
     same kernels on the same rows, so the same bits, whether the experts share the threads (many tokens)
     or each product does (one token: two experts), and with only some experts held (expert parallel)."""
     moe = _moe(method, qtype, hidden, width)
-    if (why := why_not_native(moe)) is not None:
-        pytest.skip(why)
+    if not moe.one_call:
+        pytest.skip("the experts' native call cannot run here")
     assert moe.native() is not None
     x = torch.randn(37, hidden, generator=torch.Generator().manual_seed(3))
     for rows in (x[:1], x[:3], x):
@@ -192,6 +205,7 @@ def _gpt_oss_moe(method: str, qtype: QType, tp: TensorParallel) -> GptOssMoE:
     for module in moe.modules():
         if isinstance(module, LinearBase):
             module.finalize()
+    moe.one_call = _one_call(moe)
     return moe
 
 
@@ -206,8 +220,8 @@ def test_gpt_oss_native_experts_are_the_loops_bits(method: str, qtype: QType) ->
     the same bits at 1, 3 and 37 tokens, for the experts of one expert-parallel rank, and for each rank
     of two splitting every expert's width (the down bias on the first rank only, once in the sum)."""
     moe = _gpt_oss_moe(method, qtype, TensorParallel())
-    if (why := why_not_native(moe)) is not None:
-        pytest.skip(why)
+    if not moe.one_call:
+        pytest.skip("the experts' native call cannot run here")
     assert moe.native() is not None
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(8))
     gate_up = moe.experts["0"].gate_up_proj(x)
@@ -235,7 +249,9 @@ def test_experts_with_an_activation_of_no_native_form_run_one_by_one() -> None:
 
     quant = lambda _: quant_method_class("none")(torch.float32)
     moe = GeluMoE(64, 64, 4, 2, True, "mlp", get_ops("torch"), quant, TensorParallel())
-    assert why_not_native(moe) == "GeluExpert has an activation the native call does not compute"
+    assert activation_gap(GeluMoE) == "GeluExpert has an activation the native call does not compute"
+    with pytest.raises(ValueError, match="GeluExpert has an activation the native call does not compute"):
+        native_experts(moe)
 
 
 def test_the_router_takes_the_top_k_by_softmax_largest_first_renormalized_or_not() -> None:
@@ -258,7 +274,7 @@ ROUTER_SHAPES = [(4, 2), (8, 2), (60, 4), (64, 8), (128, 2), (256, 4), (16, 1), 
 @pytest.mark.parametrize(("experts", "top_k"), ROUTER_SHAPES)
 def test_the_native_router_chooses_as_torch_and_ranks_equal_scores_as_torch_topk(experts: int, top_k: int) -> None:
     """moe_mlp.cpp's routings (the native ops' and the native decoder stack's router: softmax top-k,
-    renormalized or not, and gpt-oss's softmax over the top-k logits) against router.py's torch ones:
+    renormalized or not, and gpt-oss's softmax over the top-k logits) against kernels/moe_routing.py's torch ones:
     logits from a few levels, so most rows hold equal values, which must come out in torch.topk's order;
     the weights within float32 rounding; each row the same alone."""
     from tokenmill_service.kernels.cpu import moe_mlp
@@ -322,7 +338,7 @@ def test_the_grouped_router_is_transformers_deepseek_v3_router(groups: int, kept
 )
 def test_the_native_grouped_router_chooses_as_torch(experts: int, groups: int, kept: int, top_k: int) -> None:
     """moe_mlp.cpp's grouped sigmoid routing (the native ops' and the native decoder stack's) against
-    router.py's torch one: logits from a few levels (equal scores ranked as torch.topk ranks them), a
+    moe_routing.py's torch one: logits from a few levels (equal scores ranked as torch.topk ranks them), a
     correction bias from a few levels too, renormalized or not; the weights within float32 rounding; each
     row the same alone."""
     from tokenmill_service.kernels.cpu import moe_mlp

@@ -55,6 +55,6 @@ def test_an_instruction_set_the_cpu_lacks_is_refused_naming_what_is_missing() ->
         cpu_isa.choose("avx512", zen3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}, "x86_64")
     with pytest.raises(ValueError, match="neon is for aarch64 CPUs and this one is x86_64"):
         cpu_isa.choose("neon", zen3, "x86_64")
-    with pytest.raises(ValueError, match="--cpu-isa must be one of auto, scalar, avx2, avx512, neon"):
+    with pytest.raises(ValueError, match="--cpu-isa must be one of auto, scalar, neon, avx2, avx512"):
         cpu_isa.choose("sse2")
     assert cpu_isa.choose("scalar", frozenset(), "riscv64").name == "scalar"

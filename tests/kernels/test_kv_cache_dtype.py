@@ -24,7 +24,7 @@ from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.kernels.attention_metadata import build_attention_metadata
 from tokenmill_service.kernels.cpu import paged_attention
 from tokenmill_service.kernels.cpu.ops import NativeCpuOps
-from tokenmill_service.models.loader import ModelLoadError, load_model
+from tokenmill_service.loader import ModelLoadError, load_model
 from tokenmill_service.plan.device import probe_device
 
 pytestmark = pytest.mark.skipif(

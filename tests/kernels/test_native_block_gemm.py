@@ -209,7 +209,7 @@ def test_without_a_compiler_the_kernels_say_why_and_auto_serves_with_torchs(tmp_
     what is missing and what to install."""
     code = (
         "from tokenmill_service.kernels.cpu import block_gemm\n"
-        "from tokenmill_service.models.loader import load_model, resolve_model_path\n"
+        "from tokenmill_service.loader import load_model, resolve_model_path\n"
         "print('REASON', block_gemm.unavailable_reason())\n"
         "print('QUANT', load_model(resolve_model_path(None), quantization='auto').quantization)\n"
         "load_model(resolve_model_path(None), quantization='auto')  # a second model: no second warning\n"

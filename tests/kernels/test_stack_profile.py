@@ -17,7 +17,7 @@ CODE = """
 import json
 from tokenmill_service.engine.model_runner import forward_prompt
 from tokenmill_service.kernels.cpu import stack_profile
-from tokenmill_service.models.loader import load
+from tokenmill_service.loader import load
 from tokenmill_service.plan import LoadOptions
 
 model = load(LoadOptions())

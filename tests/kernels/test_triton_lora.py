@@ -54,7 +54,7 @@ def test_a_model_on_the_triton_backend_serves_an_adapter_as_transformers_plus_pe
     from tests.lora_adapters import make_adapter, peft_model, tiny_llama
     from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
     from tokenmill_service.kernels.triton import lora
-    from tokenmill_service.models.loader import load_model
+    from tokenmill_service.loader import load_model
 
     hf = tiny_llama(tmp_path / "base", num_hidden_layers=1)  # one layer: the interpreter is slow
     adapter = make_adapter(hf, tmp_path / "r8", 8, seed=10)

@@ -1,4 +1,4 @@
-"""An ops backend added the way a new one is: this one file and its registration.
+"""An ops backend added the way a new one is: this one file and its registration (which declares the name).
 
 The reference ops with attention counted, a layout of its own for the KV cache (keys transposed,
 like the native kernels'), and a condition on where it runs, so a test can see the plan ask it.
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 CALLS = {"attention": 0}
 
 
-@register_ops("toy-transposed")
+@register_ops("toy-transposed", help="the reference ops, attention counted, keys transposed per block")
 class CountingOps(TorchOps):
     kv_cache_layout = KVCacheLayout("toy: keys transposed per block", keys_transposed=True)
 

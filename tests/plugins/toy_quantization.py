@@ -1,4 +1,4 @@
-"""A quantization method added the way a new format is: this one file and its registration.
+"""A quantization method added the way a new format is: this one file and its registration (declaring the name).
 
 Weights stored as float32 rows scaled by a power of two per row (exact), multiplied back in
 float32: a format in miniature, enough to show the plan choose it and the model run it.
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from tokenmill_service.plan.device import DeviceFacts
 
 
-@register_quantization("toy-pow2")
+@register_quantization("toy-pow2", help="float32 rows scaled by a power of two per row")
 class Pow2RowsMethod(QuantMethod):
     @classmethod
     def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype) -> str | None:

@@ -21,7 +21,7 @@ from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, StoppingParams
-from tokenmill_service.models.loader import load_model
+from tokenmill_service.loader import load_model
 from tokenmill_service.tokenizer import load_tokenizer
 
 PROMPT = [(i * 5 + 1) % 90 + 3 for i in range(3 * WINDOW + 5)]  # three windows and more

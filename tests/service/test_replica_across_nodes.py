@@ -22,7 +22,7 @@ from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.engine.llm_engine import LLMEngine
 from tokenmill_service.engine.request import GenerationRequest, StoppingParams
-from tokenmill_service.models.loader import load_model, resolve_model_path
+from tokenmill_service.loader import load_model, resolve_model_path
 from tokenmill_service.tokenizer import load_tokenizer
 
 # Five processes loading the embedded model, then three again after the kill: minutes on CI's two cores.

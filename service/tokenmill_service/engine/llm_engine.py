@@ -1,6 +1,6 @@
 """The engine API the service drives: add a request, advance one step, cancel a request.
 
-    engine = LLMEngine(load_model(path), load_tokenizer(path))   # see models/loader.py, tokenizer/load.py
+    engine = LLMEngine(load_model(path), load_tokenizer(path))   # see loader.py, tokenizer/load.py
     engine.add_request(GenerationRequest("r1", engine.tokenizer.encode_chat(messages)))
     while engine.has_unfinished():
         for out in engine.step():                   # token events of this step, per request
@@ -41,7 +41,7 @@ from tokenmill_service.engine.sampler import SamplerOutput, sample
 from tokenmill_service.engine.scheduler import ScheduledBatch, Scheduler
 from tokenmill_service.engine.sequence import Sequence
 from tokenmill_service.engine.token_masks import MaskFiller, MaskJob, allowed_tokens
-from tokenmill_service.kernels.cpu.sampling import log_softmax
+from tokenmill_service.kernels import log_softmax
 from tokenmill_service.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)

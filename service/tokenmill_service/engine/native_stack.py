@@ -2,9 +2,9 @@
 ``kernels/cpu/decoder_stack.py`` (its kernels' entry points, weights, norms and rotary tables), run
 as one native call a step with the bits of the model's own loop (tests/kernels/test_decoder_stack.py).
 
-The load plan decides whether a model runs this way (``plan/resolve.py: native_stack_missing``);
-this only describes a model the plan chose it for, from what its family's spec states of its layers
-(``model.facts``, models/spec.py's ``Facts``) and the layers' own numbers:
+The load plan decides whether a model runs this way (``plan/executor.py``); this only describes a model
+the plan chose it for, from what its family's spec states of its layers (``model.facts``, models/spec.py's
+``Facts``) and the layers' own numbers:
 
 - the q/k norms (``facts.qk_norm``: none, over the whole projection, per head); the MLP's activation
   (``facts.activation``: SiLU, or Gemma's GeGLU); the norms' placement (``facts.norms``: Gemma's sandwich
@@ -29,15 +29,13 @@ from typing import Any
 
 import torch
 
+from tokenmill_service.kernels import decoder_stack
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.cpu import decoder_stack
 from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.layers.fused_moe.native import why_not_native
 
 
-def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
-    if lin.quant.native_kernel is None:
-        raise ValueError(f"the {name} projection has no native kernel to call")
+def _linear(lin: Any) -> decoder_stack.LinearSpec:
+    assert lin.quant.native_kernel is not None  # the plan chose the stack: every projection has one
     lora = None
     if lin.lora is not None:
         lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
@@ -49,22 +47,11 @@ def _linear(name: str, lin: Any) -> decoder_stack.LinearSpec:
 def _moe(mlp: FusedMoE) -> decoder_stack.MoESpec:
     """A mixture-of-experts layer as the stack runs it: its routing (softmax top-k, the top-k logits, or
     DeepSeek-V3's grouped sigmoid with its score-correction bias), every expert native."""
-    if mlp.placement.count != mlp.num_experts:
-        raise ValueError("the native stack runs every expert of a layer; this rank holds some of them")
-    if mlp.gate.lora is not None:
-        raise ValueError("the native stack's router product has no LoRA adapter slots")
-    experts = mlp.native()
-    if experts is None:
-        raise ValueError(f"the layer's experts have no native call: {why_not_native(mlp)}")
+    experts = mlp.native()  # the plan runs the stack only where they run in one call
     score_bias = None if mlp.grouped is None else mlp.score_bias
     return decoder_stack.MoESpec(
-        _linear("router", mlp.gate), experts, mlp.renormalize, type(mlp).top_logits, mlp.grouped, score_bias
+        _linear(mlp.gate), experts, mlp.renormalize, type(mlp).top_logits, mlp.grouped, score_bias
     )
-
-
-def _no_lora(*linears: Any) -> None:
-    if any(lin.lora is not None for lin in linears):
-        raise ValueError("the native stack's latent attention and shared experts have no LoRA adapter slots")
 
 
 def _latent_layer(ly: Any) -> decoder_stack.LayerSpec:
@@ -73,20 +60,18 @@ def _latent_layer(ly: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
     low_rank = hasattr(attn, "q_a_proj")
     q = attn.q_b_proj if low_rank else attn.q_proj
-    _no_lora(q, attn.kv_a_proj_with_mqa, attn.o_proj, *([attn.q_a_proj] if low_rank else []))
     latent = decoder_stack.LatentSpec(
-        _linear("kv_a", attn.kv_a_proj_with_mqa), attn.kv_a_layernorm.weight, attn.w_kv_b,
-        _linear("q_a", attn.q_a_proj) if low_rank else None, attn.q_a_layernorm.weight if low_rank else None,
+        _linear(attn.kv_a_proj_with_mqa), attn.kv_a_layernorm.weight, attn.w_kv_b,
+        _linear(attn.q_a_proj) if low_rank else None, attn.q_a_layernorm.weight if low_rank else None,
     )  # fmt: skip
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
-    qkv, o = _linear("q", q), _linear("o", attn.o_proj)
+    qkv, o = _linear(q), _linear(attn.o_proj)
     mlp, moe = ly.mlp, None
     if isinstance(ly.mlp, FusedMoE):
         moe, mlp = _moe(ly.mlp), ly.mlp.shared_experts
     gate_up = down = None
     if mlp is not None:
-        _no_lora(mlp.gate_up_proj, mlp.down_proj)
-        gate_up, down = _linear("gate_up", mlp.gate_up_proj), _linear("down", mlp.down_proj)
+        gate_up, down = _linear(mlp.gate_up_proj), _linear(mlp.down_proj)
     return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, moe, latent=latent)
 
 
@@ -96,12 +81,6 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
     layers = model.model.layers
     attn = layers[0].self_attn
     rotary, dims = attn.rotary, attn.dims
-    if any(ly.self_attn.rotary is not rotary for ly in layers):
-        raise ValueError("the native stack rotates every latent layer alike; this model's layers differ")
-    eps = {ly.self_attn.kv_a_layernorm.eps for ly in layers}
-    eps |= {ly.self_attn.q_a_layernorm.eps for ly in layers if hasattr(ly.self_attn, "q_a_layernorm")}
-    if len(eps) != 1:
-        raise ValueError(f"the native stack norms every latent with one epsilon; this model's are {sorted(eps)}")
     specs = [_latent_layer(ly) for ly in layers]
     widths = [ly.gate_up.out_features // 2 for ly in specs if ly.gate_up is not None]
     return decoder_stack.DecoderStack(
@@ -110,7 +89,8 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
             intermediate=max(widths, default=0), eps=model.model.norm.eps, scale=attn.scale, cos=rotary.cos,
             sin=rotary.sin, final_norm=model.model.norm.weight, layers=specs, kv_dtype=model.kv_dtype,
             latent=decoder_stack.LatentDims(
-                dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, eps.pop(), bool(rotary.interleave)
+                dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, attn.kv_a_layernorm.eps,
+                bool(rotary.interleave),
             ),
         )
     )  # fmt: skip
@@ -119,7 +99,7 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
 def _layer(ly: Any, facts: Any, rotary: Any) -> decoder_stack.LayerSpec:
     attn = ly.self_attn
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if facts.qk_norm != "none" else (None, None)
-    qkv, o = _linear("qkv", attn.qkv_proj), _linear("o", attn.o_proj)
+    qkv, o = _linear(attn.qkv_proj), _linear(attn.o_proj)
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
     # What the layer's attend() hands the attention op: its window, its soft cap (Gemma 2's) and its sinks
     # (gpt-oss's) where the family has them; its rotary tables where they are not the stack's.
@@ -138,43 +118,28 @@ def _layer(ly: Any, facts: Any, rotary: Any) -> decoder_stack.LayerSpec:
         )
     if isinstance(ly.mlp, FusedMoE):
         return decoder_stack.LayerSpec(*norms, qkv, o, None, None, _moe(ly.mlp), q_norm, k_norm, **attention)
-    gate_up, down = _linear("gate_up", ly.mlp.gate_up_proj), _linear("down", ly.mlp.down_proj)
+    gate_up, down = _linear(ly.mlp.gate_up_proj), _linear(ly.mlp.down_proj)
     return decoder_stack.LayerSpec(*norms, qkv, o, gate_up, down, None, q_norm, k_norm, **attention)
 
 
 def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
-    """The stack for ``model`` (a decoder whose every linear layer has a native kernel), built from what its
-    family's spec states of its layers (``model.facts``: norm placement, q/k norms, activation, soft caps,
-    sinks, latent attention) and its layers' own numbers (windows, scales, multipliers, rotary tables)."""
+    """The stack for ``model``, which its load plan runs this way (plan/executor.py has checked that the
+    family's facts and layers ask nothing the stack does not do, and that every projection has a native
+    kernel), built from what its family's spec states of its layers (``model.facts``: q/k norms, activation,
+    soft caps, sinks, latent attention) and its layers' own numbers. A family builds every layer from one
+    config: one attention scale, residual multiplier and epsilon."""
     facts = model.facts  # models/spec.py's Facts (named, not imported: the engine imports no model module)
-    if facts.native_stack_gap:
-        raise ValueError(f"{type(model).__name__} has no native stack: {facts.native_stack_gap}")
-    layers = model.model.layers
-    # A family overriding the Llama layer's ``branch`` does more than the multiplier (named, not imported: the
-    # engine does not import the models).
-    if any(type(ly).branch.__qualname__ != "DecoderLayer.branch" for ly in layers):
-        raise ValueError("the native stack scales a sub-layer's output by residual_multiplier only; a layer does more")
-    multipliers = {float(ly.residual_multiplier) for ly in layers}
     if facts.latent_attention:  # DeepSeek's multi-head latent attention
-        if multipliers != {1.0}:
-            raise ValueError("the native stack's latent layers scale no sub-layer's output")
-        if facts.activation != "silu":
-            raise ValueError("the native stack's latent layers run SiLU-and-mul MLPs")
         return _latent_stack(model)
+    layers = model.model.layers
     attn, rotary = layers[0].self_attn, layers[0].self_attn.rotary
-    if any(ly.self_attn.scale != attn.scale for ly in layers):
-        raise ValueError("the native stack scales every layer's attention alike; this model's layers differ")
-    if len(multipliers) != 1:
-        raise ValueError(f"the native stack has one residual multiplier; this model's has {sorted(multipliers)}")
-    if multipliers != {1.0} and facts.norms == "sandwich":
-        raise ValueError("a sandwich-normed layer's regions scale no branch; the stack would scale them")
     return decoder_stack.DecoderStack(
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
             scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight,
             layers=[_layer(ly, facts, rotary) for ly in layers], kv_dtype=model.kv_dtype, qk_norm=facts.qk_norm,
-            activation=facts.activation, rotary_dim=rotary.cos.shape[1] * 2, residual_multiplier=multipliers.pop(),
+            activation=facts.activation, rotary_dim=rotary.cos.shape[1] * 2, residual_multiplier=float(layers[0].residual_multiplier),
         )
     )  # fmt: skip
 

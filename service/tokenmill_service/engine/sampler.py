@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tokenmill_service.engine.request import SamplingParams
-from tokenmill_service.kernels.cpu.sampling import log_softmax, softmax
+from tokenmill_service.kernels import log_softmax, softmax
 
 
 @dataclass(slots=True)

@@ -8,11 +8,25 @@
     attention_metadata.py  the per-step tensors every backend's attention reads
 
 The load plan (plan/resolve.py) asks the registered backends where they run and picks one; nothing
-else swaps ops in.
+else swaps ops in. Code outside this package imports from here only: the ops registry, and the native
+bindings the quantization methods, LoRA slots, the experts' call, the decoder stack and the sampler call.
 """
 
 from tokenmill_service.kernels import torch_ops  # noqa: F401 - registers "torch"
+from tokenmill_service.kernels.cpu import (
+    abi,
+    block_gemm,
+    build,
+    decoder_stack,
+    kquant_gemm,
+    lora,
+    moe_mlp,
+    stack_profile,
+    vnni_gemm,
+)
 from tokenmill_service.kernels.cpu import ops as cpu_ops  # noqa: F401 - registers "native"
+from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
+from tokenmill_service.kernels.cpu.sampling import log_softmax, softmax
 from tokenmill_service.kernels.interface import (
     KVCacheLayout,
     LatentCacheLayout,
@@ -23,4 +37,24 @@ from tokenmill_service.kernels.interface import (
     register_ops,
 )
 
-__all__ = ["KVCacheLayout", "LatentCacheLayout", "Ops", "available_backends", "get_ops", "ops_class", "register_ops"]
+__all__ = [
+    "KVCacheLayout",
+    "LatentCacheLayout",
+    "NativeExperts",
+    "Ops",
+    "abi",
+    "available_backends",
+    "block_gemm",
+    "build",
+    "decoder_stack",
+    "get_ops",
+    "kquant_gemm",
+    "log_softmax",
+    "lora",
+    "moe_mlp",
+    "ops_class",
+    "register_ops",
+    "softmax",
+    "stack_profile",
+    "vnni_gemm",
+]

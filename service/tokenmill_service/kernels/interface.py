@@ -10,19 +10,36 @@ The load plan (plan/resolve.py) asks these; nothing else decides which backend r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill_service.kernels import moe_routing
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.kernels.moe_routing import GroupedTopK
+from tokenmill_service.plan import choices
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
-    from tokenmill_service.layers.fused_moe.layer import FusedMoE
-    from tokenmill_service.layers.fused_moe.router import GroupedTopK
+    from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
     from tokenmill_service.plan.device import DeviceFacts
+
+
+# LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta).
+LoRADelta = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        list[tuple[int, torch.Tensor]],
+        list[tuple[int, int]] | None,
+    ],
+    list[tuple[torch.Tensor, torch.Tensor]],
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +93,12 @@ class Ops(ABC):
         ``facts``; otherwise why not (the plan reports it)."""
         return None
 
+    @classmethod
+    def lora_delta(cls) -> LoRADelta | None:
+        """LoRA's grouped product, where the backend has its own (layers/lora/sgmv.py's ``lora_delta``'s
+        signature); None: the layers' own."""
+        return None
+
     @abstractmethod
     def rms_norm(
         self,
@@ -122,33 +145,30 @@ class Ops(ABC):
 
     def select_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture-of-experts router's choice: logits [T, experts] -> (weights float32, expert ids int64)
-        [T, top_k] by rank, softmax top-k renormalized where asked (layers/fused_moe/router.py)."""
-        from tokenmill_service.layers.fused_moe.router import select_experts
-
-        return select_experts(logits, top_k, renormalize)
+        [T, top_k] by rank, softmax top-k renormalized where asked (kernels/moe_routing.py)."""
+        return moe_routing.select_experts(logits, top_k, renormalize)
 
     def select_top_logits(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """gpt-oss's router choice: logits [T, experts] -> (weights float32, expert ids int64) [T, top_k] by
-        rank, the top_k logits softmaxed over the chosen (layers/fused_moe/router.py)."""
-        from tokenmill_service.layers.fused_moe.router import select_top_logits
-
-        return select_top_logits(logits, top_k)
+        rank, the top_k logits softmaxed over the chosen (kernels/moe_routing.py)."""
+        return moe_routing.select_top_logits(logits, top_k)
 
     def select_experts_grouped(
         self, logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's router choice: logits [T, experts] and the score-correction bias [experts] ->
         (weights float32, expert ids int64) [T, top_k] by rank, group-limited sigmoid routing
-        (layers/fused_moe/router.py's ``select_experts_grouped``)."""
-        from tokenmill_service.layers.fused_moe.router import select_experts_grouped
+        (kernels/moe_routing.py's ``select_experts_grouped``)."""
+        return moe_routing.select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
 
-        return select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
-
-    def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """A mixture-of-experts layer's held experts on x [T, hidden] for the router's weights and expert
-        ids [T, top_k] (by rank): float32 [T, hidden], each token's weighted sum in its ranks' order.
-        The reference runs the experts one by one, each through its linear layers' kernels."""
-        return layer.experts_loop(x, weights, ids)
+    def moe_experts(
+        self, experts: NativeExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A mixture-of-experts layer's held experts (their packed weights, formats and biases) on x
+        [T, hidden] float32 for the router's weights and expert ids [T, top_k] (by rank) in one call:
+        float32 [T, hidden], each token's weighted sum in its ranks' order. Only a backend the load plan
+        runs the experts in one call with has it (``LoadPlan.experts``); elsewhere the layer loops."""
+        raise NotImplementedError(f"the {self.name} ops have no experts call")
 
     @abstractmethod
     def store_kv(
@@ -216,7 +236,7 @@ class Ops(ABC):
         raise NotImplementedError(f"the {self.name} ops have no latent attention")
 
 
-_BACKENDS: Registry[type[Ops]] = Registry("backend")
+_BACKENDS: Registry[type[Ops]] = Registry("backend", choices.BACKEND)
 
 # Class decorator: make an Ops implementation selectable as ``--backend name``.
 register_ops = _BACKENDS.register

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.models.config import ModelConfig
-from tokenmill_service.models.dims import is_gguf
 from tokenmill_service.models.gguf_loader import iter_gguf
-from tokenmill_service.models.gguf_reader import open_gguf, release_pages
+from tokenmill_service.models.gguf_reader import open_model_file, release_pages
 from tokenmill_service.models.hf_loader import is_hf_checkpoint, iter_hf
 from tokenmill_service.models.paths import ModelLoadError
 from tokenmill_service.models.registry import family
@@ -34,20 +34,20 @@ class Checkpoint:
     tensors: Iterator[tuple[str, CheckpointTensor]]
     # Called once the model is built: drops the file's pages the loading read from resident memory.
     release_pages: Callable[[], None] = lambda: None
-
-    @property
-    def format(self) -> str:
-        return "gguf" if is_gguf(self.path) else "safetensors"
+    format: str = "safetensors"  # or "gguf"
 
 
-def open_checkpoint(path: Path) -> Checkpoint:
-    """The checkpoint at ``path``, its tensors not read yet (ModelLoadError if it is not one)."""
+def open_checkpoint(path: Path, reader: gguf.GGUFReader | None = None) -> Checkpoint:
+    """The checkpoint at ``path``, its tensors not read yet (ModelLoadError if it is not one). ``reader``: the
+    GGUF file already opened (``open_model_file``), read rather than opened again."""
     path = Path(path)
-    if is_gguf(path):
-        reader = open_gguf(path)
+    if reader is None:
+        reader = open_model_file(path)
+    if reader is not None:
         config, types, items = iter_gguf(path, reader)
         config.name = path.name.removesuffix(".gguf")
-        return Checkpoint(path, config, types, items, lambda: release_pages(reader))
+        opened = reader
+        return Checkpoint(path, config, types, items, lambda: release_pages(opened), "gguf")
     if is_hf_checkpoint(path):
         config, hf_items = iter_hf(path)
         config.name = path.resolve().name

@@ -20,7 +20,7 @@ The first ``first_k_dense_replace`` layers have a dense MLP; the others a mixtur
 (``DeepseekV3MoE``: the fused MoE layer with DeepSeek-V3's routing, plus shared experts), as
 transformers' ``DeepseekV3MoE`` computes it:
 
-- routing (layers/fused_moe/router.py, ``GroupedTopK``): sigmoid scores of the router (``mlp.gate``)
+- routing (kernels/moe_routing.py, ``GroupedTopK``): sigmoid scores of the router (``mlp.gate``)
   in float32, the score-correction bias (``mlp.gate.e_score_correction_bias``) added for choosing only,
   the ``n_routed_experts`` split into ``n_group`` groups scored by the sum of their two best corrected
   scores, the ``topk_group`` best groups kept, the ``num_experts_per_tok`` best experts among theirs;

@@ -69,7 +69,8 @@ def decoder_hidden_states(model: Any) -> HiddenStates:
     decoder = model.model
     # The plain decoder's model and layers only: a family with its own (Gemma's norms, Granite's multipliers,
     # experts) runs its layers otherwise.
-    if type(decoder) is not DecoderModel or not all(type(layer) is DecoderLayer for layer in decoder.layers):
+    layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
+    if type(decoder) is not DecoderModel or len(layers) != len(decoder.layers):
         raise EmbeddingConfigError(
             f"the {model.config.architecture} family does not embed here: only decoders whose layers run as Llama's "
             "(Llama, Mistral, Qwen2, Qwen3) do"
@@ -84,7 +85,7 @@ def decoder_hidden_states(model: Any) -> HiddenStates:
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         x = decoder.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer in decoder.layers:
+        for layer in layers:
             q, k, v, residual = pre_attention(layer, positions, x, residual)
             attended = causal_attention(q, k, v, layer.self_attn.scale, layer.self_attn.window)
             x, residual = post_attention(layer, attended.to(q.dtype), residual)

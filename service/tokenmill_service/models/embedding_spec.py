@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill_service.models.dims import is_gguf
 from tokenmill_service.models.paths import ModelLoadError
+
+if TYPE_CHECKING:
+    import gguf
 
 # The encoders served (models/bert.py): Hugging Face ``architectures`` and GGUF ``general.architecture`` names.
 ENCODER_HF_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"})
@@ -50,18 +53,20 @@ class EmbeddingSpec:
     suffix_ids: tuple[int, ...] = ()
 
 
-def is_encoder(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` is an encoder (it embeds and never generates)."""
-    if is_gguf(path):
-        return _gguf_fields(path, ["general.architecture"])["general.architecture"] in ENCODER_GGUF_ARCHITECTURES
+def is_encoder(path: Path, reader: gguf.GGUFReader | None = None) -> bool:
+    """Whether the checkpoint at ``path`` is an encoder (it embeds and never generates). ``reader``: its GGUF
+    file already open (read rather than opened again)."""
+    if reader is not None or is_gguf(path):
+        arch = _gguf_fields(path, ["general.architecture"], reader)["general.architecture"]
+        return arch in ENCODER_GGUF_ARCHITECTURES
     raw = _read_json(path / "config.json") or {}
     return any(a in ENCODER_HF_ARCHITECTURES for a in raw.get("architectures") or [])
 
 
-def read_embedding_spec(path: Path) -> EmbeddingSpec | None:
+def read_embedding_spec(path: Path, reader: gguf.GGUFReader | None = None) -> EmbeddingSpec | None:
     """How the checkpoint at ``path`` embeds; None: it does not (a chat model). EmbeddingConfigError: it
-    embeds in a way not supported here."""
-    return _gguf_spec(path) if is_gguf(path) else _hf_spec(path)
+    embeds in a way not supported here. ``reader``: its GGUF file already open."""
+    return _gguf_spec(path, reader) if reader is not None or is_gguf(path) else _hf_spec(path)
 
 
 # -- Hugging Face directories --------------------------------------------------------------------
@@ -150,8 +155,12 @@ def _processor_ids(processor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 # -- GGUF files ----------------------------------------------------------------------------------
 
 
-def _gguf_spec(path: Path) -> EmbeddingSpec | None:
-    arch = _gguf_fields(path, ["general.architecture"])["general.architecture"]
+def _gguf_spec(path: Path, reader: gguf.GGUFReader | None) -> EmbeddingSpec | None:
+    if reader is None:
+        from tokenmill_service.models.gguf_reader import open_gguf
+
+        reader = open_gguf(path)
+    arch = _gguf_fields(path, ["general.architecture"], reader)["general.architecture"]
     keys = [
         f"{arch}.pooling_type",
         "tokenizer.ggml.seperator_token_id",
@@ -160,7 +169,7 @@ def _gguf_spec(path: Path) -> EmbeddingSpec | None:
         "tokenizer.ggml.add_bos_token",
         "tokenizer.ggml.add_eos_token",
     ]
-    fields = _gguf_fields(path, keys)
+    fields = _gguf_fields(path, keys, reader)
     encoder = arch in ENCODER_GGUF_ARCHITECTURES
     kind = fields[f"{arch}.pooling_type"]
     if kind is None or (int(kind) == 0 and encoder):
@@ -185,10 +194,10 @@ def _gguf_spec(path: Path) -> EmbeddingSpec | None:
     return EmbeddingSpec(GGUF_POOLING[int(kind)], True, encoder, 0, prefix, suffix)
 
 
-def _gguf_fields(path: Path, keys: list[str]) -> dict[str, Any]:
+def _gguf_fields(path: Path, keys: list[str], reader: gguf.GGUFReader | None = None) -> dict[str, Any]:
     from tokenmill_service.models.gguf_reader import open_gguf
 
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     values: dict[str, Any] = {}
     for key in keys:
         field = reader.get_field(key)

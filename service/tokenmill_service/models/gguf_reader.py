@@ -73,6 +73,20 @@ def release_pages(reader: gguf.GGUFReader) -> None:
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_DONTNEED)
 
 
+def open_model_file(path: Path) -> gguf.GGUFReader | None:
+    """The GGUF file at ``path``, opened once for everything a process reads from it (its tokenizer, its
+    configuration, its tensors); None for a directory or a file that is not GGUF (the reader checks the magic,
+    so the file is opened once either way)."""
+    if not path.is_file():
+        return None
+    try:
+        return open_gguf(path)
+    except ValueError as e:
+        if "GGUF magic invalid" in str(e):
+            return None
+        raise
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     try:
         return _PlainArrayReader(path)

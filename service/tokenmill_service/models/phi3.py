@@ -55,7 +55,6 @@ from tokenmill_service.models.spec import (
     SlidingWindows,
     Tensors,
 )
-from tokenmill_service.plan.plan import Decision
 
 log = structlog.get_logger(__name__)
 
@@ -201,10 +200,10 @@ def _read_gguf(field: GGUFField, gguf_architecture: str, config: ModelConfig) ->
     _set_longrope(config, list(short), list(long), original, attention_factor)  # type: ignore[call-overload]
 
 
-def rope_choice(config: ModelConfig, max_model_len: int) -> Decision | None:
+def rope_choice(config: ModelConfig, max_model_len: int) -> tuple[str, str] | None:
     """LongRoPE's factors for the served context (``max_model_len``; 0: the model's own), as llama.cpp
     chooses them: the long ones for every position when it exceeds the original length, else the
-    short ones. None: no LongRoPE."""
+    short ones, with the reason (the plan's ``rope`` decision). None: no LongRoPE."""
     if config.extra.get("rope_short_factor") is None:
         return None
     original = int(config.extra["rope_original_max_positions"])  # type: ignore[call-overload]
@@ -213,19 +212,21 @@ def rope_choice(config: ModelConfig, max_model_len: int) -> Decision | None:
     asked = f"--max-model-len {max_model_len}" if max_model_len else "the model's own"
     scale = f"cos/sin scaled by {float(config.extra['rope_attention_factor']):.6g}"  # type: ignore[arg-type]
     if served <= original:
-        return Decision(
+        return (
             SHORT,
             f"LongRoPE: the served context ({asked}: {served}) is within the original {original} positions; {scale}",
         )
     if config.extra.get("rope_long_factor") is None:
-        return Decision(
+        return (
             SHORT,
             f"LongRoPE without long factors: the context is capped at the original {original} positions; {scale}",
         )
-    return Decision(
+    return (
         LONG,
-        f"LongRoPE: the served context ({asked}: {served}) exceeds the original {original} "
-        f"positions: the long factors at every position; {scale}",
+        (
+            f"LongRoPE: the served context ({asked}: {served}) exceeds the original {original} "
+            f"positions: the long factors at every position; {scale}"
+        ),
     )
 
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from gguf import GGMLQuantizationType as QType
 
 from tokenmill_service.models.config import FULL, SLIDING, ModelConfig
-
-if TYPE_CHECKING:
-    from tokenmill_service.plan.plan import Decision
 
 # A GGUF metadata lookup: ``field(key)``, None where the file has no such key.
 GGUFField = Callable[[str], Any]
@@ -213,7 +210,7 @@ class FamilySpec:
     latent_stack_gap: Callable[[ModelConfig], str | None] = served
     # The rotary factors to serve ``max_model_len`` with (Phi-3's LongRoPE choice; None: no choice to make),
     # and the config with the plan's choice applied.
-    rope_choice: Callable[[ModelConfig, int], Decision | None] | None = None
+    rope_choice: Callable[[ModelConfig, int], tuple[str, str] | None] | None = None
     with_rope: Callable[[ModelConfig, str], ModelConfig] = same_rope
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "TOKENMILL_CPU_ISA"
-CHOICES = ("auto", "scalar", "avx2", "avx512", "neon")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +58,8 @@ INSTRUCTION_SETS = (
     InstructionSet("scalar", None, frozenset(), (), "plain C++ (the reference every other build equals)"),
 )
 BY_NAME = {s.name: s for s in INSTRUCTION_SETS}
+# --cpu-isa's values (plan/choices.py shows them), slowest first.
+CHOICES = ("auto", *(s.name for s in reversed(INSTRUCTION_SETS)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,7 +69,7 @@ def probe_device(device: str, compiler: bool = False, cpu_isa: str | None = None
     missing: dict[str, str] = {}
     isa_choice = None
     if kind == "cpu":
-        from tokenmill_service.kernels.cpu import build
+        from tokenmill_service.kernels import build
 
         isa_choice = isa.use(cpu_isa) if cpu_isa is not None else isa.choose(os.environ.get(isa.ENV, "") or "auto")
 

@@ -3,11 +3,13 @@
 Every choice about how a model runs is made here, once, each with its reason: the activations'
 dtype, each linear layer's method and kernel (asking the registered methods where they run), the
 ops backend (asking the registered backends), the KV cache's dtype and layout (the backend's), and
-the executor (the model's loop, the native decoder stack, or compiled regions). A refusal raises
+the executor and a mixture of experts' path (plan/executor.py). A refusal raises
 ``PlanRefused`` saying why and what would run.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -22,16 +24,16 @@ from tokenmill_service.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.models.dims import ModelDims, largest_block
 from tokenmill_service.models.registry import family
 from tokenmill_service.models.spec import FamilySpec
+from tokenmill_service.plan import choices
 from tokenmill_service.plan.device import DeviceFacts
+from tokenmill_service.plan.executor import executor as choose_executor
+from tokenmill_service.plan.executor import experts_path
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
-ACTIVATIONS = ("auto", "int8")
 # The kernels that take 8-bit activations (--activations int8), by the kernel they replace.
 INT8_KERNELS = {"vnni_gemm": "vnni_gemm_int8", "kquant_gemm": "kquant_gemm_int8"}
-COMPILE_SETTINGS = ("auto", "off")
 # The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first
 # (each serves its own formats: a layer gets the first available one that serves how it is stored).
 NATIVE_METHODS = ("gguf-vnni", "gguf-kquant", "gguf")
@@ -46,22 +48,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-SPECULATIVE_METHODS = ("ngram", "mtp")
-
-
-def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts) -> LoadPlan:
+def resolve_plan(
+    options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFacts, failed: Mapping[str, str] | None = None
+) -> LoadPlan:
+    """``failed``: choices that failed while they ran (``"compiled"``: torch.compile raised), with what they
+    raised; the plan is made without them and says so."""
+    failed = failed or {}
     config, types = checkpoint.config, checkpoint.tensor_types
     spec = family(config.architecture)
     if (why := spec.unserved_reason(config)) is not None:
         raise PlanRefused(why)
-    if options.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise PlanRefused(
-            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache_dtype!r}"
-        )
-    if options.activations not in ACTIVATIONS:
-        raise PlanRefused(f"--activations must be one of {', '.join(ACTIVATIONS)}, not {options.activations!r}")
-    if options.compile not in COMPILE_SETTINGS:
-        raise PlanRefused(f"--compile must be one of {', '.join(COMPILE_SETTINGS)}, not {options.compile!r}")
+    _check_choices(options)
     if options.quantization != "auto":
         quant_method_class(options.quantization)  # an unknown name fails here, before anything else
     ops_cls = ops_class("native" if options.backend == "torch" else options.backend)
@@ -78,8 +75,8 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
     ops_cls = ops_class(ops.value)
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
     layout = _kv_cache_layout(spec, ops_cls, config)
-    executor = _executor(options, facts, ops_cls, act_dtype, layers, config, skipped)
-    experts = _experts(facts, ops_cls, act_dtype, layers, config)
+    experts = experts_path(options, facts, ops_cls, act_dtype, layers, spec, config)
+    executor = choose_executor(options, facts, ops_cls, act_dtype, layers, spec, config, experts, skipped, failed)
     # A GGUF's blocks under auto are quantized weights even where no native kernel serves and every layer
     # is dense: the embedding table stays as stored then too, only the looked-up rows dequantized.
     quantized = any(c.method != "none" for c in layers.values()) or (
@@ -104,10 +101,28 @@ def resolve_plan(options: LoadOptions, checkpoint: Checkpoint, facts: DeviceFact
         ),
         skipped=skipped,
         lora_dtype=_lora_dtype(options, facts),
-        rope=None if spec.rope_choice is None else spec.rope_choice(config, options.max_model_len),
+        rope=_rope(spec, config, options.max_model_len),
         cpu_isa=Decision(facts.cpu_isa, facts.cpu_isa_reason) if facts.cpu_isa else None,
         activations=activations,
     )
+
+
+def _rope(spec: FamilySpec, config: ModelConfig, max_model_len: int) -> Decision | None:
+    """The family's rotary scaling for the served context, where it depends on it (LongRoPE's factors)."""
+    chosen = None if spec.rope_choice is None else spec.rope_choice(config, max_model_len)
+    return None if chosen is None else Decision(*chosen)
+
+
+def _check_choices(options: LoadOptions) -> None:
+    """Each enumerated option one of its values (plan/choices.py); --quantization and --backend name a
+    registered implementation (or auto), checked where they are looked up."""
+    try:
+        choices.KV_CACHE_DTYPE.check(options.kv_cache_dtype)
+        choices.ACTIVATIONS.check(options.activations)
+        choices.COMPILE.check(options.compile)
+        choices.SPECULATIVE_METHOD.check(options.speculative_method)
+    except ValueError as e:
+        raise PlanRefused(str(e)) from None
 
 
 def _activations_precision(
@@ -387,10 +402,6 @@ def _ops(
 def _mtp_prefixes(options: LoadOptions, spec: FamilySpec, config: ModelConfig) -> list[str]:
     """The linear layers of the multi-token-prediction layers ``--speculative-method mtp`` serves as
     its draft model ([] for another method); refused where the checkpoint has none or they cannot run."""
-    if options.speculative_method not in SPECULATIVE_METHODS:
-        raise PlanRefused(
-            f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, not {options.speculative_method!r}"
-        )
     if options.speculative_method != "mtp":
         return []
     prefixes = spec.tensors.mtp_linear_prefixes
@@ -414,113 +425,3 @@ def _kv_cache_dtype(name: str, act: torch.dtype, ops: type[Ops], facts: DeviceFa
         why = native.unavailable_reason(facts, act, head_dim) or f"the {ops.name} ops run their own attention"
         raise PlanRefused(f"--kv-cache-dtype float16 needs tokenmill's native attention kernel: {why}")
     raise PlanRefused(f"--kv-cache-dtype {name} needs {name} activations; they are {dtype_name(act)}")
-
-
-def _executor(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: dict[str, LayerChoice],
-    config: ModelConfig,
-    skipped: dict[str, str],
-) -> Decision:
-    if options.compile == "auto" and options.max_loras > 0:
-        # The adapters' grouped products change shape with the step's adapters: not inside the regions.
-        skipped["compile"] = "LoRA adapters (--max-loras) are not run inside compiled regions"
-    elif options.compile == "auto":
-        why = family(config.architecture).facts.compile_gap or compile_missing(options, facts, ops)
-        if why is None:
-            return Decision("compiled", "asked (--compile auto)")
-        skipped["compile"] = why
-    why = native_stack_missing(options, facts, ops, act, layers, config)
-    if why is None:
-        return Decision("native-stack", "every part of the decoder has a native kernel: one native call a step")
-    return Decision("eager", f"the model's layers one by one: no native stack, as {why}")
-
-
-def _experts(
-    facts: DeviceFacts, ops: type[Ops], act: torch.dtype, layers: dict[str, LayerChoice], config: ModelConfig
-) -> Decision | None:
-    """How a mixture-of-experts model's experts run (None: it has none): one native call a layer
-    (``NativeCpuOps.moe_experts``) or one by one; layers/fused_moe/native.py checks the same."""
-    if not config.extra_int("num_experts"):
-        return None
-    gap = family(config.architecture).facts.native_experts_gap
-    why: str | None
-    if ops.name != "native":
-        why = f"the {ops.name} ops run them through the linear layers"
-    elif act != torch.float32:
-        why = "the native call takes float32 activations"
-    elif gap:
-        why = gap
-    else:
-        why = next(
-            (
-                f"an expert's {choice.method} weights have no native kernel"
-                for prefix, choice in layers.items()
-                if ".experts." in prefix and choice.kernel not in quant_method_class(choice.method).native_entry_points
-            ),
-            None,
-        ) or facts.native("moe_mlp", "elementwise")
-    if why is None:
-        return Decision("native", "one native call a layer: the experts' products, activation and combine")
-    return Decision("one-by-one", why)
-
-
-def compile_missing(options: LoadOptions, facts: DeviceFacts, ops: type[Ops]) -> str | None:
-    """Why ``--compile auto`` leaves this worker eager, or None when it compiles."""
-    if not ops.compilable:
-        return f"the {ops.name} backend runs its own kernels"
-    if options.tensor_parallel > 1:
-        return "tensor-parallel ranks run eager (collectives inside compiled regions are not supported yet)"
-    if facts.kind != "cpu":
-        return f"compiling for {facts.kind} (CUDA graphs) is not implemented yet"
-    return facts.compiler_missing
-
-
-def native_stack_missing(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: dict[str, LayerChoice],
-    config: ModelConfig,
-) -> str | None:
-    """Why the decoder layers cannot run as one native call, or None when they can."""
-    if ops.name != "native":
-        return "attention is not tokenmill's native kernel"
-    if options.tensor_parallel > 1:
-        return "tensor-parallel ranks all-reduce between the layers"
-    if act != torch.float32:
-        return "it runs float32 activations"
-    spec = family(config.architecture)
-    if spec.facts.native_stack_gap:
-        return f"the {config.architecture} family has no native stack: {spec.facts.native_stack_gap}"
-    # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack;
-    # a projection the family absorbs at load (DeepSeek's kv_b_proj) is never applied by its kernel.
-    absorbed = spec.tensors.absorbed
-    for prefix, choice in layers.items():
-        leaf = prefix.rpartition(".")[2]
-        if prefix == "lm_head" or leaf in absorbed:
-            continue
-        if choice.kernel not in quant_method_class(choice.method).native_entry_points:
-            return f"the {leaf.removesuffix('_proj')} projection is {choice.method}, which has no native kernel to call"
-    # LoRA adapters (--max-loras) ride in the stack through lora.cpp's kernel; latent attention's take no adapters.
-    lora = ("lora",) if options.max_loras > 0 else ()
-    latent: tuple[str, ...] = ()
-    if spec.facts.latent_attention:
-        if options.max_loras > 0:
-            return "LoRA adapters on latent attention run through the linear layers (--max-loras)"
-        if (gap := spec.latent_stack_gap(config)) is not None:
-            return str(gap)
-        latent = ("latent_attention",)
-    # A mixture of experts: the router's product, softmax top-k and the experts in moe_mlp.cpp's calls.
-    experts: tuple[str, ...] = ()
-    if config.extra_int("num_experts"):
-        if options.max_loras > 0:
-            return "LoRA adapters on experts run through the linear layers (--max-loras)"
-        if gap := spec.facts.native_experts_gap:
-            return gap
-        experts = ("moe_mlp",)
-    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts, *latent)

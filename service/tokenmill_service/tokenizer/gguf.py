@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import structlog
 
 from tokenmill_service.models.gguf_reader import open_gguf
@@ -67,10 +68,10 @@ _GGUF_NORMAL, _GGUF_USER_DEFINED = 1, 4
 GgufField = Callable[[str], Any]
 
 
-def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
+def tokenizer_from_gguf(path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+    """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata (``reader``: the file already open)."""
     start = time.perf_counter()
-    reader = open_gguf(Path(path))
+    reader = reader if reader is not None else open_gguf(Path(path))
 
     def field(key: str) -> Any:
         found = reader.get_field(key)

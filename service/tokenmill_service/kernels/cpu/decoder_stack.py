@@ -41,7 +41,7 @@ from tokenmill_service.kernels.cpu import abi, build, moe_mlp, paged_attention
 from tokenmill_service.kernels.cpu import lora as lora_kernel
 
 if TYPE_CHECKING:
-    from tokenmill_service.layers.fused_moe.router import GroupedTopK
+    from tokenmill_service.kernels.moe_routing import GroupedTopK
 
 # The structs as decoder_stack.cpp sees them: both from abi.py's one description.
 _Linear, _Layer, _Stack, _LoraBatch, _KvGroup = (

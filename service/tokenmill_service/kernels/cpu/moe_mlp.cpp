@@ -72,7 +72,7 @@ inline void add_bias(float* y, int64_t n, int64_t cols, const float* bias) {
 
 extern "C" {
 
-// The router's choice for each of t tokens (layers/fused_moe/router.py's ``select_experts`` and
+// The router's choice for each of t tokens (kernels/moe_routing.py's ``select_experts`` and
 // ``select_top_logits``, computed here for the native ops and the decoder stack alike), by `routing`
 // (TM_ROUTING_*): softmax over the row's `experts` logits in float32 (the maximum subtracted, the
 // exponentials summed in expert order), the top_k largest probabilities by rank, divided by their sum
@@ -109,7 +109,7 @@ void tm_moe_route(const float* logits, int64_t t, int64_t experts, int64_t top_k
   }
 }
 
-// DeepSeek-V3's group-limited sigmoid routing for each of t tokens (layers/fused_moe/router.py's
+// DeepSeek-V3's group-limited sigmoid routing for each of t tokens (kernels/moe_routing.py's
 // ``select_experts_grouped``, computed here for the native ops and the decoder stack alike): each logit's
 // sigmoid in float32 (as softmax((x, 0))[0]: the larger of x and 0 subtracted, each exponential times the
 // reciprocal of their sum); the choice score its sigmoid plus score_bias; the experts in n_group equal

@@ -20,7 +20,7 @@ import torch
 from tokenmill_service.kernels.cpu import abi, build
 
 if TYPE_CHECKING:
-    from tokenmill_service.layers.fused_moe.router import GroupedTopK
+    from tokenmill_service.kernels.moe_routing import GroupedTopK
 
 _Linear, _Experts = abi.structure("TmLinear"), abi.structure("TmExperts")
 
@@ -52,7 +52,7 @@ def route(logits: torch.Tensor, top_k: int, routing: str) -> tuple[torch.Tensor,
 def route_grouped(
     logits: torch.Tensor, score_bias: torch.Tensor, top_k: int, renormalize: bool, routing: GroupedTopK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's group-limited sigmoid routing (moe_mlp.cpp's ``tm_moe_route_grouped``, router.py's
+    """DeepSeek-V3's group-limited sigmoid routing (moe_mlp.cpp's ``tm_moe_route_grouped``, kernels/moe_routing.py's
     ``select_experts_grouped`` in native code): logits [T, experts] float32, the score-correction bias
     [experts] float32 -> (weights float32, expert ids int64) [T, top_k] by rank; ties ranked as torch.topk."""
     t, experts = logits.shape

@@ -25,8 +25,7 @@ from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
 from tokenmill_service.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
-    from tokenmill_service.layers.fused_moe.layer import FusedMoE
-    from tokenmill_service.layers.fused_moe.router import GroupedTopK
+    from tokenmill_service.kernels.moe_routing import GroupedTopK
     from tokenmill_service.plan.device import DeviceFacts
 
 
@@ -127,12 +126,12 @@ class NativeCpuOps(TorchOps):
             return moe_mlp.route_grouped(logits, score_bias, top_k, renormalize, routing)
         return super().select_experts_grouped(logits, score_bias, top_k, renormalize, routing)
 
-    def moe_experts(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One native call for the layer's experts (kernels/cpu/moe_mlp.cpp) where their products all have
-        native kernels: the loop's kernels, rows and order, so its bits."""
-        if _eager() and x.dtype == torch.float32 and (native := layer.native()) is not None:
-            return native(x, weights, ids)
-        return super().moe_experts(layer, x, weights, ids)
+    def moe_experts(
+        self, experts: moe_mlp.NativeExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """One native call for the layer's experts (kernels/cpu/moe_mlp.cpp): the loop's kernels, rows and
+        order, so its bits."""
+        return experts(x, weights, ids)
 
     def store_kv(
         self,

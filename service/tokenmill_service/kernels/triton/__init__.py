@@ -14,8 +14,9 @@ import torch
 
 from tokenmill_service.kernels import latent_attention as reference_latent
 from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.interface import LatentCacheLayout, Ops, register_ops
+from tokenmill_service.kernels.interface import LatentCacheLayout, LoRADelta, Ops, register_ops
 from tokenmill_service.kernels.triton import interpreter
+from tokenmill_service.kernels.triton import lora as triton_lora
 from tokenmill_service.kernels.triton.attention import paged_attention
 from tokenmill_service.kernels.triton.latent_attention import latent_attention
 from tokenmill_service.kernels.triton.rms_norm import rms_norm
@@ -41,6 +42,10 @@ if interpreter_enabled() and not interpreter.install():
 class TritonOps(Ops):
     # The reference's latent cache: the plain-torch store writes it, the triton kernel reads it.
     latent_cache_layout = LatentCacheLayout()
+
+    @classmethod
+    def lora_delta(cls) -> LoRADelta:
+        return triton_lora.lora_delta
 
     @classmethod
     def unavailable_reason(cls, facts: DeviceFacts, act_dtype: torch.dtype, head_dim: int) -> str | None:

@@ -126,6 +126,46 @@ def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr,
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _tile_rows(  # type: ignore[no-untyped-def]
+    token_index_ptr, positions_ptr, seq, q_tile, kv_head, max_q,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """A program's rows: BLOCK_Q queries of its sequence, each with the G query heads of its kv head (padded
+    to G_PAD). Returns each row's grid cell, token, position (-1 where the row is not a real query), whether
+    it is one, and its query head."""
+    r = tl.arange(0, BLOCK_M)
+    j = q_tile * BLOCK_Q + r // G_PAD
+    g = r % G_PAD
+    in_grid = (j < max_q) & (g < G)
+    cell = seq.to(tl.int64) * max_q + j
+    token = tl.load(token_index_ptr + cell, mask=in_grid, other=0)
+    pos = tl.load(positions_ptr + cell, mask=in_grid, other=0)
+    real = in_grid & ((j == 0) | (pos > 0))
+    return cell, token, tl.where(real, pos, -1), real, kv_head * G + g
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _every_split(  # type: ignore[no-untyped-def]
+    q, pos, first_visible, keys_end, scale, window, softcap, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+    stride_cb, stride_co, stride_ch, head_dim,
+    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """One program's whole pass: every split from the first visible one, combined in order."""
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for lo in range(first_visible // SPLIT * SPLIT, keys_end, SPLIT):
+        m, l, acc = _split_partial(
+            q, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, window, softcap, k_cache_ptr, v_cache_ptr,
+            table_ptr, kv_head, stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N,
+            SOFTCAP,
+        )  # fmt: skip
+        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+    return m_run, l_run, acc_run
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_cache_ptr,
@@ -166,18 +206,10 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     seq = tl.program_id(0) // num_q_tiles
-    q_tile = tl.program_id(0) % num_q_tiles
     kv_head = tl.program_id(1)
-    r = tl.arange(0, BLOCK_M)
-    j = q_tile * BLOCK_Q + r // G_PAD
-    g = r % G_PAD
-    in_grid = (j < max_q) & (g < G)
-    cell = seq.to(tl.int64) * max_q + j
-    token = tl.load(token_index_ptr + cell, mask=in_grid, other=0)
-    pos = tl.load(positions_ptr + cell, mask=in_grid, other=0)
-    real = in_grid & ((j == 0) | (pos > 0))
-    pos = tl.where(real, pos, -1)
-    head = kv_head * G + g
+    cell, token, pos, real, head = _tile_rows(
+        token_index_ptr, positions_ptr, seq, tl.program_id(0) % num_q_tiles, kv_head, max_q, G, G_PAD, BLOCK_Q, BLOCK_M
+    )
     d = tl.arange(0, D_PAD)
     d_ok = (d < head_dim)[None, :]
     q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -199,16 +231,10 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
         tl.store(part_ml_ptr + 2 * part + 1, l, mask=real)
         tl.store(part_acc_ptr + part[:, None] * head_dim + d[None, :], acc, mask=real[:, None] & d_ok)
     else:
-        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_run = tl.zeros([BLOCK_M], tl.float32)
-        acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for lo in range(first_visible // SPLIT * SPLIT, keys_end, SPLIT):
-            m, l, acc = _split_partial(
-                q, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, window, softcap, k_cache_ptr, v_cache_ptr,
-                table_ptr, kv_head, stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N,
-                SOFTCAP,
-            )  # fmt: skip
-            m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+        m_run, l_run, acc_run = _every_split(
+            q, pos, first_visible, keys_end, scale, window, softcap, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+            stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N, SPLIT, SOFTCAP,
+        )  # fmt: skip
         if SINKS:
             m_run, l_run, acc_run = _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, real, BLOCK_M, D_PAD)
         out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored

@@ -80,6 +80,28 @@ def _split_partial(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _every_split(  # type: ignore[no-untyped-def]
+    q_lat, q_rope, pos, keys_end, scale, latent_ptr, rope_ptr, table_ptr, stride_lb, stride_lo, stride_rb,
+    stride_ro, latent_dim, rope_dim,
+    BLOCK_M: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A program's pass over its sequence's keys, split by split, combined in order: the softmax-weighted
+    latents [BLOCK_M, L_PAD] (0 in rows that are not stored)."""
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc_run = tl.zeros([BLOCK_M, L_PAD], tl.float32)
+    for lo in range(0, keys_end, SPLIT):
+        m, l, acc = _split_partial(
+            q_lat, q_rope, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, latent_ptr, rope_ptr, table_ptr,
+            stride_lb, stride_lo, stride_rb, stride_ro, latent_dim, rope_dim, BLOCK_M, L_PAD, R_PAD, BLOCK_SIZE,
+            BLOCK_N,
+        )  # fmt: skip
+        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+    return acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _latent_attention_kernel(  # type: ignore[no-untyped-def]
     q_nope_ptr,
     q_rope_ptr,
@@ -148,17 +170,10 @@ def _latent_attention_kernel(  # type: ignore[no-untyped-def]
     q_lat = tl.dot(q_nope, w_uk, input_precision="ieee")
     keys_end = tl.max(pos, axis=0) + 1
     table_ptr = block_ids_ptr + seq.to(tl.int64) * table_width
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc_run = tl.zeros([BLOCK_M, L_PAD], tl.float32)
-    for lo in range(0, keys_end, SPLIT):
-        m, l, acc = _split_partial(
-            q_lat, q_rope, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, latent_ptr, rope_ptr, table_ptr,
-            stride_lb, stride_lo, stride_rb, stride_ro, latent_dim, rope_dim, BLOCK_M, L_PAD, R_PAD, BLOCK_SIZE,
-            BLOCK_N,
-        )  # fmt: skip
-        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
-    o_lat = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
+    o_lat = _every_split(
+        q_lat, q_rope, pos, keys_end, scale, latent_ptr, rope_ptr, table_ptr, stride_lb, stride_lo, stride_rb,
+        stride_ro, latent_dim, rope_dim, BLOCK_M, L_PAD, R_PAD, BLOCK_SIZE, BLOCK_N, SPLIT,
+    )  # fmt: skip
     # The value up-projection: w_uv[head] is [latent, v] (any strides).
     w_off = head.to(tl.int64) * stride_vh + dl[:, None] * stride_vl + dv[None, :] * stride_vv
     w_uv = tl.load(w_uv_ptr + w_off, mask=(dl < latent_dim)[:, None] & (dv < v_dim)[None, :], other=0.0)

@@ -10,7 +10,7 @@ linear layers' ``load_weight``.
 
 A step:
 
-1. the router picks each token's ``top_k`` experts and weights (router.py): softmax top-k (the ops
+1. the router picks each token's ``top_k`` experts and weights (kernels/moe_routing.py): softmax top-k (the ops
    backend's ``select_experts``: the native ops compute it in moe_mlp.cpp, as the decoder stack does), a
    softmax over the top-k logits where the family's ``top_logits`` says so (gpt-oss: ``select_top_logits``,
    moe_mlp.cpp's too), or, given a ``GroupedTopK``, DeepSeek-V3's group-limited sigmoid routing with the layer's score-correction bias
@@ -27,9 +27,10 @@ expert's kernels compute a row independently of the rows beside it (the dense la
 the reason the same kernels are used here); and the combine is an elementwise sum in an order fixed
 by the token's own ranks, not by which expert or group came first.
 
-How the experts run is the ops backend's (``Ops.moe_experts``): the reference loops over them here
-(``experts_loop``); the native backend makes one native call a layer of the same kernels on the same
-rows in the same order (native.py, kernels/cpu/moe_mlp.cpp), so the same bits.
+How the experts run is the load plan's answer (``LoadPlan.experts``, set on the layer as ``one_call``):
+one by one here (``experts_loop``), or in one call of the ops backend (``Ops.moe_experts``, given the
+experts' packed weights: native.py), which runs the same kernels on the same rows in the same order
+(kernels/cpu/moe_mlp.cpp), so the same bits.
 
 Parallelism over a replica's ranks (one all-reduce of the combined output per layer either way):
 
@@ -49,10 +50,10 @@ import torch
 from torch import nn
 
 from tokenmill_service.distributed.parallel import TensorParallel, all_reduce
-from tokenmill_service.kernels.cpu.moe_mlp import NativeExperts
+from tokenmill_service.kernels import NativeExperts
 from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.layers.fused_moe.native import native_experts, why_not_native
-from tokenmill_service.layers.fused_moe.router import GroupedTopK
+from tokenmill_service.kernels.moe_routing import GroupedTopK
+from tokenmill_service.layers.fused_moe.native import native_experts
 from tokenmill_service.layers.linear import (
     MergedColumnParallelLinear,
     QuantFactory,
@@ -156,7 +157,9 @@ class FusedMoE(nn.Module):
         bias = None if grouped is None else torch.zeros(num_experts, dtype=torch.float32)
         self.register_buffer("score_bias", bias, persistent=False)
         self.tp, self.ops = tp, ops
-        self._native: NativeExperts | str | None = None  # native(): not yet decided
+        # The load plan's answer (``LoadPlan.experts``): the experts in one ops call, or one by one.
+        self.one_call = False
+        self._native: NativeExperts | None = None  # their operands, made at the first step
         self.placement = ExpertPlacement.for_rank(num_experts, tp)
         self.gate = ReplicatedLinear(hidden, num_experts, self.router_bias, quant(f"{prefix}.gate"))
         # Held experts by id (a ModuleDict: the checkpoint's "experts.<id>" names land on them).
@@ -176,17 +179,21 @@ class FusedMoE(nn.Module):
         assert self.score_bias is not None
         return self.ops.select_experts_grouped(logits, self.score_bias, self.top_k, self.renormalize, self.grouped)
 
-    def native(self) -> NativeExperts | None:
-        """The held experts as one native call, where they can be (built at the first step, after the
-        weights are loaded and packed); None: the loop below."""
+    def native(self) -> NativeExperts:
+        """The held experts' packed weights, formats and biases for one call (made at the first step, after
+        the weights are loaded and packed; ValueError where they do not fit it)."""
         if self._native is None:
-            self._native = why_not_native(self) or native_experts(self)
-        return None if isinstance(self._native, str) else self._native
+            self._native = native_experts(self)
+        return self._native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] in x's dtype."""
         weights, ids = self.route(self.gate(x))
-        return all_reduce(self.ops.moe_experts(self, x, weights, ids), self.tp).to(x.dtype)
+        if self.one_call:
+            out = self.ops.moe_experts(self.native(), x, weights, ids)
+        else:
+            out = self.experts_loop(x, weights, ids)
+        return all_reduce(out, self.tp).to(x.dtype)
 
     def experts_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The held experts one by one (the reference ops' way): float32 [T, hidden], each token's

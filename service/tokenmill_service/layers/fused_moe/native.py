@@ -1,8 +1,8 @@
-"""The experts of a ``FusedMoE`` as one native call (kernels/cpu/moe_mlp.py), where every held
-expert's products have a native kernel and its activation a native form (SiLU-and-mul, gpt-oss's
-clamped SwiGLU): the same kernels the expert modules call (their biases added as the linear layers
-add them), on the same rows, combined in the same order, so the same bits as the layer's Python loop
-without its per-expert Python overhead.
+"""The experts of a ``FusedMoE`` as the operands of one native call (kernels/cpu/moe_mlp.py), for a
+layer the load plan runs that way (``LoadPlan.experts``): every held expert's products with a native
+kernel and its activation a native form (SiLU-and-mul, gpt-oss's clamped SwiGLU). The same kernels the
+expert modules call (their biases added as the linear layers add them), on the same rows, combined in
+the same order, so the same bits as the layer's Python loop without its per-expert Python overhead.
 """
 
 from __future__ import annotations
@@ -11,34 +11,25 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from tokenmill_service.kernels.cpu import moe_mlp
-from tokenmill_service.kernels.cpu.ops import NativeCpuOps
+from tokenmill_service.kernels import moe_mlp
 
 if TYPE_CHECKING:
     from tokenmill_service.layers.fused_moe.layer import ExpertMLP, FusedMoE
     from tokenmill_service.layers.linear import LinearBase
 
 
-def why_not_native(layer: FusedMoE) -> str | None:
-    """None when ``native_experts(layer)`` can serve the layer; otherwise why its experts run one by one."""
+def activation_gap(layer_type: type[FusedMoE]) -> str | None:
+    """Why the native call cannot compute the experts' activation of ``layer_type`` (None: it can): a
+    fact of the family's classes (a family whose experts lack it declares ``native_experts_gap``, which the
+    load plan reads)."""
     from tokenmill_service.layers.fused_moe.layer import ExpertMLP
 
-    expert_type = type(layer).expert_type
+    expert_type = layer_type.expert_type
     if (
         expert_type.activation is not ExpertMLP.activation
         and expert_type.native_activation is ExpertMLP.native_activation
     ):
         return f"{expert_type.__name__} has an activation the native call does not compute"
-    if (reason := moe_mlp.unavailable_reason()) is not None:
-        return reason
-    for expert in _held(layer):
-        if not isinstance(expert.ops, NativeCpuOps):
-            return "the layer's ops are not the native CPU kernels"
-        for lin in (expert.gate_up_proj, expert.down_proj):
-            if lin.quant.native_kernel is None or getattr(lin, "lora", None) is not None:
-                return f"an expert's {lin.quant.name} weights have no native kernel"
-            if lin.bias is not None and lin.bias.dtype != torch.float32:
-                return f"an expert's biases are {str(lin.bias.dtype).removeprefix('torch.')}, not float32"
     return None
 
 
@@ -48,7 +39,8 @@ def _held(layer: FusedMoE) -> list[ExpertMLP]:
 
 def _operands(lin: LinearBase) -> tuple[tuple[str, str], torch.Tensor, int]:
     kernel = lin.quant.native_kernel
-    assert kernel is not None
+    if kernel is None or getattr(lin, "lora", None) is not None:
+        raise ValueError(f"an expert's {lin.quant.name} weights have no native kernel")
     weights, fmt = lin.quant.native_operands(lin)
     return kernel, weights, fmt
 
@@ -58,9 +50,11 @@ def _bias(lin: LinearBase) -> torch.Tensor | None:
 
 
 def native_experts(layer: FusedMoE) -> moe_mlp.NativeExperts:
-    """The layer's held experts as one native call (``why_not_native(layer)`` must be None). A down
+    """The layer's held experts as one native call (ValueError where they do not fit one). A down
     projection's bias is added where its layer adds it: on the expert's first tensor-parallel rank
     only (``ExpertDownLinear``), so once in the all-reduced sum."""
+    if (why := activation_gap(type(layer))) is not None:
+        raise ValueError(why)
     held = _held(layer)
     experts = [
         moe_mlp.ExpertWeights(

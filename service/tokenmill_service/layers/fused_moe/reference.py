@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill_service.layers.fused_moe.router import select_experts
+from tokenmill_service.kernels.moe_routing import select_experts
 
 
 def moe_reference(

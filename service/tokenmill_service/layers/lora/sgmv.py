@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill_service.kernels.cpu import lora as native
+from tokenmill_service.kernels import lora as native
 from tokenmill_service.layers.quant.dense import batch_invariant_matmul
 
 

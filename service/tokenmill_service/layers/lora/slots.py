@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill_service.kernels.cpu import lora as native
+from tokenmill_service.kernels import lora as native
+from tokenmill_service.kernels import ops_class
 from tokenmill_service.layers.lora.adapter import BaseDims, LoRAAdapter, read_adapter
 from tokenmill_service.layers.lora.sgmv import lora_delta, native_reads, part_table
 
@@ -156,12 +157,9 @@ class LoRASlots:
         sources: dict[str, list[tuple[str, str | int | None]]] = {}
         for leaf, (packed, shard) in getattr(type(model), "packed_modules", {}).items():
             sources.setdefault(packed, []).append((leaf, shard))
-        delta = lora_delta
         plan = getattr(model, "plan", None)
-        if plan is not None and plan.ops.value == "triton":
-            from tokenmill_service.kernels.triton.lora import lora_delta as triton_lora_delta
-
-            delta = triton_lora_delta
+        # The ops backend's grouped product where it has its own (Triton's), else sgmv.py's.
+        delta = (ops_class(plan.ops.value).lora_delta() if plan is not None else None) or lora_delta
         self.layers: dict[str, tuple[Any, LoRALayer]] = {}  # parent prefix -> (linear layer, its slots)
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and name.startswith("model.layers."):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor
+from tokenmill_service.plan import choices
 from tokenmill_service.registry import Registry
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class QuantMethod(ABC):
         """Bytes a matrix product reads for the weight (what bandwidth figures count)."""
 
 
-_METHODS: Registry[type[QuantMethod]] = Registry("quantization", also=", or auto")
+_METHODS: Registry[type[QuantMethod]] = Registry("quantization", choices.QUANTIZATION, also=", or auto")
 
 # Class decorator: make a method selectable as ``--quantization name``.
 register_quantization = _METHODS.register

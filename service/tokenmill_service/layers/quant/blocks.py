@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.kernels.cpu import block_gemm as native
-from tokenmill_service.kernels.cpu import vnni_gemm as vnni
+from tokenmill_service.kernels import block_gemm as native
+from tokenmill_service.kernels import vnni_gemm as vnni
 from tokenmill_service.layers.quant.base import QuantMethod, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, QUANT_BLOCK, CheckpointTensor, GGUFBlocks, describe
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from tokenmill_service.kernels.cpu import block_gemm as native
+from tokenmill_service.kernels import block_gemm as native
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
 from tokenmill_service.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, dense
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill_service.kernels.cpu import block_gemm as native
+from tokenmill_service.kernels import block_gemm as native
 from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
 from tokenmill_service.layers.quant.dense import batch_invariant_matmul
 from tokenmill_service.layers.quant.fp8_tensor import FP8_DTYPE, Fp8Blocks

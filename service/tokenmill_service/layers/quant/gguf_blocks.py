@@ -18,11 +18,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.kernels.cpu.abi import BLOCK_FORMATS, QUANT_BLOCK
+from tokenmill_service.kernels import abi
 from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
 
 # The quantized formats, from the one table the C++ shares (F32 there is tokenmill's own float32 rows).
-_FORMATS = {QType[f.name]: f for f in BLOCK_FORMATS if f.name != "F32"}
+QUANT_BLOCK = abi.QUANT_BLOCK
+_FORMATS = {QType[f.name]: f for f in abi.BLOCK_FORMATS if f.name != "F32"}
 BLOCK_BYTES = {qtype: f.block_bytes for qtype, f in _FORMATS.items()}  # bytes per block
 BLOCK_WEIGHTS = {qtype: f.block_weights for qtype, f in _FORMATS.items()}  # weights per block
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)

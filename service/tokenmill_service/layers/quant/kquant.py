@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.kernels.cpu import kquant_gemm as kq
+from tokenmill_service.kernels import kquant_gemm as kq
 from tokenmill_service.layers.quant.base import register_quantization
 from tokenmill_service.layers.quant.blocks import GGUFBlocksMethod
 from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, describe

@@ -9,13 +9,17 @@ arguments in hand (tests, benchmarks).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import gguf
 import structlog
 import torch
 
 from tokenmill_service.distributed.parallel import TensorParallel
+from tokenmill_service.layers.fused_moe import FusedMoE
 from tokenmill_service.layers.linear import LinearBase
 from tokenmill_service.models.builder import build_model
 from tokenmill_service.models.checkpoint import Checkpoint, open_checkpoint
@@ -27,7 +31,7 @@ from tokenmill_service.models.paths import (
     resolve_model_path,
 )
 from tokenmill_service.models.resident_memory import release_freed_heap
-from tokenmill_service.plan.device import probe_device
+from tokenmill_service.plan.device import DeviceFacts, probe_device
 from tokenmill_service.plan.options import LoadOptions
 from tokenmill_service.plan.plan import LoadPlan, PlanRefused
 from tokenmill_service.plan.resolve import NATIVE_METHODS, dtype_name, resolve_plan, stored_bytes
@@ -37,9 +41,21 @@ log = structlog.get_logger(__name__)
 
 def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | None = None) -> DecoderForCausalLM:
     """The model ``options`` ask for, on ``device`` (default: ``options.device``), as this rank of ``tp``."""
+    return load_planned(options, device, tp)[0]
+
+
+def load_planned(
+    options: LoadOptions,
+    device: str | None = None,
+    tp: TensorParallel | None = None,
+    path: Path | None = None,
+    reader: gguf.GGUFReader | None = None,
+) -> tuple[DecoderForCausalLM, PlanInputs]:
+    """``load``, and what its plan was made from (for ``replan``). ``path``: ``options.model`` already
+    resolved, and ``reader``: its GGUF file already open, so that a process finds and opens it once."""
     start = time.perf_counter()
-    path = resolve_model_path(options.model or None)
-    checkpoint = open_checkpoint(path)
+    path = path if path is not None else resolve_model_path(options.model or None)
+    checkpoint = open_checkpoint(path, reader)
     try:
         facts = probe_device(device or options.device, compiler=options.compile == "auto", cpu_isa=options.cpu_isa)
     except ValueError as e:  # --cpu-isa names an instruction set this CPU lacks
@@ -47,6 +63,7 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
     plan = resolve_plan(options, checkpoint, facts)
     _log_refusals(plan)
     model = build_model(plan, checkpoint, tp)
+    _carry_out(plan, model)
     _warn_without_native_kernels(plan, checkpoint, model)
     checkpoint.release_pages()
     released = release_freed_heap()
@@ -71,7 +88,44 @@ def load(options: LoadOptions, device: str | None = None, tp: TensorParallel | N
         heap_released_mib=released,
         plan=plan.summary(),
     )
-    return model
+    return model, PlanInputs(checkpoint, facts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What a model's plan was made from, kept to make it again without a choice that failed (``replan``)."""
+
+    checkpoint: Checkpoint
+    facts: DeviceFacts
+
+
+def _carry_out(plan: LoadPlan, model: DecoderForCausalLM) -> None:
+    """The plan's answers the built layers read: a mixture of experts' path."""
+    one_call = plan.experts is not None and plan.experts.value == "native"
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.one_call = one_call
+
+
+def replan(model: DecoderForCausalLM, inputs: PlanInputs, failed: Mapping[str, str]) -> LoadPlan:
+    """The model's plan made again without the choices in ``failed`` (a choice -> what it raised while it ran:
+    ``"compiled"`` when torch.compile failed); it becomes the model's plan, logged as ``plan_changed``. Only how
+    the forward pass runs may change: the built layers stay as they are."""
+    old = model.plan
+    assert old is not None
+    new = resolve_plan(old.options, inputs.checkpoint, inputs.facts, failed)
+    if dataclasses.replace(new, executor=old.executor, skipped=old.skipped, experts=old.experts) != old:
+        raise PlanRefused(f"a plan made without {', '.join(failed)} changes more than how the forward pass runs")
+    _carry_out(new, model)
+    model.plan = new
+    log.warning(
+        "plan_changed",
+        failed=dict(failed),
+        executor=new.executor.value,
+        reason=new.executor.reason,
+        **{f"skipped_{what}": why for what, why in new.skipped.items() if what in ("compile",)},
+    )
+    return new
 
 
 def _log_refusals(plan: LoadPlan) -> None:
@@ -181,5 +235,7 @@ __all__ = [
     "ModelNotFoundError",
     "load",
     "load_model",
+    "load_planned",
+    "replan",
     "resolve_model_path",
 ]
