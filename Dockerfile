@@ -78,7 +78,7 @@ RUN set -eux; \
 # every kernel for every instruction set of the image's architecture (x86: scalar, avx2, avx512; ARM64:
 # scalar, neon), since the node that runs the image may have another CPU than the one that built it.
 ENV TOKENMILL_KERNEL_CACHE=/opt/tokenmill/kernels
-RUN python -c "from tokenmill_service.kernels.cpu import build; print(build.prebuild())"
+RUN python -c "from tokenmill_service.worker.kernels.cpu import build; print(build.prebuild())"
 RUN groupadd --system --gid 10001 tokenmill \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/tokenmill --create-home \
         --shell /usr/sbin/nologin tokenmill

@@ -5,7 +5,7 @@
 - ``grpc_reference()``: the .proto files under protos/, read through protoc (grpcio-tools) as a descriptor set
   with ``--include_source_info``, so that every service, RPC, message, field, enum and value has its comment.
 - ``http_reference()``: the OpenAPI 3.1 document the server serves at GET /openapi.json, built by
-  ``tokenmill_service.openapi.document`` with the default settings' limits and no model (the bounds that
+  ``tokenmill_service.front.http.openapi.document`` with the default settings' limits and no model (the bounds that
   depend on the model, its context and vocabulary, are left out as a loading server leaves them out).
 
 The site's build (scripts/mkdocs_hooks.py) calls both, so the pages are never committed and never stale.
@@ -204,9 +204,9 @@ def grpc_reference(proto_root: Path = PROTO_ROOT) -> str:
 def openapi_document() -> dict[str, Any]:
     """GET /openapi.json as a server with the default flags serves it while its model is loading."""
     from tokenmill_service import __version__
-    from tokenmill_service.config import Settings
-    from tokenmill_service.openapi import document
-    from tokenmill_service.validation import Limits
+    from tokenmill_service.contract.config import Settings
+    from tokenmill_service.front.http.openapi import document
+    from tokenmill_service.front.validation import Limits
 
     s = Settings()
     return document(Limits(0, 0, s.max_new_tokens_limit, s.max_top_logprobs, s.max_stop_strings), __version__)

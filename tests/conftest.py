@@ -55,14 +55,14 @@ def reference() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from tokenmill_service.loader import resolve_model_path
+    from tokenmill_service.worker.loader import resolve_model_path
 
     return resolve_model_path(None)
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_path: Path) -> Any:
-    from tokenmill_service.tokenizer import load_tokenizer
+    from tokenmill_service.contract.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_path)
 
@@ -70,7 +70,7 @@ def default_tokenizer(default_model_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def default_model(default_model_path: Path) -> Any:
     """The reference configuration: float32, unquantized (what reproduces ../shared/reference)."""
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     return load_model(default_model_path)
 
@@ -79,8 +79,8 @@ def default_model(default_model_path: Path) -> Any:
 def served_model(default_model_path: Path) -> Any:
     """The model as the server runs it by default: every option at its default (the GGUF's blocks as
     stored, the native decoder stack), loaded as a worker loads it."""
-    from tokenmill_service.loader import load
-    from tokenmill_service.plan import LoadOptions
+    from tokenmill_service.contract.plan import LoadOptions
+    from tokenmill_service.worker.loader import load
 
     return load(LoadOptions())
 
@@ -88,8 +88,8 @@ def served_model(default_model_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def compiled_model(default_model_path: Path) -> Any:
     """The served model with --compile auto: its regions through torch.compile (compiled on first use)."""
-    from tokenmill_service.loader import load
-    from tokenmill_service.plan import LoadOptions
+    from tokenmill_service.contract.plan import LoadOptions
+    from tokenmill_service.worker.loader import load
 
     model = load(LoadOptions(compile="auto"))
     assert model.plan.executor.value == "compiled", f"torch.compile is unavailable here: {model.plan.skipped}"

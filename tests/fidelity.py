@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import forward_prompt
+from tokenmill_service.worker.engine.executor import make_executor
+from tokenmill_service.worker.engine.model_runner import forward_prompt
 
 
 @torch.inference_mode()

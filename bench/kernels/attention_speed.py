@@ -1,4 +1,4 @@
-"""Decode attention (kernels/cpu/paged_attention.cpp) against an earlier revision's, at a long context,
+"""Decode attention (worker/kernels/cpu/paged_attention.cpp) against an earlier revision's, at a long context,
 reading its keys and values from memory as a decoding step does, in one process:
 
     python bench/kernels/attention_speed.py --old-rev main --context 4000
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from quantized_gemm_speed import old_library
 
-from tokenmill_service.kernels.cpu import build
+from tokenmill_service.worker.kernels.cpu import build
 
 BLOCK = 16
 

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from tokenmill_service.engine.compile import compiled_graphs
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.loader import load_model, resolve_model_path
+from tokenmill_service.worker.engine.compile import compiled_graphs
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 BLOCK = 16
 PREFILL = 128

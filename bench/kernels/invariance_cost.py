@@ -3,7 +3,7 @@
     python bench/kernels/invariance_cost.py --repeats 7
 
 The default's products (``gguf-vnni``: every row on its own, one reduction order) and attention
-(``kernels/cpu/paged_attention.cpp``: every query on its own, keys in order) are timed, alternately in
+(``worker/kernels/cpu/paged_attention.cpp``: every query on its own, keys in order) are timed, alternately in
 one process, against torch's kernels that choose their blocking and reduction order by shape, and
 so give a row different bits in a different batch:
 
@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenmill_service.kernels.cpu import paged_attention
-from tokenmill_service.loader import load_model, resolve_model_path
+from tokenmill_service.worker.kernels.cpu import paged_attention
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 BLOCK = 16
 

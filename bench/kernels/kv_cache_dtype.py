@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.kernels.cpu import paged_attention
-from tokenmill_service.loader import load_model, resolve_model_path
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.kernels.cpu import paged_attention
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 BLOCK = 16
 DTYPES = (torch.float32, torch.float16)

@@ -26,10 +26,10 @@ import torch
 
 from tokenmill_bench.lora import base_dims, write_adapter
 from tokenmill_bench.model import default_model_path
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.loader import load
-from tokenmill_service.plan.options import LoadOptions
+from tokenmill_service.contract.plan.options import LoadOptions
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.loader import load
 
 BLOCK = 16
 STEPS = {"mixed": (6, 45), "decode": (0, 64)}  # (new 32-token prompts, decoding sequences)

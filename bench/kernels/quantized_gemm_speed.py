@@ -1,4 +1,4 @@
-"""The quantized products (kernels/cpu/kquant_gemm.cpp, vnni_gemm.cpp) against an earlier revision's:
+"""The quantized products (worker/kernels/cpu/kquant_gemm.cpp, vnni_gemm.cpp) against an earlier revision's:
 bit for bit, and how fast, in one process.
 
     python bench/kernels/quantized_gemm_speed.py --old-rev main            # times Q4_K and Q6_K
@@ -37,9 +37,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.kernels.cpu import abi, build
+from tokenmill_service.worker.kernels.cpu import abi, build
 
-KERNEL_DIR = "service/tokenmill_service/kernels/cpu"
+KERNEL_DIR = "service/tokenmill_service/worker/kernels/cpu"
 # Where each format's float16 scales sit in its GGUF block (the rest of a block is any bytes).
 SCALE_FIELDS = {
     QType.Q4_0: (0,),

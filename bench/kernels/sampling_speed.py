@@ -2,7 +2,7 @@
 
     python bench/kernels/sampling_speed.py --old-rev main
 
-The engine samples every step's new tokens from the logits (``engine/sampler.py``): greedy rows take the
+The engine samples every step's new tokens from the logits (``worker/engine/sampler.py``): greedy rows take the
 argmax, sampled rows (temperature, top-k, top-p) a draw. Over a vocabulary of 128k tokens a draw costs
 passes over 128k floats, next to a 1B model's forward pass of about 22 ms at one sequence. The rows here
 are random logits of three shapes, as the distributions a model gives:
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from tokenmill_service.engine.request import SamplingParams
+from tokenmill_service.contract.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLER = "service/tokenmill_service/engine/sampler.py"
+SAMPLER = "service/tokenmill_service/worker/engine/sampler.py"
 SHAPES = {"peaked": 12.0, "broad": 3.0, "flat": 0.05}  # the logits' standard deviation
 MODES: dict[str, dict[str, Any]] = {
     "greedy": {},

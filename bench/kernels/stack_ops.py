@@ -33,9 +33,9 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from tokenmill_service.engine.kv_cache_groups import plan_kv_cache_groups
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.loader import load_model
+from tokenmill_service.worker.engine.kv_cache_groups import plan_kv_cache_groups
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.loader import load_model
 
 PROMPT = 40
 

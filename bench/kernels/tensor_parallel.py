@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.distributed.step_broadcast import StepBroadcast, Stop, follow
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.loader import load_model, resolve_model_path
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.distributed.step_broadcast import StepBroadcast, Stop, follow
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 BLOCK = 16
 PREFILL = 128

@@ -142,7 +142,7 @@ def _native_read_gbs(size: int, repeats: int) -> tuple[str, float] | None:
     try:
         import torch
 
-        from tokenmill_service.kernels.cpu import memory_probe
+        from tokenmill_service.worker.kernels.cpu import memory_probe
     except ImportError:
         return None
     if memory_probe.unavailable_reason() is not None:

@@ -25,7 +25,7 @@ def _run(command: str, load: Callable[[], Callable[[], int]]) -> int:
 
 def server() -> int:
     def load() -> Callable[[], int]:
-        from tokenmill_service.main import main
+        from tokenmill_service.front.main import main
 
         return main
 

@@ -117,7 +117,7 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
 def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
     """bench/kernels/cpu_peak.cpp, which history.md's arithmetic ceiling quotes, still builds and runs: AVX2's
     rates on any x86 CPU with AVX2, AVX-512's too where the CPU has them."""
-    from tokenmill_service.plan import cpu_isa
+    from tokenmill_service.contract.plan import cpu_isa
 
     if shutil.which("g++") is None or cpu_isa.missing("avx2") is not None:
         pytest.skip("needs g++ and an x86 CPU with AVX2")
@@ -137,7 +137,7 @@ def run_kernel_bench(script: str, kernel: str | None, *args: str, needs_git: boo
     """Runs bench/kernels/SCRIPT with ARGS and returns what it printed; skips where the native ``kernel``
     (None: none) cannot be built, or (``needs_git``: the script reads a revision's source) outside the git
     checkout."""
-    from tokenmill_service.kernels.cpu import build
+    from tokenmill_service.worker.kernels.cpu import build
 
     if kernel is not None and (shutil.which("g++") is None or build.unavailable_reason(kernel) is not None):
         pytest.skip(f"needs g++ and a CPU {kernel} runs on")

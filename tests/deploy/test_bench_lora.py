@@ -21,7 +21,7 @@ from tokenmill_bench.lora import (
     throughput,
     write_adapter,
 )
-from tokenmill_service.layers.lora import read_adapter
+from tokenmill_service.worker.layers.lora import read_adapter
 
 CONFIG = {
     "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,

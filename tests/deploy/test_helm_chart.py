@@ -453,7 +453,7 @@ def test_server_settings_reach_the_container_as_tokenmill_env_and_args(
 def test_every_tokenmill_variable_the_chart_sets_is_a_valid_server_setting(
     helm_env: dict[str, str], flags: tuple[str, ...]
 ) -> None:
-    from tokenmill_service.config import Settings, env_name, load_settings
+    from tokenmill_service.contract.config import Settings, env_name, load_settings
 
     env = {k: v for k, v in env_of(template(helm_env, *flags)).items() if k.startswith("TOKENMILL_")}
     known = {env_name(f) for f in Settings.__dataclass_fields__}
@@ -465,7 +465,7 @@ def test_every_tokenmill_variable_the_chart_sets_is_a_valid_server_setting(
 
 
 def test_context_name_and_chat_template_reach_the_server(helm_env: dict[str, str], tmp_path: Path) -> None:
-    from tokenmill_service.config import load_settings
+    from tokenmill_service.contract.config import load_settings
 
     defaults = env_of(template(helm_env))
     assert defaults["TOKENMILL_MAX_MODEL_LEN"] == "0"
@@ -611,7 +611,7 @@ def test_with_an_auth_token_the_service_monitor_sends_it_unless_metrics_are_left
     (monitor,) = by_kind(rendered, "ServiceMonitor")
     assert "authorization" not in monitor["spec"]["endpoints"][0]
     assert env_of(rendered)["TOKENMILL_METRICS_WITHOUT_AUTH"] == "true"
-    from tokenmill_service.config import load_settings
+    from tokenmill_service.contract.config import load_settings
 
     assert load_settings([], {"TOKENMILL_METRICS_WITHOUT_AUTH": "true"}).metrics_without_auth
 

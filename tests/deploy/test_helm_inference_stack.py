@@ -180,7 +180,7 @@ def test_combinations_that_cannot_work_are_refused_with_a_reason(
 
 
 def test_a_group_of_pods_runs_one_replica_over_them(helm_env: dict[str, str], tmp_path: Path) -> None:
-    from tokenmill_service.config import load_settings
+    from tokenmill_service.contract.config import load_settings
 
     flags = ("--set", "leaderWorkerSet.enabled=true", "--set", "leaderWorkerSet.size=2", "--set", "tensorParallel=3")
     rendered = template(helm_env, *flags, "--set", "inferencePool.enabled=true")

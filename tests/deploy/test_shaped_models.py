@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tokenmill_bench import shaped
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load
-from tokenmill_service.plan import LoadOptions
-from tokenmill_service.tokenizer import load_tokenizer
+from tokenmill_service.contract.plan import LoadOptions
+from tokenmill_service.contract.tokenizer import load_tokenizer
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mixtral"])

@@ -15,14 +15,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.builder import build_model
-from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.plan import LoadOptions
-from tokenmill_service.plan.device import probe_device
-from tokenmill_service.plan.resolve import resolve_plan
+from tokenmill_service.contract.plan import LoadOptions
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.builder import build_model
+from tokenmill_service.worker.models.checkpoint import open_checkpoint
+from tokenmill_service.worker.plan.device import probe_device
+from tokenmill_service.worker.plan.resolve import resolve_plan
 
 ATOL = 1e-4  # float32, dense: transformers' float32 forward pass within this
 
@@ -132,7 +132,7 @@ def whole_model_logits(directory: Path, prompt: list[int]) -> torch.Tensor:
 def assert_default_within_bounds(directory: Path, hf_model: Any, prompt: list[int]) -> None:
     """The checkpoint in the server's default configuration (dtype, quantization, backend, executor):
     prompt logprobs within the default's fidelity bounds of transformers' float32 ones (mean 1e-3, max 1e-2)."""
-    from tokenmill_service.engine.executor import make_executor
+    from tokenmill_service.worker.engine.executor import make_executor
 
     model = load_model(directory)
     got = torch.log_softmax(make_executor(model).compute_logits(forward_prompt(model, prompt)).double(), -1)

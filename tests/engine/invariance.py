@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
 
 
 def assert_alone_equals_crowd(model: Any, prompt: Sequence[int]) -> None:

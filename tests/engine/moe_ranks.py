@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model
 
 
 def rank_logits(rank: int, size: int, port: int, runs: list[tuple[str, bool]], prompt: list[int], out: str) -> None:

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.distributed.step_broadcast import Stop, follow, lead
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine, kv_cache_groups
-from tokenmill_service.engine.model_runner import ModelRunner
-from tokenmill_service.engine.request import GenerationRequest, RequestOutput
-from tokenmill_service.loader import load_model
-from tokenmill_service.tokenizer.load import load_tokenizer
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import GenerationRequest, RequestOutput
+from tokenmill_service.contract.tokenizer.load import load_tokenizer
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.distributed.step_broadcast import Stop, follow, lead
+from tokenmill_service.worker.engine.llm_engine import LLMEngine, kv_cache_groups
+from tokenmill_service.worker.engine.model_runner import ModelRunner
+from tokenmill_service.worker.loader import load_model
 
 Drafted = tuple[dict[str, list[RequestOutput]], list[dict[str, list[int]]]]
 

@@ -28,13 +28,13 @@ from tests.server_process import ServerProcess
 from tests.streams import trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.engine.compile import compiled_graphs
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.kernels import ops_class
-from tokenmill_service.loader import load_model
-from tokenmill_service.plan import LoadOptions, PlanRefused
-from tokenmill_service.plan.device import DeviceFacts
-from tokenmill_service.plan.executor import compile_missing
+from tokenmill_service.contract.plan import LoadOptions, PlanRefused
+from tokenmill_service.worker.engine.compile import compiled_graphs
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.kernels import ops_class
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.plan.device import DeviceFacts
+from tokenmill_service.worker.plan.executor import compile_missing
 
 
 @torch.inference_mode()
@@ -92,10 +92,10 @@ def test_a_compile_that_fails_at_warm_up_replans_without_it_and_says_why(
     and the engine serves from it."""
     import torch._inductor.config as inductor_config
 
-    from tokenmill_service.engine import executor as executors
-    from tokenmill_service.engine.llm_engine import EngineConfig, LLMEngine
-    from tokenmill_service.engine.warm_up import warm_up, warmed_engine
-    from tokenmill_service.loader import load_planned, replan
+    from tokenmill_service.worker.engine import executor as executors
+    from tokenmill_service.worker.engine.llm_engine import EngineConfig, LLMEngine
+    from tokenmill_service.worker.engine.warm_up import warm_up, warmed_engine
+    from tokenmill_service.worker.loader import load_planned, replan
 
     compiler = tmp_path / "g++"
     compiler.write_text(FAILING_COMPILER)
@@ -155,7 +155,7 @@ def test_an_unknown_compile_setting_is_refused(default_model_path: Path) -> None
 
 COMPILE_A_NORM = """
 import torch
-from tokenmill_service.engine.compile import configure_inductor
+from tokenmill_service.worker.engine.compile import configure_inductor
 
 configure_inductor()
 gen = torch.Generator().manual_seed(0)

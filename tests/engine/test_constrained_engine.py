@@ -7,8 +7,7 @@ import json
 from typing import Any
 
 from tests.engine.test_engine import make_engine, run_all
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import (
+from tokenmill_service.contract.request import (
     Constraint,
     FinishReason,
     GenerationRequest,
@@ -16,6 +15,7 @@ from tokenmill_service.engine.request import (
     SamplingParams,
     StoppingParams,
 )
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
 
 # Repetitive on purpose: the prompt-lookup drafter proposes guesses, some of which the grammar refuses.
 LIST = Constraint(
@@ -83,8 +83,8 @@ def test_a_drafted_stop_token_after_the_grammar_ends_leaves_its_matcher_as_it_wa
     """The prompt-lookup drafter proposes the answer's end and the turn's end together when the prompt shows
     them (a forced tool call's example): the masks computed over those drafts must leave the matcher able to
     take the answer's last token (it once refused it, and the answer ended one token short)."""
-    from tokenmill_service.engine.grammar import GrammarCompiler
-    from tokenmill_service.engine.token_masks import MaskFiller, MaskJob
+    from tokenmill_service.contract.grammar import GrammarCompiler
+    from tokenmill_service.worker.engine.token_masks import MaskFiller, MaskJob
 
     matcher = GrammarCompiler(default_tokenizer).matcher(Constraint("json_schema", json.dumps({"enum": ["alpha"]})))
     ids = default_tokenizer.encode('"alpha"')

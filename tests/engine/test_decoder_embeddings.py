@@ -13,9 +13,9 @@ import pytest
 from tests.embedding_checkpoints import TEXTS, write_tiny_qwen3_embedding
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
 from tests.lora_adapters import make_adapter
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.embedder import Embedder, decoder_hidden_states
-from tokenmill_service.models.embedding_spec import EmbeddingSpec, read_embedding_spec
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.embedder import Embedder, decoder_hidden_states
+from tokenmill_service.worker.models.embedding_spec import EmbeddingSpec, read_embedding_spec
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")

@@ -20,13 +20,13 @@ import torch.multiprocessing as mp
 from tests.engine.mtp_ranks import Drafted, replica_rank, run_drafting
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tests.tiny_deepseek import add_mtp_layer, deepseek_v3, quantize_fp8
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.paths import ModelLoadError
-from tokenmill_service.plan.plan import PlanRefused
-from tokenmill_service.tokenizer.load import load_tokenizer
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.model_paths import ModelLoadError
+from tokenmill_service.contract.plan.plan import PlanRefused
+from tokenmill_service.contract.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
+from tokenmill_service.contract.tokenizer.load import load_tokenizer
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.loader import load_model
 
 pytest.importorskip("transformers")
 
@@ -38,7 +38,7 @@ def random_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three layers (the first dense, then routed and shared experts) and an MTP layer with experts; for
     two tensor-parallel ranks, an even vocabulary (bytes, EOS and a pad token) and experts 64 wide, so
     that each rank's half is whole blocks of the native kernels (a narrower one takes the sliced product,
-    which is not batch-invariant on every CPU: layers/quant/dense.py)."""
+    which is not batch-invariant on every CPU: worker/layers/quant/dense.py)."""
     directory = tmp_path_factory.mktemp("deepseek-random-mtp")
     write_byte_level_tokenizer(directory, "<|pad|>")
     deepseek_v3(q_lora=True, vocab_size=258, moe=True, moe_intermediate_size=64).save_pretrained(

@@ -23,18 +23,18 @@ import torch.multiprocessing as mp
 
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
-from tokenmill_service.kernels.cpu import latent_attention
-from tokenmill_service.layers.fused_moe import FusedMoE, GroupedTopK
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.decoder import GatedMLP
-from tokenmill_service.models.deepseek_v3 import DeepseekV3MoE
-from tokenmill_service.models.dims import read_dims
-from tokenmill_service.models.hf_loader import read_hf_config
-from tokenmill_service.models.registry import family as family_spec
-from tokenmill_service.plan.plan import PlanRefused
-from tokenmill_service.plan.resolve import kv_cache_bytes_per_token
+from tokenmill_service.contract.model_dims import read_dims
+from tokenmill_service.contract.plan.plan import PlanRefused
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan, forward_prompt, kv_bytes_per_block
+from tokenmill_service.worker.kernels.cpu import latent_attention
+from tokenmill_service.worker.layers.fused_moe import FusedMoE, GroupedTopK
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.decoder import GatedMLP
+from tokenmill_service.worker.models.deepseek_v3 import DeepseekV3MoE
+from tokenmill_service.worker.models.hf_loader import read_hf_config
+from tokenmill_service.worker.models.registry import family as family_spec
+from tokenmill_service.worker.plan.resolve import kv_cache_bytes_per_token
 
 transformers = pytest.importorskip("transformers")
 
@@ -303,7 +303,7 @@ def test_fp8_expert_layers_are_multiplied_as_stored(tmp_path: Path) -> None:
 def test_the_sizes_read_before_loading_count_the_routed_experts_where_layers_have_them(
     checkpoint: tuple[Path, Any], moe_checkpoint: tuple[Path, Any]
 ) -> None:
-    """What the server checks --tensor-parallel / --expert-parallel degrees against (models/dims.py)."""
+    """What the server checks --tensor-parallel / --expert-parallel degrees against (contract/model_dims.py)."""
     dims = read_dims(moe_checkpoint[0])
     assert (dims.num_experts, dims.expert_width) == (8, 32)
     assert read_dims(checkpoint[0]).num_experts == 0  # n_routed_experts 8, but every layer dense

@@ -12,8 +12,8 @@ import torch
 
 from tests.tiny_deepseek import deepseek_v3
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

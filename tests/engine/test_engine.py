@@ -6,9 +6,8 @@ from typing import Any
 
 import pytest
 
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import KVPoolTooSmall, LLMEngine
-from tokenmill_service.engine.request import (
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import (
     FinishReason,
     GenerationRequest,
     RequestError,
@@ -16,6 +15,7 @@ from tokenmill_service.engine.request import (
     SamplingParams,
     StoppingParams,
 )
+from tokenmill_service.worker.engine.llm_engine import KVPoolTooSmall, LLMEngine
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -248,7 +248,7 @@ def test_choices_of_one_request_share_the_prompts_blocks_and_each_draws_as_alone
 ) -> None:
     """n > 1: the choices (one prefix group, seeds from choice_seed) compute the prompt once; each gives
     the tokens it gives alone, in a fresh engine, with its own seed."""
-    from tokenmill_service.engine.request import choice_seed
+    from tokenmill_service.contract.request import choice_seed
 
     ids = default_tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
     stop = StoppingParams(max_new_tokens=6, ignore_eos=True)

@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 
 from tests.engine.test_engine import make_engine, run_all, text, token_ids
-from tokenmill_service.detokenizer import IncrementalDetokenizer
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import (
+from tokenmill_service.contract.request import (
     FinishReason,
     GenerationRequest,
     RequestError,
@@ -25,6 +23,8 @@ from tokenmill_service.engine.request import (
     SamplingParams,
     StoppingParams,
 )
+from tokenmill_service.worker.engine.detokenizer import IncrementalDetokenizer
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

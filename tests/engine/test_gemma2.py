@@ -23,9 +23,9 @@ from tests.engine.family_checks import (
     tensor_parallel_logits,
 )
 from tests.engine.gemma_checkpoints import PROMPT, WINDOW, convert_gemma_to_gguf, gemma2
-from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model
+from tokenmill_service.worker.engine.executor import make_executor
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

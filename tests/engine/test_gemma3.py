@@ -24,9 +24,9 @@ from tests.engine.family_checks import (
 )
 from tests.engine.gemma_checkpoints import PROMPT, WINDOW, convert_gemma_to_gguf, gemma3
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
-from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.worker.engine.executor import make_executor
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.hf_loader import read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,23 +13,23 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.distributed.degree import check_degree
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.layers.quant import gguf_blocks
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
-from tokenmill_service.loader import load, load_model
-from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.models.dims import read_dims
-from tokenmill_service.models.gguf_loader import (
+from tokenmill_service.contract.model_dims import read_dims
+from tokenmill_service.contract.parallel_degree import check_degree
+from tokenmill_service.contract.plan import LoadOptions, PlanRefused
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.layers.quant import gguf_blocks
+from tokenmill_service.worker.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
+from tokenmill_service.worker.loader import load, load_model
+from tokenmill_service.worker.models.checkpoint import open_checkpoint
+from tokenmill_service.worker.models.gguf_loader import (
     GGUFError,
     dequantize_tensor,
     load_gguf,
     open_gguf,
     unpermute_qk,
 )
-from tokenmill_service.plan import LoadOptions, PlanRefused
-from tokenmill_service.plan.device import DeviceFacts
-from tokenmill_service.plan.resolve import resolve_plan
+from tokenmill_service.worker.plan.device import DeviceFacts
+from tokenmill_service.worker.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")
 

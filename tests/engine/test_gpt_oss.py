@@ -24,12 +24,12 @@ from tests.engine.gpt_oss_checkpoint import PROMPT, ROPE, WINDOW, hf_gpt_oss
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
 from tests.engine.test_moe_families import greedy, hf_logits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.layers.quant.mxfp4 import dequantize_openai
-from tokenmill_service.loader import load, load_model
-from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.plan import LoadOptions
+from tokenmill_service.contract.plan import LoadOptions
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.layers.fused_moe import FusedMoE
+from tokenmill_service.worker.layers.quant.mxfp4 import dequantize_openai
+from tokenmill_service.worker.loader import load, load_model
+from tokenmill_service.worker.models.checkpoint import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -27,10 +27,10 @@ from tests.engine.granite_phi3_checkpoints import GRANITE_TINY as TINY
 from tests.engine.granite_phi3_checkpoints import MULTIPLIERS, granite
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
-from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.worker.engine.executor import make_executor
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.hf_loader import read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import (
+from tokenmill_service.contract import model_paths as paths
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import (
     DEFAULT_MODEL_INSTALL_HINT,
     ModelLoadError,
     ModelNotFoundError,
     load_model,
     resolve_model_path,
 )
-from tokenmill_service.models import paths
-from tokenmill_service.models.config import has_windows, layer_window
-from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
+from tokenmill_service.worker.models.config import has_windows, layer_window
+from tokenmill_service.worker.models.hf_loader import HFCheckpointError, read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

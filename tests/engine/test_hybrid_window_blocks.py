@@ -16,12 +16,12 @@ from tests.engine.family_checks import load
 from tests.engine.gemma_checkpoints import WINDOW, gemma2, gemma3
 from tests.engine.test_window_blocks import _logprobs, _run
 from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_service.engine.block_manager import BlockManager
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.kv_cache_groups import plan_kv_cache_groups
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, StoppingParams
-from tokenmill_service.tokenizer.load import load_tokenizer
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import GenerationRequest, StoppingParams
+from tokenmill_service.contract.tokenizer.load import load_tokenizer
+from tokenmill_service.worker.engine.block_manager import BlockManager
+from tokenmill_service.worker.engine.kv_cache_groups import plan_kv_cache_groups
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
 
 BLOCK = 4
 CHUNK = 8  # tokens a step: prompts are prefilled in chunks

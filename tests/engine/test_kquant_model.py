@@ -23,10 +23,10 @@ from tests.engine.test_gguf_loader import (  # noqa: F401 - q4_k_m_files is a fi
     q4_k_m_files,
     random_blocks,
 )
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
-from tokenmill_service.kernels.cpu import decoder_stack, kquant_gemm
-from tokenmill_service.loader import load
-from tokenmill_service.plan import LoadOptions
+from tokenmill_service.contract.plan import LoadOptions
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.worker.kernels.cpu import decoder_stack, kquant_gemm
+from tokenmill_service.worker.loader import load
 
 pytestmark = pytest.mark.skipif(
     kquant_gemm.unavailable_reason() is not None or decoder_stack.unavailable_reason() is not None,

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tests.lora_adapters import make_adapter, peft_model, tiny_llama
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.layers.lora import AdapterError, attach_lora, read_adapter
-from tokenmill_service.layers.lora.sgmv import lora_delta, lora_delta_reference
-from tokenmill_service.loader import load, load_model
-from tokenmill_service.plan.options import LoadOptions
+from tokenmill_service.contract.plan.options import LoadOptions
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.layers.lora import AdapterError, attach_lora, read_adapter
+from tokenmill_service.worker.layers.lora.sgmv import lora_delta, lora_delta_reference
+from tokenmill_service.worker.loader import load, load_model
 
 PROMPT = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 

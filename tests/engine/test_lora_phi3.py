@@ -12,9 +12,9 @@ import torch
 
 from tests.engine.test_gguf_loader import _randomize
 from tests.lora_adapters import make_adapter, peft_model
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.layers.lora import read_adapter
-from tokenmill_service.loader import load_model
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.layers.lora import read_adapter
+from tokenmill_service.worker.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tokenmill_service.loader import load_planned
-from tokenmill_service.models.gguf_reader import open_model_file
-from tokenmill_service.plan import LoadOptions
-from tokenmill_service.tokenizer import load_tokenizer
+from tokenmill_service.contract.gguf_reader import open_model_file
+from tokenmill_service.contract.plan import LoadOptions
+from tokenmill_service.contract.tokenizer import load_tokenizer
+from tokenmill_service.worker.loader import load_planned
 
 _WATCHED: list[tuple[str, list[str]]] = []  # (path, the opens seen while it is watched)
 

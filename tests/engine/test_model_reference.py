@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model, resolve_model_path
-from tokenmill_service.models.decoder import DecoderForCausalLM
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model, resolve_model_path
+from tokenmill_service.worker.models.decoder import DecoderForCausalLM
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 LOGPROB_ATOL = 1e-3

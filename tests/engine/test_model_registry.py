@@ -11,13 +11,13 @@ import gguf
 import numpy as np
 import pytest
 
-from tokenmill_service.models import registry
-from tokenmill_service.models.decoder import DecoderForCausalLM
-from tokenmill_service.models.gguf_loader import GGUFError, load_gguf
-from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.llama import LLAMA
-from tokenmill_service.models.registry import family, gguf_architectures, hf_architectures, register_family
-from tokenmill_service.models.spec import FamilySpec, Names
+from tokenmill_service.worker.models import registry
+from tokenmill_service.worker.models.decoder import DecoderForCausalLM
+from tokenmill_service.worker.models.gguf_loader import GGUFError, load_gguf
+from tokenmill_service.worker.models.hf_loader import HFCheckpointError, read_hf_config
+from tokenmill_service.worker.models.llama import LLAMA
+from tokenmill_service.worker.models.registry import family, gguf_architectures, hf_architectures, register_family
+from tokenmill_service.worker.models.spec import FamilySpec, Names
 
 
 def test_the_loaders_names_come_from_the_families() -> None:

@@ -24,15 +24,15 @@ from tests.engine.moe_ranks import rank_logits
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tests.kernels.test_decoder_stack import same_bits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan, forward_prompt
-from tokenmill_service.layers.fused_moe import FusedMoE
-from tokenmill_service.layers.linear import LinearBase
-from tokenmill_service.loader import load, load_model
-from tokenmill_service.models.checkpoint import open_checkpoint
-from tokenmill_service.plan import LoadOptions, PlanRefused
-from tokenmill_service.plan.device import probe_device
-from tokenmill_service.plan.plan import Decision
-from tokenmill_service.plan.resolve import resolve_plan
+from tokenmill_service.contract.plan import LoadOptions, PlanRefused
+from tokenmill_service.contract.plan.plan import Decision
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan, forward_prompt
+from tokenmill_service.worker.layers.fused_moe import FusedMoE
+from tokenmill_service.worker.layers.linear import LinearBase
+from tokenmill_service.worker.loader import load, load_model
+from tokenmill_service.worker.models.checkpoint import open_checkpoint
+from tokenmill_service.worker.plan.device import probe_device
+from tokenmill_service.worker.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")
 

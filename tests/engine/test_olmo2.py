@@ -17,9 +17,9 @@ import torch
 from tests.engine.family_checks import assert_default_within_bounds, assert_greedy_matches, assert_prompt_matches, load
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.hf_loader import read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,13 +26,13 @@ from tests.engine.granite_phi3_checkpoints import LONGROPE, ORIGINAL, ROTARY_DIM
 from tests.engine.granite_phi3_checkpoints import PHI3_TINY as TINY
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
 from tests.engine.test_gguf_loader import convert_hf_to_gguf
-from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model
-from tokenmill_service.models import registry
-from tokenmill_service.models.config import layer_window
-from tokenmill_service.models.hf_loader import HFCheckpointError, read_hf_config
-from tokenmill_service.models.phi3 import LONG, PHI3, SHORT
+from tokenmill_service.worker.engine.executor import make_executor
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models import registry
+from tokenmill_service.worker.models.config import layer_window
+from tokenmill_service.worker.models.hf_loader import HFCheckpointError, read_hf_config
+from tokenmill_service.worker.models.phi3 import LONG, PHI3, SHORT
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,8 +24,8 @@ from tests.engine.family_checks import (
 from tests.engine.invariance import assert_alone_equals_crowd
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tests.kernels.test_decoder_stack import same_bits
-from tokenmill_service.loader import load_model
-from tokenmill_service.models.hf_loader import read_hf_config
+from tokenmill_service.worker.loader import load_model
+from tokenmill_service.worker.models.hf_loader import read_hf_config
 
 transformers = pytest.importorskip("transformers")
 

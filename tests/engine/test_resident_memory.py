@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from structlog.testing import capture_logs
 
-from tokenmill_service.models.gguf_reader import open_gguf, release_pages
-from tokenmill_service.models.resident_memory import anonymous_mib, release_freed_heap
+from tokenmill_service.contract.gguf_reader import open_gguf, release_pages
+from tokenmill_service.worker.models.resident_memory import anonymous_mib, release_freed_heap
 
 
 def _rss_file_mib() -> int:
@@ -45,8 +45,8 @@ def test_memory_freed_while_loading_goes_back_to_the_system() -> None:
 
 
 def test_loading_a_model_returns_the_heap_it_freed(default_model_path: Path) -> None:
-    from tokenmill_service.loader import load
-    from tokenmill_service.plan import LoadOptions
+    from tokenmill_service.contract.plan import LoadOptions
+    from tokenmill_service.worker.loader import load
 
     with capture_logs() as logs:
         load(LoadOptions(model=str(default_model_path)))

@@ -12,16 +12,16 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.interface import register_ops
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.layers.quant.base import register_quantization
-from tokenmill_service.layers.quant.dense import DenseMethod
-from tokenmill_service.loader import load_model
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import GenerationRequest, SamplingParams, StoppingParams
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.interface import register_ops
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.layers.quant.base import register_quantization
+from tokenmill_service.worker.layers.quant.dense import DenseMethod
+from tokenmill_service.worker.loader import load_model
 
 CALLS: dict[str, int] = {}
 
@@ -161,11 +161,11 @@ def test_the_device_check_catches_a_tensor_made_without_its_device() -> None:
 
 
 def test_every_declared_backend_and_quantization_has_its_implementation_and_only_those() -> None:
-    """--backend and --quantization take their values from plan/choices.py; each names a registered
+    """--backend and --quantization take their values from contract/plan/choices.py; each names a registered
     implementation (auto aside), and an implementation registers under a declared value only."""
-    from tokenmill_service.kernels.interface import ops_class
-    from tokenmill_service.layers.quant import quant_method_class
-    from tokenmill_service.plan import choices
+    from tokenmill_service.contract.plan import choices
+    from tokenmill_service.worker.kernels.interface import ops_class
+    from tokenmill_service.worker.layers.quant import quant_method_class
 
     for value in choices.BACKEND.values(selectable_only=False):
         assert ops_class(value).name == value

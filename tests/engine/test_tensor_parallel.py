@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tokenmill_service.distributed.degree import ModelDims, check_degree, working_degrees
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.loader import load_model, resolve_model_path
+from tokenmill_service.contract.parallel_degree import ModelDims, check_degree, working_degrees
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.tiny_checkpoint import sharpen, write_byte_level_tokenizer
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, RequestOutput, StoppingParams
-from tokenmill_service.loader import load_model
-from tokenmill_service.tokenizer.load import load_tokenizer
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import GenerationRequest, RequestOutput, StoppingParams
+from tokenmill_service.contract.tokenizer.load import load_tokenizer
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.loader import load_model
 
 WINDOW = 16
 BLOCK = 4
@@ -200,7 +200,7 @@ def test_a_model_with_a_global_layer_frees_only_its_windowed_layers_blocks(tmp_p
     kept.add_request(_request("r"))
     want, kept_peak = _run(kept)
     engine = _engine(model, speculative_tokens=0)
-    # Two KV-cache groups of one layer each (engine/kv_cache_groups.py): a block id holds one layer.
+    # Two KV-cache groups of one layer each (worker/engine/kv_cache_groups.py): a block id holds one layer.
     assert engine.kv_groups.layers == ((0,), (1,)) and engine.block_manager.windowed == (False, True)
     engine.add_request(_request("r"))
     got, peak = _run(engine)

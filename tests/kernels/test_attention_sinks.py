@@ -18,7 +18,7 @@ from tests.kernels.test_sliding_window_attention import (
     make_ops,
 )
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
 
 # Sinks around the scores' scale, one far above them (its head's outputs shrink toward zero).
 SINKS = torch.tensor([0.5, -1.0, 2.0, 6.0])

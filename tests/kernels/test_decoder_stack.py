@@ -1,4 +1,4 @@
-"""The native decoder stack (kernels/cpu/decoder_stack.cpp): the served model's layers in one native call.
+"""The native decoder stack (worker/kernels/cpu/decoder_stack.cpp): the served model's layers in one native call.
 
 It must give the Python forward's results bit for bit (it calls the same kernels in the same
 order), over prefill chunks, decode tokens and mixed steps, with both native products; serve by
@@ -20,11 +20,11 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tokenmill_service.engine.kv_cache_groups import KVCacheGroups, plan_kv_cache_groups
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.engine.native_stack import build_decoder_stack
-from tokenmill_service.kernels.attention_metadata import NULL_BLOCK
-from tokenmill_service.kernels.cpu import decoder_stack, vnni_gemm
+from tokenmill_service.worker.engine.kv_cache_groups import KVCacheGroups, plan_kv_cache_groups
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.engine.native_stack import build_decoder_stack
+from tokenmill_service.worker.kernels.attention_metadata import NULL_BLOCK
+from tokenmill_service.worker.kernels.cpu import decoder_stack, vnni_gemm
 
 pytestmark = pytest.mark.skipif(
     decoder_stack.unavailable_reason() is not None,
@@ -93,7 +93,7 @@ def test_the_served_model_runs_the_native_stack_with_the_python_forwards_bits(se
 
 @torch.inference_mode()
 def test_the_float32_block_product_runs_it_too(default_model_path: Path) -> None:
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     with capture_logs() as logs:
         model = load_model(default_model_path, quantization="gguf")
@@ -111,10 +111,10 @@ def test_the_default_is_the_native_stack_on_vnni(served_model: Any) -> None:
 def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_model: Any) -> None:
     """The plan gives a family whose layers do more to a sub-layer's output than the stack's residual
     multiplier no native stack, and says why."""
-    from tokenmill_service.kernels import ops_class
-    from tokenmill_service.plan import LoadOptions
-    from tokenmill_service.plan.device import probe_device
-    from tokenmill_service.plan.executor import native_stack_missing
+    from tokenmill_service.contract.plan import LoadOptions
+    from tokenmill_service.worker.kernels import ops_class
+    from tokenmill_service.worker.plan.device import probe_device
+    from tokenmill_service.worker.plan.executor import native_stack_missing
 
     family = type(default_model)
 
@@ -142,7 +142,7 @@ def test_dense_float32_layers_run_it_too(default_model: Any) -> None:
 def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_forward(
     default_model_path: Path, compiled_model: Any
 ) -> None:
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     # --quantization int8: torch's per-channel kernel, which native code cannot call.
     with capture_logs() as logs:
@@ -158,9 +158,9 @@ def test_layers_without_a_native_kernel_and_compiled_regions_keep_the_python_for
 def test_the_default_path_builds_no_attention_groups_nor_their_masks(served_model: Any) -> None:
     """The native kernels read the flat per-token view: the padded grids and their causal masks
     (quadratic in a long prompt) are never built."""
-    from tokenmill_service.engine.executor import make_executor
-    from tokenmill_service.engine.model_runner import allocate_kv_cache
-    from tokenmill_service.kernels.attention_metadata import build_attention_metadata
+    from tokenmill_service.worker.engine.executor import make_executor
+    from tokenmill_service.worker.engine.model_runner import allocate_kv_cache
+    from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
 
     k_cache, v_cache = allocate_kv_cache(served_model, 40, 16)
     meta = build_attention_metadata([300, 1], [280, 7], [list(range(37)), [37]], k_cache, v_cache)
@@ -174,7 +174,7 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Four layers (windowed, full, windowed, full): two KV-cache groups of two layers each."""
     pytest.importorskip("transformers")
     from tests.engine.gpt_oss_checkpoint import hf_gpt_oss
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     directory = tmp_path_factory.mktemp("tiny-gpt-oss-stack")
     hf_gpt_oss(layers=4).save_pretrained(directory, safe_serialization=True)
@@ -211,7 +211,7 @@ def gemma_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     head_dim 256, Gemma 3 1B's), loaded, and the transformers model saved (the test's to change)."""
     pytest.importorskip("transformers")
     from tests.engine import gemma_checkpoints
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     directory = tmp_path_factory.mktemp(f"tiny-{request.param}-stack")
     hf = gemma_checkpoints.gemma2() if request.param == "gemma2" else gemma_checkpoints.gemma3(head_dim=256)
@@ -226,7 +226,7 @@ def test_gemma_runs_the_native_stack_with_the_python_forwards_bits(gemma_and_hf:
     runs Gemma: its windowed layers' blocks behind the window freed); and Gemma 3's logits over a prompt
     of five windows are transformers' (heads of 256 in the native attention kernel)."""
     from tests.engine.gemma_checkpoints import PROMPT
-    from tokenmill_service.engine.model_runner import forward_prompt
+    from tokenmill_service.worker.engine.model_runner import forward_prompt
 
     gemma, hf = gemma_and_hf
     assert gemma.plan.executor.value == "native-stack", gemma.plan.executor
@@ -257,7 +257,7 @@ def llama_variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     LongRoPE, its long factors chosen for the model's 256-position context), loaded."""
     pytest.importorskip("transformers")
     from tests.engine.granite_phi3_checkpoints import granite, phi3
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     directory = tmp_path_factory.mktemp(f"tiny-{request.param}-stack")
     if request.param == "granite":
@@ -275,7 +275,7 @@ def test_granite_and_phi3_run_the_native_stack_with_the_python_forwards_bits(lla
     LongRoPE's one table for every step), in one call: the eager loop's hidden states over a prompt and
     its logits over mixed prefill, decode and crowded steps, bit for bit."""
     from tests.engine.granite_phi3_checkpoints import PROMPT
-    from tokenmill_service.engine.model_runner import forward_prompt
+    from tokenmill_service.worker.engine.model_runner import forward_prompt
 
     model = llama_variant
     spec = build_decoder_stack(model).spec
@@ -294,7 +294,7 @@ def deepseek(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     1 shared expert): with the low-rank query path, YaRN and interleaved rotary dims, or q_proj and plain ones."""
     pytest.importorskip("transformers")
     from tests.tiny_deepseek import deepseek_v3
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.loader import load_model
 
     directory = tmp_path_factory.mktemp(f"tiny-deepseek-{request.param}-stack")
     deepseek_v3(q_lora=request.param == "q_lora", moe=True).save_pretrained(directory, safe_serialization=True)
@@ -313,7 +313,7 @@ def test_deepseek_v3_runs_the_native_stack_with_the_python_forwards_bits(deepsee
     states over a prompt and its logits over mixed prefill, decode and crowded steps, bit for bit; a
     prompt alone and in a crowd, and prefilled or decoded, the same bits on the stack."""
     from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
-    from tokenmill_service.engine.model_runner import forward_prompt
+    from tokenmill_service.worker.engine.model_runner import forward_prompt
 
     model = deepseek
     spec = build_decoder_stack(model).spec

@@ -1,4 +1,4 @@
-"""FP8 block-scaled weights (layers/quant/fp8_tensor.py, fp8_block.py): slices keep their place in the
+"""FP8 block-scaled weights (worker/layers/quant/fp8_tensor.py, fp8_block.py): slices keep their place in the
 block grid, the layer holds exactly the reference's dequantized weight, and its product is close to the
 dense one on both tile kernels, and each row's own (bitwise the same alone and among others) on the
 native one."""
@@ -10,11 +10,11 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from tests.tiny_deepseek import fp8_block_quantize, fp8_dequantize
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from tokenmill_service.layers.quant.fp8_block import NATIVE_TILES, SLICED_TILES, Fp8BlockMethod
-from tokenmill_service.layers.quant.fp8_tensor import Fp8Blocks
-from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from tokenmill_service.worker.layers.quant.fp8_block import NATIVE_TILES, SLICED_TILES, Fp8BlockMethod
+from tokenmill_service.worker.layers.quant.fp8_tensor import Fp8Blocks
+from tokenmill_service.worker.layers.quant.gguf_blocks import GGUFBlocks
 
 BLOCK = 32
 

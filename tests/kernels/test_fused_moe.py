@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer against its plain-torch definition (layers/fused_moe/reference.py), for
+"""The mixture-of-experts layer against its plain-torch definition (worker/layers/fused_moe/reference.py), for
 each way its experts can be stored: float32 rows and GGUF blocks multiplied by tokenmill's native
 kernels (float32, VNNI, k-quants), as the dense layers multiply them; the router's choice and
 renormalization; DeepSeek-V3's grouped sigmoid routing against transformers' router; and a token's
@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from tests.engine.test_gguf_loader import random_blocks
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels import get_ops
-from tokenmill_service.kernels.cpu import moe_mlp
-from tokenmill_service.layers.fused_moe import (
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.kernels import get_ops
+from tokenmill_service.worker.kernels.cpu import moe_mlp
+from tokenmill_service.worker.layers.fused_moe import (
     ExpertPlacement,
     FusedMoE,
     GroupedTopK,
@@ -28,14 +28,14 @@ from tokenmill_service.layers.fused_moe import (
     select_experts_grouped,
     select_top_logits,
 )
-from tokenmill_service.layers.fused_moe.layer import ExpertMLP
-from tokenmill_service.layers.fused_moe.native import activation_gap, native_experts
-from tokenmill_service.layers.fused_moe.reference import moe_reference
-from tokenmill_service.layers.linear import LinearBase
-from tokenmill_service.layers.quant import QuantMethod, quant_method_class
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
-from tokenmill_service.models.gpt_oss import GptOssExpert, GptOssMoE
-from tokenmill_service.plan.device import probe_device
+from tokenmill_service.worker.layers.fused_moe.layer import ExpertMLP
+from tokenmill_service.worker.layers.fused_moe.native import activation_gap, native_experts
+from tokenmill_service.worker.layers.fused_moe.reference import moe_reference
+from tokenmill_service.worker.layers.linear import LinearBase
+from tokenmill_service.worker.layers.quant import QuantMethod, quant_method_class
+from tokenmill_service.worker.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
+from tokenmill_service.worker.models.gpt_oss import GptOssExpert, GptOssMoE
+from tokenmill_service.worker.plan.device import probe_device
 
 EXPERTS, TOP_K = 8, 2
 
@@ -89,7 +89,7 @@ def _moe(
 
 
 def _one_call(moe: FusedMoE) -> bool:
-    """What the load plan answers for these experts (plan/executor.py's ``experts_path``): one call where the
+    """What the load plan answers for these experts (worker/plan/executor.py's ``experts_path``): one call where the
     ops are native, the call is built and every expert's products have a native kernel."""
     products = [lin for e in moe.experts.values() for lin in (e.gate_up_proj, e.down_proj)]
     return (
@@ -151,7 +151,7 @@ def _loop(moe: FusedMoE, x: torch.Tensor, held: range | None = None) -> torch.Te
 @pytest.mark.parametrize(("method", "qtype", "hidden", "width"), CASES, ids=lambda v: getattr(v, "name", str(v)))
 @torch.inference_mode()
 def test_the_native_experts_are_the_loops_bits(method: str, qtype: QType, hidden: int, width: int) -> None:
-    """One native call a layer (kernels/cpu/moe_mlp.cpp) against the Python loop over the experts: the
+    """One native call a layer (worker/kernels/cpu/moe_mlp.cpp) against the Python loop over the experts: the
     same kernels on the same rows, so the same bits, whether the experts share the threads (many tokens)
     or each product does (one token: two experts), and with only some experts held (expert parallel)."""
     moe = _moe(method, qtype, hidden, width)
@@ -274,10 +274,10 @@ ROUTER_SHAPES = [(4, 2), (8, 2), (60, 4), (64, 8), (128, 2), (256, 4), (16, 1), 
 @pytest.mark.parametrize(("experts", "top_k"), ROUTER_SHAPES)
 def test_the_native_router_chooses_as_torch_and_ranks_equal_scores_as_torch_topk(experts: int, top_k: int) -> None:
     """moe_mlp.cpp's routings (the native ops' and the native decoder stack's router: softmax top-k,
-    renormalized or not, and gpt-oss's softmax over the top-k logits) against kernels/moe_routing.py's torch ones:
+    renormalized or not, and gpt-oss's softmax over the top-k logits) against worker/kernels/moe_routing.py's torch ones:
     logits from a few levels, so most rows hold equal values, which must come out in torch.topk's order;
     the weights within float32 rounding; each row the same alone."""
-    from tokenmill_service.kernels.cpu import moe_mlp
+    from tokenmill_service.worker.kernels.cpu import moe_mlp
 
     if (why := moe_mlp.unavailable_reason()) is not None:
         pytest.skip(why)
@@ -341,7 +341,7 @@ def test_the_native_grouped_router_chooses_as_torch(experts: int, groups: int, k
     moe_routing.py's torch one: logits from a few levels (equal scores ranked as torch.topk ranks them), a
     correction bias from a few levels too, renormalized or not; the weights within float32 rounding; each
     row the same alone."""
-    from tokenmill_service.kernels.cpu import moe_mlp
+    from tokenmill_service.worker.kernels.cpu import moe_mlp
 
     if (why := moe_mlp.unavailable_reason()) is not None:
         pytest.skip(why)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.native import runner
-from tokenmill_service.plan import cpu_isa
+from tokenmill_service.contract.plan import cpu_isa
 
 VECTOR_ISAS = [s.name for s in cpu_isa.INSTRUCTION_SETS if s.name != "scalar"]
 

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
 from tests.engine.test_gguf_loader import random_blocks
-from tokenmill_service.kernels.cpu import kquant_gemm, vnni_gemm
+from tokenmill_service.worker.kernels.cpu import kquant_gemm, vnni_gemm
 
 pytestmark = pytest.mark.skipif(
     vnni_gemm.unavailable_reason() is not None, reason=f"VNNI kernel: {vnni_gemm.unavailable_reason()}"

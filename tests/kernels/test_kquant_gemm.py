@@ -1,5 +1,5 @@
 """``--quantization gguf-kquant``: llama.cpp's k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) multiplied as stored by the native
-kernel (kernels/cpu/kquant_gemm.cpp: 16-bit fixed-point activations, integer products), checked against
+kernel (worker/kernels/cpu/kquant_gemm.cpp: 16-bit fixed-point activations, integer products), checked against
 gguf's own dequantization and the float64 product."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from gguf import quants
 
 from tests.engine.test_gguf_loader import random_blocks
 from tests.kernels.test_native_block_gemm import _rows_are_independent_of_the_batch_and_the_thread_count
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.cpu import kquant_gemm, vnni_gemm
-from tokenmill_service.layers.linear import QKVParallelLinear, ReplicatedLinear
-from tokenmill_service.layers.quant import quant_method_class
-from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.kernels.cpu import kquant_gemm, vnni_gemm
+from tokenmill_service.worker.layers.linear import QKVParallelLinear, ReplicatedLinear
+from tokenmill_service.worker.layers.quant import quant_method_class
+from tokenmill_service.worker.layers.quant.gguf_blocks import GGUFBlocks
 
 pytestmark = pytest.mark.skipif(
     kquant_gemm.unavailable_reason() is not None, reason=f"k-quant kernel: {kquant_gemm.unavailable_reason()}"

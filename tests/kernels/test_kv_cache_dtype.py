@@ -20,12 +20,12 @@ from structlog.testing import capture_logs
 from tests.fidelity import prompt_logprob_errors
 from tests.server_process import ServerProcess
 from tokenmill_client import Client
-from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.kernels.cpu import paged_attention
-from tokenmill_service.kernels.cpu.ops import NativeCpuOps
-from tokenmill_service.loader import ModelLoadError, load_model
-from tokenmill_service.plan.device import probe_device
+from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.cpu import paged_attention
+from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
+from tokenmill_service.worker.loader import ModelLoadError, load_model
+from tokenmill_service.worker.plan.device import probe_device
 
 pytestmark = pytest.mark.skipif(
     probe_device("cpu").native("paged_attention", "elementwise") is not None,
@@ -119,7 +119,7 @@ def test_the_flag_reaches_the_worker_and_a_request_is_the_same_alone_and_in_a_cr
 
 
 def test_the_setting_defaults_to_auto_and_refuses_what_cannot_read_float16() -> None:
-    from tokenmill_service.config import Settings, load_settings
+    from tokenmill_service.contract.config import Settings, load_settings
 
     assert Settings().kv_cache_dtype == "auto"
     assert load_settings([], {"TOKENMILL_KV_CACHE_DTYPE": "float16"}).kv_cache_dtype == "float16"

@@ -1,4 +1,4 @@
-"""Multi-head latent attention over the latent cache (kernels/latent_attention.py, the torch ops'
+"""Multi-head latent attention over the latent cache (worker/kernels/latent_attention.py, the torch ops'
 ``latent_attention``): the absorbed form equals attention over the keys and values ``kv_b_proj``
 expands from the latents (computed here the plain way), and a query's result is bitwise the same
 alone, beside other sequences and as a row of its sequence's prefill, across key chunks."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill_service.kernels.attention_metadata import KEY_CHUNK, build_attention_metadata
-from tokenmill_service.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, build_attention_metadata
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 NUM_BLOCKS = 128
 CONTEXT = 300  # more than one KEY_CHUNK of keys

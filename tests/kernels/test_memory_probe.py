@@ -4,7 +4,7 @@ the buffer (its checksum is the buffer's), on any thread count, and refuses buff
 import pytest
 import torch
 
-from tokenmill_service.kernels.cpu import memory_probe
+from tokenmill_service.worker.kernels.cpu import memory_probe
 
 pytestmark = pytest.mark.skipif(memory_probe.unavailable_reason() is not None, reason="native kernels unavailable")
 

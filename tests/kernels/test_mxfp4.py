@@ -11,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
 
-from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
-from tokenmill_service.layers.quant.mxfp4 import dequantize_openai, from_openai
+from tokenmill_service.worker.kernels.cpu import block_gemm, vnni_gemm
+from tokenmill_service.worker.layers.quant.mxfp4 import dequantize_openai, from_openai
 
 transformers_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 

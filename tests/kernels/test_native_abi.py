@@ -1,4 +1,4 @@
-"""The native ABI is written once (kernels/cpu/abi.py): the C++ compiles against a header generated from
+"""The native ABI is written once (worker/kernels/cpu/abi.py): the C++ compiles against a header generated from
 it, the ctypes bindings are derived from it, and a disagreement stops the build."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.kernels.cpu import abi, block_gemm, build
-from tokenmill_service.layers.quant.blocks import GGUFBlocksMethod
-from tokenmill_service.layers.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_BLOCK
+from tokenmill_service.worker.kernels.cpu import abi, block_gemm, build
+from tokenmill_service.worker.layers.quant.blocks import GGUFBlocksMethod
+from tokenmill_service.worker.layers.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_BLOCK
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 

@@ -1,5 +1,5 @@
 """``--quantization gguf`` and ``gguf-vnni``: GGUF blocks multiplied as stored by tokenmill's native
-CPU kernels (kernels/cpu/block_gemm.cpp: float32 activations; kernels/cpu/vnni_gemm.cpp: 16-bit fixed-point
+CPU kernels (worker/kernels/cpu/block_gemm.cpp: float32 activations; worker/kernels/cpu/vnni_gemm.cpp: 16-bit fixed-point
 activations, integer products), checked against the plain-torch product with gguf's own
 dequantization."""
 
@@ -17,12 +17,12 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from tests.engine.test_gguf_loader import random_blocks
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.kernels.cpu import block_gemm, vnni_gemm
-from tokenmill_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
-from tokenmill_service.layers.quant import quant_method_class
-from tokenmill_service.layers.quant.fp8_tensor import FP8_DTYPE, Fp8Blocks
-from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.kernels.cpu import block_gemm, vnni_gemm
+from tokenmill_service.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from tokenmill_service.worker.layers.quant import quant_method_class
+from tokenmill_service.worker.layers.quant.fp8_tensor import FP8_DTYPE, Fp8Blocks
+from tokenmill_service.worker.layers.quant.gguf_blocks import GGUFBlocks
 
 pytestmark = pytest.mark.skipif(
     block_gemm.unavailable_reason() is not None, reason=f"native kernel unavailable: {block_gemm.unavailable_reason()}"
@@ -208,8 +208,8 @@ def test_without_a_compiler_the_kernels_say_why_and_auto_serves_with_torchs(tmp_
     kernels (every layer dense float32, the reference attention), logging why, and warning once a process
     what is missing and what to install."""
     code = (
-        "from tokenmill_service.kernels.cpu import block_gemm\n"
-        "from tokenmill_service.loader import load_model, resolve_model_path\n"
+        "from tokenmill_service.worker.kernels.cpu import block_gemm\n"
+        "from tokenmill_service.worker.loader import load_model, resolve_model_path\n"
         "print('REASON', block_gemm.unavailable_reason())\n"
         "print('QUANT', load_model(resolve_model_path(None), quantization='auto').quantization)\n"
         "load_model(resolve_model_path(None), quantization='auto')  # a second model: no second warning\n"

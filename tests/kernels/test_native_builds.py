@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.native import runner
-from tokenmill_service.kernels.cpu import build
-from tokenmill_service.plan import cpu_isa
+from tokenmill_service.contract.plan import cpu_isa
+from tokenmill_service.worker.kernels.cpu import build
 
 ISAS = [s.name for s in cpu_isa.INSTRUCTION_SETS]
 

@@ -1,5 +1,5 @@
-"""The native CPU latent attention (kernels/cpu/latent_attention.cpp, the native ops' ``latent_attention``):
-within float32 rounding of the torch reference (kernels/latent_attention.py) over float32 and float16
+"""The native CPU latent attention (worker/kernels/cpu/latent_attention.cpp, the native ops' ``latent_attention``):
+within float32 rounding of the torch reference (worker/kernels/latent_attention.py) over float32 and float16
 caches, and a query's result bitwise the same alone, beside other sequences' queries and as a row of
 its sequence's prefill (whole or in chunks)."""
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.kernels.test_latent_attention import CONTEXT, NUM_BLOCKS
-from tokenmill_service.kernels.attention_metadata import KEY_CHUNK, build_attention_metadata
-from tokenmill_service.kernels.cpu import latent_attention
-from tokenmill_service.kernels.cpu.ops import NativeCpuOps
-from tokenmill_service.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, build_attention_metadata
+from tokenmill_service.worker.kernels.cpu import latent_attention
+from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 pytestmark = pytest.mark.skipif(latent_attention.unavailable_reason() is not None, reason="native kernel unavailable")
 

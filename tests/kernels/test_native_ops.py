@@ -1,5 +1,5 @@
-"""The native CPU ops (native/*.cpp, behind kernels/cpu/ops.py) against the plain-torch reference
-(kernels/torch_ops.py), and their batch invariance: attention on random paged caches (head_dim 64, 128 and
+"""The native CPU ops (native/*.cpp, behind worker/kernels/cpu/ops.py) against the plain-torch reference
+(worker/kernels/torch_ops.py), and their batch invariance: attention on random paged caches (head_dim 64, 128 and
 256), RMSNorm, rotary, SiLU-and-mul and GeGLU on random rows."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.kernels.cpu import elementwise
-from tokenmill_service.kernels.cpu.ops import NativeCpuOps
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.layers.rotary import RotaryEmbedding
-from tokenmill_service.plan.device import DeviceFacts, probe_device
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.cpu import elementwise
+from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.layers.rotary import RotaryEmbedding
+from tokenmill_service.worker.plan.device import DeviceFacts, probe_device
 
 pytestmark = pytest.mark.skipif(
     probe_device("cpu").native("paged_attention", "elementwise") is not None,

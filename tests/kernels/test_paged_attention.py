@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill_service.engine.executor import make_executor
-from tokenmill_service.engine.model_runner import allocate_kv_cache, forward_prompt
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.models.decoder import DecoderForCausalLM
+from tokenmill_service.worker.engine.executor import make_executor
+from tokenmill_service.worker.engine.model_runner import allocate_kv_cache, forward_prompt
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.models.decoder import DecoderForCausalLM
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"
 BLOCK_SIZE = 4

@@ -9,10 +9,10 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
-from tokenmill_service.distributed.parallel import TensorParallel
-from tokenmill_service.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
-from tokenmill_service.layers.quant import quant_method_class
-from tokenmill_service.layers.quant.gguf_blocks import GGUFBlocks
+from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from tokenmill_service.worker.layers.quant import quant_method_class
+from tokenmill_service.worker.layers.quant.gguf_blocks import GGUFBlocks
 
 SHAPES = [(64, 32), (96, 128), (576, 192)]  # (out, in)
 BATCHES = [1, 2, 7, 16, 64]

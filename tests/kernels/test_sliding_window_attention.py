@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
-from tokenmill_service.kernels.attention_metadata import NULL_BLOCK, build_attention_metadata
-from tokenmill_service.kernels.cpu.ops import NativeCpuOps
-from tokenmill_service.kernels.interface import Ops
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton import TritonOps
-from tokenmill_service.plan.device import probe_device
+from tokenmill_service.worker.kernels.attention_metadata import NULL_BLOCK, build_attention_metadata
+from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
+from tokenmill_service.worker.kernels.interface import Ops
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton import TritonOps
+from tokenmill_service.worker.plan.device import probe_device
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -120,7 +120,7 @@ def test_a_windowed_query_is_bitwise_the_same_alone_in_a_crowd_and_in_a_prefill(
 def test_triton_over_several_splits_before_the_window() -> None:
     """Splits of 64 keys: a decode (two passes, the splits wholly before the window left empty) and a
     prefill (one pass, starting at the window's split) give plain attention, and the same bits."""
-    from tokenmill_service.kernels.triton.attention import paged_attention
+    from tokenmill_service.worker.kernels.triton.attention import paged_attention
 
     data = Sequences(TritonOps(), [300], seed=2)
     outs = []

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from tokenmill_service.kernels.cpu import build
+from tokenmill_service.worker.kernels.cpu import build
 
 CODE = """
 import json
-from tokenmill_service.engine.model_runner import forward_prompt
-from tokenmill_service.kernels.cpu import stack_profile
-from tokenmill_service.loader import load
-from tokenmill_service.plan import LoadOptions
+from tokenmill_service.worker.engine.model_runner import forward_prompt
+from tokenmill_service.worker.kernels.cpu import stack_profile
+from tokenmill_service.worker.loader import load
+from tokenmill_service.contract.plan import LoadOptions
 
 model = load(LoadOptions())
 forward_prompt(model, list(range(1, 40)))

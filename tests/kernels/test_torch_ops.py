@@ -1,4 +1,4 @@
-"""The torch reference ops (kernels/torch_ops.py) keep the batch-invariance promise on their own: a
+"""The torch reference ops (worker/kernels/torch_ops.py) keep the batch-invariance promise on their own: a
 query's attention is bit for bit the same decoded alone, decoded beside other sequences, and as a row
 of its sequence's prefill. No native kernel is involved, so this runs wherever torch does."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 NUM_BLOCKS = 128
 

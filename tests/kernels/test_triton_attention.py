@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton.attention import paged_attention
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton.attention import paged_attention
 
 SPLIT = 64
 # (head_dim, query heads, kv heads, block size): GQA ratios 1, 3 and 8.

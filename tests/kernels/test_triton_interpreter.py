@@ -1,4 +1,4 @@
-"""Triton's interpreter runs kernels/triton/interpreter.py's ``tl.dot``: an element of a product is
+"""Triton's interpreter runs worker/kernels/triton/interpreter.py's ``tl.dot``: an element of a product is
 bitwise the same wherever its row lies in the tile and whatever the other rows hold, as on a GPU, and
 also where NumPy's BLAS would make it otherwise (OpenBLAS's AVX2 kernels, on an AVX2-only CPU: the
 batch-invariance tests of the triton attention kernels failed there until the interpreter had this dot)."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.triton import interpreter
+from tokenmill_service.worker.kernels.triton import interpreter
 
 import triton  # isort: skip  (after tests.triton_setup, which switches the interpreter on)
 import triton.language as tl  # isort: skip

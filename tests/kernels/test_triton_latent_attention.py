@@ -1,5 +1,5 @@
-"""The triton latent attention (kernels/triton/latent_attention.py; its interpreter on a CPU, float32)
-matches the torch reference (kernels/latent_attention.py) on a step mixing a prefill chunk and decode
+"""The triton latent attention (worker/kernels/triton/latent_attention.py; its interpreter on a CPU, float32)
+matches the torch reference (worker/kernels/latent_attention.py) on a step mixing a prefill chunk and decode
 tokens over shuffled block tables, and a query's result is bitwise the same alone, beside other
 sequences' queries and as a row of its sequence's prefill. Splits of 64 keys here, to get several
 from a short context."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.attention_metadata import build_attention_metadata
-from tokenmill_service.kernels.latent_attention import store_latent
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton.latent_attention import latent_attention
+from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.latent_attention import store_latent
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton.latent_attention import latent_attention
 
 SPLIT = 64
 NUM_BLOCKS = 24

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.triton.lora import BLOCK_M, lora_delta
-from tokenmill_service.layers.lora.sgmv import lora_delta_reference
+from tokenmill_service.worker.kernels.triton.lora import BLOCK_M, lora_delta
+from tokenmill_service.worker.layers.lora.sgmv import lora_delta_reference
 
 
 def grouped(token_slots: list[int]) -> list[tuple[int, torch.Tensor]]:
@@ -52,9 +52,9 @@ def test_the_grouped_kernels_are_the_per_token_definition(
 
 def test_a_model_on_the_triton_backend_serves_an_adapter_as_transformers_plus_peft(tmp_path: Path) -> None:
     from tests.lora_adapters import make_adapter, peft_model, tiny_llama
-    from tokenmill_service.engine.model_runner import ModelRunner, StepPlan
-    from tokenmill_service.kernels.triton import lora
-    from tokenmill_service.loader import load_model
+    from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+    from tokenmill_service.worker.kernels.triton import lora
+    from tokenmill_service.worker.loader import load_model
 
     hf = tiny_llama(tmp_path / "base", num_hidden_layers=1)  # one layer: the interpreter is slow
     adapter = make_adapter(hf, tmp_path / "r8", 8, seed=10)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton.rms_norm import rms_norm
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton.rms_norm import rms_norm
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 17])

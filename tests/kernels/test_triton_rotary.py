@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton.rotary import rotary
-from tokenmill_service.layers.rotary import RotaryEmbedding
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton.rotary import rotary
+from tokenmill_service.worker.layers.rotary import RotaryEmbedding
 
 
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 4, 4), (128, 6, 2), (64, 8, 1)])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton.silu_and_mul import silu_and_mul
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton.silu_and_mul import silu_and_mul
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 17])

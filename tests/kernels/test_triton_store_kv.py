@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
-from tokenmill_service.kernels.torch_ops import TorchOps
-from tokenmill_service.kernels.triton.store_kv import store_kv
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.triton.store_kv import store_kv
 
 
 @pytest.mark.parametrize(("block_size", "kv_heads", "head_dim"), [(16, 1, 64), (32, 2, 128), (16, 3, 64)])

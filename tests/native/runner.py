@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill_service.kernels.cpu import build
-from tokenmill_service.plan import cpu_isa
+from tokenmill_service.contract.plan import cpu_isa
+from tokenmill_service.worker.kernels.cpu import build
 
 HERE = Path(__file__).parent
 KERNELS = build.HERE

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill_service.kernels.attention_metadata import AttentionMetadata
-from tokenmill_service.kernels.interface import KVCacheLayout, register_ops
-from tokenmill_service.kernels.torch_ops import TorchOps
+from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.interface import KVCacheLayout, register_ops
+from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
-    from tokenmill_service.plan.device import DeviceFacts
+    from tokenmill_service.worker.plan.device import DeviceFacts
 
 CALLS = {"attention": 0}
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill_service.layers.quant.base import QuantMethod, empty_param, register_quantization
-from tokenmill_service.layers.quant.gguf_blocks import CheckpointTensor, dense
+from tokenmill_service.worker.layers.quant.base import QuantMethod, empty_param, register_quantization
+from tokenmill_service.worker.layers.quant.gguf_blocks import CheckpointTensor, dense
 
 if TYPE_CHECKING:
-    from tokenmill_service.plan.device import DeviceFacts
+    from tokenmill_service.worker.plan.device import DeviceFacts
 
 
 @register_quantization("toy-pow2", help="float32 rows scaled by a power of two per row")

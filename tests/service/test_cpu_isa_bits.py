@@ -19,7 +19,7 @@ from tests.server_process import ServerProcess
 from tests.streams import prompt_and_trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.plan import cpu_isa
+from tokenmill_service.contract.plan import cpu_isa
 
 
 def chat(text: str) -> pb.Messages:

@@ -17,7 +17,7 @@ import pytest
 from tests.server_process import ServerProcess
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.config import Settings, parse_size
+from tokenmill_service.contract.config import Settings, parse_size
 
 LIMIT = parse_size(Settings().max_request_bytes)
 # An object whose required "next" is another of itself: no finite value.

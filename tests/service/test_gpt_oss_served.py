@@ -25,10 +25,10 @@ import torch
 from tests.server_process import ServerProcess
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tokenmill_client import ChatMessage, Client, FinishReason
-from tokenmill_service import harmony
-from tokenmill_service.proto import pb
-from tokenmill_service.tokenizer.load import load_tokenizer
-from tokenmill_service.validation import InvalidRequest, prompt_ids
+from tokenmill_service.contract.chat import harmony
+from tokenmill_service.contract.tokenizer.load import load_tokenizer
+from tokenmill_service.front.proto import pb
+from tokenmill_service.front.validation import InvalidRequest, prompt_ids
 
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")

@@ -19,10 +19,10 @@ from tests.server_process import ServerProcess
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, StoppingParams
-from tokenmill_service.loader import load_model
-from tokenmill_service.tokenizer import load_tokenizer
+from tokenmill_service.contract.request import GenerationRequest, StoppingParams
+from tokenmill_service.contract.tokenizer import load_tokenizer
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.loader import load_model
 
 PROMPT = [(i * 5 + 1) % 90 + 3 for i in range(3 * WINDOW + 5)]  # three windows and more
 NEW = 2 * WINDOW  # decoded tokens: two windows past the prompt

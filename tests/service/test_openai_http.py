@@ -21,7 +21,7 @@ import pytest
 from tests.server_process import ServerProcess, reflected_services
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.config import Settings
+from tokenmill_service.contract.config import Settings
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "tokenmill"

@@ -20,7 +20,7 @@ import zmq
 from tests.server_process import ServerProcess, free_port
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.engine.block_hash import full_block_hashes
+from tokenmill_service.contract.block_hash import full_block_hashes
 
 ONE_TOKEN = pb.StoppingParams(max_new_tokens=1, ignore_eos=True)
 SYSTEM = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(20))

@@ -20,10 +20,10 @@ from tests.server_process import ServerProcess, free_port
 from tests.service.test_tensor_parallel_service import CHAT_TOKENS, engine_outputs, generate
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, StoppingParams
-from tokenmill_service.loader import load_model, resolve_model_path
-from tokenmill_service.tokenizer import load_tokenizer
+from tokenmill_service.contract.request import GenerationRequest, StoppingParams
+from tokenmill_service.contract.tokenizer import load_tokenizer
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 # Five processes loading the embedded model, then three again after the kill: minutes on CI's two cores.
 pytestmark = [

@@ -24,7 +24,7 @@ from tests.server_process import ServerProcess
 from tokenmill_client import AuthenticationError, Client
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.config import load_settings
+from tokenmill_service.contract.config import load_settings
 
 KEY = "sk-local"
 NAME = "smol-chat"
@@ -169,7 +169,7 @@ def test_every_new_flag_is_also_an_environment_variable(tmp_path: Path) -> None:
 
 
 def test_a_server_open_beyond_this_machine_without_a_token_warns_at_start() -> None:
-    from tokenmill_service.main import loopback
+    from tokenmill_service.front.main import loopback
 
     assert loopback("127.0.0.1") and loopback("::1") and loopback("[::1]") and loopback("localhost")
     assert not loopback("0.0.0.0") and not loopback("::") and not loopback("10.1.2.3") and not loopback("my-host")

@@ -21,10 +21,10 @@ import pytest
 from tests.server_process import ServerProcess
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, RequestOutput, StoppingParams
-from tokenmill_service.loader import load_model, resolve_model_path
-from tokenmill_service.tokenizer import load_tokenizer
+from tokenmill_service.contract.request import GenerationRequest, RequestOutput, StoppingParams
+from tokenmill_service.contract.tokenizer import load_tokenizer
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.loader import load_model, resolve_model_path
 
 CHAT_TOKENS = 12  # greedy tokens compared on the reference chat
 

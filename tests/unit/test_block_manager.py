@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from tokenmill_service.engine.block_manager import BlockManager
-from tokenmill_service.engine.request import GenerationRequest
-from tokenmill_service.engine.sequence import Sequence
-from tokenmill_service.kernels.attention_metadata import NULL_BLOCK
+from tokenmill_service.contract.request import GenerationRequest
+from tokenmill_service.worker.engine.block_manager import BlockManager
+from tokenmill_service.worker.engine.sequence import Sequence
+from tokenmill_service.worker.kernels.attention_metadata import NULL_BLOCK
 
 
 def make_seq(tokenizer: Any, ids: list[int], rid: str = "r", prompt_logprobs: bool = False) -> Sequence:
@@ -241,7 +241,7 @@ def test_a_windowed_prefix_is_found_while_only_its_window_is_cached(default_toke
 
 
 def test_a_windowed_and_a_global_group_share_the_pool_and_a_prefix_hit_needs_both(default_tokenizer: Any) -> None:
-    # Two KV-cache groups (engine/kv_cache_groups.py): the first windowed (8 tokens), the second global.
+    # Two KV-cache groups (worker/engine/kv_cache_groups.py): the first windowed (8 tokens), the second global.
     bm = BlockManager(num_blocks=24, block_size=4, group_windows=(8, None))
     assert bm.num_groups == 2 and bm.windowed == (True, False) and bm.hash_to_block is bm.cached[1]
     prompt = list(range(100, 125))  # 25 tokens: 6 full blocks

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from tokenmill_service.chat_template import CHATML_TEMPLATE, KNOWN_ROLES, ChatTemplate, ChatTemplateError
-from tokenmill_service.tokenizer import Tokenizer
+from tokenmill_service.contract.chat.chat_template import CHATML_TEMPLATE, KNOWN_ROLES, ChatTemplate, ChatTemplateError
+from tokenmill_service.contract.tokenizer import Tokenizer
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "Hi!"}],

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from tokenmill_service.engine.closed_schema import close_schema
+from tokenmill_service.contract.closed_schema import close_schema
 
 
 class Address(BaseModel):
@@ -85,8 +85,8 @@ def test_the_parts_of_an_intersection_keep_their_own_reading() -> None:
 
 
 def test_the_grammar_refuses_an_extra_key_unless_permissive(default_tokenizer: Any) -> None:
-    from tokenmill_service.engine.grammar import ConstraintError, GrammarCompiler
-    from tokenmill_service.engine.request import Constraint
+    from tokenmill_service.contract.grammar import ConstraintError, GrammarCompiler
+    from tokenmill_service.contract.request import Constraint
 
     compiler = GrammarCompiler(default_tokenizer)
     schema = json.dumps(Person.model_json_schema())

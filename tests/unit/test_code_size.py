@@ -28,7 +28,7 @@ def sources() -> list[Path]:
 
 def test_the_sources_are_found() -> None:
     names = {path.relative_to(ROOT).as_posix() for path in sources()}
-    assert {"service/tokenmill_service/http_api.py", "client/tokenmill_client/__init__.py"} <= names
+    assert {"service/tokenmill_service/front/http/http_api.py", "client/tokenmill_client/__init__.py"} <= names
     assert not any("/_proto/" in name for name in names)
 
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from tokenmill_service.detokenizer import IncrementalDetokenizer
-from tokenmill_service.tokenizer import Tokenizer
+from tokenmill_service.contract.tokenizer import Tokenizer
+from tokenmill_service.worker.engine.detokenizer import IncrementalDetokenizer
 
 IM_END, ENDOFTEXT = 2, 0
 

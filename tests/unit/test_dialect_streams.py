@@ -12,15 +12,15 @@ from typing import Any
 import grpc
 import jsonschema
 
-from tokenmill_service.anthropic_protocol import MESSAGES, MessagesBuilder, _matched_stop
-from tokenmill_service.dialect import Dialect
-from tokenmill_service.generation import ServiceError
-from tokenmill_service.generation_response import GenerationResponse
-from tokenmill_service.openai_response import ResponseBuilder
-from tokenmill_service.openapi import document
-from tokenmill_service.proto import pb
-from tokenmill_service.responses_protocol import RESPONSES, ResponsesBuilder
-from tokenmill_service.validation import Limits
+from tokenmill_service.front.generation import ServiceError
+from tokenmill_service.front.http.anthropic_protocol import MESSAGES, MessagesBuilder, _matched_stop
+from tokenmill_service.front.http.dialect import Dialect
+from tokenmill_service.front.http.generation_response import GenerationResponse
+from tokenmill_service.front.http.openai_response import ResponseBuilder
+from tokenmill_service.front.http.openapi import document
+from tokenmill_service.front.http.responses_protocol import RESPONSES, ResponsesBuilder
+from tokenmill_service.front.proto import pb
+from tokenmill_service.front.validation import Limits
 
 CALL = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Rome"}')
 # Text, then a call (the generation service holds a call's markup back: what reaches the HTTP layer is the text

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill_service.models.embedding_spec import EmbeddingConfigError, EmbeddingSpec, read_embedding_spec
+from tokenmill_service.worker.models.embedding_spec import EmbeddingConfigError, EmbeddingSpec, read_embedding_spec
 
 TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
 POOLING = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}

@@ -42,7 +42,7 @@ from tests.unit.test_sentencepiece import (
     _llama_cpp_spm,
     _random_texts,
 )
-from tokenmill_service.tokenizer import Tokenizer, load_tokenizer
+from tokenmill_service.contract.tokenizer import Tokenizer, load_tokenizer
 
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"

@@ -1,4 +1,4 @@
-"""Opening a GGUF (models/gguf_reader.py) reads every metadata field as gguf's own reader does, in one
+"""Opening a GGUF (contract/gguf_reader.py) reads every metadata field as gguf's own reader does, in one
 pass over each array rather than numpy calls per element (a Llama 3 vocabulary took seconds)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tokenmill_service.models.gguf_reader import open_gguf
+from tokenmill_service.contract.gguf_reader import open_gguf
 
 
 def _write(path: Path, vocab: int) -> None:

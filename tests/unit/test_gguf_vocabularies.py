@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import regex
 
-from tokenmill_service.tokenizer.byte_level import DEEPSEEK_V3_SPLITS, split_pieces
-from tokenmill_service.tokenizer.gguf import tokenizer_from_gguf
+from tokenmill_service.contract.tokenizer.byte_level import DEEPSEEK_V3_SPLITS, split_pieces
+from tokenmill_service.contract.tokenizer.gguf import tokenizer_from_gguf
 
 VOCAB = Path(__file__).parents[2] / ".tools" / "vocab"
 SEPARATOR = "\n__ggml_vocab_test__\n"

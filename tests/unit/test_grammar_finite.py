@@ -11,7 +11,7 @@ from typing import Any
 import llguidance as llg
 import pytest
 
-from tokenmill_service.engine.grammar_finite import endless_rules, unproductive_refs
+from tokenmill_service.contract.grammar_finite import endless_rules, unproductive_refs
 
 DATA = Path(__file__).parents[1] / "data" / "json_schemas.json"
 NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}

@@ -10,13 +10,13 @@ import llguidance as llg
 import pytest
 
 from tests.tiny_checkpoint import write_byte_level_tokenizer
-from tokenmill_service.engine.grammar import GrammarCompiler
-from tokenmill_service.engine.request import Constraint
-from tokenmill_service.harmony_constraint import CONTROL_TOKENS
-from tokenmill_service.proto import pb
-from tokenmill_service.tokenizer import Tokenizer
-from tokenmill_service.tokenizer.load import load_tokenizer
-from tokenmill_service.validation import _constraint_or_tool_call
+from tokenmill_service.contract.chat.harmony_constraint import CONTROL_TOKENS
+from tokenmill_service.contract.grammar import GrammarCompiler
+from tokenmill_service.contract.request import Constraint
+from tokenmill_service.contract.tokenizer import Tokenizer
+from tokenmill_service.contract.tokenizer.load import load_tokenizer
+from tokenmill_service.front.proto import pb
+from tokenmill_service.front.validation import _constraint_or_tool_call
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 # Each kind of constraint, a text it admits and one it refuses.

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill_service.harmony_response_format import ResponseFormat, section
-from tokenmill_service.openai_constraint import ConstraintParamError, apply_constraint
-from tokenmill_service.proto import pb
+from tokenmill_service.contract.chat.harmony_response_format import ResponseFormat, section
+from tokenmill_service.front.http.openai_constraint import ConstraintParamError, apply_constraint
+from tokenmill_service.front.proto import pb
 
 # The guide's shopping-list schema, compact as its example writes it.
 SHOPPING = {

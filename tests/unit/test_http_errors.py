@@ -11,12 +11,12 @@ from typing import Any
 
 import grpc
 
-from tokenmill_service.generation import ServiceError
-from tokenmill_service.generation_response import GenerationResponse
-from tokenmill_service.openai_errors import openai_error
-from tokenmill_service.openai_protocol import parse_request
-from tokenmill_service.openai_response import ResponseBuilder
-from tokenmill_service.proto import pb
+from tokenmill_service.front.generation import ServiceError
+from tokenmill_service.front.http.generation_response import GenerationResponse
+from tokenmill_service.front.http.openai_errors import openai_error
+from tokenmill_service.front.http.openai_protocol import parse_request
+from tokenmill_service.front.http.openai_response import ResponseBuilder
+from tokenmill_service.front.proto import pb
 
 
 def stream_events(error: ServiceError, body: dict[str, Any]) -> list[Any]:

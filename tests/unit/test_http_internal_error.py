@@ -8,8 +8,8 @@ from typing import Any, cast
 from starlette.testclient import TestClient
 from structlog.testing import capture_logs
 
-from tokenmill_service.generation import GenerationService
-from tokenmill_service.http_api import HttpApi
+from tokenmill_service.front.generation import GenerationService
+from tokenmill_service.front.http.http_api import HttpApi
 
 
 class BrokenService:

@@ -10,11 +10,11 @@ import msgpack
 import pytest
 import zmq
 
-from tokenmill_service.engine.block_hash import chain_hash, full_block_hashes
-from tokenmill_service.engine.block_manager import BlockManager
-from tokenmill_service.engine.kv_events import AllBlocksCleared, KVEventLog, KVEventPublisher, offset_endpoint
-from tokenmill_service.engine.request import GenerationRequest
-from tokenmill_service.engine.sequence import Sequence
+from tokenmill_service.contract.block_hash import chain_hash, full_block_hashes
+from tokenmill_service.contract.request import GenerationRequest
+from tokenmill_service.worker.engine.block_manager import BlockManager
+from tokenmill_service.worker.engine.kv_events import AllBlocksCleared, KVEventLog, KVEventPublisher, offset_endpoint
+from tokenmill_service.worker.engine.sequence import Sequence
 
 BLOCK = 4
 
@@ -133,7 +133,7 @@ def test_worker_n_publishes_on_the_port_plus_n() -> None:
 
 
 def test_the_endpoint_flag_takes_zmq_endpoints_only() -> None:
-    from tokenmill_service.config import load_settings
+    from tokenmill_service.contract.config import load_settings
 
     assert load_settings(["--kv-events-endpoint", "tcp://*:5557"], {}).kv_events_endpoint == "tcp://*:5557"
     env = {"TOKENMILL_KV_EVENTS_ENDPOINT": "ipc:///tmp/kv", "TOKENMILL_KV_EVENTS_TOPIC": "kv@pod@model"}

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from tokenmill_service.engine.model_runner import available_memory, zeroed
+from tokenmill_service.worker.engine.model_runner import available_memory, zeroed
 
 
 def _rss() -> int:

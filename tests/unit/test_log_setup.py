@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tokenmill_service.log_setup import level_number
+from tokenmill_service.contract.log_setup import level_number
 
 
 def test_level_names_are_read_without_python_3_11s_mapping(monkeypatch: pytest.MonkeyPatch) -> None:

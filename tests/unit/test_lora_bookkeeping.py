@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from tokenmill_service.config import load_settings
-from tokenmill_service.engine.adapters import AdapterManager
-from tokenmill_service.engine.block_manager import BlockManager
-from tokenmill_service.engine.request import GenerationRequest
-from tokenmill_service.engine.sequence import Sequence
-from tokenmill_service.layers.lora import LoRAAdapter
-from tokenmill_service.models.config import ModelConfig
+from tokenmill_service.contract.config import load_settings
+from tokenmill_service.contract.request import GenerationRequest
+from tokenmill_service.worker.engine.adapters import AdapterManager
+from tokenmill_service.worker.engine.block_manager import BlockManager
+from tokenmill_service.worker.engine.sequence import Sequence
+from tokenmill_service.worker.layers.lora import LoRAAdapter
+from tokenmill_service.worker.models.config import ModelConfig
 
 
 def test_lora_flags_parse_and_are_environment_variables() -> None:

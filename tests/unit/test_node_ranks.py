@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill_service.config import Settings, load_settings
+from tokenmill_service.contract.config import Settings, load_settings
 
 
 def test_ranks_split_over_nodes_in_order() -> None:

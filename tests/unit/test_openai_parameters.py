@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tokenmill_service.openai_protocol import parse_request
-from tokenmill_service.request_fields import BadRequest
+from tokenmill_service.front.http.openai_protocol import parse_request
+from tokenmill_service.front.http.request_fields import BadRequest
 
 HI = [{"role": "user", "content": "Hi"}]
 PERSON = {

@@ -11,16 +11,16 @@ import jsonschema
 import pytest
 from starlette.routing import Route
 
-from tokenmill_service import anthropic_schema, embeddings_schema, responses_schema
-from tokenmill_service.anthropic_protocol import parse_messages
-from tokenmill_service.embeddings_protocol import parse_embeddings
-from tokenmill_service.generation import GenerationService
-from tokenmill_service.http_api import HttpApi
-from tokenmill_service.openai_protocol import parameters, parse_request
-from tokenmill_service.openai_schema import request_schema
-from tokenmill_service.openapi import document
-from tokenmill_service.responses_protocol import parse_responses
-from tokenmill_service.validation import MAX_CHOICES, MAX_STOP_STRING_LENGTH, Limits
+from tokenmill_service.front.generation import GenerationService
+from tokenmill_service.front.http import anthropic_schema, embeddings_schema, responses_schema
+from tokenmill_service.front.http.anthropic_protocol import parse_messages
+from tokenmill_service.front.http.embeddings_protocol import parse_embeddings
+from tokenmill_service.front.http.http_api import HttpApi
+from tokenmill_service.front.http.openai_protocol import parameters, parse_request
+from tokenmill_service.front.http.openai_schema import request_schema
+from tokenmill_service.front.http.openapi import document
+from tokenmill_service.front.http.responses_protocol import parse_responses
+from tokenmill_service.front.validation import MAX_CHOICES, MAX_STOP_STRING_LENGTH, Limits
 
 LIMITS = Limits(context_length=8192, vocab_size=49152, max_new_tokens=4096, max_top_logprobs=20, max_stop_strings=16)
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from tokenmill_service.engine.block_hash import adapter_root, chain_hash, full_block_hashes
-from tokenmill_service.router.choice import ADAPTER_AFFINITY, ReplicaChooser
-from tokenmill_service.router.prefix_index import PrefixIndex
+from tokenmill_service.contract.block_hash import adapter_root, chain_hash, full_block_hashes
+from tokenmill_service.front.router.choice import ADAPTER_AFFINITY, ReplicaChooser
+from tokenmill_service.front.router.prefix_index import PrefixIndex
 
 BLOCK = 16
 
@@ -224,7 +224,7 @@ def test_predicted_prefix_hits_are_keyed_by_adapter_as_the_workers_caches_are() 
 
 
 def test_the_routing_flag() -> None:
-    from tokenmill_service.config import load_settings
+    from tokenmill_service.contract.config import load_settings
 
     assert load_settings([], {}).routing == "prefix"
     assert load_settings(["--routing", "least-load"], {}).routing == "least-load"

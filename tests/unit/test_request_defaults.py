@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from tokenmill_client._proto import generate_pb2 as pb
-from tokenmill_service.config import Settings, load_settings
-from tokenmill_service.validation import InvalidRequest, Limits, build_request
+from tokenmill_service.contract.config import Settings, load_settings
+from tokenmill_service.front.validation import InvalidRequest, Limits, build_request
 
 LIMITS = Limits(
     context_length=8192, vocab_size=49152, max_new_tokens=4096, max_top_logprobs=20, max_stop_strings=16,

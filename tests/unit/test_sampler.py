@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from tokenmill_service.engine.request import SamplingParams
-from tokenmill_service.engine.sampler import (
+from tokenmill_service.contract.request import SamplingParams
+from tokenmill_service.worker.engine.sampler import (
     apply_frequency_presence_penalties,
     apply_logit_bias,
     apply_repetition_penalty,

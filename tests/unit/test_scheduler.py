@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill_service.engine.block_manager import BlockManager
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.request import GenerationRequest
-from tokenmill_service.engine.scheduler import Scheduler
-from tokenmill_service.engine.sequence import Sequence, SequenceStatus
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import GenerationRequest
+from tokenmill_service.worker.engine.block_manager import BlockManager
+from tokenmill_service.worker.engine.scheduler import Scheduler
+from tokenmill_service.worker.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(tokenizer: Any, n: int, rid: str) -> Sequence:

@@ -21,8 +21,8 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from tokenmill_service.detokenizer import IncrementalDetokenizer
-from tokenmill_service.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_from_hf_dir
+from tokenmill_service.contract.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_from_hf_dir
+from tokenmill_service.worker.engine.detokenizer import IncrementalDetokenizer
 
 SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from tokenmill_service.config import Settings, load_settings
-from tokenmill_service.engine.config import EngineConfig
-from tokenmill_service.engine.llm_engine import LLMEngine
-from tokenmill_service.engine.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
-from tokenmill_service.engine.speculation import propose_drafts
+from tokenmill_service.contract.config import Settings, load_settings
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.request import GenerationRequest, RequestOutput, SamplingParams, StoppingParams
+from tokenmill_service.worker.engine.llm_engine import LLMEngine
+from tokenmill_service.worker.engine.speculation import propose_drafts
 
 REPEAT = "Repeat this line ten times: the cat sat on the mat, the dog sat on the log."
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill_service.config import load_settings
-from tokenmill_service.plan.options import LoadOptions
+from tokenmill_service.contract.config import load_settings
+from tokenmill_service.contract.plan.options import LoadOptions
 
 
 def test_the_flag_turns_it_on_and_the_default_is_off() -> None:

@@ -16,7 +16,7 @@ from tokenizers import Regex, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers as pt
 
-from tokenmill_service.tokenizer import (
+from tokenmill_service.contract.tokenizer import (
     GPT2_INDIVIDUAL_DIGITS_PATTERN,
     GPT2_PATTERN,
     LLAMA3_PATTERN,
@@ -27,7 +27,7 @@ from tokenmill_service.tokenizer import (
     load_tokenizer,
     tokenizer_from_hf_dir,
 )
-from tokenmill_service.tokenizer.byte_level import DEEPSEEK_V3_SPLITS
+from tokenmill_service.contract.tokenizer.byte_level import DEEPSEEK_V3_SPLITS
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "data" / "smollm2_reference.json").read_text())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenmill_service.tool_calls import (
+from tokenmill_service.contract.chat.tool_calls import (
     FAMILIES,
     HeldText,
     Tool,
@@ -86,8 +86,8 @@ def test_a_call_that_is_the_whole_answer_is_held_only_at_its_start() -> None:
 
 
 def test_the_call_grammar_admits_only_calls_whose_arguments_validate(default_tokenizer: Any) -> None:
-    from tokenmill_service.engine.grammar import GrammarCompiler
-    from tokenmill_service.engine.request import Constraint
+    from tokenmill_service.contract.grammar import GrammarCompiler
+    from tokenmill_service.contract.request import Constraint
 
     add = Tool("add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     compiler = GrammarCompiler(default_tokenizer)
@@ -105,8 +105,8 @@ def test_the_call_grammar_admits_only_calls_whose_arguments_validate(default_tok
 def test_a_named_function_or_no_parallel_calls_admit_one_call_then_the_end(default_tokenizer: Any) -> None:
     """One call, then only the end: the grammar leaves no room for a second (SmolLM2 wrote the same call
     two or three times when it could); several calls may end with a line break or without one."""
-    from tokenmill_service.engine.grammar import GrammarCompiler
-    from tokenmill_service.engine.request import Constraint
+    from tokenmill_service.contract.grammar import GrammarCompiler
+    from tokenmill_service.contract.request import Constraint
 
     add = Tool("add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     compiler = GrammarCompiler(default_tokenizer)
@@ -123,8 +123,8 @@ def test_a_named_function_or_no_parallel_calls_admit_one_call_then_the_end(defau
 
 
 def test_forced_arguments_hold_only_the_keys_their_schema_declares(default_tokenizer: Any) -> None:
-    from tokenmill_service.engine.grammar import GrammarCompiler
-    from tokenmill_service.engine.request import Constraint
+    from tokenmill_service.contract.grammar import GrammarCompiler
+    from tokenmill_service.contract.request import Constraint
 
     weather = Tool("w", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
     bare = Tool("now", "", {"type": "object", "properties": {}})

@@ -1,0 +1,1 @@
+"""The chat formats: chat templates, gpt-oss's harmony, tool calls."""

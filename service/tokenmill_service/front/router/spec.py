@@ -1,0 +1,65 @@
+"""What each worker process is started with (``WorkerSpec``), made from the server's settings."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from tokenmill_service.contract.config import Settings
+from tokenmill_service.contract.engine_config import EngineConfig
+from tokenmill_service.contract.messages import WorkerSpec
+from tokenmill_service.contract.plan.options import LoadOptions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_spec(
+    settings: Settings,
+    num_workers: int,
+    worker_id: int,
+    rank: int,
+    master_port: int,
+    adapters: dict[str, str] | None = None,
+) -> WorkerSpec:
+    """What one rank of one replica is started with: the user's load options whole, the engine's
+    limits, its threads (the cores shared among this node's processes), its supervision intervals and the
+    LoRA adapters served now (``adapters``, name -> path; None: those of --lora-modules)."""
+    s = settings
+    cores = os.cpu_count() or 1
+    local = s.node_ranks()
+    processes = num_workers * len(local)
+    threads = s.threads or (max(1, cores // processes) if s.device == "cpu" else 1)
+    engine = EngineConfig(
+        max_batch_size=s.max_batch_size,
+        max_batch_tokens=max(s.max_batch_tokens, s.max_batch_size),
+        block_size=s.block_size,
+        kv_cache_memory=s.kv_cache_bytes,
+        speculative_tokens=s.speculative_tokens,
+        speculative_max_batch=s.speculative_max_batch,
+        speculative_method=s.speculative_method,
+        max_model_len=s.max_model_len,
+        kv_events=bool(s.kv_events_endpoint),
+    )
+    return WorkerSpec(
+        worker_id=worker_id,
+        rank=rank,
+        # This node's devices, one per local rank.
+        device_index=worker_id * len(local) + local.index(rank),
+        world_size=s.tensor_parallel,
+        master_addr=s.master_addr,
+        master_port=master_port,
+        options=LoadOptions.from_settings(s),
+        engine=engine,
+        threads=threads,
+        log_format=s.resolved_log_format(),
+        log_level=s.log_level,
+        heartbeat_interval=min(0.5, s.heartbeat_timeout / 4),
+        collective_timeout=s.step_timeout,
+        kv_events_endpoint=s.kv_events_endpoint,
+        kv_events_topic=s.kv_events_topic,
+        lora_modules=list((s.lora_module_paths() if adapters is None else adapters).items()),
+    )

@@ -1,0 +1,38 @@
+"""The rate at which this machine streams memory into its cores (memory_probe.cpp): what a decode
+step's weight reads are measured against. Used by tokenmill-bench's machine section."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill_service.worker.kernels.cpu import build
+
+_LINE = 256  # bytes each step of the probe reads
+
+
+def unavailable_reason() -> str | None:
+    return build.unavailable_reason("memory_probe")
+
+
+def stream_read(buffer: torch.Tensor, threads: int) -> int:
+    """The probe's checksum of ``buffer`` (uint8, 64-byte aligned, a multiple of 256 bytes) read by
+    ``threads`` threads: the sum of its 64-bit little-endian words, modulo 2^64, as a signed int."""
+    if buffer.dtype != torch.uint8 or buffer.numel() % _LINE or buffer.data_ptr() % 64:
+        raise ValueError("the probe reads a 64-byte aligned uint8 buffer of whole 256-byte lines")
+    return int(build.load("memory_probe").tm_stream_read(buffer.data_ptr(), buffer.numel(), threads))
+
+
+def read_gbs(size: int, repeats: int, threads: int) -> float:
+    """Best-of-``repeats`` rate, in 10^9 bytes a second, of reading a ``size``-byte buffer once on
+    ``threads`` threads."""
+    lines = max(1, size // _LINE)
+    # torch's CPU allocator aligns large buffers to 64 bytes; ones() faults every page in first.
+    buffer = torch.ones(lines * _LINE, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        stream_read(buffer, threads)
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() / best / 1e9
