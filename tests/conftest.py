@@ -4,6 +4,8 @@ session), and each test's tier marked from its folder: unit, kernels, engine, se
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,13 @@ from typing import Any
 import pytest
 
 from tests.server_process import ServerProcess
+
+# Triton reads TRITON_INTERPRET when it is first imported, and some test modules import it while they are
+# collected (sentence-transformers does, through transformers): where there is no NVIDIA GPU, its interpreter
+# is switched on here, before any test module is collected (tests/triton_setup.py checks it). The servers the
+# tests start inherit it, as they did once the triton tests' modules were collected.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DATA = Path(__file__).parent / "data"
 TIERS = ("unit", "kernels", "engine", "service", "deploy")
