@@ -109,11 +109,17 @@ def test_a_compile_that_fails_at_warm_up_replans_without_it_and_says_why(
 
     # No graph from an earlier build: every one goes to the compiler.
     torch._dynamo.reset()
-    with inductor_config.patch({"cpp.cxx": (None, str(compiler)), "force_disable_caches": True}):
+    # Set and put back by assignment: inductor_config.patch's exit (and monkeypatch's undo) left the settings
+    # hidden ("does not exist") for the compiled tests that ran after this one in the same process.
+    old = inductor_config.cpp.cxx, inductor_config.force_disable_caches
+    inductor_config.cpp.cxx, inductor_config.force_disable_caches = (None, str(compiler)), True
+    try:
         model, inputs = load_planned(LoadOptions(model=str(default_model_path), compile="auto"))
         assert model.plan.executor.value == "compiled"
         with capture_logs() as logs:
             engine = warmed_engine(make_engine, lambda failed: replan(model, inputs, failed))
+    finally:
+        inductor_config.cpp.cxx, inductor_config.force_disable_caches = old
     torch._dynamo.reset()
     assert [e.runner.executor.kind for e in built] == ["compiled", "native-stack"]
     assert engine is built[-1] and engine.block_manager.num_blocks == 64
@@ -130,10 +136,15 @@ def test_without_a_cxx_compiler_auto_stays_eager_and_says_why(
 ) -> None:
     import torch._inductor.config as inductor_config
 
-    # What CXX=/nonexistent/g++ in the worker's environment comes to (inductor reads it at import).
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
-    with capture_logs() as logs:
-        model = load_model(default_model_path, compile="auto")
+    # What CXX=/nonexistent/g++ in the worker's environment comes to (inductor reads it at import). Put back by
+    # assignment: monkeypatch's undo left cpp.cxx hidden for the compiled tests after this one.
+    old = inductor_config.cpp.cxx
+    inductor_config.cpp.cxx = (None, "/nonexistent/g++")
+    try:
+        with capture_logs() as logs:
+            model = load_model(default_model_path, compile="auto")
+    finally:
+        inductor_config.cpp.cxx = old
     skipped = [e for e in logs if e["event"] == "compile_skipped"]
     assert len(skipped) == 1 and "C++ compiler" in skipped[0]["reason"]
     assert model.plan.executor.value == "native-stack"

@@ -12,6 +12,7 @@ per-head q/k norms and local and global rotary tables; head_dim 256 in Gemma 3's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.worker.engine.native_stack import build_decoder_stack
 from tokenmill_service.worker.kernels.attention_metadata import NULL_BLOCK
 from tokenmill_service.worker.kernels.cpu import decoder_stack, vnni_gemm
+from tokenmill_service.worker.models.registry import family as family_spec
 
 pytestmark = pytest.mark.skipif(
     decoder_stack.unavailable_reason() is not None,
@@ -116,20 +118,22 @@ def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_m
     from tokenmill_service.worker.plan.device import probe_device
     from tokenmill_service.worker.plan.executor import native_stack_missing
 
-    family = type(default_model)
+    spec = family_spec(default_model.config.architecture)
 
-    class Doubled(family.layer_type):  # type: ignore[name-defined,misc]
+    class Doubled(spec.module.layer_type):  # type: ignore[name-defined,misc]
         def branch(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * x
 
-    class DoubledFamily(family):  # type: ignore[valid-type,misc]
+    class DoubledModule(spec.module):  # type: ignore[name-defined,misc]
         layer_type = Doubled
+
+    doubled = dataclasses.replace(spec, module=DoubledModule)
 
     facts, native = probe_device("cpu"), ops_class("native")
     args = (LoadOptions(), facts, native, torch.float32, default_model.plan.layers)
-    if native_stack_missing(*args, family, default_model.config) is not None:
+    if native_stack_missing(*args, spec, default_model.config) is not None:
         pytest.skip("no native stack here")
-    why = native_stack_missing(*args, DoubledFamily, default_model.config)
+    why = native_stack_missing(*args, doubled, default_model.config)
     assert why is not None and "residual multiplier" in why
 
 
