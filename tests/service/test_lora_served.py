@@ -212,7 +212,8 @@ def test_a_stream_resumed_after_its_worker_died_keeps_its_adapter(server: Server
 def two_workers(made: dict[str, Any]) -> Iterator[ServerProcess]:
     modules = [f"{name}={made['adapters'][name]}" for name in ("x", "b")]
     args = ["--model", str(made["root"] / "base"), "--workers", "2"]
-    args += ["--max-loras", "2", "--max-lora-rank", "16", "--lora-modules", *modules]
+    # --lora-modules alone, as vLLM's users start it: a slot for each adapter named (two here).
+    args += ["--max-lora-rank", "16", "--lora-modules", *modules]
     with ServerProcess(*args) as proc:
         yield proc
 

@@ -594,6 +594,16 @@ def test_tokenize_and_detokenize_answer_in_vllms_shapes(server: ServerProcess, s
         assert status == 400 and error["error"]["param"] == param, (route, bad, error)
 
 
+def test_tokenize_and_detokenize_answer_under_v1_too(server: ServerProcess) -> None:
+    """vLLM's newer servers have them under /v1: the same answers."""
+    body = {"model": MODEL, "prompt": "The sky is blue.", "return_token_strs": True}
+    root, v1 = post(server.http_url + "/tokenize", body), post(server.http_url + "/v1/tokenize", body)
+    assert v1 == root and root[0] == 200
+    tokens = {"tokens": root[1]["tokens"]}
+    assert post(server.http_url + "/v1/detokenize", tokens) == post(server.http_url + "/detokenize", tokens)
+    assert post(server.http_url + "/v1/detokenize", {"tokens": "hello"})[0] == 400
+
+
 def test_the_x_request_id_header_names_the_request_in_the_reply_and_the_log(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:

@@ -22,8 +22,9 @@ def test_lora_flags_parse_and_are_environment_variables() -> None:
     env = {"TOKENMILL_MAX_LORAS": "1", "TOKENMILL_LORA_MODULES": "x=/p/x", "TOKENMILL_MAX_LORA_RANK": "64"}
     settings = load_settings([], env)
     assert (settings.lora_module_paths(), settings.max_loras, settings.max_lora_rank) == ({"x": "/p/x"}, 1, 64)
-    with pytest.raises(ValueError, match="--lora-modules needs adapter slots: give --max-loras"):
-        load_settings(["--lora-modules", "x=/p"], {})
+    # --lora-modules alone serves its adapters: a slot each (vLLM's users start it so).
+    assert load_settings(["--lora-modules", "x=/p", "y=/q"], {}).max_loras == 2
+    assert load_settings(["--max-loras", "1", "--lora-modules", "x=/p", "y=/q"], {}).max_loras == 1
     with pytest.raises(ValueError, match="name=path, not 'nopath'"):
         load_settings(["--max-loras", "1", "--lora-modules", "nopath"], {})
     with pytest.raises(ValueError, match="names 'x' twice"):

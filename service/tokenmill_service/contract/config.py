@@ -216,7 +216,8 @@ class Settings:
         default="",
         metadata={
             "help": "LoRA adapters (PEFT directories) served from the start, as name=path, several separated by "
-            "spaces; a request names one as its model (OpenAI) or adapter (gRPC); needs --max-loras",
+            "spaces; a request names one as its model (OpenAI) or adapter (gRPC); without --max-loras, one slot "
+            "an adapter named",
             "nargs": "*",
         },
     )
@@ -224,7 +225,8 @@ class Settings:
         default=0,
         metadata={
             "help": "LoRA adapters resident at once (slots; the least recently used one makes room); "
-            "0: adapters off, and the model runs without their side path"
+            "0: adapters off, and the model runs without their side path, unless --lora-modules names some "
+            "(then one slot each)"
         },
     )
     max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
@@ -296,7 +298,8 @@ class Settings:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("--max-loras must not be negative and --max-lora-rank must be at least 1")
         if self.lora_module_paths() and not self.max_loras:
-            raise ValueError("--lora-modules needs adapter slots: give --max-loras 1 or more")
+            # As vLLM's users start it: the adapters named are served, one slot each.
+            self.max_loras = len(self.lora_module_paths())
 
     def lora_module_paths(self) -> dict[str, str]:
         """--lora-modules as name -> path."""

@@ -87,6 +87,9 @@ class HttpApi:
                 Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                # Beside the root routes, where clients of vLLM's newer servers look for them.
+                Route("/v1/tokenize", self.tokenize, methods=["POST"]),
+                Route("/v1/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),

@@ -220,6 +220,22 @@ OPERATIONS: tuple[Operation, ...] = (
         (400, 401, 413),
     ),
     Operation(
+        "POST",
+        "/v1/tokenize",
+        "/tokenize under /v1, as vLLM's newer servers have it",
+        _json("TokenizeResponse"),
+        s.tokenize_request,
+        (400, 401, 413),
+    ),
+    Operation(
+        "POST",
+        "/v1/detokenize",
+        "/detokenize under /v1, as vLLM's newer servers have it",
+        _json("DetokenizeResponse"),
+        s.detokenize_request,
+        (400, 401, 413),
+    ),
+    Operation(
         "GET",
         "/tokenizer_info",
         "The special tokens' text and the chat template (vLLM's route)",
