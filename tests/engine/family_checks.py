@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.contract.plan import LoadOptions
+from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.worker.loader import load_model
 from tokenmill_service.worker.models.builder import build_model
 from tokenmill_service.worker.models.checkpoint import open_checkpoint
-from tokenmill_service.worker.plan.device import probe_device
 from tokenmill_service.worker.plan.resolve import resolve_plan
 
 ATOL = 1e-4  # float32, dense: transformers' float32 forward pass within this

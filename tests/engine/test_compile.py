@@ -29,11 +29,11 @@ from tests.streams import trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.contract.plan import LoadOptions, PlanRefused
+from tokenmill_service.worker.device import DeviceFacts
 from tokenmill_service.worker.engine.compile import compiled_graphs
 from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.worker.kernels import ops_class
 from tokenmill_service.worker.loader import load_model
-from tokenmill_service.worker.plan.device import DeviceFacts
 from tokenmill_service.worker.plan.executor import compile_missing
 
 

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QType
 from tokenmill_service.contract.model_dims import read_dims
 from tokenmill_service.contract.parallel_degree import check_degree
 from tokenmill_service.contract.plan import LoadOptions, PlanRefused
+from tokenmill_service.worker.device import DeviceFacts
 from tokenmill_service.worker.engine.model_runner import forward_prompt
 from tokenmill_service.worker.layers.quant import gguf_blocks
 from tokenmill_service.worker.layers.quant.gguf_blocks import BLOCK_WEIGHTS, GGUFBlocks
@@ -28,7 +29,6 @@ from tokenmill_service.worker.models.gguf_loader import (
     open_gguf,
     unpermute_qk,
 )
-from tokenmill_service.worker.plan.device import DeviceFacts
 from tokenmill_service.worker.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")

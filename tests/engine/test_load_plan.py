@@ -24,10 +24,10 @@ from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.contract.config import load_settings
 from tokenmill_service.contract.plan import LoadOptions, LoadPlan, PlanRefused
 from tokenmill_service.front.router.spec import worker_spec
+from tokenmill_service.worker.device import NATIVE_KERNELS, DeviceFacts, probe_device
 from tokenmill_service.worker.engine.model_runner import forward_prompt
 from tokenmill_service.worker.loader import load_model
 from tokenmill_service.worker.models.checkpoint import Checkpoint, open_checkpoint
-from tokenmill_service.worker.plan.device import NATIVE_KERNELS, DeviceFacts, probe_device
 from tokenmill_service.worker.plan.resolve import resolve_plan
 
 NO_COMPILER = "no C++ compiler (g++) on PATH"

@@ -26,12 +26,12 @@ from tests.kernels.test_decoder_stack import same_bits
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.contract.plan import LoadOptions, PlanRefused
 from tokenmill_service.contract.plan.plan import Decision
+from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan, forward_prompt
 from tokenmill_service.worker.layers.fused_moe import FusedMoE
 from tokenmill_service.worker.layers.linear import LinearBase
 from tokenmill_service.worker.loader import load, load_model
 from tokenmill_service.worker.models.checkpoint import open_checkpoint
-from tokenmill_service.worker.plan.device import probe_device
 from tokenmill_service.worker.plan.resolve import resolve_plan
 
 transformers = pytest.importorskip("transformers")

@@ -114,8 +114,8 @@ def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_m
     """The plan gives a family whose layers do more to a sub-layer's output than the stack's residual
     multiplier no native stack, and says why."""
     from tokenmill_service.contract.plan import LoadOptions
+    from tokenmill_service.worker.device import probe_device
     from tokenmill_service.worker.kernels import ops_class
-    from tokenmill_service.worker.plan.device import probe_device
     from tokenmill_service.worker.plan.executor import native_stack_missing
 
     spec = family_spec(default_model.config.architecture)

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from tests.engine.test_gguf_loader import random_blocks
+from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.kernels import get_ops
 from tokenmill_service.worker.kernels.cpu import moe_mlp
@@ -35,7 +36,6 @@ from tokenmill_service.worker.layers.linear import LinearBase
 from tokenmill_service.worker.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.worker.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks
 from tokenmill_service.worker.models.gpt_oss import GptOssExpert, GptOssMoE
-from tokenmill_service.worker.plan.device import probe_device
 
 EXPERTS, TOP_K = 8, 2
 

@@ -20,12 +20,12 @@ from structlog.testing import capture_logs
 from tests.fidelity import prompt_logprob_errors
 from tests.server_process import ServerProcess
 from tokenmill_client import Client
+from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
 from tokenmill_service.worker.kernels.cpu import paged_attention
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.loader import ModelLoadError, load_model
-from tokenmill_service.worker.plan.device import probe_device
 
 pytestmark = pytest.mark.skipif(
     probe_device("cpu").native("paged_attention", "elementwise") is not None,

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill_service.worker.device import DeviceFacts, probe_device
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
 from tokenmill_service.worker.kernels.cpu import elementwise
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 from tokenmill_service.worker.layers.rotary import RotaryEmbedding
-from tokenmill_service.worker.plan.device import DeviceFacts, probe_device
 
 pytestmark = pytest.mark.skipif(
     probe_device("cpu").native("paged_attention", "elementwise") is not None,

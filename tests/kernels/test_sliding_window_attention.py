@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
+from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.kernels.attention_metadata import NULL_BLOCK, build_attention_metadata
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.kernels.interface import Ops
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 from tokenmill_service.worker.kernels.triton import TritonOps
-from tokenmill_service.worker.plan.device import probe_device
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64

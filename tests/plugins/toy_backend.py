@@ -15,7 +15,7 @@ from tokenmill_service.worker.kernels.interface import KVCacheLayout, register_o
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
-    from tokenmill_service.worker.plan.device import DeviceFacts
+    from tokenmill_service.worker.device import DeviceFacts
 
 CALLS = {"attention": 0}
 

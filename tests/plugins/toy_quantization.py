@@ -15,7 +15,7 @@ from tokenmill_service.worker.layers.quant.base import QuantMethod, empty_param,
 from tokenmill_service.worker.layers.quant.gguf_blocks import CheckpointTensor, dense
 
 if TYPE_CHECKING:
-    from tokenmill_service.worker.plan.device import DeviceFacts
+    from tokenmill_service.worker.device import DeviceFacts
 
 
 @register_quantization("toy-pow2", help="float32 rows scaled by a power of two per row")

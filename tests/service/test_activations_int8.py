@@ -21,8 +21,8 @@ from tests.streams import prompt_and_trace
 from tokenmill_client._proto import generate_pb2 as pb
 from tokenmill_client._proto import generate_pb2_grpc as pb_grpc
 from tokenmill_service.contract.plan import LoadOptions, PlanRefused
+from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.models.checkpoint import open_checkpoint
-from tokenmill_service.worker.plan.device import probe_device
 from tokenmill_service.worker.plan.resolve import resolve_plan
 
 REFERENCE = Path(__file__).parents[1] / "data" / "smollm2_reference.json"

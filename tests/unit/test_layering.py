@@ -26,7 +26,7 @@ TORCH = ("torch", "triton")
 ALLOWED_TO_WORKER = {
     ("front.router.replicas", "worker.worker"): "worker_main: the worker processes' spawn target",
     ("front.follower_node", "worker.worker"): "worker_main: the follower ranks' spawn target",
-    ("contract.config", "worker.plan.device"): "triton_unavailable_reason: --backend triton checked before start",
+    ("contract.config", "worker.device"): "triton_unavailable_reason: --backend triton checked before start",
 }
 
 
@@ -178,3 +178,18 @@ def test_the_engine_layers_and_kernels_never_import_a_model_module() -> None:
         if target.startswith("worker.models")
     ]
     assert offenders == []
+
+
+def test_a_load_goes_one_way_down() -> None:
+    """worker/plan/ decides and builds; the floors below it (engine, models, layers, kernels) take its
+    answers as values and never call back up into it, and kernels take tensors, never layers."""
+    below_the_plan = ("worker.engine", "worker.models", "worker.layers", "worker.kernels")
+    climbs = [
+        f"{module} imports {target} ({kind})"
+        for module in MODULES
+        if module.startswith(below_the_plan)
+        for target, kind in imports(module)
+        if target.startswith("worker.plan")
+        or (module.startswith("worker.kernels") and target.startswith("worker.layers"))
+    ]
+    assert climbs == []

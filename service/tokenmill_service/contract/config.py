@@ -241,7 +241,7 @@ class Settings:
 
             choose(self.cpu_isa)  # ValueError naming what the CPU lacks
         if self.backend == "triton":
-            from tokenmill_service.worker.plan.device import triton_unavailable_reason
+            from tokenmill_service.worker.device import triton_unavailable_reason
 
             reason = triton_unavailable_reason(self.device)
             if reason:

@@ -26,6 +26,7 @@ from tokenmill_service.contract.model_paths import (
 )
 from tokenmill_service.contract.plan.options import LoadOptions
 from tokenmill_service.contract.plan.plan import LoadPlan, PlanRefused
+from tokenmill_service.worker.device import DeviceFacts, probe_device
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.layers.fused_moe import FusedMoE
 from tokenmill_service.worker.layers.linear import LinearBase
@@ -33,7 +34,6 @@ from tokenmill_service.worker.models.builder import build_model
 from tokenmill_service.worker.models.checkpoint import Checkpoint, open_checkpoint
 from tokenmill_service.worker.models.decoder import DecoderForCausalLM
 from tokenmill_service.worker.models.resident_memory import release_freed_heap
-from tokenmill_service.worker.plan.device import DeviceFacts, probe_device
 from tokenmill_service.worker.plan.resolve import NATIVE_METHODS, dtype_name, resolve_plan, stored_bytes
 
 log = structlog.get_logger(__name__)

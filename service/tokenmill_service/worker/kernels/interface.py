@@ -24,8 +24,8 @@ from tokenmill_service.worker.kernels.moe_routing import GroupedTopK
 from tokenmill_service.worker.registry import Registry
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.kernels.cpu.moe_mlp import NativeExperts
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 
 # LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta).

@@ -13,13 +13,13 @@ import torch
 from tokenmill_service.contract.model_paths import ModelLoadError
 from tokenmill_service.contract.plan.plan import LoadPlan
 from tokenmill_service.worker.distributed.parallel import TensorParallel
+from tokenmill_service.worker.dtypes import DTYPES
 from tokenmill_service.worker.kernels import get_ops
 from tokenmill_service.worker.layers.embedding import VocabParallelEmbedding
 from tokenmill_service.worker.layers.quant import QuantMethod, quant_method_class
 from tokenmill_service.worker.models.checkpoint import Checkpoint
 from tokenmill_service.worker.models.decoder import DecoderForCausalLM
 from tokenmill_service.worker.models.registry import family
-from tokenmill_service.worker.plan.resolve import DTYPES
 
 # The dtypes a plan names for the KV cache and the adapter slots.
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -16,12 +16,12 @@ import torch
 
 from tokenmill_service.contract.plan.options import LoadOptions
 from tokenmill_service.contract.plan.plan import Decision, LayerChoice
+from tokenmill_service.worker.device import DeviceFacts
 from tokenmill_service.worker.kernels import Ops
 from tokenmill_service.worker.layers.quant import quant_method_class
 from tokenmill_service.worker.layers.quant.gguf_blocks import QUANT_BLOCK
 from tokenmill_service.worker.models.config import ModelConfig
 from tokenmill_service.worker.models.spec import FamilySpec
-from tokenmill_service.worker.plan.device import DeviceFacts
 
 
 def executor(

@@ -19,6 +19,8 @@ from tokenmill_service.contract.parallel_degree import check_degree
 from tokenmill_service.contract.plan import choices
 from tokenmill_service.contract.plan.options import LoadOptions
 from tokenmill_service.contract.plan.plan import Decision, LayerChoice, LoadPlan, PlanRefused
+from tokenmill_service.worker.device import DeviceFacts
+from tokenmill_service.worker.dtypes import DTYPES
 from tokenmill_service.worker.kernels import Ops, ops_class
 from tokenmill_service.worker.layers.quant import quant_method_class
 from tokenmill_service.worker.layers.quant.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
@@ -27,11 +29,9 @@ from tokenmill_service.worker.models.config import ModelConfig
 from tokenmill_service.worker.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.worker.models.registry import family
 from tokenmill_service.worker.models.spec import FamilySpec
-from tokenmill_service.worker.plan.device import DeviceFacts
 from tokenmill_service.worker.plan.executor import executor as choose_executor
 from tokenmill_service.worker.plan.executor import experts_path
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The kernels that take 8-bit activations (--activations int8), by the kernel they replace.
 INT8_KERNELS = {"vnni_gemm": "vnni_gemm_int8", "kquant_gemm": "kquant_gemm_int8"}
 # The methods that multiply a GGUF's blocks as stored, with tokenmill's native CPU kernels, fastest first

@@ -25,8 +25,8 @@ from tokenmill_service.worker.kernels.interface import KVCacheLayout, register_o
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.kernels.moe_routing import GroupedTopK
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 
 def _eager() -> bool:

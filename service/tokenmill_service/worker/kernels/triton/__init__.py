@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from tokenmill_service.worker.device import interpreter_enabled
 from tokenmill_service.worker.kernels import latent_attention as reference_latent
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.worker.kernels.interface import LatentCacheLayout, LoRADelta, Ops, register_ops
@@ -23,10 +24,9 @@ from tokenmill_service.worker.kernels.triton.rms_norm import rms_norm
 from tokenmill_service.worker.kernels.triton.rotary import rotary
 from tokenmill_service.worker.kernels.triton.silu_and_mul import silu_and_mul
 from tokenmill_service.worker.kernels.triton.store_kv import store_kv
-from tokenmill_service.worker.plan.device import interpreter_enabled
 
 if TYPE_CHECKING:
-    from tokenmill_service.worker.plan.device import DeviceFacts
+    from tokenmill_service.worker.device import DeviceFacts
 
 log = structlog.get_logger(__name__)
 

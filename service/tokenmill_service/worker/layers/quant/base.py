@@ -28,8 +28,8 @@ from tokenmill_service.worker.layers.quant.gguf_blocks import CheckpointTensor
 from tokenmill_service.worker.registry import Registry
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.layers.linear import LinearBase
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 
 class QuantMethod(ABC):
@@ -44,7 +44,7 @@ class QuantMethod(ABC):
         self.act_dtype = act_dtype
         # The kernel the plan chose (None, outside a plan: the one this machine's CPU would get).
         if kernel is None:
-            from tokenmill_service.worker.plan.device import probe_device
+            from tokenmill_service.worker.device import probe_device
 
             kernel = self.kernel_for(probe_device("cpu"), act_dtype)
         self.kernel = kernel

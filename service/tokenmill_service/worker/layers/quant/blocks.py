@@ -27,8 +27,8 @@ from tokenmill_service.worker.layers.quant.gguf_blocks import (
 )
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.layers.linear import LinearBase
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 # The formats the kernels read.
 SERVED_TYPES = frozenset(qtype for qtype in BLOCK_BYTES if int(qtype) in native.FORMATS)

@@ -30,8 +30,8 @@ from tokenmill_service.worker.layers.quant.base import QuantMethod, empty_param,
 from tokenmill_service.worker.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, dense
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.layers.linear import LinearBase
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 K_SLICE = 256
 

@@ -26,8 +26,8 @@ from tokenmill_service.worker.layers.quant.fp8_tensor import FP8_DTYPE, Fp8Block
 from tokenmill_service.worker.layers.quant.gguf_blocks import QUANT_BLOCK, CheckpointTensor, describe
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.layers.linear import LinearBase
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 # The tile products: tokenmill's native float32 kernel, or the sliced torch product.
 NATIVE_TILES, SLICED_TILES = "fp8-tiles/block_gemm-f32", "fp8-tiles/sliced-matmul"

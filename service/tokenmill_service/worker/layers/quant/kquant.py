@@ -26,8 +26,8 @@ from tokenmill_service.worker.layers.quant.blocks import GGUFBlocksMethod
 from tokenmill_service.worker.layers.quant.gguf_blocks import CheckpointTensor, GGUFBlocks, describe
 
 if TYPE_CHECKING:
+    from tokenmill_service.worker.device import DeviceFacts
     from tokenmill_service.worker.layers.linear import LinearBase
-    from tokenmill_service.worker.plan.device import DeviceFacts
 
 
 @register_quantization("gguf-kquant")
