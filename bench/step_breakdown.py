@@ -2,6 +2,7 @@
 
     python bench/step_breakdown.py --model FILE.gguf                      # the default configuration
     python bench/step_breakdown.py --model FILE.gguf --server-arg=--activations=int8 --json out.json
+    python bench/step_breakdown.py --model FILE.gguf --server-arg=--activations=int8 --streams 16
 
 It starts a server with ``TM_STACK_PROFILE=1`` (the native decoder stack sums the time of its products,
 attention and experts) and ``--log-level debug`` (each engine step logs ``step_timing``: the forward pass, the
@@ -55,25 +56,31 @@ def output_layer_bytes(model: Path) -> int | None:
     return tensors.get("output.weight", tensors.get("token_embd.weight"))
 
 
-async def one_stream(address: str, tokens: int) -> list[float]:
-    """The gaps between the tokens of one greedy request, in ms."""
+async def streams(address: str, tokens: int, count: int) -> list[float]:
+    """The gaps between the tokens of the first of ``count`` greedy requests sent at once, in ms."""
     async with AsyncClient(address) as client:
         await client.generate_text(token_ids=PROMPT, max_new_tokens=4, ignore_eos=True)  # warm-up
-        arrivals = []
-        async for event in client.generate(token_ids=PROMPT, max_new_tokens=tokens, ignore_eos=True):
-            arrivals.extend([time.perf_counter()] * len(event.tokens))
-    return [1000 * (b - a) for a, b in itertools.pairwise(arrivals[1:])]  # past the first decode step
+
+        async def one(index: int) -> list[float]:
+            arrivals = []
+            prompt = [(t + index) % 4000 + 1 for t in PROMPT]  # no prefix shared between the streams
+            async for event in client.generate(token_ids=prompt, max_new_tokens=tokens, ignore_eos=True):
+                arrivals.extend([time.perf_counter()] * len(event.tokens))
+            return [1000 * (b - a) for a, b in itertools.pairwise(arrivals[1:])]  # past the first decode step
+
+        gaps = await asyncio.gather(*(one(i) for i in range(count)))
+    return gaps[0]
 
 
-def decode_steps(log_path: str) -> list[dict[str, Any]]:
-    """The worker's step_timing lines of its one-token steps (the warm-up's and the stream's)."""
+def decode_steps(log_path: str, rows: int) -> list[dict[str, Any]]:
+    """The worker's step_timing lines of its decoding steps of ``rows`` sequences (a token each)."""
     steps = []
     for line in Path(log_path).read_text().splitlines():
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if event.get("event") == "step_timing" and event.get("tokens") == 1 and event.get("stack_calls") == 1:
+        if event.get("event") == "step_timing" and event.get("tokens") == rows and event.get("stack_calls") == 1:
             steps.append(event)
     return steps
 
@@ -104,18 +111,19 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--server-arg", action="append", default=[], help="an extra server flag, repeatable")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=1, help="requests at once; a step then decodes one token each")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     os.environ["TM_STACK_PROFILE"] = "1"
     flags = ["--model", str(args.model), "--log-level", "debug", "--speculative-tokens", "0", *args.server_arg]
     server = ManagedServer(flags).start(timeout=1800)  # a first start builds the kernels
     try:
-        gaps = asyncio.run(one_stream(server.address, args.tokens))
+        gaps = asyncio.run(streams(server.address, args.tokens, args.streams))
         from tokenmill_client import Client
 
         with Client(server.address) as client:
             weight_bytes = client.model_info().weight_bytes
-        steps = decode_steps(server.log_path)
+        steps = decode_steps(server.log_path, args.streams)
     finally:
         server.stop()
     read = read_bandwidth()["gbs"]
@@ -125,7 +133,8 @@ def main() -> int:
     rows = breakdown(steps, gaps)
     step = rows["worker step, all of it"]
     head = output_layer_bytes(args.model)
-    print(f"{'per token, the mean of ' + str(len(steps)) + ' steps':<72} {'ms':>8} {'share':>7}")
+    rows_word = "token" if args.streams == 1 else f"step of {args.streams} rows"
+    print(f"{'per ' + rows_word + ', the mean of ' + str(len(steps)) + ' steps':<72} {'ms':>8} {'share':>7}")
     for name, ms in rows.items():
         print(f"{name:<72} {ms:>8.3f} {100 * ms / step:>6.1f}%")
     layers_bytes = weight_bytes - (head or 0)
@@ -142,6 +151,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "model": str(args.model),
             "server_args": args.server_arg,
+            "streams": args.streams,
             "steps": len(steps),
             "per_token_ms": rows,
             "weight_bytes": weight_bytes,

@@ -114,10 +114,14 @@ def pack(lib: ctypes.CDLL, prefix: str, qtype: QType, blocks: torch.Tensor, k: i
     return out
 
 
+# "_int8" (--int8): the products with 8-bit activations (--activations int8) rather than the default's.
+GEMM_SUFFIX = {"name": ""}
+
+
 def gemm(
     lib: ctypes.CDLL, prefix: str, qtype: QType, x: torch.Tensor, w: torch.Tensor, n: int, y: torch.Tensor, threads: int
 ) -> None:
-    rc = getattr(lib, f"{prefix}_gemm")(
+    rc = getattr(lib, f"{prefix}_gemm{GEMM_SUFFIX['name']}")(
         int(qtype), x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), n, y.data_ptr(), threads
     )
     assert rc == 0, rc
@@ -163,7 +167,7 @@ def bench(
     rng = np.random.default_rng(1)
     print(
         f"{'format':7} {'K':>5} {'N':>5} {'M':>4} {'old min':>9} {'new min':>9} {'min ratio':>9} "
-        f"{'med ratio':>9} {'spread':>7} {'new GB/s':>8}"
+        f"{'med ratio':>9} {'spread':>7} {'new GB/s':>8} {'new GMAC/s':>10}"
     )
     for qtype in qtypes:
         name, prefix = kernel_of(qtype)
@@ -194,7 +198,7 @@ def bench(
                 print(
                     f"{qtype.name:7} {k:5} {n:5} {m:4} {lo['old'] * 1e3:8.3f}m {lo['new'] * 1e3:8.3f}m "
                     f"{lo['new'] / lo['old']:9.3f} {med['new'] / med['old']:9.3f} {med['old'] / lo['old']:7.2f} "
-                    f"{w.numel() / lo['new'] / 1e9:8.1f}",
+                    f"{w.numel() / lo['new'] / 1e9:8.1f} {m * n * k / lo['new'] / 1e9:10.1f}",
                     flush=True,
                 )
 
@@ -217,9 +221,11 @@ def main() -> int:
     parser.add_argument(
         "--from-memory", type=int, default=0, metavar="MB", help="cycle each call over copies of the weight filling MB"
     )
+    parser.add_argument("--int8", action="store_true", help="the 8-bit activations' products (--activations int8)")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
+    GEMM_SUFFIX["name"] = "_int8" if args.int8 else ""
     names = list(SCALE_FIELDS) if args.formats == "all" else [QType[f] for f in args.formats.split(",")]
     libs = {}
     with tempfile.TemporaryDirectory(prefix="tm-old-kernels-") as tmp:

@@ -137,6 +137,10 @@ def not_compared(result: Any) -> str:
         return "logprobs against the float32 reference (`bench/fidelity.py`), not speed"
     if "minutes" in result and "samples" in result:
         return "an hour's soak (`bench/soak.py`): failures and memory growth, no peer"
+    if "peaks" in result and "prompts" in result:
+        return "prompts' rate against the cores' arithmetic peak (`bench/prefill_peak.py`), no peer"
+    if "per_token_ms" in result and "read_gbs_after" in result:
+        return "where a decoding step's time goes (`bench/step_breakdown.py`), no peer"
     if result.get("tool") == "tokenmill-bench":
         return "tokenmill alone, no peer"
     return "no peer comparison"

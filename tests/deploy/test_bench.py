@@ -128,7 +128,7 @@ def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
     rates = dict(re.findall(r"^(\S+ \S+)\s+([\d.]+) G multiply-adds/s", out, re.MULTILINE))
     expected = {"float32 vfmadd231ps-ymm", "int8 vpmaddubsw-ymm", "int16 vpmaddwd-ymm"}
     if {"avx512_vnni", "avx512_bf16"} <= cpu_isa.cpu_flags():
-        expected |= {"float32 vfmadd231ps", "int8 vpdpbusd", "bf16 vdpbf16ps"}
+        expected |= {"float32 vfmadd231ps", "int8 vpdpbusd", "int16 vpdpwssd", "bf16 vdpbf16ps"}
     assert set(rates) == expected, out
     assert all(float(rate) > 0 for rate in rates.values()), out
 
@@ -167,7 +167,36 @@ def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(
     assert "packing same" in out and "bitwise identical" in out, out
     # --from-memory: each call reads the next copy of the weight, and the new kernel's read rate is printed.
     header, row = out.strip().splitlines()[-2:]
-    assert header.split()[-2:] == ["new", "GB/s"] and float(row.split()[-1]) > 0, out
+    assert header.split()[-4:] == ["new", "GB/s", "new", "GMAC/s"] and float(row.split()[-2]) > 0, out
+
+
+@pytest.mark.slow
+def test_the_quantized_gemm_bench_times_the_int8_products() -> None:
+    """--int8: the same comparison of the 8-bit activations' products (--activations int8), bit for bit."""
+    out = run_kernel_bench(
+        "quantized_gemm_speed.py", "kquant_gemm", "--old-rev", "HEAD", "--formats", "Q4_K", "--int8",
+        "--m", "16", "--shapes", "256x64", "--repeats", "4",
+    )  # fmt: skip
+    assert "bitwise identical" in out and float(out.strip().splitlines()[-1].split()[-1]) > 0, out
+
+
+def test_the_prefill_peak_counts_a_prompts_multiply_adds_and_picks_the_products_instruction() -> None:
+    """bench/prefill_peak.py's arithmetic, on the embedded model (SmolLM2-135M: 30 layers, hidden 576,
+    9 heads of 64, 3 key-value heads, MLP 1536, vocabulary 49152)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import prefill_peak
+
+    from tokenmill_service.contract.model_paths import resolve_model_path
+
+    shape = prefill_peak.model_shape(resolve_model_path(None))
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3  # q, o; k, v; gate, up, down
+    assert shape == {"layers_macs": 30 * per_layer, "output_macs": 49152 * 576, "attention_width": 30 * 576}
+    assert prefill_peak.prompt_macs(shape, 4) == 4 * 30 * per_layer + 30 * 576 * 4 * 5 + 49152 * 576
+    peaks = {"int8 vpdpbusd": 1.0, "int8 vpmaddubsw-ymm": 1.0}
+    assert prefill_peak.peak_name(["--activations=int8"], peaks) == "int8 vpdpbusd"
+    assert prefill_peak.peak_name(["--activations=int8", "--cpu-isa=avx2"], peaks) == "int8 vpmaddubsw-ymm"
+    assert prefill_peak.peak_name([], peaks) == "int16 vpdpwssd"
+    assert prefill_peak.peak_name([], {"int8 vpmaddubsw-ymm": 1.0}) == "int16 vpmaddwd-ymm"
 
 
 @pytest.mark.slow
