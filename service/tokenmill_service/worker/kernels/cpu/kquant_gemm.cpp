@@ -330,14 +330,10 @@ inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const
 template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS>
 inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
                         float* y, int64_t ldy, int64_t n_valid) {
-  switch (fmt) {
-    case Q4_K: tile_rows<Q4_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case Q5_K: tile_rows<Q5_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case Q2_K: tile_rows<Q2_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case Q3_K: tile_rows<Q3_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    case IQ4_XS: tile_rows<IQ4_XS, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-    default: tile_rows<Q6_K, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid); break;
-  }
+  with_kquant_format(fmt, 0, [&](auto F) {
+    tile_rows<decltype(F)::value, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid);
+    return 0;
+  });
 }
 
 // Rows of one format, packed as above.
@@ -429,6 +425,23 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
   }
 }
 
+// The segments of weights w for n rows of k in format fmt, or the entry points' error code (-1, -2, -3).
+int checked_segments(int fmt, const uint8_t* w, int64_t n, int64_t k, Segment segs[TM_KQUANT_MAX_SEGMENTS]) {
+  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
+  if (k % QK_K) return -2;
+  const int count = segments_of(fmt, w, n, segs);
+  return count ? count : -3;
+}
+
+int checked_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads,
+                 bool int8) {
+  Segment segs[TM_KQUANT_MAX_SEGMENTS];
+  const int count = checked_segments(fmt, w, n, k, segs);
+  if (count < 0) return count;
+  gemm(segs, count, x, m, k, n, y, threads, int8);
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -449,35 +462,21 @@ int tm_kquant_pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* o
 // Returns 0, -1 for an unknown format, -2 for k not a multiple of 256, -3 for a mixed header that
 // does not describe n rows.
 int tm_kquant_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
-  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
-  if (k % QK_K) return -2;
-  Segment segs[TM_KQUANT_MAX_SEGMENTS];
-  const int count = segments_of(fmt, w, n, segs);
-  if (!count) return -3;
-  gemm(segs, count, x, m, k, n, y, threads, false);
-  return 0;
+  return checked_gemm(fmt, x, m, k, w, n, y, threads, false);
 }
 
 // tm_kquant_gemm with the activations as 8-bit integers per block of 32 (vnni_gemm.cpp's tm_vnni_quantize_int8),
 // the opt-in faster, less precise mode. The same return codes.
 int tm_kquant_gemm_int8(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y,
                         int threads) {
-  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
-  if (k % QK_K) return -2;
-  Segment segs[TM_KQUANT_MAX_SEGMENTS];
-  const int count = segments_of(fmt, w, n, segs);
-  if (!count) return -3;
-  gemm(segs, count, x, m, k, n, y, threads, true);
-  return 0;
+  return checked_gemm(fmt, x, m, k, w, n, y, threads, true);
 }
 
 // The packed weights [n, k] as float32, exactly gguf's dequantized values.
 int tm_kquant_dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
-  if (fmt != TM_KQUANT_MIXED && !source_block_bytes(fmt)) return -1;
-  if (k % QK_K) return -2;
   Segment segs[TM_KQUANT_MAX_SEGMENTS];
-  const int count = segments_of(fmt, w, n, segs);
-  if (!count) return -3;
+  const int count = checked_segments(fmt, w, n, k, segs);
+  if (count < 0) return count;
   for (int s = 0; s < count; ++s) {
     dequantize(segs[s].fmt, segs[s].w, segs[s].rows, k, out);
     out += segs[s].rows * k;

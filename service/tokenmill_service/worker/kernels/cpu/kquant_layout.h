@@ -217,16 +217,14 @@ int pack_format(const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   return 0;
 }
 
+// The formats this file packs, and one call of f(std::integral_constant<int, F>{}) for fmt's F.
+template <class Fn>
+int with_kquant_format(int fmt, int otherwise, Fn&& f) {
+  return vnni::with_format<Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(fmt, otherwise, f);
+}
+
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
-  switch (fmt) {
-    case Q2_K: return pack_format<Q2_K>(src, n, k, out);
-    case Q3_K: return pack_format<Q3_K>(src, n, k, out);
-    case Q4_K: return pack_format<Q4_K>(src, n, k, out);
-    case Q5_K: return pack_format<Q5_K>(src, n, k, out);
-    case Q6_K: return pack_format<Q6_K>(src, n, k, out);
-    case IQ4_XS: return pack_format<IQ4_XS>(src, n, k, out);
-    default: return -1;
-  }
+  return with_kquant_format(fmt, -1, [&](auto F) { return pack_format<decltype(F)::value>(src, n, k, out); });
 }
 
 }  // namespace

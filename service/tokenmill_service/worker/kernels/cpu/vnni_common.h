@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -18,6 +19,15 @@
 namespace vnni {
 
 using namespace simd;
+
+// Calls f(std::integral_constant<int, F>{}) for the F among Fs equal to fmt, so that a kernel's templates are
+// instantiated once for each format it serves; returns `otherwise` for a format not among them.
+template <int... Fs, class Fn>
+int with_format(int fmt, int otherwise, Fn&& f) {
+  int result = otherwise;
+  (void)((fmt == Fs ? (result = f(std::integral_constant<int, Fs>{}), true) : false) || ...);
+  return result;
+}
 
 constexpr int64_t QK = TM_QK;  // weights per activation block
 constexpr int64_t G = 16;      // weight rows per packed group (one output per int32 lane)

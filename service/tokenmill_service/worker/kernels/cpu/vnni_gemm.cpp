@@ -314,15 +314,10 @@ int tm_vnni_pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out
 int tm_vnni_gemm(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
   if (!source_block_bytes(fmt)) return -1;
   if (k % QK) return -2;
-  switch (fmt) {
-    case Q4_0: gemm<Q4_0>(x, m, k, w, n, y, threads); break;
-    case Q4_1: gemm<Q4_1>(x, m, k, w, n, y, threads); break;
-    case Q5_0: gemm<Q5_0>(x, m, k, w, n, y, threads); break;
-    case Q5_1: gemm<Q5_1>(x, m, k, w, n, y, threads); break;
-    case IQ4_NL: gemm<IQ4_NL>(x, m, k, w, n, y, threads); break;
-    case MXFP4: gemm<MXFP4>(x, m, k, w, n, y, threads); break;
-    default: gemm<Q8_0>(x, m, k, w, n, y, threads); break;
-  }
+  with_vnni_format(fmt, 0, [&](auto F) {
+    gemm<decltype(F)::value>(x, m, k, w, n, y, threads);
+    return 0;
+  });
   return 0;
 }
 
@@ -332,15 +327,10 @@ int tm_vnni_gemm_int8(int fmt, const float* x, int64_t m, int64_t k, const uint8
                       int threads) {
   if (!source_block_bytes(fmt)) return -1;
   if (k % QK) return -2;
-  switch (fmt) {
-    case Q4_0: gemm_int8<Q4_0>(x, m, k, w, n, y, threads); break;
-    case Q4_1: gemm_int8<Q4_1>(x, m, k, w, n, y, threads); break;
-    case Q5_0: gemm_int8<Q5_0>(x, m, k, w, n, y, threads); break;
-    case Q5_1: gemm_int8<Q5_1>(x, m, k, w, n, y, threads); break;
-    case IQ4_NL: gemm_int8<IQ4_NL>(x, m, k, w, n, y, threads); break;
-    case MXFP4: gemm_int8<MXFP4>(x, m, k, w, n, y, threads); break;
-    default: gemm_int8<Q8_0>(x, m, k, w, n, y, threads); break;
-  }
+  with_vnni_format(fmt, 0, [&](auto F) {
+    gemm_int8<decltype(F)::value>(x, m, k, w, n, y, threads);
+    return 0;
+  });
   return 0;
 }
 

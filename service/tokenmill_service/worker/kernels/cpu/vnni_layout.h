@@ -130,17 +130,14 @@ int pack_format(const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   return bad ? -3 : 0;
 }
 
+// The formats this file packs, and one call of f(std::integral_constant<int, F>{}) for fmt's F.
+template <class Fn>
+int with_vnni_format(int fmt, int otherwise, Fn&& f) {
+  return vnni::with_format<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4>(fmt, otherwise, f);
+}
+
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
-  switch (fmt) {
-    case Q4_0: return pack_format<Q4_0>(src, n, k, out);
-    case Q4_1: return pack_format<Q4_1>(src, n, k, out);
-    case Q5_0: return pack_format<Q5_0>(src, n, k, out);
-    case Q5_1: return pack_format<Q5_1>(src, n, k, out);
-    case Q8_0: return pack_format<Q8_0>(src, n, k, out);
-    case IQ4_NL: return pack_format<IQ4_NL>(src, n, k, out);
-    case MXFP4: return pack_format<MXFP4>(src, n, k, out);
-    default: return -1;
-  }
+  return with_vnni_format(fmt, -1, [&](auto F) { return pack_format<decltype(F)::value>(src, n, k, out); });
 }
 
 }  // namespace
