@@ -208,8 +208,7 @@ def openapi_document() -> dict[str, Any]:
     from tokenmill_service.front.http.openapi import document
     from tokenmill_service.front.validation import Limits
 
-    s = Settings()
-    return document(Limits(0, 0, s.max_new_tokens_limit, s.max_top_logprobs, s.max_stop_strings), __version__)
+    return document(Limits.from_settings(Settings()), __version__)
 
 
 def schema_type(schema: dict[str, Any]) -> str:

@@ -116,7 +116,7 @@ def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_m
     from tokenmill_service.contract.plan import LoadOptions
     from tokenmill_service.worker.device import probe_device
     from tokenmill_service.worker.kernels import ops_class
-    from tokenmill_service.worker.plan.executor import native_stack_missing
+    from tokenmill_service.worker.plan.executor import ForwardInputs, native_stack_missing
 
     spec = family_spec(default_model.config.architecture)
 
@@ -130,10 +130,12 @@ def test_a_layer_whose_branch_does_more_than_the_multiplier_is_refused(default_m
     doubled = dataclasses.replace(spec, module=DoubledModule)
 
     facts, native = probe_device("cpu"), ops_class("native")
-    args = (LoadOptions(), facts, native, torch.float32, default_model.plan.layers)
-    if native_stack_missing(*args, spec, default_model.config) is not None:
+    inputs = ForwardInputs(
+        LoadOptions(), facts, native, torch.float32, default_model.plan.layers, spec, default_model.config
+    )
+    if native_stack_missing(inputs) is not None:
         pytest.skip("no native stack here")
-    why = native_stack_missing(*args, doubled, default_model.config)
+    why = native_stack_missing(dataclasses.replace(inputs, family=doubled))
     assert why is not None and "residual multiplier" in why
 
 

@@ -11,9 +11,15 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenmill_service.contract.plan import choices
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# A value another part of the server is given, built from the settings (``Settings.subset``).
+View = TypeVar("View", bound="DataclassInstance")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1000**2}
@@ -346,6 +352,25 @@ class Settings:
             raise ValueError(f"--chat-template {self.chat_template}: {exc}") from None
         return source
 
+    def subset(self, cls: type[View], **given: Any) -> View:
+        """A ``cls`` (a dataclass) whose fields named as a setting take that setting, the others ``given`` or
+        left at their defaults: each process's typed view of the flags is built by its own field list, so a
+        field a flag feeds is copied nowhere by hand. A field named as a setting but typed otherwise (another
+        unit or meaning: bytes for --kv-cache-memory's text) must be ``given``, or TypeError names it."""
+        own = {f.name: f for f in fields(self)}
+        values = dict(given)
+        for f in fields(cls):
+            setting = own.get(f.name)
+            if setting is None or f.name in given:
+                continue
+            if _type_name(f.type) != _type_name(setting.type):
+                raise TypeError(
+                    f"{cls.__name__}.{f.name} is {_type_name(f.type)}, the setting {_type_name(setting.type)}: "
+                    "give its value"
+                )
+            values[f.name] = getattr(self, f.name)
+        return cls(**values)
+
     @property
     def kv_cache_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
@@ -374,6 +399,11 @@ class Settings:
         if self.device == "cuda":
             return max(1, visible_gpus() // self.tensor_parallel)
         return 1
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type as written (a string under postponed annotations, else the class's name)."""
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
 
 
 def visible_gpus() -> int:

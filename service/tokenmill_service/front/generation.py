@@ -163,16 +163,7 @@ class GenerationService:
         info = next((w.info for w in self.router.workers if w.info is not None), None)
         if info is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
-        s = self.settings
-        return Limits(
-            context_length=info.context_length,
-            vocab_size=info.vocab_size,
-            max_new_tokens=s.max_new_tokens_limit,
-            max_top_logprobs=s.max_top_logprobs,
-            max_stop_strings=s.max_stop_strings,
-            default_max_new_tokens=s.default_max_new_tokens,
-            json_schema_permissive=s.json_schema_permissive,
-        )
+        return Limits.from_settings(self.settings, info.context_length, info.vocab_size)
 
     def check_generates(self) -> None:
         """An encoder only embeds: a generation is refused (INVALID_ARGUMENT), saying so."""

@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill_service.contract.chat.harmony_constraint import names_control_tokens
 from tokenmill_service.contract.chat.harmony_response_format import DEFAULT_NAME, ResponseFormat
@@ -31,6 +31,9 @@ from tokenmill_service.front.tool_validation import (
     tool_constraint,
     tools_in_use,
 )
+
+if TYPE_CHECKING:
+    from tokenmill_service.contract.config import Settings
 
 # Fixed limits (the configurable ones are in Limits); all are reported by GetModelInfo.
 # A request id is echoed in every response and log line: bounded, and printable.
@@ -79,6 +82,13 @@ class Limits:
     default_max_new_tokens: int = 0
     # JSON schemas (and tools' arguments) read as JSON Schema reads them (--json-schema-permissive).
     json_schema_permissive: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings, context_length: int = 0, vocab_size: int = 0) -> Limits:
+        """The flags' limits with the model's bounds (0: not known yet, as while the model loads)."""
+        return settings.subset(
+            cls, context_length=context_length, vocab_size=vocab_size, max_new_tokens=settings.max_new_tokens_limit
+        )
 
 
 # Where each kind of prompt is, as a field path.

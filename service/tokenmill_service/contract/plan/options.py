@@ -50,20 +50,5 @@ class LoadOptions:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LoadOptions:
-        return cls(
-            model=settings.model,
-            device=settings.device,
-            dtype=settings.dtype,
-            quantization=settings.quantization,
-            backend=settings.backend,
-            kv_cache_dtype=settings.kv_cache_dtype,
-            activations=settings.activations,
-            cpu_isa=settings.cpu_isa,
-            compile=settings.compile,
-            tensor_parallel=settings.tensor_parallel,
-            expert_parallel=bool(settings.expert_parallel),
-            max_loras=settings.max_loras,
-            max_lora_rank=settings.max_lora_rank,
-            speculative_method=settings.speculative_method,
-            max_model_len=settings.max_model_len,
-        )
+        """Every field from the flag of its name."""
+        return settings.subset(cls)

@@ -324,6 +324,5 @@ class HttpApi:
         try:
             limits = self.service.limits()
         except ServiceError:  # still loading: the model's own bounds are not known yet
-            s = self.service.settings
-            limits = Limits(0, 0, s.max_new_tokens_limit, s.max_top_logprobs, s.max_stop_strings)
+            limits = Limits.from_settings(self.service.settings)
         return JSONResponse(openapi.document(limits, __version__))

@@ -33,15 +33,11 @@ def worker_spec(
     local = s.node_ranks()
     processes = num_workers * len(local)
     threads = s.threads or (max(1, cores // processes) if s.device == "cpu" else 1)
-    engine = EngineConfig(
-        max_batch_size=s.max_batch_size,
+    # The engine's knobs from the flags of their names; these three differ from their flags in unit or meaning.
+    engine = s.subset(
+        EngineConfig,
         max_batch_tokens=max(s.max_batch_tokens, s.max_batch_size),
-        block_size=s.block_size,
         kv_cache_memory=s.kv_cache_bytes,
-        speculative_tokens=s.speculative_tokens,
-        speculative_max_batch=s.speculative_max_batch,
-        speculative_method=s.speculative_method,
-        max_model_len=s.max_model_len,
         kv_events=bool(s.kv_events_endpoint),
     )
     return WorkerSpec(

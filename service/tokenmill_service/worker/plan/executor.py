@@ -11,6 +11,7 @@ runs (torch.compile raising at warm-up) comes back as ``failed``: the plan is ma
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -24,29 +25,35 @@ from tokenmill_service.worker.models.config import ModelConfig
 from tokenmill_service.worker.models.spec import FamilySpec
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """What the executor and the experts' path are chosen from: what was asked, the device's facts, the ops
+    backend and activations' dtype chosen, each linear layer's method and kernel, the family and its config."""
+
+    options: LoadOptions
+    facts: DeviceFacts
+    ops: type[Ops]
+    act: torch.dtype
+    layers: Mapping[str, LayerChoice]
+    family: FamilySpec
+    config: ModelConfig
+
+
 def executor(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: Mapping[str, LayerChoice],
-    family: FamilySpec,
-    config: ModelConfig,
-    experts: Decision | None,
-    skipped: dict[str, str],
-    failed: Mapping[str, str],
+    inputs: ForwardInputs, experts: Decision | None, skipped: dict[str, str], failed: Mapping[str, str]
 ) -> Decision:
+    options, family = inputs.options, inputs.family
     if options.compile == "auto" and options.max_loras > 0:
         # The adapters' grouped products change shape with the step's adapters: not inside the regions.
         skipped["compile"] = "LoRA adapters (--max-loras) are not run inside compiled regions"
     elif options.compile == "auto":
-        why = family.facts.compile_gap or compile_missing(options, facts, ops)
+        why = family.facts.compile_gap or compile_missing(options, inputs.facts, inputs.ops)
         if why is None and "compiled" in failed:
             why = f"torch.compile failed while building the graphs ({failed['compiled']})"
         if why is None:
             return Decision("compiled", "asked (--compile auto)")
         skipped["compile"] = why
-    why = native_stack_missing(options, facts, ops, act, layers, family, config)
+    why = native_stack_missing(inputs)
     if why is None and experts is not None and experts.value != "native":
         why = f"a mixture of experts' layers run their experts one by one ({experts.reason})"
     if why is None and "native-stack" in failed:
@@ -56,27 +63,20 @@ def executor(
     return Decision("eager", f"the model's layers one by one: no native stack, as {why}")
 
 
-def experts_path(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: Mapping[str, LayerChoice],
-    family: FamilySpec,
-    config: ModelConfig,
-) -> Decision | None:
+def experts_path(inputs: ForwardInputs) -> Decision | None:
     """How a mixture-of-experts model's experts run (None: it has none): one native call a layer
     (``Ops.moe_experts`` with the experts' packed weights, worker/kernels/cpu/moe_mlp.cpp) or one by one."""
+    options, ops, layers, config = inputs.options, inputs.ops, inputs.layers, inputs.config
     if not config.extra_int("num_experts"):
         return None
     why: str | None
     if ops.name != "native":
         why = f"the {ops.name} ops run them through the linear layers"
-    elif act != torch.float32:
+    elif inputs.act != torch.float32:
         why = "the native call takes float32 activations"
     elif options.max_loras > 0:
         why = "LoRA adapters on experts run through the linear layers (--max-loras)"
-    elif gap := family.facts.native_experts_gap:
+    elif gap := inputs.family.facts.native_experts_gap:
         why = gap
     else:
         why = next(
@@ -86,7 +86,7 @@ def experts_path(
                 if ".experts." in prefix and choice.kernel not in quant_method_class(choice.method).native_entry_points
             ),
             None,
-        ) or (_dense_expert_gap(options, layers, config) or facts.native("moe_mlp", "elementwise"))
+        ) or (_dense_expert_gap(options, layers, config) or inputs.facts.native("moe_mlp", "elementwise"))
     if why is None:
         return Decision("native", "one native call a layer: the experts' products, activation and combine")
     return Decision("one-by-one", why)
@@ -120,28 +120,21 @@ def compile_missing(options: LoadOptions, facts: DeviceFacts, ops: type[Ops]) ->
     return facts.compiler_missing
 
 
-def native_stack_missing(
-    options: LoadOptions,
-    facts: DeviceFacts,
-    ops: type[Ops],
-    act: torch.dtype,
-    layers: Mapping[str, LayerChoice],
-    family: FamilySpec,
-    config: ModelConfig,
-) -> str | None:
+def native_stack_missing(inputs: ForwardInputs) -> str | None:
     """Why the decoder layers cannot run as one native call, or None when they can."""
-    if ops.name != "native":
+    options, family, config = inputs.options, inputs.family, inputs.config
+    if inputs.ops.name != "native":
         return "attention is not tokenmill's native kernel"
     if options.tensor_parallel > 1:
         return "tensor-parallel ranks all-reduce between the layers"
-    if act != torch.float32:
+    if inputs.act != torch.float32:
         return "it runs float32 activations"
     if (gap := _family_gap(family, config)) is not None:
         return gap
     # Projection biases, sliding windows (with their KV-cache groups) and attention sinks ride in the stack;
     # a projection the family absorbs at load (DeepSeek's kv_b_proj) is never applied by its kernel.
     absorbed = family.tensors.absorbed
-    for prefix, choice in layers.items():
+    for prefix, choice in inputs.layers.items():
         leaf = prefix.rpartition(".")[2]
         if prefix == "lm_head" or leaf in absorbed:
             continue
@@ -164,7 +157,7 @@ def native_stack_missing(
         if gap := family.facts.native_experts_gap:
             return gap
         experts = ("moe_mlp",)
-    return facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts, *latent)
+    return inputs.facts.native("decoder_stack", "paged_attention", "elementwise", *lora, *experts, *latent)
 
 
 def _family_gap(family: FamilySpec, config: ModelConfig) -> str | None:

@@ -29,8 +29,8 @@ from tokenmill_service.worker.models.config import ModelConfig
 from tokenmill_service.worker.models.deepseek_mtp import mtp_checkpoint_prefix
 from tokenmill_service.worker.models.registry import family
 from tokenmill_service.worker.models.spec import FamilySpec
+from tokenmill_service.worker.plan.executor import ForwardInputs, experts_path
 from tokenmill_service.worker.plan.executor import executor as choose_executor
-from tokenmill_service.worker.plan.executor import experts_path
 
 # The kernels that take 8-bit activations (--activations int8), by the kernel they replace.
 INT8_KERNELS = {"vnni_gemm": "vnni_gemm_int8", "kquant_gemm": "kquant_gemm_int8"}
@@ -75,8 +75,9 @@ def resolve_plan(
     ops_cls = ops_class(ops.value)
     kv = _kv_cache_dtype(options.kv_cache_dtype, act_dtype, ops_cls, facts, config.head_dim)
     layout = _kv_cache_layout(spec, ops_cls, config)
-    experts = experts_path(options, facts, ops_cls, act_dtype, layers, spec, config)
-    executor = choose_executor(options, facts, ops_cls, act_dtype, layers, spec, config, experts, skipped, failed)
+    forward = ForwardInputs(options, facts, ops_cls, act_dtype, layers, spec, config)
+    experts = experts_path(forward)
+    executor = choose_executor(forward, experts, skipped, failed)
     # A GGUF's blocks under auto are quantized weights even where no native kernel serves and every layer
     # is dense: the embedding table stays as stored then too, only the looked-up rows dequantized.
     quantized = any(c.method != "none" for c in layers.values()) or (
