@@ -1,9 +1,10 @@
-"""What Client and AsyncClient share: their settings and channel watch, the requests of every call, how a failed
-try is retried or mapped to a TokenmillError, and how responses are read. The two clients keep only what
-blocks or awaits: sending a call and waiting before its retry."""
+"""What Client and AsyncClient share: their constructor, settings and channel watch, the requests of every
+call, how a failed try is retried or mapped to a TokenmillError, and how responses are read. The two clients
+keep only what blocks or awaits: opening their kind of channel, sending a call and waiting before its retry."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar, cast
@@ -26,14 +27,19 @@ from ._proto import generate_pb2 as pb
 from ._transport import (
     HEALTH_CHECK,
     LOAD_ADAPTER,
+    LOAD_BALANCING_POLICIES,
     MODEL_INFO,
     TOKENIZE,
     UNLOAD_ADAPTER,
+    ChannelOptions,
     Deadline,
     Method,
+    RetryHook,
     Settings,
     decode_health_response,
+    default_target,
     encode_health_request,
+    read_root_certificates,
     retry_delay,
 )
 from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
@@ -175,6 +181,57 @@ class ClientCore:
         resolved = resolve_options("generate_choices", options, overrides)
         builder = ChoicesBuilder(resolved.n)
         return Collector(resolved, builder.add, builder.results, self.settings.target)
+
+
+class ClientBase:
+    """Client's and AsyncClient's constructor, and the server address it keeps; each opens its own kind of
+    channel (_connect)."""
+
+    # No docstring: help() and editors show each client's class docstring, which describes these parameters.
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        options: ChannelOptions = (),
+        on_retry: RetryHook | None = None,
+        load_balancing: str | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if load_balancing is not None and load_balancing not in LOAD_BALANCING_POLICIES:
+            raise ValueError(
+                f"load_balancing must be one of {', '.join(LOAD_BALANCING_POLICIES)}, got {load_balancing!r}"
+            )
+        roots = read_root_certificates(root_certificates)
+        settings = Settings(
+            target=target or default_target(),
+            tls=tls or roots is not None,
+            root_certificates=roots,
+            token=token,
+            timeout=timeout,
+            max_retries=max_retries,
+            options=tuple(options),
+            on_retry=on_retry,
+            load_balancing=load_balancing,
+        )
+        self._core = ClientCore(settings)
+        self._connect()
+
+    def _connect(self) -> None:
+        """Opens the client's channel with ``self._core.open`` (so that its watch knows it), and its stubs."""
+        raise NotImplementedError
+
+    @property
+    def target(self) -> str:
+        """The server address."""
+        return self._core.settings.target
 
 
 def _code(err: grpc.RpcError) -> grpc.StatusCode | None:

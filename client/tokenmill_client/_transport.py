@@ -103,38 +103,6 @@ class Settings:
         return grpc.aio.insecure_channel(self.target, options=self.channel_options())
 
 
-def make_settings(
-    target: str | None,
-    *,
-    tls: bool,
-    root_certificates: bytes | str | os.PathLike[str] | None,
-    token: str | None,
-    timeout: float | None,
-    max_retries: int,
-    options: ChannelOptions,
-    on_retry: RetryHook | None = None,
-    load_balancing: str | None = None,
-) -> Settings:
-    if max_retries < 0:
-        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    if load_balancing is not None and load_balancing not in LOAD_BALANCING_POLICIES:
-        raise ValueError(f"load_balancing must be one of {', '.join(LOAD_BALANCING_POLICIES)}, got {load_balancing!r}")
-    roots = read_root_certificates(root_certificates)
-    return Settings(
-        target=target or default_target(),
-        tls=tls or roots is not None,
-        root_certificates=roots,
-        token=token,
-        timeout=timeout,
-        max_retries=max_retries,
-        options=tuple(options),
-        on_retry=on_retry,
-        load_balancing=load_balancing,
-    )
-
-
 def retry_delay(code: grpc.StatusCode | None, settings: Settings, deadline: Deadline, retry: int) -> float | None:
     """Seconds to wait before retrying a call that failed with ``code``, or None not to retry.
 

@@ -12,7 +12,16 @@ from dataclasses import dataclass, field
 from ._chat import ChatMessage, ToolCall
 
 
-class FinishReason(str, enum.Enum):
+class _StrEnum(str, enum.Enum):
+    """An enum of strings that prints as its value (enum.StrEnum, which needs Python 3.11)."""
+
+    _value_: str
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class FinishReason(_StrEnum):
     """Why a generation ended."""
 
     LENGTH = "length"
@@ -26,20 +35,14 @@ class FinishReason(str, enum.Enum):
     TOOL_CALLS = "tool_calls"
     """The answer is calls of tools (see ``tool_calls``)."""
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class HealthStatus(str, enum.Enum):
+class HealthStatus(_StrEnum):
     """A grpc.health.v1 serving status."""
 
     UNKNOWN = "UNKNOWN"
     SERVING = "SERVING"
     NOT_SERVING = "NOT_SERVING"
     SERVICE_UNKNOWN = "SERVICE_UNKNOWN"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
@@ -15,10 +14,10 @@ from . import _core
 from ._chat import MessageLike
 from ._connect import Connections
 from ._convert import event_from_proto
-from ._core import ClientCore, UnaryCall, cancel
+from ._core import ClientBase, UnaryCall, cancel
 from ._options import GenerateOptions, GenerateOverrides, resolve_options
 from ._proto import generate_pb2 as pb
-from ._transport import GENERATE, ChannelOptions, RetryHook, make_settings
+from ._transport import GENERATE
 from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """An asyncio client of a tokenmill server; the same options and methods as Client, awaitable.
 
     Create it inside the event loop that uses it (``async with AsyncClient(...) as client:``).
@@ -50,43 +49,14 @@ class AsyncClient:
     35 s): pass ``max_retries=20`` to wait as it does.
     """
 
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        tls: bool = False,
-        root_certificates: bytes | str | os.PathLike[str] | None = None,
-        token: str | None = None,
-        timeout: float | None = None,
-        max_retries: int = 3,
-        options: ChannelOptions = (),
-        on_retry: RetryHook | None = None,
-        load_balancing: str | None = None,
-    ) -> None:
-        settings = make_settings(
-            target,
-            tls=tls,
-            root_certificates=root_certificates,
-            token=token,
-            timeout=timeout,
-            max_retries=max_retries,
-            options=options,
-            on_retry=on_retry,
-            load_balancing=load_balancing,
-        )
-        self._core = ClientCore(settings)
-        self._channel = self._core.open(settings.aio_channel)
+    def _connect(self) -> None:
+        self._channel = self._core.open(self._core.settings.aio_channel)
         self._generate = GENERATE.aio_stream(self._channel)
 
     async def wait_for_addresses(self, timeout: float) -> Connections:
         """Connects, and waits up to ``timeout`` seconds until the channel is ready: with round_robin, until
         it is connected to every address the target resolves to (see Client.wait_for_addresses)."""
         return await self._core.watch.wait_async(self._channel, timeout, every_address=self._core.every_address)
-
-    @property
-    def target(self) -> str:
-        """The server address."""
-        return self._core.settings.target
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

@@ -14,10 +14,10 @@ from . import _core
 from ._chat import MessageLike
 from ._connect import Connections
 from ._convert import event_from_proto
-from ._core import ClientCore, UnaryCall, cancel
+from ._core import ClientBase, UnaryCall, cancel
 from ._options import GenerateOptions, GenerateOverrides, resolve_options
 from ._proto import generate_pb2 as pb
-from ._transport import GENERATE, ChannelOptions, RetryHook, make_settings
+from ._transport import GENERATE, ChannelOptions, RetryHook
 from ._types import GenerateEvent, GenerateResult, HealthStatus, ModelInfo, Tokenization
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
 
-class Client:
+class Client(ClientBase):
     """A blocking client of a tokenmill server.
 
     ``target`` defaults to $TOKENMILL_SERVER, else ``localhost:50051``. ``tls=True`` (implied by
@@ -63,7 +63,7 @@ class Client:
         load_balancing: str | None = None,
         wait_for_addresses: float = 0.0,
     ) -> None:
-        settings = make_settings(
+        super().__init__(
             target,
             tls=tls,
             root_certificates=root_certificates,
@@ -74,11 +74,12 @@ class Client:
             on_retry=on_retry,
             load_balancing=load_balancing,
         )
-        self._core = ClientCore(settings)
-        self._channel = self._core.open(settings.sync_channel)
-        self._generate = GENERATE.stream(self._channel)
         if wait_for_addresses > 0:
             self.wait_for_addresses(wait_for_addresses)
+
+    def _connect(self) -> None:
+        self._channel = self._core.open(self._core.settings.sync_channel)
+        self._generate = GENERATE.stream(self._channel)
 
     def wait_for_addresses(self, timeout: float) -> Connections:
         """Connects, and waits up to ``timeout`` seconds until the channel is ready: with round_robin, until
@@ -89,11 +90,6 @@ class Client:
         a client is created go to the first server to answer; waiting first spreads them over all.
         """
         return self._core.watch.wait(self._channel, timeout, every_address=self._core.every_address)
-
-    @property
-    def target(self) -> str:
-        """The server address."""
-        return self._core.settings.target
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""

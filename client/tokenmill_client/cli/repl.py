@@ -56,6 +56,17 @@ def _parse_int(text: str, name: str) -> int:
     return value
 
 
+def _shown(o: GenerateOptions) -> dict[str, str]:
+    """The settings the slash commands change, as a command's answer and /config show them."""
+    return {
+        "temperature": fmt_num(o.temperature),
+        "top_k": str(o.top_k or "off"),
+        "top_p": fmt_num(o.top_p),
+        "tokens": str(o.max_new_tokens or "server default"),
+        "seed": "random" if o.seed is None else str(o.seed),
+    }
+
+
 class Repl:
     """An interactive chat: keeps the user and assistant turns; slash commands change the settings."""
 
@@ -151,34 +162,25 @@ class Repl:
         self.history += [ChatMessage("user", question), ChatMessage("assistant", answer)]
 
     def _set_temp(self, arg: str) -> bool:
-        options = self._replace(temperature=_parse_float(arg, "temperature", 0.0))
-        err(f"temperature = {fmt_num(options.temperature)}\n")
-        return True
+        return self._set("temperature", temperature=_parse_float(arg, "temperature", 0.0))
 
     def _set_topk(self, arg: str) -> bool:
-        options = self._replace(top_k=_parse_int(arg, "top_k"))
-        err(f"top_k = {options.top_k or 'off'}\n")
-        return True
+        return self._set("top_k", top_k=_parse_int(arg, "top_k"))
 
     def _set_topp(self, arg: str) -> bool:
-        options = self._replace(top_p=_parse_float(arg, "top_p", 0.0, 1.0))
-        err(f"top_p = {fmt_num(options.top_p)}\n")
-        return True
+        return self._set("top_p", top_p=_parse_float(arg, "top_p", 0.0, 1.0))
 
     def _set_tokens(self, arg: str) -> bool:
-        options = self._replace(max_new_tokens=_parse_int(arg, "tokens"))
-        err(f"tokens = {options.max_new_tokens or 'server default'}\n")
-        return True
+        return self._set("tokens", max_new_tokens=_parse_int(arg, "tokens"))
 
     def _set_seed(self, arg: str) -> bool:
-        options = self._replace(seed=None if arg.lower() in ("off", "none", "random") else _parse_int(arg, "seed"))
-        err(f"seed = {'random' if options.seed is None else options.seed}\n")
-        return True
+        return self._set("seed", seed=None if arg.lower() in ("off", "none", "random") else _parse_int(arg, "seed"))
 
-    def _replace(self, **changes: Unpack[GenerateOverrides]) -> GenerateOptions:
-        """The session's options with ``changes`` (the next answers use them)."""
+    def _set(self, name: str, **changes: Unpack[GenerateOverrides]) -> bool:
+        """The session's options with ``changes`` (the next answers use them); says the setting ``name`` now."""
         self.settings.options = dataclasses.replace(self.settings.options, **changes)
-        return self.settings.options
+        err(f"{name} = {_shown(self.settings.options)[name]}\n")
+        return True
 
     def _set_system(self, arg: str) -> bool:
         self.settings.system = arg or None
@@ -187,17 +189,14 @@ class Repl:
 
     def _show_config(self, arg: str) -> bool:
         o = self.settings.options
-        out(
-            f"server      {self.client.target}\n"
-            f"temperature {fmt_num(o.temperature)}\n"
-            f"top_k       {o.top_k or 'off'}\n"
-            f"top_p       {fmt_num(o.top_p)}\n"
-            f"tokens      {o.max_new_tokens or 'server default'}\n"
-            f"seed        {'random' if o.seed is None else o.seed}\n"
-            f"stop        {list(o.stop)!r}\n"
-            f"system      {self.settings.system!r}\n"
-            f"turns       {len(self.history) // 2}\n"
-        )
+        rows = {
+            "server": self.client.target,
+            **_shown(o),
+            "stop": repr(list(o.stop)),
+            "system": repr(self.settings.system),
+            "turns": str(len(self.history) // 2),
+        }
+        out("".join(f"{name:<11} {value}\n" for name, value in rows.items()))
         return True
 
     def _clear(self, arg: str) -> bool:
