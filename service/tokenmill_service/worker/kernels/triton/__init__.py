@@ -15,6 +15,7 @@ import torch
 from tokenmill_service.worker.device import interpreter_enabled
 from tokenmill_service.worker.kernels import latent_attention as reference_latent
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams, LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.interface import LatentCacheLayout, LoRADelta, Ops, register_ops
 from tokenmill_service.worker.kernels.triton import interpreter
 from tokenmill_service.worker.kernels.triton import lora as triton_lora
@@ -97,32 +98,21 @@ class TritonOps(Ops):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
+        return paged_attention(q, k_cache, v_cache, meta, params)
 
     def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentCache, slot_mapping: torch.Tensor
     ) -> None:
-        reference_latent.store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
+        reference_latent.store_latent(latent, k_rope, cache, slot_mapping)
 
     def latent_attention(
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
+        cache: LatentCache,
         meta: AttentionMetadata,
-        scale: float,
+        params: LatentAttentionParams,
     ) -> torch.Tensor:
-        return latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, meta, scale)
+        return latent_attention(q_nope, q_rope, cache, meta, params)

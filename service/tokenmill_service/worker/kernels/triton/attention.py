@@ -28,11 +28,14 @@ and repeats a real token, so a cell ``j`` is real when ``j == 0`` or its positio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
@@ -291,13 +294,11 @@ def _group_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     group: AttentionGroup,
-    scale: float,
+    params: AttentionParams,
     out: torch.Tensor,
     split_keys: int,
-    window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
 ) -> None:
+    window, softcap, sinks = params.window, params.softcap, params.sinks
     num_seqs, max_q = group.token_index.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
@@ -320,7 +321,7 @@ def _group_attention(
     _attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, sinks_arg,
         group.token_index, group.query_positions, group.block_ids,
-        scale, NO_WINDOW if window is None else window, softcap or 1.0, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
+        params.scale, NO_WINDOW if window is None else window, softcap or 1.0, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=max(16, triton.next_power_of_2(head_dim)),
@@ -339,11 +340,8 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    params: AttentionParams,
     split_keys: int = SPLIT_KEYS,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``Ops.attention``: q [T, H, D] -> [T, H, D] in q's dtype; caches [blocks, block_size, KV, D]."""
     if split_keys < 16 or split_keys & (split_keys - 1):
@@ -351,8 +349,8 @@ def paged_attention(
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the triton attention kernel needs q and the caches contiguous in their last dim")
     out = torch.empty_like(q)
-    if sinks is not None:
-        sinks = sinks.float().contiguous()
+    if params.sinks is not None:
+        params = replace(params, sinks=params.sinks.float().contiguous())
     for group in meta.groups:
-        _group_attention(q, k_cache, v_cache, group, scale, out, split_keys, window, softcap, sinks)
+        _group_attention(q, k_cache, v_cache, group, params, out, split_keys)
     return out

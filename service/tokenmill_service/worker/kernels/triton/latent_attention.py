@@ -16,11 +16,14 @@ not on the batch around it or on whether its prefix was prefilled or decoded.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.triton.attention import _combine, _online_softmax_step
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
@@ -189,15 +192,13 @@ def _pad(n: int) -> int:
 def _group_latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    cache: LatentCache,
     group: AttentionGroup,
-    scale: float,
+    params: LatentAttentionParams,
     out: torch.Tensor,
     split_keys: int,
 ) -> None:
+    latent_cache, rope_cache, w_uk, w_uv = cache.latents, cache.rope_keys, params.w_uk, params.w_uv
     num_seqs, max_q = group.token_index.shape
     heads, nope_dim, latent_dim = w_uk.shape
     rope_dim, v_dim = rope_cache.shape[-1], w_uv.shape[-1]
@@ -206,7 +207,7 @@ def _group_latent_attention(
     _latent_attention_kernel[(num_seqs * num_q_tiles, heads)](
         q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, out,
         group.token_index, group.query_positions, group.block_ids,
-        scale, max_q, num_q_tiles, group.block_ids.shape[1], nope_dim, latent_dim, rope_dim, v_dim,
+        params.scale, max_q, num_q_tiles, group.block_ids.shape[1], nope_dim, latent_dim, rope_dim, v_dim,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), rope_cache.stride(0), rope_cache.stride(1),
         *w_uk.stride(), *w_uv.stride(),
@@ -218,22 +219,19 @@ def _group_latent_attention(
 def latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    cache: LatentCache,
     meta: AttentionMetadata,
-    scale: float,
+    params: LatentAttentionParams,
     split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
     """As ``Ops.latent_attention``: [T, H, V] in q_nope's dtype; caches [blocks, block_size, 1, L] and
     [blocks, block_size, 1, R] (``LatentCacheLayout``)."""
     if split_keys < 16 or split_keys & (split_keys - 1):
         raise ValueError(f"split_keys must be a power of two of at least 16, not {split_keys}")
-    if any(x.stride(-1) != 1 for x in (q_nope, q_rope, latent_cache, rope_cache)):
+    if any(x.stride(-1) != 1 for x in (q_nope, q_rope, cache.latents, cache.rope_keys)):
         raise ValueError("the triton latent attention kernel needs the queries and caches contiguous in their last dim")
-    w_uk, w_uv = w_uk.float(), w_uv.float()  # any strides (views of kv_b_proj's weight)
-    out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    params = replace(params, w_uk=params.w_uk.float(), w_uv=params.w_uv.float())  # any strides (kv_b_proj's views)
+    out = torch.empty(*q_nope.shape[:2], params.w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
     for group in meta.groups:
-        _group_latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, group, scale, out, split_keys)
+        _group_latent_attention(q_nope, q_rope, cache, group, params, out, split_keys)
     return out
