@@ -32,6 +32,7 @@ from tokenmill_service.worker.kernels.cpu.sampling import log_softmax, softmax
 from tokenmill_service.worker.kernels.interface import (
     KVCacheLayout,
     LatentCacheLayout,
+    LoRADelta,
     Ops,
     available_backends,
     get_ops,
@@ -42,6 +43,7 @@ from tokenmill_service.worker.kernels.interface import (
 __all__ = [
     "KVCacheLayout",
     "LatentCacheLayout",
+    "LoRADelta",
     "NativeExperts",
     "Ops",
     "abi",

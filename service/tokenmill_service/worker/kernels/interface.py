@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from tokenmill_service.worker.kernels.cpu.moe_mlp import NativeExperts
 
 
-# LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta).
+# LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta): worker/layers/lora/sgmv.py's
+# ``lora_delta`` or a backend's own (worker/kernels/triton/lora.py's).
 LoRADelta = Callable[
     [
         torch.Tensor,

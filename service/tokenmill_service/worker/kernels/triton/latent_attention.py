@@ -24,7 +24,13 @@ import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
-from tokenmill_service.worker.kernels.triton.attention import _combine, _online_softmax_step
+from tokenmill_service.worker.kernels.triton.softmax_state import (
+    combine,
+    empty_state,
+    finish,
+    key_tile,
+    online_softmax_step,
+)
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
@@ -61,14 +67,9 @@ def _split_partial(  # type: ignore[no-untyped-def]
     keys lo..hi-1, from scratch: a row sees the keys at most its position. The latents are the values."""
     dl = tl.arange(0, L_PAD)
     dr = tl.arange(0, R_PAD)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, L_PAD], tl.float32)
+    m, l, acc = empty_state(BLOCK_M, L_PAD)
     for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        in_range = keys < hi
-        block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
-        slot = keys % BLOCK_SIZE
+        keys, in_range, block, slot = key_tile(table_ptr, start, hi, BLOCK_SIZE, BLOCK_N)
         c_off = block[:, None] * stride_lb + slot[:, None] * stride_lo + dl[None, :]
         c = tl.load(latent_ptr + c_off, mask=in_range[:, None] & (dl < latent_dim)[None, :], other=0.0)
         c = c.to(tl.float32)
@@ -78,7 +79,7 @@ def _split_partial(  # type: ignore[no-untyped-def]
         scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
         scores = (scores + tl.dot(q_rope, tl.trans(kr), input_precision="ieee")) * scale
         visible = in_range[None, :] & (keys[None, :] <= pos[:, None])
-        m, l, acc = _online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), c)
+        m, l, acc = online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), c)
     return m, l, acc
 
 
@@ -91,17 +92,15 @@ def _every_split(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """A program's pass over its sequence's keys, split by split, combined in order: the softmax-weighted
     latents [BLOCK_M, L_PAD] (0 in rows that are not stored)."""
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc_run = tl.zeros([BLOCK_M, L_PAD], tl.float32)
+    m_run, l_run, acc_run = empty_state(BLOCK_M, L_PAD)
     for lo in range(0, keys_end, SPLIT):
         m, l, acc = _split_partial(
             q_lat, q_rope, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, latent_ptr, rope_ptr, table_ptr,
             stride_lb, stride_lo, stride_rb, stride_ro, latent_dim, rope_dim, BLOCK_M, L_PAD, R_PAD, BLOCK_SIZE,
             BLOCK_N,
         )  # fmt: skip
-        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
-    return acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+        m_run, l_run, acc_run = combine(m_run, l_run, acc_run, m, l, acc)
+    return finish(l_run, acc_run)
 
 
 @triton.jit  # type: ignore[untyped-decorator]

@@ -19,31 +19,16 @@ of worker/kernels/triton/lora.py, with the same signature.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill_service.worker.kernels import LoRADelta, ops_class
 from tokenmill_service.worker.kernels import lora as native
-from tokenmill_service.worker.kernels import ops_class
 from tokenmill_service.worker.layers.lora.adapter import BaseDims, LoRAAdapter, read_adapter
 from tokenmill_service.worker.layers.lora.sgmv import lora_delta, native_reads, part_table
-
-# lora_delta(x, a, bt, ranks, groups, parts) -> [(rows, delta)]: worker/layers/lora/sgmv.py's or
-# worker/kernels/triton/lora.py's.
-DeltaFn = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        list[tuple[int, torch.Tensor]],
-        list[tuple[int, int]],
-    ],
-    list[tuple[torch.Tensor, torch.Tensor]],
-]
 
 
 @dataclass(slots=True)
@@ -82,7 +67,7 @@ class LoRALayer:
         slots: int,
         rank: int,
         batch: LoRABatch,
-        delta: DeltaFn = lora_delta,
+        delta: LoRADelta = lora_delta,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.projections = projections  # (checkpoint leaf, the layer's shard id) per block of rank
