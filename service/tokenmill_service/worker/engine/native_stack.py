@@ -38,7 +38,8 @@ def _linear(lin: Any) -> decoder_stack.LinearSpec:
     assert lin.quant.native_kernel is not None  # the plan chose the stack: every projection has one
     lora = None
     if lin.lora is not None:
-        lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
+        stack = lin.lora.stack
+        lora = (stack.a, stack.bt, stack.ranks, lin.lora.part_rows)
     weights, fmt = lin.quant.native_operands(lin)
     bias = None if lin.bias is None else lin.bias.detach()
     return decoder_stack.LinearSpec(lin.quant.native_kernel, weights, fmt, lin.out_features, lora, bias)

@@ -29,19 +29,23 @@ if TYPE_CHECKING:
     from tokenmill_service.worker.kernels.cpu.moe_mlp import NativeExperts
 
 
-# LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta): worker/layers/lora/sgmv.py's
-# ``lora_delta`` or a backend's own (worker/kernels/triton/lora.py's).
-LoRADelta = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        list[tuple[int, torch.Tensor]],
-        list[tuple[int, int]] | None,
-    ],
-    list[tuple[torch.Tensor, torch.Tensor]],
-]
+@dataclass(frozen=True, slots=True)
+class LoRAStack:
+    """One linear layer's adapter slots, as LoRA's grouped product reads them: ``a`` [slots, P, R, in] for its
+    P projections (3 for a packed q/k/v), ``bt`` [slots, R, out] (B transposed, the scale folded in; float32 or
+    bfloat16), ``ranks`` int64 [slots, P] (the rows of each block of A a slot's adapter fills; 0: that
+    projection not targeted), ``parts`` each projection's output columns (start, count). The layer writes
+    adapters into the tensors in place (worker/layers/lora/slots.py)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    ranks: torch.Tensor
+    parts: list[tuple[int, int]]
+
+
+# LoRA's grouped product: (x, stack, groups) -> for each (slot, token rows) group, (rows, the float32 delta of
+# those rows [n, out]): worker/layers/lora/sgmv.py's ``lora_delta`` or a backend's own (triton/lora.py's).
+LoRADelta = Callable[[torch.Tensor, LoRAStack, list[tuple[int, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 @dataclass(frozen=True, slots=True)
