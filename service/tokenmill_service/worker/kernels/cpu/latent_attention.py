@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.cpu import build
 from tokenmill_service.worker.kernels.cpu.paged_attention import CACHE_DTYPES
@@ -50,13 +49,15 @@ def latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
     cache: LatentCache,
-    meta: AttentionMetadata,
     params: LatentAttentionParams,
+    positions: torch.Tensor,
+    seq_of_token: torch.Tensor,
+    block_tables: torch.Tensor,
 ) -> torch.Tensor:
     """q_nope [T, H, N], q_rope [T, H, R] (rotated) float32 -> [T, H, V] float32: token i (at
-    ``meta.positions[i]`` of sequence ``meta.seq_of_token[i]``) attends over that sequence's keys
-    0..positions[i], found through ``meta.block_tables`` [S, W] in the caches (this step's latents already
-    stored), as ``Ops.latent_attention``. ``fits`` must hold."""
+    ``positions[i]`` of sequence ``seq_of_token[i]``) attends over that sequence's keys 0..positions[i],
+    found through ``block_tables`` [S, W] in the caches (this step's latents already stored), as
+    ``Ops.latent_attention``. ``fits`` must hold."""
     latent_cache, rope_cache, w_uk, w_uv = cache.latents, cache.rope_keys, params.w_uk, params.w_uv
     t, heads, nope = q_nope.shape
     latent, rope, v = latent_cache.shape[-1], rope_cache.shape[-1], w_uv.shape[-1]
@@ -71,8 +72,8 @@ def latent_attention(
             w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
             w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), w_uv.stride(2),
             latent_cache.data_ptr(), rope_cache.data_ptr(), latent_cache.shape[1],
-            meta.positions.data_ptr(), meta.seq_of_token.data_ptr(), meta.block_tables.data_ptr(),
-            meta.block_tables.shape[1], params.scale, out.data_ptr(), torch.get_num_threads(),
+            positions.data_ptr(), seq_of_token.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            params.scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc:
             raise ValueError(

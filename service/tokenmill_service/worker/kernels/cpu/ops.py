@@ -188,5 +188,8 @@ class NativeCpuOps(TorchOps):
         params: LatentAttentionParams,
     ) -> torch.Tensor:
         if _eager() and latent_attention.fits(q_nope, q_rope, cache, params):
-            return latent_attention.latent_attention(q_nope, q_rope, cache, meta, params).to(q_nope.dtype)
+            out = latent_attention.latent_attention(
+                q_nope, q_rope, cache, params, meta.positions, meta.seq_of_token, meta.block_tables
+            )
+            return out.to(q_nope.dtype)
         return super().latent_attention(q_nope, q_rope, cache, meta, params)
