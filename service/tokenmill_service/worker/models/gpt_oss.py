@@ -75,9 +75,8 @@ class GptOssAttention(DecoderAttention):
         self.o_proj = RowParallelLinear(heads, hidden, config.attention_bias, p.quant(f"{p.prefix}.o_proj"), tp)
         self.first_head = tp.rank * self.num_heads
         self.register_buffer("sinks", torch.zeros(self.num_heads, dtype=torch.float32), persistent=False)
-        self.params = dataclasses.replace(
-            self.params, sinks=self.sinks
-        )  # the buffer itself: ``load_sinks`` fills it in place
+        # The buffer itself, which ``load_sinks`` fills in place.
+        self.params = dataclasses.replace(self.params, sinks=self.sinks)
 
     def load_sinks(self, tensor: CheckpointTensor) -> None:
         """The checkpoint's sinks [heads]: this rank's heads'."""
