@@ -53,9 +53,9 @@ def test_the_config_is_gemma3s(checkpoint: tuple[Path, Any]) -> None:
     assert config.rope_theta == 1e6 and config.extra["rope_local_theta"] == 1e4
     assert config.extra["rope_linear_factor"] == 4.0
     model = load(directory, "native")
-    attns = [layer.self_attn.params for layer in model.model.layers]
-    assert [a.window for a in attns] == [WINDOW] * 5 + [None]
-    assert {a.softcap for a in attns} == {None} and model.final_softcap is None
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert [a.params.window for a in attns] == [WINDOW] * 5 + [None]
+    assert {a.params.softcap for a in attns} == {None} and model.final_softcap is None
     local, global_ = attns[0].rotary, attns[5].rotary
     assert all(a.rotary is local for a in attns[:5]) and global_ is not local
     assert torch.equal(attns[2].q_norm.weight, 1.0 + hf_model.model.layers[2].self_attn.q_norm.weight.float())
