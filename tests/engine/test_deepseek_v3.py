@@ -146,7 +146,8 @@ def test_kv_b_proj_is_kept_once_its_halves_views_of_it(checkpoint: tuple[Path, A
     expected = hf_model.model.layers[0].self_attn.kv_b_proj.weight
     assert torch.equal(attn.w_kv_b.flatten(0, 1), expected)
     storage = attn.w_kv_b.untyped_storage().data_ptr()
-    assert attn.w_uk.untyped_storage().data_ptr() == storage == attn.w_uv.untyped_storage().data_ptr()
+    w_uk, w_uv = attn.params.w_uk, attn.params.w_uv
+    assert w_uk.untyped_storage().data_ptr() == storage == w_uv.untyped_storage().data_ptr()
     assert attn.w_kv_b.untyped_storage().nbytes() == expected.numel() * 4
 
 

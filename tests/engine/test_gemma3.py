@@ -54,8 +54,8 @@ def test_the_config_is_gemma3s(checkpoint: tuple[Path, Any]) -> None:
     assert config.extra["rope_linear_factor"] == 4.0
     model = load(directory, "native")
     attns = [layer.self_attn for layer in model.model.layers]
-    assert [a.window for a in attns] == [WINDOW] * 5 + [None]
-    assert {a.softcap for a in attns} == {None} and model.final_softcap is None
+    assert [a.params.window for a in attns] == [WINDOW] * 5 + [None]
+    assert {a.params.softcap for a in attns} == {None} and model.final_softcap is None
     local, global_ = attns[0].rotary, attns[5].rotary
     assert all(a.rotary is local for a in attns[:5]) and global_ is not local
     assert torch.equal(attns[2].q_norm.weight, 1.0 + hf_model.model.layers[2].self_attn.q_norm.weight.float())
@@ -91,7 +91,7 @@ def test_a_gguf_of_the_model_gives_the_same_logits(tmp_path: Path) -> None:
     convert_gemma_to_gguf(hf_model, path)  # no pattern key: llama.cpp's five local to one global
     model = load_model(path, dtype=torch.float32, quantization="none")
     assert model.config.architecture == "gemma3"
-    assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW] * 5 + [None]
+    assert [layer.self_attn.params.window for layer in model.model.layers] == [WINDOW] * 5 + [None]
     assert_prompt_matches(model, hf_model, PROMPT)
 
 

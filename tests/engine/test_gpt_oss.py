@@ -47,7 +47,7 @@ def test_logits_and_prompt_logprobs_are_the_transformers_ones(checkpoint: tuple[
     directory, hf = checkpoint
     model = load_model(directory, dtype=torch.float32, quantization="none")
     assert model.config.architecture == "gpt_oss" and model.plan.ops.value == "native"
-    assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW, None]
+    assert [layer.self_attn.params.window for layer in model.model.layers] == [WINDOW, None]
     assert all(isinstance(layer.mlp, FusedMoE) for layer in model.model.layers)
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     expected = hf_logits(hf, PROMPT)
@@ -222,7 +222,7 @@ def test_a_llama_cpp_gguf_with_mxfp4_experts_gives_the_transformers_logits(tmp_p
     assert open_checkpoint(path).tensor_types["model.layers.1.mlp.experts.3.up_proj.weight"] == QType.MXFP4
     model = load_model(path, dtype=torch.float32, quantization="none")
     assert model.config.architecture == "gpt_oss"
-    assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW, None]
+    assert [layer.self_attn.params.window for layer in model.model.layers] == [WINDOW, None]
     expected = hf_logits(hf, PROMPT)
     torch.testing.assert_close(model.compute_logits(forward_prompt(model, PROMPT)), expected, atol=1e-4, rtol=0)
     served = load(LoadOptions(model=str(path)))  # the default: the MXFP4 experts as stored, natively

@@ -8,6 +8,7 @@ batch, and each multiplier shown to matter.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,11 @@ def test_each_multiplier_counts(checkpoint: tuple[Path, Any], multiplier: str, w
     directory, hf_model = checkpoint
     model = load_model(directory)
     assert model.plan.executor.value == "native-stack"
-    attribute = "scale" if multiplier == "attention_multiplier" else multiplier
     for module in where(model):
-        setattr(module, attribute, 1.0 if attribute != "scale" else model.config.head_dim**-0.5)
+        if multiplier == "attention_multiplier":  # Llama's scale instead
+            module.params = dataclasses.replace(module.params, scale=model.config.head_dim**-0.5)
+        else:
+            setattr(module, multiplier, 1.0)
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     assert (actual - hf_logits(hf_model, PROMPT)).abs().max() > 1e-2
 

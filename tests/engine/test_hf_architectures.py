@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -148,7 +149,7 @@ def test_a_sliding_window_is_what_the_logits_depend_on(tmp_path: Path) -> None:
     model = load_model(tmp_path / "m")
     assert model.plan.executor.value == "native-stack"  # its windows ride in the native decoder stack
     for layer in model.model.layers:
-        layer.self_attn.window = None
+        layer.self_attn.params = dataclasses.replace(layer.self_attn.params, window=None)
     ids = torch.randint(0, TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         far = model.compute_logits(forward_prompt(model, ids.tolist())) - hf_model(ids[None]).logits[0]

@@ -18,6 +18,7 @@ from tests.lora_adapters import make_adapter, peft_model, tiny_llama
 from tokenmill_service.contract.plan.options import LoadOptions
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
+from tokenmill_service.worker.kernels import LoRAStack
 from tokenmill_service.worker.layers.lora import AdapterError, attach_lora, read_adapter
 from tokenmill_service.worker.layers.lora.sgmv import lora_delta, lora_delta_reference
 from tokenmill_service.worker.loader import load, load_model
@@ -192,15 +193,16 @@ def test_the_grouped_product_is_its_per_token_definition(
     ranks = torch.tensor([[20, 3, 0], [7, 20, 1], [1, 0, 16], [13, 13, 13]])[:, :p].contiguous()
     token_slots = torch.randint(-1, 4, (37,), generator=g).tolist()
     groups = [(s, torch.tensor([t for t, x in enumerate(token_slots) if x == s])) for s in range(4) if s in token_slots]
+    stack = LoRAStack(a, bt, ranks, parts or [(0, 96)])
     delta = torch.zeros(37, 96)
-    for rows, d in lora_delta(x, a, bt, ranks, groups, parts):
+    for rows, d in lora_delta(x, stack, groups):
         delta[rows] = d
-    expected = lora_delta_reference(x, a, bt, ranks, token_slots, parts)
+    expected = lora_delta_reference(x, stack, token_slots)
     torch.testing.assert_close(delta.double(), expected, atol=1e-5, rtol=1e-5)
     # A row's bits are the same in a group of one (the first and last of each group: other tile positions).
-    for rows, d in lora_delta(x, a, bt, ranks, groups, parts):
+    for rows, d in lora_delta(x, stack, groups):
         for i in (0, len(rows) - 1):
-            ((_, alone),) = lora_delta(x, a, bt, ranks, [(token_slots[int(rows[i])], rows[i : i + 1])], parts)
+            ((_, alone),) = lora_delta(x, stack, [(token_slots[int(rows[i])], rows[i : i + 1])])
             assert torch.equal(alone[0], d[i])
 
 
@@ -212,11 +214,11 @@ def test_a_row_of_a_large_group_has_its_bits_alone(dtype: torch.dtype) -> None:
     x = torch.randn(40, 64, generator=g)
     a = (torch.randn(2, 2, 16, 64, generator=g) * 0.1).to(dtype)
     bt = (torch.randn(2, 16, 150, generator=g) * 0.1).to(dtype)
-    ranks, parts = torch.tensor([[16, 5], [9, 16]]), [(0, 100), (100, 50)]
+    stack = LoRAStack(a, bt, torch.tensor([[16, 5], [9, 16]]), [(0, 100), (100, 50)])
     groups = [(0, torch.arange(3, 32)), (1, torch.tensor([0, 1, 2, 35, 39]))]
-    for (slot, rows), (_, delta) in zip(groups, lora_delta(x, a, bt, ranks, groups, parts), strict=True):
+    for (slot, rows), (_, delta) in zip(groups, lora_delta(x, stack, groups), strict=True):
         for i in range(len(rows)):
-            ((_, alone),) = lora_delta(x, a, bt, ranks, [(slot, rows[i : i + 1])], parts)
+            ((_, alone),) = lora_delta(x, stack, [(slot, rows[i : i + 1])])
             assert torch.equal(alone[0], delta[i])
 
 
@@ -292,7 +294,7 @@ def test_a_gguf_lora_file_gives_the_peft_adapters_logits(model: Any, adapters: d
 
 
 def _delta(layer: Any, lora: Any, x: torch.Tensor) -> torch.Tensor:
-    ((_, delta),) = lora_delta(x, lora.a, lora.bt, lora.ranks, [(0, torch.arange(x.shape[0]))], lora.parts)
+    ((_, delta),) = lora_delta(x, lora.stack, [(0, torch.arange(x.shape[0]))])
     return delta
 
 

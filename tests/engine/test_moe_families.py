@@ -190,7 +190,7 @@ def test_a_sliding_window_on_every_layer_gives_the_transformers_logits(tmp_path:
     _randomize(hf, seed=1)
     hf.eval().save_pretrained(tmp_path, safe_serialization=True)
     model = load_model(tmp_path, dtype=torch.float32, quantization="none")
-    assert [layer.self_attn.window for layer in model.model.layers] == [16, 16]
+    assert [layer.self_attn.params.window for layer in model.model.layers] == [16, 16]
     assert model.config.max_position_embeddings == COMMON["max_position_embeddings"]
     actual = model.compute_logits(forward_prompt(model, PROMPT))
     torch.testing.assert_close(actual, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)

@@ -206,7 +206,7 @@ def test_a_gguf_of_the_model_gives_the_same_logits_and_greedy_tokens(
     assert model.config.architecture == "phi3"
     assert model.config.extra["rotary_dim"] == read_hf_config(directory).extra["rotary_dim"]
     assert model.config.max_position_embeddings == read_hf_config(directory).max_position_embeddings
-    assert [layer.self_attn.window for layer in model.model.layers] == [hf_model.config.sliding_window] * 2
+    assert [layer.self_attn.params.window for layer in model.model.layers] == [hf_model.config.sliding_window] * 2
     assert_prompt_matches(model, hf_model, PROMPT)
     assert_greedy_matches(model, hf_model, greedy_prompt(hf_model), 6)
     if longrope(hf_model):  # rope_factors_long served past the original context, the short ones within it

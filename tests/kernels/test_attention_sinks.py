@@ -19,6 +19,7 @@ from tests.kernels.test_sliding_window_attention import (
 )
 from tests.triton_setup import DEVICE
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 
 # Sinks around the scores' scale, one far above them (its head's outputs shrink toward zero).
 SINKS = torch.tensor([0.5, -1.0, 2.0, 6.0])
@@ -30,7 +31,8 @@ def attend(
     tables = [data.tables[s] for s in seqs]
     meta = build_attention_metadata(query_lens, starts, tables, data.k_cache, data.v_cache)
     q = torch.cat([data.q[s][a : a + n] for s, n, a in zip(seqs, query_lens, starts)]).to(DEVICE)
-    out = data.ops.attention(q, data.k_cache[0], data.v_cache[0], meta, HEAD_DIM**-0.5, window, sinks=SINKS.to(DEVICE))
+    params = AttentionParams(HEAD_DIM**-0.5, window, sinks=SINKS.to(DEVICE))
+    out = data.ops.attention(q, data.k_cache[0], data.v_cache[0], meta, params)
     return out.cpu()
 
 

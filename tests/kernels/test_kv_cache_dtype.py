@@ -23,6 +23,7 @@ from tokenmill_client import Client
 from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.engine.model_runner import ModelRunner, StepPlan
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.cpu import paged_attention
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.loader import ModelLoadError, load_model
@@ -55,8 +56,8 @@ def test_a_float16_cache_is_the_float32_one_rounded_and_read_back_exactly(d: int
     starts = [n - q_len for n, q_len in zip(lengths, query_lens)]
     meta16 = build_attention_metadata(query_lens, starts, tables, *half)
     meta32 = build_attention_metadata(query_lens, starts, tables, *rounded)
-    out16 = ops.attention(q, half[0][0], half[1][0], meta16, d**-0.5)
-    out32 = ops.attention(q, rounded[0][0], rounded[1][0], meta32, d**-0.5)
+    out16 = ops.attention(q, half[0][0], half[1][0], meta16, AttentionParams(d**-0.5))
+    out32 = ops.attention(q, rounded[0][0], rounded[1][0], meta32, AttentionParams(d**-0.5))
     assert torch.equal(out16, out32)
     with pytest.raises(ValueError, match="float32 or float16"):
         paged_attention.symbol("tm_paged_attention", torch.bfloat16)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 NUM_BLOCKS = 128
@@ -22,7 +23,7 @@ def _setup(heads: int, latent: int, rope: int, nope: int, v: int, block: int) ->
     latent_cache, rope_cache = torch.zeros(c_shape), torch.zeros(r_shape)
     slots = NUM_BLOCKS * block
     c, r = torch.randn(slots, latent, generator=gen), torch.randn(slots, rope, generator=gen)
-    ops.store_latent(c, r, latent_cache[0], rope_cache[0], torch.arange(slots))
+    ops.store_latent(c, r, LatentCache(latent_cache[0], rope_cache[0]), torch.arange(slots))
     w_kv_b = torch.randn(heads, nope + v, latent, generator=gen) * 0.3
     return {
         "latent_cache": latent_cache[0],
@@ -39,6 +40,14 @@ def _setup(heads: int, latent: int, rope: int, nope: int, v: int, block: int) ->
     }
 
 
+def cache_of(t: dict[str, torch.Tensor]) -> LatentCache:
+    return LatentCache(t["latent_cache"], t["rope_cache"])
+
+
+def params_of(t: dict[str, torch.Tensor], scale: float) -> LatentAttentionParams:
+    return LatentAttentionParams(t["w_uk"], t["w_uv"], scale)
+
+
 # (heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, block size)
 DIMS = [(4, 32, 16, 16, 8, 16), (3, 64, 64, 32, 32, 4)]
 
@@ -52,9 +61,7 @@ def test_the_absorbed_form_is_attention_over_the_expanded_keys_and_values(
     table = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - -(-CONTEXT // block), -1))  # out of order
     meta = build_attention_metadata([CONTEXT], [0], [table], t["latent_cache"][None], t["rope_cache"][None])
     scale = 0.17
-    out = TorchOps().latent_attention(
-        t["q_nope"], t["q_rope"], t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"], meta, scale
-    )
+    out = TorchOps().latent_attention(t["q_nope"], t["q_rope"], cache_of(t), meta, params_of(t, scale))
     slots = torch.tensor([table[p // block] * block + p % block for p in range(CONTEXT)])
     c, r = t["c"][slots].double(), t["r"][slots].double()
     k_nope = torch.einsum("jl,hnl->hjn", c, t["w_uk"].double())  # each head's keys, expanded
@@ -82,9 +89,7 @@ def test_a_query_is_bitwise_the_same_alone_beside_others_and_in_its_prefill(
         meta = build_attention_metadata(
             query_lens, starts, [tables[s] for s in seqs], t["latent_cache"][None], t["rope_cache"][None]
         )
-        return ops.latent_attention(
-            nope_rows, rope_rows, t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"], meta, 0.2
-        )
+        return ops.latent_attention(nope_rows, rope_rows, cache_of(t), meta, params_of(t, 0.2))
 
     prefill = run([CONTEXT], [0], t["q_nope"], t["q_rope"], [0])
     on, orr = t["others_nope"], t["others_rope"]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_latent_attention import CONTEXT, NUM_BLOCKS
+from tests.kernels.test_latent_attention import CONTEXT, NUM_BLOCKS, cache_of, params_of
 from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import LatentCache
 from tokenmill_service.worker.kernels.cpu import latent_attention
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
@@ -31,7 +32,7 @@ def _setup(
     latent_cache, rope_cache = torch.zeros(c_shape, dtype=dtype)[0], torch.zeros(r_shape, dtype=dtype)[0]
     slots = NUM_BLOCKS * block
     c, r = torch.randn(slots, latent, generator=gen), torch.randn(slots, rope, generator=gen)
-    ops.store_latent(c, r, latent_cache, rope_cache, torch.arange(slots))
+    ops.store_latent(c, r, LatentCache(latent_cache, rope_cache), torch.arange(slots))
     # Queries as the model hands them: nope and rope halves of one [T, H, nope + rope] tensor.
     w_kv_b = torch.randn(heads, nope + v, latent, generator=gen) * 0.3
     q = torch.randn(CONTEXT + 40, heads, nope + rope, generator=gen)
@@ -68,13 +69,13 @@ def test_native_latent_attention_is_the_references_within_float32_rounding(
     t = _setup(heads, latent, rope, nope, v, block, dtype)
     if copies:
         t["w_uk"], t["w_uv"] = t["w_uk"].contiguous(), t["w_uv"].contiguous()
-    assert latent_attention.fits(t["q_nope"], t["q_rope"], t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"])
+    assert latent_attention.fits(t["q_nope"], t["q_rope"], cache_of(t), params_of(t, 0.15))
     tables = _tables(block)
     # A prefill beside two decode tokens of other sequences, as one step.
     meta = build_attention_metadata([CONTEXT, 1, 1], [0, 7, 30], tables, t["latent_cache"][None], t["rope_cache"][None])
     q_nope = torch.cat((t["q_nope"], t["others_nope"][:2]))
     q_rope = torch.cat((t["q_rope"], t["others_rope"][:2]))
-    args = (q_nope, q_rope, t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"], meta, 0.15)
+    args = (q_nope, q_rope, cache_of(t), meta, params_of(t, 0.15))
     native, reference = NativeCpuOps().latent_attention(*args), TorchOps().latent_attention(*args)
     torch.testing.assert_close(native, reference, atol=2e-5, rtol=1e-5)
 
@@ -93,9 +94,7 @@ def test_a_native_query_is_bitwise_the_same_alone_beside_others_and_in_its_prefi
         meta = build_attention_metadata(
             query_lens, starts, [tables[s] for s in seqs], t["latent_cache"][None], t["rope_cache"][None]
         )
-        return ops.latent_attention(
-            nope_rows, rope_rows, t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"], meta, 0.2
-        )
+        return ops.latent_attention(nope_rows, rope_rows, cache_of(t), meta, params_of(t, 0.2))
 
     prefill = run([CONTEXT], [0], t["q_nope"], t["q_rope"], [0])
     on, orr = t["others_nope"], t["others_rope"]

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill_service.worker.device import DeviceFacts, probe_device
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.cpu import elementwise
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
@@ -58,12 +59,12 @@ def test_native_attention_matches_the_torch_reference_on_a_mixed_step(
     lengths = [s + n for s, n in zip(starts, query_lens)]
     tables = _tables(lengths, block)
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
-    scale = head_dim**-0.5
+    params = AttentionParams(head_dim**-0.5)
     outs = []
     for ops in (NativeCpuOps(), TorchOps()):
         k_cache, v_cache = _setup(ops, kv_heads, head_dim, block=block)
         meta = build_attention_metadata(query_lens, starts, tables, k_cache, v_cache)
-        outs.append(ops.attention(q, k_cache[0], v_cache[0], meta, scale))
+        outs.append(ops.attention(q, k_cache[0], v_cache[0], meta, params))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
 
 
@@ -74,14 +75,14 @@ def test_a_querys_result_is_the_same_alone_in_a_crowd_and_in_a_prefill_chunk(
     """A prefill chunk's rows are scored in tiles (up to 48 rows) against 64 keys at a time; the
     positions below sit on and beside both boundaries, and the cached-context chunk starts inside
     a tile of the whole prefill."""
-    ops, scale = NativeCpuOps(), head_dim**-0.5
+    ops, params = NativeCpuOps(), AttentionParams(head_dim**-0.5)
     k_cache, v_cache = _setup(ops, kv_heads, head_dim)
     tables = _tables([200, 50, 130])
     q = torch.randn(200, heads, head_dim, generator=torch.Generator().manual_seed(2))
 
     def run(query_lens: list[int], starts: list[int], rows: list[torch.Tensor], seqs: list[int]) -> torch.Tensor:
         meta = build_attention_metadata(query_lens, starts, [tables[s] for s in seqs], k_cache, v_cache)
-        return ops.attention(torch.cat(rows), k_cache[0], v_cache[0], meta, scale)
+        return ops.attention(torch.cat(rows), k_cache[0], v_cache[0], meta, params)
 
     prefill = run([200], [0], [q], [0])  # sequence 0's 200 tokens in one chunk
     other = torch.randn(60, heads, head_dim)

@@ -13,6 +13,7 @@ import torch
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.worker.device import probe_device
 from tokenmill_service.worker.kernels.attention_metadata import NULL_BLOCK, build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.cpu.ops import NativeCpuOps
 from tokenmill_service.worker.kernels.interface import Ops
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
@@ -58,9 +59,8 @@ class Sequences:
         tables = [self.tables[s] for s in seqs]
         meta = build_attention_metadata(query_lens, starts, tables, self.k_cache, self.v_cache)
         q = torch.cat([self.q[s][a : a + n] for s, n, a in zip(seqs, query_lens, starts)]).to(DEVICE)
-        scale = HEAD_DIM**-0.5
-        kwargs = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
-        return self.ops.attention(q, self.k_cache[0], self.v_cache[0], meta, scale, **kwargs).cpu()
+        params = AttentionParams(HEAD_DIM**-0.5, window, softcap)
+        return self.ops.attention(q, self.k_cache[0], self.v_cache[0], meta, params).cpu()
 
     def reference(self, seq: int, position: int, window: int | None, softcap: float | None) -> torch.Tensor:
         """Plain attention of one query [H, D] over its visible keys, in float64."""
@@ -128,7 +128,7 @@ def test_triton_over_several_splits_before_the_window() -> None:
         meta = build_attention_metadata(query_lens, starts, data.tables, data.k_cache, data.v_cache)
         q = data.q[0][starts[0] : starts[0] + query_lens[0]].to(DEVICE)
         k, v = data.k_cache[0], data.v_cache[0]
-        outs.append(paged_attention(q, k, v, meta, HEAD_DIM**-0.5, split_keys=64, window=70).cpu())
+        outs.append(paged_attention(q, k, v, meta, AttentionParams(HEAD_DIM**-0.5, window=70), split_keys=64).cpu())
         want = torch.stack([data.reference(0, starts[0] + j, 70, None) for j in range(query_lens[0])])
         torch.testing.assert_close(outs[-1], want, atol=2e-5, rtol=1e-4)
     assert torch.equal(outs[0][0], outs[1][-1])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
 NUM_BLOCKS = 128
@@ -36,7 +37,7 @@ def _caches(kv_heads: int, head_dim: int, block: int) -> tuple[torch.Tensor, tor
 def test_a_query_is_bitwise_the_same_alone_beside_others_and_in_its_prefill(
     heads: int, kv_heads: int, head_dim: int, block: int
 ) -> None:
-    ops, scale = TorchOps(), head_dim**-0.5
+    ops, params = TorchOps(), AttentionParams(head_dim**-0.5)
     k_cache, v_cache = _caches(kv_heads, head_dim, block)
     # Out-of-order tables, none sharing a block; the others' contexts are shorter and longer.
     tables = [list(range(127, 127 - 80 // block, -1)), [3, 1, 7, 0, 5, 2, 8, 4], list(range(9, 9 + 304 // block))]
@@ -46,7 +47,7 @@ def test_a_query_is_bitwise_the_same_alone_beside_others_and_in_its_prefill(
 
     def run(query_lens: list[int], starts: list[int], rows: torch.Tensor, seqs: list[int]) -> torch.Tensor:
         meta = build_attention_metadata(query_lens, starts, [tables[s] for s in seqs], k_cache, v_cache)
-        return ops.attention(rows, k_cache[0], v_cache[0], meta, scale)
+        return ops.attention(rows, k_cache[0], v_cache[0], meta, params)
 
     prefill = run([80], [0], q, [0])
     for position in (0, 5, 13, 16, 63, 79):

@@ -15,6 +15,7 @@ import torch
 
 from tests.triton_setup import DEVICE
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 from tokenmill_service.worker.kernels.triton.attention import paged_attention
 
@@ -39,13 +40,13 @@ class Batch:
         self.v_cache = torch.randn(cache_shape, generator=gen).to(DEVICE)
         self.q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(DEVICE)
         self.query_lens, self.starts = query_lens, starts
-        self.scale = head_dim**-0.5
+        self.params = AttentionParams(head_dim**-0.5)
 
     def run(self, split: int = SPLIT) -> tuple[torch.Tensor, torch.Tensor]:
         meta = build_attention_metadata(self.query_lens, self.starts, self.tables, self.k_cache, self.v_cache)
         k, v = self.k_cache[0], self.v_cache[0]
-        want = TorchOps().attention(self.q, k, v, meta, self.scale)
-        return paged_attention(self.q, k, v, meta, self.scale, split_keys=split), want
+        want = TorchOps().attention(self.q, k, v, meta, self.params)
+        return paged_attention(self.q, k, v, meta, self.params, split_keys=split), want
 
 
 def mixed(batch_size: int, decodes: int, seed: int) -> tuple[list[int], list[int]]:

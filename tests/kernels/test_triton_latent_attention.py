@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.test_latent_attention import cache_of, params_of
 from tests.triton_setup import DEVICE
 from tokenmill_service.worker.kernels.attention_metadata import build_attention_metadata
+from tokenmill_service.worker.kernels.attention_params import LatentCache
 from tokenmill_service.worker.kernels.latent_attention import store_latent
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 from tokenmill_service.worker.kernels.triton.latent_attention import latent_attention
@@ -30,7 +32,7 @@ def _setup(heads: int, latent: int, rope: int, nope: int, v: int, block: int) ->
     rope_cache = torch.zeros(NUM_BLOCKS, block, 1, rope)
     slots = NUM_BLOCKS * block
     c, r = torch.randn(slots, latent, generator=gen), torch.randn(slots, rope, generator=gen)
-    store_latent(c, r, latent_cache, rope_cache, torch.arange(slots))
+    store_latent(c, r, LatentCache(latent_cache, rope_cache), torch.arange(slots))
     w_kv_b = torch.randn(heads, nope + v, latent, generator=gen) * 0.3
     q = torch.randn(CONTEXT + 8, heads, nope + rope, generator=gen)  # halves of one tensor, as the model's
     q_nope, q_rope = q.split([nope, rope], -1)
@@ -65,7 +67,7 @@ def test_triton_latent_attention_matches_the_reference(
     )
     q_nope = torch.cat((t["q_nope"][70:], t["others_nope"][:2]))
     q_rope = torch.cat((t["q_rope"][70:], t["others_rope"][:2]))
-    args = (q_nope, q_rope, t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"], meta, 0.15)
+    args = (q_nope, q_rope, cache_of(t), meta, params_of(t, 0.15))
     got = latent_attention(*args, split_keys=SPLIT)
     torch.testing.assert_close(got, TorchOps().latent_attention(*args), rtol=1e-5, atol=2e-5)
 
@@ -82,9 +84,7 @@ def test_a_triton_query_is_bitwise_the_same_alone_beside_others_and_in_its_prefi
         meta = build_attention_metadata(
             query_lens, starts, [tables[s] for s in seqs], t["latent_cache"][None], t["rope_cache"][None]
         )
-        return latent_attention(
-            nope_rows, rope_rows, t["latent_cache"], t["rope_cache"], t["w_uk"], t["w_uv"], meta, 0.2, SPLIT
-        )
+        return latent_attention(nope_rows, rope_rows, cache_of(t), meta, params_of(t, 0.2), SPLIT)
 
     prefill = run([CONTEXT], [0], t["q_nope"], t["q_rope"], [0])
     on, orr = t["others_nope"], t["others_rope"]

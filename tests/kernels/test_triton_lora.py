@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.triton_setup import DEVICE
+from tokenmill_service.worker.kernels import LoRAStack
 from tokenmill_service.worker.kernels.triton.lora import BLOCK_M, lora_delta
 from tokenmill_service.worker.layers.lora.sgmv import lora_delta_reference
 
@@ -38,15 +39,16 @@ def test_the_grouped_kernels_are_the_per_token_definition(
     token_slots[: BLOCK_M + 2] = [2] * min(tokens, BLOCK_M + 2)  # a group of two tiles (when there are as many)
     delta = torch.zeros(tokens, n, dtype=torch.float64)
     groups = grouped(token_slots)
-    on = (x.to(DEVICE), a.to(DEVICE), bt.to(DEVICE), ranks.to(DEVICE))
-    for rows, d in lora_delta(*on, groups, parts):
+    stack = LoRAStack(a, bt, ranks, parts or [(0, n)])
+    x_on, on = x.to(DEVICE), LoRAStack(a.to(DEVICE), bt.to(DEVICE), ranks.to(DEVICE), stack.parts)
+    for rows, d in lora_delta(x_on, on, groups):
         delta[rows.cpu()] = d.cpu().double()
-    expected = lora_delta_reference(x, a, bt, ranks, token_slots, parts)
+    expected = lora_delta_reference(x, stack, token_slots)
     torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-5)
     # A row's bits are the same in a group of one.
     for slot, rows in groups:
-        ((_, whole),) = lora_delta(*on, [(slot, rows)], parts)
-        ((_, alone),) = lora_delta(*on, [(slot, rows[-1:])], parts)
+        ((_, whole),) = lora_delta(x_on, on, [(slot, rows)])
+        ((_, alone),) = lora_delta(x_on, on, [(slot, rows[-1:])])
         assert torch.equal(alone[0], whole[-1])
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.interface import KVCacheLayout, register_ops
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
 
@@ -37,7 +38,12 @@ class CountingOps(TorchOps):
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        params: AttentionParams,
     ) -> torch.Tensor:
         CALLS["attention"] += 1
-        return super().attention(q, k_cache.permute(0, 3, 1, 2).contiguous(), v_cache, meta, scale)
+        return super().attention(q, k_cache.permute(0, 3, 1, 2).contiguous(), v_cache, meta, params)

@@ -38,7 +38,8 @@ def _linear(lin: Any) -> decoder_stack.LinearSpec:
     assert lin.quant.native_kernel is not None  # the plan chose the stack: every projection has one
     lora = None
     if lin.lora is not None:
-        lora = (lin.lora.a, lin.lora.bt, lin.lora.ranks, lin.lora.part_rows)
+        stack = lin.lora.stack
+        lora = (stack.a, stack.bt, stack.ranks, lin.lora.part_rows)
     weights, fmt = lin.quant.native_operands(lin)
     bias = None if lin.bias is None else lin.bias.detach()
     return decoder_stack.LinearSpec(lin.quant.native_kernel, weights, fmt, lin.out_features, lora, bias)
@@ -86,7 +87,7 @@ def _latent_stack(model: Any) -> decoder_stack.DecoderStack:
     return decoder_stack.DecoderStack(
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=1, head_dim=dims.qk_rope_head_dim,
-            intermediate=max(widths, default=0), eps=model.model.norm.eps, scale=attn.scale, cos=rotary.cos,
+            intermediate=max(widths, default=0), eps=model.model.norm.eps, scale=attn.params.scale, cos=rotary.cos,
             sin=rotary.sin, final_norm=model.model.norm.weight, layers=specs, kv_dtype=model.kv_dtype,
             latent=decoder_stack.LatentDims(
                 dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim, attn.kv_a_layernorm.eps,
@@ -101,12 +102,13 @@ def _layer(ly: Any, facts: Any, rotary: Any) -> decoder_stack.LayerSpec:
     q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if facts.qk_norm != "none" else (None, None)
     qkv, o = _linear(attn.qkv_proj), _linear(attn.o_proj)
     norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
-    # What the layer's attend() hands the attention op: its window, its soft cap (Gemma 2's) and its sinks
-    # (gpt-oss's) where the family has them; its rotary tables where they are not the stack's.
+    # What the layer's attend() hands the attention op (its ``params``): its window, its soft cap (Gemma 2's) and
+    # its sinks (gpt-oss's) where the family has them; its rotary tables where they are not the stack's.
+    params = attn.params
     attention: dict[str, Any] = {
-        "window": attn.window,
-        "softcap": attn.softcap if facts.attention_softcap else None,
-        "sinks": attn.sinks.detach() if facts.attention_sinks else None,
+        "window": params.window,
+        "softcap": params.softcap if facts.attention_softcap else None,
+        "sinks": params.sinks.detach() if facts.attention_sinks else None,
     }
     if attn.rotary is not rotary:
         attention.update(cos=attn.rotary.cos, sin=attn.rotary.sin)
@@ -137,7 +139,7 @@ def build_decoder_stack(model: Any) -> decoder_stack.DecoderStack:
         decoder_stack.StackSpec(
             hidden=model.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=model.config.intermediate_size, eps=model.model.norm.eps,
-            scale=attn.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight,
+            scale=attn.params.scale, cos=rotary.cos, sin=rotary.sin, final_norm=model.model.norm.weight,
             layers=[_layer(ly, facts, rotary) for ly in layers], kv_dtype=model.kv_dtype, qk_norm=facts.qk_norm,
             activation=facts.activation, rotary_dim=rotary.cos.shape[1] * 2, residual_multiplier=float(layers[0].residual_multiplier),
         )

@@ -6,6 +6,8 @@
                     their ops backend (cpu/ops.py); also the block products the quant methods call
     triton/         ``triton``: one Triton kernel a file, beside the backend (registered when asked for)
     attention_metadata.py  the per-step tensors every backend's attention reads
+    attention_params.py    a layer's attention parameters (scale, window, soft cap, sinks; MLA's
+                           up-projections and cache pair), built once by the layer
 
 The load plan (worker/plan/resolve.py) asks the registered backends where they run and picks one; nothing
 else swaps ops in. Code outside this package imports from here only: the ops registry, and the native
@@ -30,6 +32,8 @@ from tokenmill_service.worker.kernels.cpu.sampling import log_softmax, softmax
 from tokenmill_service.worker.kernels.interface import (
     KVCacheLayout,
     LatentCacheLayout,
+    LoRADelta,
+    LoRAStack,
     Ops,
     available_backends,
     get_ops,
@@ -40,6 +44,8 @@ from tokenmill_service.worker.kernels.interface import (
 __all__ = [
     "KVCacheLayout",
     "LatentCacheLayout",
+    "LoRADelta",
+    "LoRAStack",
     "NativeExperts",
     "Ops",
     "abi",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tokenmill_service.contract.plan import choices
 from tokenmill_service.worker.kernels import moe_routing
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams, LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.moe_routing import GroupedTopK
 from tokenmill_service.worker.registry import Registry
 
@@ -28,18 +29,23 @@ if TYPE_CHECKING:
     from tokenmill_service.worker.kernels.cpu.moe_mlp import NativeExperts
 
 
-# LoRA's grouped product: (x, a, bt, ranks, groups, parts) -> each group's (rows, delta).
-LoRADelta = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        list[tuple[int, torch.Tensor]],
-        list[tuple[int, int]] | None,
-    ],
-    list[tuple[torch.Tensor, torch.Tensor]],
-]
+@dataclass(frozen=True, slots=True)
+class LoRAStack:
+    """One linear layer's adapter slots, as LoRA's grouped product reads them: ``a`` [slots, P, R, in] for its
+    P projections (3 for a packed q/k/v), ``bt`` [slots, R, out] (B transposed, the scale folded in; float32 or
+    bfloat16), ``ranks`` int64 [slots, P] (the rows of each block of A a slot's adapter fills; 0: that
+    projection not targeted), ``parts`` each projection's output columns (start, count). The layer writes
+    adapters into the tensors in place (worker/layers/lora/slots.py)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    ranks: torch.Tensor
+    parts: list[tuple[int, int]]
+
+
+# LoRA's grouped product: (x, stack, groups) -> for each (slot, token rows) group, (rows, the float32 delta of
+# those rows [n, out]): worker/layers/lora/sgmv.py's ``lora_delta`` or a backend's own (triton/lora.py's).
+LoRADelta = Callable[[torch.Tensor, LoRAStack, list[tuple[int, torch.Tensor]]], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,27 +195,15 @@ class Ops(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
         """Causal attention of each new token over its sequence's cached keys and values
-        (this step's already stored). q: [T, H, D] -> [T, H, D] in q's dtype; float32 inside.
-        A query at position p sees positions 0..p of its own sequence, or only the last ``window``
-        of them (p - window + 1 .. p: a sliding-window layer). ``softcap``: each scaled score s
-        becomes tanh(s / softcap) * softcap before the softmax (Gemma 2's logit soft-capping).
-        ``sinks`` [H] float32 (gpt-oss's attention sinks): head h's softmax over a query's scores s_j
-        gets one more logit, ``sinks[h]``, that weighs no value: out = sum_j e^{s_j} v_j /
-        (sum_j e^{s_j} + e^{sinks[h]})."""
+        (this step's already stored), as the layer's ``params`` say (scale, window, soft cap, sinks).
+        q: [T, H, D] -> [T, H, D] in q's dtype; float32 inside. A query at position p sees positions
+        0..p of its own sequence, or only the last ``params.window`` of them."""
 
     def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentCache, slot_mapping: torch.Tensor
     ) -> None:
         """Write this step's latents [T, L] and rotary keys [T, R] into their slots of one layer's
         latent cache (``latent_cache_layout``); cast to the cache's dtype."""
@@ -219,20 +213,15 @@ class Ops(ABC):
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
+        cache: LatentCache,
         meta: AttentionMetadata,
-        scale: float,
+        params: LatentAttentionParams,
     ) -> torch.Tensor:
         """Multi-head latent attention in the absorbed form, causal over each sequence's cached latents
-        (this step's already stored). q_nope: [T, H, N], q_rope: [T, H, R] (rotated); w_uk: [H, N, L]
-        (the key up-projection, folded into the query), w_uv: [H, L, V] (the value up-projection,
-        applied after attention), float32, any strides (the model's are views of kv_b_proj's
-        weight [H, N + V, L]). Head h of a query scores the key at position j as
-        ``(q_nope[h] @ w_uk[h]) . latent[j] + q_rope[h] . k_rope[j]`` times ``scale``, and returns
-        ``(softmax-weighted latents) @ w_uv[h]``: [T, H, V] in q_nope's dtype; float32 inside."""
+        (this step's already stored). q_nope: [T, H, N], q_rope: [T, H, R] (rotated). Head h of a query
+        scores the key at position j as ``(q_nope[h] @ w_uk[h]) . latent[j] + q_rope[h] . k_rope[j]`` times
+        ``params.scale``, and returns ``(softmax-weighted latents) @ w_uv[h]``: [T, H, V] in q_nope's dtype;
+        float32 inside."""
         raise NotImplementedError(f"the {self.name} ops have no latent attention")
 
 

@@ -23,31 +23,20 @@ from __future__ import annotations
 import torch
 
 from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, AttentionGroup
+from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.torch_ops import ROW_MULTIPLE
 
 
-def store_latent(
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(latent_cache.dtype))
-    rope_cache.view(-1, rope_cache.shape[-1]).index_copy_(0, slot_mapping, k_rope.to(rope_cache.dtype))
+def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentCache, slot_mapping: torch.Tensor) -> None:
+    for rows, stored in ((latent, cache.latents), (k_rope, cache.rope_keys)):
+        stored.view(-1, stored.shape[-1]).index_copy_(0, slot_mapping, rows.to(stored.dtype))
 
 
 def group_latent_attention(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    group: AttentionGroup,
-    scale: float,
+    q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LatentCache, group: AttentionGroup, params: LatentAttentionParams
 ) -> torch.Tensor:
     """Latent attention for one group's queries: [n_valid, H, V] float32, rows in ``group.valid_rows`` order."""
+    latent_cache, rope_cache, w_uk, w_uv, scale = cache.latents, cache.rope_keys, params.w_uk, params.w_uv, params.scale
     num_seqs, max_q = group.token_index.shape
     block_size, latent_dim = latent_cache.shape[1], latent_cache.shape[-1]
     rope_dim = rope_cache.shape[-1]

@@ -22,10 +22,13 @@ tests/kernels/test_paged_attention.py (in process, per model configuration) and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, AttentionGroup, AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams, LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.interface import LatentCacheLayout, Ops, register_ops
 
 # The query rows of each (sequence, kv head) product are padded to a multiple of this (see below).
@@ -47,16 +50,10 @@ def _first_chunk(group: AttentionGroup, window: int | None) -> int:
 
 
 def _group_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: AttentionGroup,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, params: AttentionParams
 ) -> torch.Tensor:
     """Attention for one group's queries: [n_valid, H, D] float32, rows in ``group.valid_rows`` order."""
+    scale, window, softcap, sinks = params.scale, params.window, params.softcap, params.sinks
     num_seqs, max_q = group.token_index.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
@@ -170,44 +167,32 @@ class TorchOps(Ops):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
-        parts = [(g, _group_attention(q, k_cache, v_cache, g, scale, window, softcap, sinks)) for g in meta.groups]
-        return _scatter(q, parts)
+        return _scatter(q, [(g, _group_attention(q, k_cache, v_cache, g, params)) for g in meta.groups])
 
     def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentCache, slot_mapping: torch.Tensor
     ) -> None:
         from tokenmill_service.worker.kernels import latent_attention
 
-        latent_attention.store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
+        latent_attention.store_latent(latent, k_rope, cache, slot_mapping)
 
     def latent_attention(
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
+        cache: LatentCache,
         meta: AttentionMetadata,
-        scale: float,
+        params: LatentAttentionParams,
     ) -> torch.Tensor:
         from tokenmill_service.worker.kernels.latent_attention import group_latent_attention
 
         # Contiguous for the products (views of kv_b_proj's weight take other, batch-dependent paths).
-        w_uk, w_uv = w_uk.contiguous(), w_uv.contiguous()
-        out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+        params = replace(params, w_uk=params.w_uk.contiguous(), w_uv=params.w_uv.contiguous())
+        out = torch.empty(*q_nope.shape[:2], params.w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
         for g in meta.groups:
-            rows = group_latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, g, scale)
+            rows = group_latent_attention(q_nope, q_rope, cache, g, params)
             out.index_copy_(0, g.valid_rows, rows.to(out.dtype))
         return out
 

@@ -1,8 +1,8 @@
 """The decoder every family's module is built on, as a plain ``nn.Module``: attention (q/k/v packed in one
 projection, rotary, paged attention within the layer's window), a gated MLP, pre-norm layers with a float32
 residual stream, the final norm and the head. Llama's, Mistral's and Qwen2's module is this one unchanged
-(llama.py holds their specs); a family that differs overrides a seam (``before_rotary``, ``attention_options``,
-``make_mlp``, ``make_rotary``, ``embed``, ``branch``) in a subclass of its own.
+(llama.py holds their specs); a family that differs overrides a seam (``before_rotary``, ``make_mlp``,
+``make_rotary``, ``embed``, ``branch``) or its attention's ``params`` in a subclass of its own.
 
 Built from ``layers/`` (linear layers with their quantization method, vocabulary-parallel
 embedding and head, norms, rotary tables) and ``kernels/`` (the hot arithmetic, by the backend the plan picked),
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import nn
 
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
 from tokenmill_service.worker.kernels.interface import Ops
 from tokenmill_service.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill_service.worker.layers.linear import (
@@ -57,7 +58,6 @@ class DecoderAttention(nn.Module):
         self.layer_idx = p.layer_idx
         self.ops = p.ops
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.head_dim,
@@ -72,8 +72,10 @@ class DecoderAttention(nn.Module):
             config.num_heads * config.head_dim, config.hidden_size, False, quant(f"{prefix}.o_proj"), tp
         )
         self.rotary = p.rotary
-        # The layer's sliding window (None: the whole context; worker/models/config.py says which layers have one).
-        self.window = layer_window(config, p.layer_idx)
+        # What the attention op takes of the layer: its scale and its sliding window (None: the whole context;
+        # worker/models/config.py says which layers have one); a family adds its soft cap (Gemma 2's) or sinks
+        # (gpt-oss's).
+        self.params = AttentionParams(self.head_dim**-0.5, layer_window(config, p.layer_idx))
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (rotated) and v of the new tokens: [T, heads, head_dim] each."""
@@ -94,13 +96,8 @@ class DecoderAttention(nn.Module):
         """Store the new keys and values in the cache, attend over it: [T, heads * head_dim]."""
         meta, k_cache, v_cache = meta.for_layer(self.layer_idx)
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out: torch.Tensor = self.ops.attention(q, k_cache, v_cache, meta, self.scale, **self.attention_options())
+        out: torch.Tensor = self.ops.attention(q, k_cache, v_cache, meta, self.params)
         return out.flatten(1)
-
-    def attention_options(self) -> dict[str, Any]:
-        """What the layer hands the attention op beyond the cache and the scale: its window where it has one
-        (the call every ops implementation takes has none); a family's soft cap (Gemma 2's) or sinks (gpt-oss's)."""
-        return {} if self.window is None else {"window": self.window}
 
 
 class GatedMLP(nn.Module):
@@ -301,7 +298,7 @@ class DecoderForCausalLM(nn.Module):
 
     def attention_windows(self) -> list[int | None]:
         """Each layer's sliding window in tokens (None: it attends to the whole context)."""
-        return [cast(DecoderLayer, layer).self_attn.window for layer in self.model.layers]
+        return [cast(DecoderLayer, layer).self_attn.params.window for layer in self.model.layers]
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (key, value) cache shapes for this rank, in its ops backend's layout."""

@@ -54,6 +54,7 @@ from torch import nn
 
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.interface import Ops
 from tokenmill_service.worker.layers.fused_moe import FusedMoE, GroupedTopK
 from tokenmill_service.worker.layers.linear import (
@@ -125,9 +126,6 @@ class DeepseekV3Attention(nn.Module):
 
     w_kv_b: torch.Tensor
 
-    # No sliding window: every layer attends to the whole context.
-    window: int | None = None
-
     def __init__(self, p: LayerParams) -> None:
         super().__init__()
         config, ops, quant, prefix, tp = p.config, p.ops, p.quant, p.prefix, p.tp
@@ -156,29 +154,25 @@ class DeepseekV3Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear(heads * d.v_head_dim, hidden, bias, quant(f"{prefix}.o_proj"), tp)
         yarn: Yarn | None = config.extra.get("yarn")  # type: ignore[assignment]
-        self.scale = d.qk_head_dim**-0.5 * (yarn.softmax_factor if yarn is not None else 1.0)
-        # kv_b_proj's weight, float32, once the weights are loaded (``absorb``): [H, nope + V, L].
+        scale = d.qk_head_dim**-0.5 * (yarn.softmax_factor if yarn is not None else 1.0)
+        # kv_b_proj's weight, float32, once the weights are loaded (``absorb``): [H, nope + V, L]; the
+        # up-projections of ``params`` are views of it from then on.
         self.register_buffer("w_kv_b", torch.empty(0), persistent=False)
+        self.params = LatentAttentionParams(w_uk=torch.empty(0), w_uv=torch.empty(0), scale=scale)
 
     def absorb(self) -> None:
         """Keep ``kv_b_proj``'s weight [H * (nope + V), L] as its method dequantizes it, float32, as
         ``w_kv_b`` [H, nope + V, L], and drop the layer (it is never applied: its two halves are
-        ``w_uk`` and ``w_uv``, views of ``w_kv_b``). A float32 dense weight stored row-major is kept as it
-        is, not copied."""
+        ``params.w_uk`` [H, nope, L] and ``params.w_uv`` [H, L, V], views of ``w_kv_b``). A float32 dense
+        weight stored row-major is kept as it is, not copied."""
         d = self.dims
         w = self.kv_b_proj.quant.dequantized(self.kv_b_proj).detach().float().contiguous()
         self.w_kv_b = w.view(self.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
         del self.kv_b_proj
-
-    @property
-    def w_uk(self) -> torch.Tensor:
-        """[H, nope, L]: the key up-projection (folded into the query), a view of ``w_kv_b``."""
-        return self.w_kv_b[:, : self.dims.qk_nope_head_dim]
-
-    @property
-    def w_uv(self) -> torch.Tensor:
-        """[H, L, V]: the value up-projection (applied after attention), a view of ``w_kv_b``."""
-        return self.w_kv_b[:, self.dims.qk_nope_head_dim :].transpose(1, 2)
+        nope = d.qk_nope_head_dim
+        self.params = dataclasses.replace(
+            self.params, w_uk=self.w_kv_b[:, :nope], w_uv=self.w_kv_b[:, nope:].transpose(1, 2)
+        )
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queries [T, H, nope + rope] (rope part rotated), the normed latents [T, L] and the
@@ -198,13 +192,10 @@ class DeepseekV3Attention(nn.Module):
         self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Store the new latents and rotary keys in the latent cache, attend over it: [T, heads * v_head_dim]."""
-        latent_cache, rope_cache = meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx]
-        self.ops.store_latent(latent, k_rope, latent_cache, rope_cache, meta.slot_mapping)
+        cache = LatentCache(meta.k_cache[self.layer_idx], meta.v_cache[self.layer_idx])
+        self.ops.store_latent(latent, k_rope, cache, meta.slot_mapping)
         q_nope, q_rope = torch.split(q, [self.dims.qk_nope_head_dim, self.dims.qk_rope_head_dim], -1)
-        out = self.ops.latent_attention(
-            q_nope, q_rope, latent_cache, rope_cache, self.w_uk, self.w_uv, meta, self.scale
-        )
-        return out.flatten(1)
+        return self.ops.latent_attention(q_nope, q_rope, cache, meta, self.params).flatten(1)
 
 
 class DeepseekV3MoE(FusedMoE):
@@ -273,6 +264,10 @@ class DeepseekV3ForCausalLM(MoEForCausalLM):
             )
             for i in range(min(1, mtp_layer_count(config)))
         )
+
+    def attention_windows(self) -> list[int | None]:
+        """No sliding window: every layer attends to the whole context."""
+        return [None] * len(self.model.layers)
 
     def weight_bytes(self) -> int:
         """As the other families', ``kv_b_proj`` counted as the attention keeps it (float32, ``w_kv_b``)."""

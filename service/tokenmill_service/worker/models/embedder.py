@@ -87,7 +87,7 @@ def decoder_hidden_states(model: Any) -> HiddenStates:
         residual: torch.Tensor | None = None
         for layer in layers:
             q, k, v, residual = pre_attention(layer, positions, x, residual)
-            attended = causal_attention(q, k, v, layer.self_attn.scale, layer.self_attn.window)
+            attended = causal_attention(q, k, v, layer.self_attn.params.scale, layer.self_attn.params.window)
             x, residual = post_attention(layer, attended.to(q.dtype), residual)
         assert residual is not None
         out: torch.Tensor = final_norm(decoder.norm, x, residual)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
 import torch
@@ -90,11 +90,11 @@ class Gemma2Attention(DecoderAttention):
     def __init__(self, p: LayerParams) -> None:
         super().__init__(p)
         config = p.config
-        self.scale = float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5
-        self.softcap = _optional(config.extra.get("attn_logit_softcapping"))
-
-    def attention_options(self) -> dict[str, Any]:
-        return {"window": self.window, "softcap": self.softcap}
+        self.params = replace(
+            self.params,
+            scale=float(cast(float, config.extra["query_pre_attn_scalar"])) ** -0.5,
+            softcap=_optional(config.extra.get("attn_logit_softcapping")),
+        )
 
 
 class GemmaMLP(GatedMLP):

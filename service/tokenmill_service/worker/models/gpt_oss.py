@@ -75,13 +75,12 @@ class GptOssAttention(DecoderAttention):
         self.o_proj = RowParallelLinear(heads, hidden, config.attention_bias, p.quant(f"{p.prefix}.o_proj"), tp)
         self.first_head = tp.rank * self.num_heads
         self.register_buffer("sinks", torch.zeros(self.num_heads, dtype=torch.float32), persistent=False)
+        # The buffer itself, which ``load_sinks`` fills in place.
+        self.params = dataclasses.replace(self.params, sinks=self.sinks)
 
     def load_sinks(self, tensor: CheckpointTensor) -> None:
         """The checkpoint's sinks [heads]: this rank's heads'."""
         self.sinks.copy_(dense(tensor).float()[self.first_head : self.first_head + self.num_heads])
-
-    def attention_options(self) -> dict[str, Any]:
-        return {"window": self.window, "sinks": self.sinks}
 
 
 class GptOssExpert(ExpertMLP):

@@ -16,6 +16,7 @@ family's; the embeddings and the logits stay the model's (``embed``, ``compute_l
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ def _multiplier(config: ModelConfig, key: str) -> float:
 class GraniteAttention(DecoderAttention):
     def __init__(self, p: LayerParams) -> None:
         super().__init__(p)
-        self.scale = _multiplier(p.config, "attention_multiplier")
+        self.params = dataclasses.replace(self.params, scale=_multiplier(p.config, "attention_multiplier"))
 
 
 class GraniteDecoderLayer(DecoderLayer):

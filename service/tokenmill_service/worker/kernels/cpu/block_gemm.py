@@ -24,12 +24,13 @@ def unavailable_reason() -> str | None:
     return build.unavailable_reason("block_gemm")
 
 
-def check_status(rc: int, fmt: int) -> None:
-    """Raise for the native block kernels' error codes (-1: unknown format, -2: K not a multiple of 32)."""
+def check_status(rc: int, fmt: int, formats: str = "a block format", k_multiple: int = 32) -> None:
+    """Raise for the native products' error codes (-1: a ggml type not among the kernel's ``formats``, -2: K
+    not a multiple of ``k_multiple``)."""
     if rc == -1:
-        raise ValueError(f"ggml type {fmt} is not a block format the native kernel reads")
+        raise ValueError(f"ggml type {fmt} is not {formats} the native kernel reads")
     if rc == -2:
-        raise ValueError("the input dimension must be a multiple of 32")
+        raise ValueError(f"the input dimension must be a multiple of {k_multiple}")
 
 
 def run_product(
@@ -75,10 +76,22 @@ def block_gemm(x: torch.Tensor, blocks: torch.Tensor, fmt: int, n: int) -> torch
     return _gemm(x, blocks, fmt, n)
 
 
+def run_dequantize(
+    kernel: Callable[..., int],
+    weights: torch.Tensor,
+    fmt: int,
+    n: int,
+    k: int,
+    check: Callable[[int, int], None] = check_status,
+) -> torch.Tensor:
+    """``kernel(fmt, weights, n, k, out)`` into a new float32 out [n, k] (``check`` raises for the kernel's
+    error codes)."""
+    out = torch.empty(n, k, dtype=torch.float32, device=weights.device)
+    check(kernel(fmt, weights.data_ptr(), n, k, out.data_ptr()), fmt)
+    return out
+
+
 def block_dequantize(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     """The weight [n, K] as float32, exactly the values ``block_gemm`` multiplies by."""
     blocks = blocks.contiguous()
-    n, k = blocks.shape[0], blocks.shape[1] * 32
-    out = torch.empty(n, k, dtype=torch.float32, device=blocks.device)
-    check_status(_lib().tm_block_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr()), fmt)
-    return out
+    return run_dequantize(_lib().tm_block_dequantize, blocks, fmt, blocks.shape[0], blocks.shape[1] * 32)

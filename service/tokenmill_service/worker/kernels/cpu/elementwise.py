@@ -8,6 +8,7 @@ check the layout (``fits``) and use the torch reference otherwise.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -55,27 +56,24 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     return x
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _gated(kernel: Callable[..., None], x: torch.Tensor, *constants: float) -> torch.Tensor:
+    """``kernel(x, out, T, I, *constants)`` of x [T, 2 * I] (gate, up) into a new out [T, I]; float32."""
     t, n2 = x.shape
     x = x.contiguous()
     out = torch.empty(t, n2 // 2, device=x.device)
-    _lib().tm_silu_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2)
+    kernel(x.data_ptr(), out.data_ptr(), t, n2 // 2, *constants)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated(_lib().tm_silu_and_mul, x)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Gemma's GeGLU of x [T, 2 * I] (gate, up) -> gelu(gate, tanh approximation) * up [T, I]; float32."""
-    t, n2 = x.shape
-    x = x.contiguous()
-    out = torch.empty(t, n2 // 2, device=x.device)
-    _lib().tm_gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2)
-    return out
+    return _gated(_lib().tm_gelu_tanh_and_mul, x)
 
 
 def clamped_swiglu_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's experts' activation of x [T, 2 * I] (gate, up) -> [T, I]; float32."""
-    t, n2 = x.shape
-    x = x.contiguous()
-    out = torch.empty(t, n2 // 2, device=x.device)
-    _lib().tm_clamped_swiglu_and_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, alpha, limit)
-    return out
+    return _gated(_lib().tm_clamped_swiglu_and_mul, x, alpha, limit)

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill_service.worker.kernels.cpu import abi, build
-from tokenmill_service.worker.kernels.cpu.block_gemm import run_product
+from tokenmill_service.worker.kernels.cpu import abi, block_gemm, build
 
 # ggml type id -> bytes per super-block of 256 weights (the formats kquant_gemm.cpp reads).
 FORMATS = abi.KQUANT_FORMATS
@@ -32,12 +31,11 @@ def unavailable_reason() -> str | None:
 
 
 def check_status(rc: int, fmt: int) -> None:
-    if rc == -1:
-        raise ValueError(f"ggml type {fmt} is not a k-quant format the native kernel reads")
-    if rc == -2:
-        raise ValueError(f"the input dimension must be a multiple of {SUPER_BLOCK}")
+    """Raise for the k-quant kernels' error codes: the block kernels' (in super-blocks), and -3: packed
+    segments that do not describe the layer's rows."""
     if rc == -3:
         raise ValueError("the packed segments do not describe the layer's rows")
+    block_gemm.check_status(rc, fmt, "a k-quant format", SUPER_BLOCK)
 
 
 def pack(blocks: torch.Tensor | Sequence[torch.Tensor], fmt: int) -> torch.Tensor:
@@ -84,16 +82,15 @@ def pack_segments(segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
     """The packed weight [n, k] as float32: exactly what gguf dequantizes the blocks to."""
-    out = torch.empty(n, k, dtype=torch.float32, device=packed.device)
-    check_status(_lib().tm_kquant_dequantize(fmt, packed.data_ptr(), n, k, out.data_ptr()), fmt)
-    return out
+    return block_gemm.run_dequantize(_lib().tm_kquant_dequantize, packed, fmt, n, k, check_status)
 
 
 def _gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, int8: bool) -> torch.Tensor:
     if x.shape[-1] % SUPER_BLOCK:
         check_status(-2, fmt)
     lib = _lib()
-    return run_product(lib.tm_kquant_gemm_int8 if int8 else lib.tm_kquant_gemm, x, packed, fmt, n, check_status)
+    kernel = lib.tm_kquant_gemm_int8 if int8 else lib.tm_kquant_gemm
+    return block_gemm.run_product(kernel, x, packed, fmt, n, check_status)
 
 
 @torch.library.custom_op("tokenmill::kquant_gemm", mutates_args=())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.cpu import build
 from tokenmill_service.worker.kernels.cpu.paged_attention import CACHE_DTYPES
 
@@ -19,18 +20,12 @@ def unavailable_reason() -> str | None:
     return build.unavailable_reason("latent_attention")
 
 
-def fits(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-) -> bool:
+def fits(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: LatentCache, params: LatentAttentionParams) -> bool:
     """Whether the kernel takes these: float32 queries and weights on the CPU, each query's last
     dimension contiguous, w_uk's last and one of w_uv's last two (a copy, or a view of kv_b_proj's
     rows), contiguous caches of a dtype it reads, latent, rotary and value dims in
     whole vectors of 16, and the kernel built."""
+    latent_cache, rope_cache, w_uk, w_uv = cache.latents, cache.rope_keys, params.w_uk, params.w_uv
     latent, rope, v = latent_cache.shape[-1], rope_cache.shape[-1], w_uv.shape[-1]
     return (
         all(x.device.type == "cpu" for x in (q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv))
@@ -53,19 +48,17 @@ def fits(
 def latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    cache: LatentCache,
+    params: LatentAttentionParams,
     positions: torch.Tensor,
     seq_of_token: torch.Tensor,
     block_tables: torch.Tensor,
-    scale: float,
 ) -> torch.Tensor:
     """q_nope [T, H, N], q_rope [T, H, R] (rotated) float32 -> [T, H, V] float32: token i (at
     ``positions[i]`` of sequence ``seq_of_token[i]``) attends over that sequence's keys 0..positions[i],
-    found through ``block_tables`` [S, W] in the caches (this step's latents already stored); w_uk
-    [H, N, L], w_uv [H, L, V] float32 (as ``Ops.latent_attention``). ``fits`` must hold."""
+    found through ``block_tables`` [S, W] in the caches (this step's latents already stored), as
+    ``Ops.latent_attention``. ``fits`` must hold."""
+    latent_cache, rope_cache, w_uk, w_uv = cache.latents, cache.rope_keys, params.w_uk, params.w_uv
     t, heads, nope = q_nope.shape
     latent, rope, v = latent_cache.shape[-1], rope_cache.shape[-1], w_uv.shape[-1]
     assert w_uk.shape == (heads, nope, latent) and w_uv.shape == (heads, latent, v), (w_uk.shape, w_uv.shape)
@@ -80,7 +73,7 @@ def latent_attention(
             w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), w_uv.stride(2),
             latent_cache.data_ptr(), rope_cache.data_ptr(), latent_cache.shape[1],
             positions.data_ptr(), seq_of_token.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            scale, out.data_ptr(), torch.get_num_threads(),
+            params.scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc:
             raise ValueError(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams, LatentAttentionParams, LatentCache
 from tokenmill_service.worker.kernels.cpu import elementwise, latent_attention, moe_mlp, paged_attention
 from tokenmill_service.worker.kernels.interface import KVCacheLayout, register_ops
 from tokenmill_service.worker.kernels.torch_ops import TorchOps
@@ -151,10 +152,7 @@ class NativeCpuOps(TorchOps):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
         return paged_attention.paged_attention(
             q.float(),
@@ -163,52 +161,35 @@ class NativeCpuOps(TorchOps):
             meta.positions,
             meta.seq_of_token,
             meta.block_tables,
-            scale,
-            window,
-            softcap,
-            sinks,
+            params.scale,
+            params.window,
+            params.softcap,
+            params.sinks,
         ).to(q.dtype)
 
     def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentCache, slot_mapping: torch.Tensor
     ) -> None:
         """paged_attention.cpp's value store, row by row (the native decoder stack's: so its bits in a
         float16 cache); the reference's where the rows are not float32."""
         if latent.dtype != torch.float32 or k_rope.dtype != torch.float32:
-            return super().store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
-        for rows, cache in ((latent, latent_cache), (k_rope, rope_cache)):
+            return super().store_latent(latent, k_rope, cache, slot_mapping)
+        for rows, stored in ((latent, cache.latents), (k_rope, cache.rope_keys)):
             t, d = rows.shape
             view = rows if rows.stride(-1) == 1 else rows.contiguous()
-            paged_attention.store_values(view.as_strided((t, 1, d), (view.stride(0), d, 1)), cache, slot_mapping)
+            paged_attention.store_values(view.as_strided((t, 1, d), (view.stride(0), d, 1)), stored, slot_mapping)
 
     def latent_attention(
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
+        cache: LatentCache,
         meta: AttentionMetadata,
-        scale: float,
+        params: LatentAttentionParams,
     ) -> torch.Tensor:
-        if _eager() and latent_attention.fits(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv):
+        if _eager() and latent_attention.fits(q_nope, q_rope, cache, params):
             out = latent_attention.latent_attention(
-                q_nope,
-                q_rope,
-                latent_cache,
-                rope_cache,
-                w_uk,
-                w_uv,
-                meta.positions,
-                meta.seq_of_token,
-                meta.block_tables,
-                scale,
+                q_nope, q_rope, cache, params, meta.positions, meta.seq_of_token, meta.block_tables
             )
             return out.to(q_nope.dtype)
-        return super().latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, meta, scale)
+        return super().latent_attention(q_nope, q_rope, cache, meta, params)

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from tokenmill_service.worker.kernels.cpu import build
-from tokenmill_service.worker.kernels.cpu.block_gemm import check_status, run_product
+from tokenmill_service.worker.kernels.cpu.block_gemm import check_status, run_dequantize, run_product
 
 GROUP = 16  # weight rows per packed group
 
@@ -40,9 +40,7 @@ def pack(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, fmt: int, n: int, k: int) -> torch.Tensor:
     """The packed weight [n, k] as float32: exactly what gguf dequantizes the blocks to."""
-    out = torch.empty(n, k, dtype=torch.float32, device=packed.device)
-    check_status(_lib().tm_vnni_dequantize(fmt, packed.data_ptr(), n, k, out.data_ptr()), fmt)
-    return out
+    return run_dequantize(_lib().tm_vnni_dequantize, packed, fmt, n, k)
 
 
 def _gemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, int8: bool) -> torch.Tensor:

@@ -14,7 +14,6 @@ import torch
 
 from tokenmill_service.worker.device import interpreter_enabled
 from tokenmill_service.worker.kernels import latent_attention as reference_latent
-from tokenmill_service.worker.kernels.attention_metadata import AttentionMetadata
 from tokenmill_service.worker.kernels.interface import LatentCacheLayout, LoRADelta, Ops, register_ops
 from tokenmill_service.worker.kernels.triton import interpreter
 from tokenmill_service.worker.kernels.triton import lora as triton_lora
@@ -63,66 +62,12 @@ class TritonOps(Ops):
                 "for testing only",
             )
 
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None,
-        out_dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, weight, eps, residual, out_dtype)
-
-    def rotary(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary(q, k, positions, cos, sin)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
-
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    def attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
-
-    def store_latent(
-        self,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        reference_latent.store_latent(latent, k_rope, latent_cache, rope_cache, slot_mapping)
-
-    def latent_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        rope_cache: torch.Tensor,
-        w_uk: torch.Tensor,
-        w_uv: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        return latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, meta, scale)
+    # Each op is its kernel file's function, which takes the op's arguments (``Ops``' signatures).
+    rms_norm = staticmethod(rms_norm)
+    rotary = staticmethod(rotary)
+    silu_and_mul = staticmethod(silu_and_mul)
+    store_kv = staticmethod(store_kv)
+    attention = staticmethod(paged_attention)
+    # The reference's store: the triton kernel reads the reference's latent cache layout.
+    store_latent = staticmethod(reference_latent.store_latent)
+    latent_attention = staticmethod(latent_attention)

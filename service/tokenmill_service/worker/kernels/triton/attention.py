@@ -28,11 +28,21 @@ and repeats a real token, so a cell ``j`` is real when ``j == 0`` or its positio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenmill_service.worker.kernels.attention_params import AttentionParams
+from tokenmill_service.worker.kernels.triton.softmax_state import (
+    combine,
+    empty_state,
+    finish,
+    key_tile,
+    online_softmax_step,
+)
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
@@ -41,19 +51,6 @@ SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do no
 BLOCK_N = 64  # keys per tile inside a split
 MIN_ROWS = 16  # a tile's query rows; tl.dot needs at least 16 on a GPU
 NO_WINDOW = 1 << 30  # the window of a global layer: beyond any position
-
-
-@triton.jit
-def _online_softmax_step(m, l, acc, scores, values):  # type: ignore[no-untyped-def]
-    """One tile of keys folded into a running softmax (max m, sum l, weighted values acc); scores of
-    invisible keys are -inf."""
-    m_new = tl.maximum(m, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    p = tl.exp(scores - m_safe[:, None])
-    alpha = tl.exp(m - m_safe)
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
-    return m_new, l, acc
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -83,14 +80,10 @@ def _split_partial(  # type: ignore[no-untyped-def]
     a row sees the keys at most its position and above its position - window; with ``SOFTCAP``,
     its scores s become tanh(s / softcap) * softcap."""
     d = tl.arange(0, D_PAD)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m, l, acc = empty_state(BLOCK_M, D_PAD)
     for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        in_range = keys < hi
-        block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
-        offset = block * stride_cb + (keys % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        keys, in_range, block, slot = key_tile(table_ptr, start, hi, BLOCK_SIZE, BLOCK_N)
+        offset = block * stride_cb + slot * stride_co + kv_head * stride_ch
         kv_mask = in_range[:, None] & (d < head_dim)[None, :]
         k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -101,18 +94,8 @@ def _split_partial(  # type: ignore[no-untyped-def]
             t = (1.0 - e) / (1.0 + e)
             scores = tl.where(x < 0, -t, t) * softcap
         visible = in_range[None, :] & (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)
-        m, l, acc = _online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), v)
+        m, l, acc = online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), v)
     return m, l, acc
-
-
-@triton.jit
-def _combine(m_run, l_run, acc_run, m, l, acc):  # type: ignore[no-untyped-def]
-    """Fold one split's state into the running one (exact no-op for an empty split)."""
-    m_new = tl.maximum(m_run, m)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.exp(m_run - m_safe)
-    b = tl.exp(m - m_safe)
-    return m_new, l_run * a + l * b, acc_run * a[:, None] + acc * b[:, None]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -122,7 +105,7 @@ def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr,
     sink = tl.load(sinks_ptr + head, mask=mask, other=float("-inf")).to(tl.float32)
     ones = tl.full([ROWS], 1.0, tl.float32)
     zeros = tl.zeros([ROWS, D_PAD], tl.float32)
-    return _combine(m_run, l_run, acc_run, sink, ones, zeros)
+    return combine(m_run, l_run, acc_run, sink, ones, zeros)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -152,16 +135,14 @@ def _every_split(  # type: ignore[no-untyped-def]
     SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One program's whole pass: every split from the first visible one, combined in order."""
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_run, l_run, acc_run = empty_state(BLOCK_M, D_PAD)
     for lo in range(first_visible // SPLIT * SPLIT, keys_end, SPLIT):
         m, l, acc = _split_partial(
             q, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, window, softcap, k_cache_ptr, v_cache_ptr,
             table_ptr, kv_head, stride_cb, stride_co, stride_ch, head_dim, BLOCK_M, D_PAD, BLOCK_SIZE, BLOCK_N,
             SOFTCAP,
         )  # fmt: skip
-        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+        m_run, l_run, acc_run = combine(m_run, l_run, acc_run, m, l, acc)
     return m_run, l_run, acc_run
 
 
@@ -237,7 +218,7 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         if SINKS:
             m_run, l_run, acc_run = _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, real, BLOCK_M, D_PAD)
-        out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
+        out = finish(l_run, acc_run)
         o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=real[:, None] & d_ok)
 
@@ -270,18 +251,16 @@ def _reduce_splits_kernel(  # type: ignore[no-untyped-def]
     head = kv_head * G + g
     d = tl.arange(0, D_PAD)
     d_ok = (d < head_dim)[None, :]
-    m_run = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_run = tl.zeros([G_PAD], tl.float32)
-    acc_run = tl.zeros([G_PAD, D_PAD], tl.float32)
+    m_run, l_run, acc_run = empty_state(G_PAD, D_PAD)
     for split in range(num_splits):
         part = (cell * num_heads + head) * num_splits + split
         m = tl.load(part_ml_ptr + 2 * part, mask=real, other=float("-inf"))
         l = tl.load(part_ml_ptr + 2 * part + 1, mask=real, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, None] * head_dim + d[None, :], mask=real[:, None] & d_ok, other=0.0)
-        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
+        m_run, l_run, acc_run = combine(m_run, l_run, acc_run, m, l, acc)
     if SINKS:
         m_run, l_run, acc_run = _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, real, G_PAD, D_PAD)
-    out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # 0 only in rows not stored
+    out = finish(l_run, acc_run)
     o_off = token * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=real[:, None] & d_ok)
 
@@ -291,13 +270,11 @@ def _group_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     group: AttentionGroup,
-    scale: float,
+    params: AttentionParams,
     out: torch.Tensor,
     split_keys: int,
-    window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
 ) -> None:
+    window, softcap, sinks = params.window, params.softcap, params.sinks
     num_seqs, max_q = group.token_index.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
@@ -320,7 +297,7 @@ def _group_attention(
     _attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml, sinks_arg,
         group.token_index, group.query_positions, group.block_ids,
-        scale, NO_WINDOW if window is None else window, softcap or 1.0, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
+        params.scale, NO_WINDOW if window is None else window, softcap or 1.0, max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=max(16, triton.next_power_of_2(head_dim)),
@@ -339,11 +316,8 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    params: AttentionParams,
     split_keys: int = SPLIT_KEYS,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``Ops.attention``: q [T, H, D] -> [T, H, D] in q's dtype; caches [blocks, block_size, KV, D]."""
     if split_keys < 16 or split_keys & (split_keys - 1):
@@ -351,8 +325,8 @@ def paged_attention(
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the triton attention kernel needs q and the caches contiguous in their last dim")
     out = torch.empty_like(q)
-    if sinks is not None:
-        sinks = sinks.float().contiguous()
+    if params.sinks is not None:
+        params = replace(params, sinks=params.sinks.float().contiguous())
     for group in meta.groups:
-        _group_attention(q, k_cache, v_cache, group, scale, out, split_keys, window, softcap, sinks)
+        _group_attention(q, k_cache, v_cache, group, params, out, split_keys)
     return out

@@ -16,12 +16,21 @@ not on the batch around it or on whether its prefix was prefilled or decoded.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
-from tokenmill_service.worker.kernels.triton.attention import _combine, _online_softmax_step
+from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
+from tokenmill_service.worker.kernels.triton.softmax_state import (
+    combine,
+    empty_state,
+    finish,
+    key_tile,
+    online_softmax_step,
+)
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
@@ -58,14 +67,9 @@ def _split_partial(  # type: ignore[no-untyped-def]
     keys lo..hi-1, from scratch: a row sees the keys at most its position. The latents are the values."""
     dl = tl.arange(0, L_PAD)
     dr = tl.arange(0, R_PAD)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, L_PAD], tl.float32)
+    m, l, acc = empty_state(BLOCK_M, L_PAD)
     for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        in_range = keys < hi
-        block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
-        slot = keys % BLOCK_SIZE
+        keys, in_range, block, slot = key_tile(table_ptr, start, hi, BLOCK_SIZE, BLOCK_N)
         c_off = block[:, None] * stride_lb + slot[:, None] * stride_lo + dl[None, :]
         c = tl.load(latent_ptr + c_off, mask=in_range[:, None] & (dl < latent_dim)[None, :], other=0.0)
         c = c.to(tl.float32)
@@ -75,7 +79,7 @@ def _split_partial(  # type: ignore[no-untyped-def]
         scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
         scores = (scores + tl.dot(q_rope, tl.trans(kr), input_precision="ieee")) * scale
         visible = in_range[None, :] & (keys[None, :] <= pos[:, None])
-        m, l, acc = _online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), c)
+        m, l, acc = online_softmax_step(m, l, acc, tl.where(visible, scores, float("-inf")), c)
     return m, l, acc
 
 
@@ -88,17 +92,15 @@ def _every_split(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """A program's pass over its sequence's keys, split by split, combined in order: the softmax-weighted
     latents [BLOCK_M, L_PAD] (0 in rows that are not stored)."""
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc_run = tl.zeros([BLOCK_M, L_PAD], tl.float32)
+    m_run, l_run, acc_run = empty_state(BLOCK_M, L_PAD)
     for lo in range(0, keys_end, SPLIT):
         m, l, acc = _split_partial(
             q_lat, q_rope, pos, lo, tl.minimum(lo + SPLIT, keys_end), scale, latent_ptr, rope_ptr, table_ptr,
             stride_lb, stride_lo, stride_rb, stride_ro, latent_dim, rope_dim, BLOCK_M, L_PAD, R_PAD, BLOCK_SIZE,
             BLOCK_N,
         )  # fmt: skip
-        m_run, l_run, acc_run = _combine(m_run, l_run, acc_run, m, l, acc)
-    return acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+        m_run, l_run, acc_run = combine(m_run, l_run, acc_run, m, l, acc)
+    return finish(l_run, acc_run)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -189,15 +191,13 @@ def _pad(n: int) -> int:
 def _group_latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    cache: LatentCache,
     group: AttentionGroup,
-    scale: float,
+    params: LatentAttentionParams,
     out: torch.Tensor,
     split_keys: int,
 ) -> None:
+    latent_cache, rope_cache, w_uk, w_uv = cache.latents, cache.rope_keys, params.w_uk, params.w_uv
     num_seqs, max_q = group.token_index.shape
     heads, nope_dim, latent_dim = w_uk.shape
     rope_dim, v_dim = rope_cache.shape[-1], w_uv.shape[-1]
@@ -206,7 +206,7 @@ def _group_latent_attention(
     _latent_attention_kernel[(num_seqs * num_q_tiles, heads)](
         q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, out,
         group.token_index, group.query_positions, group.block_ids,
-        scale, max_q, num_q_tiles, group.block_ids.shape[1], nope_dim, latent_dim, rope_dim, v_dim,
+        params.scale, max_q, num_q_tiles, group.block_ids.shape[1], nope_dim, latent_dim, rope_dim, v_dim,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), rope_cache.stride(0), rope_cache.stride(1),
         *w_uk.stride(), *w_uv.stride(),
@@ -218,22 +218,19 @@ def _group_latent_attention(
 def latent_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
+    cache: LatentCache,
     meta: AttentionMetadata,
-    scale: float,
+    params: LatentAttentionParams,
     split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
     """As ``Ops.latent_attention``: [T, H, V] in q_nope's dtype; caches [blocks, block_size, 1, L] and
     [blocks, block_size, 1, R] (``LatentCacheLayout``)."""
     if split_keys < 16 or split_keys & (split_keys - 1):
         raise ValueError(f"split_keys must be a power of two of at least 16, not {split_keys}")
-    if any(x.stride(-1) != 1 for x in (q_nope, q_rope, latent_cache, rope_cache)):
+    if any(x.stride(-1) != 1 for x in (q_nope, q_rope, cache.latents, cache.rope_keys)):
         raise ValueError("the triton latent attention kernel needs the queries and caches contiguous in their last dim")
-    w_uk, w_uv = w_uk.float(), w_uv.float()  # any strides (views of kv_b_proj's weight)
-    out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    params = replace(params, w_uk=params.w_uk.float(), w_uv=params.w_uv.float())  # any strides (kv_b_proj's views)
+    out = torch.empty(*q_nope.shape[:2], params.w_uv.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
     for group in meta.groups:
-        _group_latent_attention(q_nope, q_rope, latent_cache, rope_cache, w_uk, w_uv, group, scale, out, split_keys)
+        _group_latent_attention(q_nope, q_rope, cache, group, params, out, split_keys)
     return out

@@ -1,5 +1,5 @@
 """The batched LoRA product as Triton kernels, grouped by adapter (SGMV, as Punica and S-LoRA run it):
-``lora_delta`` with the signature of worker/layers/lora/sgmv.py's, which the layers use under ``--backend triton``.
+``lora_delta`` with the signature of worker/layers/lora/sgmv.py's (``LoRADelta``), which the layers use under ``--backend triton``.
 
 The step's tokens are taken group by group (one adapter slot each) in tiles of ``BLOCK_M`` rows, so a
 tile reads its adapter's A and B once for all its rows. For each projection of the layer (q, k, v of a
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill_service.worker.kernels.interface import LoRAStack
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
@@ -118,19 +120,13 @@ def _tiles(groups: list[tuple[int, torch.Tensor]], device: torch.device) -> tupl
 
 
 def lora_delta(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    bt: torch.Tensor,
-    ranks: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor]],
-    parts: list[tuple[int, int]] | None = None,
+    x: torch.Tensor, stack: LoRAStack, groups: list[tuple[int, torch.Tensor]]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]); ``a`` [slots, P, R, K]
-    and ``bt`` [slots, R, out] (float32 or bfloat16, contiguous), ``ranks`` int64 [slots, P] on their device;
-    ``parts``: the output columns (start, count) of each of the P blocks of A (None: one block, every
-    column)."""
+    """As ``LoRADelta``: for each (slot, rows) group, (rows, the float32 delta of those rows [n, out]); the
+    stack's tensors contiguous, on x's device."""
     if not groups:
         return []
+    a, bt, ranks = stack.a, stack.bt, stack.ranks
     rows, tile_slot, tile_start, tile_count = _step_tables(groups, x.device)
     total, k, rank, n_out, n_parts = rows.shape[0], x.shape[1], a.shape[2], bt.shape[2], a.shape[1]
     if x.stride(-1) != 1:
@@ -139,7 +135,7 @@ def lora_delta(
     out = torch.zeros(total, n_out, dtype=torch.float32, device=x.device)
     tiles = tile_slot.shape[0]
     block_w = 32
-    for i, (start, count) in enumerate(parts or [(0, n_out)]):
+    for i, (start, count) in enumerate(stack.parts):
         a_part, b_part, out_part = a[:, i], bt[:, :, start : start + count], out[:, start:]
         _shrink_kernel[(tiles, triton.cdiv(rank, block_w))](
             x, a_part, mid, rows, tile_slot, tile_start, tile_count, ranks, i, n_parts, k, x.stride(0),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill_service.worker.kernels import LoRAStack
 from tokenmill_service.worker.kernels import lora as native
 from tokenmill_service.worker.layers.quant.dense import batch_invariant_matmul
 
@@ -41,18 +42,11 @@ def part_table(parts: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def lora_delta(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    bt: torch.Tensor,
-    ranks: torch.Tensor,
-    groups: list[tuple[int, torch.Tensor]],
-    parts: list[tuple[int, int]] | None = None,
+    x: torch.Tensor, stack: LoRAStack, groups: list[tuple[int, torch.Tensor]]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each (slot, rows) group: (rows, the float32 delta of those rows [n, out]). ``a`` [slots, P, R, in],
-    ``bt`` [slots, R, out], ``ranks`` int64 [slots, P]; ``parts``: the output columns (start, count) of each of
-    the P blocks of A (None: one block, every column)."""
+    """As ``LoRADelta``: for each (slot, rows) group, (rows, the float32 delta of those rows [n, out])."""
+    a, bt, ranks, parts = stack.a, stack.bt, stack.ranks, stack.parts
     n_out = bt.shape[2]
-    parts = parts or [(0, n_out)]
     if not groups:
         return []
     if native_reads(x, a):
@@ -78,16 +72,9 @@ def lora_delta(
     return out
 
 
-def lora_delta_reference(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    bt: torch.Tensor,
-    ranks: torch.Tensor,
-    token_slots: list[int],
-    parts: list[tuple[int, int]] | None = None,
-) -> torch.Tensor:
+def lora_delta_reference(x: torch.Tensor, stack: LoRAStack, token_slots: list[int]) -> torch.Tensor:
     """The definition, token by token in float64: delta [T, out] (zero where the slot is -1)."""
-    parts = parts or [(0, bt.shape[2])]
+    a, bt, ranks, parts = stack.a, stack.bt, stack.ranks, stack.parts
     delta = torch.zeros(x.shape[0], bt.shape[2], dtype=torch.float64)
     for t, slot in enumerate(token_slots):
         for p, (start, count) in enumerate(parts if slot >= 0 else []):

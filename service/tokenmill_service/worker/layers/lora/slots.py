@@ -19,31 +19,16 @@ of worker/kernels/triton/lora.py, with the same signature.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill_service.worker.kernels import LoRADelta, LoRAStack, ops_class
 from tokenmill_service.worker.kernels import lora as native
-from tokenmill_service.worker.kernels import ops_class
 from tokenmill_service.worker.layers.lora.adapter import BaseDims, LoRAAdapter, read_adapter
 from tokenmill_service.worker.layers.lora.sgmv import lora_delta, native_reads, part_table
-
-# lora_delta(x, a, bt, ranks, groups, parts) -> [(rows, delta)]: worker/layers/lora/sgmv.py's or
-# worker/kernels/triton/lora.py's.
-DeltaFn = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        list[tuple[int, torch.Tensor]],
-        list[tuple[int, int]],
-    ],
-    list[tuple[torch.Tensor, torch.Tensor]],
-]
 
 
 @dataclass(slots=True)
@@ -69,11 +54,11 @@ class LoRABatch:
 
 
 class LoRALayer:
-    """One linear layer's adapter slots: ``a`` [slots, P, R, in] for its P projections (3 for q/k/v, 2 for
-    gate/up, else 1) and ``bt`` [slots, R, out] (B transposed, the scale folded in): each output column's B
-    against its own projection's block of A (``parts``: each projection's output columns, as (local start,
-    count)), so no zeros of a block-diagonal B are stored, read or multiplied. ``ranks`` [slots, P]: the
-    rows of each block the slot's adapter fills (0: not targeted)."""
+    """One linear layer's adapter slots, ``stack`` (``LoRAStack``): ``a`` [slots, P, R, in] for its P projections
+    (3 for q/k/v, 2 for gate/up, else 1) and ``bt`` [slots, R, out] (B transposed, the scale folded in): each
+    output column's B against its own projection's block of A (``parts``: each projection's output columns, as
+    (local start, count)), so no zeros of a block-diagonal B are stored, read or multiplied. ``ranks``
+    [slots, P]: the rows of each block the slot's adapter fills (0: not targeted)."""
 
     def __init__(
         self,
@@ -82,35 +67,37 @@ class LoRALayer:
         slots: int,
         rank: int,
         batch: LoRABatch,
-        delta: DeltaFn = lora_delta,
+        delta: LoRADelta = lora_delta,
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.projections = projections  # (checkpoint leaf, the layer's shard id) per block of rank
         self.rank = rank
         self.batch = batch
         self.delta = delta
-        # Plain tensors, not buffers: the model's state (and its checkpoint loading) stays the base's.
-        self.a = torch.zeros(slots, len(projections), rank, layer.in_features, dtype=dtype)
-        self.bt = torch.zeros(slots, rank, layer.out_features, dtype=dtype)
-        self.ranks = torch.zeros(slots, len(projections), dtype=torch.int64)
         pieces = [layer._pieces(shard) for _, shard in projections]
         assert all(len(p) == 1 for p in pieces), "a projection's rows are one range of the layer's"
-        self.parts = [(local, count) for ((_, count, local),) in pieces]
-        self.part_rows = part_table(self.parts).to(self.ranks.device)
-        # The in-place native kernel (the decoder stack's): with sgmv's product, on a CPU, where it is built.
-        self.native = delta is lora_delta and native_reads(
-            torch.empty(0, layer.in_features, device=self.a.device), self.a
+        # Plain tensors, not buffers: the model's state (and its checkpoint loading) stays the base's.
+        self.stack = LoRAStack(
+            a=torch.zeros(slots, len(projections), rank, layer.in_features, dtype=dtype),
+            bt=torch.zeros(slots, rank, layer.out_features, dtype=dtype),
+            ranks=torch.zeros(slots, len(projections), dtype=torch.int64),
+            parts=[(local, count) for ((_, count, local),) in pieces],
         )
+        self.part_rows = part_table(self.stack.parts).to(self.stack.ranks.device)
+        # The in-place native kernel (the decoder stack's): with sgmv's product, on a CPU, where it is built.
+        a = self.stack.a
+        self.native = delta is lora_delta and native_reads(torch.empty(0, layer.in_features, device=a.device), a)
 
     @property
     def bytes_per_slot(self) -> int:
         """What one slot holds on this layer (at the slots' rank)."""
-        return (self.a[0].numel() + self.bt[0].numel()) * self.a.element_size()
+        a, bt = self.stack.a, self.stack.bt
+        return (a[0].numel() + bt[0].numel()) * a.element_size()
 
     def clear(self, slot: int) -> None:
         # No kernel reads past a slot's ranks, so the weights need no zeroing (zeroing every layer's slot
         # took most of a slot write).
-        self.ranks[slot].zero_()
+        self.stack.ranks[slot].zero_()
 
     def load(
         self,
@@ -122,25 +109,28 @@ class LoRALayer:
     ) -> None:
         """Write this rank's part of the adapter's pairs for this layer (``prefix``: its parent module)."""
         self.clear(slot)
-        r = adapter.rank
+        stack, r = self.stack, adapter.rank
         for i, (leaf, shard) in enumerate(self.projections):
             pair = tensors.get(f"{prefix}.{leaf}")
             if pair is None:
                 continue
             a, b = pair
-            self.a[slot, i, :r] = layer._columns(a).to(self.a.dtype)
+            stack.a[slot, i, :r] = layer._columns(a).to(stack.a.dtype)
             for start, count, local in layer._pieces(shard):
                 # The scale is folded into B in float32, then rounded once to the slots' dtype.
-                self.bt[slot, :r, local : local + count] = (b[start : start + count].float() * adapter.scale).t()
-            self.ranks[slot, i] = r
+                stack.bt[slot, :r, local : local + count] = (b[start : start + count].float() * adapter.scale).t()
+            stack.ranks[slot, i] = r
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base's product of ``x``) with each adapter token's delta added."""
         if self.native:
             out = y if y.dtype == torch.float32 and y.is_contiguous() else y.float().contiguous()
-            native.lora_add(x.float().contiguous(), out, self.a, self.bt, self.ranks, self.part_rows, self.batch.rows())
+            stack = self.stack
+            native.lora_add(
+                x.float().contiguous(), out, stack.a, stack.bt, stack.ranks, self.part_rows, self.batch.rows()
+            )
             return out if out is y else out.to(y.dtype)
-        for rows, delta in self.delta(x, self.a, self.bt, self.ranks, self.batch.groups, self.parts):
+        for rows, delta in self.delta(x, self.stack, self.batch.groups):
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y
 
