@@ -77,6 +77,24 @@ def test_one_block_table_for_python_and_cpp() -> None:
             assert BLOCK_WEIGHTS[QType[fmt.name]] == fmt.block_weights
 
 
+def test_the_kernels_name_the_formats_and_their_block_sizes_from_the_one_table(tmp_path: Path) -> None:
+    """The generated header names every format (TmFormat) and gives each family of kernels the block sizes of its
+    own formats, 0 for the others, as the table says; no kernel source writes the formats out again."""
+    checks = []
+    for f in abi.BLOCK_FORMATS:
+        native, kquant = (f.block_bytes if f.kernel == kernel else 0 for kernel in ("blocks", "kquant"))
+        checks += [
+            f'static_assert({f.name} == {f.id}, "{f.name}: its id");',
+            f'static_assert(tm_native_block_bytes({f.name}) == {native}, "{f.name}: native block bytes");',
+            f'static_assert(tm_kquant_block_bytes({f.name}) == {kquant}, "{f.name}: k-quant block bytes");',
+        ]
+    source = tmp_path / "formats.cpp"
+    source.write_text('#include "tm_abi.h"\n' + "\n".join(checks) + "\n")
+    build.compile_source("g++", source, tmp_path / "formats.so", "scalar")  # a false static_assert stops it
+    for path in [*build.HERE.glob("*.cpp"), *build.HERE.glob("*.h")]:
+        assert "TM_FORMAT_" not in path.read_text(), f"{path.name} names a format by hand: use TmFormat's names"
+
+
 def test_the_native_kernels_read_only_the_formats_they_have_code_for() -> None:
     """The table holds every format tokenmill dequantizes; the kernels keep to their own rows of it."""
     assert block_gemm.FORMATS == {f.id: f.block_bytes for f in abi.BLOCK_FORMATS if f.kernel == "blocks"}

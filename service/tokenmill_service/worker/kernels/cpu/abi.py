@@ -2,12 +2,12 @@
 function's signature, and the decoder stack's structs.
 
 Both sides are made from it. ``header()`` is the C header every kernel source includes (``tm_abi.h``,
-generated at build by build.py): the block table as constants, the structs with ``static_assert``s
-of the sizes and offsets ctypes computes for them, and an ``extern "C"`` prototype of each exported
-function. C linkage allows no overloads, so a definition whose parameters differ from its prototype
-does not compile, and a struct laid out differently from the ctypes one fails its ``static_assert``:
-a mismatch stops the build instead of passing garbage at run time. The ctypes side (argument and
-return types, the Structures) is derived here too (``bind``, ``structure``).
+generated at build by build.py): the block table as constants and as the kernels' names and block sizes
+(``TmFormat``), the structs with ``static_assert``s of the sizes and offsets ctypes computes for them, and an
+``extern "C"`` prototype of each exported function. C linkage allows no overloads, so a definition whose
+parameters differ from its prototype does not compile, and a struct laid out differently from the ctypes one
+fails its ``static_assert``: a mismatch stops the build instead of passing garbage at run time. The ctypes
+side (argument and return types, the Structures) is derived here too (``bind``, ``structure``).
 """
 
 from __future__ import annotations
@@ -469,6 +469,18 @@ def header() -> str:
             lines.append(f'static_assert(TM_BLOCK_WEIGHTS_{f.name} == TM_QK, "{f.name}: not in blocks of TM_QK");')
         elif f.kernel == "kquant":
             lines.append(f'static_assert(TM_BLOCK_WEIGHTS_{f.name} == {SUPER_BLOCK}, "{f.name}: not a super-block");')
+    lines += [
+        "",
+        "// The formats as the kernels name them, and the bytes per block of those each family reads (0: another):",
+        "// tm_native_block_bytes for block_gemm.cpp and vnni_gemm.cpp, tm_kquant_block_bytes for kquant_gemm.cpp.",
+        "enum TmFormat : int {",
+        *(f"  {f.name} = TM_FORMAT_{f.name}," for f in BLOCK_FORMATS),
+        "};",
+    ]
+    for function, kernel in (("tm_native_block_bytes", "blocks"), ("tm_kquant_block_bytes", "kquant")):
+        lines += [f"constexpr int64_t {function}(int fmt) {{", "  switch (fmt) {"]
+        lines += [f"    case {f.name}: return TM_BLOCK_BYTES_{f.name};" for f in BLOCK_FORMATS if f.kernel == kernel]
+        lines += ["    default: return 0;", "  }", "}"]
     lines += ["", 'extern "C" {', ""]
     lines += [f"struct {name};" for name in STRUCTS]  # the pointer types may point at them
     for name, pointer in FUNCTION_POINTERS.items():

@@ -39,32 +39,6 @@ constexpr bool WIDE = VECTOR_REGISTERS >= 32;
 constexpr int MT = WIDE ? 6 : 2;
 constexpr int NR = WIDE ? 4 : 2;
 
-// ggml's type ids.
-enum Format : int {
-  F32 = TM_FORMAT_F32,
-  Q4_0 = TM_FORMAT_Q4_0,
-  Q4_1 = TM_FORMAT_Q4_1,
-  Q5_0 = TM_FORMAT_Q5_0,
-  Q5_1 = TM_FORMAT_Q5_1,
-  Q8_0 = TM_FORMAT_Q8_0,
-  IQ4_NL = TM_FORMAT_IQ4_NL,
-  MXFP4 = TM_FORMAT_MXFP4
-};
-
-int64_t block_bytes(int fmt) {
-  switch (fmt) {
-    case F32: return TM_BLOCK_BYTES_F32;
-    case Q4_0: return TM_BLOCK_BYTES_Q4_0;
-    case Q4_1: return TM_BLOCK_BYTES_Q4_1;
-    case Q5_0: return TM_BLOCK_BYTES_Q5_0;
-    case Q5_1: return TM_BLOCK_BYTES_Q5_1;
-    case Q8_0: return TM_BLOCK_BYTES_Q8_0;
-    case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
-    case MXFP4: return TM_BLOCK_BYTES_MXFP4;
-    default: return 0;
-  }
-}
-
 inline f32x16 half_at(const uint8_t* p) {
   uint16_t h;
   memcpy(&h, p, 2);
@@ -164,7 +138,7 @@ __attribute__((always_inline)) inline void store_sums(const f32x16* acc, int n, 
 
 template <int F>
 void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
-  const int64_t blocks = k / QK, bytes = block_bytes(F);
+  const int64_t blocks = k / QK, bytes = tm_native_block_bytes(F);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) dequantize_block<F>(w + (r * blocks + b) * bytes, out + r * k + b * QK);
 }
@@ -215,7 +189,7 @@ constexpr int few_step() {
 // is the same, store_sums' tree does not depend on its slot).
 template <int F, int M>
 void few_rows(const float* x, int64_t k, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t blocks = k / QK, bytes = block_bytes(F), row_bytes = blocks * bytes;
+  const int64_t blocks = k / QK, bytes = tm_native_block_bytes(F), row_bytes = blocks * bytes;
   constexpr int step = few_step<F>();
   for (int64_t r0 = n0; r0 < n1; r0 += step) {
     const int cols = (int)std::min<int64_t>(step, n1 - r0);
@@ -259,7 +233,7 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
     }
     return;
   }
-  const int64_t row_bytes = k / QK * block_bytes(F);
+  const int64_t row_bytes = k / QK * tm_native_block_bytes(F);
   const int64_t tiles = (n + NT - 1) / NT;
   // Activation rows per pass: as many as stay in a core's L2 beside the weights.
   const int64_t chunk = std::max<int64_t>(MT, (256 * 1024 / (k * 4)) / MT * MT);

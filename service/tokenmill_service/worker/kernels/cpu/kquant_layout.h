@@ -23,15 +23,6 @@ static_assert(TM_BLOCK_WEIGHTS_Q5_K == QK_K && TM_BLOCK_WEIGHTS_Q6_K == QK_K && 
                   TM_BLOCK_WEIGHTS_Q2_K == QK_K && TM_BLOCK_WEIGHTS_Q3_K == QK_K,
               "k-quants: one super-block size");
 
-enum Format : int {
-  Q2_K = TM_FORMAT_Q2_K,
-  Q3_K = TM_FORMAT_Q3_K,
-  Q4_K = TM_FORMAT_Q4_K,
-  Q5_K = TM_FORMAT_Q5_K,
-  Q6_K = TM_FORMAT_Q6_K,
-  IQ4_XS = TM_FORMAT_IQ4_XS
-};
-
 // IQ4_NL's (and IQ4_XS's) 16 levels, ggml's kvalues_iq4nl.
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // The same as the unsigned q the product takes (level + 128).

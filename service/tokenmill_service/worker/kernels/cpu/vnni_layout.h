@@ -17,34 +17,14 @@ using vnni::QK;
 using vnni::total;
 using vnni::quantize_row;
 
-enum Format : int {
-  Q4_0 = TM_FORMAT_Q4_0,
-  Q4_1 = TM_FORMAT_Q4_1,
-  Q5_0 = TM_FORMAT_Q5_0,
-  Q5_1 = TM_FORMAT_Q5_1,
-  Q8_0 = TM_FORMAT_Q8_0,
-  IQ4_NL = TM_FORMAT_IQ4_NL,
-  MXFP4 = TM_FORMAT_MXFP4
-};
-
 // IQ4_NL's 16 levels (ggml's kvalues_iq4nl) + 128: the unsigned q the product takes.
 alignas(16) constexpr uint8_t IQ4_Q[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 // MXFP4's e2m1 values doubled (ggml's kvalues_mxfp4: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) + 128.
 alignas(16) constexpr uint8_t MXFP4_Q[16] = {128, 129, 130, 131, 132, 134, 136, 140,
                                              128, 127, 126, 125, 124, 122, 120, 116};
 
-int64_t source_block_bytes(int fmt) {
-  switch (fmt) {
-    case Q4_0: return TM_BLOCK_BYTES_Q4_0;
-    case Q4_1: return TM_BLOCK_BYTES_Q4_1;
-    case Q5_0: return TM_BLOCK_BYTES_Q5_0;
-    case Q5_1: return TM_BLOCK_BYTES_Q5_1;
-    case Q8_0: return TM_BLOCK_BYTES_Q8_0;
-    case IQ4_NL: return TM_BLOCK_BYTES_IQ4_NL;
-    case MXFP4: return TM_BLOCK_BYTES_MXFP4;
-    default: return 0;
-  }
-}
+// The native formats but F32 (block_gemm.cpp's alone); 0 for any other.
+int64_t source_block_bytes(int fmt) { return fmt == F32 ? 0 : tm_native_block_bytes(fmt); }
 
 constexpr bool byte_weights(int fmt) { return fmt == Q8_0; }  // else nibbles
 constexpr bool fifth_bit(int fmt) { return fmt == Q5_0 || fmt == Q5_1; }  // and a plane of fifth bits
