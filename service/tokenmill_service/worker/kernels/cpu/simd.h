@@ -10,6 +10,8 @@
 //   TM_ISA_AVX512  isa/avx512.h   AVX-512 F/BW/DQ/VL + VNNI: one register per vector
 //   TM_ISA_NEON    isa/neon.h     ARMv8.2 NEON with the dot product: four 4-lane registers per vector
 //
+// (isa/common.h: what they all have alike, the lane mask's type and the bit casts.)
+//
 // Every op is elementwise or has one fixed order (the reductions below), every float op rounds once
 // (fmadd and fnmadd are fused, nothing else is: kernels are built with -ffp-contract=off), and the
 // integer products are exact, so a kernel written in these ops gives the same bits on every backend:
@@ -52,6 +54,15 @@ inline lanes first_lanes(int64_t n) {
 // a prefetch never faults, whatever p is.
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+// ((c0 x + c1) x + c2) x + ... by Horner's rule: one fmadd a coefficient after c0, in that order (the bits follow
+// it). Always inlined: the same code as the chain written out.
+template <class... C>
+__attribute__((always_inline)) inline f32x16 horner(f32x16 x, float c0, C... c) {
+  f32x16 p = set1(c0);
+  ((p = fmadd(p, x, set1(c))), ...);
+  return p;
+}
+
 // e^x for every lane, |x| clamped to [-87, 88]: 2^n * e^r with n = round(x / ln 2) and a degree-6
 // polynomial for e^r, |r| <= ln(2) / 2 (Cephes' expf coefficients, ~1 ulp).
 inline f32x16 exp(f32x16 x) {
@@ -59,12 +70,8 @@ inline f32x16 exp(f32x16 x) {
   const f32x16 n = round_even(mul(x, set1(1.44269504088896341f)));
   f32x16 r = fnmadd(n, set1(0.693359375f), x);
   r = fnmadd(n, set1(-2.12194440e-4f), r);
-  f32x16 p = set1(1.9875691500e-4f);
-  p = fmadd(p, r, set1(1.3981999507e-3f));
-  p = fmadd(p, r, set1(8.3334519073e-3f));
-  p = fmadd(p, r, set1(4.1665795894e-2f));
-  p = fmadd(p, r, set1(1.6666665459e-1f));
-  p = fmadd(p, r, set1(5.0000001201e-1f));
+  f32x16 p = horner(r, 1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                     5.0000001201e-1f);
   p = fmadd(p, mul(r, r), add(r, set1(1.0f)));
   return scale2(p, n);
 }
@@ -76,13 +83,8 @@ inline f32x16 exp2_nonpositive(f32x16 x) {
   x = max(x, set1(-125.0f));
   const f32x16 n = round_even(x);
   const f32x16 f = sub(x, n);
-  f32x16 p = set1(1.5337577497e-4f);
-  p = fmadd(p, f, set1(1.3399859890e-3f));
-  p = fmadd(p, f, set1(9.6185198054e-3f));
-  p = fmadd(p, f, set1(5.5503290147e-2f));
-  p = fmadd(p, f, set1(2.4022646248e-1f));
-  p = fmadd(p, f, set1(6.9314718246e-1f));
-  p = fmadd(p, f, set1(1.0f));
+  const f32x16 p = horner(f, 1.5337577497e-4f, 1.3399859890e-3f, 9.6185198054e-3f, 5.5503290147e-2f, 2.4022646248e-1f,
+                          6.9314718246e-1f, 1.0f);
   return scale2(p, n);
 }
 
@@ -91,11 +93,8 @@ inline f32x16 exp2_nonpositive(f32x16 x) {
 inline f32x16 tanh(f32x16 x) {
   const f32x16 ax = abs(x);
   const f32x16 z = mul(x, x);
-  f32x16 p = set1(-5.70498872745e-3f);
-  p = fmadd(p, z, set1(2.06390887954e-2f));
-  p = fmadd(p, z, set1(-5.37397155531e-2f));
-  p = fmadd(p, z, set1(1.33314422036e-1f));
-  p = fmadd(p, z, set1(-3.33332819422e-1f));
+  const f32x16 p = horner(z, -5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f,
+                          -3.33332819422e-1f);
   const f32x16 small = fmadd(mul(p, z), x, x);
   const f32x16 e = exp(add(ax, ax));
   const f32x16 big = sub(set1(1.0f), div(set1(2.0f), add(e, set1(1.0f))));
@@ -115,15 +114,8 @@ inline f32x16 log(f32x16 x) {
   e = select_i(high, add_i(e, set1_i(1)), e);
   const f32x16 f = sub(m, set1(1.0f));
   const f32x16 z = mul(f, f);
-  f32x16 p = set1(7.0376836292e-2f);
-  p = fmadd(p, f, set1(-1.1514610310e-1f));
-  p = fmadd(p, f, set1(1.1676998740e-1f));
-  p = fmadd(p, f, set1(-1.2420140846e-1f));
-  p = fmadd(p, f, set1(1.4249322787e-1f));
-  p = fmadd(p, f, set1(-1.6668057665e-1f));
-  p = fmadd(p, f, set1(2.0000714765e-1f));
-  p = fmadd(p, f, set1(-2.4999993993e-1f));
-  p = fmadd(p, f, set1(3.3333331174e-1f));
+  const f32x16 p = horner(f, 7.0376836292e-2f, -1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
+                          -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f);
   const f32x16 fe = to_float(e);
   f32x16 y = mul(mul(p, f), z);
   y = fmadd(fe, set1(-2.12194440e-4f), y);
