@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the avx2 backend needs AVX2, FMA and F16C (-march=x86-64-v3)"
 #endif
@@ -16,15 +18,12 @@ namespace simd {
 constexpr const char* ISA = "avx2";
 constexpr int VECTOR_REGISTERS = 8;  // ymm0-15, two a vector
 
-using lanes = uint16_t;
-
 struct f32x16 { __m256 v[2]; };
 struct i32x16 { __m256i v[2]; };
 struct u8x64 { __m256i v[2]; };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline float bf16_to_float(uint16_t h) { const uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
 // Eight lanes of a mask as all-ones / all-zeros int32 lanes.
 inline __m256i lane_mask8(unsigned bits) {

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
 #error "the avx512 backend needs AVX-512F/BW, AVX-512 VNNI and F16C (-march=x86-64-v4 -mavx512vnni)"
 #endif
@@ -15,15 +17,12 @@ namespace simd {
 constexpr const char* ISA = "avx512";
 constexpr int VECTOR_REGISTERS = 32;  // zmm0-31
 
-using lanes = uint16_t;
-
 struct f32x16 { __m512 v; };
 struct i32x16 { __m512i v; };
 struct u8x64 { __m512i v; };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline float bf16_to_float(uint16_t h) { const uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
 // -- float lanes
 

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 #if !defined(__aarch64__) || !defined(__ARM_FEATURE_DOTPROD)
 #error "the neon backend needs AArch64 with the dot product (-march=armv8.2-a+dotprod+fp16)"
 #endif
@@ -16,8 +18,6 @@ namespace simd {
 
 constexpr const char* ISA = "neon";
 constexpr int VECTOR_REGISTERS = 8;  // v0-31, four a vector
-
-using lanes = uint16_t;
 
 struct f32x16 { float32x4_t v[4]; };
 struct i32x16 { int32x4_t v[4]; };
@@ -34,7 +34,6 @@ inline uint16_t float_to_half(float f) {
   memcpy(&h, &x, 2);
   return h;
 }
-inline float bf16_to_float(uint16_t h) { const uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
 // Four lanes of a mask (bits 4q .. 4q + 3) as all-ones / all-zeros lanes.
 inline uint32x4_t lane_mask4(lanes m, int q) {
@@ -44,6 +43,22 @@ inline uint32x4_t lane_mask4(lanes m, int q) {
 
 #define TM_FOR4(expr) \
   for (int q = 0; q < 4; ++q) { expr; }
+
+// select and select_i (bsl: vbslq_f32 or vbslq_s32), and less and equal_i: the mask of the lanes where cmp
+// (vcltq_f32, vceqq_s32) sets all ones, bits 4q .. 4q + 3 from register q.
+#define TM_SIMD_SELECT(name, V, bsl)                                \
+  inline V name(lanes m, V a, V b) {                                \
+    V r;                                                            \
+    TM_FOR4(r.v[q] = bsl(lane_mask4(m, q), a.v[q], b.v[q]));        \
+    return r;                                                       \
+  }
+#define TM_SIMD_MASK(name, V, cmp)                                                                     \
+  inline lanes name(V a, V b) {                                                                        \
+    static const uint32_t bit[4] = {1, 2, 4, 8};                                                       \
+    lanes m = 0;                                                                                       \
+    TM_FOR4(m |= (lanes)(vaddvq_u32(vandq_u32(cmp(a.v[q], b.v[q]), vld1q_u32(bit))) << (4 * q)));     \
+    return m;                                                                                          \
+  }
 
 // -- float lanes
 
@@ -110,17 +125,8 @@ inline f32x16 scale2(f32x16 p, f32x16 n) {
   TM_FOR4(r.v[q] = vmulq_f32(p.v[q], vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n.v[q]), vdupq_n_s32(127)), 23))));
   return r;
 }
-inline f32x16 select(lanes m, f32x16 a, f32x16 b) {
-  f32x16 r;
-  TM_FOR4(r.v[q] = vbslq_f32(lane_mask4(m, q), a.v[q], b.v[q]));
-  return r;
-}
-inline lanes less(f32x16 a, f32x16 b) {
-  static const uint32_t bit[4] = {1, 2, 4, 8};
-  lanes m = 0;
-  TM_FOR4(m |= (lanes)(vaddvq_u32(vandq_u32(vcltq_f32(a.v[q], b.v[q]), vld1q_u32(bit))) << (4 * q)));
-  return m;
-}
+TM_SIMD_SELECT(select, f32x16, vbslq_f32)
+TM_SIMD_MASK(less, f32x16, vcltq_f32)
 inline float lane0(f32x16 a) { return vgetq_lane_f32(a.v[0], 0); }
 inline i32x16 as_bits(f32x16 a) { i32x16 r; TM_FOR4(r.v[q] = vreinterpretq_s32_f32(a.v[q])); return r; }
 inline f32x16 from_bits(i32x16 a) { f32x16 r; TM_FOR4(r.v[q] = vreinterpretq_f32_s32(a.v[q])); return r; }
@@ -162,17 +168,8 @@ inline i32x16 shr_i(i32x16 a, int n) {
 }
 inline i32x16 and_i(i32x16 a, i32x16 b) { i32x16 r; TM_FOR4(r.v[q] = vandq_s32(a.v[q], b.v[q])); return r; }
 inline i32x16 or_i(i32x16 a, i32x16 b) { i32x16 r; TM_FOR4(r.v[q] = vorrq_s32(a.v[q], b.v[q])); return r; }
-inline i32x16 select_i(lanes m, i32x16 a, i32x16 b) {
-  i32x16 r;
-  TM_FOR4(r.v[q] = vbslq_s32(lane_mask4(m, q), a.v[q], b.v[q]));
-  return r;
-}
-inline lanes equal_i(i32x16 a, i32x16 b) {
-  static const uint32_t bit[4] = {1, 2, 4, 8};
-  lanes m = 0;
-  TM_FOR4(m |= (lanes)(vaddvq_u32(vandq_u32(vceqq_s32(a.v[q], b.v[q]), vld1q_u32(bit))) << (4 * q)));
-  return m;
-}
+TM_SIMD_SELECT(select_i, i32x16, vbslq_s32)
+TM_SIMD_MASK(equal_i, i32x16, vceqq_s32)
 inline i32x16 load_u8_i(const uint8_t* p) {
   const uint8x16_t v = vld1q_u8(p);
   const uint16x8_t lo = vmovl_u8(vget_low_u8(v)), hi = vmovl_u8(vget_high_u8(v));
@@ -272,6 +269,8 @@ inline i32x16 dot_s16(i32x16 acc, u8x64 w, int32_t a2) {
   return r;
 }
 
+#undef TM_SIMD_SELECT
+#undef TM_SIMD_MASK
 #undef TM_FOR4
 
 }  // namespace simd

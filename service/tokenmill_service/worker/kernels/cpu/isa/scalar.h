@@ -8,22 +8,19 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 namespace simd {
 
 constexpr const char* ISA = "scalar";
 // How many f32x16 a kernel's register tile may hold before it spills (tile sizes change speed, never bits).
 constexpr int VECTOR_REGISTERS = 8;
 
-using lanes = uint16_t;  // bit i: lane i
-
 struct f32x16 { float v[16]; };
 struct i32x16 { int32_t v[16]; };
 struct u8x64 { uint8_t v[64]; };
 
-// -- float16 and bfloat16 bits, exactly (IEEE binary16 round to nearest even, as F16C and ARM do).
-
-inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+// -- float16 bits, exactly (IEEE binary16 round to nearest even, as F16C and ARM do; bfloat16's: common.h).
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -51,8 +48,6 @@ inline uint16_t float_to_half(float f) {
   const float scaled = bits_float(abs) * 16777216.0f;
   return (uint16_t)(sign | (uint16_t)rintf(scaled));
 }
-
-inline float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
 
 // -- float lanes
 
@@ -91,6 +86,21 @@ TM_SIMD_F2(max, x > y ? x : y)
 TM_SIMD_F2(min, x < y ? x : y)
 #undef TM_SIMD_F2
 
+// select and select_i: lane i of a where bit i of m is set, else of b; less and equal_i: the lanes where
+// a.v[i] op b.v[i].
+#define TM_SIMD_SELECT(name, V)                                              \
+  inline V name(lanes m, V a, V b) {                                         \
+    V r;                                                                     \
+    for (int i = 0; i < 16; ++i) r.v[i] = (m >> i) & 1 ? a.v[i] : b.v[i];    \
+    return r;                                                                \
+  }
+#define TM_SIMD_MASK(name, V, op)                                                       \
+  inline lanes name(V a, V b) {                                                         \
+    lanes m = 0;                                                                        \
+    for (int i = 0; i < 16; ++i) m |= (lanes)((a.v[i] op b.v[i] ? 1u : 0u) << i);       \
+    return m;                                                                           \
+  }
+
 // a * b + c and c - a * b, each rounded once.
 inline f32x16 fmadd(f32x16 a, f32x16 b, f32x16 c) {
   f32x16 r;
@@ -126,16 +136,8 @@ inline f32x16 scale2(f32x16 p, f32x16 n) {
   for (int i = 0; i < 16; ++i) r.v[i] = p.v[i] * bits_float((uint32_t)((int32_t)n.v[i] + 127) << 23);
   return r;
 }
-inline f32x16 select(lanes m, f32x16 a, f32x16 b) {
-  f32x16 r;
-  for (int i = 0; i < 16; ++i) r.v[i] = (m >> i) & 1 ? a.v[i] : b.v[i];
-  return r;
-}
-inline lanes less(f32x16 a, f32x16 b) {
-  lanes m = 0;
-  for (int i = 0; i < 16; ++i) m |= (lanes)((a.v[i] < b.v[i] ? 1u : 0u) << i);
-  return m;
-}
+TM_SIMD_SELECT(select, f32x16)
+TM_SIMD_MASK(less, f32x16, <)
 inline float lane0(f32x16 a) { return a.v[0]; }
 // The bits of each lane as an int32, and back.
 inline i32x16 as_bits(f32x16 a) { i32x16 r; memcpy(r.v, a.v, 64); return r; }
@@ -197,16 +199,10 @@ inline i32x16 max_i(i32x16 a, i32x16 b) {
   for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
   return r;
 }
-inline i32x16 select_i(lanes m, i32x16 a, i32x16 b) {
-  i32x16 r;
-  for (int i = 0; i < 16; ++i) r.v[i] = (m >> i) & 1 ? a.v[i] : b.v[i];
-  return r;
-}
-inline lanes equal_i(i32x16 a, i32x16 b) {
-  lanes m = 0;
-  for (int i = 0; i < 16; ++i) m |= (lanes)((a.v[i] == b.v[i] ? 1u : 0u) << i);
-  return m;
-}
+TM_SIMD_SELECT(select_i, i32x16)
+TM_SIMD_MASK(equal_i, i32x16, ==)
+#undef TM_SIMD_SELECT
+#undef TM_SIMD_MASK
 // 16 bytes, zero- or sign-extended.
 inline i32x16 load_u8_i(const uint8_t* p) { i32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
 inline i32x16 load_s8_i(const int8_t* p) { i32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
@@ -255,27 +251,21 @@ inline u8x64 or_and(u8x64 a, u8x64 b, u8x64 c) {
   for (int i = 0; i < 64; ++i) r.v[i] = a.v[i] | (b.v[i] & c.v[i]);
   return r;
 }
-// Each 16-bit word (little-endian byte pair 2i, 2i + 1) shifted by n in 0 .. 15, zeros shifted in.
-inline u8x64 shr16(u8x64 a, int n) {
-  u8x64 r;
-  for (int i = 0; i < 32; ++i) {
-    uint16_t w;
-    memcpy(&w, a.v + 2 * i, 2);
-    w = (uint16_t)(w >> n);
-    memcpy(r.v + 2 * i, &w, 2);
+// Each 16-bit word (little-endian byte pair 2i, 2i + 1) shifted (op: >> or <<) by n in 0 .. 15, zeros shifted in.
+#define TM_SIMD_SHIFT16(name, op)       \
+  inline u8x64 name(u8x64 a, int n) {   \
+    u8x64 r;                            \
+    for (int i = 0; i < 32; ++i) {      \
+      uint16_t w;                       \
+      memcpy(&w, a.v + 2 * i, 2);       \
+      w = (uint16_t)(w op n);           \
+      memcpy(r.v + 2 * i, &w, 2);       \
+    }                                   \
+    return r;                           \
   }
-  return r;
-}
-inline u8x64 shl16(u8x64 a, int n) {
-  u8x64 r;
-  for (int i = 0; i < 32; ++i) {
-    uint16_t w;
-    memcpy(&w, a.v + 2 * i, 2);
-    w = (uint16_t)(w << n);
-    memcpy(r.v + 2 * i, &w, 2);
-  }
-  return r;
-}
+TM_SIMD_SHIFT16(shr16, >>)
+TM_SIMD_SHIFT16(shl16, <<)
+#undef TM_SIMD_SHIFT16
 // r[i] = table[idx[i]] for indices below 16.
 inline u8x64 lookup16(const uint8_t* table, u8x64 idx) {
   u8x64 r;
