@@ -1,7 +1,7 @@
 """One place decides what runs: ``LoadOptions`` (what was asked) -> ``resolve_plan`` -> ``LoadPlan``.
 
 Importing this package does not import torch (the server process ships the options and reads the
-plan's summary); ``plan.resolve`` and ``plan.device`` do, in the worker.
+plan's summary); ``worker.plan.resolve`` and ``worker.device`` do, in the worker.
 """
 
 from tokenmill_service.contract.plan.options import LoadOptions

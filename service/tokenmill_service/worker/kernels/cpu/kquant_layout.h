@@ -42,17 +42,7 @@ constexpr bool level_indices(int fmt) { return fmt == IQ4_XS; }
 // Formats with a scale per 16 weights (folded at each half block of 32) rather than per 32.
 constexpr bool half_scales(int fmt) { return signed_scales(fmt) || fmt == Q2_K; }
 
-int64_t source_block_bytes(int fmt) {
-  switch (fmt) {
-    case Q4_K: return TM_BLOCK_BYTES_Q4_K;
-    case Q5_K: return TM_BLOCK_BYTES_Q5_K;
-    case Q6_K: return TM_BLOCK_BYTES_Q6_K;
-    case Q2_K: return TM_BLOCK_BYTES_Q2_K;
-    case Q3_K: return TM_BLOCK_BYTES_Q3_K;
-    case IQ4_XS: return TM_BLOCK_BYTES_IQ4_XS;
-    default: return 0;
-  }
-}
+int64_t source_block_bytes(int fmt) { return tm_kquant_block_bytes(fmt); }
 
 // A weight's low bits (4: a nibble; Q3_K's 2), and the bits above them.
 constexpr int low_bits(int fmt) { return fmt == Q3_K || fmt == Q2_K ? 2 : 4; }
