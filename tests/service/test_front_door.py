@@ -84,7 +84,7 @@ def test_a_prompt_that_takes_seconds_to_tokenize_holds_up_no_one(server: ServerP
     outcome: list[tuple[int, dict[str, Any], float]] = []
     big = threading.Thread(target=lambda: outcome.append(post(server.http_url + "/v1/chat/completions", body)))
     big.start()
-    time.sleep(0.3)  # under way
+    time.sleep(0.05)  # under way: the body sent, being read
     waits = []
     while big.is_alive() and len(waits) < 50:
         start = time.monotonic()
@@ -95,8 +95,9 @@ def test_a_prompt_that_takes_seconds_to_tokenize_holds_up_no_one(server: ServerP
     big.join(120)
     ((status, reply, seconds),) = outcome
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
-    # (Tokenized on the event loop it let one health check through, after 0.87 s.)
-    assert len(waits) >= 5 and max(waits) < 0.3, (waits, seconds)
+    # (Tokenized on the event loop it let one health check through, after 0.87 s; decoded and parsed on it, the
+    # first waited 0.23 s here and 0.43 s in CI; off it, 0.04 s.)
+    assert len(waits) >= 5 and max(waits) < 0.15, (waits, seconds)
     assert small[0] == 200 and small[2] < max(2.0, seconds), (small, seconds)
 
 
