@@ -32,19 +32,7 @@ from tokenmill_service.contract.tokenizer import Tokenizer
 from tokenmill_service.front.choice_responses import ChoiceResponses, RequestTally
 from tokenmill_service.front.metrics import Metrics
 from tokenmill_service.front.proto import pb
-from tokenmill_service.front.router import (
-    AdapterInUse,
-    AdapterNotFound,
-    AdapterRefused,
-    DeadlineExceeded,
-    Overloaded,
-    Rejected,
-    RequestStream,
-    Router,
-    RouterError,
-    ShuttingDown,
-    Unavailable,
-)
+from tokenmill_service.front.router import AdapterNotFound, RequestStream, Router, RouterError, ShuttingDown, status_of
 from tokenmill_service.front.validation import (
     CONSTRAINT_FIELDS,
     MAX_REQUEST_ID_LENGTH,
@@ -249,10 +237,11 @@ class GenerationService:
         except ServiceError as exc:
             tally.code, tally.error, tally.field, tally.reason = exc.code, exc.message, exc.field, exc.reason
         except RouterError as exc:
-            status = _router_status(exc)
+            status = status_of(exc)
             if status is None:
                 raise
-            (tally.code, tally.field, tally.reason), tally.error = status, str(exc)
+            field, reason = ("adapter", "model_not_found") if isinstance(exc, AdapterNotFound) else (None, None)
+            tally.code, tally.error, tally.field, tally.reason = status, str(exc), field, reason
         except (asyncio.CancelledError, GeneratorExit):
             # The caller went away (a cancelled RPC, a closed HTTP connection).
             tally.code, tally.error = grpc.StatusCode.CANCELLED, "the caller cancelled"
@@ -317,33 +306,9 @@ class GenerationService:
         structlog.contextvars.unbind_contextvars("request_id", "worker_id", "api")
 
 
-# What a request's stream ends with, as a status and the field and reason a front-end names (the first
-# class the error is an instance of); another RouterError is not the caller's to see.
-_ROUTER_CODES: tuple[tuple[type[RouterError], tuple[grpc.StatusCode, str | None, str | None]], ...] = (
-    (DeadlineExceeded, (grpc.StatusCode.DEADLINE_EXCEEDED, None, None)),
-    (Rejected, (grpc.StatusCode.INVALID_ARGUMENT, None, None)),
-    (AdapterNotFound, (grpc.StatusCode.NOT_FOUND, "adapter", "model_not_found")),
-    (Overloaded, (grpc.StatusCode.RESOURCE_EXHAUSTED, None, None)),
-    (Unavailable, (grpc.StatusCode.UNAVAILABLE, None, None)),
-)
-
-
-def _router_status(exc: RouterError) -> tuple[grpc.StatusCode, str | None, str | None] | None:
-    return next((status for kind, status in _ROUTER_CODES if isinstance(exc, kind)), None)
-
-
-# What a LoRA adapter's load or unload ends with, as a status.
-_ADAPTER_CODES: dict[type[RouterError], grpc.StatusCode] = {
-    AdapterRefused: grpc.StatusCode.INVALID_ARGUMENT,
-    AdapterNotFound: grpc.StatusCode.NOT_FOUND,
-    AdapterInUse: grpc.StatusCode.FAILED_PRECONDITION,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
-
-
 async def _adapter_call(call: Any) -> None:
     try:
         await call
     except RouterError as exc:
-        code = _ADAPTER_CODES.get(type(exc), grpc.StatusCode.INTERNAL)
+        code = status_of(exc) or grpc.StatusCode.INTERNAL
         raise ServiceError(code, str(exc), "lora_name" if code is not grpc.StatusCode.UNAVAILABLE else None) from None

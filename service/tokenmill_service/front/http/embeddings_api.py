@@ -21,7 +21,7 @@ from tokenmill_service.contract.tokenizer import Tokenizer
 from tokenmill_service.front.generation import GenerationService, ServiceError
 from tokenmill_service.front.http.embeddings_protocol import EmbeddingsRequest, embeddings_json
 from tokenmill_service.front.http.request_fields import BadRequest
-from tokenmill_service.front.router import AdapterNotFound, Overloaded, Rejected, RouterError, Unavailable
+from tokenmill_service.front.router import AdapterNotFound, RouterError, status_of
 
 log = structlog.get_logger("tokenmill.server")
 
@@ -30,12 +30,6 @@ WHICH_MODELS_EMBED = (
     "an encoder (a BERT checkpoint: bge, all-MiniLM, e5), a Hugging Face checkpoint with a sentence-transformers "
     "pooling configuration (modules.json, 1_Pooling: Qwen3-Embedding), or a GGUF file with a pooling type"
 )
-_ROUTER_CODES: dict[type[RouterError], grpc.StatusCode] = {
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    Rejected: grpc.StatusCode.INVALID_ARGUMENT,
-    AdapterNotFound: grpc.StatusCode.NOT_FOUND,
-}
 
 
 def embedding_of(service: GenerationService) -> EmbeddingInfo | None:
@@ -70,7 +64,7 @@ async def create_embeddings(service: GenerationService, request: EmbeddingsReque
         inputs = await asyncio.to_thread(token_ids, request.inputs, service.tokenizer, embedding, vocab_size)
         vectors = await service.router.embed(inputs, request.dimensions)
     except RouterError as exc:
-        code = _ROUTER_CODES.get(type(exc), grpc.StatusCode.UNAVAILABLE)
+        code = status_of(exc) or grpc.StatusCode.UNAVAILABLE
         raise ServiceError(code, str(exc), "model" if isinstance(exc, AdapterNotFound) else None) from None
     tokens = sum(len(ids) for ids in inputs)
     log.info(

@@ -6,7 +6,7 @@
 - ``replicas.py``: ``ReplicaPool``: the worker processes, their pipes, supervision and restarts
 - ``spec.py``: what each worker process is started with (the load options whole, limits, threads)
 - ``streams.py``: one admitted request, as kept for resumption and as its caller reads it
-- ``errors.py``: what a request's stream can end with (each one gRPC status)
+- ``errors.py``: what a request's stream can end with (each one gRPC status: ``status_of``)
 """
 
 from tokenmill_service.front.router.dispatch import Router
@@ -21,6 +21,7 @@ from tokenmill_service.front.router.errors import (
     ShuttingDown,
     Unavailable,
     WorkerStartError,
+    status_of,
 )
 from tokenmill_service.front.router.streams import RequestStream
 
@@ -37,4 +38,5 @@ __all__ = [
     "ShuttingDown",
     "Unavailable",
     "WorkerStartError",
+    "status_of",
 ]

@@ -1,6 +1,9 @@
-"""What a caller of the router sees go wrong; each maps to one gRPC status in the servicer."""
+"""What a caller of the router sees go wrong; each maps to one gRPC status (status_of), which the servicer
+answers it with."""
 
 from __future__ import annotations
+
+import grpc
 
 
 class RouterError(Exception):
@@ -31,7 +34,7 @@ class DeadlineExceeded(RouterError):
 
 
 class Rejected(RouterError):
-    """The worker's engine refused the request (a limit the servicer could not check)."""
+    """The worker's engine refused the request (a limit the servicer could not check): INVALID_ARGUMENT."""
 
 
 class AdapterNotFound(RouterError):
@@ -53,3 +56,21 @@ class WorkerStartError(RuntimeError):
     def __init__(self, message: str, usage: bool = False) -> None:
         super().__init__(message)
         self.usage = usage
+
+
+# The status each is answered with (that of the first class the error is an instance of).
+_STATUS: tuple[tuple[type[RouterError], grpc.StatusCode], ...] = (
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Rejected, grpc.StatusCode.INVALID_ARGUMENT),
+    (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (AdapterRefused, grpc.StatusCode.INVALID_ARGUMENT),
+    (AdapterInUse, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_of(exc: RouterError) -> grpc.StatusCode | None:
+    """The gRPC status a caller is answered ``exc`` with; None for another RouterError, which is not the
+    caller's to see (a fault of the server's)."""
+    return next((status for kind, status in _STATUS if isinstance(exc, kind)), None)

@@ -36,18 +36,12 @@ import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill_service.worker.kernels.attention_params import AttentionParams
-from tokenmill_service.worker.kernels.triton.softmax_state import (
-    combine,
-    empty_state,
-    finish,
-    key_tile,
-    online_softmax_step,
-)
+from tokenmill_service.worker.kernels.triton.paged_tiles import SPLIT_KEYS, check_split_keys, key_tile, tile_rows
+from tokenmill_service.worker.kernels.triton.softmax_state import combine, empty_state, finish, online_softmax_step
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
 
-SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 64  # keys per tile inside a split
 MIN_ROWS = 16  # a tile's query rows; tl.dot needs at least 16 on a GPU
 NO_WINDOW = 1 << 30  # the window of a global layer: beyond any position
@@ -55,27 +49,12 @@ NO_WINDOW = 1 << 30  # the window of a global layer: beyond any position
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _split_partial(  # type: ignore[no-untyped-def]
-    q,
-    pos,
-    lo,
-    hi,
-    scale,
-    window,
-    softcap,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_ptr,
-    kv_head,
-    stride_cb,
-    stride_co,
-    stride_ch,
+    q, pos, lo, hi, scale, window, softcap,
+    k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+    stride_cb, stride_co, stride_ch,
     head_dim,
-    BLOCK_M: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-):
+    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
     """Softmax state of rows q [BLOCK_M, D_PAD] (positions pos) over keys lo..hi-1, from scratch:
     a row sees the keys at most its position and above its position - window; with ``SOFTCAP``,
     its scores s become tanh(s / softcap) * softcap."""
@@ -109,25 +88,6 @@ def _fold_sink(m_run, l_run, acc_run, sinks_ptr, head, mask, ROWS: tl.constexpr,
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _tile_rows(  # type: ignore[no-untyped-def]
-    token_index_ptr, positions_ptr, seq, q_tile, kv_head, max_q,
-    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """A program's rows: BLOCK_Q queries of its sequence, each with the G query heads of its kv head (padded
-    to G_PAD). Returns each row's grid cell, token, position (-1 where the row is not a real query), whether
-    it is one, and its query head."""
-    r = tl.arange(0, BLOCK_M)
-    j = q_tile * BLOCK_Q + r // G_PAD
-    g = r % G_PAD
-    in_grid = (j < max_q) & (g < G)
-    cell = seq.to(tl.int64) * max_q + j
-    token = tl.load(token_index_ptr + cell, mask=in_grid, other=0)
-    pos = tl.load(positions_ptr + cell, mask=in_grid, other=0)
-    real = in_grid & ((j == 0) | (pos > 0))
-    return cell, token, tl.where(real, pos, -1), real, kv_head * G + g
-
-
-@triton.jit  # type: ignore[untyped-decorator]
 def _every_split(  # type: ignore[no-untyped-def]
     q, pos, first_visible, keys_end, scale, window, softcap, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
     stride_cb, stride_co, stride_ch, head_dim,
@@ -148,47 +108,21 @@ def _every_split(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _attention_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    sinks_ptr,
-    token_index_ptr,
-    positions_ptr,
-    block_ids_ptr,
-    scale,
-    window,
-    softcap,
-    max_q,
-    num_q_tiles,
-    table_width,
-    num_heads,
-    num_splits,
-    head_dim,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    TWO_STAGE: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    SINKS: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
+    token_index_ptr, positions_ptr, block_ids_ptr,
+    scale, window, softcap,
+    max_q, num_q_tiles, table_width, num_heads, num_splits, head_dim,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    TWO_STAGE: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+):  # fmt: skip
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     seq = tl.program_id(0) // num_q_tiles
     kv_head = tl.program_id(1)
-    cell, token, pos, real, head = _tile_rows(
+    cell, token, pos, real, head = tile_rows(
         token_index_ptr, positions_ptr, seq, tl.program_id(0) % num_q_tiles, kv_head, max_q, G, G_PAD, BLOCK_Q, BLOCK_M
     )
     d = tl.arange(0, D_PAD)
@@ -225,21 +159,11 @@ def _attention_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _reduce_splits_kernel(  # type: ignore[no-untyped-def]
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    sinks_ptr,
-    token_index_ptr,
-    num_heads,
-    num_splits,
-    head_dim,
-    stride_ot,
-    stride_oh,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-    SINKS: tl.constexpr,
-):
+    out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, token_index_ptr,
+    num_heads, num_splits, head_dim,
+    stride_ot, stride_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, SINKS: tl.constexpr,
+):  # fmt: skip
     """Second pass of decode: fold each query's split states in split order, as the one-pass path does.
 
     Runs for decode groups only (one query per sequence), so every grid cell is a real query."""
@@ -320,8 +244,7 @@ def paged_attention(
     split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
     """As ``Ops.attention``: q [T, H, D] -> [T, H, D] in q's dtype; caches [blocks, block_size, KV, D]."""
-    if split_keys < 16 or split_keys & (split_keys - 1):
-        raise ValueError(f"split_keys must be a power of two of at least 16, not {split_keys}")
+    check_split_keys(split_keys)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the triton attention kernel needs q and the caches contiguous in their last dim")
     out = torch.empty_like(q)

@@ -24,45 +24,25 @@ import triton.language as tl
 
 from tokenmill_service.worker.kernels.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
-from tokenmill_service.worker.kernels.triton.softmax_state import (
-    combine,
-    empty_state,
-    finish,
-    key_tile,
-    online_softmax_step,
-)
+from tokenmill_service.worker.kernels.triton.paged_tiles import SPLIT_KEYS, check_split_keys, key_tile, tile_rows
+from tokenmill_service.worker.kernels.triton.softmax_state import combine, empty_state, finish, online_softmax_step
 
 # @triton.jit is untyped, and the kernels' parameters stay unannotated (triton reads a parameter's
 # annotation to choose how it specialises the kernel), hence their narrow type-ignores.
 
-SPLIT_KEYS = 256  # keys per split (absolute positions); fixed, so results do not vary with the batch
 BLOCK_N = 32  # keys per tile inside a split
 BLOCK_Q = 16  # query rows of a tile; tl.dot needs at least 16 on a GPU
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _split_partial(  # type: ignore[no-untyped-def]
-    q_lat,
-    q_rope,
-    pos,
-    lo,
-    hi,
-    scale,
-    latent_ptr,
-    rope_ptr,
-    table_ptr,
-    stride_lb,
-    stride_lo,
-    stride_rb,
-    stride_ro,
-    latent_dim,
-    rope_dim,
-    BLOCK_M: tl.constexpr,
-    L_PAD: tl.constexpr,
-    R_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    q_lat, q_rope, pos, lo, hi, scale,
+    latent_ptr, rope_ptr, table_ptr,
+    stride_lb, stride_lo,
+    stride_rb, stride_ro,
+    latent_dim, rope_dim,
+    BLOCK_M: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """Softmax state of rows (q_lat [BLOCK_M, L_PAD], q_rope [BLOCK_M, R_PAD], positions pos) over
     keys lo..hi-1, from scratch: a row sees the keys at most its position. The latents are the values."""
     dl = tl.arange(0, L_PAD)
@@ -105,59 +85,27 @@ def _every_split(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _latent_attention_kernel(  # type: ignore[no-untyped-def]
-    q_nope_ptr,
-    q_rope_ptr,
-    latent_ptr,
-    rope_ptr,
-    w_uk_ptr,
-    w_uv_ptr,
-    out_ptr,
-    token_index_ptr,
-    positions_ptr,
-    block_ids_ptr,
+    q_nope_ptr, q_rope_ptr, latent_ptr, rope_ptr, w_uk_ptr, w_uv_ptr, out_ptr,
+    token_index_ptr, positions_ptr, block_ids_ptr,
     scale,
-    max_q,
-    num_q_tiles,
-    table_width,
-    nope_dim,
-    latent_dim,
-    rope_dim,
-    v_dim,
-    stride_nt,
-    stride_nh,
-    stride_rt,
-    stride_rh,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lo,
-    stride_rb,
-    stride_ro,
-    stride_kh,
-    stride_kn,
-    stride_kl,
-    stride_vh,
-    stride_vl,
-    stride_vv,
-    BLOCK_M: tl.constexpr,
-    N_PAD: tl.constexpr,
-    L_PAD: tl.constexpr,
-    R_PAD: tl.constexpr,
-    V_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
+    max_q, num_q_tiles, table_width,
+    nope_dim, latent_dim, rope_dim, v_dim,
+    stride_nt, stride_nh,
+    stride_rt, stride_rh,
+    stride_ot, stride_oh,
+    stride_lb, stride_lo,
+    stride_rb, stride_ro,
+    stride_kh, stride_kn, stride_kl,
+    stride_vh, stride_vl, stride_vv,
+    BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr, V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
     seq = tl.program_id(0) // num_q_tiles
-    q_tile = tl.program_id(0) % num_q_tiles
     head = tl.program_id(1)
-    j = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_grid = j < max_q
-    cell = seq.to(tl.int64) * max_q + j
-    token = tl.load(token_index_ptr + cell, mask=in_grid, other=0)
-    pos = tl.load(positions_ptr + cell, mask=in_grid, other=0)
-    real = in_grid & ((j == 0) | (pos > 0))  # padding cells have position 0 and repeat a real token
-    pos = tl.where(real, pos, -1)
+    # One query head a row: the grid's rows with groups of one head (G = G_PAD = 1).
+    _cell, token, pos, real, _head = tile_rows(
+        token_index_ptr, positions_ptr, seq, tl.program_id(0) % num_q_tiles, head, max_q, 1, 1, BLOCK_M, BLOCK_M
+    )
     dn = tl.arange(0, N_PAD)
     dl = tl.arange(0, L_PAD)
     dr = tl.arange(0, R_PAD)
@@ -225,8 +173,7 @@ def latent_attention(
 ) -> torch.Tensor:
     """As ``Ops.latent_attention``: [T, H, V] in q_nope's dtype; caches [blocks, block_size, 1, L] and
     [blocks, block_size, 1, R] (``LatentCacheLayout``)."""
-    if split_keys < 16 or split_keys & (split_keys - 1):
-        raise ValueError(f"split_keys must be a power of two of at least 16, not {split_keys}")
+    check_split_keys(split_keys)
     if any(x.stride(-1) != 1 for x in (q_nope, q_rope, cache.latents, cache.rope_keys)):
         raise ValueError("the triton latent attention kernel needs the queries and caches contiguous in their last dim")
     params = replace(params, w_uk=params.w_uk.float(), w_uv=params.w_uv.float())  # any strides (kv_b_proj's views)

@@ -12,20 +12,11 @@ import triton.language as tl
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    out_ptr,
-    h_ptr,
-    stride_x,
-    stride_r,
-    stride_o,
-    stride_h,
-    dim,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr,
+    stride_x, stride_r, stride_o, stride_h,
+    dim, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -51,18 +42,9 @@ def rms_norm(
     h = torch.empty((tokens, dim), dtype=torch.float32, device=x.device)
     if tokens:
         _rms_norm_kernel[(tokens,)](
-            x,
-            residual if residual is not None else x,  # never read without HAS_RESIDUAL
-            weight,
-            out,
-            h,
-            x.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            out.stride(0),
-            h.stride(0),
-            dim,
-            eps,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(dim),
-        )
+            x, residual if residual is not None else x, weight, out, h,  # residual: never read without HAS_RESIDUAL
+            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), h.stride(0),
+            dim, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim),
+        )  # fmt: skip
     return out, h

@@ -29,22 +29,13 @@ def _rotate_heads(ptr, stride_t, stride_h, row, heads, cos, sin, HEADS_PAD: tl.c
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _rotary_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    k_ptr,
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
     stride_cos,
-    q_heads,
-    k_heads,
-    Q_HEADS_PAD: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr,
-):
+    q_heads, k_heads,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + row)
     d = tl.arange(0, HALF)
@@ -66,20 +57,11 @@ def rotary(
         raise ValueError("the triton rotary kernel needs the last dimension of q, k, cos and sin contiguous")
     if tokens:
         _rotary_kernel[(tokens,)](
-            q,
-            k,
-            positions,
-            cos,
-            sin,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
+            q, k, positions, cos, sin,
+            q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1),
             cos.stride(0),
-            q_heads,
-            k.shape[1],
-            Q_HEADS_PAD=triton.next_power_of_2(q_heads),
-            K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
-            HALF=half,
-        )
+            q_heads, k.shape[1],
+            Q_HEADS_PAD=triton.next_power_of_2(q_heads), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]), HALF=half,
+        )  # fmt: skip
     return q, k

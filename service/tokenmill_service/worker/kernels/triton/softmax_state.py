@@ -2,7 +2,7 @@
 
 A row's state over the keys seen so far is (max m, sum l, weighted values acc): ``empty_state`` has seen
 none, ``online_softmax_step`` folds in a tile of keys, ``combine`` folds one split's state into the
-running one, ``finish`` divides. ``key_tile`` finds a tile of keys through a sequence's block table.
+running one, ``finish`` divides.
 Each is inlined into its caller's kernel, so sharing them changes no arithmetic and no order.
 """
 
@@ -19,16 +19,6 @@ import triton.language as tl
 def empty_state(ROWS: tl.constexpr, D: tl.constexpr):  # type: ignore[no-untyped-def]
     """The state of ROWS rows of D values that have seen no key."""
     return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, D], tl.float32)
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def key_tile(table_ptr, start, hi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
-    """The BLOCK_N keys from position ``start``: their positions, whether each lies below ``hi``, and the cache
-    block (through the sequence's block table at ``table_ptr``; 0 out of range) and slot in it of each."""
-    keys = start + tl.arange(0, BLOCK_N)
-    in_range = keys < hi
-    block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=in_range, other=0)
-    return keys, in_range, block, keys % BLOCK_SIZE
 
 
 @triton.jit

@@ -12,24 +12,13 @@ import triton.language as tl
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    kv_heads,
-    head_dim,
-    block_size,
-    HEADS_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,
+    kv_heads, head_dim, block_size,
+    HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row)
     h = tl.arange(0, HEADS_PAD)[:, None]
@@ -53,21 +42,10 @@ def store_kv(
         raise ValueError("the triton store_kv kernel needs K and V caches of one layout, last dim contiguous")
     if tokens:
         _store_kv_kernel[(tokens,)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            kv_heads,
-            head_dim,
-            k_cache.shape[1],
-            HEADS_PAD=triton.next_power_of_2(kv_heads),
-            D_PAD=triton.next_power_of_2(head_dim),
-        )
+            k, v, k_cache, v_cache, slot_mapping,
+            k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            kv_heads, head_dim, k_cache.shape[1],
+            HEADS_PAD=triton.next_power_of_2(kv_heads), D_PAD=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
