@@ -71,12 +71,17 @@ namespace {
 // one vector each: words tiles of 4 rows x 2 groups, and digits (one group, 4 rows) up to 4 rows, as measured
 // on Zen 4. Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2,
 // measured on an AMD EPYC (one thread, Q4_K and Q6_K, K = 2048): words for every row count (a byte product is
-// 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 4 rows x 1 group
-// (4 x 2: 1.1 times as long at 64 and 256 rows; 2 x 1 and 3 x 1 0.93-1.05 times). NEON (not measured): digits
+// 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 6 rows x 1 group
+// (with avx2.h's sums kept in registers, bench/kernels/kquant_tiles.py, 64-512 rows: 4 x 1 0.93-0.97 times as fast,
+// Q6_K 0.92-0.96; 5 x 1 0.97-1.0; 8 x 1 0.94-0.98; 2-4 rows x 2 groups 0.6-1.1). NEON (not measured): digits
 // for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
 // their sums and weights, the 32 registers).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
+#if defined(TM_ISA_AVX2)
+#define KQUANT_MT 6
+#else
 #define KQUANT_MT 4
+#endif
 #define KQUANT_NG (VECTOR_REGISTERS >= 32 ? 2 : 1)
 #define KQUANT_MT_DIGITS (VECTOR_REGISTERS >= 32 ? 4 : 2)
 #if defined(TM_ISA_AVX512)
