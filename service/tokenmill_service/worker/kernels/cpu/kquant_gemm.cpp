@@ -96,6 +96,15 @@ constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
+// How many output vectors (M x NGT) keep enough chains of dot_s16 in flight with one sum an output (words tiles):
+// from WORD_CHAINS of them on two sums an output, below them four. AVX-512's dot_s16 is one vpdpwssd, a chain of
+// 4 cycles' latency: 2. AVX2's is vpmaddwd then vpaddd, whose chain is the add's 1 cycle: 1 (measured on an AMD
+// EPYC: one row's Q6_K 1.15 times as fast as with four sums, Q4_K as fast; 3 rows 1.05-1.07 times as with two).
+#if defined(TM_ISA_AVX2)
+constexpr int WORD_CHAINS = 1;
+#else
+constexpr int WORD_CHAINS = 2;
+#endif
 // int8 activations: up to this many rows the decoding tiles (MT_DIGITS rows, one group), past it MT x NG.
 constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;
 
@@ -196,10 +205,9 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid) {
-  // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 (on AVX-512 4 cycles'
-  // latency, one a cycle) in flight.
+  // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 in flight (WORD_CHAINS).
   static_assert(!(WORDS && INT8), "int8 activations are one digit");
-  constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
+  constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 2 * WORD_CHAINS ? 1 : M * NGT >= WORD_CHAINS ? 2 : 4;
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
   // The block's sums and a pass's weights, declared here rather than in the loops that use them: so declared,
