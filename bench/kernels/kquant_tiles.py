@@ -69,7 +69,10 @@ def main() -> int:
         libs = [variant_library(args.isa, flags, Path(tmp), i) for i, flags in enumerate(variants)]
         for i, flags in enumerate(variants):
             print(f"v{i}: {flags or '(default)'}")
-        print(f"{'format':7} {'K':>5} {'N':>5} {'M':>4} {'thr':>3} " + " ".join(f"{'v' + str(i) + ' G/s  %':>13}" for i in range(len(libs))))
+        print(
+            f"{'format':7} {'K':>5} {'N':>5} {'M':>4} {'thr':>3} "
+            + " ".join(f"{'v' + str(i) + ' G/s  %':>13}" for i in range(len(libs)))
+        )
         for name in args.formats.split(","):
             qtype = QType[name]
             for shape in args.shapes.split(","):
@@ -96,7 +99,8 @@ def main() -> int:
                             rate = m * n * k / b / 1e9
                             cells.append(f"{rate:7.1f} {100 * rate / (args.peak * threads):4.0f}%")
                         print(
-                            f"{name:7} {k:5} {n:5} {m:4} {threads:3} " + " ".join(f"{c:>13}" for c in cells)
+                            f"{name:7} {k:5} {n:5} {m:4} {threads:3} "
+                            + " ".join(f"{c:>13}" for c in cells)
                             + ("" if same else "  OUTPUTS DIFFER"),
                             flush=True,
                         )
