@@ -71,12 +71,17 @@ namespace {
 // one vector each: words tiles of 4 rows x 2 groups, and digits (one group, 4 rows) up to 4 rows, as measured
 // on Zen 4. Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2,
 // measured on an AMD EPYC (one thread, Q4_K and Q6_K, K = 2048): words for every row count (a byte product is
-// 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 4 rows x 1 group
-// (4 x 2: 1.1 times as long at 64 and 256 rows; 2 x 1 and 3 x 1 0.93-1.05 times). NEON (not measured): digits
+// 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 6 rows x 1 group
+// (with avx2.h's sums kept in registers, bench/kernels/kquant_tiles.py, 64-512 rows: 4 x 1 0.93-0.97 times as fast,
+// Q6_K 0.92-0.96; 5 x 1 0.97-1.0; 8 x 1 0.94-0.98; 2-4 rows x 2 groups 0.6-1.1). NEON (not measured): digits
 // for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
 // their sums and weights, the 32 registers).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
+#if defined(TM_ISA_AVX2)
+#define KQUANT_MT 6
+#else
 #define KQUANT_MT 4
+#endif
 #define KQUANT_NG (VECTOR_REGISTERS >= 32 ? 2 : 1)
 #define KQUANT_MT_DIGITS (VECTOR_REGISTERS >= 32 ? 4 : 2)
 #if defined(TM_ISA_AVX512)
@@ -91,6 +96,15 @@ constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
+// How many output vectors (M x NGT) keep enough chains of dot_s16 in flight with one sum an output (words tiles):
+// from WORD_CHAINS of them on two sums an output, below them four. AVX-512's dot_s16 is one vpdpwssd, a chain of
+// 4 cycles' latency: 2. AVX2's is vpmaddwd then vpaddd, whose chain is the add's 1 cycle: 1 (measured on an AMD
+// EPYC: one row's Q6_K 1.15 times as fast as with four sums, Q4_K as fast; 3 rows 1.05-1.07 times as with two).
+#if defined(TM_ISA_AVX2)
+constexpr int WORD_CHAINS = 1;
+#else
+constexpr int WORD_CHAINS = 2;
+#endif
 // int8 activations: up to this many rows the decoding tiles (MT_DIGITS rows, one group), past it MT x NG.
 constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;
 
@@ -191,10 +205,9 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid) {
-  // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 (on AVX-512 4 cycles'
-  // latency, one a cycle) in flight.
+  // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 in flight (WORD_CHAINS).
   static_assert(!(WORDS && INT8), "int8 activations are one digit");
-  constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
+  constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 2 * WORD_CHAINS ? 1 : M * NGT >= WORD_CHAINS ? 2 : 4;
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
   // The block's sums and a pass's weights, declared here rather than in the loops that use them: so declared,
