@@ -198,7 +198,8 @@ def bench(
                 print(
                     f"{qtype.name:7} {k:5} {n:5} {m:4} {lo['old'] * 1e3:8.3f}m {lo['new'] * 1e3:8.3f}m "
                     f"{lo['new'] / lo['old']:9.3f} {med['new'] / med['old']:9.3f} {med['old'] / lo['old']:7.2f} "
-                    f"{w.numel() / lo['new'] / 1e9:8.1f} {m * n * k / lo['new'] / 1e9:10.1f}",
+                    # (three significant digits: a tiny product on a loaded machine is still above zero)
+                    f"{w.numel() / lo['new'] / 1e9:8.3g} {m * n * k / lo['new'] / 1e9:10.3g}",
                     flush=True,
                 )
 
