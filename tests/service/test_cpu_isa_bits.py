@@ -74,8 +74,8 @@ def default_results(server_address: str) -> dict[str, Any]:
 # The instruction sets' servers take steps of STEP_TOKENS: LONG is two of their prefill chunks and one of the
 # default server's 512-token steps, so the bits hold across chunkings too. (Small, for the plain C++ build's sake:
 # its prefill runs at about 2 tokens a second a core.)
-STEP_TOKENS = 128
-LONG = 200
+STEP_TOKENS = 64
+LONG = 100
 
 ATEN_CAPABILITY = {"scalar": "default", "avx2": "avx2", "avx512": "avx512"}
 
