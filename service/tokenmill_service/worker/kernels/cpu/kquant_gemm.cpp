@@ -96,17 +96,14 @@ constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
-// How many output vectors (M x NGT) keep enough chains of dot_s16 in flight with one sum an output (words tiles):
-// from WORD_CHAINS of them on two sums an output, below them four. AVX-512's dot_s16 is one vpdpwssd, a chain of
-// 4 cycles' latency: 2. AVX2's is vpmaddwd then vpaddd, whose chain is the add's 1 cycle: 1 (measured on an AMD
-// EPYC: one row's Q6_K 1.15 times as fast as with four sums, Q4_K as fast; 3 rows 1.05-1.07 times as with two).
+// Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
+// WORD_CHAINS, else four. vpdpwssd's chain is 4 cycles (2), AVX2's vpaddd 1 (1; measured on an AMD EPYC).
 #if defined(TM_ISA_AVX2)
 constexpr int WORD_CHAINS = 1;
 #else
 constexpr int WORD_CHAINS = 2;
 #endif
-// int8 activations: up to this many rows the decoding tiles (MT_DIGITS rows, one group), past it MT x NG.
-constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;
+constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;  // int8: up to this many rows MT_DIGITS x 1 tiles, past it MT x NG
 
 inline f32x16 bytes_as_floats(const uint8_t* p, bool is_signed) {
   return to_float(is_signed ? load_s8_i((const int8_t*)p) : load_u8_i(p));
@@ -397,8 +394,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                   tile_format<false, true, MT>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
                 else if (int8)
                   tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
-                // Only the forms this backend takes are built: no words where every row count takes the digits
-                // (NEON), no digits where none does (scalar, AVX2: the scalar build 54 s -> 36 s).
+                // Only the forms this backend takes are built (the scalar build's compile 54 s -> 36 s).
                 else if (words) {
                   if constexpr (MAX_DIGIT_ROWS < INT64_MAX)
                     tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
