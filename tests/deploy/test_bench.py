@@ -173,6 +173,40 @@ def test_the_quantized_gemm_bench_finds_a_revisions_kernel_bit_for_bit_the_same(
     assert all(float(row.split()[-2]) > 0 and float(row.split()[-1]) > 0 for row in rows), out
 
 
+def test_the_prefill_profile_splits_a_prompts_time_between_the_stacks_parts() -> None:
+    """bench/kernels/prefill_profile.py on the embedded model: one prompt's wall time beside the native stack's
+    products, attention, the rest of the stack and what is outside it, each in milliseconds."""
+    from tokenmill_service.contract.model_paths import resolve_model_path
+
+    out = run_kernel_bench(
+        "prefill_profile.py", "decoder_stack", "--model", str(resolve_model_path(None)), "--tokens", "64",
+        "--runs", "1", needs_git=False,
+    )  # fmt: skip
+    header, row = out.strip().splitlines()[-2:]
+    assert header.split() == ["wall", "products", "attention", "stack", "rest", "outside"], out
+    wall, products, attention, rest, outside = (float(v) for v in row.split())
+    assert 0 < products < wall and attention >= 0 and rest >= 0, out
+    assert abs(products + attention + rest + outside - wall) <= 2, out  # the parts add up (each rounded to 1 ms)
+
+
+@pytest.mark.slow
+def test_the_kquant_tiles_bench_holds_another_tile_to_the_defaults_bits() -> None:
+    """bench/kernels/kquant_tiles.py builds kquant_gemm.cpp with other tile sizes (-D overrides) and checks
+    each variant's outputs against the default build's, bit for bit, before it prints their rates."""
+    from tokenmill_service.contract.plan import cpu_isa
+
+    if cpu_isa.missing("avx2") is not None:
+        pytest.skip("needs an x86 CPU with AVX2")
+    tile = "-DKQUANT_MT=3 -DKQUANT_NG=1 -DKQUANT_MT_DIGITS=2 -DKQUANT_DIGIT_ROWS=0"
+    out = run_kernel_bench(
+        "kquant_tiles.py", "kquant_gemm", "--isa", "avx2", "--variant=", f"--variant={tile}", "--formats", "Q4_K",
+        "--shapes", "256x64", "--m", "8", "--threads", "1", "--repeats", "2", needs_git=False,
+    )  # fmt: skip
+    assert f"v1: {tile}" in out and out.strip().endswith("bitwise identical"), out
+    row = out.strip().splitlines()[-2].split()
+    assert row[:5] == ["Q4_K", "256", "64", "8", "1"] and float(row[5]) > 0 and float(row[7]) > 0, out
+
+
 def test_the_prefill_peak_counts_a_prompts_multiply_adds_and_picks_the_products_instruction() -> None:
     """bench/prefill_peak.py's arithmetic, on the embedded model (SmolLM2-135M: 30 layers, hidden 576,
     9 heads of 64, 3 key-value heads, MLP 1536, vocabulary 49152)."""
