@@ -127,6 +127,41 @@ void run(const check::Lib& ref, const check::Lib& cand, check::Report& report) {
       products(a, b, f.id, w, n, k, rng, report, f.name);
     }
 
+  // The largest sums: every weight at its format's largest q (all bits set) against activations at +-127 (rows of
+  // +1 and of -1: a block's int8 values all +127 or all -127), where a backend's narrower partial sums are closest
+  // to overflowing (AVX2's int16 pairs of the int8 activations).
+  for (const Format& f : FORMATS) {
+    const int64_t k = 512, n = 37, m = 6;
+    std::vector<uint8_t> src = source(f, n, k, rng);
+    for (size_t at = 0; at < src.size(); at += f.bytes) {
+      std::vector<uint16_t> halves;
+      for (int s : f.scale_at)
+        if (s >= 0) halves.push_back((uint16_t)(src[at + s] | src[at + s + 1] << 8));
+      memset(&src[at], 0xFF, f.bytes);
+      size_t h = 0;
+      for (int s : f.scale_at)
+        if (s >= 0) memcpy(&src[at + s], &halves[h++], 2);
+    }
+    snprintf(what, sizeof what, "%s largest sums pack", f.name);
+    const std::vector<uint8_t> w = pack_both(a, b, f.id, src, n, k, report, what);
+    std::vector<float> x(m * k);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < k; ++j) x[i * k + j] = i % 3 == 0 ? 1.0f : i % 3 == 1 ? -1.0f : (j / 32) % 2 ? 1.0f : -1.0f;
+    for (int threads = 1; threads <= 2; ++threads) {
+      std::vector<float> ya(m * n, -1.0f), yb(m * n, -2.0f);
+      const int ra = a.gemm_int8(f.id, x.data(), m, k, w.data(), n, ya.data(), threads);
+      const int rb = b.gemm_int8(f.id, x.data(), m, k, w.data(), n, yb.data(), threads);
+      snprintf(what, sizeof what, "%s largest sums gemm_int8 threads=%d", f.name, threads);
+      report.same(what, &ra, &rb, sizeof ra);
+      report.same(what, ya, yb);
+      const int rc = a.gemm(f.id, x.data(), m, k, w.data(), n, ya.data(), threads);
+      const int rd = b.gemm(f.id, x.data(), m, k, w.data(), n, yb.data(), threads);
+      snprintf(what, sizeof what, "%s largest sums gemm threads=%d", f.name, threads);
+      report.same(what, &rc, &rd, sizeof rc);
+      report.same(what, ya, yb);
+    }
+  }
+
   // A mixed layer: Q4_K, Q6_K and IQ4_XS segments (whole groups but the last), behind abi.py's header.
   {
     const int64_t k = 512;

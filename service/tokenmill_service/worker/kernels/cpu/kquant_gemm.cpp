@@ -75,7 +75,9 @@ namespace {
 // (with avx2.h's sums kept in registers, bench/kernels/kquant_tiles.py, 64-512 rows: 4 x 1 0.93-0.97 times as fast,
 // Q6_K 0.92-0.96; 5 x 1 0.97-1.0; 8 x 1 0.94-0.98; 2-4 rows x 2 groups 0.6-1.1). NEON (not measured): digits
 // for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
-// their sums and weights, the 32 registers).
+// their sums and weights, the 32 registers). The int8 activations on AVX2 keep their byte products' sums as int16
+// pairs (simd.h's pairs16, widened once a block for Q4_K): 4 x 1 tiles (kquant_tiles.py --int8, 16-512 rows:
+// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #if defined(TM_ISA_AVX2)
 #define KQUANT_MT 6
@@ -92,8 +94,12 @@ namespace {
 #define KQUANT_DIGIT_ROWS 0
 #endif
 #endif
+#ifndef KQUANT_MT_INT8
+#define KQUANT_MT_INT8 (PAIR_SUMS ? 4 : KQUANT_MT)
+#endif
 constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
+constexpr int MT_INT8 = KQUANT_MT_INT8;  // int8: rows per tile past MAX_DIGIT_ROWS_INT8 (AVX2's pair sums: 4 x 1)
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 // Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
@@ -212,6 +218,12 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   // started from garbage; right with -fstack-reuse=none: its sharing of stack slots between scopes).
   i32x16 qa[M][NGT][PARTS];
   u8x64 wq[NGT][4], w0[NGT], w1[NGT];
+  // int8 where the backend keeps byte products' sums as int16 pairs (PAIR_SUMS): added into qa every PAIR_STEPS.
+  constexpr bool PAIRS = INT8 && PAIR_SUMS && !level_indices(F);
+  pairs16 ps[PAIRS ? M : 1][NGT];
+  if constexpr (PAIRS)
+    for (int i = 0; i < M; ++i)
+      for (int g = 0; g < NGT; ++g) ps[i][g] = zero_pairs();
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t sb = 0; sb < k / QK_K; ++sb) {
@@ -251,8 +263,13 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
             const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
             const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
             for (int g = 0; g < NGT; ++g) {
-              qa[i][g][0] = dot_q<F>(qa[i][g][0], w0[g], h0);
-              qa[i][g][0] = dot_q<F>(qa[i][g][0], w1[g], h1);
+              if constexpr (PAIRS) {
+                ps[i][g] = dot_u7s8_pairs(ps[i][g], w0[g], h0);
+                ps[i][g] = dot_u7s8_pairs(ps[i][g], w1[g], h1);
+              } else {
+                qa[i][g][0] = dot_q<F>(qa[i][g][0], w0[g], h0);
+                qa[i][g][0] = dot_q<F>(qa[i][g][0], w1[g], h1);
+              }
             }
             if constexpr (!INT8) {
               const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
@@ -262,6 +279,13 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
               }
             }
           }
+          if constexpr (PAIRS)
+            if ((s + 1) % pair_steps(F) == 0)
+              for (int i = 0; i < M; ++i)
+                for (int g = 0; g < NGT; ++g) {
+                  qa[i][g][0] = add_pairs(qa[i][g][0], ps[i][g]);
+                  ps[i][g] = zero_pairs();
+                }
         }
         if constexpr (F == Q2_K) {
           if (s % 2 == 0) continue;
@@ -384,14 +408,14 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
     half_sums |= half_scales(segs[s].fmt);
   }
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
-  const int mt = int8 ? (wide ? MT : MT_DIGITS) : words ? MT : MT_DIGITS;
+  const int mt = int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
   vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
                 const int fmt = segs[s].fmt;
                 const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
                 const uint8_t* wg = segs[s].w + g0 * gstride;
                 if (int8 && wide)
-                  tile_format<false, true, MT>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                  tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
                 else if (int8)
                   tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
                 // Only the forms this backend takes are built (the scalar build's compile 54 s -> 36 s).
@@ -403,39 +427,6 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                 }
               },
               words, int8);
-}
-
-// One segment's packed weights [rows, k] as float32, exactly gguf's dequantized values (row stride k).
-void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
-  const int64_t supers = k / QK_K, gstride = supers * group_super_bytes(fmt);
-  const int low = low_bits(fmt), bits = (int)high_bits(fmt);
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t g = r / G, row = r % G;
-    for (int64_t sb = 0; sb < supers; ++sb) {
-      const Packed p(fmt, w, gstride, g, sb);
-      const float d = half_to_float(half_bits(p.scales + row * 2));
-      for (int j = 0; j < QK_K; ++j) {
-        const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
-        const uint8_t* bq = p.quants + blk * block_quant_bytes(fmt);
-        int q = (bq[plane_of(low, step) * 64 + i] >> shift_of(low, step)) & ((1 << low) - 1);
-        if (level_indices(fmt)) q = IQ4_LEVELS[q] + 128;
-        if (bits)
-          q |= ((bq[64 * low + plane_of(bits, step) * 64 + i] >> shift_of(bits, step)) & ((1 << bits) - 1)) << low;
-        float value;
-        if (signed_scales(fmt)) {
-          const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
-          value = de * (float)(q - q_offset(fmt));
-        } else {
-          const int subs = fmt == Q2_K ? 16 : 8, sub = fmt == Q2_K ? j / 16 : blk;
-          const float dmin = half_to_float(half_bits(p.scales + G * 2 + row * 2));
-          const float de = d * (float)p.scales[4 * G + sub * G + row];
-          const float dm = dmin * (float)p.scales[4 * G + subs * G + sub * G + row];
-          value = de * (float)q - dm;
-        }
-        out[r * k + sb * QK_K + j] = value;
-      }
-    }
-  }
 }
 
 // The segments of weights w for n rows of k in format fmt, or the entry points' error code (-1, -2, -3).

@@ -1,5 +1,6 @@
 // The k-quants as kquant_gemm.cpp's tiles read them: the formats' facts, a source block unpacked, a group's
-// packed super-blocks (Packed) and the packing from the file's blocks (the layout: kquant_gemm.cpp's head).
+// packed super-blocks (Packed), the packing from the file's blocks and back to float32 (the layout:
+// kquant_gemm.cpp's head).
 // Included by kquant_gemm.cpp alone; kept apart so that the products' file holds the products.
 #pragma once
 
@@ -59,6 +60,16 @@ constexpr int64_t scale_bytes(int fmt) {
   return signed_scales(fmt) ? G * 2 + 16 * G : 2 * G * 2 + 2 * (fmt == Q2_K ? 16 : SUBS) * G;
 }
 constexpr int64_t group_super_bytes(int fmt) { return quant_bytes(fmt) + mask_bytes(fmt) + scale_bytes(fmt); }
+
+// How many steps (two byte products each) of format F's pair sums fit in int16: a product adds at most
+// 2 * qmax * 128 to a pair (|a| <= 128), so Q4_K's 8 products of a block (30720), Q5_K's 4, Q6_K's 2; and a
+// divisor of the steps to the next fold (a half block's 2 for the formats with a scale per 16, else 4).
+constexpr int pair_steps(int fmt) {
+  const int products = 32767 / (2 * ((1 << (low_bits(fmt) + high_bits(fmt))) - 1) * 128);
+  const int steps = products / 2, fold = half_scales(fmt) ? 2 : 4;
+  return steps >= fold ? fold : steps >= 2 ? 2 : 1;
+}
+static_assert(pair_steps(Q4_K) == 4 && pair_steps(Q5_K) == 2 && pair_steps(Q6_K) == 1 && pair_steps(Q2_K) == 2);
 
 // One source super-block: its 256 weights as unsigned q (IQ4_XS: the level's 4-bit index), d, dmin (Q6_K, IQ4_XS,
 // Q3_K: 0) as float16 bits, and the sub-block scales and minimums (Q6_K, IQ4_XS, Q3_K: 16 int8 scales, no
@@ -196,6 +207,39 @@ int pack_format(const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
   }
   }
   return 0;
+}
+
+// One segment's packed weights [rows, k] as float32, exactly gguf's dequantized values (row stride k).
+void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
+  const int64_t supers = k / QK_K, gstride = supers * group_super_bytes(fmt);
+  const int low = low_bits(fmt), bits = (int)high_bits(fmt);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t g = r / G, row = r % G;
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const Packed p(fmt, w, gstride, g, sb);
+      const float d = half_to_float(half_bits(p.scales + row * 2));
+      for (int j = 0; j < QK_K; ++j) {
+        const int blk = j / 32, step = (j % 32) / 4, i = (int)row * 4 + j % 4;
+        const uint8_t* bq = p.quants + blk * block_quant_bytes(fmt);
+        int q = (bq[plane_of(low, step) * 64 + i] >> shift_of(low, step)) & ((1 << low) - 1);
+        if (level_indices(fmt)) q = IQ4_LEVELS[q] + 128;
+        if (bits)
+          q |= ((bq[64 * low + plane_of(bits, step) * 64 + i] >> shift_of(bits, step)) & ((1 << bits) - 1)) << low;
+        float value;
+        if (signed_scales(fmt)) {
+          const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
+          value = de * (float)(q - q_offset(fmt));
+        } else {
+          const int subs = fmt == Q2_K ? 16 : 8, sub = fmt == Q2_K ? j / 16 : blk;
+          const float dmin = half_to_float(half_bits(p.scales + G * 2 + row * 2));
+          const float de = d * (float)p.scales[4 * G + sub * G + row];
+          const float dm = dmin * (float)p.scales[4 * G + subs * G + sub * G + row];
+          value = de * (float)q - dm;
+        }
+        out[r * k + sb * QK_K + j] = value;
+      }
+    }
+  }
 }
 
 // The formats this file packs, and one call of f(std::integral_constant<int, F>{}) for fmt's F.

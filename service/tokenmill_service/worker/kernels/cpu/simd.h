@@ -123,6 +123,19 @@ inline f32x16 log(f32x16 x) {
   return fmadd(fe, set1(0.693359375f), add(f, y));
 }
 
+// Byte products' sums kept as pairs (the caller bounds them within int16): p += u * s as dot_u7s8 adds them, each
+// lane's two pair sums (its bytes 0-1 and 2-3) apart, then add_pairs(acc, p) adds lane i's two into acc's lane i.
+// While every pair's running sum stays within int16 the sums are exactly dot_u7s8's, so the outputs' bits do not
+// depend on whether a backend keeps them in 16 bits (AVX2, where it saves a widening per product: PAIR_SUMS) or,
+// as here, in dot_u7s8's own int32 sums.
+#ifndef TM_SIMD_PAIR_SUMS
+constexpr bool PAIR_SUMS = false;
+struct pairs16 { i32x16 s; };
+inline pairs16 zero_pairs() { return {zero_i()}; }
+inline pairs16 dot_u7s8_pairs(pairs16 p, u8x64 u, int32_t s4) { return {dot_u7s8(p.s, u, s4)}; }
+inline i32x16 add_pairs(i32x16 acc, pairs16 p) { return add_i(acc, p.s); }
+#endif
+
 // The scalar forms of the functions above (lane 0 of the vector op): the same bits.
 inline float exp_one(float x) { return lane0(exp(set1(x))); }
 inline float tanh_one(float x) { return lane0(tanh(set1(x))); }

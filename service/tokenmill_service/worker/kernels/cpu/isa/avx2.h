@@ -252,6 +252,23 @@ inline i32x16 dot_u7s8(i32x16 acc, u8x64 u, int32_t s4) {
   return kept({{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(_mm256_maddubs_epi16(u.v[0], s), ones)),
                 _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(_mm256_maddubs_epi16(u.v[1], s), ones))}});
 }
+// Pair sums in 16 bits (simd.h's pairs16): vpmaddubsw's pairs added as words, without dot_u7s8's vpmaddwd by ones
+// and vpaddd each product; add_pairs widens them once for many products (2 multiply-pipe instructions a
+// product's register rather than 4 over a Q4_K block of 32).
+#define TM_SIMD_PAIR_SUMS 1
+constexpr bool PAIR_SUMS = true;
+struct pairs16 { __m256i v[2]; };
+inline pairs16 zero_pairs() { return {{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+inline pairs16 dot_u7s8_pairs(pairs16 p, u8x64 u, int32_t s4) {
+  const __m256i s = _mm256_set1_epi32(s4);
+  pairs16 r{{_mm256_add_epi16(p.v[0], _mm256_maddubs_epi16(u.v[0], s)), _mm256_add_epi16(p.v[1], _mm256_maddubs_epi16(u.v[1], s))}};
+  __asm__("" : "+x"(r.v[0]), "+x"(r.v[1]));  // as kept(): the sums stay in their registers
+  return r;
+}
+inline i32x16 add_pairs(i32x16 acc, pairs16 p) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return kept({{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(p.v[0], ones)), _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(p.v[1], ones))}});
+}
 inline i32x16 dot_s16(i32x16 acc, u8x64 w, int32_t a2) {
   const __m256i a = _mm256_set1_epi32(a2);
   return kept({{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(w.v[0], a)), _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(w.v[1], a))}});
