@@ -11,7 +11,7 @@ token ids a length (``max_new_tokens`` 1; a fresh prompt each try, so no cached 
 the causal attention's (two products of head_dim a head over half the square of the length, a layer), and
 the output layer's one row. Their rate is set against the peak of the instruction the products take:
 
-- ``--activations int8``: byte products (AVX-512 ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd``);
+- ``--activations int8``: byte products (AVX-512 ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpaddw``);
 - the default: activations as 16-bit words (AVX-512 ``vpdpwssd``; AVX2 ``vpmaddwd``).
 
 Attention runs in float32, so counting its multiply-adds at the integer peak flatters nothing: the share
