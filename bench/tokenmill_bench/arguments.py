@@ -142,6 +142,14 @@ def _result_flags(parser: argparse.ArgumentParser) -> None:
         f"sides (default with --peer: {','.join(map(str, DEFAULT_LONG_PROMPTS))}; otherwise none; 0 for none)",
     )
     parser.add_argument(
+        "--long-prompt-tries",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="prompts per long-prompt length, each of its own random ids (no cached prefix), the sides in turn; "
+        "each side's median time is the length's figure (default 1)",
+    )
+    parser.add_argument(
         "--long-prompt-seed",
         type=int,
         default=None,

@@ -112,6 +112,8 @@ def compare_long_prompts(ours: list[dict[str, Any]], theirs: list[dict[str, Any]
                 "tokenmill_ttft_ms": row["ttft_ms"],
                 "peer_ttft_ms": other["ttft_ms"],
                 "ratio": ratio(row["ttft_ms"], other["ttft_ms"]),
+                # Each side's median over this many fresh prompts (results files before the tries: one).
+                "tries": len(row.get("ttft_ms_each") or [None]),
                 "errors": [e for e in (row["error"], other["error"]) if e],
             }
         )

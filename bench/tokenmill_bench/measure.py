@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("tokenmill.bench")
 
 WARMUP_FIRST_INDEX = 19_000
+# Between one long-prompt try's seed and the next's (a length's first try keeps the seed + length of one try).
+LONG_PROMPT_SEED_STEP = 1_000_003
 
 
 @dataclass(slots=True)
@@ -65,13 +68,18 @@ async def _open_peer(spec: tuple[str, str] | None) -> AsyncIterator[LlamaServer 
         yield peer
 
 
-def _long_prompt_row(length: int, record: RequestRecord) -> dict[str, Any]:
-    ttft = record.ttft_s
+def _long_prompt_row(length: int, records: list[RequestRecord]) -> dict[str, Any]:
+    """One side's row for a length: the median of its tries' times to first token (each try a fresh prompt)."""
+    each = [r.ttft_s * 1000.0 if r.ttft_s is not None and r.error is None else None for r in records]
+    done = [t for t in each if t is not None]
+    server = [r.server_ttft_ms for r in records if r.server_ttft_ms is not None and r.error is None]
+    errors = [r.error for r in records if r.error is not None]
     return {
         "prompt_tokens": length,
-        "ttft_ms": ttft * 1000.0 if ttft is not None and record.error is None else None,
-        "server_ttft_ms": record.server_ttft_ms,
-        "error": record.error,
+        "ttft_ms": statistics.median(done) if done else None,
+        "ttft_ms_each": each,
+        "server_ttft_ms": statistics.median(server) if server else None,
+        "error": errors[0] if errors else None,
     }
 
 
@@ -207,13 +215,21 @@ class _Run:
     async def long_prompts(self) -> None:
         args = self.args
         for length in args.long_prompts:
-            ids = random_prompt_ids(length, seed=args.long_prompt_seed + length, vocab_size=self.vocab_size)
-            for target in self.targets:
-                log.info("long_prompt", side=target.name, prompt_tokens=length)
-                record = await target.request(800_000 + length, ids, 1, args.request_timeout, f"long{length}")
-                if record.error is not None:
-                    log.warning("long_prompt_failed", side=target.name, prompt_tokens=length, error=record.error)
-                self.sides[target.name].long_prompts.append(_long_prompt_row(length, record))
+            records: dict[str, list[RequestRecord]] = {target.name: [] for target in self.targets}
+            for attempt in range(args.long_prompt_tries):
+                # Each try its own prompt: a repeated one would be a cached prefix on either side.
+                seed = args.long_prompt_seed + length + LONG_PROMPT_SEED_STEP * attempt
+                ids = random_prompt_ids(length, seed=seed, vocab_size=self.vocab_size)
+                for target in self.targets:
+                    log.info("long_prompt", side=target.name, prompt_tokens=length, attempt=attempt)
+                    record = await target.request(
+                        800_000 + 100_000 * attempt + length, ids, 1, args.request_timeout, f"long{length}.{attempt}"
+                    )
+                    if record.error is not None:
+                        log.warning("long_prompt_failed", side=target.name, prompt_tokens=length, error=record.error)
+                    records[target.name].append(record)
+            for name, side_records in records.items():
+                self.sides[name].long_prompts.append(_long_prompt_row(length, side_records))
 
 
 def _model_info(info: ModelInfo, info_after: ModelInfo) -> dict[str, Any]:

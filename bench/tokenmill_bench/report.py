@@ -214,7 +214,9 @@ def _long_prompt_lines(long: dict[str, Any], peer: str) -> list[str]:
                 "",
             ]
         )
-    long_header = ["long prompt, max_new_tokens 1", "tokenmill TTFT ms", f"{peer} TTFT ms", "tokenmill/" + peer]
+    tries = max(row.get("tries", 1) for row in long["rows"])
+    what = "long prompt, max_new_tokens 1" + (f" (median of {tries})" if tries > 1 else "")
+    long_header = [what, "tokenmill TTFT ms", f"{peer} TTFT ms", "tokenmill/" + peer]
     lines = ["", _table(long_header, long_rows)]
     return lines + [f"warning: long prompt: {e}" for row in long["rows"] for e in row["errors"]]
 

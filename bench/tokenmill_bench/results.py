@@ -130,6 +130,7 @@ def _settings_section(args: argparse.Namespace) -> dict[str, Any]:
         "ramp_s": args.ramp_s,
         "long_prompts": args.long_prompts,
         "long_prompt_seed": args.long_prompt_seed,
+        "long_prompt_tries": args.long_prompt_tries,
         "request_timeout_s": args.request_timeout,
         "sampling": "greedy (temperature 0), ignore_eos",
         "constraint": constraint(args),

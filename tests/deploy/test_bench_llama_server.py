@@ -401,3 +401,35 @@ def test_bench_prints_tokenmill_beside_the_peer(server_address: str, fake: FakeL
         random_prompt_ids(n, seed=seed + n, vocab_size=vocab) for n in (20, 40)
     ]
     assert format_tables(data) == proc.stdout.rstrip("\n")
+
+
+def test_long_prompt_tries_are_fresh_prompts_in_turn_and_each_side_reports_its_median(
+    server_address: str, fake: FakeLlamaServer, tmp_path: Path
+) -> None:
+    fake.script.ttft_s, fake.script.gap_s = 0.02, 0.005
+    results = tmp_path / "results.json"
+    args = ["--server", server_address, "--peer", f"llama-server={fake.url}", "--concurrency", "1"]
+    args += ["--output-tokens", "2", "--prompt-tokens", "8", "--rounds", "1", "--min-requests", "1", "--warmup", "0"]
+    args += ["--long-prompts", "20", "--long-prompt-tries", "3", "--copy-buffer-mib", "16", "--json", str(results)]
+    proc = subprocess.run([str(BENCH), *args, "--quiet"], check=False, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(median of 3)" in proc.stdout
+
+    data = json.loads(results.read_text())
+    assert data["settings"]["long_prompt_tries"] == 3
+    # Three different prompts of 20 tokens reached the peer after the level's one request; the first is the
+    # one a single try sends.
+    prompts = [body["prompt"] for body in fake.script.bodies if len(body["prompt"]) == 20]
+    seed, vocab = data["settings"]["long_prompt_seed"], data["model"]["vocab_size"]
+    assert len(prompts) == 3 and len({tuple(p) for p in prompts}) == 3
+    assert prompts[0] == random_prompt_ids(20, seed=seed + 20, vocab_size=vocab)
+    for side in (data, data["peer"]):
+        (row,) = side["long_prompts"]
+        assert len(row["ttft_ms_each"]) == 3 and row["ttft_ms"] == sorted(row["ttft_ms_each"])[1]
+    (compared,) = data["comparison"]["long_prompts"]["rows"]
+    assert compared["tries"] == 3 and compared["peer_ttft_ms"] == data["peer"]["long_prompts"][0]["ttft_ms"]
+
+
+def test_long_prompt_tries_below_one_are_refused() -> None:
+    proc = subprocess.run([str(BENCH), "--long-prompt-tries", "0"], check=False, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--long-prompt-tries: must be at least 1" in proc.stderr
