@@ -207,7 +207,7 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
 template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
-                 int64_t n_valid) {
+                 int64_t n_valid, bool first) {
   // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 in flight (WORD_CHAINS).
   static_assert(!(WORDS && INT8), "int8 activations are one digit");
   constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 2 * WORD_CHAINS ? 1 : M * NGT >= WORD_CHAINS ? 2 : 4;
@@ -228,11 +228,14 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
     for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t sb = 0; sb < k / QK_K; ++sb) {
     f32x16 d[NGT], dmin[NGT];
-    // One group a tile in the form decoding takes (decoding): the thread's weights are one stream, fetched ahead
-    // of it (AVX2's words without it: up to 1.5 times as long from memory).
-    // int8 (unmeasured): its decoding tiles are one group a tile in every backend, so they ask ahead too.
-    if constexpr (NGT == 1 && (INT8 || WORDS == (MAX_DIGIT_ROWS == 0)))
-      if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(Packed(F, w, gstride, 0, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
+    // The tile first to read its groups (the driver's first rows; the others find them in the cache) asks ahead
+    // for them, group by group: for decoding (one group, the thread's weights one stream; AVX2's words without it
+    // up to 1.5 times as long from memory), and for more rows (both cores, from memory, int8 at 16 rows: Q4_K and
+    // Q6_K 0.8-0.9 of the time; asking in every tile made 64 rows 1.04-1.07 times as slow).
+    if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0))
+      if (first && gstride >= vnni::PREFETCH_AHEAD)
+        for (int g = 0; g < NGT; ++g)
+          vnni::prefetch_l2(Packed(F, w, gstride, g, sb).quants + vnni::PREFETCH_AHEAD, group_super_bytes(F));
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
       d[g] = load_half((const uint16_t*)p.scales);
@@ -344,28 +347,28 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
 // tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
 template <int F, int M, bool WORDS, bool INT8, int NGT = NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
-                        int64_t ldy, int64_t n_valid) {
+                        int64_t ldy, int64_t n_valid, bool first) {
   if constexpr (NGT > 1)
-    if (ng < NGT) return tile_groups<F, M, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid);
-  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid);
+    if (ng < NGT) return tile_groups<F, M, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid, first);
+  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first);
 }
 
 // tile_groups<F, rows, WORDS, INT8> for rows = M, M - 1, ..., 1.
 template <int F, bool WORDS, bool INT8, int M>
 inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
-                      int64_t ldy, int64_t n_valid) {
+                      int64_t ldy, int64_t n_valid, bool first) {
   if constexpr (M > 1)
-    if (rows < M) return tile_rows<F, WORDS, INT8, M - 1>(rows, ng, act, k, w, gstride, y, ldy, n_valid);
-  tile_groups<F, M, WORDS, INT8>(ng, act, k, w, gstride, y, ldy, n_valid);
+    if (rows < M) return tile_rows<F, WORDS, INT8, M - 1>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
+  tile_groups<F, M, WORDS, INT8>(ng, act, k, w, gstride, y, ldy, n_valid, first);
 }
 
 // M rows a tile: MT as words, MT_DIGITS as digits; int8 activations (one sum an output, as words) MT past
 // MAX_DIGIT_ROWS rows, MT_DIGITS up to them.
 template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS>
 inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
-                        float* y, int64_t ldy, int64_t n_valid) {
+                        float* y, int64_t ldy, int64_t n_valid, bool first) {
   with_kquant_format(fmt, 0, [&](auto F) {
-    tile_rows<decltype(F)::value, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid);
+    tile_rows<decltype(F)::value, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
     return 0;
   });
 }
@@ -410,20 +413,20 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
   const int mt = int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
   vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, NG, threads,
-              [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid) {
+              [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid, bool first) {
                 const int fmt = segs[s].fmt;
                 const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
                 const uint8_t* wg = segs[s].w + g0 * gstride;
                 if (int8 && wide)
-                  tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                  tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 else if (int8)
-                  tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                  tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 // Only the forms this backend takes are built (the scalar build's compile 54 s -> 36 s).
                 else if (words) {
                   if constexpr (MAX_DIGIT_ROWS < INT64_MAX)
-                    tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                    tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 } else if constexpr (MAX_DIGIT_ROWS > 0) {
-                  tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid);
+                  tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 }
               },
               words, int8);

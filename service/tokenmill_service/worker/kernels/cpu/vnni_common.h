@@ -209,7 +209,8 @@ struct Activations {
 // stored in different formats), each packed in groups of 16 rows; segment s has rows[s] rows and
 // writes the columns after the previous segments'. tile(s, rows, ng, acts, g0, y, ldy, n_valid)
 // computes `rows` (at most mt) activation rows against groups g0 .. g0 + ng - 1 (ng at most
-// ng_wide) of segment s into y (row stride ldy), of which the first n_valid outputs exist. The
+// ng_wide) of segment s into y (row stride ldy), of which the first n_valid outputs exist (first: its rows
+// are the first of a pass over the weights, which the others then find in the cache). The
 // activations are quantized once for every segment.
 // words: the activations as quantize_row_words makes them; int8: as quantize_row_int8 (else quantize_row).
 template <class Tile>
@@ -252,7 +253,7 @@ void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const in
         const Span& sp = spans[tg];
         for (int64_t i = m0; i < m1; i += mt) {
           const int r = (int)std::min<int64_t>(mt, m1 - i);
-          tile(sp.seg, r, sp.ng, acts.at(i), sp.g0, y + i * ldy + sp.col, ldy, sp.left);
+          tile(sp.seg, r, sp.ng, acts.at(i), sp.g0, y + i * ldy + sp.col, ldy, sp.left, i == m0);
         }
       }
     }

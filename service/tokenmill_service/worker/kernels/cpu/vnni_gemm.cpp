@@ -263,7 +263,7 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
   // decoding tiles), past that up to NG.
   vnni::drive(x, m, k, y, n, &n, 1, false, mt, NG, threads,
               [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
-                  int64_t n_valid) {
+                  int64_t n_valid, bool) {
                 const uint8_t* wg = w + g0 * gstride;
                 if (wide)
                   tile_rows<F, WIDE_WORDS, WIDE_ROWS, NG>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
@@ -283,7 +283,7 @@ void gemm_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n
   const bool wide = m > MAX_DIGIT_ROWS;
   vnni::drive(x, m, k, y, n, &n, 1, false, wide ? MT : MT_DIGITS, NG, threads,
               [&](int, int rows, int ng, const vnni::Activations& r, int64_t g0, float* yt, int64_t ldy,
-                  int64_t n_valid) {
+                  int64_t n_valid, bool) {
                 const uint8_t* wg = w + g0 * gstride;
                 if (wide)
                   tile_rows<F, false, MT, NG, true>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
