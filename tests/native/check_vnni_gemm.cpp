@@ -124,6 +124,34 @@ void run(const check::Lib& ref_lib, const check::Lib& cand_lib, check::Report& r
       }
     }
   }
+  // The largest sums: every weight at its format's largest q (every quant bit set) against activations at +-127
+  // (rows of +1, of -1, and blocks alternating), where a backend's narrower partial sums are closest to
+  // overflowing (AVX2's int16 pairs of the int8 activations).
+  for (const Format& f : FORMATS) {
+    const int64_t n = 37, k = 256, m = 6;
+    std::vector<uint8_t> src = blocks(f, n, k, rng);
+    for (size_t at = 0; at < src.size(); at += (size_t)f.bytes) {
+      uint8_t keep[4];
+      memcpy(keep, &src[at], 4);
+      memset(&src[at], 0xFF, (size_t)f.bytes);
+      for (int s : f.scales)
+        if (s >= 0) memcpy(&src[at + s], keep + s, 2);
+      if (f.id == 39) src[at] = keep[0];  // MXFP4's scale exponent
+    }
+    std::vector<uint8_t> w((size_t)ref.packed_bytes(f.id, n, k));
+    const int rc = ref.pack(f.id, src.data(), n, k, w.data());
+    std::vector<float> x((size_t)(m * k));
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < k; ++j) x[i * k + j] = i % 3 == 0 ? 1.0f : i % 3 == 1 ? -1.0f : (j / 32) % 2 ? 1.0f : -1.0f;
+    for (int threads = 1; threads <= 2 && rc == 0; ++threads) {
+      std::vector<float> y1((size_t)(m * n), -1.0f), y2(y1.size(), -2.0f);
+      const int rc1 = ref.gemm_int8(f.id, x.data(), m, k, w.data(), n, y1.data(), threads);
+      const int rc2 = cand.gemm_int8(f.id, x.data(), m, k, w.data(), n, y2.data(), threads);
+      snprintf(what, sizeof what, "%s largest sums gemm_int8 threads=%d", f.name, threads);
+      report.same(what, &rc1, &rc2, sizeof rc1);
+      report.same(what, y1, y2);
+    }
+  }
   // MXFP4 blocks whose scale float16 cannot hold (E - 128 above 15 or below -24) are refused alike; an all-zero
   // block's scale does not matter.
   {

@@ -148,9 +148,10 @@ inline void step_words(const uint8_t* p, int s, u8x64 wq[4]) {
 // as one int16 each (quantize_row_words) and dot_s16; else as two int8 digits and dot_u7s8 / dot_u8s8: the same
 // integer sums (see kquant_gemm.cpp's tile). INT8 (with WORDS false): the activations as one int8 digit
 // (quantize_row_int8), one pass of the same byte products: dot_u7s8 for weights below 128 (on AVX2 vpmaddubsw,
-// whose pair sums 2 * 127 * 128 cannot saturate int16, then vpmaddwd by ones), dot_u8s8 for 8-bit q (Q8_0's
-// signed weights + 128, the levels + 128: on AVX2 both operands widened to int16 and vpmaddwd, since u8 x s8
-// pairs reach 2 * 255 * 128 > 32767; on AVX-512 VNNI vpdpbusd, exact for every byte): exact int32 sums either way.
+// whose pair sums 2 * 127 * 128 cannot saturate int16, kept in 16 bits for several products: PAIRS), dot_u8s8
+// for 8-bit q (Q8_0's signed weights + 128, the levels + 128: on AVX2 both operands widened to int16 and
+// vpmaddwd, since u8 x s8 pairs reach 2 * 255 * 128 > 32767; on AVX-512 VNNI vpdpbusd, exact for every byte):
+// exact int32 sums either way.
 // Not inlined: inlined into the driver's loop, the one-row tile ran 1.15 times as long (Q8_0, in cache).
 template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w, int64_t gstride,
@@ -159,15 +160,22 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
   // vpdpwssd; on AVX2 one part or these measured the same).
   static_assert(!(WORDS && INT8), "int8 activations are one digit");
   constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
+  // int8 where the backend keeps byte products' sums as int16 pairs (simd.h's PAIR_SUMS): a 4-bit format's block of
+  // 8 products in one pair sum (at most 8 * 2 * 15 * 128 = 30720), a 5-bit one's 4 (31744), then added into qa.
+  constexpr bool PAIRS = INT8 && PAIR_SUMS && seven_bit(F);
+  constexpr int PAIR_STEPS = fifth_bit(F) ? 2 : 4;  // steps (two products each) a pair sum holds
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t b = 0; b < blocks; ++b) {
     i32x16 qa[M][NGT][PARTS];
+    pairs16 ps[PAIRS ? M : 1][NGT];
     for (int i = 0; i < M; ++i)
-      for (int g = 0; g < NGT; ++g)
+      for (int g = 0; g < NGT; ++g) {
         for (int u = 0; u < PARTS; ++u) qa[i][g][u] = zero_i();
+        if constexpr (PAIRS) ps[i][g] = zero_pairs();
+      }
     const uint8_t* wb = w + b * group_block_bytes(F);
     // The decoding tiles ask ahead for their weights (vnni_common.h), AVX2's words too: from memory at 2 and 4
     // rows mostly 1.1-1.45 times as fast with it (2 cases of 16 4 % slower); past 4 rows the same.
@@ -192,8 +200,13 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
           const int8_t* ai = a + i * 2 * k + b * 2 * QK + 8 * s;
           const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
           for (int g = 0; g < NGT; ++g) {
-            qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w0[g], h0);
-            qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w1[g], h1);
+            if constexpr (PAIRS) {
+              ps[i][g] = dot_u7s8_pairs(ps[i][g], w0[g], h0);
+              ps[i][g] = dot_u7s8_pairs(ps[i][g], w1[g], h1);
+            } else {
+              qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w0[g], h0);
+              qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w1[g], h1);
+            }
           }
           if constexpr (!INT8) {
             const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
@@ -203,6 +216,13 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
             }
           }
         }
+        if constexpr (PAIRS)
+          if ((s + 1) % PAIR_STEPS == 0)
+            for (int i = 0; i < M; ++i)
+              for (int g = 0; g < NGT; ++g) {
+                qa[i][g][0] = add_pairs(qa[i][g][0], ps[i][g]);
+                ps[i][g] = zero_pairs();
+              }
       }
     }
     for (int g = 0; g < NGT; ++g) {
