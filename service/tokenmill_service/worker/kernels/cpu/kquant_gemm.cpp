@@ -362,8 +362,8 @@ inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const
   tile_groups<F, M, WORDS, INT8>(ng, act, k, w, gstride, y, ldy, n_valid, first);
 }
 
-// M rows a tile: MT as words, MT_DIGITS as digits; int8 activations (one sum an output, as words) MT past
-// MAX_DIGIT_ROWS rows, MT_DIGITS up to them.
+// M rows a tile: MT as words, MT_DIGITS as digits; int8 activations (one sum an output, as words) MT_INT8 past
+// MAX_DIGIT_ROWS_INT8 rows, MT_DIGITS up to them.
 template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS>
 inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
                         float* y, int64_t ldy, int64_t n_valid, bool first) {
