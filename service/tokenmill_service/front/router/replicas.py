@@ -183,7 +183,8 @@ class ReplicaPool:
         parent, child = self._ctx.Pipe(duplex=True)
         s = self.settings
         first_port = s.resolved_master_port()
-        master_port = (first_port + worker_id) if first_port else free_port()
+        own_ports = {s.port, s.http_port, s.metrics_port}
+        master_port = (first_port + worker_id) if first_port else free_port(avoid=own_ports)
         processes: list[BaseProcess] = []
         # With --nnodes above 1, only this node's ranks (rank 0 first); the others run on the other nodes.
         for rank in s.node_ranks():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Collection
 
 from tokenmill_service.contract.config import Settings
 from tokenmill_service.contract.engine_config import EngineConfig
@@ -11,10 +12,20 @@ from tokenmill_service.contract.messages import WorkerSpec
 from tokenmill_service.contract.plan.options import LoadOptions
 
 
-def free_port() -> int:
+def any_free_port() -> int:
+    """A port the OS calls free at this moment (nothing holds it once this returns)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port(avoid: Collection[int] = (), pick: Callable[[], int] = any_free_port) -> int:
+    """A free port for a worker's torch.distributed store, not one of ``avoid``: the ports this server is still to
+    bind (gRPC, HTTP, metrics) are free too until it binds them, and the OS may hand one of them out."""
+    for _ in range(64):
+        if (port := pick()) not in avoid:
+            return port
+    raise RuntimeError(f"no free port outside {sorted(avoid)}")
 
 
 def worker_spec(
