@@ -201,8 +201,7 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
           const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
           for (int g = 0; g < NGT; ++g) {
             if constexpr (PAIRS) {
-              ps[i][g] = dot_u7s8_pairs(ps[i][g], w0[g], h0);
-              ps[i][g] = dot_u7s8_pairs(ps[i][g], w1[g], h1);
+              vnni::add_step_pairs(ps[i][g], w0[g], w1[g], h0, h1);
             } else {
               qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w0[g], h0);
               qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w1[g], h1);
@@ -217,12 +216,7 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
           }
         }
         if constexpr (PAIRS)
-          if ((s + 1) % PAIR_STEPS == 0)
-            for (int i = 0; i < M; ++i)
-              for (int g = 0; g < NGT; ++g) {
-                qa[i][g][0] = add_pairs(qa[i][g][0], ps[i][g]);
-                ps[i][g] = zero_pairs();
-              }
+          if ((s + 1) % PAIR_STEPS == 0) vnni::add_pairs_into(qa, ps);
       }
     }
     for (int g = 0; g < NGT; ++g) {
