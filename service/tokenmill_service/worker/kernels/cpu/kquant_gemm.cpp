@@ -77,7 +77,11 @@ namespace {
 // for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
 // their sums and weights, the 32 registers). The int8 activations on AVX2 keep their byte products' sums as int16
 // pairs (simd.h's pairs16, widened once a block for Q4_K): 4 x 1 tiles (kquant_tiles.py --int8, 16-512 rows:
-// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower).
+// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower). AVX-512's int8 tiles take 6 rows x 1
+// group: one stream of weights a span, where two groups are two streams. In cache alike (0.94-1.07 times 4 x 2's
+// speed, both cores); from memory, as decoding reads them (quantized_gemm_speed.py --int8 --from-memory 1024, the
+// 1B's shapes): 0.80-0.93 of the time at 16 rows (the 128256-row output layer 0.78), 0.92-1.02 at 64, 0.96-0.99
+// at 512. The words tiles keep 4 x 2 (as 6 x 1, 1.04-1.3 times as slow from memory).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #if defined(TM_ISA_AVX2)
 #define KQUANT_MT 6
@@ -95,11 +99,20 @@ namespace {
 #endif
 #endif
 #ifndef KQUANT_MT_INT8
+#if defined(TM_ISA_AVX512)
+#define KQUANT_MT_INT8 6  // and one group (below)
+#define KQUANT_NG_INT8 1
+#else
 #define KQUANT_MT_INT8 (PAIR_SUMS ? 4 : KQUANT_MT)
+#endif
+#endif
+#ifndef KQUANT_NG_INT8
+#define KQUANT_NG_INT8 KQUANT_NG
 #endif
 constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_INT8 = KQUANT_MT_INT8;  // int8: rows per tile past MAX_DIGIT_ROWS_INT8 (AVX2's pair sums: 4 x 1)
+constexpr int NG_INT8 = KQUANT_NG_INT8;  // int8: groups per tile past MAX_DIGIT_ROWS_INT8
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 // Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
@@ -339,7 +352,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
 }
 
 // tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
-template <int F, int M, bool WORDS, bool INT8, int NGT = NG>
+template <int F, int M, bool WORDS, bool INT8, int NGT = INT8 ? NG_INT8 : NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                         int64_t ldy, int64_t n_valid, bool first) {
   if constexpr (NGT > 1)
@@ -406,7 +419,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   }
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
   const int mt = int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
-  vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, NG, threads,
+  vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, int8 ? NG_INT8 : NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid, bool first) {
                 const int fmt = segs[s].fmt;
                 const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
