@@ -77,11 +77,11 @@ namespace {
 // for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
 // their sums and weights, the 32 registers). The int8 activations on AVX2 keep their byte products' sums as int16
 // pairs (simd.h's pairs16, widened once a block for Q4_K): 4 x 1 tiles (kquant_tiles.py --int8, 16-512 rows:
-// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower). AVX-512's int8 tiles take 6 rows x 1
-// group: one stream of weights a span, where two groups are two streams. In cache alike (0.94-1.07 times 4 x 2's
-// speed, both cores); from memory, as decoding reads them (quantized_gemm_speed.py --int8 --from-memory 1024, the
-// 1B's shapes): 0.80-0.93 of the time at 16 rows (the 128256-row output layer 0.78), 0.92-1.02 at 64, 0.96-0.99
-// at 512. The words tiles keep 4 x 2 (as 6 x 1, 1.04-1.3 times as slow from memory).
+// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower). AVX-512's int8 tiles up to 16 rows
+// take 6 rows x 1 group: one stream of weights a span, where two groups are two. From memory, as decoding reads
+// them (quantized_gemm_speed.py --int8 --from-memory 1024, both cores), 8-16 rows: 0.79-0.99 of 4 x 2's time on
+// the 1B's and the 8B's shapes (the 1B's 128256-row output layer 0.78); from 32 rows on the 8B's shapes 1.02-1.17
+// times 4 x 2's, which they keep past 16 rows. The words tiles keep 4 x 2 (as 6 x 1, 1.04-1.3 times as slow).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #if defined(TM_ISA_AVX2)
 #define KQUANT_MT 6
@@ -99,20 +99,18 @@ namespace {
 #endif
 #endif
 #ifndef KQUANT_MT_INT8
-#if defined(TM_ISA_AVX512)
-#define KQUANT_MT_INT8 6  // and one group (below)
-#define KQUANT_NG_INT8 1
-#else
 #define KQUANT_MT_INT8 (PAIR_SUMS ? 4 : KQUANT_MT)
 #endif
-#endif
-#ifndef KQUANT_NG_INT8
-#define KQUANT_NG_INT8 KQUANT_NG
+#if !defined(KQUANT_MT_INT8_FEW) && defined(TM_ISA_AVX512)
+#define KQUANT_MT_INT8_FEW 6
+#elif !defined(KQUANT_MT_INT8_FEW)
+#define KQUANT_MT_INT8_FEW 0
 #endif
 constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_INT8 = KQUANT_MT_INT8;  // int8: rows per tile past MAX_DIGIT_ROWS_INT8 (AVX2's pair sums: 4 x 1)
-constexpr int NG_INT8 = KQUANT_NG_INT8;  // int8: groups per tile past MAX_DIGIT_ROWS_INT8
+constexpr int MT_INT8_FEW = KQUANT_MT_INT8_FEW;  // int8 up to MAX_FEW_ROWS_INT8 rows: this many x 1 group (0: none)
+constexpr int64_t MAX_FEW_ROWS_INT8 = 16;
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 // Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
@@ -123,69 +121,6 @@ constexpr int WORD_CHAINS = 1;
 constexpr int WORD_CHAINS = 2;
 #endif
 constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;  // int8: up to this many rows MT_DIGITS x 1 tiles, past it MT x NG
-
-inline f32x16 bytes_as_floats(const uint8_t* p, bool is_signed) {
-  return to_float(is_signed ? load_s8_i((const int8_t*)p) : load_u8_i(p));
-}
-
-// Each byte's field starting at bit `from` moved to start at bit `to`, the byte's other bits left for the
-// caller to mask (16-bit shifts: the bits a byte takes from its neighbour land outside the field).
-inline u8x64 shifted(u8x64 plane, int from, int to) {
-  const int shift = to - from;
-  return shift > 0 ? shl16(plane, shift) : shift < 0 ? shr16(plane, -shift) : plane;
-}
-
-// Step t's low bits (LOW of them, from the block's first planes) as bytes.
-template <int LOW>
-inline u8x64 low_bits_of(const uint8_t* bq, int t) {
-  const u8x64 plane = load_b(bq + plane_of(LOW, t) * 64);
-  return and_b(shifted(plane, shift_of(LOW, t), 0), set1_b((uint8_t)((1 << LOW) - 1)));
-}
-
-// Step t's low bits w with their higher bits (the planes after the low ones) set above them.
-template <int LOW, int BITS>
-inline u8x64 with_high_bits(u8x64 w, const u8x64 planes[2], int t) {
-  const u8x64 high = shifted(planes[plane_of(BITS, t)], shift_of(BITS, t), LOW);
-  // w | (high & bits LOW .. LOW + BITS - 1): one instruction on AVX-512 (vpternlogd).
-  return or_and(w, high, set1_b((uint8_t)(((1 << BITS) - 1) << LOW)));
-}
-
-// Step 2s's and step 2s + 1's weights q (4 each of 16 rows) as unsigned bytes, from block bq's planes.
-template <int F>
-inline void step_bytes(const uint8_t* bq, int s, u8x64& w0, u8x64& w1) {
-  constexpr int LOW = low_bits(F), BITS = (int)high_bits(F);
-  if constexpr (LOW == 4) {
-    const u8x64 v = load_b(bq + s * 64), nibble = set1_b(0x0F);
-    w0 = and_b(v, nibble);
-    w1 = and_b(shr16(v, 4), nibble);
-  } else {
-    w0 = low_bits_of<LOW>(bq, 2 * s);
-    w1 = low_bits_of<LOW>(bq, 2 * s + 1);
-  }
-  if constexpr (BITS > 0) {
-    u8x64 planes[2];
-    for (int pl = 0; pl < BITS; ++pl) planes[pl] = load_b(bq + 64 * LOW + pl * 64);
-    w0 = with_high_bits<LOW, BITS>(w0, planes, 2 * s);
-    w1 = with_high_bits<LOW, BITS>(w1, planes, 2 * s + 1);
-  }
-  if constexpr (level_indices(F)) {
-    // The indices looked up in IQ4_NL's levels + 128.
-    w0 = lookup16(IQ4_Q, w0);
-    w1 = lookup16(IQ4_Q, w1);
-  }
-}
-
-// The same weights q0 .. q7 of each row as int16 pairs, dot_s16's operand (vnni_common.h's order).
-template <int F>
-inline void step_words(const uint8_t* bq, int s, u8x64 wq[4]) {
-  if constexpr (low_bits(F) == 4 && high_bits(F) == 0 && !level_indices(F)) {
-    vnni::nibbles_as_words(load_b(bq + s * 64), wq);  // Q4_K: straight from the nibbles
-  } else {
-    u8x64 w0, w1;
-    step_bytes<F>(bq, s, w0, w1);
-    vnni::bytes_as_words(w0, w1, wq);
-  }
-}
 
 // An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset
 // -offset * sum_h a (s16[h]) in the units of total (the lo digits' sum for digits).
@@ -352,7 +287,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
 }
 
 // tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
-template <int F, int M, bool WORDS, bool INT8, int NGT = INT8 ? NG_INT8 : NG>
+template <int F, int M, bool WORDS, bool INT8, int NGT = NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                         int64_t ldy, int64_t n_valid, bool first) {
   if constexpr (NGT > 1)
@@ -360,22 +295,22 @@ inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t
   tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first);
 }
 
-// tile_groups<F, rows, WORDS, INT8> for rows = M, M - 1, ..., 1.
-template <int F, bool WORDS, bool INT8, int M>
+// tile_groups<F, rows, WORDS, INT8, NGT> for rows = M, M - 1, ..., 1.
+template <int F, bool WORDS, bool INT8, int M, int NGT>
 inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                       int64_t ldy, int64_t n_valid, bool first) {
   if constexpr (M > 1)
-    if (rows < M) return tile_rows<F, WORDS, INT8, M - 1>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
-  tile_groups<F, M, WORDS, INT8>(ng, act, k, w, gstride, y, ldy, n_valid, first);
+    if (rows < M) return tile_rows<F, WORDS, INT8, M - 1, NGT>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
+  tile_groups<F, M, WORDS, INT8, NGT>(ng, act, k, w, gstride, y, ldy, n_valid, first);
 }
 
 // M rows a tile: MT as words, MT_DIGITS as digits; int8 activations (one sum an output, as words) MT_INT8 past
-// MAX_DIGIT_ROWS_INT8 rows, MT_DIGITS up to them.
-template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS>
+// MAX_DIGIT_ROWS_INT8 rows (MT_INT8_FEW x 1 group up to MAX_FEW_ROWS_INT8), MT_DIGITS up to them.
+template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS, int NGT = NG>
 inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
                         float* y, int64_t ldy, int64_t n_valid, bool first) {
   with_kquant_format(fmt, 0, [&](auto F) {
-    tile_rows<decltype(F)::value, WORDS, INT8, M>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
+    tile_rows<decltype(F)::value, WORDS, INT8, M, NGT>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
     return 0;
   });
 }
@@ -418,13 +353,17 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
     half_sums |= half_scales(segs[s].fmt);
   }
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
-  const int mt = int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
-  vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, int8 ? NG_INT8 : NG, threads,
+  const bool few = int8 && wide && MT_INT8_FEW > 0 && m <= MAX_FEW_ROWS_INT8;
+  const int mt = few ? MT_INT8_FEW : int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
+  vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, few ? 1 : NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid, bool first) {
                 const int fmt = segs[s].fmt;
                 const int64_t gstride = (k / QK_K) * group_super_bytes(fmt);
                 const uint8_t* wg = segs[s].w + g0 * gstride;
-                if (int8 && wide)
+                if (few) {
+                  if constexpr (MT_INT8_FEW > 0)
+                    tile_format<false, true, MT_INT8_FEW, 1>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
+                } else if (int8 && wide)
                   tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 else if (int8)
                   tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);

@@ -1,6 +1,6 @@
 // The k-quants as kquant_gemm.cpp's tiles read them: the formats' facts, a source block unpacked, a group's
 // packed super-blocks (Packed), the packing from the file's blocks and back to float32 (the layout:
-// kquant_gemm.cpp's head).
+// kquant_gemm.cpp's head), and a tile's step of packed weights unpacked (step_bytes, step_words).
 // Included by kquant_gemm.cpp alone; kept apart so that the products' file holds the products.
 #pragma once
 
@@ -239,6 +239,71 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
         out[r * k + sb * QK_K + j] = value;
       }
     }
+  }
+}
+
+// -- unpacking in the tiles: a step's weights as bytes or as int16 words, a block's scales as floats
+
+inline f32x16 bytes_as_floats(const uint8_t* p, bool is_signed) {
+  return to_float(is_signed ? load_s8_i((const int8_t*)p) : load_u8_i(p));
+}
+
+// Each byte's field starting at bit `from` moved to start at bit `to`, the byte's other bits left for the
+// caller to mask (16-bit shifts: the bits a byte takes from its neighbour land outside the field).
+inline u8x64 shifted(u8x64 plane, int from, int to) {
+  const int shift = to - from;
+  return shift > 0 ? shl16(plane, shift) : shift < 0 ? shr16(plane, -shift) : plane;
+}
+
+// Step t's low bits (LOW of them, from the block's first planes) as bytes.
+template <int LOW>
+inline u8x64 low_bits_of(const uint8_t* bq, int t) {
+  const u8x64 plane = load_b(bq + plane_of(LOW, t) * 64);
+  return and_b(shifted(plane, shift_of(LOW, t), 0), set1_b((uint8_t)((1 << LOW) - 1)));
+}
+
+// Step t's low bits w with their higher bits (the planes after the low ones) set above them.
+template <int LOW, int BITS>
+inline u8x64 with_high_bits(u8x64 w, const u8x64 planes[2], int t) {
+  const u8x64 high = shifted(planes[plane_of(BITS, t)], shift_of(BITS, t), LOW);
+  // w | (high & bits LOW .. LOW + BITS - 1): one instruction on AVX-512 (vpternlogd).
+  return or_and(w, high, set1_b((uint8_t)(((1 << BITS) - 1) << LOW)));
+}
+
+// Step 2s's and step 2s + 1's weights q (4 each of 16 rows) as unsigned bytes, from block bq's planes.
+template <int F>
+inline void step_bytes(const uint8_t* bq, int s, u8x64& w0, u8x64& w1) {
+  constexpr int LOW = low_bits(F), BITS = (int)high_bits(F);
+  if constexpr (LOW == 4) {
+    const u8x64 v = load_b(bq + s * 64), nibble = set1_b(0x0F);
+    w0 = and_b(v, nibble);
+    w1 = and_b(shr16(v, 4), nibble);
+  } else {
+    w0 = low_bits_of<LOW>(bq, 2 * s);
+    w1 = low_bits_of<LOW>(bq, 2 * s + 1);
+  }
+  if constexpr (BITS > 0) {
+    u8x64 planes[2];
+    for (int pl = 0; pl < BITS; ++pl) planes[pl] = load_b(bq + 64 * LOW + pl * 64);
+    w0 = with_high_bits<LOW, BITS>(w0, planes, 2 * s);
+    w1 = with_high_bits<LOW, BITS>(w1, planes, 2 * s + 1);
+  }
+  if constexpr (level_indices(F)) {
+    // The indices looked up in IQ4_NL's levels + 128.
+    w0 = lookup16(IQ4_Q, w0);
+    w1 = lookup16(IQ4_Q, w1);
+  }
+}
+
+// The same weights q0 .. q7 of each row as int16 pairs, dot_s16's operand (vnni_common.h's order).
+template <int F>
+inline void step_words(const uint8_t* bq, int s, u8x64 wq[4]) {
+  if constexpr (low_bits(F) == 4 && high_bits(F) == 0 && !level_indices(F)) {
+    vnni::nibbles_as_words(load_b(bq + s * 64), wq);  // Q4_K: straight from the nibbles
+  } else {
+    u8x64 w0, w1;
+    step_bytes<F>(bq, s, w0, w1);
+    vnni::bytes_as_words(w0, w1, wq);
   }
 }
 
