@@ -102,6 +102,32 @@ def read_bandwidth(size: int = COPY_BUFFER_BYTES, repeats: int = 5) -> dict[str,
     return record
 
 
+def core_scaling(repeats: int = 5) -> dict[str, Any] | None:
+    """How many times as fast torch's threads together multiply a float32 matrix as one of them alone: about the
+    thread count on a quiet machine, near 1 when something else holds a core (another tenant of a virtual
+    machine's host), in which minutes every figure that takes both cores comes out low. None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    a = torch.randn(512, 512)
+    seconds = {}
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            torch.mm(a, a)  # warm: the thread pool started, the caches filled
+            seconds[n] = _best_of(lambda: torch.mm(a, a), repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "threads": threads,
+        "one_thread_s": seconds[1],
+        "all_threads_s": seconds[threads],
+        "speedup": seconds[1] / seconds[threads],
+    }
+
+
 def _bandwidth_record(
     numpy_gbs: float, torch_gbs: tuple[str, float] | None, size: int, repeats: int, convention: str
 ) -> dict[str, Any]:

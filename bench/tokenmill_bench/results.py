@@ -16,6 +16,8 @@ from tokenmill_bench.report import headline
 
 # Other processes keeping this much of a core busy on average make a level's numbers suspect.
 OTHER_LOAD_WARNING_CORES = 0.25
+# Below this share of the thread count, the threads' matrix product (machine.core_scaling) says a core was slow.
+CORE_SCALING_WARNING_SHARE = 0.75
 
 
 @dataclass(slots=True)
@@ -147,6 +149,13 @@ def run_warnings(result: dict[str, Any]) -> list[str]:
             warnings.append(
                 f"concurrency {level['concurrency']}: other processes kept {other:.2f} cores busy on average "
                 f"(of {result['machine']['cores']}); its numbers are pessimistic"
+            )
+    for when, probe in (result["machine"].get("core_scaling") or {}).items():
+        if probe and probe["threads"] > 1 and probe["speedup"] < CORE_SCALING_WARNING_SHARE * probe["threads"]:
+            warnings.append(
+                f"at the run's {when}, {probe['threads']} threads multiplied a matrix only {probe['speedup']:.2f} "
+                "times as fast as one: a core was slow (held by something else?), and figures that take every "
+                "core may be low"
             )
     restarts = result["model"].get("worker_restarts_after")
     if restarts:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from tokenmill_bench.machine import copy_bandwidth, loadavg, machine_info, read_bandwidth
+from tokenmill_bench.machine import copy_bandwidth, core_scaling, loadavg, machine_info, read_bandwidth
 from tokenmill_bench.measure import Measured, measure
 from tokenmill_bench.model import count_parameters, default_model_path
 from tokenmill_bench.report import format_tables
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     # The machine may be shared: a high load average around the run explains noisy numbers.
     load_at_start = loadavg()
     bandwidth = _memory_bandwidth(args.copy_buffer_mib)
+    scaling_at_start = core_scaling()
 
     model_path = _resolve_model_path(args)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     machine = machine_info(measured.model_info["device"])
     machine["loadavg_at_start"], machine["loadavg_at_end"] = load_at_start, loadavg()
+    machine["core_scaling"] = {"start": scaling_at_start, "end": core_scaling()}
     facts = ServerFacts(
         address=address,
         managed=server is not None,

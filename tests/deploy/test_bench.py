@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,9 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
         assert all(row["tokens"] == 8 for row in level["per_request"])
     assert format_tables(data)  # the table re-renders from the stored JSON
     assert all(level["other_load_cores"] is not None for level in [data["single_stream"], *data["levels"]])
+    for when in ("start", "end"):  # both cores' matrix product against one's, around the run
+        probe = data["machine"]["core_scaling"][when]
+        assert probe["speedup"] == pytest.approx(probe["one_thread_s"] / probe["all_threads_s"]), probe
     assert any("other processes kept" in w for w in data["warnings"]), data["warnings"]
 
     proc = subprocess.run(
@@ -112,6 +116,23 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_slow_core_around_the_run_is_a_warning() -> None:
+    """Threads that together compute little faster than one (a core held by something else, as a virtual
+    machine's neighbour can) make the run's figures low: said, at the start or the end, and not otherwise."""
+    from tokenmill_bench.results import run_warnings
+
+    def result(start: float, end: float) -> dict[str, Any]:
+        probes = {w: {"threads": 2, "one_thread_s": 1.0, "all_threads_s": 1 / s, "speedup": s} for w, s in
+                  (("start", start), ("end", end))}  # fmt: skip
+        return {"single_stream": {"concurrency": 1}, "levels": [], "model": {}, "server": {},
+                "machine": {"cores": 2, "core_scaling": probes}}  # fmt: skip
+
+    assert run_warnings(result(1.9, 1.8)) == []
+    (warning,) = run_warnings(result(1.05, 1.9))
+    assert warning.startswith("at the run's start, 2 threads multiplied a matrix only 1.05 times as fast as one")
+    assert [w.split(",")[0] for w in run_warnings(result(1.2, 1.1))] == ["at the run's start", "at the run's end"]
 
 
 def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
