@@ -12,9 +12,13 @@ batch and whether it arrives in a prefill chunk or as a decode token:
   vectorized order changes with the row length);
 - those products have shapes the batch does not choose: every chunk is a whole ``KEY_CHUNK`` of keys
   (the tail masked), the operands are contiguous, and each (sequence, kv head) holds its query rows
-  padded to a multiple of ``ROW_MULTIPLE``. With MKL a row's sums then depend neither on the other
-  sequences nor on how many rows it shares its product with: a measured property of that library (as
-  for the linear layers, README.md), which tests/kernels/test_torch_ops.py holds to account.
+  padded to a multiple of ``ROW_MULTIPLE`` and multiplied ``ROW_MULTIPLE`` rows at a time, each such
+  slice one item of a batched product (``_row_slices_matmul``). MKL picks its kernel by a product's
+  shape, and a kernel for 4 rows can sum in another order than one for 320 (an Intel Xeon with
+  AVX-512 does, for 128 columns of keys): so every row's sums come from the same 4-row product,
+  whatever the batch and the prefill. That the items of a batched product do not depend on how many
+  there are is a measured property of that library (as for the linear layers, README.md), which
+  tests/kernels/test_torch_ops.py holds to account.
 
 tests/kernels/test_paged_attention.py (in process, per model configuration) and tests/service/test_batching_service.py
 (through the RPC) hold these properties to account.
@@ -49,6 +53,29 @@ def _first_chunk(group: AttentionGroup, window: int | None) -> int:
     return max(0, lowest - window + 1) // KEY_CHUNK
 
 
+def _row_slices_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a [S, KV, rows, K] (rows a multiple of ROW_MULTIPLE) and b [S, KV, K, N], both
+    contiguous: each ROW_MULTIPLE rows of a (sequence, kv head) as one item of a batched product, so
+    every row is summed by the same kernel whether it is one of 4 rows or of 2048."""
+    seqs, heads, rows, inner = a.shape
+    cols, slices = b.shape[-1], rows // ROW_MULTIPLE
+    pairs = seqs * heads
+    if slices == 1:
+        return torch.bmm(a.view(pairs, rows, inner), b.view(pairs, inner, cols)).view(seqs, heads, rows, cols)
+    out = a.new_empty(seqs, heads, rows, cols)
+    if slices <= pairs:  # a few slices of many sequences: one batch of every pair per slice
+        for c in range(slices):
+            part = slice(c * ROW_MULTIPLE, (c + 1) * ROW_MULTIPLE)
+            rows_c = a[:, :, part].reshape(pairs, ROW_MULTIPLE, inner)
+            out[:, :, part] = torch.bmm(rows_c, b.view(pairs, inner, cols)).view(seqs, heads, ROW_MULTIPLE, cols)
+        return out
+    for s in range(seqs):  # a prefill: one batch of its slices per pair, b shared (expanded, not copied)
+        for h in range(heads):
+            shared = b[s, h].expand(slices, inner, cols)
+            torch.bmm(a[s, h].view(slices, ROW_MULTIPLE, inner), shared, out=out[s, h].view(slices, ROW_MULTIPLE, cols))
+    return out
+
+
 def _group_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, params: AttentionParams
 ) -> torch.Tensor:
@@ -60,7 +87,7 @@ def _group_attention(
     g = num_heads // kv_heads
     # [S, Q, KV, G, D] -> [S, KV, G * Q, D]: one matrix product per (sequence, kv head).
     qg = q.float()[group.token_index].view(num_seqs, max_q, kv_heads, g, head_dim)
-    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, g * max_q, head_dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, g * max_q, head_dim).contiguous()
     rows = g * max_q
     # Zero rows up to a multiple of ROW_MULTIPLE: one row takes another kernel (gemv), and MKL's batched
     # products of 1-3 or 5-11 rows group neighbouring sequences, so a row's sums follow its neighbours.
@@ -88,14 +115,14 @@ def _group_attention(
             invisible = torch.cat((invisible, hidden), dim=-1)
         # index_select gathers whole blocks two to three times faster than advanced indexing.
         flat = blocks.reshape(-1)
-        # Contiguous: a strided k (heads moved ahead of the keys) is viewed by matmul for a batch
-        # of one sequence but copied for more, two paths that sum in different orders.
-        k = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).contiguous()
-        k = k.float()
+        # k as [S, KV, D, length], contiguous: one layout for every batch (a strided one is viewed by
+        # bmm for some shapes and copied for others, two paths that sum in different orders).
+        k_t = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).permute(0, 2, 3, 1)
+        k_t = k_t.float().contiguous()
         v = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
         ones = torch.ones((num_seqs, kv_heads, length, 1), device=q.device)
         v1 = torch.cat((v, ones), dim=-1)  # the last column of p @ v1 is the softmax denominator
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [S, KV, rows, length]
+        scores = _row_slices_matmul(qg, k_t) * scale  # [S, KV, rows, length]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         s = scores[:, :, :rows].view(num_seqs, kv_heads, g, max_q, length)
@@ -104,7 +131,7 @@ def _group_attention(
         # A row that has seen no key yet (only behind a window): its state stays exactly zero.
         m_safe = m_new if oldest is None else torch.where(m_new == float("-inf"), 0.0, m_new)
         p = torch.exp(scores - m_safe)
-        acc = acc * torch.exp(m - m_safe) + torch.matmul(p, v1)
+        acc = acc * torch.exp(m - m_safe) + _row_slices_matmul(p, v1)
         m = m_new
     if sinks is not None:
         # One more logit per head, weighing no value. With (a, b) = softmax((m, sink)), the row's
