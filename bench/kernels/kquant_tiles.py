@@ -3,8 +3,9 @@ each held bit for bit to the default build of the same instruction set, and time
 
     python bench/kernels/kquant_tiles.py --isa avx2 --variant "" --variant "-DKQUANT_MT=3 -DKQUANT_NG=1 ..."
 
-A variant is one string of g++ flags ("" is the working tree's default); every one is built from the working
-tree's kquant_gemm.cpp for ``--isa`` (as build.py builds it, the flags added last). Timing: the variants are called
+A variant is one string of g++ flags ("" is the working tree's default, the servers' own build from build.py's
+cache); every other is built from the working tree's kquant_gemm.cpp for ``--isa`` (as build.py builds it, the
+flags added last). Timing: the variants are called
 in turn on the same packed weight (one of the 1B's shapes stays in the last-level cache), best of ``--repeats``;
 printed with the share of ``--peak`` (G multiply-adds a second of one core's product instruction: cpu_peak.cpp's
 vpmaddwd-ymm on AVX2, about 97 on an AMD EPYC Zen 4) times the threads.
@@ -29,6 +30,8 @@ from tokenmill_service.worker.kernels.cpu import abi, build
 
 
 def variant_library(isa: str, flags: str, out: Path, index: int) -> ctypes.CDLL:
+    if not flags.strip():  # the default: the servers' own build, from build.py's cache
+        return abi.bind(ctypes.CDLL(str(build.built("kquant_gemm", isa))), "kquant_gemm")
     target = out / f"kquant_gemm-{index}.so"
     with tempfile.TemporaryDirectory(prefix="tm-abi-") as include:
         (Path(include) / "tm_abi.h").write_text(abi.header())
