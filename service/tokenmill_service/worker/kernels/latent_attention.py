@@ -13,9 +13,9 @@ query's result cannot depend on which one its position arrived in, and it keeps 
 attention's rules for batch invariance (worker/kernels/torch_ops.py): keys visited in whole ``KEY_CHUNK``
 chunks at fixed absolute positions with an online softmax, the denominator one more column of the
 ``p @ v`` product, and every matrix product of a shape the batch does not choose: each (sequence,
-head) holds its query rows padded to a multiple of ``ROW_MULTIPLE``, for the absorption, the scores
-(all heads of a sequence against its one latent key per position: a single product per sequence)
-and the value up-projection alike.
+head) holds its query rows padded to a multiple of ``ROW_MULTIPLE`` and multiplied that many at a time
+(``row_slices_matmul``), for the absorption, the scores (all heads of a sequence against its one latent key per
+position) and the value up-projection alike.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from tokenmill_service.worker.kernels.attention_metadata import KEY_CHUNK, AttentionGroup
 from tokenmill_service.worker.kernels.attention_params import LatentAttentionParams, LatentCache
-from tokenmill_service.worker.kernels.torch_ops import ROW_MULTIPLE
+from tokenmill_service.worker.kernels.torch_ops import ROW_MULTIPLE, row_slices_matmul
 
 
 def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, cache: LatentCache, slot_mapping: torch.Tensor) -> None:
@@ -50,7 +50,7 @@ def group_latent_attention(
             g = torch.cat((g, g.new_zeros(num_seqs, heads, rows - max_q, x.shape[-1])), dim=2)
         return g.contiguous()
 
-    q_latent = torch.matmul(grid(q_nope), w_uk)  # [S, H, rows, L]: the absorbed key projection
+    q_latent = row_slices_matmul(grid(q_nope), w_uk)  # [S, H, rows, L]: the absorbed key projection
     # All heads' rows against the sequence's one key per position: [S, 1, H * rows, L + R].
     q = torch.cat((q_latent, grid(q_rope)), dim=-1).view(num_seqs, 1, heads * rows, latent_dim + rope_dim)
     m = torch.full((num_seqs, 1, heads * rows, 1), float("-inf"), device=q.device)
@@ -67,16 +67,16 @@ def group_latent_attention(
         flat = blocks.reshape(-1)
         latent = latent_cache.index_select(0, flat).view(num_seqs, 1, length, latent_dim).float()
         k_rope = rope_cache.index_select(0, flat).view(num_seqs, 1, length, rope_dim).float()
-        keys = torch.cat((latent, k_rope), dim=-1)  # contiguous: [S, 1, length, L + R]
+        keys_t = torch.cat((latent, k_rope), dim=-1).transpose(-1, -2).contiguous()  # [S, 1, L + R, length]
         values = torch.cat((latent, ones), dim=-1)  # the last column of p @ values is the denominator
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, 1, H * rows, length]
+        scores = row_slices_matmul(q, keys_t) * scale  # [S, 1, H * rows, length]
         s = scores.view(num_seqs, heads, rows, length)[:, :, :max_q]
         s.masked_fill_(invisible, float("-inf"))  # [S, 1, max_q, length] over every head
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         p = torch.exp(scores - m_new)
-        acc = acc * torch.exp(m - m_new) + torch.matmul(p, values)
+        acc = acc * torch.exp(m - m_new) + row_slices_matmul(p, values)
         m = m_new
     out_latent = (acc[..., :latent_dim] / acc[..., latent_dim:]).view(num_seqs, heads, rows, latent_dim)
-    out = torch.matmul(out_latent, w_uv)[:, :, :max_q]  # [S, H, max_q, V]: the value up-projection
+    out = row_slices_matmul(out_latent.contiguous(), w_uv)[:, :, :max_q]  # [S, H, max_q, V]: the value up-projection
     out = out.permute(0, 2, 1, 3).reshape(-1, heads, v_dim)
     return out.index_select(0, group.valid_cells)

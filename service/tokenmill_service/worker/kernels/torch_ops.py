@@ -13,7 +13,7 @@ batch and whether it arrives in a prefill chunk or as a decode token:
 - those products have shapes the batch does not choose: every chunk is a whole ``KEY_CHUNK`` of keys
   (the tail masked), the operands are contiguous, and each (sequence, kv head) holds its query rows
   padded to a multiple of ``ROW_MULTIPLE`` and multiplied ``ROW_MULTIPLE`` rows at a time, each such
-  slice one item of a batched product (``_row_slices_matmul``). MKL picks its kernel by a product's
+  slice one item of a batched product (``row_slices_matmul``). MKL picks its kernel by a product's
   shape, and a kernel for 4 rows can sum in another order than one for 320 (an Intel Xeon with
   AVX-512 does, for 128 columns of keys): so every row's sums come from the same 4-row product,
   whatever the batch and the prefill. That the items of a batched product do not depend on how many
@@ -53,21 +53,25 @@ def _first_chunk(group: AttentionGroup, window: int | None) -> int:
     return max(0, lowest - window + 1) // KEY_CHUNK
 
 
-def _row_slices_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for a [S, KV, rows, K] (rows a multiple of ROW_MULTIPLE) and b [S, KV, K, N], both
-    contiguous: each ROW_MULTIPLE rows of a (sequence, kv head) as one item of a batched product, so
-    every row is summed by the same kernel whether it is one of 4 rows or of 2048."""
+def row_slices_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a [S, H, rows, K] (rows a multiple of ROW_MULTIPLE) and b [S, H, K, N], or [H, K, N] shared by
+    every sequence (a weight), all contiguous: each ROW_MULTIPLE rows of a (sequence, head) as one item of a batched
+    product, so every row is summed by the same kernel whether it is one of 4 rows or of 2048."""
     seqs, heads, rows, inner = a.shape
-    cols, slices = b.shape[-1], rows // ROW_MULTIPLE
-    pairs = seqs * heads
+    cols, slices, pairs = b.shape[-1], rows // ROW_MULTIPLE, seqs * heads
+    out = a.new_empty(seqs, heads, rows, cols)
+    if b.dim() == 3:  # a weight per head: one batch of every sequence's slices per head, b expanded, not copied
+        for h in range(heads):
+            items = a[:, h].reshape(seqs * slices, ROW_MULTIPLE, inner)
+            out[:, h] = torch.bmm(items, b[h].expand(seqs * slices, inner, cols)).view(seqs, rows, cols)
+        return out
     if slices == 1:
         return torch.bmm(a.view(pairs, rows, inner), b.view(pairs, inner, cols)).view(seqs, heads, rows, cols)
-    out = a.new_empty(seqs, heads, rows, cols)
     if slices <= pairs:  # a few slices of many sequences: one batch of every pair per slice
         for c in range(slices):
             part = slice(c * ROW_MULTIPLE, (c + 1) * ROW_MULTIPLE)
-            rows_c = a[:, :, part].reshape(pairs, ROW_MULTIPLE, inner)
-            out[:, :, part] = torch.bmm(rows_c, b.view(pairs, inner, cols)).view(seqs, heads, ROW_MULTIPLE, cols)
+            items = a[:, :, part].reshape(pairs, ROW_MULTIPLE, inner)
+            out[:, :, part] = torch.bmm(items, b.view(pairs, inner, cols)).view(seqs, heads, ROW_MULTIPLE, cols)
         return out
     for s in range(seqs):  # a prefill: one batch of its slices per pair, b shared (expanded, not copied)
         for h in range(heads):
@@ -122,7 +126,7 @@ def _group_attention(
         v = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, head_dim).transpose(1, 2).float()
         ones = torch.ones((num_seqs, kv_heads, length, 1), device=q.device)
         v1 = torch.cat((v, ones), dim=-1)  # the last column of p @ v1 is the softmax denominator
-        scores = _row_slices_matmul(qg, k_t) * scale  # [S, KV, rows, length]
+        scores = row_slices_matmul(qg, k_t) * scale  # [S, KV, rows, length]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         s = scores[:, :, :rows].view(num_seqs, kv_heads, g, max_q, length)
@@ -131,7 +135,7 @@ def _group_attention(
         # A row that has seen no key yet (only behind a window): its state stays exactly zero.
         m_safe = m_new if oldest is None else torch.where(m_new == float("-inf"), 0.0, m_new)
         p = torch.exp(scores - m_safe)
-        acc = acc * torch.exp(m - m_safe) + _row_slices_matmul(p, v1)
+        acc = acc * torch.exp(m - m_safe) + row_slices_matmul(p, v1)
         m = m_new
     if sinks is not None:
         # One more logit per head, weighing no value. With (a, b) = softmax((m, sink)), the row's
