@@ -122,7 +122,10 @@ def _result_flags(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("results")
     out.add_argument("--weight-bytes", type=int, help="model weight bytes (default: counted from the model file)")
     out.add_argument(
-        "--copy-buffer-mib", type=_positive, default=256, help="buffer for the memory copy measurement (default 256)"
+        "--copy-buffer-mib",
+        type=_positive,
+        help="buffer for the memory copy and read measurements (default: 256, or twice the CPU's last-level cache "
+        "where that is larger, so that they measure memory rather than the cache)",
     )
     out.add_argument(
         "--peer",

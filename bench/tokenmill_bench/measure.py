@@ -206,7 +206,7 @@ class _Run:
         side = self.sides[target.name]
         if concurrency == 1:
             side.single = level
-            read_now = await asyncio.to_thread(read_bandwidth, self.args.copy_buffer_mib * 2**20)
+            read_now = await asyncio.to_thread(read_bandwidth, (self.args.copy_buffer_mib or 0) * 2**20 or None)
             side.single_read_gbs = read_now["gbs"]
             log.info("read_bandwidth_beside_single", side=target.name, gbs=round(read_now["gbs"], 2))
         if concurrency in self.args.concurrency:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from tokenmill_bench.machine import copy_bandwidth, core_scaling, loadavg, machine_info, read_bandwidth
+from tokenmill_bench.machine import buffer_bytes, copy_bandwidth, core_scaling, loadavg, machine_info, read_bandwidth
 from tokenmill_bench.measure import Measured, measure
 from tokenmill_bench.model import count_parameters, default_model_path
 from tokenmill_bench.report import format_tables
@@ -43,13 +43,14 @@ def _count_weights(model_path: Path | None) -> tuple[int | None, str | None]:
         return None, f"cannot count parameters of {model_path}: {exc}"
 
 
-def _memory_bandwidth(buffer_mib: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _memory_bandwidth(buffer_mib: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The machine's copy and read rates (measured before the server loads, so they have the memory to
-    themselves)."""
-    log.info("copy_bandwidth", buffer_mib=buffer_mib)
-    copy = copy_bandwidth(buffer_mib * 2**20)
+    themselves); ``buffer_mib`` None: machine.buffer_bytes()."""
+    size = buffer_mib * 2**20 if buffer_mib else buffer_bytes()
+    log.info("copy_bandwidth", buffer_mib=size // 2**20)
+    copy = copy_bandwidth(size)
     log.info("copy_bandwidth_done", gbs=round(copy["gbs"], 2), method=copy["method"])
-    read = read_bandwidth(buffer_mib * 2**20)
+    read = read_bandwidth(size)
     log.info("read_bandwidth_done", gbs=round(read["gbs"], 2), method=read["method"])
     return copy, read
 

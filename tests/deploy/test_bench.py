@@ -118,6 +118,16 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_memory_rate_is_measured_on_a_buffer_past_the_last_level_cache() -> None:
+    """A buffer that fits the CPU's last-level cache (an Intel Xeon VM reports 480 MiB of L3) measures the cache's
+    rate, not memory's: the read and copy buffers are at least twice the cache, and 256 MiB where it is smaller."""
+    from tokenmill_bench.machine import COPY_BUFFER_BYTES, buffer_bytes, last_level_cache_bytes
+
+    cache = last_level_cache_bytes()
+    assert cache is None or cache >= 32 * 2**10  # an L1 at least, read as bytes
+    assert buffer_bytes() == max(COPY_BUFFER_BYTES, 2 * (cache or 0))
+
+
 def test_a_slow_core_around_the_run_is_a_warning() -> None:
     """Threads that together compute little faster than one (a core held by something else, as a virtual
     machine's neighbour can) make the run's figures low: said, at the start or the end, and not otherwise."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill_service.worker.kernels.cpu import abi, block_gemm, build
+from tokenmill_service.worker.kernels.cpu import abi, block_gemm, build, huge_pages
 
 # ggml type id -> bytes per super-block of 256 weights (the formats kquant_gemm.cpp reads).
 FORMATS = abi.KQUANT_FORMATS
@@ -47,7 +47,7 @@ def pack(blocks: torch.Tensor | Sequence[torch.Tensor], fmt: int) -> torch.Tenso
     if any(piece.shape[0] % GROUP for piece in pieces[:-1]):
         pieces = [torch.cat(pieces)]
     n, k = sum(piece.shape[0] for piece in pieces), pieces[0].shape[1] * SUPER_BLOCK
-    out = torch.empty(int(_lib().tm_kquant_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=pieces[0].device)
+    out = huge_pages.empty_bytes(int(_lib().tm_kquant_packed_bytes(fmt, n, k)))
     offset = 0
     for piece in pieces:
         piece = piece.contiguous()
@@ -73,7 +73,7 @@ def pack_segments(segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     for (blocks, fmt), data in zip(segments, packed):
         header += [fmt, blocks.shape[0], offset]
         offset += -(-data.numel() // _ALIGN) * _ALIGN
-    out = torch.zeros(offset, dtype=torch.uint8)
+    out = huge_pages.empty_bytes(offset).zero_()
     out[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
     for (_, _, start), data in zip(zip(header[1::3], header[2::3], header[3::3]), packed):
         out[start : start + data.numel()] = data

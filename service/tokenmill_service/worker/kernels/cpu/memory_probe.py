@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tokenmill_service.worker.kernels.cpu import build
+from tokenmill_service.worker.kernels.cpu import build, huge_pages
 
 _LINE = 256  # bytes each step of the probe reads
 
@@ -28,8 +28,9 @@ def read_gbs(size: int, repeats: int, threads: int) -> float:
     """Best-of-``repeats`` rate, in 10^9 bytes a second, of reading a ``size``-byte buffer once on
     ``threads`` threads."""
     lines = max(1, size // _LINE)
-    # torch's CPU allocator aligns large buffers to 64 bytes; ones() faults every page in first.
-    buffer = torch.ones(lines * _LINE, dtype=torch.uint8)
+    # In 2 MB pages where the system gives them, as the packed weights are (huge_pages.py); filled, so that
+    # every page is faulted in before the timing.
+    buffer = huge_pages.empty_bytes(lines * _LINE).fill_(1)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from tokenmill_service.worker.kernels.cpu import build
+from tokenmill_service.worker.kernels.cpu import build, huge_pages
 from tokenmill_service.worker.kernels.cpu.block_gemm import check_status, run_dequantize, run_product
 
 GROUP = 16  # weight rows per packed group
@@ -27,7 +27,7 @@ def pack(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     """GGUF blocks uint8 [n, K // 32, bytes per block] in the kernel's layout (uint8, 1-D)."""
     blocks = blocks.contiguous()
     n, k = blocks.shape[0], blocks.shape[1] * 32
-    out = torch.empty(int(_lib().tm_vnni_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=blocks.device)
+    out = huge_pages.empty_bytes(int(_lib().tm_vnni_packed_bytes(fmt, n, k)))
     rc = _lib().tm_vnni_pack(fmt, blocks.data_ptr(), n, k, out.data_ptr())
     if rc == -3:
         raise ValueError(
