@@ -7,10 +7,12 @@
 // Each thread asks for its lines 8 KB ahead into L2, as the products do with their weights
 // (vnni_common.h's PREFETCH_AHEAD): on the VMs measured, the hardware prefetchers alone left a
 // thread's stream at two thirds of what the products read, and the yardstick must not be slower
-// than what it measures.
-// Plain C++: g++ -O3 turns the loop into the instruction set's widest loads and 64-bit adds (four
-// zmm accumulators on AVX-512, eight ymm on AVX2, sixteen q on NEON). Integer sums, so the checksum
-// is the same whatever the order.
+// than what it measures. One line a turn of the loop, its prefetch beside its load: on an Intel Xeon
+// that read 1.2 times as fast (37.7 GB/s against 30.9) as four lines a turn with their four
+// prefetches first, the fastest of the patterns tried there.
+// Plain C++: g++ -O3 turns the loop into the instruction set's widest loads and 64-bit adds (one
+// zmm accumulator on AVX-512, two ymm on AVX2, four q on NEON). Integer sums, so the checksum is the
+// same whatever the order.
 
 #include <omp.h>
 #include <stdint.h>
@@ -28,21 +30,21 @@ extern "C" {
 // `threads` threads, each one contiguous share. The sum is returned so that no load can be dropped.
 int64_t tm_stream_read(const uint8_t* p, int64_t bytes, int threads) {
   uint64_t total = 0;
-  const int64_t lines = bytes / 256;
+  const int64_t lines = bytes / 64;
   const uint8_t* base = (const uint8_t*)__builtin_assume_aligned(p, 64);
 #pragma omp parallel num_threads(threads) reduction(+ : total)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t first = lines * t / nt, last = lines * (t + 1) / nt;
-    uint64_t s[32] = {0};  // one sum per word of a line: independent additions
+    uint64_t s[8] = {0};  // one sum per word of a line
     for (int64_t i = first; i < last; ++i) {
-      const word* w = (const word*)(base + i * 256);
-      for (int c = 0; c < 256; c += 64) __builtin_prefetch(base + i * 256 + AHEAD + c, 0, 2);  // past the end: no fault
-      for (int j = 0; j < 32; ++j) s[j] += w[j];
+      const word* w = (const word*)(base + i * 64);
+      __builtin_prefetch(base + i * 64 + AHEAD, 0, 2);  // past the end: no fault
+      for (int j = 0; j < 8; ++j) s[j] += w[j];
     }
     // The lanes hold 64-bit words; their sum (mod 2^64) is a checksum the caller can recompute.
     uint64_t sum = 0;
-    for (int j = 0; j < 32; ++j) sum += s[j];
+    for (int j = 0; j < 8; ++j) sum += s[j];
     total += sum;
   }
   return (int64_t)total;
