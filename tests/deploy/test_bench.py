@@ -164,6 +164,26 @@ def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
     assert all(float(rate) > 0 for rate in rates.values()), out
 
 
+def test_read_with_arithmetic_compiles_and_prints_a_rate_for_each_amount_of_arithmetic(tmp_path: Path) -> None:
+    """bench/kernels/read_with_arithmetic.cpp, which history.md quotes for what share of the read rate a kernel
+    of so much arithmetic a byte can reach, still builds and runs (AVX2's products on any x86 CPU with AVX2,
+    AVX-512 VNNI's where the CPU has them)."""
+    from tokenmill_service.contract.plan import cpu_isa
+
+    if shutil.which("g++") is None or cpu_isa.missing("avx2") is not None:
+        pytest.skip("needs g++ and an x86 CPU with AVX2")
+    source = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "read_with_arithmetic.cpp"
+    binary = tmp_path / "read_with_arithmetic"
+    cmd = ["g++", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(binary)]
+    subprocess.run(cmd, check=True, timeout=120)
+    out = subprocess.run([str(binary), "64", "2"], capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = re.findall(r"^W=(\d+)\s+in L2\s+([\d.]+) GB/s a core\s+from memory\s+([\d.]+) GB/s", out, re.MULTILINE)
+    assert [int(w) for w, _, _ in rows] == [0, 2, 4, 8, 12, 16], out
+    assert all(float(cached) > 0 and float(memory) > 0 for _, cached, memory in rows), out
+    product = "vpdpbusd-zmm" if {"avx512_vnni", "avx512bw"} <= cpu_isa.cpu_flags() else "vpmaddubsw-ymm"
+    assert f"a 64 MiB buffer, 2 threads, {product}" in out, out
+
+
 def run_kernel_bench(script: str, kernel: str | None, *args: str, needs_git: bool = True) -> str:
     """Runs bench/kernels/SCRIPT with ARGS and returns what it printed; skips where the native ``kernel``
     (None: none) cannot be built, or (``needs_git``: the script reads a revision's source) outside the git
