@@ -122,20 +122,6 @@ constexpr int WORD_CHAINS = 2;
 #endif
 constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;  // int8: up to this many rows MT_DIGITS x 1 tiles, past it MT x NG
 
-// Step t (0..31) of a group's super-block at `super` asks for the lines PREFETCH_AHEAD ahead that start in its
-// 32nd of the super-block's bytes: one or two lines a step, each line once. On an Intel Xeon, a 1B's products
-// from memory at one row: the super-block's 37-53 prefetches all at its start held the loads behind them (an
-// eighth of them at each block measured 1.09-1.14 times as fast, a step's share 1.07-1.11 times as fast again:
-// AVX2's 1.13-1.15; 1.03-1.08 at 2-4 rows and at 64).
-template <int F>
-inline void prefetch_step(const uint8_t* super, int64_t t) {
-  constexpr int64_t bytes = group_super_bytes(F), steps = 4 * SUBS;
-  const uintptr_t start = (uintptr_t)(super + vnni::PREFETCH_AHEAD);
-  const uintptr_t end = start + (t + 1) * bytes / steps;
-  for (uintptr_t line = (start + t * bytes / steps + 63) & ~(uintptr_t)63; line < end; line += 64)
-    simd::prefetch_l2((const void*)line);
-}
-
 // An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset
 // -offset * sum_h a (s16[h]) in the units of total (the lo digits' sum for digits).
 template <int F, bool WORDS, int P>
@@ -207,10 +193,14 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         // The tile first to read its groups (the driver's first rows; the others find them in the cache) asks
         // ahead for them, group by group: for decoding (one group, the thread's weights one stream; AVX2's words
         // without it up to 1.5 times as long from memory), and for more rows (both cores, from memory, int8 at 16
-        // rows: Q4_K and Q6_K 0.8-0.9 of the time; asking in every tile made 64 rows 1.04-1.07 times as slow).
+        // rows: Q4_K and Q6_K 0.8-0.9 of the time; asking in every tile made 64 rows 1.04-1.07 times as slow). A
+        // step's share of the super-block's lines (vnni_common.h): all of them at its start (37-53 prefetches) held
+        // the loads behind them; an eighth at each block measured 1.09-1.14 times as fast on an Intel Xeon, one row
+        // from memory, a step's share 1.07-1.11 times as fast again (AVX2's 1.13-1.15; 1.03-1.08 at 2-4 and 64 rows).
         if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0))
           if (first && gstride >= vnni::PREFETCH_AHEAD)
-            for (int g = 0; g < NGT; ++g) prefetch_step<F>(Packed(F, w, gstride, g, sb).quants, 4 * j + s);
+            for (int g = 0; g < NGT; ++g)
+              vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(Packed(F, w, gstride, g, sb).quants, 4 * j + s);
         if constexpr (WORDS) {
           for (int g = 0; g < NGT; ++g) step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
           for (int i = 0; i < M; ++i) {

@@ -177,12 +177,15 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
         if constexpr (PAIRS) ps[i][g] = zero_pairs();
       }
     const uint8_t* wb = w + b * group_block_bytes(F);
-    // The decoding tiles ask ahead for their weights (vnni_common.h), AVX2's words too: from memory at 2 and 4
-    // rows mostly 1.1-1.45 times as fast with it (2 cases of 16 4 % slower); past 4 rows the same.
-    if constexpr (NGT == 1 && (!WORDS || FORM == Form::WORDS) && M >= 2)
-      if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_l2(wb + vnni::PREFETCH_AHEAD, group_block_bytes(F));
 #pragma GCC unroll 4
     for (int s = 0; s < 4; ++s) {  // two steps of 4 weights each
+      // The decoding tiles ask ahead for their weights (vnni_common.h), AVX2's words too: from memory at 2 and 4
+      // rows mostly 1.1-1.45 times as fast with it (2 cases of 16 4 % slower); past 4 rows the same. Each step its
+      // share of the block's lines (prefetch_share), and at one row too: on an Intel Xeon, from memory, Q4_0 1.23
+      // times as fast, Q4_1 1.14, Q5_0 1.16, Q8_0 1.04 (the block's lines at its start, from 2 rows only before:
+      // on an AMD EPYC one row measured no faster so, Q8_0 1.1 times slower).
+      if constexpr (NGT == 1 && (!WORDS || FORM == Form::WORDS))
+        if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_share<group_block_bytes(F), 4>(wb, s);
       if constexpr (WORDS) {
         u8x64 wq[NGT][4];
         for (int g = 0; g < NGT; ++g) step_words<F>(wb + g * gstride, s, wq[g]);
