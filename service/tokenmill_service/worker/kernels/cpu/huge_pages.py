@@ -25,10 +25,14 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     # One page more than asked for, so that a 2 MB-aligned start lies inside.
     region = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(advice)
-    except OSError:  # a kernel built without transparent huge pages: 4 KB pages, as torch's would be
-        pass
     whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until the tensor's storage is freed
     start = -whole.data_ptr() % PAGE
+    tail = start + nbytes // PAGE * PAGE  # where the buffer's last, partial 2 MB page begins
+    try:
+        region.madvise(advice)
+        # The partial page in 4 KB pages: as a 2 MB page it would hold up to 2 MB the buffer does not use.
+        if tail < start + nbytes:
+            region.madvise(mmap.MADV_NOHUGEPAGE, tail, len(region) - tail)
+    except (OSError, AttributeError):  # no transparent huge pages here: 4 KB pages, as torch's would be
+        pass
     return whole[start : start + nbytes]
