@@ -48,16 +48,11 @@ inline uint16_t half_bits(const uint8_t* p) {
 // K = 576: Q4_1 at 4 rows 1.1 times slower with it).
 constexpr int64_t PREFETCH_AHEAD = 8192;
 
-// Asks for every line of [p, p + bytes) in L2; a prefetch past the end of a mapping does not fault.
-inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
-  const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
-  for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64) simd::prefetch_l2((const void*)line);
-}
-
 // A tile's step `part` of PARTS through BYTES of weights at p asks for the lines PREFETCH_AHEAD ahead that start
-// in its share of them: one or two lines a step, each line once over the parts. Paced so, beside the loads that
-// use the lines, rather than a block's or a super-block's lines all at its start: on an Intel Xeon, one decoding
-// row from memory, the k-quants 1.07-1.15 times as fast (kquant_gemm.cpp), Q4_0, Q4_1 and Q5_0 1.14-1.23 times.
+// in its share of them: one or two lines a step, each line once over the parts (a prefetch past the end of a
+// mapping does not fault). Paced so, beside the loads that use the lines, rather than a block's or a
+// super-block's lines all at its start: on an Intel Xeon, one decoding row from memory, the k-quants 1.07-1.15
+// times as fast (kquant_gemm.cpp), Q4_0, Q4_1 and Q5_0 1.14-1.23 times.
 template <int64_t BYTES, int64_t PARTS>
 inline void prefetch_share(const uint8_t* p, int64_t part) {
   const uintptr_t start = (uintptr_t)(p + PREFETCH_AHEAD);
