@@ -28,10 +28,13 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes, default=None)
 
 
-def buffer_bytes() -> int:
-    """The size of the buffers the memory rates are measured on: 256 MiB, or twice the last-level cache where
-    that is larger (an Intel Xeon VM reports 480 MiB of L3: read from a 256 MiB buffer, its 'memory' rate was
-    1.08 times the rate from 812 MiB, a 1B model's weights), so that the rate is memory's, not the cache's."""
+def buffer_bytes(mib: int | None = None) -> int:
+    """The size of the buffers the memory rates are measured on: ``mib`` MiB where given (``--copy-buffer-mib``),
+    else 256 MiB, or twice the last-level cache where that is larger (an Intel Xeon VM reports 480 MiB of L3: read
+    from a 256 MiB buffer, its 'memory' rate was 1.08 times the rate from 812 MiB, a 1B model's weights), so that
+    the rate is memory's, not the cache's."""
+    if mib:
+        return mib * 2**20
     return max(COPY_BUFFER_BYTES, 2 * (last_level_cache_bytes() or 0))
 
 

@@ -24,7 +24,7 @@ from tokenmill_bench.load import (
     run_level,
     sample_engine,
 )
-from tokenmill_bench.machine import local_server_pids, read_bandwidth
+from tokenmill_bench.machine import buffer_bytes, local_server_pids, read_bandwidth
 
 if TYPE_CHECKING:
     from tokenmill_bench.llama_server import LlamaServer
@@ -206,7 +206,7 @@ class _Run:
         side = self.sides[target.name]
         if concurrency == 1:
             side.single = level
-            read_now = await asyncio.to_thread(read_bandwidth, (self.args.copy_buffer_mib or 0) * 2**20 or None)
+            read_now = await asyncio.to_thread(read_bandwidth, buffer_bytes(self.args.copy_buffer_mib))
             side.single_read_gbs = read_now["gbs"]
             log.info("read_bandwidth_beside_single", side=target.name, gbs=round(read_now["gbs"], 2))
         if concurrency in self.args.concurrency:

@@ -45,8 +45,8 @@ def _count_weights(model_path: Path | None) -> tuple[int | None, str | None]:
 
 def _memory_bandwidth(buffer_mib: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The machine's copy and read rates (measured before the server loads, so they have the memory to
-    themselves); ``buffer_mib`` None: machine.buffer_bytes()."""
-    size = buffer_mib * 2**20 if buffer_mib else buffer_bytes()
+    themselves), on buffers of machine.buffer_bytes(buffer_mib)."""
+    size = buffer_bytes(buffer_mib)
     log.info("copy_bandwidth", buffer_mib=size // 2**20)
     copy = copy_bandwidth(size)
     log.info("copy_bandwidth_done", gbs=round(copy["gbs"], 2), method=copy["method"])
