@@ -4,8 +4,9 @@
         --llama-server http://127.0.0.1:8089 --json bench/results/fidelity.json
 
 Each side generates ``--new-tokens`` greedy tokens after each prompt and reports each token's logprob;
-transformers then scores the same tokens in float32 on the file's dequantized weights (its GGUF
-loading), and a side's error is |its logprob - the reference's| over all its tokens, mean and worst.
+transformers then scores the same tokens in float32 on the file's dequantized weights (its GGUF loading's
+numbers, with one layer in memory at a time: ``streamed_reference.py``), and a side's error is |its logprob -
+the reference's| over all its tokens, mean and worst.
 Each side is scored on its own greedy tokens, so a side is never judged on a path it did not take.
 
 The prompts are the token ids of the embedded model's reference texts (``tests/data/smollm2_reference.json``),
@@ -21,9 +22,9 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
+from streamed_reference import next_token_logprobs
 
 from tokenmill_bench.server import ManagedServer
 from tokenmill_client import AsyncClient
@@ -70,36 +71,21 @@ async def llama_server_tokens(url: str, prompt: list[int], count: int) -> Genera
     return out
 
 
-def reference_logprobs(model_path: Path, prompt: list[int], generated: list[int]) -> list[float]:
-    import torch
-
-    model = _reference_model(model_path)
-    ids = torch.tensor([prompt + generated])
-    with torch.inference_mode():
-        logprobs = torch.log_softmax(model(ids).logits[0].double(), -1)
-    start = len(prompt) - 1  # position p scores token p + 1
-    return [logprobs[start + i, token].item() for i, token in enumerate(generated)]
-
-
-_MODELS: dict[Path, Any] = {}
-
-
-def _reference_model(model_path: Path) -> Any:
-    if model_path not in _MODELS:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        _MODELS[model_path] = AutoModelForCausalLM.from_pretrained(
-            model_path.parent, gguf_file=model_path.name, dtype=torch.float32
-        ).eval()
-    return _MODELS[model_path]
-
-
-def errors_of(model_path: Path, prompts: list[list[int]], sides: list[Generated]) -> list[float]:
-    errors = []
-    for prompt, generated in zip(prompts, sides, strict=True):
-        reference = reference_logprobs(model_path, prompt, [t for t, _ in generated])
-        errors += [abs(lp - ref) for (_, lp), ref in zip(generated, reference, strict=True) if lp is not None]
+def errors_of(model_path: Path, prompts: list[list[int]], sides: dict[str, list[Generated]]) -> dict[str, list[float]]:
+    """Each side's |logprob - the float32 reference's| over its scored tokens; every side's sequences go
+    through the reference in one pass, which reads each layer of the file once."""
+    sequences = [
+        prompt + [t for t, _ in generated]
+        for tokens in sides.values()
+        for prompt, generated in zip(prompts, tokens, strict=True)
+    ]
+    reference = iter(next_token_logprobs(model_path, sequences))
+    errors: dict[str, list[float]] = {}
+    for side, tokens in sides.items():
+        errors[side] = []
+        for prompt, generated in zip(prompts, tokens, strict=True):
+            scored = next(reference)[len(prompt) - 1 :]  # position p scores token p + 1
+            errors[side] += [abs(lp - ref) for (_, lp), ref in zip(generated, scored, strict=True) if lp is not None]
     return errors
 
 
@@ -130,8 +116,7 @@ def main() -> int:
             generate_all("llama-server", args.llama_server, prompts, args.new_tokens)
         )
     rows = {}
-    for side, tokens in generated.items():
-        errors = errors_of(args.model, prompts, tokens)
+    for side, errors in errors_of(args.model, prompts, generated).items():
         rows[side] = {"tokens": len(errors), "mean": sum(errors) / len(errors), "worst": max(errors)}
     print(f"{'side':<24} {'tokens':>6} {'mean':>9} {'worst':>9}")
     for side, row in rows.items():

@@ -33,7 +33,8 @@ def test_the_code_is_ruff_formatted() -> None:
 # stubs are read once.
 MYPY_TARGETS = (
     "client/tokenmill_client", "client/examples", "service/tokenmill_service", "bench/tokenmill_bench",
-    "bench/fuzz_grpc.py", "bench/soak.py", "bench/fidelity.py", "bench/step_breakdown.py",
+    "bench/fuzz_grpc.py", "bench/soak.py", "bench/fidelity.py", "bench/streamed_reference.py",
+    "bench/step_breakdown.py",
     "scripts/api_reference.py", "scripts/mkdocs_hooks.py",
 )  # fmt: skip
 
