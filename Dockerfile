@@ -75,7 +75,7 @@ RUN set -eux; \
     rm -rf /tmp/wheels; \
     tokenmill-server --help >/dev/null
 # The native CPU kernels, built now (where the variant has g++) so a worker starts without compiling:
-# every kernel for every instruction set of the image's architecture (x86: scalar, avx2, avx512; ARM64:
+# every kernel for every instruction set of the image's architecture (x86: scalar, avx2, avx2vnni, avx512; ARM64:
 # scalar, neon), since the node that runs the image may have another CPU than the one that built it.
 ENV TOKENMILL_KERNEL_CACHE=/opt/tokenmill/kernels
 RUN python -c "from tokenmill_service.worker.kernels.cpu import build; print(build.prebuild())"

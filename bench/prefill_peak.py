@@ -94,6 +94,8 @@ async def time_prompts(address: str, lengths: list[int], tries: int, vocab: int)
 
 def peak_name(server_args: list[str], peaks: dict[str, float]) -> str:
     int8 = any(a.replace(" ", "=") == "--activations=int8" for a in server_args)
+    if any(a.replace(" ", "=") == "--cpu-isa=avx2vnni" for a in server_args):
+        return "int8 vpdpbusd-ymm" if int8 else "int16 vpdpwssd-ymm"
     avx2 = any(a.replace(" ", "=") == "--cpu-isa=avx2" for a in server_args) or "int8 vpdpbusd" not in peaks
     if int8:
         return "int8 vpmaddubsw-ymm" if avx2 else "int8 vpdpbusd"

@@ -91,6 +91,21 @@ int main() {
     MEASURE("int16 vpmaddwd-ymm", 16)
 #undef OP
   }
+#if defined(__AVXVNNI__)
+  {
+    // AVX-VNNI (the avx2vnni kernels): AVX-512 VNNI's byte and word products on 256-bit registers.
+    using V = __m256i;
+    auto init = [](int i) { return _mm256_set1_epi32(i); };
+    auto total = [](V v) { return sum8(v); };
+    const V u = _mm256_set1_epi8(3), s = _mm256_set1_epi8(5), a = _mm256_set1_epi16(3), b = _mm256_set1_epi16(5);
+#define OP(x) _mm256_dpbusd_avx_epi32(x, u, s)
+    MEASURE("int8 vpdpbusd-ymm", 32)
+#undef OP
+#define OP(x) _mm256_dpwssd_avx_epi32(x, a, b)
+    MEASURE("int16 vpdpwssd-ymm", 16)
+#undef OP
+  }
+#endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   {
     using V = __m512;

@@ -274,6 +274,8 @@ def test_the_prefill_peak_counts_a_prompts_multiply_adds_and_picks_the_products_
     assert prefill_peak.peak_name(["--activations=int8"], peaks) == "int8 vpdpbusd"
     assert prefill_peak.peak_name(["--activations=int8", "--cpu-isa=avx2"], peaks) == "int8 vpmaddubsw-ymm"
     assert prefill_peak.peak_name([], peaks) == "int16 vpdpwssd"
+    assert prefill_peak.peak_name(["--activations=int8", "--cpu-isa=avx2vnni"], peaks) == "int8 vpdpbusd-ymm"
+    assert prefill_peak.peak_name(["--cpu-isa=avx2vnni"], peaks) == "int16 vpdpwssd-ymm"
     assert prefill_peak.peak_name([], {"int8 vpmaddubsw-ymm": 1.0}) == "int16 vpmaddwd-ymm"
 
 

@@ -42,6 +42,9 @@ def test_auto_takes_the_fastest_instruction_set_the_cpu_runs() -> None:
     graviton = frozenset({"asimd", "asimddp", "fphp", "asimdhp"})
     assert cpu_isa.choose("auto", zen4, "x86_64").name == "avx512"
     assert cpu_isa.choose("auto", zen3, "x86_64").name == "avx2"
+    # Intel's cores since Alder Lake without AVX-512 (and its E-core Xeons): AVX2 with AVX-VNNI's products.
+    assert cpu_isa.choose("auto", zen3 | {"avx_vnni"}, "x86_64").name == "avx2vnni"
+    assert cpu_isa.choose("auto", zen4 | {"avx_vnni"}, "x86_64").name == "avx512"
     assert cpu_isa.choose("auto", graviton, "aarch64").name == "neon"
     # Skylake-X without VNNI, an old ARM core without the dot product: what they have is not enough.
     assert cpu_isa.choose("auto", zen4 - {"avx512_vnni"}, "x86_64").name == "avx2"
@@ -55,6 +58,6 @@ def test_an_instruction_set_the_cpu_lacks_is_refused_naming_what_is_missing() ->
         cpu_isa.choose("avx512", zen3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}, "x86_64")
     with pytest.raises(ValueError, match="neon is for aarch64 CPUs and this one is x86_64"):
         cpu_isa.choose("neon", zen3, "x86_64")
-    with pytest.raises(ValueError, match="--cpu-isa must be one of auto, scalar, neon, avx2, avx512"):
+    with pytest.raises(ValueError, match="--cpu-isa must be one of auto, scalar, neon, avx2, avx2vnni, avx512"):
         cpu_isa.choose("sse2")
     assert cpu_isa.choose("scalar", frozenset(), "riscv64").name == "scalar"

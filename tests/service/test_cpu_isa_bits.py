@@ -77,7 +77,7 @@ def default_results(server_address: str) -> dict[str, Any]:
 STEP_TOKENS = 64
 LONG = 100
 
-ATEN_CAPABILITY = {"scalar": "default", "avx2": "avx2", "avx512": "avx512"}
+ATEN_CAPABILITY = {"scalar": "default", "avx2": "avx2", "avx2vnni": "avx2", "avx512": "avx512"}
 
 
 @pytest.fixture(scope="module", params=[s.name for s in cpu_isa.INSTRUCTION_SETS])

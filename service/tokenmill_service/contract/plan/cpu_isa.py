@@ -42,6 +42,13 @@ INSTRUCTION_SETS = (
         "AVX-512 with VNNI",
     ),
     InstructionSet(
+        "avx2vnni",
+        "x86_64",
+        frozenset({"avx2", "fma", "f16c", "bmi2", "avx_vnni"}),
+        ("-march=x86-64-v3", "-mavxvnni", "-mtune=generic"),
+        "AVX2 with FMA, F16C and AVX-VNNI's byte and word products",
+    ),
+    InstructionSet(
         "avx2",
         "x86_64",
         frozenset({"avx2", "fma", "f16c", "bmi2"}),

@@ -30,7 +30,7 @@ class LoadOptions:
     kv_cache_dtype: str = "auto"
     # What the native integer-product kernels round the activations to: auto (16-bit fixed point) or int8.
     activations: str = "auto"
-    # The instruction set of the native CPU kernels: auto, scalar, avx2, avx512 or neon (the same bits each).
+    # The instruction set of the native CPU kernels: auto, scalar, avx2, avx2vnni, avx512 or neon (the same bits each).
     cpu_isa: str = "auto"
     # torch.compile the forward pass where it can (auto) or not (off).
     compile: str = "off"

@@ -115,7 +115,7 @@ constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register til
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 // Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
 // WORD_CHAINS, else four. vpdpwssd's chain is 4 cycles (2), AVX2's vpaddd 1 (1; measured on an AMD EPYC).
-#if defined(TM_ISA_AVX2)
+#if defined(TM_ISA_AVX2) && !defined(TM_ISA_AVX2VNNI)
 constexpr int WORD_CHAINS = 1;
 #else
 constexpr int WORD_CHAINS = 2;

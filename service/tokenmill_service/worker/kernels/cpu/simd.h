@@ -7,6 +7,8 @@
 //
 //   TM_ISA_SCALAR  isa/scalar.h   plain C++, a loop over the lanes: THE DEFINITION of every op's bits
 //   TM_ISA_AVX2    isa/avx2.h     AVX2 + FMA + F16C: two 8-lane registers per vector
+//   TM_ISA_AVX2VNNI isa/avx2.h    the same with AVX-VNNI's vpdpbusd / vpdpwssd for the integer products (Intel's
+//                                 cores since Alder Lake that lack AVX-512, and its E-core Xeons)
 //   TM_ISA_AVX512  isa/avx512.h   AVX-512 F/BW/DQ/VL + VNNI: one register per vector
 //   TM_ISA_NEON    isa/neon.h     ARMv8.2 NEON with the dot product: four 4-lane registers per vector
 //
@@ -32,6 +34,9 @@
 // Which backend; the build passes one (a kernel built with none is the scalar definition).
 #if defined(TM_ISA_AVX512)
 #include "isa/avx512.h"
+#elif defined(TM_ISA_AVX2VNNI)
+#define TM_ISA_AVX2 1  // AVX2's backend and tiles, its integer products fused (isa/avx2.h, __AVXVNNI__)
+#include "isa/avx2.h"
 #elif defined(TM_ISA_AVX2)
 #include "isa/avx2.h"
 #elif defined(TM_ISA_NEON)

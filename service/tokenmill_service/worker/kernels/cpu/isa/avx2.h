@@ -15,7 +15,11 @@
 
 namespace simd {
 
+#if defined(__AVXVNNI__)
+constexpr const char* ISA = "avx2vnni";
+#else
 constexpr const char* ISA = "avx2";
+#endif
 constexpr int VECTOR_REGISTERS = 8;  // ymm0-15, two a vector
 
 struct f32x16 { __m256 v[2]; };
@@ -229,6 +233,19 @@ inline i32x16 kept(i32x16 r) {
   __asm__("" : "+x"(r.v[0]), "+x"(r.v[1]));
   return r;
 }
+#if defined(__AVXVNNI__)
+// AVX-VNNI (-mavxvnni): vpdpbusd and vpdpwssd on 256-bit registers, each product one instruction into its int32
+// sum, as AVX-512's: exact, the sums wrapping as the scalar definition's int32 does.
+inline i32x16 dot_u8s8(i32x16 acc, u8x64 u, int32_t s4) {
+  const __m256i s = _mm256_set1_epi32(s4);
+  return kept({{_mm256_dpbusd_avx_epi32(acc.v[0], u.v[0], s), _mm256_dpbusd_avx_epi32(acc.v[1], u.v[1], s)}});
+}
+inline i32x16 dot_u7s8(i32x16 acc, u8x64 u, int32_t s4) { return dot_u8s8(acc, u, s4); }
+inline i32x16 dot_s16(i32x16 acc, u8x64 w, int32_t a2) {
+  const __m256i a = _mm256_set1_epi32(a2);
+  return kept({{_mm256_dpwssd_avx_epi32(acc.v[0], w.v[0], a), _mm256_dpwssd_avx_epi32(acc.v[1], w.v[1], a)}});
+}
+#else
 // Exact for every byte: the even and the odd bytes of each dword as int16 words, two vpmaddwd (an
 // unsigned byte times a signed one needs 16 bits, and vpmaddubsw's saturating pair sums would not hold
 // 255 * -128 twice).
@@ -273,6 +290,7 @@ inline i32x16 dot_s16(i32x16 acc, u8x64 w, int32_t a2) {
   const __m256i a = _mm256_set1_epi32(a2);
   return kept({{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(w.v[0], a)), _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(w.v[1], a))}});
 }
+#endif
 
 #undef TM_SIMD_F2
 #undef TM_SIMD_F3
