@@ -147,7 +147,7 @@ def test_a_slow_core_around_the_run_is_a_warning() -> None:
 
 def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
     """bench/kernels/cpu_peak.cpp, which history.md's arithmetic ceiling quotes, still builds and runs: AVX2's
-    rates on any x86 CPU with AVX2, AVX-512's too where the CPU has them."""
+    rates on any x86 CPU with AVX2, AVX-VNNI's and AVX-512's too where the CPU has them."""
     from tokenmill_service.contract.plan import cpu_isa
 
     if shutil.which("g++") is None or cpu_isa.missing("avx2") is not None:
@@ -158,6 +158,8 @@ def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
     out = subprocess.run([str(binary)], capture_output=True, text=True, check=True, timeout=180).stdout
     rates = dict(re.findall(r"^(\S+ \S+)\s+([\d.]+) G multiply-adds/s", out, re.MULTILINE))
     expected = {"float32 vfmadd231ps-ymm", "int8 vpmaddubsw-ymm", "int16 vpmaddwd-ymm"}
+    if "avx_vnni" in cpu_isa.cpu_flags():
+        expected |= {"int8 vpdpbusd-ymm", "int16 vpdpwssd-ymm"}
     if {"avx512_vnni", "avx512_bf16"} <= cpu_isa.cpu_flags():
         expected |= {"float32 vfmadd231ps", "int8 vpdpbusd", "int16 vpdpwssd", "bf16 vdpbf16ps"}
     assert set(rates) == expected, out
