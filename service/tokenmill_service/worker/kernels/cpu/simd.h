@@ -35,7 +35,7 @@
 #if defined(TM_ISA_AVX512)
 #include "isa/avx512.h"
 #elif defined(TM_ISA_AVX2VNNI)
-#define TM_ISA_AVX2 1  // AVX2's backend and tiles, its integer products fused (isa/avx2.h, __AVXVNNI__)
+#define TM_ISA_AVX2 1  // AVX2's backend and tiles, its integer products fused (isa/avx2.h)
 #include "isa/avx2.h"
 #elif defined(TM_ISA_AVX2)
 #include "isa/avx2.h"

@@ -15,7 +15,10 @@
 
 namespace simd {
 
-#if defined(__AVXVNNI__)
+#if defined(TM_ISA_AVX2VNNI)
+#if !defined(__AVXVNNI__)
+#error "the avx2vnni backend needs AVX-VNNI (-mavxvnni)"
+#endif
 constexpr const char* ISA = "avx2vnni";
 #else
 constexpr const char* ISA = "avx2";
@@ -233,7 +236,7 @@ inline i32x16 kept(i32x16 r) {
   __asm__("" : "+x"(r.v[0]), "+x"(r.v[1]));
   return r;
 }
-#if defined(__AVXVNNI__)
+#if defined(TM_ISA_AVX2VNNI)
 // AVX-VNNI (-mavxvnni): vpdpbusd and vpdpwssd on 256-bit registers, each product one instruction into its int32
 // sum, as AVX-512's: exact, the sums wrapping as the scalar definition's int32 does.
 inline i32x16 dot_u8s8(i32x16 acc, u8x64 u, int32_t s4) {
