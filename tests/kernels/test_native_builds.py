@@ -4,7 +4,10 @@ a source that stops compiling must fail here instead of turning its tests into s
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,34 @@ def test_a_built_kernel_loads_for_another_user_of_the_cache(tmp_path: Path, monk
     monkeypatch.setenv("TOKENMILL_KERNEL_CACHE", str(tmp_path))
     library = build._build("elementwise", str(shutil.which("g++")), "scalar")
     assert library.parent == tmp_path and library.stat().st_mode & 0o777 == 0o755
+
+
+COUNTING_COMPILER = """#!/bin/sh
+# Counts its builds (a line each in $0.calls), takes a while over each, and writes an empty library.
+if [ "$1" = "--version" ]; then echo "g++ (counting) 13.2.0"; exit 0; fi
+echo build >> "$0.calls"
+sleep 1
+while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done
+"""
+
+
+def test_processes_starting_together_build_a_kernel_once(tmp_path: Path) -> None:
+    """Workers starting together on a fresh machine: the second waits for the first one's build of a library
+    rather than compiling the same source beside it (each is its own process, so the lock is the file's)."""
+
+    compiler = tmp_path / "g++"
+    compiler.write_text(COUNTING_COMPILER)
+    compiler.chmod(0o755)
+    script = (
+        "import sys; from tokenmill_service.worker.kernels.cpu import build; "
+        "print(build.built('elementwise', 'scalar', sys.argv[1]))"
+    )
+    env = {**os.environ, "TOKENMILL_KERNEL_CACHE": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(compiler)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    paths = {proc.communicate(timeout=120)[0].splitlines()[-1] for proc in procs}  # (after its log line)
+    assert all(proc.returncode == 0 for proc in procs)
+    assert len(paths) == 1 and Path(paths.pop()).exists()
+    assert (tmp_path / "g++.calls").read_text().splitlines() == ["build"]

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
-import threading
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,8 +92,7 @@ def run_check(check: Check, isa: str, workdir: Path, cxx: str = "g++") -> subpro
 # The test files that load other instruction sets' builds than this CPU's own (or the ARM64 cross builds).
 LOAD_OTHER_BUILDS = frozenset({"test_arm64.py", "test_instruction_sets.py", "test_native_builds.py", "test_cpu_isa_bits.py"})  # fmt: skip
 
-_background: threading.Thread | None = None
-_stop = threading.Event()
+_background: subprocess.Popen[bytes] | None = None
 
 
 def prebuild_own() -> None:
@@ -102,17 +102,15 @@ def prebuild_own() -> None:
         build.prebuild(isas=[cpu_isa.selected()])
 
 
-def start_the_other_builds() -> None:
-    """The other instruction sets' builds and the ARM64 cross builds, which only the bit-for-bit checks load, in
-    the background at the lowest priority, on what CPU the tests before them leave idle (on a fresh machine they
-    take two minutes of both cores). ``wait_for_the_other_builds`` before loading them."""
-    global _background
-    if shutil.which(os.environ.get("CXX", "g++")) is None or _background is not None:
-        return
+Job = tuple[str, str, str | None, Path | None]  # build.built's arguments: kernel, instruction set, compiler, source
+
+
+def other_builds() -> list[Job]:
+    """The other instruction sets' builds (the plain C++ ones first: the slowest) and the ARM64 cross builds."""
     own = cpu_isa.selected()
-    jobs: list[tuple[str, str, str | None, Path | None]] = [
+    jobs: list[Job] = [
         (name, isa, None, None)
-        for isa in sorted((i for i in cpu_isa.runnable() if i != own), key=lambda i: i != "scalar")  # slowest first
+        for isa in sorted((i for i in cpu_isa.runnable() if i != own), key=lambda i: i != "scalar")
         for name in sorted(p.stem for p in KERNELS.glob("*.cpp"))
     ]
     if arm_tools_missing() is None:
@@ -121,36 +119,34 @@ def start_the_other_builds() -> None:
             for c in checks()
             for which in ("scalar", "neon")
         ]  # fmt: skip
+    return jobs
 
-    def one(job: tuple[str, str, str | None, Path | None]) -> None:
-        if not _stop.is_set():
-            try:
-                build.built(*job)
-            except build.NativeKernelUnavailable:
-                pass  # (the test that loads it says why)
 
-    def run() -> None:
-        # (Linux: the priority is this thread's, and the threads and compilers it starts inherit it.)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(one, jobs))
-
-    _background = threading.Thread(target=run, name="other-kernel-builds", daemon=True)
-    _background.start()
+def start_the_other_builds() -> None:
+    """``other_builds``, which only the bit-for-bit checks load, in the background at the lowest priority, on
+    what CPU the tests before them leave idle (on a fresh machine they take two minutes of both cores): a
+    process of its own, background_builds.py. ``wait_for_the_other_builds`` before loading them."""
+    global _background
+    if shutil.which(os.environ.get("CXX", "g++")) is None or _background is not None:
+        return
+    _background = subprocess.Popen(
+        [sys.executable, "-m", "tests.native.background_builds"], cwd=HERE.parents[1], start_new_session=True
+    )
 
 
 def wait_for_the_other_builds() -> None:
     """Until the background builds are done (at once when there are none), so that a check does not build the
     same library again beside them, at full priority."""
     if _background is not None:
-        _background.join()
+        _background.wait()
 
 
 def stop_the_other_builds() -> None:
-    """At the session's end: no new build starts, and the one under way is let finish (its compiler's file is
+    """At the session's end: no new build starts, and the ones under way are let finish (a compiler's file is
     renamed into the cache only when whole)."""
-    _stop.set()
-    if _background is not None:
-        _background.join(timeout=120)
+    if _background is not None and _background.poll() is None:
+        _background.send_signal(signal.SIGTERM)
+        try:
+            _background.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            _background.kill()

@@ -19,6 +19,7 @@ kernels share torch's thread pool rather than bringing a second one.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -76,24 +77,34 @@ def _build(name: str, cxx: str, isa: str, source: Path | None = None) -> Path:
             return target
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            # Built under a private name and renamed: workers starting together never load half a file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-            os.close(fd)
+            lock = open(directory / f"{target_name}.lock", "a")  # noqa: SIM115 (held across the build below)
         except OSError as e:
             errors.append(f"{directory}: {e}")
             continue
-        try:
-            compile_source(cxx, source, Path(tmp), isa)
-        except NativeKernelUnavailable:
-            os.unlink(tmp)
-            raise
-        # mkstemp made the file private (0600; the linker adds x: 0711), which another user cannot load: the
-        # container image builds its kernels as root and runs as user 10001. Readable by all, as g++ makes them.
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-        log.info("native_kernel_built", kernel=name, isa=isa, path=str(target))
+        with lock:
+            # One process builds a library at a time: workers (or test processes) starting together on a fresh
+            # machine wait for the first one's build rather than each compiling the same source.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                _build_into(directory, target, name, cxx, isa, source)
         return target
     raise NativeKernelUnavailable("no writable cache directory: " + "; ".join(errors))
+
+
+def _build_into(directory: Path, target: Path, name: str, cxx: str, isa: str, source: Path) -> None:
+    # Built under a private name and renamed: a process never loads half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        compile_source(cxx, source, Path(tmp), isa)
+    except NativeKernelUnavailable:
+        os.unlink(tmp)
+        raise
+    # mkstemp made the file private (0600; the linker adds x: 0711), which another user cannot load: the
+    # container image builds its kernels as root and runs as user 10001. Readable by all, as g++ makes them.
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, target)
+    log.info("native_kernel_built", kernel=name, isa=isa, path=str(target))
 
 
 def compile_source(cxx: str, source: Path, target: Path, isa: str) -> None:
