@@ -21,10 +21,10 @@ install: $(STAMP) $(LINKED)
 
 # pip itself stays quiet (-qq still shows its errors): a line before each step says what is being installed
 # and how long it takes, so a first `make run` is never silent for minutes, and then the server shows.
-# --no-compile: Python compiles what it imports on first use (a few seconds, once) rather than pip all of
-# torch's and the test tools' sources ahead (a minute of a first install on two cores).
+# pip compiles every module ahead (a minute of a first install on two cores): kept, as environments that set
+# PYTHONDONTWRITEBYTECODE would otherwise compile torch's sources again in every process that imports it.
 PIP := $(BIN)/python -m pip --disable-pip-version-check -qq
-INSTALL := $(PIP) install --no-compile
+INSTALL := $(PIP) install
 
 $(STAMP): pyproject.toml
 	@echo "make: installing tokenmill and its dependencies into $(VENV): a few minutes on a first run, once"
