@@ -30,17 +30,20 @@ def one(job: runner.Job) -> None:
 
 
 def main() -> None:
-    try:
-        Path("/proc/self/autogroup").write_text("19")  # this session's group (Linux, where autogroup is on)
-    except OSError:
-        pass
+    if os.getsid(0) == os.getpid():  # the leader of its own session (as runner starts it), not someone's shell's
+        try:
+            Path("/proc/self/autogroup").write_text("19")  # the session's group (Linux, where autogroup is on)
+        except OSError:
+            pass
     os.nice(19)  # and each of its threads and compilers
     # SIGTERM (the suite's end): no new build starts; those under way finish (each is renamed in whole).
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    parent = os.getppid()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         futures = [pool.submit(one, job) for job in runner.other_builds()]
         while wait(futures, timeout=0.5).not_done:
-            pass
+            if os.getppid() != parent:  # the suite was killed (no SIGTERM came): stop as at its end
+                stop.set()
 
 
 if __name__ == "__main__":
