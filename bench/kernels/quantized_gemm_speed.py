@@ -37,7 +37,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from tokenmill_service.worker.kernels.cpu import abi, build
+from tokenmill_service.worker.kernels.cpu import abi, build, huge_pages
 
 KERNEL_DIR = "service/tokenmill_service/worker/kernels/cpu"
 # Where each format's float16 scales sit in its GGUF block (the rest of a block is any bytes).
@@ -108,7 +108,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator) 
 
 def pack(lib: ctypes.CDLL, prefix: str, qtype: QType, blocks: torch.Tensor, k: int) -> torch.Tensor:
     n = blocks.shape[0]
-    out = torch.empty(int(getattr(lib, f"{prefix}_packed_bytes")(int(qtype), n, k)), dtype=torch.uint8)
+    # In 2 MB pages where the system gives them, as the server's packed weights are (huge_pages.py).
+    out = huge_pages.empty_bytes(int(getattr(lib, f"{prefix}_packed_bytes")(int(qtype), n, k)))
     rc = getattr(lib, f"{prefix}_pack")(int(qtype), blocks.contiguous().data_ptr(), n, k, out.data_ptr())
     assert rc == 0, rc
     return out
@@ -174,7 +175,9 @@ def bench(
         old, new = libs[name]
         for k, n in shapes:
             w = pack(new, prefix, qtype, random_blocks(qtype, n, k, rng), k)
-            copies = [w] + [w.clone() for _ in range(from_memory_mb * 2**20 // w.numel())]
+            copies = [w] + [
+                huge_pages.empty_bytes(w.numel()).copy_(w) for _ in range(from_memory_mb * 2**20 // w.numel())
+            ]
             calls = 0
             for m in ms:
                 x = torch.randn(m, k)

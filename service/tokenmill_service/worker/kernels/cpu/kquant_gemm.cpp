@@ -197,8 +197,9 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         // step's share of the super-block's lines (vnni_common.h): all of them at its start (37-53 prefetches) held
         // the loads behind them; an eighth at each block measured 1.09-1.14 times as fast on an Intel Xeon, one row
         // from memory, a step's share 1.07-1.11 times as fast again (AVX2's 1.13-1.15; 1.03-1.08 at 2-4 and 64 rows).
+        // Whatever a group's size: where it spans less than the distance, the lines ahead are the next groups'.
         if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0))
-          if (first && gstride >= vnni::PREFETCH_AHEAD)
+          if (first)
             for (int g = 0; g < NGT; ++g)
               vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(Packed(F, w, gstride, g, sb).quants, 4 * j + s);
         if constexpr (WORDS) {

@@ -44,8 +44,12 @@ inline uint16_t half_bits(const uint8_t* p) {
 // streaming loop: 20), 23 with this; two threads' products at 2-4 rows took 0.5-0.9 of the time (Q8_0 at two
 // rows the least helped, 0.8-0.9). 6-12 KB ahead measured alike; 2 KB, and prefetching into L1, measured slower than none. The block
 // formats at one row (lighter on the core than the k-quants) measured no faster, Q8_0 1.1 times slower: they
-// prefetch from two rows. Nor do weights whose group of rows spans less than the distance (SmolLM2-135M's
-// K = 576: Q4_1 at 4 rows 1.1 times slower with it).
+// prefetched from two rows (one row too since, below). Weights whose group of rows spans less than the distance
+// (SmolLM2-135M's K = 576) ask too: a thread's groups follow one another, so the lines ahead are its next groups'.
+// Left out for them before (Q4_1 at 4 rows 1.1 times slower, 4 KB pages, a block's lines at its start); with a
+// step's share and 2 MB pages, an Intel Xeon from memory, both cores, 1-4 rows: Q4_0 and Q4_1 at K = 576 0.71-0.88
+// of the time, Q4_K at K = 512 and 768 0.49-0.68 (AVX2 0.52-0.82), 16 rows 0.72-1.0, 64 and 512 rows the same;
+// the embedded model's decoder products 1.27 times as fast a token.
 constexpr int64_t PREFETCH_AHEAD = 8192;
 
 // A tile's step `part` of PARTS through BYTES of weights at p asks for the lines PREFETCH_AHEAD ahead that start

@@ -183,9 +183,9 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
       // rows mostly 1.1-1.45 times as fast with it (2 cases of 16 4 % slower); past 4 rows the same. Each step its
       // share of the block's lines (prefetch_share), and at one row too: on an Intel Xeon, from memory, Q4_0 1.23
       // times as fast, Q4_1 1.14, Q5_0 1.16, Q8_0 1.04 (the block's lines at its start, from 2 rows only before:
-      // on an AMD EPYC one row measured no faster so, Q8_0 1.1 times slower).
+      // on an AMD EPYC one row measured no faster so, Q8_0 1.1 times slower); whatever a group's size (vnni_common.h).
       if constexpr (NGT == 1 && (!WORDS || FORM == Form::WORDS))
-        if (gstride >= vnni::PREFETCH_AHEAD) vnni::prefetch_share<group_block_bytes(F), 4>(wb, s);
+        vnni::prefetch_share<group_block_bytes(F), 4>(wb, s);
       if constexpr (WORDS) {
         u8x64 wq[NGT][4];
         for (int g = 0; g < NGT; ++g) step_words<F>(wb + g * gstride, s, wq[g]);
