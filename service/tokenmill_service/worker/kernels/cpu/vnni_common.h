@@ -48,7 +48,7 @@ inline uint16_t half_bits(const uint8_t* p) {
 // (SmolLM2-135M's K = 576) ask too: a thread's groups follow one another, so the lines ahead are its next groups'.
 // Left out for them before (Q4_1 at 4 rows 1.1 times slower, 4 KB pages, a block's lines at its start); with a
 // step's share and 2 MB pages, an Intel Xeon from memory, both cores, 1-4 rows: Q4_0 and Q4_1 at K = 576 0.71-0.88
-// of the time, Q4_K at K = 512 and 768 0.49-0.68 (AVX2 0.52-0.82), 16 rows 0.72-1.0, 64 and 512 rows the same;
+// of the time, Q4_K at K = 512 and 768 0.49-0.68 (AVX2 0.52-0.82), 16 rows 0.72-1.0, 64 and 512 rows 0.9-1.0;
 // the embedded model's decoder products 1.27 times as fast a token.
 constexpr int64_t PREFETCH_AHEAD = 8192;
 
