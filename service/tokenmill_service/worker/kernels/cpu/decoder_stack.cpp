@@ -29,6 +29,7 @@
 // Built and loaded by worker/kernels/cpu/build.py, once per instruction set (plain C++: the kernels it calls carry
 // the vector work, each the same bits on every CPU).
 
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +66,40 @@ struct Timed {
 }  // namespace
 
 // Floats of scratch the LoRA products of t tokens need: the shrunk rows, parts * rank each.
+// f(r0, r1) over rows [0, t) of `width` floats each, split between the threads where there is enough of them:
+// the per-token operations (norms, rotary, the MLP's activation) compute every row on its own in an order fixed
+// by the row alone, so a row's bits do not depend on the split. Below ROWS_IN_PARALLEL floats (a decoding step's
+// few rows) the fork would cost more than the work, and one thread takes them; past it, a prompt's 512 rows on
+// one core were 5-7 % of its time (bench/kernels/prefill_profile.py), with the other thread waiting.
+constexpr int64_t ROWS_IN_PARALLEL = 1 << 16;
+template <class F>
+static void by_rows(int64_t t, int64_t width, int threads, F f) {
+  if (threads <= 1 || t < 2 || t * width < ROWS_IN_PARALLEL) return f(0, t);
+#pragma omp parallel num_threads(threads)
+  {
+    const int i = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t r0 = t * i / n, r1 = t * (i + 1) / n;
+    if (r0 < r1) f(r0, r1);
+  }
+}
+
+// tm_rms_norm over rows [0, t) by_rows: x's rows `x_stride` apart, residual's, h_out's and normed's d apart.
+static void rms_norm_rows(const TmStack* s, const float* x, int64_t x_stride, const float* residual,
+                          const float* weight, float* h_out, float* normed, int64_t t, int64_t d, int threads) {
+  by_rows(t, d, threads, [&](int64_t r0, int64_t r1) {
+    s->rms_norm(x + r0 * x_stride, x_stride, residual ? residual + r0 * d : nullptr, weight, s->eps, h_out + r0 * d,
+                normed + r0 * d, r1 - r0, d);
+  });
+}
+
+// s->rotary over rows [0, t) by_rows (rows `stride` apart, `heads` heads of D each).
+static void rotary_rows(const TmStack* s, float* x, int64_t stride, int64_t t, int64_t heads, int64_t D, int64_t R,
+                        const int64_t* positions, const float* cos_t, const float* sin_t, int threads) {
+  by_rows(t, heads * D, threads, [&](int64_t r0, int64_t r1) {
+    s->rotary(x + r0 * stride, stride, r1 - r0, heads, D, R, positions + r0, cos_t, sin_t);
+  });
+}
+
 static int64_t lora_scratch(const TmStack* s, int64_t t) {
   if (!s->lora_add) return 0;
   return t * s->lora_width;
@@ -267,8 +302,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     const float* cos_t = L.cos_table ? L.cos_table : s->cos_table;
     const float* sin_t = L.sin_table ? L.sin_table : s->sin_table;
     // Residual add (none before the first layer) and the input norm.
-    if (l == 0) s->rms_norm(x, H, nullptr, L.input_norm, s->eps, h, normed, t, H);
-    else s->rms_norm(y, H, h, L.input_norm, s->eps, h, normed, t, H);
+    if (l == 0) rms_norm_rows(s, x, H, nullptr, L.input_norm, h, normed, t, H, threads);
+    else rms_norm_rows(s, y, H, h, L.input_norm, h, normed, t, H, threads);
     if (s->latent) {
       const int rc = latent_attention_layer(s, L, lora, normed, t, positions, seq_of_token, g, kc, vc, block_size,
                                             cos_t, sin_t, latent_ws, y, scratch, threads);
@@ -276,8 +311,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     } else {
       if (linear(s, L.qkv, lora, normed, t, H, qkv, scratch, threads)) return -100 - (int)l;
       if (s->qk_norm == TM_QK_NORM_NONE) {
-        s->rotary(qkv, qkv_size, t, s->heads, D, R, positions, cos_t, sin_t);
-        s->rotary(qkv + q_size, qkv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
+        rotary_rows(s, qkv, qkv_size, t, s->heads, D, R, positions, cos_t, sin_t, threads);
+        rotary_rows(s, qkv + q_size, qkv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t, threads);
         s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
         for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
       } else {
@@ -291,8 +326,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
             s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
           }
         }
-        s->rotary(q, q_size, t, s->heads, D, R, positions, cos_t, sin_t);
-        s->rotary(keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t);
+        rotary_rows(s, q, q_size, t, s->heads, D, R, positions, cos_t, sin_t, threads);
+        rotary_rows(s, keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t, threads);
         s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
       }
       s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
@@ -307,7 +342,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     // Gemma's norm of attention's output (its h_out, the rows themselves, written back in place).
     if (L.attn_out_norm) s->rms_norm(y, H, nullptr, L.attn_out_norm, s->eps, y, y, t, H);
     scale_branch(s, y, t);
-    s->rms_norm(y, H, h, L.post_norm, s->eps, h, normed, t, H);
+    rms_norm_rows(s, y, H, h, L.post_norm, h, normed, t, H, threads);
     if (L.experts) {
       const TmExperts* e = L.experts;
       if (linear(s, L.router, nullptr, normed, t, H, logits, scratch, threads)) return -100 - (int)l;
@@ -331,13 +366,14 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
     } else {
       const int64_t W = L.gate_up.out_features / 2;
       if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
-      s->activation(gate_up, act, t, W);
+      by_rows(t, W, threads,
+              [&](int64_t r0, int64_t r1) { s->activation(gate_up + r0 * 2 * W, act + r0 * W, r1 - r0, W); });
       if (linear(s, L.down, lora, act, t, W, y, scratch, threads)) return -100 - (int)l;
     }
     if (L.mlp_out_norm) s->rms_norm(y, H, nullptr, L.mlp_out_norm, s->eps, y, y, t, H);  // Gemma's, as above
     scale_branch(s, y, t);
   }
-  s->rms_norm(y, H, h, s->final_norm, s->eps, h, out, t, H);
+  rms_norm_rows(s, y, H, h, s->final_norm, h, out, t, H, threads);
   return 0;
 }
 
