@@ -95,22 +95,22 @@ def test_the_served_model_runs_the_native_stack_with_the_python_forwards_bits(se
 
 @torch.inference_mode()
 def test_a_prompt_whose_rows_the_threads_split_keeps_the_python_forwards_bits(served_model: Any) -> None:
-    """A 240-token prompt (240 rows of 576 and more: past the stack's ROWS_IN_PARALLEL, so its norms, rotary and
-    activation split the rows between the threads), then a decode beside a 130-token chunk: the eager loop's
-    bits, and the same bits with one thread."""
+    """A 400-token prompt (400 rows of 192 floats and more: past the stack's ROWS_IN_PARALLEL, so its norms,
+    rotary, cache writes and activation split the rows between the threads), then a decode beside a 130-token
+    chunk: the eager loop's bits, and the same bits with one thread."""
     if torch.get_num_threads() < 2:
         pytest.skip("needs two threads")
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, served_model.config.vocab_size, (240 + 1 + 130,), generator=gen).tolist()
-    first = list(range(16))
-    second = list(range(16, 32))
+    ids = torch.randint(0, served_model.config.vocab_size, (400 + 1 + 130,), generator=gen).tolist()
+    first = list(range(26))
+    second = list(range(26, 35))
     plans = [
-        StepPlan(ids[:240], [240], [0], [first], [239], [(0, 240)]),
-        StepPlan(ids[240:], [1, 130], [240, 0], [first, second], [0, 130], [(1, 130)]),
+        StepPlan(ids[:400], [400], [0], [first], [399], [(0, 400)]),
+        StepPlan(ids[400:], [1, 130], [400, 0], [first, second], [0, 130], [(1, 130)]),
     ]
 
     def run(executor: str) -> list[torch.Tensor]:
-        runner = ModelRunner(served_model, block_size=16, num_blocks=32, executor=executor)
+        runner = ModelRunner(served_model, block_size=16, num_blocks=48, executor=executor)
         out = []
         for plan in plans:
             logits, prompt_logits = runner.execute(plan)

@@ -65,12 +65,11 @@ struct Timed {
 };
 }  // namespace
 
-// Floats of scratch the LoRA products of t tokens need: the shrunk rows, parts * rank each.
 // f(r0, r1) over rows [0, t) of `width` floats each, split between the threads where there is enough of them:
-// the per-token operations (norms, rotary, the MLP's activation) compute every row on its own in an order fixed
-// by the row alone, so a row's bits do not depend on the split. Below ROWS_IN_PARALLEL floats (a decoding step's
-// few rows) the fork would cost more than the work, and one thread takes them; past it, a prompt's 512 rows on
-// one core were 5-7 % of its time (bench/kernels/prefill_profile.py), with the other thread waiting.
+// the per-token operations (norms, rotary, cache writes, the MLP's activation) compute every row on its own in an
+// order fixed by the row alone, so a row's bits do not depend on the split. Below ROWS_IN_PARALLEL floats (a
+// decoding step's few rows) the fork would cost more than the work, and one thread takes them; past it, a prompt's
+// 512 rows on one core were 5-7 % of its time (bench/kernels/prefill_profile.py), with the other thread waiting.
 constexpr int64_t ROWS_IN_PARALLEL = 1 << 16;
 template <class F>
 static void by_rows(int64_t t, int64_t width, int threads, F f) {
@@ -100,6 +99,7 @@ static void rotary_rows(const TmStack* s, float* x, int64_t stride, int64_t t, i
   });
 }
 
+// Floats of scratch the LoRA products of t tokens need: the shrunk rows, parts * rank each.
 static int64_t lora_scratch(const TmStack* s, int64_t t) {
   if (!s->lora_add) return 0;
   return t * s->lora_width;
@@ -313,8 +313,10 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
       if (s->qk_norm == TM_QK_NORM_NONE) {
         rotary_rows(s, qkv, qkv_size, t, s->heads, D, R, positions, cos_t, sin_t, threads);
         rotary_rows(s, qkv + q_size, qkv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t, threads);
-        s->store_keys(qkv + q_size, qkv_size, t, s->kv_heads, D, slots, kc, block_size);
-        for (int64_t i = 0; i < t; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
+        by_rows(t, q_size + kv_size, threads, [&](int64_t r0, int64_t r1) {
+          s->store_keys(qkv + r0 * qkv_size + q_size, qkv_size, r1 - r0, s->kv_heads, D, slots + r0, kc, block_size);
+          for (int64_t i = r0; i < r1; ++i) memcpy(q + i * q_size, qkv + i * qkv_size, q_size * sizeof(float));
+        });
       } else {
         if (s->qk_norm == TM_QK_NORM_WHOLE) {
           s->rms_norm(qkv, qkv_size, nullptr, L.q_norm, s->eps, sums, q, t, q_size);
@@ -330,7 +332,9 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
         rotary_rows(s, keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t, threads);
         s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
       }
-      s->store_values(qkv + q_size + kv_size, qkv_size, t, kv_size, slots, vc);
+      by_rows(t, kv_size, threads, [&](int64_t r0, int64_t r1) {
+        s->store_values(qkv + r0 * qkv_size + q_size + kv_size, qkv_size, r1 - r0, kv_size, slots + r0, vc);
+      });
       const int rc = [&] {
         const Timed timed(ATTENTION);
         return s->attention(q, t, s->heads, s->kv_heads, D, kc, vc, block_size, positions, seq_of_token, g.tables,
