@@ -13,6 +13,9 @@ per-head q/k norms and local and global rotary tables; head_dim 256 in Gemma 3's
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,6 +129,23 @@ def test_a_prompt_whose_rows_the_threads_split_keeps_the_python_forwards_bits(se
         torch.set_num_threads(threads)
     for a, b, c in zip(python, native, alone, strict=True):
         assert torch.equal(a, b) and torch.equal(b, c), (a - b).abs().max().item()
+
+
+def test_every_familys_stack_keeps_its_bits_with_each_steps_rows_split_between_the_threads() -> None:
+    """The bit-for-bit tests of this file (the embedded model, gpt-oss, Gemma 2 and 3 with their q/k and sandwich
+    norms, Granite, Phi-3, DeepSeek-V3) in a process whose stack splits every step's per-token operations between
+    the threads however few its rows (TM_STACK_SPLIT_FROM=1; the library reads it when it loads): the tiny models'
+    steps never reach the default's 64 K floats."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores")
+    env = {key: value for key, value in os.environ.items() if key != "PYTEST_ADDOPTS"}
+    env["TM_STACK_SPLIT_FROM"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "python_forwards_bits"],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout, result.stdout[-3000:]
 
 
 @torch.inference_mode()

@@ -70,7 +70,12 @@ struct Timed {
 // order fixed by the row alone, so a row's bits do not depend on the split. Below ROWS_IN_PARALLEL floats (a
 // decoding step's few rows) the fork would cost more than the work, and one thread takes them; past it, a prompt's
 // 512 rows on one core were 5-7 % of its time (bench/kernels/prefill_profile.py), with the other thread waiting.
-constexpr int64_t ROWS_IN_PARALLEL = 1 << 16;
+// TM_STACK_SPLIT_FROM in the environment sets the floats from which they split (the tests' tiny models split
+// every step's rows with 1, tests/kernels/test_decoder_stack.py).
+static const int64_t ROWS_IN_PARALLEL = [] {
+  const char* v = getenv("TM_STACK_SPLIT_FROM");
+  return v != nullptr && *v != '\0' ? atoll(v) : (int64_t)1 << 16;
+}();
 template <class F>
 static void by_rows(int64_t t, int64_t width, int threads, F f) {
   if (threads <= 1 || t < 2 || t * width < ROWS_IN_PARALLEL) return f(0, t);
@@ -319,14 +324,17 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
         });
       } else {
         if (s->qk_norm == TM_QK_NORM_WHOLE) {
-          s->rms_norm(qkv, qkv_size, nullptr, L.q_norm, s->eps, sums, q, t, q_size);
-          s->rms_norm(qkv + q_size, qkv_size, nullptr, L.k_norm, s->eps, sums, keys, t, kv_size);
+          rms_norm_rows(s, qkv, qkv_size, nullptr, L.q_norm, sums, q, t, q_size, threads);
+          rms_norm_rows(s, qkv + q_size, qkv_size, nullptr, L.k_norm, sums, keys, t, kv_size, threads);
         } else {  // each head a row
-          for (int64_t i = 0; i < t; ++i) {
-            const float* row = qkv + i * qkv_size;
-            s->rms_norm(row, D, nullptr, L.q_norm, s->eps, sums, q + i * q_size, s->heads, D);
-            s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums, keys + i * kv_size, s->kv_heads, D);
-          }
+          by_rows(t, q_size + kv_size, threads, [&](int64_t r0, int64_t r1) {
+            for (int64_t i = r0; i < r1; ++i) {  // each row's own stretch of the unused h_out (sums)
+              const float* row = qkv + i * qkv_size;
+              s->rms_norm(row, D, nullptr, L.q_norm, s->eps, sums + i * q_size, q + i * q_size, s->heads, D);
+              s->rms_norm(row + q_size, D, nullptr, L.k_norm, s->eps, sums + i * q_size, keys + i * kv_size,
+                          s->kv_heads, D);
+            }
+          });
         }
         rotary_rows(s, q, q_size, t, s->heads, D, R, positions, cos_t, sin_t, threads);
         rotary_rows(s, keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t, threads);
@@ -344,7 +352,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
       if (linear(s, L.o, lora, attn, t, q_size, y, scratch, threads)) return -100 - (int)l;
     }
     // Gemma's norm of attention's output (its h_out, the rows themselves, written back in place).
-    if (L.attn_out_norm) s->rms_norm(y, H, nullptr, L.attn_out_norm, s->eps, y, y, t, H);
+    if (L.attn_out_norm) rms_norm_rows(s, y, H, nullptr, L.attn_out_norm, y, y, t, H, threads);
     scale_branch(s, y, t);
     rms_norm_rows(s, y, H, h, L.post_norm, h, normed, t, H, threads);
     if (L.experts) {
@@ -363,7 +371,8 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
       if (L.gate_up.gemm) {  // shared experts: their MLP on every token, added to the routed sum
         const int64_t W = L.gate_up.out_features / 2;
         if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
-        s->activation(gate_up, act, t, W);
+        by_rows(t, W, threads,
+                [&](int64_t r0, int64_t r1) { s->activation(gate_up + r0 * 2 * W, act + r0 * W, r1 - r0, W); });
         if (linear(s, L.down, lora, act, t, W, shared, scratch, threads)) return -100 - (int)l;
         for (int64_t i = 0; i < t * H; ++i) y[i] = y[i] + shared[i];
       }
@@ -374,7 +383,7 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
               [&](int64_t r0, int64_t r1) { s->activation(gate_up + r0 * 2 * W, act + r0 * W, r1 - r0, W); });
       if (linear(s, L.down, lora, act, t, W, y, scratch, threads)) return -100 - (int)l;
     }
-    if (L.mlp_out_norm) s->rms_norm(y, H, nullptr, L.mlp_out_norm, s->eps, y, y, t, H);  // Gemma's, as above
+    if (L.mlp_out_norm) rms_norm_rows(s, y, H, nullptr, L.mlp_out_norm, y, y, t, H, threads);  // Gemma's, as above
     scale_branch(s, y, t);
   }
   rms_norm_rows(s, y, H, h, s->final_norm, h, out, t, H, threads);
