@@ -27,6 +27,20 @@ def test_greedy_picks_the_argmax_and_reports_raw_logprobs() -> None:
     assert out.top_logprobs[1] == []
 
 
+def test_greedy_takes_the_first_of_tied_best_tokens_whatever_the_batch() -> None:
+    """Ties at the maximum (and rows of -inf, a NaN) go to the first such index, as argmax's, alone and in a
+    batch of 64 rows of a 128,256-token vocabulary."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 40, (64, 128256), generator=gen).float()  # each row's maximum many times over
+    logits[3] = float("-inf")
+    logits[5, 7] = float("nan")
+    params, seeds, seen, top = [SamplingParams()] * 64, list(range(64)), [[]] * 64, [0] * 64
+    batch = sample(logits, params, seeds, seen, top).token_ids
+    alone = [sample(logits[i : i + 1], params[:1], seeds[:1], seen[:1], top[:1]).token_ids[0] for i in range(64)]
+    assert batch == alone == logits.argmax(dim=-1).tolist()
+    assert batch[3] == 0 and batch[5] == 7
+
+
 def test_top_k_never_picks_outside_the_k_most_likely() -> None:
     torch.manual_seed(0)
     logits = torch.randn(1, 50)

@@ -207,7 +207,7 @@ class MTPDrafter:
         k = 0
         while active:
             assert logits is not None
-            guesses = logits.argmax(dim=-1).tolist()
+            guesses = logits.max(dim=-1).indices.tolist()  # argmax's first maximal index (sampler.py)
             for seq_index, token in zip(active, guesses):
                 seqs[seq_index].mtp_drafts.append(int(token))
             k += 1
