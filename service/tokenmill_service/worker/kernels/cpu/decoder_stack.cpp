@@ -104,6 +104,12 @@ static void rotary_rows(const TmStack* s, float* x, int64_t stride, int64_t t, i
   });
 }
 
+// The MLP's activation over rows [0, t) by_rows: gate_up's rows 2 W apart (gate, then up), act's W.
+static void activation_rows(const TmStack* s, const float* gate_up, float* act, int64_t t, int64_t W, int threads) {
+  by_rows(t, W, threads,
+          [&](int64_t r0, int64_t r1) { s->activation(gate_up + r0 * 2 * W, act + r0 * W, r1 - r0, W); });
+}
+
 // Floats of scratch the LoRA products of t tokens need: the shrunk rows, parts * rank each.
 static int64_t lora_scratch(const TmStack* s, int64_t t) {
   if (!s->lora_add) return 0;
@@ -371,16 +377,14 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
       if (L.gate_up.gemm) {  // shared experts: their MLP on every token, added to the routed sum
         const int64_t W = L.gate_up.out_features / 2;
         if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
-        by_rows(t, W, threads,
-                [&](int64_t r0, int64_t r1) { s->activation(gate_up + r0 * 2 * W, act + r0 * W, r1 - r0, W); });
+        activation_rows(s, gate_up, act, t, W, threads);
         if (linear(s, L.down, lora, act, t, W, shared, scratch, threads)) return -100 - (int)l;
         for (int64_t i = 0; i < t * H; ++i) y[i] = y[i] + shared[i];
       }
     } else {
       const int64_t W = L.gate_up.out_features / 2;
       if (linear(s, L.gate_up, lora, normed, t, H, gate_up, scratch, threads)) return -100 - (int)l;
-      by_rows(t, W, threads,
-              [&](int64_t r0, int64_t r1) { s->activation(gate_up + r0 * 2 * W, act + r0 * W, r1 - r0, W); });
+      activation_rows(s, gate_up, act, t, W, threads);
       if (linear(s, L.down, lora, act, t, W, y, scratch, threads)) return -100 - (int)l;
     }
     if (L.mlp_out_norm) rms_norm_rows(s, y, H, nullptr, L.mlp_out_norm, y, y, t, H, threads);  // Gemma's, as above
