@@ -344,7 +344,9 @@ int tm_decoder_stack(const TmStack* s, const float* x, int64_t t, const int64_t*
         }
         rotary_rows(s, q, q_size, t, s->heads, D, R, positions, cos_t, sin_t, threads);
         rotary_rows(s, keys, kv_size, t, s->kv_heads, D, R, positions, cos_t, sin_t, threads);
-        s->store_keys(keys, kv_size, t, s->kv_heads, D, slots, kc, block_size);
+        by_rows(t, kv_size, threads, [&](int64_t r0, int64_t r1) {
+          s->store_keys(keys + r0 * kv_size, kv_size, r1 - r0, s->kv_heads, D, slots + r0, kc, block_size);
+        });
       }
       by_rows(t, kv_size, threads, [&](int64_t r0, int64_t r1) {
         s->store_values(qkv + r0 * qkv_size + q_size + kv_size, qkv_size, r1 - r0, kv_size, slots + r0, vc);
