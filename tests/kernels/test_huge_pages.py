@@ -1,6 +1,7 @@
 """Packed weights lie in 2 MB pages where Linux gives them (huge_pages.py): a decoding step streams every weight
 once, and in 4 KB pages each page is a TLB miss and a restart of the prefetchers. The buffer is what was asked
-for, its memory goes back when the tensor goes, and the packers use it."""
+for, buffers follow one another in shared mappings, whose memory goes back when their last buffer goes, and the
+packers use it."""
 
 import gc
 import mmap
@@ -30,11 +31,26 @@ def _mapped_kb(address: int, nbytes: int, field: str) -> int | None:
     return total if found else None
 
 
-def test_a_large_buffer_is_what_was_asked_for_and_starts_on_a_2_mb_boundary() -> None:
+def _resident_kb(address: int, nbytes: int) -> int:
+    """kB of [address, address + nbytes) in memory now (/proc/self/pagemap's present bit, 4 KB page by page)."""
+    first, last = address // 4096, (address + nbytes - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read((last - first + 1) * 8)
+    present = sum(entries[i + 7] >> 7 for i in range(0, len(entries), 8))
+    return 4 * present
+
+
+HUGE_PAGES = pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text() or not hasattr(mmap, "MADV_HUGEPAGE"),
+    reason="no transparent huge pages on this system",
+)
+
+
+def test_a_large_buffer_is_what_was_asked_for_and_starts_on_a_page() -> None:
     buffer = huge_pages.empty_bytes(5 * 2**20 + 123)
     assert buffer.dtype == torch.uint8 and buffer.numel() == 5 * 2**20 + 123 and buffer.is_contiguous()
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert buffer.data_ptr() % huge_pages.PAGE == 0
+    assert buffer.data_ptr() % huge_pages.ALIGN == 0
     buffer.fill_(7)
     assert int(buffer[-1]) == 7 and int(buffer.sum()) == 7 * buffer.numel()
 
@@ -44,20 +60,35 @@ def test_a_small_buffer_is_an_ordinary_tensor() -> None:
     assert buffer.numel() == 1000 and buffer.dtype == torch.uint8
 
 
-@pytest.mark.skipif(
-    not THP.exists() or "[never]" in THP.read_text() or not hasattr(mmap, "MADV_HUGEPAGE"),
-    reason="no transparent huge pages on this system",
-)
-def test_the_system_backs_a_large_buffer_with_huge_pages_and_takes_it_back() -> None:
-    buffer = huge_pages.empty_bytes(16 * 2**20).fill_(1)
-    address = buffer.data_ptr()
-    assert (_mapped_kb(address, buffer.numel(), "AnonHugePages") or 0) >= 2048
-    # A partial last page stays in 4 KB pages: a buffer of 5 MB and a bit holds about that much, not 6 MB.
-    odd = huge_pages.empty_bytes(5 * 2**20 + 4096).fill_(1)
-    assert 5 * 1024 + 4 <= (_mapped_kb(odd.data_ptr(), odd.numel(), "Rss") or 0) < 6 * 1024
-    del buffer
+@HUGE_PAGES
+def test_buffers_follow_one_another_in_huge_pages_and_their_mapping_goes_back_with_the_last() -> None:
+    # Larger than an arena: a mapping of its own, which the next buffers share.
+    first = huge_pages.empty_bytes(huge_pages.ARENA + 300_000)
+    smalls = [huge_pages.empty_bytes(300_000) for _ in range(4)]
+    for a, b in zip([first, *smalls], smalls, strict=False):
+        assert b.data_ptr() == a.data_ptr() + -(-a.numel() // huge_pages.ALIGN) * huge_pages.ALIGN
+    for buffer in [first, *smalls]:
+        buffer.fill_(1)
+    address = first.data_ptr()
+    assert (_mapped_kb(address, first.numel(), "AnonHugePages") or 0) >= huge_pages.ARENA // 1024
+    del first
     gc.collect()
-    assert _mapped_kb(address, 16 * 2**20, "Rss") is None  # unmapped
+    assert _mapped_kb(address, 4096, "Rss") is not None  # the small buffers hold the mapping
+    del smalls, buffer, a, b
+    gc.collect()
+    assert _mapped_kb(address, 4096, "Rss") is None  # unmapped
+
+
+@HUGE_PAGES
+def test_the_unused_rest_of_a_mapping_goes_back_when_the_next_buffer_needs_a_new_one() -> None:
+    # A mapping of ARENA + 2 MB; the buffer's last bytes fault in its last 2 MB page, of which 4 KB are used.
+    buffer = huge_pages.empty_bytes(huge_pages.ARENA + 4096).fill_(1)
+    end = buffer.data_ptr() + buffer.numel()
+    assert _resident_kb(end, huge_pages.PAGE - 4096) > 0
+    after = huge_pages.empty_bytes(4 * 2**20)  # does not fit in the rest: a new mapping, the rest given back
+    assert _resident_kb(end, huge_pages.PAGE - 4096) == 0
+    assert _resident_kb(buffer.data_ptr(), buffer.numel()) == buffer.numel() // 1024
+    assert int(buffer[-1]) == 1 and after.numel() == 4 * 2**20
 
 
 @pytest.mark.skipif(kquant_gemm.unavailable_reason() is not None, reason="native kernels unavailable")
@@ -65,4 +96,4 @@ def test_packed_k_quant_weights_lie_in_the_huge_page_buffer() -> None:
     blocks = torch.randint(0, 256, (2048, 16, 144), dtype=torch.uint8)  # 2048 rows of K = 4096 in Q4_K: 4.8 MB
     blocks[..., :4] = torch.tensor([0x00, 0x1C, 0x00, 0x1C], dtype=torch.uint8)  # d, dmin = 1/256
     packed = kquant_gemm.pack(blocks, int(GGMLQuantizationType.Q4_K))
-    assert packed.numel() >= huge_pages.SMALLEST and packed.data_ptr() % huge_pages.PAGE == 0
+    assert packed.numel() >= huge_pages.SMALLEST and packed.data_ptr() % huge_pages.ALIGN == 0
