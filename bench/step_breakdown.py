@@ -10,7 +10,9 @@ rest of the engine's step, sending its outputs, the loop between steps), sends o
 ``--tokens`` tokens after a warm-up, and takes the means over its decoding steps. Speculation is off, so a
 step is a token. Beside them: the time between tokens the client saw, the weight bytes a step reads (the
 server's ``GetModelInfo``), the output layer's bytes (from the GGUF), and the machine's read rate measured
-right after, so the products' read rate can be set against it.
+right after, so the products' read rate can be set against it; and beside that rate, a plain read (no
+arithmetic) of buffers of the decoder layers' products' sizes, one call after another in the step's order, which is
+what reading the layers product by product can reach on the machine.
 
 The rows:
 - products: the decoder layers' matrix products (with LoRA and biases, none here), inside the stack;
@@ -35,9 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tokenmill_bench.machine import read_bandwidth
 from tokenmill_bench.server import ManagedServer
 from tokenmill_client import AsyncClient
+from tokenmill_service.worker.kernels.cpu import memory_probe
 
 PROMPT = [1 + (i * 7919) % 4000 for i in range(32)]  # ordinary vocabulary ids, as tokenmill-bench's
 STEP_FIELDS = (
@@ -54,6 +59,28 @@ def output_layer_bytes(model: Path) -> int | None:
 
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
     return tensors.get("output.weight", tensors.get("token_embd.weight"))
+
+
+# A decoder layer's products, in the order a step runs them, as the GGUF's tensors they read.
+PRODUCTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def products_in_turn(model: Path) -> list[int] | None:
+    """The bytes each decoder layer's product of a step reads, in the order the step runs them, from the GGUF's
+    tensors; None for a non-GGUF model, or one with experts (a step reads only some of them)."""
+    if model.suffix != ".gguf":
+        return None
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    if any("_exps." in name for name in tensors):
+        return None
+    sizes, layer = [], 0
+    while f"blk.{layer}.attn_output.weight" in tensors:
+        for product in PRODUCTS:
+            sizes.append(sum(tensors.get(f"blk.{layer}.{name}.weight", 0) for name in product))
+        layer += 1
+    return [size for size in sizes if size] or None
 
 
 async def streams(address: str, tokens: int, count: int) -> list[float]:
@@ -127,6 +154,10 @@ def main() -> int:
     finally:
         server.stop()
     read = read_bandwidth()["gbs"]
+    in_turn = products_in_turn(args.model)
+    # The same bytes read with no arithmetic, product after product: what reading a step's layers one call at a
+    # time can reach here (below the read rate of one buffer by each call's start and end).
+    read_in_turn = memory_probe.read_in_turn_gbs(in_turn, 5, torch.get_num_threads()) if in_turn else None
     if len(steps) < args.tokens // 2:
         print(f"only {len(steps)} decoding steps logged with the stack's profile: is the native stack running?")
         return 1
@@ -146,6 +177,12 @@ def main() -> int:
     print(
         f"the whole step reads its weights at {weight_bytes / step / 1e6:.1f} GB/s ({100 * weight_bytes / step / 1e6 / read:.0f} % of it)"
     )
+    if read_in_turn:
+        print(
+            f"a plain read of the decoder layers' products' bytes, one after another in the step's order: {read_in_turn:.1f} GB/s "
+            f"({100 * read_in_turn / read:.0f} % of the read rate); the decoder layers' products read "
+            f"{100 * products_gbs / read_in_turn:.0f} % of it"
+        )
     if args.json:
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -158,6 +195,7 @@ def main() -> int:
             "output_layer_bytes": head,
             "products_gbs": products_gbs,
             "read_gbs_after": read,
+            "read_in_turn_gbs": read_in_turn,
         }
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -32,3 +32,7 @@ def test_the_probe_refuses_a_buffer_it_cannot_read_whole() -> None:
 
 def test_the_rate_is_a_rate() -> None:
     assert memory_probe.read_gbs(4 * 2**20, repeats=2, threads=1) > 0
+
+
+def test_reading_buffers_in_turn_gives_a_rate_whatever_their_sizes() -> None:
+    assert memory_probe.read_in_turn_gbs([3 * 2**20, 100_000, 300], repeats=2, threads=2) > 0

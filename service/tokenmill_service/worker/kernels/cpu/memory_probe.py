@@ -37,3 +37,18 @@ def read_gbs(size: int, repeats: int, threads: int) -> float:
         stream_read(buffer, threads)
         best = min(best, time.perf_counter() - start)
     return buffer.numel() / best / 1e9
+
+
+def read_in_turn_gbs(sizes: list[int], repeats: int, threads: int) -> float:
+    """Best-of-``repeats`` rate, in 10^9 bytes a second, of reading buffers of ``sizes`` bytes (rounded down to
+    whole 256-byte lines, at least one), one after another, each in a call of its own on ``threads`` threads: a
+    decoding step's reads of its layers' weights, product after product, without their arithmetic. The buffers
+    lie as the packed weights do, one after another in 2 MB pages (huge_pages.py)."""
+    buffers = [huge_pages.empty_bytes(max(1, size // _LINE) * _LINE).fill_(1) for size in sizes]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for buffer in buffers:
+            stream_read(buffer, threads)
+        best = min(best, time.perf_counter() - start)
+    return sum(buffer.numel() for buffer in buffers) / best / 1e9
