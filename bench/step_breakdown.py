@@ -51,13 +51,19 @@ STEP_FIELDS = (
 )
 
 
-def output_layer_bytes(model: Path) -> int | None:
-    """Bytes of the output layer's weights (tied: the token embedding's), or None for a non-GGUF model."""
+def tensor_bytes(model: Path) -> dict[str, int] | None:
+    """Each tensor's bytes in the GGUF, by name; None for a non-GGUF model."""
     if model.suffix != ".gguf":
         return None
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    return {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+
+
+def output_layer_bytes(tensors: dict[str, int] | None) -> int | None:
+    """Bytes of the output layer's weights (tied: the token embedding's), or None for a non-GGUF model."""
+    if tensors is None:
+        return None
     return tensors.get("output.weight", tensors.get("token_embd.weight"))
 
 
@@ -65,15 +71,10 @@ def output_layer_bytes(model: Path) -> int | None:
 PRODUCTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
 
-def products_in_turn(model: Path) -> list[int] | None:
+def products_in_turn(tensors: dict[str, int] | None) -> list[int] | None:
     """The bytes each decoder layer's product of a step reads, in the order the step runs them, from the GGUF's
     tensors; None for a non-GGUF model, or one with experts (a step reads only some of them)."""
-    if model.suffix != ".gguf":
-        return None
-    from gguf import GGUFReader
-
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
-    if any("_exps." in name for name in tensors):
+    if tensors is None or any("_exps." in name for name in tensors):
         return None
     sizes, layer = [], 0
     while f"blk.{layer}.attn_output.weight" in tensors:
@@ -154,7 +155,8 @@ def main() -> int:
     finally:
         server.stop()
     read = read_bandwidth()["gbs"]
-    in_turn = products_in_turn(args.model)
+    tensors = tensor_bytes(args.model)
+    in_turn = products_in_turn(tensors)
     # The same bytes read with no arithmetic, product after product: what reading a step's layers one call at a
     # time can reach here (below the read rate of one buffer by each call's start and end).
     read_in_turn = memory_probe.read_in_turn_gbs(in_turn, 5, torch.get_num_threads()) if in_turn else None
@@ -163,7 +165,7 @@ def main() -> int:
         return 1
     rows = breakdown(steps, gaps)
     step = rows["worker step, all of it"]
-    head = output_layer_bytes(args.model)
+    head = output_layer_bytes(tensors)
     rows_word = "token" if args.streams == 1 else f"step of {args.streams} rows"
     print(f"{'per ' + rows_word + ', the mean of ' + str(len(steps)) + ' steps':<72} {'ms':>8} {'share':>7}")
     for name, ms in rows.items():
