@@ -81,10 +81,15 @@ namespace {
 // take 6 rows x 1 group: one stream of weights a span, where two groups are two. From memory, as decoding reads
 // them (quantized_gemm_speed.py --int8 --from-memory 1024, both cores), 8-16 rows: 0.79-0.99 of 4 x 2's time on
 // the 1B's and the 8B's shapes (the 1B's 128256-row output layer 0.78); from 32 rows on the 8B's shapes 1.02-1.17
-// times 4 x 2's, which they keep past 16 rows. The words tiles keep 4 x 2 (as 6 x 1, 1.04-1.3 times as slow).
+// times 4 x 2's. Past them, and for the words, 8 rows x 2 groups: more than the registers hold, so the compiler
+// keeps the float sums in memory (a load and a store a block) and each unpacked weight serves 8 rows, not 4. On an
+// Intel Xeon (kquant_tiles.py, both cores, 64 and 512 rows, the 1B's shapes), words 1.04-1.17 times 4 x 2's speed,
+// int8 1.05-1.13; 12 x 2, 16 x 1 and 8 x 3 slower than 8 x 2 (6 x 1, on Zen 4: 1.04-1.3 times as slow as 4 x 2).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #if defined(TM_ISA_AVX2)
 #define KQUANT_MT 6
+#elif defined(TM_ISA_AVX512)
+#define KQUANT_MT 8
 #else
 #define KQUANT_MT 4
 #endif

@@ -58,7 +58,7 @@ constexpr int64_t MAX_DIGIT_ROWS = 4;
 // Which form the integer products take, per backend: digits (two passes of byte products) or words (one of
 // int16 products). The sums are the same integers, so the choice, like the tiles below, changes the speed only.
 //   AVX-512: vpdpbusd and vpdpwssd are one instruction each: digits up to MAX_DIGIT_ROWS rows, past that words
-//            for the formats whose unpacking takes more than a mask and a shift (see words_past_digit_rows).
+//            in tiles of 8 rows (see words_past_digit_rows).
 //   AVX2:    no byte product: dot_u7s8 takes three instructions a register and dot_u8s8 four, for the two passes
 //            of digits, where dot_s16 takes two for the one pass of words: words at every M, measured on Zen 4
 //            (in cache) 1.05-1.15 times (4 and 5 bits) and 2.2-2.6 times (Q8_0, IQ4_NL, MXFP4) as fast as digits
@@ -78,14 +78,17 @@ enum class Form { DIGITS, WORDS_PAST_DIGIT_ROWS, WORDS };
 #endif
 constexpr Form FORM = VNNI_FORM;
 
-// Register tiles: activation rows by groups of 16 outputs. AVX-512's 32 registers hold 4 rows by 2 groups (3 as
-// digits); the other backends' 16 ymm or 32 q registers (two or four a vector) 2 rows by 1 group, measured the
-// fastest of 1-4 rows by 1-2 groups on AVX2 (Zen 4) at 1-4 and 17-64 rows (NEON's speed is unmeasured).
+// Register tiles: activation rows by groups of 16 outputs. AVX-512's words past MAX_DIGIT_ROWS take 8 rows by 2
+// groups, more than its 32 registers hold: the compiler keeps the float sums in memory (a load and a store a
+// block), and each unpacked weight serves 8 rows, not 4 (on an Intel Xeon, both cores, 16-512 rows: 0.83-0.96 of
+// 4 x 2's time for Q4_0 and Q4_1, Q5_0 0.84-0.9, Q8_0 0.87-1.0; kquant_gemm.cpp's words measured alike). The other
+// backends' 16 ymm or 32 q registers (two or four a vector) 2 rows by 1 group, measured the fastest of 1-4 rows by
+// 1-2 groups on AVX2 (Zen 4) at 1-4 and 17-64 rows (NEON's speed is unmeasured).
 #ifndef VNNI_MT  // (a dev script may try other tiles)
-#define VNNI_MT (VECTOR_REGISTERS >= 32 ? 4 : 2)
+#define VNNI_MT (VECTOR_REGISTERS >= 32 ? 8 : 2)
 #define VNNI_NG (VECTOR_REGISTERS >= 32 ? 2 : 1)
 #define VNNI_MT_DIGITS (VECTOR_REGISTERS >= 32 ? 4 : 2)
-#define VNNI_MT_WIDE (VECTOR_REGISTERS >= 32 ? 3 : 2)
+#define VNNI_MT_WIDE 2  // (Form::DIGITS, NEON: digits at every M)
 #endif
 constexpr int MT = VNNI_MT;                // rows per tile as words past MAX_DIGIT_ROWS rows
 constexpr int NG = VNNI_NG;                // groups per tile past MAX_DIGIT_ROWS rows (up to it: one)
@@ -260,14 +263,11 @@ inline void tile_rows(int rows, int ng, const int8_t* a, const float* dx, const 
   tile_groups<F, M, WORDS, NGT, INT8>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
-// With Form::WORDS_PAST_DIGIT_ROWS (AVX-512, measured there): words pay where unpacking takes more than a mask and
-// a shift (Q5_0, Q5_1's fifth bits, IQ4_NL's and MXFP4's lookups: 3-11 % faster from 16 rows up). Q8_0's bytes
-// take no unpacking as digits and two instructions a vector as words, Q4_0's and Q4_1's nibbles two and four:
-// words measured the same to 1-2 % slower there, so they keep the digits at every M, past 4 rows in the
-// MT_WIDE-row tiles that leave the second sums room.
-constexpr bool words_past_digit_rows(int fmt) {
-  return FORM == Form::WORDS || (FORM == Form::WORDS_PAST_DIGIT_ROWS && (fifth_bit(fmt) || level_indices(fmt)));
-}
+// With Form::WORDS_PAST_DIGIT_ROWS (AVX-512): words past MAX_DIGIT_ROWS for every format. In 4 x 2 tiles, Q8_0,
+// Q4_0 and Q4_1 (whose bytes take no unpacking as digits, or a mask and a shift) measured the same to 1-2 % slower as
+// words, and kept the digits in MT_WIDE-row tiles; in 8 x 2 tiles, words halve the unpacking a product and are the
+// faster (see MT). Q5_0, Q5_1, IQ4_NL and MXFP4 took words before too.
+constexpr bool words_past_digit_rows(int) { return FORM == Form::WORDS || FORM == Form::WORDS_PAST_DIGIT_ROWS; }
 
 template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
