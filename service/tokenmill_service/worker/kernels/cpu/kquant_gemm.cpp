@@ -68,8 +68,8 @@
 namespace {
 
 // The register tiles and the activations' form (neither changes an output's bits). AVX-512's 32 registers hold
-// one vector each: words tiles of 4 rows x 2 groups, and digits (one group, 4 rows) up to 4 rows, as measured
-// on Zen 4. Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2,
+// one vector each: digits (one group, 4 rows) up to 4 rows, as measured on Zen 4, and past them the tiles
+// below. Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2,
 // measured on an AMD EPYC (one thread, Q4_K and Q6_K, K = 2048): words for every row count (a byte product is
 // 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 6 rows x 1 group
 // (with avx2.h's sums kept in registers, bench/kernels/kquant_tiles.py, 64-512 rows: 4 x 1 0.93-0.97 times as fast,
@@ -77,14 +77,15 @@ namespace {
 // for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
 // their sums and weights, the 32 registers). The int8 activations on AVX2 keep their byte products' sums as int16
 // pairs (simd.h's pairs16, widened once a block for Q4_K): 4 x 1 tiles (kquant_tiles.py --int8, 16-512 rows:
-// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower). AVX-512's int8 tiles up to 16 rows
-// take 6 rows x 1 group: one stream of weights a span, where two groups are two. From memory, as decoding reads
-// them (quantized_gemm_speed.py --int8 --from-memory 1024, both cores), 8-16 rows: 0.79-0.99 of 4 x 2's time on
-// the 1B's and the 8B's shapes (the 1B's 128256-row output layer 0.78); from 32 rows on the 8B's shapes 1.02-1.17
-// times 4 x 2's. Past them, and for the words, 8 rows x 2 groups: more than the registers hold, so the compiler
-// keeps the float sums in memory (a load and a store a block) and each unpacked weight serves 8 rows, not 4. On an
-// Intel Xeon (kquant_tiles.py, both cores, 64 and 512 rows, the 1B's shapes), words 1.04-1.17 times 4 x 2's speed,
-// int8 1.05-1.13; 12 x 2, 16 x 1 and 8 x 3 slower than 8 x 2 (6 x 1, on Zen 4: 1.04-1.3 times as slow as 4 x 2).
+// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower). AVX-512's words, and its int8 past
+// MAX_FEW_ROWS_INT8, take 8 rows x 2 groups: more than the registers hold, so the compiler keeps the float sums
+// in memory (a load and a store a block), and each unpacked weight serves 8 rows, not 4. On an Intel Xeon, both
+// cores (kquant_tiles.py, the 1B's shapes, 64 and 512 rows): words 1.04-1.17 times 4 x 2's speed, int8 1.05-1.13;
+// 12 x 2, 16 x 1 and 8 x 3 slower than 8 x 2. AVX-512's int8 from 5 to 6 rows takes one tile of 6 rows x 1 group:
+// one stream of weights a span, where two groups are two. From memory, as decoding reads them
+// (quantized_gemm_speed.py --int8 --from-memory 1024, both cores), against 8 x 2: at 6 rows Q4_K at K = 2048 0.9
+// of the time (K = 8192 1.3, Q6_K 1.0-1.2; a 1B step at 6 streams 0.9-0.95), at 8 rows 1.0-1.35, at 16 rows
+// 1.03-1.3 (a 1B step at 16 streams 1.1-1.2).
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #if defined(TM_ISA_AVX2)
 #define KQUANT_MT 6
@@ -115,7 +116,7 @@ constexpr int MT = KQUANT_MT;  // activation rows per register tile (as words)
 constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_INT8 = KQUANT_MT_INT8;  // int8: rows per tile past MAX_DIGIT_ROWS_INT8 (AVX2's pair sums: 4 x 1)
 constexpr int MT_INT8_FEW = KQUANT_MT_INT8_FEW;  // int8 up to MAX_FEW_ROWS_INT8 rows: this many x 1 group (0: none)
-constexpr int64_t MAX_FEW_ROWS_INT8 = 16;
+constexpr int64_t MAX_FEW_ROWS_INT8 = 6;
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 // Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
