@@ -296,12 +296,20 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
   }
 }
 
-// tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
+// tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1; a product's last, odd group in tiles of at most
+// vnni::ODD_GROUP_ROWS rows (two where M is more): fewer tiles to build, for a group that is one of thousands.
 template <int F, int M, bool WORDS, bool INT8, int NGT = NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
                         int64_t ldy, int64_t n_valid, bool first) {
   if constexpr (NGT > 1)
-    if (ng < NGT) return tile_groups<F, M, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid, first);
+    if (ng < NGT) {
+      constexpr int HALF = M > vnni::ODD_GROUP_ROWS ? vnni::ODD_GROUP_ROWS : M;
+      tile_groups<F, HALF, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid, first);
+      if constexpr (M > HALF)
+        tile_groups<F, M - HALF, WORDS, INT8, NGT - 1>(ng, act.at(HALF), k, w, gstride, y + HALF * ldy, ldy, n_valid,
+                                                       false);
+      return;
+    }
   tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first);
 }
 

@@ -206,6 +206,10 @@ inline void add_pairs_into(i32x16 (&qa)[M][NGT][P], pairs16 (&ps)[M][NGT]) {
     }
 }
 
+// The rows a tile of a product's last, odd group takes at most where the tiles take two groups (AVX-512's 8 x 2: its
+// last group in tiles of 4 rows and of the rest, so that no 5-8 row tile of one group is built).
+constexpr int ODD_GROUP_ROWS = 4;
+
 // An output's sum q a from its partial sums (exact): for two digits, (sum q hi << 8) + sum q lo; for one digit
 // (int8 activations) or words, the parts' sum.
 template <bool WORDS, int P>

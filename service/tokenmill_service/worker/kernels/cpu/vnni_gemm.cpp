@@ -245,12 +245,22 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
   }
 }
 
-// tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1.
+// tile<F, M, ng, WORDS, INT8> for ng = NGT, NGT - 1, ..., 1; a product's last, odd group in tiles of at most
+// vnni::ODD_GROUP_ROWS rows (two where M is more): fewer tiles to build, for a group that is one of thousands.
 template <int F, int M, bool WORDS, int NGT, bool INT8 = false>
 inline void tile_groups(int ng, const int8_t* a, const float* dx, const float* sx, int64_t k, const uint8_t* w,
                         int64_t gstride, float* y, int64_t ldy, int64_t n_valid) {
   if constexpr (NGT > 1)
-    if (ng < NGT) return tile_groups<F, M, WORDS, NGT - 1, INT8>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+    if (ng < NGT) {
+      constexpr int HALF = M > vnni::ODD_GROUP_ROWS ? vnni::ODD_GROUP_ROWS : M;
+      tile_groups<F, HALF, WORDS, NGT - 1, INT8>(ng, a, dx, sx, k, w, gstride, y, ldy, n_valid);
+      if constexpr (M > HALF) {
+        const int64_t blocks = k / QK;
+        tile_groups<F, M - HALF, WORDS, NGT - 1, INT8>(ng, a + HALF * 2 * k, dx + HALF * blocks, sx + HALF * blocks, k,
+                                                       w, gstride, y + HALF * ldy, ldy, n_valid);
+      }
+      return;
+    }
   tile<F, M, NGT, WORDS, INT8>(a, dx, sx, k, w, gstride, y, ldy, n_valid);
 }
 
