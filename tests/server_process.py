@@ -91,7 +91,7 @@ class ServerProcess:
                 raise RuntimeError(f"tokenmill-server exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
             if health_status(self.address, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
                 return self
-            time.sleep(0.3)
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"tokenmill-server not SERVING after {timeout}s:\n{self.logs()[-4000:]}")
 

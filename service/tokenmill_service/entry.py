@@ -25,6 +25,9 @@ def _run(command: str, load: Callable[[], Callable[[], int]]) -> int:
 
 def server() -> int:
     def load() -> Callable[[], int]:
+        from tokenmill_service.front.worker_processes import start_preloading
+
+        start_preloading(sys.argv[1:])  # the workers' imports, beside the router's
         from tokenmill_service.front.main import main
 
         return main

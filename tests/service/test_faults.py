@@ -12,8 +12,10 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -297,6 +299,30 @@ def test_streams_of_the_only_worker_wait_for_its_restart_and_complete_unchanged(
 
     got = asyncio.run(run_streams(one_worker.address, reqs, fault))
     compare(expected, got, n_greedy=8)
+
+
+def parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked from a fork server on Linux only")
+def test_a_worker_and_its_restart_are_forks_of_the_servers_fork_server(one_worker: ServerProcess) -> None:
+    """A restart imports nothing again (no torch: seconds): like the first worker, it is forked from the fork
+    server that the server process started."""
+    assert one_worker.proc is not None
+    wait_serving(one_worker, 1)
+    first = worker_pids(one_worker)[0]
+    fork_server = parent_of(first)
+    assert parent_of(fork_server) == one_worker.proc.pid
+    assert b"multiprocessing.forkserver" in Path(f"/proc/{fork_server}/cmdline").read_bytes()
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while worker_pids(one_worker)[0] == first and time.monotonic() < deadline:
+        time.sleep(0.1)
+    restarted = worker_pids(one_worker)[0]
+    assert restarted != first and parent_of(restarted) == fork_server
+    wait_serving(one_worker, 1)
 
 
 def test_constrained_streams_of_a_killed_worker_replay_their_grammar_and_complete_unchanged(

@@ -12,16 +12,17 @@ whole when a pod fails. SIGTERM or SIGINT stops the ranks and exits 0.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import signal
 import time
 from multiprocessing.connection import wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import structlog
 
 from tokenmill_service.contract.config import Settings
+from tokenmill_service.front import worker_processes
 from tokenmill_service.front.router.spec import worker_spec
 from tokenmill_service.worker.worker import worker_main
 
@@ -32,7 +33,7 @@ HEALTHY_RUN_S = 60.0
 
 
 async def serve_follower_node(settings: Settings) -> int:
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes.context()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -73,7 +74,7 @@ async def serve_follower_node(settings: Settings) -> int:
     return 0
 
 
-def _spawn(ctx: mp.context.SpawnContext, settings: Settings, rank: int, port: int) -> BaseProcess:
+def _spawn(ctx: ForkServerContext | SpawnContext, settings: Settings, rank: int, port: int) -> BaseProcess:
     spec = worker_spec(settings, 1, 0, rank, port)
     proc = ctx.Process(target=worker_main, args=(spec, None), name=f"tokenmill-rank-{rank}")
     proc.daemon = True

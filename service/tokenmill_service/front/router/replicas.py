@@ -16,7 +16,6 @@ pool knows of requests is only which ones each replica runs (`Replica.inflight`:
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from tokenmill_service.contract.messages import (
     WorkerInfo,
 )
 from tokenmill_service.contract.request import EngineStats, RequestOutput
+from tokenmill_service.front import worker_processes
 from tokenmill_service.front.metrics import Metrics
 from tokenmill_service.front.router.errors import WorkerStartError
 from tokenmill_service.front.router.spec import free_port, worker_spec
@@ -124,9 +124,11 @@ class ReplicaPool:
         self.stopping = False
         # Set whenever a replica starts or stops serving, so health follows at once.
         self.state_changed = asyncio.Event()
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_processes.context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Processes started (in a thread) whose replica is not registered yet: stop() and kill() end them too.
+        self._unclaimed: list[BaseProcess] = []
         # The LoRA adapters served (name -> path): what a replica starts (or restarts) with.
         self.adapters: dict[str, str] = settings.lora_module_paths()
 
@@ -135,13 +137,15 @@ class ReplicaPool:
     async def start(self, timeout: float) -> None:
         """Spawn every replica and wait until each has loaded the model and run a warm-up step."""
         self._loop = asyncio.get_running_loop()
-        self.replicas = [self._spawn(i) for i in range(self.num_workers)]
+        for i in range(self.num_workers):
+            self.replicas.append(await self._spawn(i))
         futures = [w.ready for w in self.replicas if w.ready is not None]
         await asyncio.wait_for(asyncio.gather(*futures), timeout)
         self._task(self._supervise())
 
     async def stop(self) -> None:
         self.stopping = True
+        self._kill_unclaimed()
         for task in self._tasks:
             task.cancel()
         for w in self.replicas:
@@ -161,6 +165,7 @@ class ReplicaPool:
     def kill(self) -> None:
         """Kill every worker process now (SIGKILL), without asking them to stop or waiting."""
         self.stopping = True
+        self._kill_unclaimed()
         for task in self._tasks:
             task.cancel()
         for w in self.replicas:
@@ -173,18 +178,39 @@ class ReplicaPool:
                 p.join(timeout=1)
         log.warning("workers_killed", workers=len(self.replicas))
 
+    def _kill_unclaimed(self) -> None:
+        for p in list(self._unclaimed):
+            if p.is_alive():
+                p.kill()
+
     def serving(self) -> list[Replica]:
         return [w for w in self.replicas if w.serving]
 
-    def _spawn(self, worker_id: int, restarts: int = 0, failures: int = 0) -> Replica:
+    async def _spawn(self, worker_id: int, restarts: int = 0, failures: int = 0) -> Replica:
         """Start a replica: one process per tensor-parallel rank, all in one torch.distributed group;
         only rank 0 gets a pipe (it runs the engine and broadcasts each step to the others)."""
         assert self._loop is not None
-        parent, child = self._ctx.Pipe(duplex=True)
         s = self.settings
         first_port = s.resolved_master_port()
         own_ports = {s.port, s.http_port, s.metrics_port}
         master_port = (first_port + worker_id) if first_port else free_port(avoid=own_ports)
+        # In a thread: the first fork waits for the fork server's imports (seconds), and the loop serves meanwhile.
+        parent, processes = await asyncio.to_thread(self._start_processes, worker_id, master_port)
+        self._unclaimed = [p for p in self._unclaimed if p not in processes]
+        devices = [
+            f"cuda:{worker_id * len(processes) + r}" if s.device == "cuda" else "cpu" for r in range(len(processes))
+        ]
+        replica = Replica(worker_id, processes, parent, restarts=restarts, failures=failures, devices=devices)
+        replica.ready = self._loop.create_future()
+        self._loop.add_reader(parent.fileno(), self._on_readable, replica)
+        for p in replica.processes:
+            self._loop.add_reader(p.sentinel, self._on_exit, replica)
+        log.info("worker_spawned", worker_id=worker_id, pids=[p.pid for p in processes], master_port=master_port)
+        return replica
+
+    def _start_processes(self, worker_id: int, master_port: int) -> tuple[Connection, list[BaseProcess]]:
+        parent, child = self._ctx.Pipe(duplex=True)
+        s = self.settings
         processes: list[BaseProcess] = []
         # With --nnodes above 1, only this node's ranks (rank 0 first); the others run on the other nodes.
         for rank in s.node_ranks():
@@ -196,18 +222,12 @@ class ReplicaPool:
             )
             proc.daemon = True
             proc.start()
+            self._unclaimed.append(proc)
             processes.append(proc)
+            if self.stopping:  # stop() or kill() came while it started, and may have missed it
+                proc.kill()
         child.close()
-        devices = [
-            f"cuda:{worker_id * len(processes) + r}" if s.device == "cuda" else "cpu" for r in range(len(processes))
-        ]
-        replica = Replica(worker_id, processes, parent, restarts=restarts, failures=failures, devices=devices)
-        replica.ready = self._loop.create_future()
-        self._loop.add_reader(parent.fileno(), self._on_readable, replica)
-        for p in replica.processes:
-            self._loop.add_reader(p.sentinel, self._on_exit, replica)
-        log.info("worker_spawned", worker_id=worker_id, pids=[p.pid for p in processes], master_port=master_port)
-        return replica
+        return parent, processes
 
     def _task(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
@@ -368,7 +388,7 @@ class ReplicaPool:
             delay = min(30.0, 0.5 * 2 ** (failures - 1))
             log.info("worker_restart_scheduled", worker_id=dead.worker_id, delay_s=delay, reason=reason)
             await asyncio.sleep(delay)
-            replica = self._spawn(dead.worker_id, restarts=dead.restarts + 1, failures=failures)
+            replica = await self._spawn(dead.worker_id, restarts=dead.restarts + 1, failures=failures)
             self.replicas[dead.worker_id] = replica
             try:
                 assert replica.ready is not None
