@@ -66,7 +66,7 @@ def kernel_of(qtype: QType) -> tuple[str, str]:
 
 
 def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
-    """Kernel ``name`` as revision ``rev`` has it, compiled for instruction set ``isa`` into ``out``."""
+    """Kernel ``name`` as revision ``rev`` has it (its sources written under ``out``), built for ``isa``."""
     root = Path(
         subprocess.run(
             ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
@@ -89,9 +89,9 @@ def old_library(rev: str, name: str, out: Path, isa: str) -> ctypes.CDLL:
             # With its isa/ backends (else simd.h's includes would find the working tree's).
             (src / f).parent.mkdir(parents=True, exist_ok=True)
             (src / f).write_text(text)
-    target = src / f"{name}.so"
-    build.compile_source("g++", src / f"{name}.cpp", target, isa)
-    return abi.bind(ctypes.CDLL(str(target)), name)
+    # Built into the servers' kernel cache, by content: a revision whose kernels are the working tree's (HEAD,
+    # before an edit) loads the build the servers use, and an earlier one's build is kept for the next run.
+    return abi.bind(ctypes.CDLL(str(build.built(name, isa, source=src / f"{name}.cpp"))), name)
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:

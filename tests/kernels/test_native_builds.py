@@ -70,3 +70,16 @@ def test_processes_starting_together_build_a_kernel_once(tmp_path: Path) -> None
     assert all(proc.returncode == 0 for proc in procs)
     assert len(paths) == 1 and Path(paths.pop()).exists()
     assert (tmp_path / "g++.calls").read_text().splitlines() == ["build"]
+
+
+def test_a_copy_of_the_kernels_folder_is_the_same_build_until_a_header_beside_it_changes(tmp_path: Path) -> None:
+    """An earlier revision's copy of the folder (what the kernel benches build to compare with) shares the cached
+    build when its files are the working tree's, and a header changed in the copy makes it another build."""
+    cxx = shutil.which("g++") or "g++"
+    copy = tmp_path / "kernels"
+    shutil.copytree(build.HERE, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    own = build.library_name("kquant_gemm", cxx, "avx2", build.HERE / "kquant_gemm.cpp")
+    assert build.library_name("kquant_gemm", cxx, "avx2", copy / "kquant_gemm.cpp") == own
+    header = next(p for p in sorted(copy.rglob("*.h")) if p.parent != copy)  # one under isa/
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert build.library_name("kquant_gemm", cxx, "avx2", copy / "kquant_gemm.cpp") != own

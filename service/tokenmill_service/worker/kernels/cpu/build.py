@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import structlog
 
@@ -62,14 +62,30 @@ def _cache_dirs() -> list[Path]:
     return dirs
 
 
-def _build(name: str, cxx: str, isa: str, source: Path | None = None) -> Path:
-    source = source or HERE / f"{name}.cpp"
+def _includable(source: Path) -> list[Path]:
+    """The headers a build of ``source`` finds, in the order of their paths: those beside it first (quoted
+    includes look there before the -I folders), then this folder's. A source here (or a copy of this folder with
+    the same headers) has the same ones, so the same key."""
+    found = {PurePosixPath(h.relative_to(HERE).as_posix()): h for h in HERE.rglob("*.h")}
+    if source.parent != HERE:
+        found |= {PurePosixPath(h.relative_to(source.parent).as_posix()): h for h in source.parent.rglob("*.h")}
+    return [found[k] for k in sorted(found)]
+
+
+def library_name(name: str, cxx: str, isa: str, source: Path) -> str:
+    """The cached library's file name: the kernel, the instruction set and a hash of all that makes the build."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    # What the sources include: the headers here and in isa/, and tm_abi.h, generated from abi.py.
-    headers = [h.read_text() for h in sorted(HERE.rglob("*.h"))] + [abi.header()]
+    # What the source includes: the headers here and in isa/ (or beside another source, an earlier revision's
+    # copy of this folder), and tm_abi.h, generated from abi.py.
+    headers = [h.read_text() for h in _includable(source)] + [abi.header()]
     key = "\0".join([source.read_text(), *headers, " ".join(FLAGS + isa_flags(isa)), version])
     machine = "" if Path(cxx).name in ("g++", "c++") else f"{Path(cxx).name}-"  # a cross compiler's builds apart
-    target_name = f"{machine}{name}-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    return f"{machine}{name}-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _build(name: str, cxx: str, isa: str, source: Path | None = None) -> Path:
+    source = source or HERE / f"{name}.cpp"
+    target_name = library_name(name, cxx, isa, source)
     errors = []
     for directory in _cache_dirs():
         target = directory / target_name
