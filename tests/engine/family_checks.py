@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.rank_processes import run_ranks
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.contract.plan import LoadOptions
 from tokenmill_service.worker.device import probe_device
@@ -116,7 +116,7 @@ def tensor_parallel_logits(directory: Path, prompt: list[int], tmp_path: Path, f
     """Two ranks' logits over ``prompt`` (``float32``: dense float32, else the defaults), with rank 0's
     first-layer ``heads`` and ``q_norm`` shape (None without one)."""
     out = tmp_path / "logits.pt"
-    mp.spawn(_rank_logits, args=(2, free_port(), str(directory), str(out), prompt, float32), nprocs=2)
+    run_ranks(_rank_logits, (2, free_port(), str(directory), str(out), prompt, float32), 2)
     result: dict[str, Any] = torch.load(out)
     return result
 

@@ -1,6 +1,6 @@
-"""One rank of a mixture-of-experts replica, for tests/engine/test_moe_families.py's spawned groups.
+"""One rank of a mixture-of-experts replica, for tests/engine/test_moe_families.py's groups of ranks.
 
-Its own module, importing only what a rank needs (not transformers): each spawned process imports it.
+Its own module, importing only what a rank needs (not transformers): each rank process imports it.
 """
 
 from __future__ import annotations

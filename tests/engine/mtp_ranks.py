@@ -1,8 +1,8 @@
 """A replica of two gloo ranks serving with and without MTP drafts, for tests/engine/test_deepseek_mtp.py's
-spawn: rank 0 runs the engine and sends each step and each draft pass (``lead``), rank 1 follows
+ranks: rank 0 runs the engine and sends each step and each draft pass (``lead``), rank 1 follows
 (``follow``), as the worker's ranks do.
 
-Its own module, importing only what a rank needs (not transformers): each spawned process imports it.
+Its own module, importing only what a rank needs (not transformers): each rank process imports it.
 """
 
 from __future__ import annotations

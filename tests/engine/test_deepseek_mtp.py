@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.engine.mtp_ranks import Drafted, replica_rank, run_drafting
+from tests.rank_processes import run_ranks
 from tests.tiny_checkpoint import write_byte_level_tokenizer
 from tests.tiny_deepseek import add_mtp_layer, deepseek_v3, quantize_fp8
 from tokenmill_service.contract.engine_config import EngineConfig
@@ -149,7 +149,7 @@ def _free_port() -> int:
 
 
 def test_two_tensor_parallel_ranks_draft_as_one_rank_and_change_no_token(random_mtp: Path, tmp_path: Path) -> None:
-    """Two gloo ranks, spawned once, serving without drafts, with MTP drafts (rank 0 sends each pass of the
+    """Two gloo ranks, started once, serving without drafts, with MTP drafts (rank 0 sends each pass of the
     MTP layer to rank 1 as it sends the steps), and with MTP drafts and ``--expert-parallel`` (each rank
     half the experts of the decoder's and the MTP block's layers): the three requests at once, then the
     greedy one again from the prefix cache. With drafts, the tokens, logprobs and text of the two ranks
@@ -159,7 +159,7 @@ def test_two_tensor_parallel_ranks_draft_as_one_rank_and_change_no_token(random_
     runs = {"plain": (plain, False), "mtp": (mtp, False), "mtp-ep": (mtp, True)}
     batches = [_requests(), _requests()[:1]]
     out = tmp_path / "results"
-    mp.spawn(replica_rank, args=(2, _free_port(), str(random_mtp), runs, batches, str(out)), nprocs=2)
+    run_ranks(replica_rank, (2, _free_port(), str(random_mtp), runs, batches, str(out)), 2)
     two: dict[str, tuple[list[Drafted], tuple[int, int]]] = torch.load(out, weights_only=False)
     one_plain, one_mtp = _engine(random_mtp, "ngram"), _engine(random_mtp, "mtp")
     for b, batch in enumerate(batches):

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.engine.invariance import assert_alone_equals_crowd
+from tests.rank_processes import run_ranks
 from tests.tiny_deepseek import YARN, deepseek_v3, save_fp8, write_deepseek2_gguf
 from tokenmill_service.contract.model_dims import read_dims
 from tokenmill_service.contract.plan.plan import PlanRefused
@@ -356,14 +356,14 @@ def test_two_tensor_or_expert_parallel_ranks_give_the_whole_models_logits(
     """Each rank holds half the heads (q, kv_b and o projections) and the whole latent path and cache:
     float32 checkpoints with and without q_lora, and the FP8 one; the expert layers' checkpoint with
     every routed expert split (tensor parallel) and with half the experts whole on each rank (expert
-    parallel), the shared expert split either way; in one spawn (a spawn costs seconds)."""
+    parallel), the shared expert split either way; in one group of ranks (each loads the checkpoint)."""
     runs = [(str(fp8_checkpoint[0]), False)]
     for q_lora in (True, False):
         runs.append((str(tmp_path / f"q_lora-{q_lora}"), False))
         deepseek_v3(q_lora=q_lora).save_pretrained(runs[-1][0], safe_serialization=True)
     runs += [(str(moe_checkpoint[0]), False), (str(moe_checkpoint[0]), True)]
     out = tmp_path / "logits"
-    mp.spawn(_rank_logits, args=(2, _free_port(), runs, str(out)), nprocs=2)
+    run_ranks(_rank_logits, (2, _free_port(), runs, str(out)), 2)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     for run, (path, expert_parallel) in enumerate(runs):
         whole = logits(load_model(Path(path), quantization="auto"), PROMPT)

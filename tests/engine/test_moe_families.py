@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType as QType
 
 from tests.engine.invariance import assert_alone_equals_crowd, assert_prefill_equals_decode
 from tests.engine.moe_ranks import rank_logits
 from tests.engine.test_gguf_loader import _randomize, convert_hf_to_gguf
 from tests.kernels.test_decoder_stack import same_bits
+from tests.rank_processes import run_ranks
 from tests.triton_setup import DEVICE  # before anything imports triton: its interpreter without a GPU
 from tokenmill_service.contract.plan import LoadOptions, PlanRefused
 from tokenmill_service.contract.plan.plan import Decision
@@ -267,7 +267,7 @@ def test_several_ranks_give_the_whole_models_logits(tmp_path: Path, ranks: int, 
         hf_model(family).save_pretrained(tmp_path / family, safe_serialization=True)
     out = str(tmp_path / "logits")
     plan = [(str(tmp_path / family), expert_parallel) for family, expert_parallel in runs]
-    mp.spawn(rank_logits, args=(ranks, _free_port(), plan, PROMPT, out), nprocs=ranks)
+    run_ranks(rank_logits, (ranks, _free_port(), plan, PROMPT, out), ranks)
     for run, (family, expert_parallel) in enumerate(runs):
         results = [torch.load(f"{out}.{run}.{rank}") for rank in range(ranks)]
         experts, width = {"mixtral": (4, 128), "gpt_oss": (4, 64)}.get(family, (8, 64))

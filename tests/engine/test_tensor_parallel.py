@@ -1,7 +1,7 @@
 """Tensor-parallel shards (gloo on CPU, real processes) give the logits of the whole model.
 
 Each test writes a tiny random Hugging Face checkpoint, loads it whole in this process and
-sharded over N spawned ranks, and compares the gathered logits. The checkpoint has 4 query
+sharded over N ranks (processes), and compares the gathered logits. The checkpoint has 4 query
 heads and 2 key/value heads, so degree 4 replicates each key/value head on two ranks.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.rank_processes import run_ranks
 from tokenmill_service.contract.parallel_degree import ModelDims, check_degree, working_degrees
 from tokenmill_service.worker.distributed.parallel import TensorParallel
 from tokenmill_service.worker.engine.model_runner import forward_prompt
@@ -73,7 +73,7 @@ def _rank_logits(rank: int, size: int, port: int, path: str, quantizations: list
         dist.destroy_process_group()
 
 
-# Each degree is spawned once (a spawn costs seconds of imports per rank) for every quantization.
+# Each degree's ranks are started once for every quantization (each rank loads the checkpoint).
 QUANTIZATIONS = {2: ["none", "int4"], 4: ["none"]}
 
 
@@ -82,7 +82,7 @@ def sharded(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     results = {}
     for size, quantizations in QUANTIZATIONS.items():
         out = tmp_path_factory.mktemp("logits") / f"{size}.pt"
-        mp.spawn(_rank_logits, args=(size, _free_port(), str(checkpoint), quantizations, str(out)), nprocs=size)
+        run_ranks(_rank_logits, (size, _free_port(), str(checkpoint), quantizations, str(out)), size)
         results[size] = torch.load(out)
     return results
 
@@ -129,7 +129,7 @@ def test_the_quantized_default_on_three_ranks_stays_within_the_fidelity_bound(
 ) -> None:
     cases = reference["prompt_logprobs"]
     out = tmp_path / "logprobs.pt"
-    mp.spawn(_rank_prompt_logprobs, args=(3, _free_port(), [c["ids"] for c in cases], str(out)), nprocs=3)
+    run_ranks(_rank_prompt_logprobs, (3, _free_port(), [c["ids"] for c in cases], str(out)), 3)
     errors = []
     for case, logprobs in zip(cases, torch.load(out)):
         # Row r predicts token r + 1 of the prompt.
