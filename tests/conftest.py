@@ -34,17 +34,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The builds only the bit-for-bit checks load, in the background, when the session runs them."""
+    """The builds only the bit-for-bit checks load, and the mypy runs, in the background, when the session runs
+    their tests."""
+    from tests import mypy_runs
     from tests.native import runner
 
     if any(item.path.name in runner.LOAD_OTHER_BUILDS for item in session.items):
         runner.start_the_other_builds()
+    if any(item.path.name == "test_code_quality.py" and "mypy" in item.name for item in session.items):
+        mypy_runs.start()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import mypy_runs
     from tests.native import runner
 
     runner.stop_the_other_builds()
+    mypy_runs.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests import mypy_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -29,17 +27,6 @@ def test_the_code_is_ruff_formatted() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# Every package in one mypy run (as `make lint` runs it), so that the standard library's and torch's
-# stubs are read once.
-MYPY_TARGETS = (
-    "client/tokenmill_client", "client/examples", "service/tokenmill_service", "bench/tokenmill_bench",
-    "bench/fuzz_grpc.py", "bench/soak.py", "bench/fidelity.py", "bench/streamed_reference.py",
-    "bench/step_breakdown.py",
-    "scripts/api_reference.py", "scripts/mkdocs_hooks.py",
-)  # fmt: skip
-
-PYTHON_BLOCK = re.compile(r"^```py(?:thon)?\n(.*?)^```", re.MULTILINE | re.DOTALL)
-
 # The user documents: the README, docs/, and the chart's and the benchmark's documents.
 USER_DOCS = (
     "README.md",
@@ -51,63 +38,17 @@ USER_DOCS = (
 )
 
 
-def _docs_examples(directory: Path) -> list[str]:
-    """Every Python block of the README and docs/ as a module of its own in ``directory``."""
-    scripts = []
-    for doc in ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))):
-        for i, example in enumerate(PYTHON_BLOCK.findall((ROOT / doc).read_text())):
-            script = directory / f"{Path(doc).stem.replace('-', '_')}_{i}.py"
-            script.write_text(example)
-            scripts.append(str(script))
-    return scripts
-
-
-@pytest.fixture(scope="module")
-def mypy_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen[str]]]:
-    """The two mypy runs below, started together: each is one process on one core for 20-30 s on a clean
-    clone, so side by side they take the time of the longer. Each has its own cache (one cache written by two
-    processes at once is not safe); warm, as in a developer's runs, each takes a second or two."""
-    examples = _docs_examples(tmp_path_factory.mktemp("docs-examples"))
-    assert len(examples) >= 4, examples  # the README's client, the docs' client, structured output and tools
-
-    def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [str(BIN / "mypy"), "--strict", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env,
-        )  # fmt: skip
-
-    runs = {
-        "code": start(*MYPY_TARGETS),
-        # The examples' imports (the openai SDK) are no package's: MYPYPATH finds the client's sources.
-        "examples": start(
-            "--cache-dir", str(ROOT / ".mypy_cache" / "docs-examples"), *examples,
-            env={**os.environ, "MYPYPATH": str(ROOT / "client")},
-        ),
-    }  # fmt: skip
-    yield runs
-    for process in runs.values():
-        process.kill()
-        process.wait()
-
-
-def _finished(process: subprocess.Popen[str]) -> tuple[int, str]:
-    output, _ = process.communicate(timeout=300)
-    return process.returncode, output
-
-
-def test_the_client_its_examples_the_service_and_the_bench_pass_mypy_strict(
-    mypy_runs: dict[str, subprocess.Popen[str]],
-) -> None:
-    code, output = _finished(mypy_runs["code"])
+def test_the_client_its_examples_the_service_and_the_bench_pass_mypy_strict() -> None:
+    """``make lint``'s mypy run, started in the background when the session collected this test (mypy_runs.py)."""
+    code, output, _ = mypy_runs.outcome("code")
     assert code == 0, output
 
 
-def test_the_python_examples_of_the_readme_and_docs_pass_mypy_strict(
-    mypy_runs: dict[str, subprocess.Popen[str]],
-) -> None:
+def test_the_python_examples_of_the_readme_and_docs_pass_mypy_strict() -> None:
     """Every Python block of the README and docs/ (the typed client's and the `openai` SDK's examples), each
     as a module of its own, in one mypy run: what a reader copies type-checks as their own code would."""
-    code, output = _finished(mypy_runs["examples"])
+    code, output, examples = mypy_runs.outcome("examples")
+    assert examples >= 4, examples  # the README's client, the docs' client, structured output and tools
     assert code == 0, output
 
 
