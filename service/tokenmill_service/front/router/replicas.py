@@ -196,7 +196,8 @@ class ReplicaPool:
         master_port = (first_port + worker_id) if first_port else free_port(avoid=own_ports)
         # In a thread: the first fork waits for the fork server's imports (seconds), and the loop serves meanwhile.
         parent, processes = await asyncio.to_thread(self._start_processes, worker_id, master_port)
-        self._unclaimed = [p for p in self._unclaimed if p not in processes]
+        for p in processes:  # in place: another replica's start may be appending in its thread
+            self._unclaimed.remove(p)
         devices = [
             f"cuda:{worker_id * len(processes) + r}" if s.device == "cuda" else "cpu" for r in range(len(processes))
         ]
