@@ -34,14 +34,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The builds only the bit-for-bit checks load, and the mypy runs, in the background, when the session runs
-    their tests."""
+    """The builds only the bit-for-bit checks load, in the background, when the session runs their tests; and
+    whether it runs the mypy tests."""
     from tests import mypy_runs
     from tests.native import runner
 
     if any(item.path.name in runner.LOAD_OTHER_BUILDS for item in session.items):
         runner.start_the_other_builds()
     if any(item.path.name == "test_code_quality.py" and "mypy" in item.name for item in session.items):
+        mypy_runs.wanted = True
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The mypy runs start with the service tier (minutes of servers waiting on their workers), once the other
+    builds, which the kernel tier before it waits for, have had the idle core; their tests, in the unit tier, come
+    after it."""
+    from tests import mypy_runs
+
+    if mypy_runs.wanted and item.path.relative_to(Path(__file__).parent).parts[0] == "service":
         mypy_runs.start()
 
 

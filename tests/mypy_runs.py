@@ -1,7 +1,8 @@
-"""The two mypy runs of tests/unit/test_code_quality.py, started as soon as the session has collected them, in
-the background at the lowest priority: each is one process on one core for 20-30 s on a clean clone, and the
-suite leaves a core idle much of the time (servers waiting on their workers), so by the time the unit tests
-run (the last tier) they have finished. Their tests only read the outcome.
+"""The two mypy runs of tests/unit/test_code_quality.py, in the background at the lowest priority, started with
+the service tier where the session runs them (tests/conftest.py): each is one process on one core for 20-30 s on
+a clean clone, and the service tests leave a core idle much of the time (servers waiting on their workers), so by
+the time the unit tests run (the last tier) they have finished. Their tests only read the outcome (a session
+without service tests starts them there).
 
 Each run has its own cache (one cache written by two processes at once is not safe); warm, as in a developer's
 runs, each takes a second or two. A process of its own session, at nice 19 there too, for the reason
@@ -34,6 +35,8 @@ PYTHON_BLOCK = re.compile(r"^```py(?:thon)?\n(.*?)^```", re.MULTILINE | re.DOTAL
 # At the lowest priority, in its session's group too (where Linux groups the CPU's time by session).
 _LOWEST = 'echo 19 > /proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"'
 
+# Whether the session runs the mypy tests (set when it has collected them).
+wanted = False
 _runs: dict[str, subprocess.Popen[str]] = {}
 _examples_dir: str | None = None
 
