@@ -6,6 +6,9 @@ restart of one, is then a fork of it: a worker starts without importing anything
 tearing an interpreter down. The fork server never runs torch, so a fork of it inherits no thread pool and no
 CUDA context. Elsewhere (macOS, where forking a process that loaded Apple's frameworks is unsafe, and Windows)
 each worker is spawned: a fresh interpreter that imports it all itself.
+
+A forked worker has the environment the fork server started with, not the server process's at the fork: what a
+worker needs from the server process travels in its WorkerSpec, never through os.environ.
 """
 
 from __future__ import annotations
