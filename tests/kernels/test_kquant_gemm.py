@@ -144,6 +144,34 @@ def test_a_packed_layer_stored_in_several_k_quants_is_one_product_of_its_segment
     assert torch.equal(layer(x[4:5]), got[4:5])
 
 
+def test_every_thread_count_takes_each_tile_of_a_packed_layers_segments_once() -> None:
+    """The threads split a call's tiles (of one group for a few rows, two past them) across its segments in
+    turn: with 9 groups of Q4_K and 3 of Q6_K (an odd tile at the end of each), every thread count gives the
+    same bits, and each segment's outputs are its rows multiplied alone."""
+    q, k, v = (
+        _blocks(QType.Q4_K, 96, 512, seed=5),
+        _blocks(QType.Q4_K, 48, 512, seed=6),
+        _blocks(QType.Q6_K, 48, 512, 7),
+    )
+    layer = QKVParallelLinear(512, 16, 6, 3, False, quant_method_class("gguf-kquant")(torch.float32), TensorParallel())
+    for shard, blocks in zip("qkv", (q, k, v)):
+        layer.load_weight(blocks, shard)
+    layer.finalize()
+    assert layer.fmt == kquant_gemm.MIXED
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    try:
+        for rows in (x[:1], x[:3], x):
+            torch.set_num_threads(1)
+            want = layer(rows)
+            assert torch.equal(want[:, 144:], _layer(v)(rows))
+            for count in (2, 3, 5):
+                torch.set_num_threads(count)
+                assert torch.equal(layer(rows), want), (rows.shape[0], count)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_segments_that_split_a_group_of_16_rows_are_refused() -> None:
     with pytest.raises(ValueError, match="needs 16-row multiples before its last format; a range has 8 rows"):
         kquant_gemm.pack_segments(
