@@ -390,3 +390,22 @@ def test_the_plots_labels_do_not_overlap(name: str) -> None:
                 assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
     finally:
         plt.close(fig)
+
+
+def test_one_row_pass_compiles_and_prints_the_rates(tmp_path: Path) -> None:
+    """bench/kernels/one_row_pass.cpp, which history.md quotes for what one decoding row's products read against
+    a plain read and a bare loop, still builds and runs against the kernel library (AVX-512 VNNI only)."""
+    from tokenmill_service.contract.plan import cpu_isa
+    from tokenmill_service.worker.kernels.cpu import build
+
+    if shutil.which("g++") is None or cpu_isa.missing("avx512") is not None:
+        pytest.skip("needs g++ and a CPU with AVX-512 VNNI")
+    source = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "one_row_pass.cpp"
+    binary = tmp_path / "one_row_pass"
+    cmd = ["g++", "-O2", "-march=native", "-fopenmp", str(source), "-o", str(binary), "-ldl"]
+    subprocess.run(cmd, check=True, timeout=120)
+    library = str(build.built("kquant_gemm", "avx512"))
+    out = subprocess.run([str(binary), "2", "1", library], capture_output=True, text=True, check=True, timeout=120)
+    rates = re.findall(r"^  (.+?)\s+([\d.]+) GB/s", out.stdout, re.MULTILINE)
+    assert [name for name, _ in rates] == ["plain read", library, "bare loop"], out.stdout
+    assert all(float(rate) > 0 for _, rate in rates), out.stdout
