@@ -255,8 +255,9 @@ void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const in
   // 1.2-1.45x slower from DRAM at 1-4 rows, on an AMD EPYC); for more rows, ng_wide for register reuse.
   const int ng_max = m <= 4 ? 1 : ng_wide;
   // A segment's tiles are ng_max groups each (its last one the groups left); each thread takes a range of the
-  // tiles of all the segments in turn, walked from the segments' sizes (a list of the tiles, built each call
-  // and read a tile at a time, made one decoding row's products from memory 1.02-1.03 times as slow).
+  // tiles of all the segments in turn, walked from the segments' sizes. A list of the tiles, built each call and
+  // read a tile at a time, made one decoding row's products from memory 1.04-1.05 times as slow on an Intel
+  // Xeon (bench/kernels/one_row_pass.cpp).
   const auto groups_of = [&](int s) { return (rows[s] + G - 1) / G; };
   const auto tiles_of = [&](int s) { return (groups_of(s) + ng_max - 1) / ng_max; };
   int64_t tiles = 0;
