@@ -278,8 +278,8 @@ void drive(const float* x, int64_t m, int64_t k, float* y, int64_t ldy, const in
       const int64_t m1 = std::min(m, m0 + chunk);
       int64_t before = 0, col = 0;  // the tiles of the segments before s, and s's first column
       for (int s = 0; s < segments && before < last; before += tiles_of(s), col += rows[s], ++s) {
-        const int64_t groups = groups_of(s);
-        for (int64_t u = std::max<int64_t>(first - before, 0); u < tiles_of(s) && before + u < last; ++u) {
+        const int64_t groups = groups_of(s), count = std::min(tiles_of(s), last - before);
+        for (int64_t u = std::max<int64_t>(first - before, 0); u < count; ++u) {
           const int64_t g0 = u * ng_max;
           const int ng = (int)std::min<int64_t>(ng_max, groups - g0);
           for (int64_t i = m0; i < m1; i += mt) {
