@@ -46,6 +46,7 @@ class SideRun:
     # The machine's read rate measured right after the single stream: on a shared host the rate moves by
     # minutes, and the share of it a stream achieves means something only against the rate of its moment.
     single_read_gbs: float | None = None
+    single_read_by_method_gbs: dict[str, float] = field(default_factory=dict)  # each probe's figure (the best is gbs)
     levels: list[LevelResult] = field(default_factory=list)
     long_prompts: list[dict[str, Any]] = field(default_factory=list)
 
@@ -208,7 +209,13 @@ class _Run:
             side.single = level
             read_now = await asyncio.to_thread(read_bandwidth, buffer_bytes(self.args.copy_buffer_mib))
             side.single_read_gbs = read_now["gbs"]
-            log.info("read_bandwidth_beside_single", side=target.name, gbs=round(read_now["gbs"], 2))
+            side.single_read_by_method_gbs = read_now["by_method_gbs"]
+            log.info(
+                "read_bandwidth_beside_single",
+                side=target.name,
+                gbs=round(read_now["gbs"], 2),
+                by_method={k: round(v, 2) for k, v in read_now["by_method_gbs"].items()},
+            )
         if concurrency in self.args.concurrency:
             side.levels.append(level)
 

@@ -236,6 +236,7 @@ def _beside_single(side: SideRun, weight_bytes: int | None) -> dict[str, Any]:
     gbs = side.single_read_gbs
     return {
         "read_bandwidth_beside_single_gbs": gbs,
+        "read_bandwidth_beside_single_by_method_gbs": side.single_read_by_method_gbs,
         "bandwidth_share_beside_single": achieved / gbs if achieved is not None and gbs else None,
     }
 
