@@ -14,8 +14,10 @@
 //   print(build.built('kquant_gemm', 'avx512'))")
 //   build/one_row_pass 30 16 $LIB [another build of the library ...]     # passes, layers, libraries
 //
-// AVX-512 VNNI only (the bare loop's intrinsics); the libraries are loaded side by side, so any two builds of the
-// kernel (bench/kernels/quantized_gemm_speed.py builds a revision's into the kernel cache) can be compared.
+// AVX-512 VNNI only (the bare loop's intrinsics); the libraries are loaded side by side, each packing its own copy
+// of the weights, so any two builds of the kernel (bench/kernels/quantized_gemm_speed.py builds a revision's into
+// the kernel cache), even of two layouts, can be compared by their pass's time. The plain read and the bare loop
+// read the first library's packing: name the working tree's build first.
 
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -33,7 +35,7 @@
 namespace {
 
 constexpr int kQ4K = 12;                                  // ggml's Q4_K
-constexpr int64_t kK = 2048, kSuper = 2368, kQuants = 2048;  // a group's super-block: 8 x 256 nibbles, then scales
+constexpr int64_t kK = 2048, kSuper = 2304, kQuants = 2048;  // a group's super-block: 8 x 256 nibbles, then scales
 constexpr int64_t kAhead = 8192;
 
 using PackedBytes = int64_t (*)(int, int64_t, int64_t);
@@ -72,10 +74,15 @@ __attribute__((noinline)) float bare_group(const uint8_t* w, const int8_t* act, 
         lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo, w0, _mm512_set1_epi32(l0)), w1, _mm512_set1_epi32(l1));
       }
       const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
-      const __m128i scj = _mm_loadu_si128((const __m128i*)(sc + 64 + 16 * j));
-      const __m128i mj = _mm_loadu_si128((const __m128i*)(sc + 192 + 16 * j));
-      const __m512 de = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scj)));
-      const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mj)));
+      // sc << 2 | (m & 3) a block, then m >> 2 two blocks a byte (kquant_layout.h's six-bit scales)
+      const __m512i low = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + 64 + 16 * j)));
+      const __m512i high = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(sc + 192 + 16 * (j / 2))));
+      const __m512i scj = _mm512_srli_epi32(low, 2);
+      const __m512i mj = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(3)),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 4 * (j % 2)),
+                                                                            _mm512_set1_epi32(15)), 2));
+      const __m512 de = _mm512_mul_ps(d, _mm512_cvtepi32_ps(scj));
+      const __m512 dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mj));
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(de, _mm512_set1_ps(dx[b])), acc);
       acc = _mm512_fnmadd_ps(dm, _mm512_set1_ps(sx[b]), acc);
     }
@@ -115,6 +122,39 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// A library's products, one after another in one mapping of 2 MB pages (as huge_pages.py lays the weights out),
+// each packed by that library (two builds may lay a weight out differently).
+struct Library {
+  Gemm gemm;
+  std::vector<std::pair<int64_t, int64_t>> products;  // offset, N
+  uint8_t* buf = nullptr;
+  int64_t total = 0;
+
+  bool pack(PackedBytes packed_bytes, Pack pack_fn, int layers) {
+    const int64_t shapes[] = {3072, 2048, 16384, 8192}, page = 2 << 20;
+    for (int layer = 0; layer < layers; ++layer)
+      for (const int64_t n : shapes) {
+        products.push_back({total, n});
+        total += (packed_bytes(kQ4K, n, kK) + 4095) / 4096 * 4096;
+      }
+    buf = (uint8_t*)std::aligned_alloc(page, (total + kAhead + page - 1) / page * page);
+    if (buf == nullptr) return false;
+    madvise(buf, total + kAhead, MADV_HUGEPAGE);
+    std::memset(buf + total, 0, kAhead);
+    for (const auto& [offset, n] : products) {
+      std::vector<uint8_t> blocks(n * (kK / 256) * 144);  // random bytes, with d and dmin of a plausible size
+      for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = (uint8_t)((i * 2654435761u) >> 13);
+      for (int64_t b = 0; b < n * (kK / 256); ++b) {
+        const uint16_t d = (uint16_t)(0x2000 + b % 512);
+        std::memcpy(&blocks[b * 144], &d, 2);
+        std::memcpy(&blocks[b * 144 + 2], &d, 2);
+      }
+      if (pack_fn(kQ4K, blocks.data(), n, kK, buf + offset) != 0) return false;
+    }
+    return true;
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -123,71 +163,53 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int passes = std::atoi(argv[1]), layers = std::atoi(argv[2]), libs = argc - 3, threads = omp_get_max_threads();
-  std::vector<Gemm> gemms;
-  PackedBytes packed_bytes = nullptr;
-  Pack pack = nullptr;
+  std::vector<Library> all;
   for (int l = 0; l < libs; ++l) {
     void* lib = dlopen(argv[3 + l], RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
       std::fprintf(stderr, "%s\n", dlerror());
       return 1;
     }
-    packed_bytes = (PackedBytes)dlsym(lib, "tm_kquant_packed_bytes");
-    pack = (Pack)dlsym(lib, "tm_kquant_pack");
-    gemms.push_back((Gemm)dlsym(lib, "tm_kquant_gemm"));
+    Library one{(Gemm)dlsym(lib, "tm_kquant_gemm")};
+    if (!one.pack((PackedBytes)dlsym(lib, "tm_kquant_packed_bytes"), (Pack)dlsym(lib, "tm_kquant_pack"), layers))
+      return 1;
+    all.push_back(one);
   }
-  // The products one after another in one mapping of 2 MB pages (as huge_pages.py lays the weights out).
-  const int64_t shapes[] = {3072, 2048, 16384, 8192}, page = 2 << 20;
-  std::vector<std::pair<int64_t, int64_t>> products;  // offset, N
-  int64_t total = 0;
-  for (int layer = 0; layer < layers; ++layer)
-    for (const int64_t n : shapes) {
-      products.push_back({total, n});
-      total += (packed_bytes(kQ4K, n, kK) + 4095) / 4096 * 4096;
-    }
-  auto* buf = (uint8_t*)std::aligned_alloc(page, (total + kAhead + page - 1) / page * page);
-  if (buf == nullptr) return 1;
-  madvise(buf, total + kAhead, MADV_HUGEPAGE);
-  std::memset(buf + total, 0, kAhead);
-  for (const auto& [offset, n] : products) {
-    std::vector<uint8_t> blocks(n * (kK / 256) * 144);  // random bytes, with d and dmin of a plausible size
-    for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = (uint8_t)((i * 2654435761u) >> 13);
-    for (int64_t b = 0; b < n * (kK / 256); ++b) {
-      const uint16_t d = (uint16_t)(0x2000 + b % 512);
-      std::memcpy(&blocks[b * 144], &d, 2);
-      std::memcpy(&blocks[b * 144 + 2], &d, 2);
-    }
-    if (pack(kQ4K, blocks.data(), n, kK, buf + offset) != 0) return 1;
-  }
+  const Library& first = all[0];  // the plain read and the bare loop read its bytes
   std::vector<float> x(kK), y(16384), dx(kK / 32, 0.01f), sx(kK / 32, 0.02f);
   std::vector<int8_t> act(2 * kK);
   for (int64_t i = 0; i < kK; ++i) x[i] = (float)((i * 37) % 101 - 50) / 50.f;
   for (int64_t i = 0; i < 2 * kK; ++i) act[i] = (int8_t)(i % 97);
   std::vector<double> probe, bare;
-  std::vector<std::vector<double>> lib_rates(libs);
+  std::vector<std::vector<double>> lib_seconds(libs);
   volatile float sink = 0;
   for (int p = 0; p < passes; ++p) {
     double t0 = now();
-    sink = sink + (float)plain_read(buf, total);
-    probe.push_back(total / (now() - t0) / 1e9);
+    sink = sink + (float)plain_read(first.buf, first.total);
+    probe.push_back(first.total / (now() - t0) / 1e9);
     for (int l = 0; l < libs; ++l) {
       const int which = p % 2 ? libs - 1 - l : l;  // alternately first and last
+      const Library& lib = all[which];
       t0 = now();
-      for (const auto& [offset, n] : products) gemms[which](kQ4K, x.data(), 1, kK, buf + offset, n, y.data(), threads);
-      lib_rates[which].push_back(total / (now() - t0) / 1e9);
+      for (const auto& [offset, n] : lib.products)
+        lib.gemm(kQ4K, x.data(), 1, kK, lib.buf + offset, n, y.data(), threads);
+      lib_seconds[which].push_back(now() - t0);
     }
     t0 = now();
     float s = 0;
-    for (const auto& [offset, n] : products) s += bare_product(buf + offset, n, act.data(), dx.data(), sx.data());
-    bare.push_back(total / (now() - t0) / 1e9);
+    for (const auto& [offset, n] : first.products)
+      s += bare_product(first.buf + offset, n, act.data(), dx.data(), sx.data());
+    bare.push_back(first.total / (now() - t0) / 1e9);
     sink = sink + s;
   }
   const double read = median(probe);
-  std::printf("%lld MB a pass, %d threads, medians of %d passes\n", (long long)(total >> 20), threads, passes);
+  std::printf("%lld MB a pass (the first library's packing), %d threads, medians of %d passes\n",
+              (long long)(first.total >> 20), threads, passes);
   std::printf("  %-60s %6.1f GB/s\n", "plain read", read);
-  for (int l = 0; l < libs; ++l) {
-    const double rate = median(lib_rates[l]);
-    std::printf("  %-60s %6.1f GB/s (%3.0f %%)\n", argv[3 + l], rate, 100 * rate / read);
+  for (int l = 0; l < libs; ++l) {  // each library's rate of its own bytes, and its pass's time
+    const double seconds = median(lib_seconds[l]), rate = all[l].total / seconds / 1e9;
+    std::printf("  %-60s %6.1f GB/s (%3.0f %%) %7.2f ms, %lld MB\n", argv[3 + l], rate, 100 * rate / read,
+                1e3 * seconds, (long long)(all[l].total >> 20));
   }
   std::printf("  %-60s %6.1f GB/s (%3.0f %%)\n", "bare loop", median(bare), 100 * median(bare) / read);
   return 0;

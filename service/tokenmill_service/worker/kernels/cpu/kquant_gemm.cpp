@@ -51,15 +51,16 @@
 //               the low bits and one shift and an or_and select for the high bit, in one stream;
 //   Q2_K:       its two bits in two 64-byte planes as Q3_K's low bits, and nothing above them: 128 bytes;
 // then the scales:
-//   Q4_K, Q5_K: d[16] and dmin[16] as float16, sc[8][16] and m[8][16] as bytes   (2368 / 2880 bytes)
+//   Q4_K, Q5_K: d[16] and dmin[16] as float16, then the 6-bit sc and m as the file's 12 bytes a row: [8][16] bytes
+//               of sc << 2 | (m & 3), a block each, and [4][16] of m >> 2, two blocks' a byte (2304 / 2816 bytes)
 //   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (1600 bytes)
 //   Q6_K, IQ4_XS, Q3_K: d[16] as float16, sc[16][16] as int8   (Q6_K 3360, IQ4_XS 2336, Q3_K 1824 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
-// Q4_K, Q5_K and Q6_K take about as many bytes as the file's blocks (4.63 bits a weight against 4.5,
-// 5.63 against 5.5, Q6_K exactly its 6.56), IQ4_XS 4.56 against 4.25, Q3_K 3.56 against 3.44 (its 6-bit
-// scales as bytes), Q2_K 3.13 against 2.63 (its 4-bit scales and minimums as bytes).
+// Q4_K, Q5_K and Q6_K take the file's bytes (4.5, 5.5 and 6.56 bits a weight), IQ4_XS 4.56 against 4.25 and
+// Q3_K 3.56 against 3.44 (their 6-bit scales as bytes), Q2_K 3.13 against 2.63 (its 4-bit scales and minimums
+// as bytes).
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -182,6 +183,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
     for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t sb = 0; sb < k / QK_K; ++sb) {
     f32x16 d[NGT], dmin[NGT];
+    i32x16 pair_high[NGT];  // six-bit scales: a pair of blocks' high bits of the minimums
     for (int g = 0; g < NGT; ++g) {
       const Packed p(F, w, gstride, g, sb);
       d[g] = load_half((const uint16_t*)p.scales);
@@ -276,9 +278,11 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
       }
       if constexpr (!half_scales(F)) {
         for (int g = 0; g < NGT; ++g) {
-          const Packed p(F, w, gstride, g, sb);
-          const f32x16 de = mul(d[g], bytes_as_floats(p.scales + 4 * G + j * G, false));  // exact
-          const f32x16 dm = mul(dmin[g], bytes_as_floats(p.scales + 4 * G + SUBS * G + j * G, false));
+          const uint8_t* scales = Packed(F, w, gstride, g, sb).scales;
+          if (j % 2 == 0) pair_high[g] = load_u8_i(scales + six_bit_high(j));
+          f32x16 sc, m;
+          six_bit_scales_of(scales, j, pair_high[g], sc, m);
+          const f32x16 de = mul(d[g], sc), dm = mul(dmin[g], m);  // exact
           for (int i = 0; i < M; ++i) {
             const f32x16 scale = mul(de, set1(act.dx[i * blocks + b]));
             acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), scale, acc[i][g]);
