@@ -54,11 +54,12 @@
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, then the 6-bit sc and m as the file's 12 bytes a row: [8][16] bytes
 //               of sc << 2 | (m & 3), a block each, and [4][16] of m >> 2, two blocks' a byte (2304 / 2816 bytes)
 //   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (1600 bytes)
-//   Q6_K, IQ4_XS, Q3_K: d[16] as float16, sc[16][16] as int8   (Q6_K 3360, IQ4_XS 2336, Q3_K 1824 bytes)
+//   Q6_K, Q3_K: d[16] as float16, sc[16][16] as int8   (Q6_K 3360, Q3_K 1824 bytes)
+//   IQ4_XS:     d[16] as float16, sc[8][16] as int8, a block's (2208 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
-// Q4_K, Q5_K and Q6_K take the file's bytes (4.5, 5.5 and 6.56 bits a weight), IQ4_XS 4.56 against 4.25 and
+// Q4_K, Q5_K and Q6_K take the file's bytes (4.5, 5.5 and 6.56 bits a weight), IQ4_XS 4.31 against 4.25 and
 // Q3_K 3.56 against 3.44 (their 6-bit scales as bytes), Q2_K 3.13 against 2.63 (its 4-bit scales and minimums
 // as bytes).
 
@@ -267,7 +268,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           const int64_t half = 2 * j + s / 2;
           for (int g = 0; g < NGT; ++g) {
             const Packed p(F, w, gstride, g, sb);
-            const f32x16 de = mul(d[g], bytes_as_floats(p.scales + 2 * G + half * G, true));  // exact
+            const f32x16 de = mul(d[g], bytes_as_floats(p.scales + signed_scale_at(F, half), true));  // exact
             for (int i = 0; i < M; ++i) {
               const f32x16 scale = mul(de, set1(act.dx[i * blocks + b]));
               acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred

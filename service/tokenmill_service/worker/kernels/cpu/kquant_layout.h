@@ -60,8 +60,12 @@ constexpr int shift_of(int bits, int t) { return (t % (8 / bits)) * bits; }
 // then a byte a pair of blocks of the minimums' high four bits (block 2r's in the low nibble). As bytes each, the
 // packed Q4_K was 2.8 % larger than the file, and decoding reads every byte (a 1B's step 13 MB more than llama.cpp).
 constexpr bool six_bit_scales(int fmt) { return fmt == Q4_K || fmt == Q5_K; }
+// The signed scales' count a super-block: 16 (a half block's each), IQ4_XS 8 (a block's, its halves sharing it:
+// as 16 the packed file was 7 % larger than the file), and where half block h's sits.
+constexpr int signed_scale_count(int fmt) { return fmt == IQ4_XS ? 8 : 16; }
+constexpr int64_t signed_scale_at(int fmt, int64_t h) { return G * 2 + (fmt == IQ4_XS ? h / 2 : h) * G; }
 constexpr int64_t scale_bytes(int fmt) {
-  return signed_scales(fmt)    ? G * 2 + 16 * G
+  return signed_scales(fmt)    ? G * 2 + signed_scale_count(fmt) * G
          : six_bit_scales(fmt) ? 2 * G * 2 + (SUBS + SUBS / 2) * G
                                : 2 * G * 2 + 2 * 16 * G;
 }
@@ -203,7 +207,8 @@ int pack_format(const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
       }
       memcpy(scales + row * 2, &d, 2);
       if (signed_scales(fmt)) {
-        for (int j = 0; j < 16; ++j) scales[G * 2 + j * G + row] = (uint8_t)(int8_t)sc[j];
+        for (int h = 0; h < 16; h += 16 / signed_scale_count(fmt))
+          scales[signed_scale_at(fmt, h) + row] = (uint8_t)(int8_t)sc[h];
       } else {
         memcpy(scales + G * 2 + row * 2, &dmin, 2);
         if constexpr (six_bit_scales(fmt)) {
@@ -242,7 +247,7 @@ void dequantize(int fmt, const uint8_t* w, int64_t n, int64_t k, float* out) {
           q |= ((bq[64 * low + plane_of(bits, step) * 64 + i] >> shift_of(bits, step)) & ((1 << bits) - 1)) << low;
         float value;
         if (signed_scales(fmt)) {
-          const float de = d * (float)(int8_t)p.scales[G * 2 + (j / 16) * G + row];
+          const float de = d * (float)(int8_t)p.scales[signed_scale_at(fmt, j / 16) + row];
           value = de * (float)(q - q_offset(fmt));
         } else {
           const float dmin = half_to_float(half_bits(p.scales + G * 2 + row * 2));
