@@ -278,7 +278,7 @@ inline f32x16 bytes_as_floats(const uint8_t* p, bool is_signed) {
 // A six-bit-scales block j's scales and minimums of the group's 16 rows, as floats (exact: integers below 64), from
 // its pair's high bits (`pair`: the bytes at six_bit_high(j), loaded at the pair's first block). These ops come once
 // a block a group, beside 16 products at one row: on an AMD EPYC, one row in the cache took 1.04-1.06 times as long
-// as with the scales and minimums a byte each, and a 1B step's Q4_K products from memory 0.95-0.98 times as long.
+// as with the scales and minimums a byte each, and a 1B step's Q4_K products from memory 0.92-0.98 times as long.
 inline void six_bit_scales_of(const uint8_t* scales, int64_t j, i32x16 pair, f32x16& sc, f32x16& m) {
   const i32x16 low = load_u8_i(scales + six_bit_low(j));
   const i32x16 high = j % 2 ? shr_i(pair, 4) : and_i(pair, set1_i(15));
