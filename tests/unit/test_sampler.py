@@ -15,6 +15,7 @@ from tokenmill_service.worker.engine.sampler import (
     nucleus,
     sample,
 )
+from tokenmill_service.worker.kernels import argmax_rows
 
 
 def test_greedy_picks_the_argmax_and_reports_raw_logprobs() -> None:
@@ -39,6 +40,21 @@ def test_greedy_takes_the_first_of_tied_best_tokens_whatever_the_batch() -> None
     alone = [sample(logits[i : i + 1], params[:1], seeds[:1], seen[:1], top[:1]).token_ids[0] for i in range(64)]
     assert batch == alone == logits.argmax(dim=-1).tolist()
     assert batch[3] == 0 and batch[5] == 7
+
+
+def test_the_greedy_choice_is_torchs_first_maximal_index_at_every_length() -> None:
+    """The native argmax (sampling.cpp) against torch's max indices: every length's tail of 16 lanes, a row
+    with its maximum in the tail, +inf twice, -0 beside +0, and a NaN after the maximum (torch's index)."""
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 7, 16, 17, 31, 100, 1000, 50001):
+        rows = torch.randint(-20, 20, (6, n + 3), generator=gen).float()[:, :n]  # rows n + 3 floats apart
+        rows[1, -1] = 99.0
+        rows[2, 0] = rows[2, -1] = float("inf")
+        rows[3] = 0.0
+        rows[3, ::2] = -0.0
+        rows[4, -1] = float("nan")
+        rows[5] = float("-inf")
+        assert argmax_rows(rows).tolist() == rows.max(dim=-1).indices.tolist(), n
 
 
 def test_top_k_never_picks_outside_the_k_most_likely() -> None:

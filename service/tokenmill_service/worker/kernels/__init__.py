@@ -28,7 +28,7 @@ from tokenmill_service.worker.kernels.cpu import (
 )
 from tokenmill_service.worker.kernels.cpu import ops as cpu_ops  # noqa: F401 - registers "native"
 from tokenmill_service.worker.kernels.cpu.moe_mlp import NativeExperts
-from tokenmill_service.worker.kernels.cpu.sampling import log_softmax, softmax
+from tokenmill_service.worker.kernels.cpu.sampling import argmax_rows, log_softmax, softmax
 from tokenmill_service.worker.kernels.interface import (
     KVCacheLayout,
     LatentCacheLayout,
@@ -49,6 +49,7 @@ __all__ = [
     "NativeExperts",
     "Ops",
     "abi",
+    "argmax_rows",
     "available_backends",
     "block_gemm",
     "build",

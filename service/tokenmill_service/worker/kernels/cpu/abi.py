@@ -124,6 +124,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     "sampling": (
         "void tm_log_softmax(const float* x, int64_t rows, int64_t n, int64_t x_stride, float* out, int threads)",
         "void tm_softmax(const float* x, int64_t n, float* out)",
+        "void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t x_stride, int64_t* out)",
     ),
     "elementwise": (
         (

@@ -5,6 +5,7 @@
 // (lane j takes the entries j, j + 16, ... in order) then simd.h's tree; and for the log-softmax
 // (x - m) - ln(sum). e^(x - m) is simd::exp, with x - m below -87 (e^-87 is float32's smallest normal)
 // taken as exactly 0, so a token masked to -inf has probability 0 and log-probability -inf.
+// And the greedy choice: the first index of each row's maximum, as torch's max(dim=-1).indices gives it.
 
 #include <math.h>
 #include <omp.h>
@@ -60,6 +61,36 @@ void tm_log_softmax(const float* x, int64_t rows, int64_t n, int64_t x_stride, f
     for (int64_t j = 0; j < n; j += 16) {
       const lanes live = first_lanes(n - j);
       store_masked(o + j, live, sub(sub(load_masked(xr + j, live), mv), lv));
+    }
+  }
+}
+
+// out[r] = the first index of row r's maximum (rows x_stride floats apart), or -1 where the row holds a NaN
+// (torch's max takes a NaN for the maximum: the caller leaves such rows to it). Two passes: the maximum m (and
+// whether any entry is neither below +inf nor +inf: a NaN), then the first entry not below m. A pass over
+// 128,256 logits in the cache; torch's max(dim=-1) took 0.19 ms a decoding step of Llama-3.2-1B's vocabulary
+// on an AMD EPYC.
+void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t x_stride, int64_t* out) {
+  const f32x16 inf = set1(INFINITY);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    f32x16 mv = set1(-INFINITY);
+    unsigned nan = 0;
+    for (int64_t j = 0; j < n; j += 16) {
+      const lanes live = first_lanes(n - j);
+      const f32x16 v = load_masked(xr + j, live);
+      mv = select(live, max(mv, v), mv);
+      nan |= (unsigned)(live & (lanes)~less(v, inf) & (lanes)~equal_i(as_bits(v), as_bits(inf)));
+    }
+    out[r] = -1;
+    if (nan) continue;
+    mv = set1(reduce_max(mv));
+    for (int64_t j = 0; j < n; j += 16) {
+      const unsigned hit = (unsigned)(first_lanes(n - j) & (lanes)~less(load_masked(xr + j, first_lanes(n - j)), mv));
+      if (hit) {
+        out[r] = j + __builtin_ctz(hit);
+        break;
+      }
     }
   }
 }

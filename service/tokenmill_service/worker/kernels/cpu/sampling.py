@@ -1,6 +1,6 @@
 """Softmax and log-softmax over rows of logits with the same bits on every CPU (sampling.cpp), for the
-sampler and the reported logprobs. Where the kernel cannot be built, torch's own (whose sums and
-exponentials depend on the CPU's vector width)."""
+sampler and the reported logprobs, and the greedy choice of each row. Where the kernel cannot be built,
+torch's own (whose sums and exponentials depend on the CPU's vector width)."""
 
 from __future__ import annotations
 
@@ -44,4 +44,16 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     _lib().tm_softmax(x.data_ptr(), x.shape[0], out.data_ptr())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum of float32 ``x`` [rows, n], int64 [rows]: ``x.max(dim=-1).indices``
+    (what torch gives for a row with a NaN too: such rows are left to it)."""
+    if not _native(x) or x.dim() != 2 or x.shape[1] == 0:
+        return x.max(dim=-1).indices
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().tm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    if bool((out < 0).any()):
+        return x.max(dim=-1).indices
     return out
