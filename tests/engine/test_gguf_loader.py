@@ -112,18 +112,27 @@ def test_every_block_format_of_the_table_is_tested() -> None:
     assert set(SCALE_FIELDS) == set(BLOCK_WEIGHTS)
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("qtype", list(BLOCK_WEIGHTS), ids=lambda t: t.name)
-def test_every_block_format_dequantizes_as_gguf_does_bit_for_bit(qtype: QType, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_block_format_dequantizes_as_gguf_does_bit_for_bit(
+    qtype: QType, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By the native kernel that reads the format (the usual path: an embedding's rows, a dense load), and by
+    torch's ops (where the kernels cannot be built); all at once, and a few rows at a time as a large tensor."""
     block = BLOCK_WEIGHTS[qtype]
     rows, cols = 9, 3 * block
     raw = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
-    # A few rows at a time, as a large tensor is dequantized.
-    monkeypatch.setattr(gguf_blocks, "_CHUNK_WEIGHTS", 2 * cols)
-    ours = GGUFBlocks.from_raw(raw, qtype, (rows, cols)).dequantize()
+    if path == "torch":
+        monkeypatch.setattr(gguf_blocks, "_native_dequantizer", lambda qtype, device: None)
+    else:
+        assert gguf_blocks._native_dequantizer(qtype, torch.device("cpu")) is not None
     reference = gguf.quants.dequantize(raw, qtype)
-    assert ours.dtype == torch.float32 and tuple(ours.shape) == reference.shape == (rows, cols)
     assert np.isfinite(reference).all() and np.abs(reference).max() > 0
-    np.testing.assert_array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
+    for chunk in (gguf_blocks._CHUNK_WEIGHTS, 2 * cols):
+        monkeypatch.setattr(gguf_blocks, "_CHUNK_WEIGHTS", chunk)
+        ours = GGUFBlocks.from_raw(raw, qtype, (rows, cols)).dequantize()
+        assert ours.dtype == torch.float32 and tuple(ours.shape) == reference.shape == (rows, cols)
+        np.testing.assert_array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
 
 
 def test_a_super_block_is_never_split_between_columns() -> None:

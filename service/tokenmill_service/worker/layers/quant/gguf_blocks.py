@@ -273,15 +273,42 @@ class GGUFBlocks:
         raise ValueError(f"{self.qtype.name} is not a 4-bit format")
 
     def dequantize(self) -> torch.Tensor:
-        """Float32 [rows, cols], bit for bit what ``gguf.quants.dequantize`` gives."""
+        """Float32 [rows, cols], bit for bit what ``gguf.quants.dequantize`` gives: by the native kernel that
+        reads the format where there is one (tests/unit/test_gguf_blocks.py holds each to torch's ops below)."""
         rows, cols = self.shape
-        dequantize = _DEQUANTIZERS[self.qtype]
-        out = torch.empty(rows, cols, dtype=torch.float32, device=self.data.device)
+        native = _native_dequantizer(self.qtype, self.data.device)
+        in_torch = _DEQUANTIZERS[self.qtype]
+
+        def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+            return native(blocks) if native is not None else in_torch(blocks).reshape(blocks.shape[0], cols)
+
         step = max(1, _CHUNK_WEIGHTS // max(cols, 1))
+        if rows <= step:  # an embedding's looked-up rows: no copy
+            return dequantize(self.data.contiguous())
+        out = torch.empty(rows, cols, dtype=torch.float32, device=self.data.device)
         for start in range(0, rows, step):
-            blocks = self.data[start : start + step].contiguous()
-            out[start : start + step] = dequantize(blocks).flatten(-2)
+            out[start : start + step] = dequantize(self.data[start : start + step].contiguous())
         return out
+
+
+def _native_dequantizer(qtype: QType, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The native kernel's dequantizer of blocks uint8 [rows, blocks, bytes] in ``qtype`` (float32 [rows, cols]),
+    or None where no kernel reads the format, the blocks are not in memory, or the kernel cannot be built here.
+    A decoding step's embedding lookup of one row took 0.33 ms through torch's ops (a Q6_K row of 2048), the
+    Python and the ops' dispatch run cold after a step's weights have streamed through the caches."""
+    from tokenmill_service.worker.kernels.cpu import block_gemm, build, kquant_gemm
+
+    kernel = _FORMATS[qtype].kernel
+    if device.type != "cpu" or kernel is None:
+        return None
+    fmt = _FORMATS[qtype].id
+    if kernel == "kquant":
+        if build.unavailable_reason("kquant_gemm") is not None:
+            return None
+        return lambda blocks: kquant_gemm.dequantize_blocks(blocks, fmt)
+    if build.unavailable_reason("block_gemm") is not None:
+        return None
+    return lambda blocks: block_gemm.block_dequantize(blocks, fmt)
 
 
 CheckpointTensor = torch.Tensor | GGUFBlocks | Fp8Blocks
