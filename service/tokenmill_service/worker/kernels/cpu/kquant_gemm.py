@@ -91,7 +91,7 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
     microseconds; the same rows through torch's ops took 0.3 ms a decoding step)."""
     n, k = blocks.shape[0], blocks.shape[1] * SUPER_BLOCK
     blocks = blocks.contiguous()
-    packed = torch.empty(int(_lib().tm_kquant_packed_bytes(fmt, n, k)), dtype=torch.uint8)
+    packed = torch.empty(int(_lib().tm_kquant_packed_bytes(fmt, n, k)), dtype=torch.uint8, device=blocks.device)
     check_status(_lib().tm_kquant_pack(fmt, blocks.data_ptr(), n, k, packed.data_ptr()), fmt)
     return unpack(packed, fmt, n, k)
 

@@ -52,7 +52,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     (what torch gives for a row with a NaN too: such rows are left to it)."""
     if not _native(x) or x.dim() != 2 or x.shape[1] == 0:
         return x.max(dim=-1).indices
-    out = torch.empty(x.shape[0], dtype=torch.int64)
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _lib().tm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     if bool((out < 0).any()):
         return x.max(dim=-1).indices
