@@ -205,8 +205,11 @@ class ModelRunner:
         hidden = self.executor.forward(input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta)
         if self.keep_hidden:
             self.last_plan, self.last_hidden = plan, hidden
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=device)
-        logits = self.executor.compute_logits(hidden.index_select(0, rows))
+        if plan.sample_rows == list(range(hidden.shape[0])):  # decoding: every row samples, in order
+            sampled = hidden  # a tensor made and rows copied cost 0.1-0.15 ms a step, cold after the stack
+        else:
+            sampled = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=device))
+        logits = self.executor.compute_logits(sampled)
         prompt_logits = [self.executor.compute_logits(hidden[start : start + n]) for start, n in plan.prompt_rows]
         return logits, prompt_logits
 
