@@ -89,7 +89,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict client/tokenmill_client client/examples service/tokenmill_service bench/tokenmill_bench \
-		bench/fuzz_grpc.py bench/soak.py bench/fidelity.py bench/streamed_reference.py bench/step_breakdown.py \
+		bench/fuzz_grpc.py bench/soak.py bench/fidelity.py bench/streamed_reference.py bench/step_breakdown.py bench/step_python.py \
 		scripts/api_reference.py scripts/mkdocs_hooks.py
 
 proto: install

@@ -26,7 +26,7 @@ BIN = Path(sys.executable).parent
 MYPY_TARGETS = (
     "client/tokenmill_client", "client/examples", "service/tokenmill_service", "bench/tokenmill_bench",
     "bench/fuzz_grpc.py", "bench/soak.py", "bench/fidelity.py", "bench/streamed_reference.py",
-    "bench/step_breakdown.py",
+    "bench/step_breakdown.py", "bench/step_python.py",
     "scripts/api_reference.py", "scripts/mkdocs_hooks.py",
 )  # fmt: skip
 
