@@ -274,7 +274,7 @@ class GGUFBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """Float32 [rows, cols], bit for bit what ``gguf.quants.dequantize`` gives: by the native kernel that
-        reads the format where there is one (tests/unit/test_gguf_blocks.py holds each to torch's ops below)."""
+        reads the format where there is one (tests/engine/test_gguf_loader.py holds both to gguf's, format by format)."""
         rows, cols = self.shape
         native = _native_dequantizer(self.qtype, self.data.device)
         in_torch = _DEQUANTIZERS[self.qtype]
