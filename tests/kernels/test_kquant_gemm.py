@@ -69,16 +69,16 @@ def test_the_product_is_the_float64_product_with_ggufs_dequantized_weight(qtype:
 
 # Packed bytes over the file's: the scales of a group of 16 rows are spread out for the kernel (Q6_K's
 # nibbles and planes of high bits take exactly the file's bytes), IQ4_XS keeps its 4-bit indices (looked
-# up in the loop) but spreads its scales out as bytes, so does Q3_K (3 bits a weight in planes, its 6-bit
-# scales as int8: 3.56 bits a weight against the file's 3.44), and so does Q2_K (2 bits a weight in planes,
-# its 4-bit scales and minimums per 16 weights as bytes: 3.13 bits a weight against 2.63).
+# up in the loop) but spreads its scales out as bytes, and so does Q3_K (3 bits a weight in planes, its 6-bit
+# scales as int8: 3.56 bits a weight against the file's 3.44). Q2_K's 4-bit scale and minimum per 16 weights
+# share a byte as in the file (2 bits a weight in planes: 2.63 bits a weight, the file's).
 PACKED_OVER_FILE = {  # Q4_K's and Q5_K's 6-bit scales and minimums packed as the file packs them (was 1.03)
     QType.Q4_K: 1.0,
     QType.Q5_K: 1.0,
     QType.Q6_K: 1.0,
     QType.Q3_K: 1.04,
     QType.IQ4_XS: 1.02,  # a scale a block of 32 (was 1.08: stored for each half)
-    QType.Q2_K: 1.2,
+    QType.Q2_K: 1.0,  # sc | m << 4 a byte, as the file (was 1.2: a byte each)
 }
 
 

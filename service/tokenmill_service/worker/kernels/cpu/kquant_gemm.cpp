@@ -53,15 +53,14 @@
 // then the scales:
 //   Q4_K, Q5_K: d[16] and dmin[16] as float16, then the 6-bit sc and m as the file's 12 bytes a row: [8][16] bytes
 //               of sc << 2 | (m & 3), a block each, and [4][16] of m >> 2, two blocks' a byte (2304 / 2816 bytes)
-//   Q2_K:       d[16] and dmin[16] as float16, sc[16][16] and m[16][16] as bytes (1600 bytes)
+//   Q2_K:       d[16] and dmin[16] as float16, [16][16] bytes of sc | m << 4, a half block's each (1344 bytes)
 //   Q6_K, Q3_K: d[16] as float16, sc[16][16] as int8   (Q6_K 3360, Q3_K 1824 bytes)
 //   IQ4_XS:     d[16] as float16, sc[8][16] as int8, a block's (2208 bytes)
 // A layer whose row ranges are stored in different k-quants (TM_KQUANT_MIXED: a packed q/k/v with v in
 // Q6_K) is its segments one after another, each packed as above, behind a header (abi.py) saying
 // each one's format, rows and offset; one call quantizes the activations once for all of them.
-// Q4_K, Q5_K and Q6_K take the file's bytes (4.5, 5.5 and 6.56 bits a weight), IQ4_XS 4.31 against 4.25 and
-// Q3_K 3.56 against 3.44 (their 6-bit scales as bytes), Q2_K 3.13 against 2.63 (its 4-bit scales and minimums
-// as bytes).
+// Q4_K, Q5_K, Q6_K and Q2_K take the file's bytes (4.5, 5.5, 6.56 and 2.63 bits a weight), IQ4_XS 4.31 against
+// 4.25 and Q3_K 3.56 against 3.44 (their 6-bit scales as bytes).
 
 #include "tm_abi.h"       // the block formats and this file's prototypes (generated from abi.py)
 #include "vnni_common.h"  // the activations' fixed point and the tiles' driver
@@ -251,8 +250,9 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           const int64_t half = 2 * j + s / 2;
           for (int g = 0; g < NGT; ++g) {
             const Packed p(F, w, gstride, g, sb);
-            const f32x16 de = mul(d[g], bytes_as_floats(p.scales + 4 * G + half * G, false));  // exact
-            const f32x16 dm = mul(dmin[g], bytes_as_floats(p.scales + 4 * G + 16 * G + half * G, false));
+            const i32x16 both = load_u8_i(p.scales + q2_scale_at(half));  // sc | m << 4
+            const f32x16 de = mul(d[g], to_float(and_i(both, set1_i(15))));  // exact
+            const f32x16 dm = mul(dmin[g], to_float(shr_i(both, 4)));
             for (int i = 0; i < M; ++i) {
               const float dx = act.dx[i * blocks + b];
               acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), mul(de, set1(dx)), acc[i][g]);
