@@ -4,7 +4,7 @@ people download).
 
 The layer keeps the file's super-blocks (256 weights: float16 d and dmin, per sub-block a scale and
 a minimum, 2 to 6 bits a weight), repacked at load into the kernel's layout at about the file's size
-(Q2_K at 1.19 times it: its 4-bit scales and minimums are kept as bytes; ``worker/kernels/cpu/kquant_gemm.cpp``), and multiplies
+(``worker/kernels/cpu/kquant_gemm.cpp``), and multiplies
 them with integer products as ``gguf-vnni`` does
 the 32-weight formats: 16-bit fixed-point activations, exact integer sums, float32 scales in an
 order fixed per output, so a row's result does not depend on its batch. Every weight is exactly
