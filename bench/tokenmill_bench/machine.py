@@ -130,10 +130,16 @@ def read_bandwidth(size: int | None = None, repeats: int = 5) -> dict[str, Any]:
     return record
 
 
+# The threads' product runs at least this long, so that a process holding a core beside it shows in its CPU ticks.
+BUSY_WINDOW_S = 0.2
+
+
 def core_scaling(repeats: int = 5) -> dict[str, Any] | None:
     """How many times as fast torch's threads together multiply a float32 matrix as one of them alone: about the
     thread count on a quiet machine, near 1 when something else holds a core (another tenant of a virtual
-    machine's host), in which minutes every figure that takes both cores comes out low. None without torch."""
+    machine's host), in which minutes every figure that takes both cores comes out low. Beside it, the other
+    processes of this machine that were busiest while the threads multiplied (``busy_beside``): where one held a
+    core, it is named. None without torch."""
     try:
         import torch
     except ImportError:
@@ -145,7 +151,12 @@ def core_scaling(repeats: int = 5) -> dict[str, Any] | None:
         for n in (1, threads):
             torch.set_num_threads(n)
             torch.mm(a, a)  # warm: the thread pool started, the caches filled
+            if n == threads:
+                before, started = process_cpu_ticks(), time.perf_counter()
             seconds[n] = _best_of(lambda: torch.mm(a, a), repeats)
+        while time.perf_counter() - started < BUSY_WINDOW_S:
+            torch.mm(a, a)
+        busy = busiest_processes(before, process_cpu_ticks(), time.perf_counter() - started)
     finally:
         torch.set_num_threads(threads)
     return {
@@ -153,7 +164,37 @@ def core_scaling(repeats: int = 5) -> dict[str, Any] | None:
         "one_thread_s": seconds[1],
         "all_threads_s": seconds[threads],
         "speedup": seconds[1] / seconds[threads],
+        "busy_beside": busy,
     }
+
+
+def process_cpu_ticks() -> dict[int, tuple[str, int]]:
+    """Every process's name and user + system CPU ticks so far, by pid (/proc; empty where there is none)."""
+    ticks = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        rest = stat[stat.rindex(")") + 2 :].split()
+        ticks[int(entry.name)] = (stat[stat.index("(") + 1 : stat.rindex(")")], int(rest[11]) + int(rest[12]))
+    return ticks
+
+
+def busiest_processes(
+    before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], seconds: float, top: int = 3
+) -> list[dict[str, Any]]:
+    """The ``top`` processes other than this one that used the most CPU between two process_cpu_ticks, each with
+    the cores it kept busy on average over ``seconds`` (those that used none left out)."""
+    used = [
+        (ticks - before[pid][1], pid, name)
+        for pid, (name, ticks) in after.items()
+        if pid in before and pid != os.getpid() and ticks > before[pid][1]
+    ]
+    return [
+        {"pid": pid, "name": name, "cores": round(t / _CLOCK_TICKS / seconds, 2)}
+        for t, pid, name in sorted(used, reverse=True)[:top]
+    ]
 
 
 def _bandwidth_record(

@@ -152,10 +152,13 @@ def run_warnings(result: dict[str, Any]) -> list[str]:
             )
     for when, probe in (result["machine"].get("core_scaling") or {}).items():
         if probe and probe["threads"] > 1 and probe["speedup"] < CORE_SCALING_WARNING_SHARE * probe["threads"]:
+            busy = ", ".join(
+                f"{p['name']} (pid {p['pid']}) {p['cores']:.2f} cores" for p in probe.get("busy_beside", [])
+            )
             warnings.append(
                 f"at the run's {when}, {probe['threads']} threads multiplied a matrix only {probe['speedup']:.2f} "
                 "times as fast as one: a core was slow (held by something else?), and figures that take every "
-                "core may be low"
+                "core may be low" + (f"; busy beside it: {busy}" if busy else "")
             )
     restarts = result["model"].get("worker_restarts_after")
     if restarts:

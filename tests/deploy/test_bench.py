@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,7 @@ def test_bench_against_live_server(server_address: str, tmp_path: Path) -> None:
     for when in ("start", "end"):  # both cores' matrix product against one's, around the run
         probe = data["machine"]["core_scaling"][when]
         assert probe["speedup"] == pytest.approx(probe["one_thread_s"] / probe["all_threads_s"]), probe
+        assert all(p["pid"] > 0 and p["cores"] > 0 for p in probe["busy_beside"]), probe
     assert any("other processes kept" in w for w in data["warnings"]), data["warnings"]
 
     proc = subprocess.run(
@@ -145,7 +147,30 @@ def test_a_slow_core_around_the_run_is_a_warning() -> None:
     assert run_warnings(result(1.9, 1.8)) == []
     (warning,) = run_warnings(result(1.05, 1.9))
     assert warning.startswith("at the run's start, 2 threads multiplied a matrix only 1.05 times as fast as one")
+    assert "busy beside it" not in warning
     assert [w.split(",")[0] for w in run_warnings(result(1.2, 1.1))] == ["at the run's start", "at the run's end"]
+    held = result(1.9, 0.16)
+    held["machine"]["core_scaling"]["end"]["busy_beside"] = [{"pid": 4242, "name": "spinner", "cores": 0.93}]
+    (warning,) = run_warnings(held)
+    assert warning.endswith("; busy beside it: spinner (pid 4242) 0.93 cores"), warning
+
+
+def test_the_process_that_holds_a_core_beside_the_threads_product_is_named() -> None:
+    """A process spinning on a core while the threads multiply (what made the probe at some runs' end 0.16 times
+    as fast as one thread) is among the busiest other processes the probe names, with about a core."""
+    from tokenmill_bench.machine import core_scaling
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        probe = core_scaling()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert probe is not None
+    named = {p["pid"]: p for p in probe["busy_beside"]}
+    assert spinner.pid in named, probe
+    assert named[spinner.pid]["cores"] > 0.3, probe
 
 
 def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
