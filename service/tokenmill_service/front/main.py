@@ -19,6 +19,7 @@ from tokenmill_service import __version__
 from tokenmill_service.contract.config import Settings, load_settings
 from tokenmill_service.contract.log_setup import configure_logging
 from tokenmill_service.contract.tokenizer import Tokenizer
+from tokenmill_service.front import worker_processes
 from tokenmill_service.front.banner import show_ready_banner
 from tokenmill_service.front.metrics import Metrics
 from tokenmill_service.front.proto import pb
@@ -377,7 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"tokenmill-server: error: {exc}\n")
         return 2
     configure_logging(settings.resolved_log_format(), settings.log_level)
-    return asyncio.run(serve(settings))
+    try:
+        return asyncio.run(serve(settings))
+    finally:
+        worker_processes.stop_helpers()  # nothing this process started outlives it
 
 
 if __name__ == "__main__":

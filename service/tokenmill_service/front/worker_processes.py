@@ -9,15 +9,22 @@ each worker is spawned: a fresh interpreter that imports it all itself.
 
 A forked worker has the environment the fork server started with, not the server process's at the fork: what a
 worker needs from the server process travels in its WorkerSpec, never through os.environ.
+
+The server process stops its helper processes (the fork server, and multiprocessing's resource tracker) before it
+exits and waits for them (stop_helpers), so that when it has exited nothing it started is left running.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from multiprocessing.context import ForkServerContext, SpawnContext
+from typing import Any
 
 # The modules a worker imports before it serves: its entry point, the collectives (torch), the loader and the
 # engine; the fork server imports them once.
@@ -28,6 +35,7 @@ PRELOADED = [
     "tokenmill_service.worker.engine.warm_up",
     "tokenmill_service.worker.engine.native_stack",
     "tokenmill_service.worker.models.embedder",
+    "tokenmill_service.front.fork_server",  # last: the fork server's quick exit (see there)
 ]
 
 # Arguments after which tokenmill-server prints and exits without starting any worker.
@@ -53,3 +61,28 @@ def start_preloading(argv: Sequence[str]) -> None:
 
     mp.get_context("forkserver").set_forkserver_preload(PRELOADED)
     forkserver.ensure_running()
+
+
+def stop_helpers(timeout: float = 10.0) -> None:
+    """Stops the fork server and the resource tracker where this process started them, and waits for each to exit:
+    each is told to stop by the closing of its pipe from this process, as it would be when this process exits; one
+    still running after ``timeout`` seconds is killed."""
+    from multiprocessing import forkserver, resource_tracker
+
+    # multiprocessing's own stop-and-wait for each (``_stop``, private: there is no public one).
+    helpers: list[tuple[Any, str]] = [
+        (forkserver._forkserver, "_forkserver_pid"),
+        (resource_tracker._resource_tracker, "_pid"),
+    ]
+    for helper, pid_field in helpers:
+        pid = getattr(helper, pid_field, None)
+        if pid is None:
+            continue  # not started by this process
+        killer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        try:
+            helper._stop()
+        except (OSError, ChildProcessError):
+            pass  # already gone
+        finally:
+            killer.cancel()
