@@ -82,7 +82,7 @@ def stop_helpers(timeout: float = 10.0) -> None:
         killer.start()
         try:
             helper._stop()
-        except (OSError, ChildProcessError):
-            pass  # already gone
+        except OSError:
+            pass  # already gone (ChildProcessError: reaped)
         finally:
             killer.cancel()
