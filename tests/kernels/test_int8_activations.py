@@ -174,3 +174,25 @@ def test_the_kquant_product_is_the_exact_integer_sums_folded_in_the_documented_o
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13):
         part = kquant_gemm.kquant_gemm(torch.from_numpy(x[-rows:]), packed, int(qtype), n, int8=True)
         assert torch.equal(part, full[-rows:]), rows
+
+
+KQUANTS = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q2_K, QType.Q3_K, QType.IQ4_XS]
+
+
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
+def test_every_kquant_multiplies_the_dequantized_weights_by_the_q8_0_activations(qtype: QType) -> None:
+    """Each k-quant's 8-bit product is the float64 product of its dequantized weights and the activations as
+    rounded (Q8_0, a unit a block of 32) to float32's rounding: every format's scales, minimums and offsets (Q2_K,
+    Q3_K and IQ4_XS included, which the exact reference above does not build) are folded right."""
+    n, k = 45, 512
+    raw = random_blocks(qtype, n, k, np.random.default_rng(int(qtype) + 7), 0.02).reshape(n, k // 256, -1)
+    packed = kquant_gemm.pack(torch.from_numpy(raw), int(qtype))
+    x = _activations(9, k, int(qtype) + 3)
+    a, dx = _quantize(x)
+    xq = (a.reshape(9, -1, 32).astype(F64) * dx[..., None]).reshape(9, k)
+    weight = kquant_gemm.unpack(packed, int(qtype), n, k).double().numpy()
+    got = kquant_gemm.kquant_gemm(torch.from_numpy(x), packed, int(qtype), n, int8=True).double().numpy()
+    bound = 1e-5 * (np.abs(xq) @ np.abs(weight).T)
+    assert (np.abs(got - xq @ weight.T) <= bound).all()
+    # Against the unrounded activations the product is off by far more: the test sees the rounding.
+    assert not (np.abs(got - x.astype(F64) @ weight.T) <= bound).all()
