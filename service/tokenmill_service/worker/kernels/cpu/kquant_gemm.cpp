@@ -128,6 +128,18 @@ constexpr int WORD_CHAINS = 1;
 constexpr int WORD_CHAINS = 2;
 #endif
 constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;  // int8: up to this many rows MT_DIGITS x 1 tiles, past it MT x NG
+// From UNPACK_TILES tiles of rows a group (0: never; int8 past MAX_DIGIT_ROWS_INT8 rows, words), the formats whose
+// step takes their higher bits from other planes (Q5_K, Q6_K, Q3_K) unpacked once a pass into a thread's buffer,
+// which each tile of rows then reads. AVX2 (a step's unpacking 6-9 instructions): on an AMD EPYC (quantized_gemm_speed.py
+// --int8, both cores, K = 2048) Q5_K and Q3_K 0.81-0.91 of the time at 16-512 rows, Q6_K 0.88-0.90 at 64-512 and
+// 0.98-1.01 at 16; words (kquant_tiles.py) 0.94-1.0; Q4_K's nibbles (1.03-1.22), Q2_K and IQ4_XS (0.97-1.07) no
+// faster. AVX-512 (vpternlogd, and 8 rows a tile): no faster (1.0-1.2 at 16-512 rows), so not there.
+#if !defined(KQUANT_UNPACK_TILES) && defined(TM_ISA_AVX2)
+#define KQUANT_UNPACK_TILES 3
+#elif !defined(KQUANT_UNPACK_TILES)
+#define KQUANT_UNPACK_TILES 0
+#endif
+constexpr int64_t UNPACK_TILES = KQUANT_UNPACK_TILES;
 
 // An output's partial sums at the start of a block (or half block h): zero, or for the formats with an offset
 // -offset * sum_h a (s16[h]) in the units of total (the lo digits' sum for digits).
@@ -162,7 +174,7 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
 template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
-                 int64_t n_valid, bool first) {
+                 int64_t n_valid, bool first, const uint8_t* unpacked) {
   // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 in flight (WORD_CHAINS).
   static_assert(!(WORDS && INT8), "int8 activations are one digit");
   constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 2 * WORD_CHAINS ? 1 : M * NGT >= WORD_CHAINS ? 2 : 4;
@@ -207,11 +219,16 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         // from memory, a step's share 1.07-1.11 times as fast again (AVX2's 1.13-1.15; 1.03-1.08 at 2-4 and 64 rows).
         // Whatever a group's size: where it spans less than the distance, the lines ahead are the next groups'.
         if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0))
-          if (first)
+          if (first && !unpacked)
             for (int g = 0; g < NGT; ++g)
               vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(Packed(F, w, gstride, g, sb).quants, 4 * j + s);
         if constexpr (WORDS) {
-          for (int g = 0; g < NGT; ++g) step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
+          for (int g = 0; g < NGT; ++g) {
+            if (unpacked)
+              for (int u = 0; u < 4; ++u) wq[g][u] = load_b(unpacked_step<true>(unpacked, k, g, sb, j, s) + 64 * u);
+            else
+              step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
+          }
           for (int i = 0; i < M; ++i) {
             const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 16 * s;  // the 8 activations' words
             for (int u = 0; u < 4; ++u) {
@@ -220,8 +237,14 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
             }
           }
         } else {
-          for (int g = 0; g < NGT; ++g)
-            step_bytes<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, w0[g], w1[g]);
+          for (int g = 0; g < NGT; ++g) {
+            if (unpacked) {
+              w0[g] = load_b(unpacked_step<false>(unpacked, k, g, sb, j, s));
+              w1[g] = load_b(unpacked_step<false>(unpacked, k, g, sb, j, s) + 64);
+            } else {
+              step_bytes<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, w0[g], w1[g]);
+            }
+          }
           for (int i = 0; i < M; ++i) {
             const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
             const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
@@ -305,35 +328,36 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
 // vnni::ODD_GROUP_ROWS rows (two where M is more): fewer tiles to build, for a group that is one of thousands.
 template <int F, int M, bool WORDS, bool INT8, int NGT = NG>
 inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
-                        int64_t ldy, int64_t n_valid, bool first) {
+                        int64_t ldy, int64_t n_valid, bool first, const uint8_t* unpacked) {
   if constexpr (NGT > 1)
     if (ng < NGT) {
       constexpr int HALF = M > vnni::ODD_GROUP_ROWS ? vnni::ODD_GROUP_ROWS : M;
-      tile_groups<F, HALF, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid, first);
+      tile_groups<F, HALF, WORDS, INT8, NGT - 1>(ng, act, k, w, gstride, y, ldy, n_valid, first, unpacked);
       if constexpr (M > HALF)
         tile_groups<F, M - HALF, WORDS, INT8, NGT - 1>(ng, act.at(HALF), k, w, gstride, y + HALF * ldy, ldy, n_valid,
-                                                       false);
+                                                       false, unpacked);
       return;
     }
-  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first);
+  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first, unpacked);
 }
 
 // tile_groups<F, rows, WORDS, INT8, NGT> for rows = M, M - 1, ..., 1.
 template <int F, bool WORDS, bool INT8, int M, int NGT>
 inline void tile_rows(int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y,
-                      int64_t ldy, int64_t n_valid, bool first) {
+                      int64_t ldy, int64_t n_valid, bool first, const uint8_t* unpacked) {
   if constexpr (M > 1)
-    if (rows < M) return tile_rows<F, WORDS, INT8, M - 1, NGT>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
-  tile_groups<F, M, WORDS, INT8, NGT>(ng, act, k, w, gstride, y, ldy, n_valid, first);
+    if (rows < M)
+      return tile_rows<F, WORDS, INT8, M - 1, NGT>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first, unpacked);
+  tile_groups<F, M, WORDS, INT8, NGT>(ng, act, k, w, gstride, y, ldy, n_valid, first, unpacked);
 }
 
 // M rows a tile: MT as words, MT_DIGITS as digits; int8 activations (one sum an output, as words) MT_INT8 past
 // MAX_DIGIT_ROWS_INT8 rows (MT_INT8_FEW x 1 group up to MAX_FEW_ROWS_INT8), MT_DIGITS up to them.
 template <bool WORDS, bool INT8 = false, int M = WORDS ? MT : MT_DIGITS, int NGT = NG>
 inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64_t k, const uint8_t* w, int64_t gstride,
-                        float* y, int64_t ldy, int64_t n_valid, bool first) {
+                        float* y, int64_t ldy, int64_t n_valid, bool first, const uint8_t* unpacked = nullptr) {
   with_kquant_format(fmt, 0, [&](auto F) {
-    tile_rows<decltype(F)::value, WORDS, INT8, M, NGT>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first);
+    tile_rows<decltype(F)::value, WORDS, INT8, M, NGT>(rows, ng, act, k, w, gstride, y, ldy, n_valid, first, unpacked);
     return 0;
   });
 }
@@ -378,6 +402,9 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
   const bool few = int8 && wide && MT_INT8_FEW > 0 && m <= MAX_FEW_ROWS_INT8;
   const int mt = few ? MT_INT8_FEW : int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
+  // Many tiles of rows a group (int8): its weights unpacked once a pass into the thread's buffer, which every tile
+  // of rows then reads (the bytes step_bytes gives, so the same outputs).
+  const bool unpack = UNPACK_TILES > 0 && !few && ((int8 && wide) || words) && m >= UNPACK_TILES * mt;
   vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, few ? 1 : NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid, bool first) {
                 const int fmt = segs[s].fmt;
@@ -386,14 +413,16 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                 if (few) {
                   if constexpr (MT_INT8_FEW > 0)
                     tile_format<false, true, MT_INT8_FEW, 1>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
-                } else if (int8 && wide)
-                  tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
-                else if (int8)
+                } else if (int8 && wide) {
+                  tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first,
+                                                    unpack && high_bits(fmt) ? unpacked_ahead(fmt, false, ng, k, first, wg, gstride) : nullptr);
+                } else if (int8)
                   tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 // Only the forms this backend takes are built (the scalar build's compile 54 s -> 36 s).
                 else if (words) {
                   if constexpr (MAX_DIGIT_ROWS < INT64_MAX)
-                    tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
+                    tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first,
+                                      unpack && high_bits(fmt) ? unpacked_ahead(fmt, true, ng, k, first, wg, gstride) : nullptr);
                 } else if constexpr (MAX_DIGIT_ROWS > 0) {
                   tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 }

@@ -346,10 +346,50 @@ inline void step_words(const uint8_t* bq, int s, u8x64 wq[4]) {
   }
 }
 
+// A group's weights unpacked ahead, once for the many row tiles of a product of many rows (unpack_groups): step
+// s of block j of super-block sb of group g as step_bytes gives it, w0 then w1 (k * 16 bytes a group), or as
+// step_words does (WORDS: its four vectors, k * 32 bytes a group).
+template <bool WORDS>
+inline const uint8_t* unpacked_step(const uint8_t* u, int64_t k, int g, int64_t sb, int64_t j, int s) {
+  constexpr int64_t STEP = WORDS ? 256 : 128;
+  return u + (g * k * G + ((sb * SUBS + j) * 4 + s) * 128) * (STEP / 128);
+}
+template <int F, bool WORDS>
+void unpack_groups(const uint8_t* w, int64_t gstride, int ng, int64_t k, uint8_t* out) {
+  for (int g = 0; g < ng; ++g)
+    for (int64_t sb = 0; sb < k / QK_K; ++sb) {
+      const uint8_t* quants = w + g * gstride + sb * group_super_bytes(F);
+      for (int64_t j = 0; j < SUBS; ++j)
+        for (int s = 0; s < 4; ++s) {
+          vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(quants, 4 * j + s);
+          uint8_t* o = out + (unpacked_step<WORDS>(out, k, g, sb, j, s) - out);
+          u8x64 v[4];
+          if constexpr (WORDS) step_words<F>(quants + j * block_quant_bytes(F), s, v);
+          else step_bytes<F>(quants + j * block_quant_bytes(F), s, v[0], v[1]);
+          for (int u = 0; u < (WORDS ? 4 : 2); ++u) store_b(o + 64 * u, v[u]);
+        }
+    }
+}
+
 // The formats this file packs, and one call of f(std::integral_constant<int, F>{}) for fmt's F.
 template <class Fn>
 int with_kquant_format(int fmt, int otherwise, Fn&& f) {
   return vnni::with_format<Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(fmt, otherwise, f);
+}
+
+// The thread's buffer of ng groups at w unpacked ahead (as bytes, or as words), unpacked first where `fresh` (a
+// pass's first tile of rows; the later tiles of the pass find them there).
+const uint8_t* unpacked_ahead(int fmt, bool words, int ng, int64_t k, bool fresh, const uint8_t* w, int64_t gstride) {
+  static thread_local std::vector<uint8_t> buffer;
+  if (fresh) {
+    buffer.resize((size_t)(ng * k * G * (words ? 2 : 1)));
+    with_kquant_format(fmt, 0, [&](auto F) {
+      if (words) unpack_groups<decltype(F)::value, true>(w, gstride, ng, k, buffer.data());
+      else unpack_groups<decltype(F)::value, false>(w, gstride, ng, k, buffer.data());
+      return 0;
+    });
+  }
+  return buffer.data();
 }
 
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
