@@ -172,7 +172,9 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 // u8 x s8 pairs reach 2 * 241 * 128 > 32767; below 128 vpmaddubsw's pairs stay within 2 * 127 * 128), and the
 // offsets' -offset * sum a start the one sum (s16: the half blocks' sums of the int8 values).
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
-template <int F, int M, int NGT, bool WORDS, bool INT8 = false>
+// AHEAD: the weights read from `unpacked` (unpacked_ahead), not unpacked here; its own build of the tile, so that
+// the others are the same code as without it.
+template <int F, int M, int NGT, bool WORDS, bool INT8 = false, bool AHEAD = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid, bool first, const uint8_t* unpacked) {
   // Partial sums per output: digits hi and lo; words enough independent chains of dot_s16 in flight (WORD_CHAINS).
@@ -219,12 +221,12 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         // from memory, a step's share 1.07-1.11 times as fast again (AVX2's 1.13-1.15; 1.03-1.08 at 2-4 and 64 rows).
         // Whatever a group's size: where it spans less than the distance, the lines ahead are the next groups'.
         if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0))
-          if (first && !unpacked)
+          if (first && !AHEAD)
             for (int g = 0; g < NGT; ++g)
               vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(Packed(F, w, gstride, g, sb).quants, 4 * j + s);
         if constexpr (WORDS) {
           for (int g = 0; g < NGT; ++g) {
-            if (unpacked)
+            if constexpr (AHEAD)
               for (int u = 0; u < 4; ++u) wq[g][u] = load_b(unpacked_step<true>(unpacked, k, g, sb, j, s) + 64 * u);
             else
               step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
@@ -238,7 +240,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           }
         } else {
           for (int g = 0; g < NGT; ++g) {
-            if (unpacked) {
+            if constexpr (AHEAD) {
               w0[g] = load_b(unpacked_step<false>(unpacked, k, g, sb, j, s));
               w1[g] = load_b(unpacked_step<false>(unpacked, k, g, sb, j, s) + 64);
             } else {
@@ -338,7 +340,9 @@ inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t
                                                        false, unpacked);
       return;
     }
-  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first, unpacked);
+  if constexpr (UNPACK_TILES > 0 && high_bits(F) > 0)
+    if (unpacked) return tile<F, M, NGT, WORDS, INT8, true>(act, k, w, gstride, y, ldy, n_valid, first, unpacked);
+  tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first, nullptr);
 }
 
 // tile_groups<F, rows, WORDS, INT8, NGT> for rows = M, M - 1, ..., 1.
