@@ -227,7 +227,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         if constexpr (WORDS) {
           for (int g = 0; g < NGT; ++g) {
             if constexpr (AHEAD)
-              for (int u = 0; u < 4; ++u) wq[g][u] = load_b(unpacked_step<true>(unpacked, k, g, sb, j, s) + 64 * u);
+              for (int u = 0; u < 4; ++u) wq[g][u] = load_b(unpacked + unpacked_step<true>(k, g, sb, j, s) + 64 * u);
             else
               step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
           }
@@ -241,8 +241,8 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         } else {
           for (int g = 0; g < NGT; ++g) {
             if constexpr (AHEAD) {
-              w0[g] = load_b(unpacked_step<false>(unpacked, k, g, sb, j, s));
-              w1[g] = load_b(unpacked_step<false>(unpacked, k, g, sb, j, s) + 64);
+              w0[g] = load_b(unpacked + unpacked_step<false>(k, g, sb, j, s));
+              w1[g] = load_b(unpacked + unpacked_step<false>(k, g, sb, j, s) + 64);
             } else {
               step_bytes<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, w0[g], w1[g]);
             }
@@ -406,9 +406,12 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
   const bool few = int8 && wide && MT_INT8_FEW > 0 && m <= MAX_FEW_ROWS_INT8;
   const int mt = few ? MT_INT8_FEW : int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
-  // Many tiles of rows a group (int8): its weights unpacked once a pass into the thread's buffer, which every tile
-  // of rows then reads (the bytes step_bytes gives, so the same outputs).
+  // Many tiles of rows a group (int8 past MAX_DIGIT_ROWS_INT8, or words): the weights of the formats that take it
+  // unpacked once a pass into the thread's buffer, which every tile of rows then reads (UNPACK_TILES).
   const bool unpack = UNPACK_TILES > 0 && !few && ((int8 && wide) || words) && m >= UNPACK_TILES * mt;
+  const auto ahead = [&](int fmt, bool as_words, int ng, bool first, const uint8_t* wg, int64_t gstride) {
+    return unpack && high_bits(fmt) ? unpacked_ahead(fmt, as_words, ng, k, first, wg, gstride) : nullptr;
+  };
   vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, few ? 1 : NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid, bool first) {
                 const int fmt = segs[s].fmt;
@@ -419,14 +422,14 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                     tile_format<false, true, MT_INT8_FEW, 1>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 } else if (int8 && wide) {
                   tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first,
-                                                    unpack && high_bits(fmt) ? unpacked_ahead(fmt, false, ng, k, first, wg, gstride) : nullptr);
+                                                    ahead(fmt, false, ng, first, wg, gstride));
                 } else if (int8)
                   tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 // Only the forms this backend takes are built (the scalar build's compile 54 s -> 36 s).
                 else if (words) {
                   if constexpr (MAX_DIGIT_ROWS < INT64_MAX)
                     tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first,
-                                      unpack && high_bits(fmt) ? unpacked_ahead(fmt, true, ng, k, first, wg, gstride) : nullptr);
+                                      ahead(fmt, true, ng, first, wg, gstride));
                 } else if constexpr (MAX_DIGIT_ROWS > 0) {
                   tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 }

@@ -350,9 +350,8 @@ inline void step_words(const uint8_t* bq, int s, u8x64 wq[4]) {
 // s of block j of super-block sb of group g as step_bytes gives it, w0 then w1 (k * 16 bytes a group), or as
 // step_words does (WORDS: its four vectors, k * 32 bytes a group).
 template <bool WORDS>
-inline const uint8_t* unpacked_step(const uint8_t* u, int64_t k, int g, int64_t sb, int64_t j, int s) {
-  constexpr int64_t STEP = WORDS ? 256 : 128;
-  return u + (g * k * G + ((sb * SUBS + j) * 4 + s) * 128) * (STEP / 128);
+constexpr int64_t unpacked_step(int64_t k, int g, int64_t sb, int64_t j, int s) {
+  return (g * k * G + ((sb * SUBS + j) * 4 + s) * 128) * (WORDS ? 2 : 1);
 }
 template <int F, bool WORDS>
 void unpack_groups(const uint8_t* w, int64_t gstride, int ng, int64_t k, uint8_t* out) {
@@ -362,7 +361,7 @@ void unpack_groups(const uint8_t* w, int64_t gstride, int ng, int64_t k, uint8_t
       for (int64_t j = 0; j < SUBS; ++j)
         for (int s = 0; s < 4; ++s) {
           vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(quants, 4 * j + s);
-          uint8_t* o = out + (unpacked_step<WORDS>(out, k, g, sb, j, s) - out);
+          uint8_t* o = out + unpacked_step<WORDS>(k, g, sb, j, s);
           u8x64 v[4];
           if constexpr (WORDS) step_words<F>(quants + j * block_quant_bytes(F), s, v);
           else step_bytes<F>(quants + j * block_quant_bytes(F), s, v[0], v[1]);
