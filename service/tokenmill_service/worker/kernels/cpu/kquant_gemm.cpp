@@ -248,7 +248,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
             }
           }
           for (int i = 0; i < M; ++i) {
-            const int8_t* ai = act.a + i * 2 * k + b * 2 * QK + 8 * s;
+            const int8_t* ai = act.a + i * 2 * k + vnni::block_at(b, INT8) + 8 * s;
             const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
             for (int g = 0; g < NGT; ++g) {
               if constexpr (PAIRS) {

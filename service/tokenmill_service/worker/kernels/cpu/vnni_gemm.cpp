@@ -203,7 +203,7 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
         u8x64 w0[NGT], w1[NGT];
         for (int g = 0; g < NGT; ++g) step_bytes<F>(wb + g * gstride, s, w0[g], w1[g]);
         for (int i = 0; i < M; ++i) {
-          const int8_t* ai = a + i * 2 * k + b * 2 * QK + 8 * s;
+          const int8_t* ai = a + i * 2 * k + vnni::block_at(b, INT8) + 8 * s;
           const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
           for (int g = 0; g < NGT; ++g) {
             if constexpr (PAIRS) {
@@ -408,7 +408,7 @@ int tm_vnni_quantize_int8(const float* x, int64_t m, int64_t k, int8_t* q, float
   std::vector<float> sx(blocks);
   for (int64_t i = 0; i < m; ++i) {
     vnni::quantize_row_int8(x + i * k, k, a.data(), d + i * blocks, sx.data(), nullptr);
-    for (int64_t b = 0; b < blocks; ++b) memcpy(q + i * k + b * QK, a.data() + b * 2 * QK, QK);
+    memcpy(q + i * k, a.data(), k);  // the row's blocks one after another (vnni::block_at)
   }
   return 0;
 }
