@@ -68,25 +68,18 @@
 
 namespace {
 
-// The register tiles and the activations' form (neither changes an output's bits). AVX-512's 32 registers hold
-// one vector each: digits (one group, 4 rows) up to 4 rows, as measured on Zen 4, and past them the tiles
-// below. Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2,
-// measured on an AMD EPYC (one thread, Q4_K and Q6_K, K = 2048): words for every row count (a byte product is
-// 3 instructions a register, dot_s16 2; at 1-4 rows 0.88-1.0 times the digits' time), tiles of 6 rows x 1 group
-// (with avx2.h's sums kept in registers, bench/kernels/kquant_tiles.py, 64-512 rows: 4 x 1 0.93-0.97 times as fast,
-// Q6_K 0.92-0.96; 5 x 1 0.97-1.0; 8 x 1 0.94-0.98; 2-4 rows x 2 groups 0.6-1.1). NEON (not measured): digits
-// for every row count, SDOT being one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile (with
-// their sums and weights, the 32 registers). The int8 activations on AVX2 keep their byte products' sums as int16
-// pairs (simd.h's pairs16, widened once a block for Q4_K): 4 x 1 tiles (kquant_tiles.py --int8, 16-512 rows:
-// Q4_K 1.03-1.1 times 6 x 1's speed, Q6_K the same; 3 x 1 and 8 x 1 slower). AVX-512's words, and its int8 past
-// MAX_FEW_ROWS_INT8, take 8 rows x 2 groups: more than the registers hold, so the compiler keeps the float sums
-// in memory (a load and a store a block), and each unpacked weight serves 8 rows, not 4. On an Intel Xeon, both
-// cores (kquant_tiles.py, the 1B's shapes, 64 and 512 rows): words 1.04-1.17 times 4 x 2's speed, int8 1.05-1.13;
-// 12 x 2, 16 x 1 and 8 x 3 slower than 8 x 2. AVX-512's int8 from 5 to 6 rows takes one tile of 6 rows x 1 group:
-// one stream of weights a span, where two groups are two. From memory, as decoding reads them
-// (quantized_gemm_speed.py --int8 --from-memory 1024, both cores), against 8 x 2: at 6 rows Q4_K at K = 2048 0.9
-// of the time (K = 8192 1.3, Q6_K 1.0-1.2; a 1B step at 6 streams 0.9-0.95), at 8 rows 1.0-1.35, at 16 rows
-// 1.03-1.3 (a 1B step at 16 streams 1.1-1.2).
+// The register tiles and the activations' form (neither changes an output's bits; measured with
+// bench/kernels/kquant_tiles.py and quantized_gemm_speed.py, figures in bench/history.md). AVX-512's 32 registers hold
+// one vector each: digits (one group, 4 rows) up to 4 rows, past them words (or int8) in tiles of 8 rows x 2 groups on
+// Intel's cores (a Xeon: 1.04-1.17 times 4 x 2's speed; 12 x 2, 16 x 1, 8 x 3 slower; the float sums then live in
+// memory) and 6 x 2 on AMD's (Zen 4, 512-bit operations in two halves: 1.08-1.14 times 8 x 2's speed at 8-512 rows in
+// int8, words 1.02-1.15; its sums and weights fit the registers): wide_rows. AVX-512's int8 at 5-6 rows: one tile of
+// 6 rows x 1 group, one stream of weights a span (from memory, against 8 x 2: a 1B step at 6 streams 0.9-0.95 of the
+// time). Elsewhere a vector takes two registers (AVX2's 16) or four (NEON's 32): about 8 vectors fit. AVX2: words for
+// every row count (a byte product is 3 instructions a register, dot_s16 2), 6 rows x 1 group (4 x 1 0.93-0.97 times
+// as fast, 8 x 1 0.94-0.98, 2-4 x 2 0.6-1.1); its int8 keeps the byte products' sums as int16 pairs (simd.h's
+// pairs16) in 4 x 1 tiles (1.03-1.1 times 6 x 1's speed; 3 x 1, 8 x 1 slower, 5 x 1 no faster). NEON (not
+// measured): digits for every row count, SDOT one instruction for 4 lanes where dot_s16 takes four, 2 rows a tile.
 #ifndef KQUANT_MT  // (a dev script may try other tiles)
 #if defined(TM_ISA_AVX2)
 #define KQUANT_MT 6
@@ -99,6 +92,7 @@ namespace {
 #define KQUANT_MT_DIGITS (VECTOR_REGISTERS >= 32 ? 4 : 2)
 #if defined(TM_ISA_AVX512)
 #define KQUANT_DIGIT_ROWS 4
+#define KQUANT_AMD_ROWS 6
 #elif defined(TM_ISA_NEON)
 #define KQUANT_DIGIT_ROWS INT64_MAX
 #else
@@ -118,6 +112,14 @@ constexpr int NG = KQUANT_NG;  // groups per register tile
 constexpr int MT_INT8 = KQUANT_MT_INT8;  // int8: rows per tile past MAX_DIGIT_ROWS_INT8 (AVX2's pair sums: 4 x 1)
 constexpr int MT_INT8_FEW = KQUANT_MT_INT8_FEW;  // int8 up to MAX_FEW_ROWS_INT8 rows: this many x 1 group (0: none)
 constexpr int64_t MAX_FEW_ROWS_INT8 = 6;
+// Rows a tile past the few (int8) or the digits (words), built as MT: KQUANT_AMD_ROWS on AMD's AVX-512 cores (above).
+// Every row count up to MT is built (tile_rows): a choice at run time, on which no output's bits depend.
+inline int wide_rows(int built) {
+#ifdef KQUANT_AMD_ROWS
+  if (built > KQUANT_AMD_ROWS && __builtin_cpu_is("amd")) return KQUANT_AMD_ROWS;  // (cpuid's vendor, read at load)
+#endif
+  return built;
+}
 constexpr int MT_DIGITS = KQUANT_MT_DIGITS;  // activation rows per register tile as digits (a few rows: one group a tile)
 constexpr int64_t MAX_DIGIT_ROWS = KQUANT_DIGIT_ROWS;  // products of at most this many rows take the digits (see tile)
 // Words tiles keep dot_s16's chains in flight: one sum an output from 2 x WORD_CHAINS output vectors, two from
@@ -405,7 +407,7 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   }
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
   const bool few = int8 && wide && MT_INT8_FEW > 0 && m <= MAX_FEW_ROWS_INT8;
-  const int mt = few ? MT_INT8_FEW : int8 ? (wide ? MT_INT8 : MT_DIGITS) : words ? MT : MT_DIGITS;
+  const int mt = few ? MT_INT8_FEW : int8 ? (wide ? wide_rows(MT_INT8) : MT_DIGITS) : words ? wide_rows(MT) : MT_DIGITS;
   // Many tiles of rows a group (int8 past MAX_DIGIT_ROWS_INT8, or words): the weights of the formats that take it
   // unpacked once a pass into the thread's buffer, which every tile of rows then reads (UNPACK_TILES).
   const bool unpack = UNPACK_TILES > 0 && !few && ((int8 && wide) || words) && m >= UNPACK_TILES * mt;
