@@ -122,10 +122,9 @@ inline void put_planes(const uint8_t* q, uint8_t* plane) {
 
 // INT8 (quantize_row_int8, the opt-in 8-bit activations): only the high digits hi8 = round(x / d), the unit d
 // itself (dq = d, sx = d * sum(hi)), llama.cpp's Q8_0 activations (d = max|x| / 127, round to nearest even), 32
-// bytes a block one after another in the first k bytes of the row's 2k (block_at), so that a tile reads them as
-// digits with the second pass left out. As the digits' hi halves, 64 bytes apart, every cache line read held 32
-// bytes never used: on AVX2 a tile of 4 rows then read 16 KB of lines at K = 2048 beside its group's 18 KB of Q4_K,
-// more than L1 holds.
+// bytes a block one after another in the first k bytes of the row's 2k (block_at); a tile reads them as digits with
+// the second pass left out. (Where the digits' hi halves sit, 64 bytes apart, half of each cache line a tile read
+// went unused: a 4-row AVX2 tile read 16 KB of lines at K = 2048 beside its group's 18 KB of Q4_K, over L1's 32 KB.)
 enum class Layout { DIGITS, WORDS, INT8 };
 
 // Where block b of a row's activations starts: 64 bytes a block as digits and words, 32 as int8.
