@@ -153,6 +153,13 @@ def _result_flags(parser: argparse.ArgumentParser) -> None:
         "each side's median time is the length's figure (default 1)",
     )
     parser.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=None,
+        help="seed of the levels' prompts (default: a fresh one each run, so that no cache kept from an earlier "
+        "run, such as a llama-server's slots, has seen them; the JSON records it)",
+    )
+    parser.add_argument(
         "--long-prompt-seed",
         type=int,
         default=None,
@@ -177,6 +184,8 @@ def parse_run_args(arguments: Sequence[str]) -> argparse.Namespace:
         args.concurrency = list(PEER_CONCURRENCY if args.peer else DEFAULT_CONCURRENCY)
     if args.long_prompts is None:
         args.long_prompts = list(DEFAULT_LONG_PROMPTS) if args.peer else []
+    if args.prompt_seed is None:
+        args.prompt_seed = random.SystemRandom().randrange(1 << 31)
     if args.long_prompt_seed is None:
         args.long_prompt_seed = random.SystemRandom().randrange(1 << 31)
     return args

@@ -31,18 +31,21 @@ _STEP = 7919
 _REQUEST_STEP = 104729
 
 
-def prompt_ids(length: int, index: int, vocab_size: int, *, shared: bool = False) -> list[int]:
-    """A fixed, deterministic prompt of ``length`` token ids for request ``index``.
+def prompt_ids(length: int, index: int, vocab_size: int, *, shared: bool = False, seed: int = 0) -> list[int]:
+    """A deterministic prompt of ``length`` token ids for request ``index`` of a run with ``seed``.
 
     Unless ``shared``, the first id depends on the request index: the server's prefix cache hashes
     blocks from the start, so a different first token makes every request pay its full prefill,
-    as distinct users' prompts would. The rest of the sequence is the same for every request.
+    as distinct users' prompts would. The rest of the sequence is the same for every request of the run.
+    The seed (a run's ``--prompt-seed``) shifts every id, so that another run's prompts share no prefix
+    with these: a server kept from an earlier run (a llama-server whose slots cache their prompts, a
+    tokenmill server given by ``--server``) answers them from no cache.
     """
     lo = min(_FIRST_ORDINARY_ID, vocab_size // 4)
     span = max(1, min(_ID_SPAN, vocab_size - lo))
-    ids = [lo + (i * _STEP + 13) % span for i in range(length)]
+    ids = [lo + (i * _STEP + 13 + seed) % span for i in range(length)]
     if not shared and ids:
-        ids[0] = lo + (index * _REQUEST_STEP + 7) % span
+        ids[0] = lo + (index * _REQUEST_STEP + 7 + seed) % span
     return ids
 
 
@@ -397,6 +400,7 @@ async def run_level(
     monitor: Monitor | None = None,
     server_pids: Callable[[], list[int]] | None = None,
     ramp_s: float = 0.0,
+    prompt_seed: int = 0,
 ) -> LevelResult:
     """Runs ``num_requests`` requests, ``concurrency`` at a time (closed loop: each stream sends its next
     request as soon as its previous one ends), and times the whole level from first send to last end.
@@ -413,7 +417,7 @@ async def run_level(
             await asyncio.sleep(k * ramp_s / concurrency)
         # The shared iterator hands each index out once: next() runs between awaits, so no lock is needed.
         for index in indices:
-            ids = prompt_ids(prompt_tokens, index, vocab_size, shared=shared_prompt)
+            ids = prompt_ids(prompt_tokens, index, vocab_size, shared=shared_prompt, seed=prompt_seed)
             records.append(await target.request(index, ids, output_tokens, timeout, label))
 
     samples: list[EngineSample] = []

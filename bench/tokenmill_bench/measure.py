@@ -138,6 +138,7 @@ class _Run:
             "prompt_tokens": args.prompt_tokens,
             "vocab_size": vocab_size,
             "shared_prompt": args.shared_prompt,
+            "prompt_seed": args.prompt_seed,
             "timeout": args.request_timeout,
         }
 

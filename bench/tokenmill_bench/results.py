@@ -129,6 +129,7 @@ def _settings_section(args: argparse.Namespace) -> dict[str, Any]:
         "requests_per_level": {str(c): max(c * args.rounds, args.min_requests) for c in args.concurrency},
         "warmup": args.warmup,
         "shared_prompt": args.shared_prompt,
+        "prompt_seed": args.prompt_seed,
         "ramp_s": args.ramp_s,
         "long_prompts": args.long_prompts,
         "long_prompt_seed": args.long_prompt_seed,

@@ -400,6 +400,11 @@ def test_bench_prints_tokenmill_beside_the_peer(server_address: str, fake: FakeL
     assert [body["prompt"] for body in fake.script.bodies[4:]] == [
         random_prompt_ids(n, seed=seed + n, vocab_size=vocab) for n in (20, 40)
     ]
+    # So do the levels' prompts (a llama-server kept from an earlier run answered those from its slots' cache).
+    prompt_seed = data["settings"]["prompt_seed"]
+    assert sorted(body["prompt"] for body in fake.script.bodies[1:4]) == sorted(
+        prompt_ids(8, i, vocab, seed=prompt_seed) for i in range(3)
+    )
     assert format_tables(data) == proc.stdout.rstrip("\n")
 
 
