@@ -174,8 +174,8 @@ inline i32x16 dot_q(i32x16 acc, u8x64 q, int32_t a4) {
 // u8 x s8 pairs reach 2 * 241 * 128 > 32767; below 128 vpmaddubsw's pairs stay within 2 * 127 * 128), and the
 // offsets' -offset * sum a start the one sum (s16: the half blocks' sums of the int8 values).
 // Not inlined (as vnni_gemm.cpp's): inlined into the driver's loop, the two-row Q6_K tile measured 1.7 times as long.
-// AHEAD: the weights read from `unpacked` (unpacked_ahead), not unpacked here; its own build of the tile, so that
-// the others are the same code as without it.
+// AHEAD: the weights (weights_ahead) and scales (scales_ahead) read from `unpacked` (unpacked_ahead), not unpacked
+// here; its own build of the tile, so that the others are the same code as without it.
 template <int F, int M, int NGT, bool WORDS, bool INT8 = false, bool AHEAD = false>
 __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uint8_t* w, int64_t gstride, float* y, int64_t ldy,
                  int64_t n_valid, bool first, const uint8_t* unpacked) {
@@ -223,12 +223,12 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         // from memory, a step's share 1.07-1.11 times as fast again (AVX2's 1.13-1.15; 1.03-1.08 at 2-4 and 64 rows).
         // Whatever a group's size: where it spans less than the distance, the lines ahead are the next groups'.
         if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0))
-          if (first && !AHEAD)
+          if (first && !(AHEAD && weights_ahead(F)))
             for (int g = 0; g < NGT; ++g)
               vnni::prefetch_share<group_super_bytes(F), 4 * SUBS>(Packed(F, w, gstride, g, sb).quants, 4 * j + s);
         if constexpr (WORDS) {
           for (int g = 0; g < NGT; ++g) {
-            if constexpr (AHEAD)
+            if constexpr (AHEAD && weights_ahead(F))
               for (int u = 0; u < 4; ++u) wq[g][u] = load_b(unpacked + unpacked_step<true>(k, g, sb, j, s) + 64 * u);
             else
               step_words<F>(Packed(F, w, gstride, g, sb).quants + j * block_quant_bytes(F), s, wq[g]);
@@ -242,7 +242,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           }
         } else {
           for (int g = 0; g < NGT; ++g) {
-            if constexpr (AHEAD) {
+            if constexpr (AHEAD && weights_ahead(F)) {
               w0[g] = load_b(unpacked + unpacked_step<false>(k, g, sb, j, s));
               w1[g] = load_b(unpacked + unpacked_step<false>(k, g, sb, j, s) + 64);
             } else {
@@ -295,7 +295,8 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
           const int64_t half = 2 * j + s / 2;
           for (int g = 0; g < NGT; ++g) {
             const Packed p(F, w, gstride, g, sb);
-            const f32x16 de = mul(d[g], bytes_as_floats(p.scales + signed_scale_at(F, half), true));  // exact
+            const f32x16 de = AHEAD ? load(ahead_scales<F, NGT, WORDS>(unpacked, k, g, b) + (s / 2) * G)  // d sc, exact
+                                    : mul(d[g], bytes_as_floats(p.scales + signed_scale_at(F, half), true));
             for (int i = 0; i < M; ++i) {
               const f32x16 scale = mul(de, set1(act.dx[i * blocks + b]));
               acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), scale, acc[i][g]);  // centred
@@ -306,11 +307,17 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
       }
       if constexpr (!half_scales(F)) {
         for (int g = 0; g < NGT; ++g) {
-          const uint8_t* scales = Packed(F, w, gstride, g, sb).scales;
-          if (j % 2 == 0) pair_high[g] = load_u8_i(scales + six_bit_high(j));
-          f32x16 sc, m;
-          six_bit_scales_of(scales, j, pair_high[g], sc, m);
-          const f32x16 de = mul(d[g], sc), dm = mul(dmin[g], m);  // exact
+          f32x16 de, dm;  // d sc and dmin m, exact: from the buffer ahead (its ng groups are NGT), or unpacked here
+          if constexpr (AHEAD) {
+            de = load(ahead_scales<F, NGT, WORDS>(unpacked, k, g, b));
+            dm = load(ahead_scales<F, NGT, WORDS>(unpacked, k, g, b) + G);
+          } else {
+            const uint8_t* scales = Packed(F, w, gstride, g, sb).scales;
+            if (j % 2 == 0) pair_high[g] = load_u8_i(scales + six_bit_high(j));
+            f32x16 sc, m;
+            six_bit_scales_of(scales, j, pair_high[g], sc, m);
+            de = mul(d[g], sc), dm = mul(dmin[g], m);
+          }
           for (int i = 0; i < M; ++i) {
             const f32x16 scale = mul(de, set1(act.dx[i * blocks + b]));
             acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), scale, acc[i][g]);
@@ -342,7 +349,7 @@ inline void tile_groups(int ng, const Activations& act, int64_t k, const uint8_t
                                                        false, unpacked);
       return;
     }
-  if constexpr (UNPACK_TILES > 0 && high_bits(F) > 0)
+  if constexpr (UNPACK_TILES > 0 && (weights_ahead(F) || scales_ahead(F)))
     if (unpacked) return tile<F, M, NGT, WORDS, INT8, true>(act, k, w, gstride, y, ldy, n_valid, first, unpacked);
   tile<F, M, NGT, WORDS, INT8>(act, k, w, gstride, y, ldy, n_valid, first, nullptr);
 }
@@ -368,35 +375,6 @@ inline void tile_format(int fmt, int rows, int ng, const Activations& act, int64
   });
 }
 
-// Rows of one format, packed as above.
-struct Segment {
-  int fmt;
-  int64_t rows;
-  const uint8_t* w;
-};
-
-// The segments of weights w for n rows in format fmt (one, or TM_KQUANT_MIXED's); 0 if they do not add up.
-int segments_of(int fmt, const uint8_t* w, int64_t n, Segment out[TM_KQUANT_MAX_SEGMENTS]) {
-  if (fmt != TM_KQUANT_MIXED) {
-    out[0] = {fmt, n, w};
-    return 1;
-  }
-  int64_t header[1 + 3 * TM_KQUANT_MAX_SEGMENTS];
-  memcpy(header, w, sizeof(header));
-  const int64_t count = header[0];
-  if (count < 1 || count > TM_KQUANT_MAX_SEGMENTS) return 0;
-  int64_t rows = 0;
-  for (int64_t s = 0; s < count; ++s) {
-    const int64_t f = header[1 + 3 * s], r = header[2 + 3 * s], offset = header[3 + 3 * s];
-    if (!source_block_bytes((int)f) || r <= 0 || offset < TM_KQUANT_HEADER_BYTES) return 0;
-    // Every segment but the last fills whole groups of 16 rows: a group holds one format.
-    if (s + 1 < count && r % G) return 0;
-    out[s] = {(int)f, r, w + offset};
-    rows += r;
-  }
-  return rows == n ? (int)count : 0;
-}
-
 void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, int64_t n, float* y, int threads,
           bool int8) {
   int64_t rows[TM_KQUANT_MAX_SEGMENTS];
@@ -408,11 +386,18 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   const bool words = !int8 && m > MAX_DIGIT_ROWS, wide = m > MAX_DIGIT_ROWS_INT8;
   const bool few = int8 && wide && MT_INT8_FEW > 0 && m <= MAX_FEW_ROWS_INT8;
   const int mt = few ? MT_INT8_FEW : int8 ? (wide ? wide_rows(MT_INT8) : MT_DIGITS) : words ? wide_rows(MT) : MT_DIGITS;
-  // Many tiles of rows a group (int8 past MAX_DIGIT_ROWS_INT8, or words): the weights of the formats that take it
-  // unpacked once a pass into the thread's buffer, which every tile of rows then reads (UNPACK_TILES).
+  // Many tiles of rows a group (int8 past MAX_DIGIT_ROWS_INT8, or words): the weights and scales of the formats that
+  // take them unpacked once a pass into the thread's buffer, which the tiles of rows then read (UNPACK_TILES). Where
+  // only the scales are (Q4_K), after the pass's first tile, which read them as it streamed the weights: unpacked
+  // before it, each of their lines came from memory in turn (a 1B step at 16 streams no faster than without).
   const bool unpack = UNPACK_TILES > 0 && !few && ((int8 && wide) || words) && m >= UNPACK_TILES * mt;
   const auto ahead = [&](int fmt, bool as_words, int ng, bool first, const uint8_t* wg, int64_t gstride) {
-    return unpack && high_bits(fmt) ? unpacked_ahead(fmt, as_words, ng, k, first, wg, gstride) : nullptr;
+    const bool scales_only = !weights_ahead(fmt) && scales_ahead(fmt);
+    if (unpack && scales_only && first) return (const uint8_t*)nullptr;  // (then after_first)
+    return unpack && (weights_ahead(fmt) || scales_only) ? unpacked_ahead(fmt, as_words, ng, k, first, wg, gstride) : nullptr;
+  };
+  const auto after_first = [&](int fmt, bool as_words, int ng, bool first, const uint8_t* wg, int64_t gstride) {
+    if (unpack && first && !weights_ahead(fmt) && scales_ahead(fmt)) unpacked_ahead(fmt, as_words, ng, k, true, wg, gstride);
   };
   vnni::drive(x, m, k, y, n, rows, count, half_sums, mt, few ? 1 : NG, threads,
               [&](int s, int r, int ng, const Activations& act, int64_t g0, float* yt, int64_t ldy, int64_t n_valid, bool first) {
@@ -425,13 +410,16 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
                 } else if (int8 && wide) {
                   tile_format<false, true, MT_INT8>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first,
                                                     ahead(fmt, false, ng, first, wg, gstride));
+                  after_first(fmt, false, ng, first, wg, gstride);
                 } else if (int8)
                   tile_format<false, true, MT_DIGITS>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 // Only the forms this backend takes are built (the scalar build's compile 54 s -> 36 s).
                 else if (words) {
-                  if constexpr (MAX_DIGIT_ROWS < INT64_MAX)
+                  if constexpr (MAX_DIGIT_ROWS < INT64_MAX) {
                     tile_format<true>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first,
                                       ahead(fmt, true, ng, first, wg, gstride));
+                    after_first(fmt, true, ng, first, wg, gstride);
+                  }
                 } else if constexpr (MAX_DIGIT_ROWS > 0) {
                   tile_format<false>(fmt, r, ng, act, k, wg, gstride, yt, ldy, n_valid, first);
                 }

@@ -1,6 +1,7 @@
 // The k-quants as kquant_gemm.cpp's tiles read them: the formats' facts, a source block unpacked, a group's
 // packed super-blocks (Packed), the packing from the file's blocks and back to float32 (the layout:
-// kquant_gemm.cpp's head), and a tile's step of packed weights unpacked (step_bytes, step_words).
+// kquant_gemm.cpp's head), a tile's step of packed weights unpacked (step_bytes, step_words), a group's weights
+// and scales unpacked ahead for many tiles of rows (unpacked_ahead), and a mixed layer's segments.
 // Included by kquant_gemm.cpp alone; kept apart so that the products' file holds the products.
 #pragma once
 
@@ -373,25 +374,95 @@ void unpack_groups(const uint8_t* w, int64_t gstride, int ng, int64_t k, uint8_t
     }
 }
 
+// A group's scales ahead, for the same many row tiles, the tile's own exact products: block b of group g's d sc and
+// dmin m (Q4_K, Q5_K: 16 floats each, at scales_ahead_at) or its two halves' d sc (Q6_K, Q3_K), after the unpacked
+// weights if the format has them (weights_ahead). Decoded in every tile of rows, the 6-bit fields took 10-15 % of
+// AVX2's 8-bit Q4_K tile: read from here, 8-bit products of 16-512 rows took 0.88-0.94 of the time (Q4_K), 0.90-0.97
+// (Q6_K), words 0.96-0.98 (Q4_K) and 0.84-1.0 (Q6_K). Not IQ4_XS (one scale a block: its 8-bit tile 1.02-1.04 times
+// as slow so).
+constexpr bool weights_ahead(int fmt) { return high_bits(fmt) > 0; }
+constexpr bool scales_ahead(int fmt) { return six_bit_scales(fmt) || (signed_scales(fmt) && fmt != IQ4_XS); }
+constexpr int64_t scales_ahead_at(int64_t k, int g, int64_t b) { return (g * (k / QK) + b) * 2 * G; }
+// Block b of group g's scales in the buffer of a tile of NGT groups (ng = NGT where a tile reads it).
+template <int F, int NGT, bool WORDS>
+inline const float* ahead_scales(const uint8_t* unpacked, int64_t k, int g, int64_t b) {
+  return (const float*)(unpacked + (weights_ahead(F) ? NGT * k * G * (WORDS ? 2 : 1) : 0)) + scales_ahead_at(k, g, b);
+}
+template <int F>
+void unpack_scales(const uint8_t* w, int64_t gstride, int ng, int64_t k, float* out) {
+  for (int g = 0; g < ng; ++g)
+    for (int64_t sb = 0; sb < k / QK_K; ++sb) {
+      const uint8_t* scales = Packed(F, w, gstride, g, sb).scales;
+      const f32x16 d = load_half((const uint16_t*)scales);
+      for (int64_t j = 0; j < SUBS; ++j) {
+        float* o = out + scales_ahead_at(k, g, sb * SUBS + j);
+        if constexpr (six_bit_scales(F)) {
+          f32x16 sc, m;
+          six_bit_scales_of(scales, j, load_u8_i(scales + six_bit_high(j & ~1)), sc, m);
+          store(o, mul(d, sc));
+          store(o + G, mul(load_half((const uint16_t*)(scales + 2 * G)), m));
+        } else {  // a scale each half block: its two halves' d sc
+          for (int h = 0; h < 2; ++h) store(o + h * G, mul(d, bytes_as_floats(scales + signed_scale_at(F, 2 * j + h), true)));
+        }
+      }
+    }
+}
+
 // The formats this file packs, and one call of f(std::integral_constant<int, F>{}) for fmt's F.
 template <class Fn>
 int with_kquant_format(int fmt, int otherwise, Fn&& f) {
   return vnni::with_format<Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS>(fmt, otherwise, f);
 }
 
-// The thread's buffer of ng groups at w unpacked ahead (as bytes, or as words), unpacked first where `fresh` (a
-// pass's first tile of rows; the later tiles of the pass find them there).
+// The thread's buffer of ng groups at w unpacked ahead (their weights as bytes or as words where weights_ahead,
+// then their scales where scales_ahead), unpacked first where `fresh` (a pass's first tile of rows; the later tiles
+// of the pass find them there).
 const uint8_t* unpacked_ahead(int fmt, bool words, int ng, int64_t k, bool fresh, const uint8_t* w, int64_t gstride) {
-  static thread_local std::vector<uint8_t> buffer;
+  static thread_local std::vector<float> buffer;  // floats, so that the scales are aligned as floats
   if (fresh) {
-    buffer.resize((size_t)(ng * k * G * (words ? 2 : 1)));
+    const int64_t weight_bytes = weights_ahead(fmt) ? ng * k * G * (words ? 2 : 1) : 0;
+    buffer.resize((size_t)(weight_bytes / 4 + (scales_ahead(fmt) ? scales_ahead_at(k, ng, 0) : 0)));
+    uint8_t* out = (uint8_t*)buffer.data();
     with_kquant_format(fmt, 0, [&](auto F) {
-      if (words) unpack_groups<decltype(F)::value, true>(w, gstride, ng, k, buffer.data());
-      else unpack_groups<decltype(F)::value, false>(w, gstride, ng, k, buffer.data());
+      constexpr int f = decltype(F)::value;
+      if constexpr (weights_ahead(f)) {
+        if (words) unpack_groups<f, true>(w, gstride, ng, k, out);
+        else unpack_groups<f, false>(w, gstride, ng, k, out);
+      }
+      if constexpr (scales_ahead(f)) unpack_scales<f>(w, gstride, ng, k, (float*)(out + weight_bytes));
       return 0;
     });
   }
-  return buffer.data();
+  return (const uint8_t*)buffer.data();
+}
+
+// Rows of one format, packed as kquant_gemm.cpp describes.
+struct Segment {
+  int fmt;
+  int64_t rows;
+  const uint8_t* w;
+};
+
+// The segments of weights w for n rows in format fmt (one, or TM_KQUANT_MIXED's); 0 if they do not add up.
+int segments_of(int fmt, const uint8_t* w, int64_t n, Segment out[TM_KQUANT_MAX_SEGMENTS]) {
+  if (fmt != TM_KQUANT_MIXED) {
+    out[0] = {fmt, n, w};
+    return 1;
+  }
+  int64_t header[1 + 3 * TM_KQUANT_MAX_SEGMENTS];
+  memcpy(header, w, sizeof(header));
+  const int64_t count = header[0];
+  if (count < 1 || count > TM_KQUANT_MAX_SEGMENTS) return 0;
+  int64_t rows = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t f = header[1 + 3 * s], r = header[2 + 3 * s], offset = header[3 + 3 * s];
+    if (!source_block_bytes((int)f) || r <= 0 || offset < TM_KQUANT_HEADER_BYTES) return 0;
+    // Every segment but the last fills whole groups of 16 rows: a group holds one format.
+    if (s + 1 < count && r % G) return 0;
+    out[s] = {(int)f, r, w + offset};
+    rows += r;
+  }
+  return rows == n ? (int)count : 0;
 }
 
 int pack(int fmt, const uint8_t* src, int64_t n, int64_t k, uint8_t* out) {
