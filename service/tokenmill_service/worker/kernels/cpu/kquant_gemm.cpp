@@ -135,7 +135,9 @@ constexpr int64_t MAX_DIGIT_ROWS_INT8 = 4;  // int8: up to this many rows MT_DIG
 // which each tile of rows then reads. AVX2 (a step's unpacking 6-9 instructions): on an AMD EPYC (quantized_gemm_speed.py
 // --int8, both cores, K = 2048) Q5_K and Q3_K 0.81-0.91 of the time at 16-512 rows, Q6_K 0.88-0.90 at 64-512 and
 // 0.98-1.01 at 16; words (kquant_tiles.py) 0.94-1.0; Q4_K's nibbles (1.03-1.22), Q2_K and IQ4_XS (0.97-1.07) no
-// faster. AVX-512 (vpternlogd, and 8 rows a tile): no faster (1.0-1.2 at 16-512 rows), so not there.
+// faster. AVX-512 (vpternlogd, and 8 rows a tile): no faster (1.0-1.2 at 16-512 rows), so not there. The same
+// tiles read the scales unpacked there too (kquant_layout.h's scales_ahead: Q4_K's 8-bit products 0.87-0.96 of
+// the time; AVX-512's 0.98-1.02).
 #if !defined(KQUANT_UNPACK_TILES) && defined(TM_ISA_AVX2)
 #define KQUANT_UNPACK_TILES 3
 #elif !defined(KQUANT_UNPACK_TILES)
