@@ -393,10 +393,10 @@ void gemm(const Segment* segs, int count, const float* x, int64_t m, int64_t k, 
   // only the scales are (Q4_K), after the pass's first tile, which read them as it streamed the weights: unpacked
   // before it, each of their lines came from memory in turn (a 1B step at 16 streams no faster than without).
   const bool unpack = UNPACK_TILES > 0 && !few && ((int8 && wide) || words) && m >= UNPACK_TILES * mt;
-  const auto ahead = [&](int fmt, bool as_words, int ng, bool first, const uint8_t* wg, int64_t gstride) {
-    const bool scales_only = !weights_ahead(fmt) && scales_ahead(fmt);
-    if (unpack && scales_only && first) return (const uint8_t*)nullptr;  // (then after_first)
-    return unpack && (weights_ahead(fmt) || scales_only) ? unpacked_ahead(fmt, as_words, ng, k, first, wg, gstride) : nullptr;
+  const auto ahead = [&](int fmt, bool as_words, int ng, bool first, const uint8_t* wg, int64_t gstride) -> const uint8_t* {
+    if (!unpack || !(weights_ahead(fmt) || scales_ahead(fmt))) return nullptr;
+    if (!weights_ahead(fmt) && first) return nullptr;  // the scales alone: unpacked after this tile (after_first)
+    return unpacked_ahead(fmt, as_words, ng, k, first, wg, gstride);
   };
   const auto after_first = [&](int fmt, bool as_words, int ng, bool first, const uint8_t* wg, int64_t gstride) {
     if (unpack && first && !weights_ahead(fmt) && scales_ahead(fmt)) unpacked_ahead(fmt, as_words, ng, k, true, wg, gstride);
