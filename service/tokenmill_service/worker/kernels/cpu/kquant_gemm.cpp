@@ -276,12 +276,17 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         if constexpr (F == Q2_K) {
           if (s % 2 == 0) continue;
           // The end of a half block (16 weights, one scale and minimum): fold it in and start the next.
-          const int64_t half = 2 * j + s / 2;
           for (int g = 0; g < NGT; ++g) {
-            const Packed p(F, w, gstride, g, sb);
-            const i32x16 both = load_u8_i(p.scales + q2_scale_at(half));  // sc | m << 4
-            const f32x16 de = mul(d[g], to_float(and_i(both, set1_i(15))));  // exact
-            const f32x16 dm = mul(dmin[g], to_float(shr_i(both, 4)));
+            f32x16 de, dm;  // d sc and dmin m, exact: from the buffer ahead, or unpacked here
+            if constexpr (AHEAD) {
+              de = load(ahead_scales<F, NGT, WORDS>(unpacked, k, g, b) + (s / 2) * 2 * G);
+              dm = load(ahead_scales<F, NGT, WORDS>(unpacked, k, g, b) + (s / 2) * 2 * G + G);
+            } else {
+              const uint8_t* scales = Packed(F, w, gstride, g, sb).scales;
+              const i32x16 both = load_u8_i(scales + q2_scale_at(2 * j + s / 2));  // sc | m << 4
+              de = mul(d[g], to_float(and_i(both, set1_i(15))));
+              dm = mul(dmin[g], to_float(shr_i(both, 4)));
+            }
             for (int i = 0; i < M; ++i) {
               const float dx = act.dx[i * blocks + b];
               acc[i][g] = fmadd(to_float(total<WORDS>(qa[i][g])), mul(de, set1(dx)), acc[i][g]);

@@ -375,18 +375,22 @@ void unpack_groups(const uint8_t* w, int64_t gstride, int ng, int64_t k, uint8_t
 }
 
 // A group's scales ahead, for the same many row tiles, the tile's own exact products: block b of group g's d sc and
-// dmin m (Q4_K, Q5_K: 16 floats each, at scales_ahead_at) or its two halves' d sc (Q6_K, Q3_K), after the unpacked
-// weights if the format has them (weights_ahead). Decoded in every tile of rows, the 6-bit fields took 10-15 % of
-// AVX2's 8-bit Q4_K tile: read from here, 8-bit products of 16-512 rows took 0.88-0.94 of the time (Q4_K), 0.90-0.97
-// (Q6_K), words 0.96-0.98 (Q4_K) and 0.84-1.0 (Q6_K). Not IQ4_XS (one scale a block: its 8-bit tile 1.02-1.04 times
-// as slow so).
+// dmin m (Q4_K, Q5_K: 16 floats each, at scales_ahead_at), its two halves' d sc (Q6_K, Q3_K), or each half's d sc
+// and dmin m (Q2_K: four vectors a block), after the unpacked weights if the format has them (weights_ahead).
+// Decoded in every tile of rows, the 6-bit fields took 10-15 % of AVX2's 8-bit Q4_K tile: read from here, 8-bit
+// products of 16-512 rows took 0.88-0.94 of the time (Q4_K), 0.90-0.97 (Q6_K), 0.88-0.97 (Q2_K), words 0.96-0.98
+// (Q4_K), 0.84-1.0 (Q6_K) and 0.96-1.0 (Q2_K). Not IQ4_XS (one scale a block: its 8-bit tile 1.02-1.04 times as slow).
 constexpr bool weights_ahead(int fmt) { return high_bits(fmt) > 0; }
-constexpr bool scales_ahead(int fmt) { return six_bit_scales(fmt) || (signed_scales(fmt) && fmt != IQ4_XS); }
-constexpr int64_t scales_ahead_at(int64_t k, int g, int64_t b) { return (g * (k / QK) + b) * 2 * G; }
+constexpr bool scales_ahead(int fmt) {
+  return six_bit_scales(fmt) || fmt == Q2_K || (signed_scales(fmt) && fmt != IQ4_XS);
+}
+constexpr int64_t scales_ahead_at(int fmt, int64_t k, int g, int64_t b) {
+  return (g * (k / QK) + b) * (fmt == Q2_K ? 4 : 2) * G;
+}
 // Block b of group g's scales in the buffer of a tile of NGT groups (ng = NGT where a tile reads it).
 template <int F, int NGT, bool WORDS>
 inline const float* ahead_scales(const uint8_t* unpacked, int64_t k, int g, int64_t b) {
-  return (const float*)(unpacked + (weights_ahead(F) ? NGT * k * G * (WORDS ? 2 : 1) : 0)) + scales_ahead_at(k, g, b);
+  return (const float*)(unpacked + (weights_ahead(F) ? NGT * k * G * (WORDS ? 2 : 1) : 0)) + scales_ahead_at(F, k, g, b);
 }
 template <int F>
 void unpack_scales(const uint8_t* w, int64_t gstride, int ng, int64_t k, float* out) {
@@ -395,8 +399,15 @@ void unpack_scales(const uint8_t* w, int64_t gstride, int ng, int64_t k, float* 
       const uint8_t* scales = Packed(F, w, gstride, g, sb).scales;
       const f32x16 d = load_half((const uint16_t*)scales);
       for (int64_t j = 0; j < SUBS; ++j) {
-        float* o = out + scales_ahead_at(k, g, sb * SUBS + j);
-        if constexpr (six_bit_scales(F)) {
+        float* o = out + scales_ahead_at(F, k, g, sb * SUBS + j);
+        if constexpr (F == Q2_K) {  // each half's d sc, then its dmin m
+          const f32x16 dmin = load_half((const uint16_t*)(scales + 2 * G));
+          for (int h = 0; h < 2; ++h) {
+            const i32x16 both = load_u8_i(scales + q2_scale_at(2 * j + h));  // sc | m << 4
+            store(o + 2 * h * G, mul(d, to_float(and_i(both, set1_i(15)))));
+            store(o + (2 * h + 1) * G, mul(dmin, to_float(shr_i(both, 4))));
+          }
+        } else if constexpr (six_bit_scales(F)) {
           f32x16 sc, m;
           six_bit_scales_of(scales, j, load_u8_i(scales + six_bit_high(j & ~1)), sc, m);
           store(o, mul(d, sc));
@@ -421,7 +432,7 @@ const uint8_t* unpacked_ahead(int fmt, bool words, int ng, int64_t k, bool fresh
   static thread_local std::vector<float> buffer;  // floats, so that the scales are aligned as floats
   if (fresh) {
     const int64_t weight_bytes = weights_ahead(fmt) ? ng * k * G * (words ? 2 : 1) : 0;
-    buffer.resize((size_t)(weight_bytes / 4 + (scales_ahead(fmt) ? scales_ahead_at(k, ng, 0) : 0)));
+    buffer.resize((size_t)(weight_bytes / 4 + (scales_ahead(fmt) ? scales_ahead_at(fmt, k, ng, 0) : 0)));
     uint8_t* out = (uint8_t*)buffer.data();
     with_kquant_format(fmt, 0, [&](auto F) {
       constexpr int f = decltype(F)::value;
