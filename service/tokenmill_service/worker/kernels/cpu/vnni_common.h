@@ -210,6 +210,16 @@ inline void add_pairs_into(i32x16 (&qa)[M][NGT][P], pairs16 (&ps)[M][NGT]) {
     }
 }
 
+template <int M, int NGT, int P, int D>
+inline void add_pairs_into(i32x16 (&qa)[M][NGT][P], pairs16 (&ps)[M][NGT][D]) {  // a pair sum a digit: hi, lo
+  for (int i = 0; i < M; ++i)
+    for (int g = 0; g < NGT; ++g)
+      for (int u = 0; u < D; ++u) {
+        qa[i][g][u == 0 ? 0 : P - 1] = add_pairs(qa[i][g][u == 0 ? 0 : P - 1], ps[i][g][u]);
+        ps[i][g][u] = zero_pairs();
+      }
+}
+
 // The rows a tile of a product's last, odd group takes at most where the tiles take two groups (AVX-512's 8 x 2: its
 // last group in tiles of 4 rows and of the rest, so that no 5-8 row tile of one group is built).
 constexpr int ODD_GROUP_ROWS = 4;
