@@ -62,7 +62,9 @@ constexpr int64_t MAX_DIGIT_ROWS = 4;
 //   AVX2:    no byte product: dot_u7s8 takes three instructions a register and dot_u8s8 four, for the two passes
 //            of digits, where dot_s16 takes two for the one pass of words: words at every M, measured on Zen 4
 //            (in cache) 1.05-1.15 times (4 and 5 bits) and 2.2-2.6 times (Q8_0, IQ4_NL, MXFP4) as fast as digits
-//            at 1-4 rows, Q4_0 1.2 and Q8_0 2.4 times at 17-64.
+//            at 1-4 rows, Q4_0 1.2 and Q8_0 2.4 times at 17-64. But one row of 4- and 5-bit weights as digits whose
+//            byte products stay int16 pairs (PAIR_SUMS: a vpmaddubsw and a vpaddw a product): Q4_0, Q4_1 and Q5_0
+//            0.87-0.94 of the words' time (both cores, in cache; ONE_ROW_DIGITS in gemm).
 //   NEON:    SDOT multiplies 16 bytes in one instruction where dot_s16 takes four for 8 words: digits at every M.
 //   scalar:  words at every M, as AVX2: one pass of int16 products where digits take two (the compiler turns
 //            dot_s16's loop into the baseline's pmaddwd); the suite's plain C++ server measured twice as fast.
@@ -163,9 +165,10 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
   // vpdpwssd; on AVX2 one part or these measured the same).
   static_assert(!(WORDS && INT8), "int8 activations are one digit");
   constexpr int PARTS = INT8 ? 1 : !WORDS ? 2 : M * NGT >= 4 ? 1 : M * NGT >= 2 ? 2 : 4;
-  // int8 where the backend keeps byte products' sums as int16 pairs (simd.h's PAIR_SUMS): a 4-bit format's block of
-  // 8 products in one pair sum (at most 8 * 2 * 15 * 128 = 30720), a 5-bit one's 4 (31744), then added into qa.
-  constexpr bool PAIRS = INT8 && PAIR_SUMS && seven_bit(F);
+  // Byte products where the backend keeps their sums as int16 pairs (simd.h's PAIR_SUMS): a 4-bit format's block of
+  // 8 products in one pair sum a digit (at most 8 * 2 * 15 * 128 = 30720), a 5-bit one's 4 (31744), then added into qa.
+  constexpr bool PAIRS = !WORDS && PAIR_SUMS && seven_bit(F);  // digits: a pair sum a digit
+  constexpr int DIGITS = INT8 ? 1 : 2;
   constexpr int PAIR_STEPS = fifth_bit(F) ? 2 : 4;  // steps (two products each) a pair sum holds
   const int64_t blocks = k / QK;
   f32x16 acc[M][NGT];
@@ -173,11 +176,12 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
     for (int g = 0; g < NGT; ++g) acc[i][g] = zero_f();
   for (int64_t b = 0; b < blocks; ++b) {
     i32x16 qa[M][NGT][PARTS];
-    pairs16 ps[PAIRS ? M : 1][NGT];
+    pairs16 ps[PAIRS ? M : 1][NGT][DIGITS];
     for (int i = 0; i < M; ++i)
       for (int g = 0; g < NGT; ++g) {
         for (int u = 0; u < PARTS; ++u) qa[i][g][u] = zero_i();
-        if constexpr (PAIRS) ps[i][g] = zero_pairs();
+        if constexpr (PAIRS)
+          for (int u = 0; u < DIGITS; ++u) ps[i][g][u] = zero_pairs();
       }
     const uint8_t* wb = w + b * group_block_bytes(F);
 #pragma GCC unroll 4
@@ -207,7 +211,7 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
           const int32_t h0 = dword_at(ai), h1 = dword_at(ai + 4);
           for (int g = 0; g < NGT; ++g) {
             if constexpr (PAIRS) {
-              vnni::add_step_pairs(ps[i][g], w0[g], w1[g], h0, h1);
+              vnni::add_step_pairs(ps[i][g][0], w0[g], w1[g], h0, h1);
             } else {
               qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w0[g], h0);
               qa[i][g][0] = dot_bytes<F>(qa[i][g][0], w1[g], h1);
@@ -216,8 +220,12 @@ __attribute__((noinline)) void tile(const int8_t* a, const float* dx, const floa
           if constexpr (!INT8) {
             const int32_t l0 = dword_at(ai + QK), l1 = dword_at(ai + QK + 4);
             for (int g = 0; g < NGT; ++g) {
-              qa[i][g][PARTS - 1] = dot_bytes<F>(qa[i][g][PARTS - 1], w0[g], l0);
-              qa[i][g][PARTS - 1] = dot_bytes<F>(qa[i][g][PARTS - 1], w1[g], l1);
+              if constexpr (PAIRS) {
+                vnni::add_step_pairs(ps[i][g][DIGITS - 1], w0[g], w1[g], l0, l1);
+              } else {
+                qa[i][g][PARTS - 1] = dot_bytes<F>(qa[i][g][PARTS - 1], w0[g], l0);
+                qa[i][g][PARTS - 1] = dot_bytes<F>(qa[i][g][PARTS - 1], w1[g], l1);
+              }
             }
           }
         }
@@ -283,7 +291,10 @@ template <int F>
 void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y, int threads) {
   const int64_t gstride = (k / QK) * group_block_bytes(F);
   constexpr bool WIDE_WORDS = words_past_digit_rows(F), FEW_WORDS = FORM == Form::WORDS;
-  const bool wide = m > MAX_DIGIT_ROWS, words = wide ? WIDE_WORDS : FEW_WORDS;
+  // AVX2's one row of 4- and 5-bit weights as digits, each digit's byte products as int16 pairs (PAIR_SUMS): fewer
+  // instructions than the words' unpacking and vpmaddwd + vpaddd (as kquant_gemm.cpp's; at 2-4 rows words stay).
+  constexpr bool ONE_ROW_DIGITS = FEW_WORDS && PAIR_SUMS && seven_bit(F);
+  const bool wide = m > MAX_DIGIT_ROWS, words = wide ? WIDE_WORDS : FEW_WORDS && !(ONE_ROW_DIGITS && m == 1);
   constexpr int WIDE_ROWS = WIDE_WORDS ? MT : MT_WIDE;
   const int mt = wide ? WIDE_ROWS : MT_DIGITS;
   // Only the tiles a format uses are instantiated: up to MAX_DIGIT_ROWS rows one group a tile (the driver's
@@ -294,7 +305,10 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, flo
                 const uint8_t* wg = w + g0 * gstride;
                 if (wide)
                   tile_rows<F, WIDE_WORDS, WIDE_ROWS, NG>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
-                else
+                else if (ONE_ROW_DIGITS && !words) {
+                  if constexpr (ONE_ROW_DIGITS)
+                    tile_rows<F, false, 1, 1>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
+                } else
                   tile_rows<F, FEW_WORDS, MT_DIGITS, 1>(rows, ng, r.a, r.dx, r.sx, k, wg, gstride, yt, ldy, n_valid);
               },
               words);
