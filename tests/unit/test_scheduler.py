@@ -49,6 +49,38 @@ def test_long_prompts_are_prefilled_in_chunks_while_decodes_flow(default_tokeniz
     assert run_step(sched) == [("short", 1), ("long", 1)]
 
 
+def test_a_step_beside_decoding_streams_takes_fewer_prompt_tokens(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=2, max_batch_tokens=8, max_batch_tokens_decoding=4, speculative_tokens=0)
+    sched = Scheduler(cfg, BlockManager(64, 4, False))
+    sched.add(seq(default_tokenizer, 20, "first"))
+    assert run_step(sched) == [("first", 8)]  # nothing decodes: chunks of max_batch_tokens
+    assert run_step(sched) == [("first", 8)]
+    sched.add(seq(default_tokenizer, 20, "second"))
+    assert run_step(sched) == [("first", 4), ("second", 4)]  # still prefilling: the whole budget
+    assert run_step(sched) == [("first", 1), ("second", 3)]  # first decodes: 4 tokens a step
+    assert run_step(sched) == [("first", 1), ("second", 3)]
+
+
+def test_by_default_prompts_beside_a_decoding_stream_go_256_tokens_a_step(default_tokenizer: Any) -> None:
+    sched = Scheduler(EngineConfig(speculative_tokens=0), BlockManager(256, 16, False))
+    sched.add(seq(default_tokenizer, 600, "long"))
+    assert run_step(sched) == [("long", 512)]  # alone: --max-batch-tokens' 512
+    sched.add(seq(default_tokenizer, 1000, "next"))
+    assert run_step(sched) == [("long", 88), ("next", 424)]
+    assert run_step(sched) == [("long", 1), ("next", 255)]  # "long" decodes: 256 a step, its token included
+    assert run_step(sched) == [("long", 1), ("next", 255)]
+    assert run_step(sched) == [("long", 1), ("next", 66)]
+
+
+def test_the_decoding_budget_still_holds_a_token_for_every_sequence(default_tokenizer: Any) -> None:
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=8, max_batch_tokens_decoding=1, speculative_tokens=0)
+    sched = Scheduler(cfg, BlockManager(64, 4, False))
+    for i in range(4):
+        sched.add(seq(default_tokenizer, 2, f"r{i}"))
+    assert run_step(sched) == [(f"r{i}", 2) for i in range(4)]
+    assert run_step(sched) == [(f"r{i}", 1) for i in range(4)]  # four decodes, though the budget says one
+
+
 def test_token_budget_limits_admission(default_tokenizer: Any) -> None:
     cfg = EngineConfig(max_batch_size=8, max_batch_tokens=10, enable_prefix_caching=False, speculative_tokens=0)
     sched = Scheduler(cfg, BlockManager(64, 4, False))

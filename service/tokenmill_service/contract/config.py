@@ -82,6 +82,9 @@ class Settings:
     max_queue: int = field(default=256, metadata={"help": "requests allowed to wait beyond the running batches"})
     max_batch_size: int = field(default=64, metadata={"help": "sequences in one forward pass, per worker"})
     max_batch_tokens: int = field(default=512, metadata={"help": "tokens in one forward pass, per worker"})
+    max_batch_tokens_decoding: int = field(
+        default=256, metadata={"help": "tokens in one forward pass beside decoding streams (their pauses), per worker"}
+    )
     speculative_tokens: int = field(
         default=6,
         metadata={
@@ -260,12 +263,14 @@ class Settings:
             raise ValueError("--log-format must be json or console")
         if self.banner not in ("auto", "on", "off"):
             raise ValueError(f"--banner must be auto, on or off; given {self.banner!r}")
-        for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_new_tokens_limit", "block_size"):
+        for name in ("max_queue", "max_batch_size", "max_batch_tokens", "max_batch_tokens_decoding", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("speculative_tokens", "speculative_max_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+        if self.max_new_tokens_limit < 1:
+            raise ValueError("--max-new-tokens-limit must be at least 1")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError("--default-max-new-tokens must be between 1 and --max-new-tokens-limit")
         if min(self.workers, self.threads, self.max_top_logprobs, self.http_port) < 0 or self.drain_seconds < 0:

@@ -12,6 +12,9 @@ class EngineConfig:
     # At most this many tokens (prefill chunks + one per decode) go through one forward pass;
     # long prompts are prefilled in chunks of what is left, so running decodes keep flowing.
     max_batch_tokens: int = 512
+    # ...and at most this many (but one for each sequence of a full batch) where the step carries a decoding
+    # sequence: a burst of new prompts is then prefilled in smaller chunks, so the running streams pause less.
+    max_batch_tokens_decoding: int = 256
     # Tokens per KV cache block.
     block_size: int = 16
     # Memory for the KV cache pool in bytes (0: let the runner pick from the free memory).

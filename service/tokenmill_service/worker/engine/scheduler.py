@@ -2,7 +2,8 @@
 
 Every step the running sequences go first (one decode token each, or the next chunk of a
 prompt still being prefilled), then waiting requests are admitted while the batch has room
-in sequences (`max_batch_size`), tokens (`max_batch_tokens`) and KV blocks. When the pool runs
+in sequences (`max_batch_size`), tokens (`max_batch_tokens`; `max_batch_tokens_decoding` where a running
+sequence is decoding) and KV blocks. When the pool runs
 dry for a running sequence, the newest running sequence is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed later. Nobody fails for it.
 """
@@ -78,6 +79,9 @@ class Scheduler:
     def schedule(self, max_model_len: int = 1 << 62) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_batch_tokens
+        if any(seq.num_uncomputed_tokens == 1 for seq in self.running):
+            # A stream is decoding: a shorter step, so that a burst of new prompts pauses it for less.
+            budget = min(budget, max(self.config.max_batch_tokens_decoding, self.config.max_batch_size))
 
         # 1. Running sequences, oldest first; make room by preempting the newest.
         i = 0
