@@ -33,7 +33,6 @@ def test_the_engine_is_given_bytes_a_whole_batch_and_whether_events_are_publishe
     assert spec.engine == EngineConfig(
         max_batch_size=8,
         max_batch_tokens=8,  # at least a decode token for each sequence of the batch
-        max_batch_tokens_decoding=8,  # at most max_batch_tokens, at least max_batch_size
         block_size=32,
         kv_cache_memory=2 * 1024**3,
         max_model_len=64,

@@ -44,11 +44,10 @@ def worker_spec(
     local = s.node_ranks()
     processes = num_workers * len(local)
     threads = s.threads or (max(1, cores // processes) if s.device == "cpu" else 1)
-    # The engine's knobs from the flags of their names; these four differ from their flags in unit or meaning.
+    # The engine's knobs from the flags of their names; these three differ from their flags in unit or meaning.
     engine = s.subset(
         EngineConfig,
         max_batch_tokens=max(s.max_batch_tokens, s.max_batch_size),
-        max_batch_tokens_decoding=max(min(s.max_batch_tokens_decoding, s.max_batch_tokens), s.max_batch_size),
         kv_cache_memory=s.kv_cache_bytes,
         kv_events=bool(s.kv_events_endpoint),
     )
