@@ -151,6 +151,7 @@ __attribute__((noinline)) void tile(const Activations& act, int64_t k, const uin
         // the loads behind them; an eighth at each block measured 1.09-1.14 times as fast on an Intel Xeon, one row
         // from memory, a step's share 1.07-1.11 times as fast again (AVX2's 1.13-1.15; 1.03-1.08 at 2-4 and 64 rows).
         // Whatever a group's size: where it spans less than the distance, the lines ahead are the next groups'.
+        // (The decoding tiles: the form of the fewest rows, and every form where a backend's tiles take one group.)
         if constexpr (NGT > 1 || INT8 || WORDS == (MAX_DIGIT_ROWS == 0) || NG == 1)
           if (first && !(AHEAD && weights_ahead(F)))
             for (int g = 0; g < NGT; ++g)
