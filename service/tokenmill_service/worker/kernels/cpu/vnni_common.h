@@ -196,22 +196,14 @@ inline void bytes_as_words(u8x64 w0, u8x64 w1, u8x64 wq[4]) {
   wq[3] = shr16(w1, 8);
 }
 
-// The int8 tiles' pair sums (simd.h's pairs16, where PAIR_SUMS): a step's two byte products into an output's
-// pairs, and every output's pairs added into its one int32 sum and cleared (the caller bounds them within int16).
+// The byte products' pair sums (simd.h's pairs16, where PAIR_SUMS): a step's two byte products into an output's
+// pairs, and every output's pairs (one a digit: int8's one, or hi then lo) added into its int32 sums and cleared
+// (the caller bounds them within int16).
 inline void add_step_pairs(pairs16& p, u8x64 w0, u8x64 w1, int32_t h0, int32_t h1) {
   p = dot_u7s8_pairs(dot_u7s8_pairs(p, w0, h0), w1, h1);
 }
-template <int M, int NGT, int P>
-inline void add_pairs_into(i32x16 (&qa)[M][NGT][P], pairs16 (&ps)[M][NGT]) {
-  for (int i = 0; i < M; ++i)
-    for (int g = 0; g < NGT; ++g) {
-      qa[i][g][0] = add_pairs(qa[i][g][0], ps[i][g]);
-      ps[i][g] = zero_pairs();
-    }
-}
-
 template <int M, int NGT, int P, int D>
-inline void add_pairs_into(i32x16 (&qa)[M][NGT][P], pairs16 (&ps)[M][NGT][D]) {  // a pair sum a digit: hi, lo
+inline void add_pairs_into(i32x16 (&qa)[M][NGT][P], pairs16 (&ps)[M][NGT][D]) {
   for (int i = 0; i < M; ++i)
     for (int g = 0; g < NGT; ++g)
       for (int u = 0; u < D; ++u) {
