@@ -25,6 +25,19 @@ def test_the_load_options_carry_every_flag_they_name() -> None:
     assert LoadOptions.from_settings(settings) == LoadOptions(**asked)
 
 
+def test_load_options_made_in_process_take_the_instruction_set_from_the_environment_as_the_flag_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Loading makes the options' instruction set the process's (TOKENMILL_CPU_ISA): an in-process load with the
+    # default options once set "auto"'s choice there, undoing an AVX2 run's TOKENMILL_CPU_ISA=avx2 (make test-avx2).
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "avx2")
+    assert LoadOptions().cpu_isa == "avx2"
+    assert load_settings([], environ={"TOKENMILL_CPU_ISA": "avx2"}).cpu_isa == "avx2"
+    assert LoadOptions(cpu_isa="scalar").cpu_isa == "scalar"
+    monkeypatch.delenv("TOKENMILL_CPU_ISA")
+    assert LoadOptions().cpu_isa == "auto"
+
+
 def test_the_engine_is_given_bytes_a_whole_batch_and_whether_events_are_published() -> None:
     flags = ["--max-batch-size", "8", "--max-batch-tokens", "4", "--block-size", "32", "--kv-cache-memory", "2GiB"]
     flags += ["--speculative-tokens", "3", "--speculative-max-batch", "2", "--speculative-method", "ngram"]

@@ -7,8 +7,11 @@ Torch-free (the server process builds and ships it). Every field is the flag's t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from tokenmill_service.contract.plan.cpu_isa import ENV as CPU_ISA_ENV
 
 if TYPE_CHECKING:
     from tokenmill_service.contract.config import Settings
@@ -31,7 +34,9 @@ class LoadOptions:
     # What the native integer-product kernels round the activations to: auto (16-bit fixed point) or int8.
     activations: str = "auto"
     # The instruction set of the native CPU kernels: auto, scalar, avx2, avx2vnni, avx512 or neon (the same bits each).
-    cpu_isa: str = "auto"
+    # Unless given, --cpu-isa's environment form (TOKENMILL_CPU_ISA), as the server's flag reads it: loading
+    # makes the choice the process's (cpu_isa.use), which must not undo what the environment asked.
+    cpu_isa: str = field(default_factory=lambda: os.environ.get(CPU_ISA_ENV) or "auto")
     # torch.compile the forward pass where it can (auto) or not (off).
     compile: str = "off"
     # Ranks one replica spans.
