@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
 
-.PHONY: install run native-kernels-check test test-quick test-avx2 test-arm lint proto docs docs-serve tools clean
+.PHONY: install run native-kernels-check test test-quick test-avx2 test-avx2-all test-arm lint proto docs docs-serve tools clean
 
 install: $(STAMP) $(LINKED)
 
@@ -84,6 +84,10 @@ test-quick: install
 AVX2_ENV := TOKENMILL_CPU_ISA=avx2 OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-avx2: install
 	$(AVX2_ENV) $(BIN)/python -m pytest -q -m "unit or kernels" tests
+
+# The whole suite so (about as long as make test): every server, worker and in-process load too.
+test-avx2-all: install tools
+	$(AVX2_ENV) $(BIN)/python -m pytest -q tests
 
 lint: install
 	$(BIN)/ruff check .
