@@ -205,6 +205,29 @@ def test_cpu_peak_compiles_and_prints_the_rates(tmp_path: Path) -> None:
     assert all(float(rate) > 0 for rate in rates.values()), out
 
 
+def test_pipe_sharing_compiles_and_prints_each_products_rate_beside_the_folds_instructions(tmp_path: Path) -> None:
+    """bench/kernels/pipe_sharing.cpp, which bench/README.md quotes for the ceiling a k-quant tile's instruction
+    mix leaves, still builds and runs: AVX2's byte product on any x86 CPU with AVX2, AVX-512 VNNI's two where
+    the CPU has them; each with the product alone and its rate beside FMAs, shifts and converts."""
+    from tokenmill_service.contract.plan import cpu_isa
+
+    if shutil.which("g++") is None or cpu_isa.missing("avx2") is not None:
+        pytest.skip("needs g++ and an x86 CPU with AVX2")
+    source = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "pipe_sharing.cpp"
+    binary = tmp_path / "pipe_sharing"
+    subprocess.run(["g++", "-O2", "-march=native", str(source), "-o", str(binary)], check=True, timeout=120)
+    out = subprocess.run([str(binary), "2000000"], capture_output=True, text=True, check=True, timeout=120).stdout
+    alone = dict(re.findall(r"^(\S+).*: ([\d.]+) G a second alone$", out, re.MULTILINE))
+    expected = {"vpmaddubsw-ymm"}
+    if "avx512_vnni" in cpu_isa.cpu_flags():
+        expected |= {"vpdpbusd", "vpdpwssd"}
+    assert set(alone) == expected, out
+    assert all(float(rate) > 0 for rate in alone.values()), out
+    shares = re.findall(r"^  \+ (\d+) (FMAs|shift\+and|converts) a 24\s+([\d.]+)", out, re.MULTILINE)
+    assert len(shares) == 3 * len(expected), out
+    assert all(0 < float(share) < 2 for _, _, share in shares), out
+
+
 def test_read_with_arithmetic_compiles_and_prints_a_rate_for_each_amount_of_arithmetic(tmp_path: Path) -> None:
     """bench/kernels/read_with_arithmetic.cpp, which history.md quotes for what share of the read rate a kernel
     of so much arithmetic a byte can reach, still builds and runs (AVX2's products on any x86 CPU with AVX2,
