@@ -39,7 +39,8 @@ long kRounds = 20000000;  // the first argument, if given
 #define UNPACK2(i) if ((i) + 6 < SHIFTS) s##i = AND(SHR(s##i), x);
 #define CONVERT(i) if ((i) < CONVERTS) f##i = CVT(s##i);
 #define LIVE(i) asm volatile("" : "+v"(c##i));
-#define KEEP(i) sink += SUMI(c##i) + SUMI(s##i) + SUMF(f##i);
+// Each chain's first lane into a volatile sink, so that no chain can be dropped (LIVE keeps all 12 in the loop).
+#define KEEP(i) sink += LANE0_I(c##i) + LANE0_I(s##i) + LANE0_F(f##i);
 
 // Product instructions a second (G) with FMAS float FMAs, SHIFTS shift-and-mask pairs and CONVERTS
 // int32-to-float converts beside every 24 of them.
@@ -84,16 +85,16 @@ using VF = __m256;
 #define SHR(s) _mm256_srli_epi16(s, 1)
 #define AND _mm256_and_si256
 #define CVT _mm256_cvtepi32_ps
-#define SUMI(v) _mm256_extract_epi32(v, 0)
-#define SUMF(v) _mm256_cvtss_f32(v)
+#define LANE0_I(v) _mm256_extract_epi32(v, 0)
+#define LANE0_F(v) _mm256_cvtss_f32(v)
 DEFINE_RUN(maddubs)
 #undef PRODUCT
 #undef FMA
 #undef SHR
 #undef AND
 #undef CVT
-#undef SUMI
-#undef SUMF
+#undef LANE0_I
+#undef LANE0_F
 #undef SET1I
 #undef SET1F
 }  // namespace avx2
@@ -108,8 +109,8 @@ using VF = __m512;
 #define SHR(s) _mm512_srli_epi16(s, 1)
 #define AND _mm512_and_si512
 #define CVT _mm512_cvtepi32_ps
-#define SUMI(v) _mm512_cvtsi512_si32(v)
-#define SUMF(v) _mm512_cvtss_f32(v)
+#define LANE0_I(v) _mm512_cvtsi512_si32(v)
+#define LANE0_F(v) _mm512_cvtss_f32(v)
 #define PRODUCT(c) _mm512_dpbusd_epi32(c, w, x)
 DEFINE_RUN(dpbusd)
 #undef PRODUCT
